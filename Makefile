@@ -1,0 +1,43 @@
+# One Makefile for set-up, demo, tests and benchmarks. `make demo` and `make test` do all
+# set-up themselves on a machine that has only Python 3.11 and make.
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test property bench bench-quick lint format clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+
+$(STAMP): pyproject.toml | $(PY)
+	$(PY) -m pip install --quiet -e '.[dev,bench]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) examples/quickstart.py
+
+test: $(STAMP)
+	$(PY) -m pytest -q -n 2 --dist loadgroup
+
+property: $(STAMP)
+	$(PY) -m pytest -q property_tests --hypothesis-profile=thorough
+
+bench: $(STAMP)
+	$(PY) bench/run.py
+
+bench-quick: $(STAMP)
+	$(PY) bench/run.py --quick
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff format --check taktiny tests property_tests examples bench
+	$(VENV)/bin/ruff check taktiny tests property_tests examples bench
+	$(VENV)/bin/pyright
+
+format: $(STAMP)
+	$(VENV)/bin/ruff format taktiny tests property_tests examples bench
+	$(VENV)/bin/ruff check --fix taktiny tests property_tests examples bench
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis build *.egg-info

@@ -1,0 +1,349 @@
+"""`Module`: immutable PyTree modules with attribute-style construction.
+
+A subclass either declares its fields with annotations (and gets a generated
+``__init__``) or assigns attributes in its own ``__init__``. When ``__init__``
+returns, every attribute is sorted into *data* (a PyTree child) or *static*
+(part of the tree structure), the instance is frozen, and its class is
+registered with JAX as a dataclass node so that ``jax.jit`` flattens it in C++.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from collections.abc import Mapping
+from typing import Any, ClassVar, dataclass_transform
+
+import equinox as eqx
+import jax
+import wadler_lindig as wl
+
+from . import _state
+from ._rngs import Rngs
+from ._state import ARRAY_TYPES
+
+_MISSING: Any = dataclasses.MISSING
+_NODE = "_taktiny_node"  # the meta field that tells a JAX rebuild from a user call
+_INITIALISING: set[int] = set()  # ids of instances whose __init__ is running
+
+
+class _Rebuild:
+    """The value of the `_taktiny_node` meta field: marks calls made by JAX's unflatten."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "taktiny"
+
+
+_REBUILD = _Rebuild()
+
+
+@dataclasses.dataclass(frozen=True)
+class _Field:
+    default: Any
+    default_factory: Any
+    static: bool | None
+
+
+def field(
+    *, default: Any = _MISSING, default_factory: Any = _MISSING, static: bool | None = None
+) -> Any:
+    """Declares a module field with options, as in ``scale: float = field(default=1.0)``.
+
+    Args:
+        default: the value used when the generated ``__init__`` is not given one.
+        default_factory: a zero-argument callable that makes the default.
+        static: ``True`` forces the field into the tree structure (it must hold no
+            array); ``False`` forces it to be a PyTree child even when it holds no
+            array; ``None`` (the default) sorts it by its value.
+    """
+    if default is not _MISSING and default_factory is not _MISSING:
+        raise TypeError("field() takes `default` or `default_factory`, not both.")
+    return _Field(default, default_factory, static)
+
+
+def _is_array(x: Any) -> bool:
+    return isinstance(x, ARRAY_TYPES)
+
+
+def _is_module_or_array(x: Any) -> bool:
+    return isinstance(x, (Module, *ARRAY_TYPES))
+
+
+def _classify(owner: str, name: str, value: Any, static: bool | None) -> bool:
+    """Returns True when `value` is data (a PyTree child); raises on values that can't be either."""
+    if isinstance(value, Rngs):
+        raise TypeError(
+            f"{owner}.{name} holds an nn.Rngs. Rngs is a construction-time key stream and must "
+            f"not be stored in a module: draw the keys you need in __init__ (key = rngs()) and "
+            f"pass randomness at call time with an explicit `key=` argument."
+        )
+    path_leaves = jax.tree_util.tree_flatten_with_path(value, is_leaf=_is_module_or_array)[0]
+    holds_data = value is None or any(_is_module_or_array(leaf) for _, leaf in path_leaves)
+    if static is True:
+        if holds_data and value is not None:
+            raise TypeError(
+                f"{owner}.{name} is declared static but holds an array or module. Static fields "
+                f"are part of the tree structure and must be plain configuration; remove "
+                f"`static=True` to make it a parameter, or store a Python value instead."
+            )
+        return False
+    if static is False or not holds_data:
+        return static is False
+    for path, leaf in path_leaves:
+        where = f"{owner}.{name}{jax.tree_util.keystr(path)}"
+        if not _is_module_or_array(leaf):
+            raise TypeError(
+                f"{where} is {leaf!r}, beside arrays or modules in the same container. A list, "
+                f"tuple or dict that holds arrays or modules becomes part of the state, so every "
+                f"value in it must be an array, a module or None. Keep configuration in its own "
+                f"field, or wrap a function as a module with nn.Lambda(fn)."
+            )
+        for key in path:
+            if isinstance(key, jax.tree_util.DictKey) and (
+                not isinstance(key.key, str) or "." in key.key
+            ):
+                raise TypeError(
+                    f"{owner}.{name} has the dict key {key.key!r}. Keys of dicts inside a module "
+                    f"name parameters, so they must be strings without '.' (a '.' joins flat "
+                    f"names); rename it, e.g. {str(key.key).replace('.', '_')!r}."
+                )
+    return True
+
+
+def _register(base: type[Module], layout: tuple[tuple[str, bool], ...]) -> type[Module]:
+    """The registered node type of `base` for `layout`: `base` itself for its first layout,
+    a hidden subclass of the same name for each further one."""
+    known = base._taktiny_layouts
+    node_type = known.get(layout)
+    if node_type is None:
+        if known:
+            namespace = {
+                "__module__": base.__module__,
+                "__qualname__": base.__qualname__,
+                "__doc__": base.__doc__,
+                "_taktiny_hidden": True,
+            }
+            node_type = type(base)(base.__name__, (base,), namespace)
+        else:
+            node_type = base
+        data = [name for name, is_data in layout if is_data]
+        meta = [name for name, is_data in layout if not is_data]
+        jax.tree_util.register_dataclass(node_type, data, [*meta, _NODE])
+        node_type._taktiny_layout = layout
+        known[layout] = node_type
+    return node_type
+
+
+def _finalise(obj: Module) -> Module:
+    """Sorts the attributes of a freshly built `obj` into data and static, and sets its class
+    to the node type registered for that layout."""
+    base = type(obj)._taktiny_base
+    values: dict[str, Any] = obj.__dict__  # pyright: ignore[reportAssignmentType]
+    for name, spec in base._taktiny_fields.items():
+        if name not in values:
+            if spec.default_factory is not _MISSING:
+                values[name] = spec.default_factory()
+            elif spec.default is not _MISSING:
+                values[name] = spec.default
+            else:
+                raise TypeError(
+                    f"{base.__name__}.__init__ did not set the declared field {name!r}; assign "
+                    f"it (self.{name} = ...) or give it a default."
+                )
+    fields = base._taktiny_fields
+    layout = tuple(
+        (name, _classify(base.__name__, name, value, getattr(fields.get(name), "static", None)))
+        for name, value in values.items()
+    )
+    node_type = _register(base, layout)
+    if type(obj) is not node_type:
+        object.__setattr__(obj, "__class__", node_type)
+    return obj
+
+
+def _declared_fields(cls: type, namespace: dict[str, Any]) -> dict[str, _Field]:
+    fields: dict[str, _Field] = {}
+    for klass in reversed(cls.__mro__[1:]):
+        fields.update(getattr(klass, "_taktiny_fields", {}))
+    for name, annotation in namespace.get("__annotations__", {}).items():
+        if "ClassVar" in str(annotation) or name.startswith("__"):
+            continue
+        value = namespace.get(name, _MISSING)
+        if isinstance(value, _Field):
+            fields[name] = value
+            delattr(cls, name)
+        else:
+            fields[name] = _Field(value, _MISSING, None)
+    return fields
+
+
+def _generated_init(cls: type, fields: dict[str, _Field]) -> Any:
+    params = [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+    for name, spec in fields.items():
+        default = inspect.Parameter.empty
+        if spec.default is not _MISSING or spec.default_factory is not _MISSING:
+            default = spec.default if spec.default is not _MISSING else spec.default_factory
+        params.append(
+            inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=default)
+        )
+    try:
+        signature = inspect.Signature(params)
+    except ValueError as error:
+        raise TypeError(f"{cls.__name__}: {error}; give the later fields defaults too.") from None
+
+    def __init__(self: Module, *args: Any, **kwargs: Any) -> None:
+        arguments = signature.bind(self, *args, **kwargs).arguments
+        for name, spec in fields.items():
+            if name in arguments:
+                setattr(self, name, arguments[name])
+            elif spec.default_factory is not _MISSING:
+                setattr(self, name, spec.default_factory())
+            else:
+                setattr(self, name, spec.default)
+        if hasattr(self, "__post_init__"):
+            self.__post_init__()  # pyright: ignore[reportAttributeAccessIssue]
+
+    __init__.__signature__ = signature  # type: ignore[attr-defined]
+    __init__.__qualname__ = f"{cls.__qualname__}.__init__"
+    __init__._taktiny_generated = True  # type: ignore[attr-defined]
+    return __init__
+
+
+@dataclass_transform(field_specifiers=(field,))
+class _ModuleMeta(type):
+    def __new__(mcs, name: str, bases: tuple[type, ...], namespace: dict[str, Any], **kw: Any):
+        cls: Any = super().__new__(mcs, name, bases, namespace, **kw)
+        cls._taktiny_layouts = {}
+        if not namespace.get("_taktiny_hidden", False):
+            cls._taktiny_base = cls
+            cls._taktiny_fields = _declared_fields(cls, namespace)
+            init = cls.__init__
+            replaceable = init is object.__init__ or getattr(init, "_taktiny_generated", False)
+            if "__init__" not in namespace and cls._taktiny_fields and replaceable:
+                cls.__init__ = _generated_init(cls, cls._taktiny_fields)
+        return cls
+
+    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+        if kwargs.pop(_NODE, None) is _REBUILD:  # JAX rebuilding a node: no __init__, no checks
+            obj: Any = object.__new__(cls)
+            obj.__dict__.update(kwargs)
+            return obj
+        obj: Any = object.__new__(cls)
+        _INITIALISING.add(id(obj))
+        try:
+            cls.__init__(obj, *args, **kwargs)
+        finally:
+            _INITIALISING.discard(id(obj))
+        return _finalise(obj)
+
+
+class Module(metaclass=_ModuleMeta):
+    """Base class of every Taktiny layer and model: an immutable PyTree.
+
+    Arrays, modules, ``None`` and lists/tuples/dicts holding them are data (the
+    PyTree's children, and what the state dict holds); every other attribute
+    (ints, floats, strings, dtypes, functions, config objects) is static and is
+    kept in the tree structure. Declare fields with annotations, or assign them
+    in ``__init__``; ``field(static=...)`` forces either side. After
+    ``__init__`` the instance is frozen: use :meth:`replace` for a changed copy.
+    """
+
+    _taktiny_node: ClassVar[_Rebuild] = _REBUILD
+    _taktiny_layouts: ClassVar[dict[tuple[tuple[str, bool], ...], type]]
+    _taktiny_layout: ClassVar[tuple[tuple[str, bool], ...]] = ()
+    _taktiny_base: ClassVar[type[Module]]
+    _taktiny_fields: ClassVar[dict[str, _Field]]
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if id(self) not in _INITIALISING:
+            raise dataclasses.FrozenInstanceError(
+                f"cannot set {type(self).__name__}.{name}: modules are immutable once built. "
+                f"Make a changed copy instead: `module = module.replace({name}=value)`, or for a "
+                f"nested value `module = eqx.tree_at(lambda m: m.{name}, module, value)`."
+            )
+        object.__setattr__(self, name, value)
+
+    def __delattr__(self, name: str) -> None:
+        if id(self) not in _INITIALISING:
+            raise dataclasses.FrozenInstanceError(
+                f"cannot delete {type(self).__name__}.{name}: modules are immutable once built."
+            )
+        object.__delattr__(self, name)
+
+    def _fields(self) -> dict[str, Any]:
+        """The instance's fields in attribute order."""
+        values = self.__dict__
+        return {name: values[name] for name, _ in type(self)._taktiny_layout}
+
+    def replace(self, **changes: Any) -> Any:
+        """Returns a copy of this module with the given fields replaced.
+
+        The copy is checked like a newly built module (data and static fields are
+        re-sorted); this module is not changed.
+        """
+        fields = self._fields()
+        if unknown := sorted(changes.keys() - fields.keys()):
+            raise TypeError(
+                f"{type(self).__name__}.replace() got unknown field(s) {unknown}; "
+                f"its fields are {list(fields)}."
+            )
+        obj: Any = object.__new__(type(self)._taktiny_base)
+        obj.__dict__.update(fields)
+        obj.__dict__.update(changes)
+        return _finalise(obj)
+
+    def __pdoc__(self, **kwargs: Any) -> wl.AbstractDoc:
+        declared = type(self)._taktiny_fields
+        shown = []
+        for name, value in self._fields().items():
+            spec = declared.get(name)
+            if spec is not None and spec.default is not _MISSING and value is spec.default:
+                continue
+            shown.append((name, value))
+        return wl.bracketed(
+            begin=wl.TextDoc(f"{type(self).__name__}("),
+            docs=wl.named_objs(shown, **kwargs),
+            sep=wl.comma,
+            end=wl.TextDoc(")"),
+            indent=kwargs.get("indent", 2),
+        )
+
+    def __repr__(self) -> str:
+        return eqx.tree_pformat(self, struct_as_array=True)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The parameters as nested dicts that mirror the module tree.
+
+        Keys are attribute names, list and tuple positions ("0", "1", ...) and dict
+        keys; values are this module's own arrays (no copies). Submodules without
+        parameters and ``None`` fields do not appear. A custom PyTree parameter (a
+        quantized weight) stays whole.
+        """
+        return _state.state_dict(self)
+
+    def flat_state_dict(self) -> dict[str, Any]:
+        """The parameters as one dict from dotted names (``"layers.0.kernel"``) to arrays.
+
+        Names come in module order: attribute order, then positions 0, 1, 2, ...
+        Custom PyTree parameters are flattened down to their arrays.
+        """
+        return _state.flat_state_dict(self)
+
+    def load_state_dict(self, state: Mapping[str, Any], *, strict: bool = False) -> Any:
+        """Returns a new module with the parameters in the nested `state` loaded.
+
+        Leaves that `state` does not mention keep their values; with ``strict=True``
+        every leaf must be supplied. Values may be JAX or NumPy arrays or array-likes;
+        each is checked against the leaf it replaces (shape, dtype kind), cast to its
+        floating dtype and placed with its sharding. Any problem raises one
+        :class:`~taktiny.StateDictError` listing every offending name, and nothing is
+        loaded. This module is never changed. Works inside ``jax.jit``.
+        """
+        return _state.load(self, state, strict=strict, flat=False)
+
+    def load_flat_state_dict(self, flat: Mapping[str, Any], *, strict: bool = False) -> Any:
+        """As :meth:`load_state_dict`, for a dict of dotted names as :meth:`flat_state_dict`
+        gives."""
+        return _state.load(self, flat, strict=strict, flat=True)

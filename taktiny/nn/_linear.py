@@ -1,0 +1,61 @@
+"""`Linear`: a dense layer on the last axis."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.typing import DTypeLike
+from jaxtyping import Array, Float
+
+from .._module import Module
+from .._rngs import Rngs
+
+
+class Linear(Module):
+    """A dense layer: ``y = x @ kernel + bias`` on the last axis of any batch shape.
+
+    Parameters (state names):
+        kernel: ``[in_features, out_features]``, LeCun-normal initialised (normal with
+            variance ``1 / in_features``; PyTorch's ``nn.Linear`` stores the transpose,
+            ``weight`` ``[out, in]``).
+        bias: ``[out_features]``, zeros; ``None`` (and absent from the state) when
+            ``use_bias=False``.
+
+    Args:
+        in_features: size of the input's last axis.
+        out_features: size of the output's last axis.
+        use_bias: whether to add a bias.
+        dtype: the parameters' dtype, which is also the dtype the layer computes in.
+        rngs: the key stream for the initialisation.
+    """
+
+    kernel: Float[Array, "in_features out_features"]
+    bias: Float[Array, " out_features"] | None
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        use_bias: bool = True,
+        dtype: DTypeLike = jnp.float32,
+        rngs: Rngs,
+    ):
+        init = jax.nn.initializers.lecun_normal()
+        self.kernel = init(rngs(), (in_features, out_features), dtype)
+        self.bias = jnp.zeros((out_features,), dtype) if use_bias else None
+
+    def __call__(
+        self, x: Float[Array, "*batch in_features"]
+    ) -> Float[Array, "*batch out_features"]:
+        """Maps ``x`` ``[*batch, in_features]`` to ``[*batch, out_features]``."""
+        with jax.named_scope("Linear"):
+            in_features = self.kernel.shape[0]
+            if x.ndim == 0 or x.shape[-1] != in_features:
+                raise ValueError(
+                    f"Linear expects inputs whose last axis has {in_features} features (its "
+                    f"kernel is {tuple(self.kernel.shape)}), got an input of shape "
+                    f"{tuple(x.shape)}."
+                )
+            y = x.astype(self.kernel.dtype) @ self.kernel
+            return y if self.bias is None else y + self.bias

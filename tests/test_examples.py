@@ -1,0 +1,30 @@
+"""The examples are what `make demo` runs; they must run to their end."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run_example(name: str) -> str:
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / name)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout
+
+
+def test_quickstart_runs_to_its_end():
+    out = run_example("quickstart.py")
+    losses = [float(line.split()[-1]) for line in out.splitlines() if line.startswith("step")]
+    assert len(losses) >= 5 and losses[-1] < losses[0] / 10
+    assert "restored model predicts identically: True" in out
+    assert "partially loaded the trained `input` layer" in out
+    assert "input.kernel    (32, 64)    float32       8192" in out
+    assert "total parameters: 2,372" in out

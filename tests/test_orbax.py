@@ -1,0 +1,118 @@
+"""Orbax checkpoints of Taktiny state, with the current orbax-checkpoint API."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+from jax.sharding import NamedSharding, PartitionSpec
+
+from taktiny import nn
+
+
+class MLP(nn.Module):
+    def __init__(self, *, rngs: nn.Rngs):
+        self.input = nn.Linear(32, 64, rngs=rngs)
+        self.output = nn.Linear(64, 4, rngs=rngs)
+
+
+class Deep(nn.Module):
+    def __init__(self, *, rngs: nn.Rngs):
+        self.layers = [nn.Linear(8, 8, rngs=rngs) for _ in range(12)]
+
+
+def assert_bitwise_equal(a, b):
+    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+    assert len(la) == len(lb)
+    for x, y in zip(la, lb):
+        assert x.dtype == y.dtype and x.shape == y.shape
+        assert np.asarray(x).tobytes() == np.asarray(y).tobytes()
+
+
+def test_standard_checkpointer_save_and_restore_12_layers(tmp_path):
+    path = (tmp_path / "model").absolute()
+    model = Deep(rngs=nn.Rngs(0))
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(path, model.state_dict())
+    fresh = Deep(rngs=nn.Rngs(1))
+    with ocp.StandardCheckpointer() as checkpointer:
+        state = checkpointer.restore(path, target=fresh.state_dict())
+    # Orbax hands dicts back with keys in string order ('0', '1', '10', ...); loading goes by
+    # name, so layer i still lands in layer i and the model keeps its own order
+    assert sorted(state["layers"], key=int) == [str(i) for i in range(12)]
+    restored = fresh.load_state_dict(state, strict=True)
+    assert list(restored.flat_state_dict()) == list(model.flat_state_dict())
+    assert_bitwise_equal(restored, model)
+    for i in range(12):  # layer i came back as layer i
+        assert np.array_equal(restored.layers[i].kernel, model.layers[i].kernel)
+
+
+def test_checkpointer_with_standard_handler_and_args(tmp_path):
+    path = (tmp_path / "model").absolute()
+    model = MLP(rngs=nn.Rngs(0))
+    with ocp.Checkpointer(ocp.StandardCheckpointHandler()) as checkpointer:
+        checkpointer.save(path, args=ocp.args.StandardSave(model.state_dict()))
+        fresh = MLP(rngs=nn.Rngs(1))
+        state = checkpointer.restore(path, args=ocp.args.StandardRestore(fresh.state_dict()))
+    assert_bitwise_equal(fresh.load_state_dict(state), model)
+
+
+def test_checkpoint_manager(tmp_path):
+    model = MLP(rngs=nn.Rngs(0))
+    with ocp.CheckpointManager((tmp_path / "run").absolute()) as manager:
+        manager.save(3, args=ocp.args.StandardSave(model.state_dict()))
+        manager.wait_until_finished()
+        assert manager.latest_step() == 3
+        fresh = MLP(rngs=nn.Rngs(1))
+        state = manager.restore(3, args=ocp.args.StandardRestore(fresh.state_dict()))
+    assert_bitwise_equal(fresh.load_state_dict(state), model)
+
+
+def test_restore_into_abstract_model_without_random_init(tmp_path):
+    path = (tmp_path / "model").absolute()
+    model = Deep(rngs=nn.Rngs(0))
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(path, model.state_dict())
+    abstract = jax.eval_shape(lambda: Deep(rngs=nn.Rngs(0)))
+    with ocp.StandardCheckpointer() as checkpointer:
+        state = checkpointer.restore(path, target=abstract.state_dict())
+    restored = abstract.load_state_dict(state)
+    assert_bitwise_equal(restored, model)
+
+
+def test_partial_and_selected_parameter_checkpoints(tmp_path):
+    class Classifier(nn.Module):
+        def __init__(self, *, rngs):
+            self.encoder = MLP(rngs=rngs)
+            self.head = nn.Linear(4, 10, rngs=rngs)
+
+    trained = Classifier(rngs=nn.Rngs(0))
+    flat = trained.flat_state_dict()
+    encoder_state = {k: v for k, v in flat.items() if k.startswith("encoder.")}
+    path = (tmp_path / "encoder").absolute()
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(path, encoder_state)
+    fresh = Classifier(rngs=nn.Rngs(1))
+    target = {k: v for k, v in fresh.flat_state_dict().items() if k.startswith("encoder.")}
+    with ocp.StandardCheckpointer() as checkpointer:
+        restored = checkpointer.restore(path, target=target)
+    model = fresh.load_flat_state_dict(restored)
+    assert_bitwise_equal(model.encoder, trained.encoder)
+    assert model.head.kernel is fresh.head.kernel
+
+
+def test_restore_places_leaves_like_the_target(tmp_path):
+    mesh = jax.make_mesh((4, 2), ("data", "model"))
+    sharded = NamedSharding(mesh, PartitionSpec(None, "model"))
+    model = MLP(rngs=nn.Rngs(0))
+    path = (tmp_path / "model").absolute()
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(path, model.state_dict())
+    target_model = MLP(rngs=nn.Rngs(1))
+    target_model = target_model.replace(
+        input=target_model.input.replace(kernel=jax.device_put(jnp.zeros((32, 64)), sharded))
+    )
+    with ocp.StandardCheckpointer() as checkpointer:
+        state = checkpointer.restore(path, target=target_model.state_dict())
+    restored = target_model.load_state_dict(state)
+    assert restored.input.kernel.sharding == sharded
+    assert_bitwise_equal(restored, model)

@@ -1,0 +1,293 @@
+"""The four state methods, partial loads, conversions and every kind of StateDictError."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec
+
+import taktiny as tt
+from taktiny import nn
+
+
+class MLP(nn.Module):
+    def __init__(self, *, rngs: nn.Rngs):
+        self.input = nn.Linear(32, 64, rngs=rngs)
+        self.output = nn.Linear(64, 4, rngs=rngs)
+
+    def __call__(self, x):
+        return self.output(jax.nn.relu(self.input(x)))
+
+
+class Stack(nn.Module):
+    def __init__(self, n, *, rngs):
+        self.layers = [nn.Linear(4, 4, rngs=rngs) for _ in range(n)]
+        self.head = {"score": nn.Linear(4, 1, use_bias=False, rngs=rngs)}
+        self.steps = jnp.zeros((), jnp.int32)
+        self.depth = n
+
+
+def leaves_equal(a, b):
+    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+    return len(la) == len(lb) and all(
+        x.dtype == y.dtype and np.array_equal(x, y) for x, y in zip(la, lb)
+    )
+
+
+def test_state_dict_mirrors_the_module_tree_and_holds_the_same_arrays():
+    m = MLP(rngs=nn.Rngs(0))
+    state = m.state_dict()
+    assert list(state) == ["input", "output"]
+    assert list(state["input"]) == ["kernel", "bias"]
+    assert state["input"]["kernel"] is m.input.kernel
+    assert state["output"]["bias"] is m.output.bias
+
+
+def test_flat_state_dict_is_in_module_order_not_string_order():
+    m = Stack(12, rngs=nn.Rngs(0))
+    names = list(m.flat_state_dict())
+    expected = [f"layers.{i}.{p}" for i in range(12) for p in ("kernel", "bias")]
+    assert names == [*expected, "head.score.kernel", "steps"]
+    assert list(m.state_dict()["layers"]) == [str(i) for i in range(12)]
+    assert m.flat_state_dict()["layers.10.bias"] is m.layers[10].bias
+
+
+def test_no_bias_means_no_bias_in_the_state():
+    lin = nn.Linear(3, 2, use_bias=False, rngs=nn.Rngs(0))
+    assert lin.state_dict().keys() == {"kernel"}
+    assert lin.bias is None
+
+
+def test_round_trip_returns_a_new_equal_module():
+    m = Stack(3, rngs=nn.Rngs(0))
+    for loaded in (m.load_state_dict(m.state_dict()), m.load_flat_state_dict(m.flat_state_dict())):
+        assert loaded is not m and type(loaded) is type(m)
+        assert jax.tree.structure(loaded) == jax.tree.structure(m)
+        assert leaves_equal(loaded, m)
+
+
+def test_partial_load_changes_exactly_the_supplied_leaves():
+    m = Stack(3, rngs=nn.Rngs(0))
+    donor = Stack(3, rngs=nn.Rngs(1))
+    new = m.load_state_dict({"layers": {"1": donor.state_dict()["layers"]["1"]}})
+    assert new.layers[1].kernel is donor.layers[1].kernel
+    assert new.layers[1].bias is donor.layers[1].bias
+    assert new.layers[0].kernel is m.layers[0].kernel and new.layers[2].bias is m.layers[2].bias
+    assert new.head["score"].kernel is m.head["score"].kernel
+    flat = m.load_flat_state_dict({"layers.2.kernel": donor.layers[2].kernel})
+    assert flat.layers[2].kernel is donor.layers[2].kernel
+    assert flat.layers[2].bias is m.layers[2].bias
+    # the input module is never changed
+    assert m.layers[1].kernel is not donor.layers[1].kernel
+
+
+def test_guide_partial_encoder_example():
+    class Classifier(nn.Module):
+        def __init__(self, num_classes, *, rngs):
+            self.encoder = MLP(rngs=rngs)
+            self.head = nn.Linear(4, num_classes, rngs=rngs)
+
+    pretrained = Classifier(3, rngs=nn.Rngs(1)).state_dict()
+    model = Classifier(num_classes=10, rngs=nn.Rngs(0))
+    fresh = model.head.kernel
+    model = model.load_state_dict({"encoder": pretrained["encoder"]})
+    assert model.encoder.input.kernel is pretrained["encoder"]["input"]["kernel"]
+    assert model.head.kernel is fresh
+
+
+def test_inputs_may_be_numpy_lists_and_other_array_likes():
+    lin = nn.Linear(2, 2, rngs=nn.Rngs(0))
+    new = lin.load_state_dict({"kernel": np.eye(2, dtype=np.float64), "bias": [1.0, 2.0]})
+    assert isinstance(new.kernel, jax.Array) and new.kernel.dtype == jnp.float32
+    assert isinstance(new.bias, jax.Array) and new.bias.dtype == jnp.float32
+    np.testing.assert_array_equal(new.bias, [1.0, 2.0])
+    steps = Stack(1, rngs=nn.Rngs(0)).load_flat_state_dict({"steps": 7})
+    assert steps.steps.dtype == jnp.int32 and int(steps.steps) == 7
+
+
+def test_float_casts_follow_the_model_dtype():
+    lin = nn.Linear(2, 2, dtype=jnp.bfloat16, rngs=nn.Rngs(0))
+    new = lin.load_state_dict({"kernel": jnp.ones((2, 2), jnp.float32)})
+    assert new.kernel.dtype == jnp.bfloat16
+    back = nn.Linear(2, 2, rngs=nn.Rngs(0)).load_state_dict({"bias": jnp.ones(2, jnp.bfloat16)})
+    assert back.bias.dtype == jnp.float32
+
+
+def test_results_keep_the_placement_of_the_leaves_they_replace():
+    mesh = jax.make_mesh((2, 4), ("x", "y"))
+    sharding = NamedSharding(mesh, PartitionSpec("x", "y"))
+    lin = nn.Linear(4, 8, rngs=nn.Rngs(0))
+    lin = lin.replace(kernel=jax.device_put(lin.kernel, sharding))
+    new = lin.load_state_dict({"kernel": np.ones((4, 8), np.float32), "bias": jnp.ones(8)})
+    assert new.kernel.sharding == sharding
+    assert new.bias.sharding == lin.bias.sharding
+    on_other = jax.device_put(jnp.ones(8), jax.devices()[5])
+    assert lin.load_state_dict({"bias": on_other}).bias.sharding == lin.bias.sharding
+
+
+def test_loading_inside_jit_matches_outside():
+    m, donor = MLP(rngs=nn.Rngs(0)), MLP(rngs=nn.Rngs(1))
+    state = donor.state_dict()
+    inside = jax.jit(lambda m, s: m.load_state_dict(s))(m, state)
+    assert leaves_equal(inside, m.load_state_dict(state))
+    x = jnp.ones((2, 32))
+    out = jax.jit(lambda m, s, x: m.load_flat_state_dict(s)(x))(m, donor.flat_state_dict(), x)
+    np.testing.assert_allclose(out, donor(x), rtol=1e-6)
+
+
+def test_abstract_model_is_a_restore_target_and_loads_fully():
+    abstract = jax.eval_shape(lambda: MLP(rngs=nn.Rngs(0)))
+    target = abstract.state_dict()
+    assert isinstance(target["input"]["kernel"], jax.ShapeDtypeStruct)
+    concrete = MLP(rngs=nn.Rngs(3)).state_dict()
+    model = abstract.load_state_dict(concrete)
+    assert all(isinstance(leaf, jax.Array) for leaf in jax.tree.leaves(model))
+    np.testing.assert_array_equal(model.output.bias, concrete["output"]["bias"])
+
+
+def test_partial_load_into_abstract_model_names_the_unfilled_leaves():
+    abstract = jax.eval_shape(lambda: MLP(rngs=nn.Rngs(0)))
+    state = MLP(rngs=nn.Rngs(3)).state_dict()
+    with pytest.raises(
+        tt.StateDictError, match=r"'output\.kernel': not supplied, and the model is abstract"
+    ) as info:
+        abstract.load_state_dict({"input": state["input"]})
+    assert info.value.missing_keys == ("output.kernel", "output.bias")
+
+
+# --- errors: one type, every offending name, nothing half-applied ---------------------------
+
+
+def error_of(fn):
+    with pytest.raises(tt.StateDictError) as info:
+        fn()
+    assert isinstance(info.value, ValueError)
+    return info.value
+
+
+def test_unknown_key_suggests_the_closest_name():
+    m = MLP(rngs=nn.Rngs(0))
+    with pytest.raises(
+        tt.StateDictError, match=r"'input\.kernal': unknown key; did you mean 'input\.kernel'\?"
+    ):
+        m.load_flat_state_dict({"input.kernal": np.zeros((32, 64))})
+    with pytest.raises(tt.StateDictError, match=r"'inptu': unknown key; did you mean 'input'?"):
+        m.load_state_dict({"inptu": {"kernel": np.zeros((32, 64))}})
+    err = error_of(lambda: m.load_flat_state_dict({"zzz": 1, "yyy": 2}))
+    assert err.unexpected_keys == ("zzz", "yyy")
+
+
+def test_missing_keys_under_strict():
+    m = MLP(rngs=nn.Rngs(0))
+    state = m.state_dict()
+    del state["output"]
+    with pytest.raises(tt.StateDictError, match=r"'output\.kernel': missing: strict=True"):
+        m.load_state_dict(state, strict=True)
+    err = error_of(lambda: m.load_state_dict(state, strict=True))
+    assert err.missing_keys == ("output.kernel", "output.bias")
+    assert m.load_state_dict(state).output.kernel is m.output.kernel  # fine when not strict
+
+
+def test_shape_mismatch_shows_expected_and_got():
+    m = MLP(rngs=nn.Rngs(0))
+    with pytest.raises(
+        tt.StateDictError, match=r"'output\.bias': shape mismatch: expected \(4,\), got \(5,\)"
+    ):
+        m.load_flat_state_dict({"output.bias": np.zeros(5, np.float32)})
+    with pytest.raises(tt.StateDictError, match=r"expected \(32, 64\), got \(64, 32\)"):
+        m.load_state_dict({"input": {"kernel": jnp.zeros((64, 32))}})
+
+
+def test_dtype_kind_change_is_an_error():
+    m = MLP(rngs=nn.Rngs(0))
+    with pytest.raises(
+        tt.StateDictError,
+        match=r"'input\.bias': dtype kind changes: the model holds float32 \(floating\), got int8",
+    ):
+        m.load_flat_state_dict({"input.bias": np.zeros(64, np.int8)})
+    s = Stack(1, rngs=nn.Rngs(0))
+    with pytest.raises(
+        tt.StateDictError,
+        match=r"'steps': dtype kind changes.*int32 \(signed integer\), got float32",
+    ):
+        s.load_flat_state_dict({"steps": jnp.zeros((), jnp.float32)})
+    with pytest.raises(
+        tt.StateDictError, match=r"'steps': narrowing int64 to int32 would change values"
+    ):
+        s.load_flat_state_dict({"steps": np.array(2**40)})
+
+
+def test_non_array_values_are_errors():
+    m = MLP(rngs=nn.Rngs(0))
+    with pytest.raises(
+        tt.StateDictError,
+        match=r"'input\.bias': expected an array, got a value that is not numeric \('oops'\)",
+    ):
+        m.load_flat_state_dict({"input.bias": "oops"})
+    with pytest.raises(
+        tt.StateDictError, match=r"'input\.bias': expected an array, got a value of type NoneType"
+    ):
+        m.load_flat_state_dict({"input.bias": None})
+    abstract = jax.eval_shape(lambda: MLP(rngs=nn.Rngs(0)))
+    with pytest.raises(tt.StateDictError, match=r"an abstract value: restore real arrays first"):
+        m.load_state_dict(abstract.state_dict())
+
+
+def test_dict_where_array_belongs_and_the_reverse():
+    m = MLP(rngs=nn.Rngs(0))
+    with pytest.raises(
+        tt.StateDictError, match=r"'input\.kernel': expected an array, got a dict with keys \['a'\]"
+    ):
+        m.load_state_dict({"input": {"kernel": {"a": 1}}})
+    with pytest.raises(
+        tt.StateDictError,
+        match=r"'input': expected a dict of this submodule's parameters \(keys \['kernel', 'bias'\]\), got an array float32\[3\]",
+    ):
+        m.load_state_dict({"input": jnp.zeros(3)})
+    with pytest.raises(
+        tt.StateDictError,
+        match=r"'input': names a group of parameters \(input\.kernel, input\.bias\)",
+    ):
+        m.load_flat_state_dict({"input": jnp.zeros(3)})
+    with pytest.raises(
+        tt.StateDictError, match=r"'input\.kernel' is an array, so it has no entry 'value'"
+    ):
+        m.load_flat_state_dict({"input.kernel.value": jnp.zeros(3)})
+    with pytest.raises(tt.StateDictError, match=r"'input\.kernel': expected an array, got a dict"):
+        m.load_flat_state_dict({"input.kernel": {"value": 1}})
+
+
+def test_key_with_a_dot_in_a_nested_state():
+    m = MLP(rngs=nn.Rngs(0))
+    with pytest.raises(
+        tt.StateDictError,
+        match=r"'input\.kernel': nested state keys must not contain '\.'.*load_flat_state_dict",
+    ):
+        m.load_state_dict({"input.kernel": jnp.zeros((32, 64))})
+
+
+def test_all_problems_are_reported_at_once_and_nothing_is_applied():
+    m = MLP(rngs=nn.Rngs(0))
+    before = m.input.kernel
+    good = jnp.ones((32, 64))
+    err = error_of(
+        lambda: m.load_flat_state_dict(
+            {"input.kernel": good, "output.bias": np.zeros(9), "extra": 1, "input.bias": "x"}
+        )
+    )
+    # structural problems come first, then problems with values, then missing names
+    assert [p.kind for p in err.problems] == ["unknown", "shape", "value"]
+    assert [p.key for p in err.problems] == ["extra", "output.bias", "input.bias"]
+    assert str(err).startswith("MLP.load_flat_state_dict(): 3 problems; nothing was loaded.")
+    assert err.problems[1].expected == (4,) and err.problems[1].got == (9,)
+    assert m.input.kernel is before
+
+
+def test_non_dict_state_is_a_type_error():
+    from taktiny import _state  # called directly: in tests beartype rejects the call first
+
+    m = MLP(rngs=nn.Rngs(0))
+    with pytest.raises(TypeError, match=r"MLP\.load_state_dict\(\) expects a dict, got MLP"):
+        _state.load(m, m, strict=False, flat=False)  # pyright: ignore[reportArgumentType]
+    with pytest.raises(TypeError, match=r"parameter 'state'"):
+        m.load_state_dict(m)  # pyright: ignore[reportArgumentType]
