@@ -10,7 +10,6 @@ registered with JAX as a dataclass node so that ``jax.jit`` flattens it in C++.
 from __future__ import annotations
 
 import dataclasses
-import inspect
 from collections.abc import Mapping
 from typing import Any, ClassVar, dataclass_transform
 
@@ -19,12 +18,15 @@ import jax
 import wadler_lindig as wl
 
 from . import _state
+from ._fields import MISSING, Field, declared_fields, field, generated_init
 from ._rngs import Rngs
 from ._state import ARRAY_TYPES
 
-_MISSING: Any = dataclasses.MISSING
 _NODE = "_taktiny_node"  # the meta field that tells a JAX rebuild from a user call
 _INITIALISING: set[int] = set()  # ids of instances whose __init__ is running
+_RESERVED = frozenset(
+    {"state_dict", "flat_state_dict", "load_state_dict", "load_flat_state_dict", "replace"}
+)
 
 
 class _Rebuild:
@@ -37,34 +39,6 @@ class _Rebuild:
 
 
 _REBUILD = _Rebuild()
-
-
-@dataclasses.dataclass(frozen=True)
-class _Field:
-    default: Any
-    default_factory: Any
-    static: bool | None
-
-
-def field(
-    *, default: Any = _MISSING, default_factory: Any = _MISSING, static: bool | None = None
-) -> Any:
-    """Declares a module field with options, as in ``scale: float = field(default=1.0)``.
-
-    Args:
-        default: the value used when the generated ``__init__`` is not given one.
-        default_factory: a zero-argument callable that makes the default.
-        static: ``True`` forces the field into the tree structure (it must hold no
-            array); ``False`` forces it to be a PyTree child even when it holds no
-            array; ``None`` (the default) sorts it by its value.
-    """
-    if default is not _MISSING and default_factory is not _MISSING:
-        raise TypeError("field() takes `default` or `default_factory`, not both.")
-    return _Field(default, default_factory, static)
-
-
-def _is_array(x: Any) -> bool:
-    return isinstance(x, ARRAY_TYPES)
 
 
 def _is_module_or_array(x: Any) -> bool:
@@ -143,15 +117,20 @@ def _finalise(obj: Module) -> Module:
     values: dict[str, Any] = obj.__dict__  # pyright: ignore[reportAssignmentType]
     for name, spec in base._taktiny_fields.items():
         if name not in values:
-            if spec.default_factory is not _MISSING:
+            if spec.default_factory is not MISSING:
                 values[name] = spec.default_factory()
-            elif spec.default is not _MISSING:
+            elif spec.default is not MISSING:
                 values[name] = spec.default
             else:
                 raise TypeError(
                     f"{base.__name__}.__init__ did not set the declared field {name!r}; assign "
                     f"it (self.{name} = ...) or give it a default."
                 )
+    if clash := sorted(_RESERVED.intersection(values)):
+        raise TypeError(
+            f"{base.__name__} has a field named {clash[0]!r}, which would hide the Module "
+            f"method of that name; rename the field."
+        )
     fields = base._taktiny_fields
     layout = tuple(
         (name, _classify(base.__name__, name, value, getattr(fields.get(name), "static", None)))
@@ -163,54 +142,6 @@ def _finalise(obj: Module) -> Module:
     return obj
 
 
-def _declared_fields(cls: type, namespace: dict[str, Any]) -> dict[str, _Field]:
-    fields: dict[str, _Field] = {}
-    for klass in reversed(cls.__mro__[1:]):
-        fields.update(getattr(klass, "_taktiny_fields", {}))
-    for name, annotation in namespace.get("__annotations__", {}).items():
-        if "ClassVar" in str(annotation) or name.startswith("__"):
-            continue
-        value = namespace.get(name, _MISSING)
-        if isinstance(value, _Field):
-            fields[name] = value
-            delattr(cls, name)
-        else:
-            fields[name] = _Field(value, _MISSING, None)
-    return fields
-
-
-def _generated_init(cls: type, fields: dict[str, _Field]) -> Any:
-    params = [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)]
-    for name, spec in fields.items():
-        default = inspect.Parameter.empty
-        if spec.default is not _MISSING or spec.default_factory is not _MISSING:
-            default = spec.default if spec.default is not _MISSING else spec.default_factory
-        params.append(
-            inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=default)
-        )
-    try:
-        signature = inspect.Signature(params)
-    except ValueError as error:
-        raise TypeError(f"{cls.__name__}: {error}; give the later fields defaults too.") from None
-
-    def __init__(self: Module, *args: Any, **kwargs: Any) -> None:
-        arguments = signature.bind(self, *args, **kwargs).arguments
-        for name, spec in fields.items():
-            if name in arguments:
-                setattr(self, name, arguments[name])
-            elif spec.default_factory is not _MISSING:
-                setattr(self, name, spec.default_factory())
-            else:
-                setattr(self, name, spec.default)
-        if hasattr(self, "__post_init__"):
-            self.__post_init__()  # pyright: ignore[reportAttributeAccessIssue]
-
-    __init__.__signature__ = signature  # type: ignore[attr-defined]
-    __init__.__qualname__ = f"{cls.__qualname__}.__init__"
-    __init__._taktiny_generated = True  # type: ignore[attr-defined]
-    return __init__
-
-
 @dataclass_transform(field_specifiers=(field,))
 class _ModuleMeta(type):
     def __new__(mcs, name: str, bases: tuple[type, ...], namespace: dict[str, Any], **kw: Any):
@@ -218,11 +149,11 @@ class _ModuleMeta(type):
         cls._taktiny_layouts = {}
         if not namespace.get("_taktiny_hidden", False):
             cls._taktiny_base = cls
-            cls._taktiny_fields = _declared_fields(cls, namespace)
+            cls._taktiny_fields = declared_fields(cls, namespace)
             init = cls.__init__
             replaceable = init is object.__init__ or getattr(init, "_taktiny_generated", False)
             if "__init__" not in namespace and cls._taktiny_fields and replaceable:
-                cls.__init__ = _generated_init(cls, cls._taktiny_fields)
+                cls.__init__ = generated_init(cls, cls._taktiny_fields)
         return cls
 
     def __call__(cls, *args: Any, **kwargs: Any) -> Any:
@@ -254,7 +185,7 @@ class Module(metaclass=_ModuleMeta):
     _taktiny_layouts: ClassVar[dict[tuple[tuple[str, bool], ...], type]]
     _taktiny_layout: ClassVar[tuple[tuple[str, bool], ...]] = ()
     _taktiny_base: ClassVar[type[Module]]
-    _taktiny_fields: ClassVar[dict[str, _Field]]
+    _taktiny_fields: ClassVar[dict[str, Field]]
 
     def __setattr__(self, name: str, value: Any) -> None:
         if id(self) not in _INITIALISING:
@@ -299,7 +230,7 @@ class Module(metaclass=_ModuleMeta):
         shown = []
         for name, value in self._fields().items():
             spec = declared.get(name)
-            if spec is not None and spec.default is not _MISSING and value is spec.default:
+            if spec is not None and spec.default is not MISSING and value is spec.default:
                 continue
             shown.append((name, value))
         return wl.bracketed(

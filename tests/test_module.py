@@ -242,3 +242,12 @@ def test_public_surface_is_short_and_documented():
     for owner in (tt, nn):
         for name in _public(owner):
             assert getattr(owner, name).__doc__, f"{owner.__name__}.{name} has no docstring"
+
+
+def test_field_names_cannot_hide_module_methods():
+    class M(nn.Module):
+        def __init__(self):
+            self.replace = jnp.ones(2)
+
+    with pytest.raises(TypeError, match=r"M has a field named 'replace'.*rename the field"):
+        M()

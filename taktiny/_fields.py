@@ -1,0 +1,86 @@
+"""Declared module fields: `field()`, collecting annotations, and the generated ``__init__``."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from typing import Any
+
+MISSING: Any = dataclasses.MISSING
+
+
+@dataclasses.dataclass(frozen=True)
+class Field:
+    """What `field()` records for one declared field."""
+
+    default: Any
+    default_factory: Any
+    static: bool | None
+
+
+def field(
+    *, default: Any = MISSING, default_factory: Any = MISSING, static: bool | None = None
+) -> Any:
+    """Declares a module field with options, as in ``scale: float = field(default=1.0)``.
+
+    Args:
+        default: the value used when the generated ``__init__`` is not given one.
+        default_factory: a zero-argument callable that makes the default.
+        static: ``True`` forces the field into the tree structure (it must hold no
+            array); ``False`` forces it to be a PyTree child even when it holds no
+            array; ``None`` (the default) sorts it by its value.
+    """
+    if default is not MISSING and default_factory is not MISSING:
+        raise TypeError("field() takes `default` or `default_factory`, not both.")
+    return Field(default, default_factory, static)
+
+
+def declared_fields(cls: type, namespace: dict[str, Any]) -> dict[str, Field]:
+    """The annotated fields of `cls` and its bases, base classes' first; removes `field()`
+    placeholders from the class body."""
+    fields: dict[str, Field] = {}
+    for klass in reversed(cls.__mro__[1:]):
+        fields.update(getattr(klass, "_taktiny_fields", {}))
+    for name, annotation in namespace.get("__annotations__", {}).items():
+        if "ClassVar" in str(annotation) or name.startswith("__"):
+            continue
+        value = namespace.get(name, MISSING)
+        if isinstance(value, Field):
+            fields[name] = value
+            delattr(cls, name)
+        else:
+            fields[name] = Field(value, MISSING, None)
+    return fields
+
+
+def generated_init(cls: type, fields: dict[str, Field]) -> Any:
+    """An ``__init__`` taking the declared fields in order, as a dataclass's does."""
+    params = [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+    for name, spec in fields.items():
+        default = inspect.Parameter.empty
+        if spec.default is not MISSING or spec.default_factory is not MISSING:
+            default = spec.default if spec.default is not MISSING else spec.default_factory
+        params.append(
+            inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=default)
+        )
+    try:
+        signature = inspect.Signature(params)
+    except ValueError as error:
+        raise TypeError(f"{cls.__name__}: {error}; give the later fields defaults too.") from None
+
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        arguments = signature.bind(self, *args, **kwargs).arguments
+        for name, spec in fields.items():
+            if name in arguments:
+                setattr(self, name, arguments[name])
+            elif spec.default_factory is not MISSING:
+                setattr(self, name, spec.default_factory())
+            else:
+                setattr(self, name, spec.default)
+        if hasattr(self, "__post_init__"):
+            self.__post_init__()  # pyright: ignore[reportAttributeAccessIssue]
+
+    __init__.__signature__ = signature  # type: ignore[attr-defined]
+    __init__.__qualname__ = f"{cls.__qualname__}.__init__"
+    __init__._taktiny_generated = True  # type: ignore[attr-defined]
+    return __init__
