@@ -219,7 +219,9 @@ def test_dtype_kind_change_is_an_error():
 
 def test_narrowing_integer_cast_inside_jit_is_an_error():
     s = Stack(1, rngs=nn.Rngs(0)).replace(steps=jnp.zeros((), jnp.int8))
-    with pytest.raises(tt.StateDictError, match=r"'steps': narrowing int32 to int8 cannot be checked inside jit"):
+    with pytest.raises(
+        tt.StateDictError, match=r"'steps': narrowing int32 to int8 cannot be checked inside jit"
+    ):
         jax.jit(lambda m, v: m.load_flat_state_dict({"steps": v}))(s, jnp.array(3, jnp.int32))
     assert int(s.load_flat_state_dict({"steps": jnp.array(3, jnp.int32)}).steps) == 3
 
@@ -232,7 +234,9 @@ def test_python_scalar_leaves_forced_to_be_data_load_as_arrays():
     assert c.state_dict() == {"count": 3}
     loaded = c.load_state_dict({"count": np.int32(5)})
     assert isinstance(loaded.count, jax.Array) and int(loaded.count) == 5
-    with pytest.raises(tt.StateDictError, match=r"'count': shape mismatch: expected \(\), got \(2,\)"):
+    with pytest.raises(
+        tt.StateDictError, match=r"'count': shape mismatch: expected \(\), got \(2,\)"
+    ):
         c.load_state_dict({"count": [1, 2]})
 
 

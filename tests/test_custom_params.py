@@ -1,0 +1,50 @@
+"""Custom PyTree parameter values (a quantized weight, say): whole in the nested state,
+flattened to arrays in the flat state, and loadable in both forms."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import taktiny as tt
+from taktiny import nn
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Scaled:
+    value: jax.Array
+    scale: jax.Array
+
+
+class Dense(nn.Module):
+    def __init__(self):
+        self.kernel = Scaled(jnp.ones((2, 3), jnp.int8), jnp.full((3,), 0.5))
+        self.bias = jnp.zeros(3)
+
+
+def test_nested_keeps_the_value_whole_and_flat_flattens_it():
+    m = Dense()
+    state = m.state_dict()
+    assert isinstance(state["kernel"], Scaled) and state["kernel"].value is m.kernel.value
+    assert list(m.flat_state_dict()) == ["kernel.value", "kernel.scale", "bias"]
+
+
+def test_both_forms_load():
+    m = Dense()
+    new_kernel = Scaled(jnp.full((2, 3), 3, jnp.int8), jnp.full((3,), 2.0))
+    loaded = m.load_state_dict({"kernel": new_kernel})
+    assert loaded.kernel.value is new_kernel.value and loaded.bias is m.bias
+    flat = m.load_flat_state_dict({"kernel.scale": np.ones(3, np.float32)})
+    np.testing.assert_array_equal(flat.kernel.scale, [1.0, 1.0, 1.0])
+    assert flat.kernel.value is m.kernel.value
+
+
+def test_wrong_structure_for_a_custom_value_is_an_error():
+    m = Dense()
+    with pytest.raises(tt.StateDictError, match=r"'kernel': expected a value structured as"):
+        m.load_state_dict({"kernel": jnp.ones((2, 3))})
+    with pytest.raises(tt.StateDictError, match=r"'kernel\.value': dtype kind changes"):
+        m.load_state_dict({"kernel": Scaled(jnp.ones((2, 3)), jnp.ones(3))})
