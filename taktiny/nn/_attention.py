@@ -13,6 +13,11 @@ from .._module import Module
 from .._rngs import Rngs
 from ._checks import check_features
 from ._linear import Linear
+from ._random import keep_mask
+
+# Compiled as one unit, so that calls outside jax.jit compile once per shape instead of
+# once per operation inside it; inside jax.jit it is simply inlined.
+_dot_product_attention = jax.jit(jax.nn.dot_product_attention, static_argnames=("is_causal",))
 
 
 class MultiHeadAttention(Module):
@@ -149,7 +154,10 @@ class MultiHeadAttention(Module):
             if mask is not None:
                 mask = self._fold_mask(mask, batch, q.shape[1], k.shape[1])
             if key is None or self.dropout_rate == 0.0:
-                y = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=causal)
+                # it promotes low-precision inputs against float32 internally, which
+                # jax_numpy_dtype_promotion="strict" would reject
+                with jax.numpy_dtype_promotion("standard"):
+                    y = _dot_product_attention(q, k, v, mask=mask, is_causal=causal)
             else:
                 y = self._attend_with_dropout(q, k, v, mask, causal, key)
             return self.out(y.reshape(*batch, q.shape[1], -1))
@@ -185,6 +193,6 @@ class MultiHeadAttention(Module):
             allowed = allowed & jnp.tril(jnp.ones((q.shape[1], k.shape[1]), jnp.bool_))
         logits = jnp.where(allowed, logits, jnp.finfo(logits.dtype).min)
         weights = jax.nn.softmax(logits.astype(jnp.float32), axis=-1).astype(q.dtype)
-        keep = jax.random.bernoulli(key, 1.0 - self.dropout_rate, weights.shape)
+        keep = keep_mask(key, self.dropout_rate, weights.shape)
         weights = jnp.where(keep, weights / jnp.asarray(1.0 - self.dropout_rate, weights.dtype), 0)
         return jnp.einsum("bhqk,bkhd->bqhd", weights, v)

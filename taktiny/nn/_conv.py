@@ -13,13 +13,15 @@ from jaxtyping import Array, Float
 from .._module import Module
 from .._rngs import Rngs
 from ._checks import check_features
+from ._random import lecun_normal
 
 Padding = str | int | Sequence[int | tuple[int, int]]
 _LETTERS = "ABDEFGHJKLMPQRSTUVWXYZ"  # spatial axis names for dimension numbers (no N, C, I, O)
 
 
-def _spatial(layer: str, kernel_size: Sequence[int]) -> tuple[int, ...]:
-    if isinstance(kernel_size, int) or not all(isinstance(k, int) for k in kernel_size):
+def _spatial(layer: str, kernel_size: object) -> tuple[int, ...]:
+    """`kernel_size` as a tuple; an int is refused (is 3 a 1D or a 2D window?)."""
+    if not isinstance(kernel_size, Sequence) or not all(isinstance(k, int) for k in kernel_size):
         raise TypeError(
             f"{layer}'s kernel_size must be a tuple with one size per spatial axis, which also "
             f"sets the number of spatial axes: (3,) for 1D, (3, 3) for 2D, (3, 3, 3) for 3D; "
@@ -68,8 +70,8 @@ def _groups(layer: str, in_features: int, out_features: int, groups: int) -> Non
         )
 
 
-def _init(rngs: Rngs, window: tuple[int, ...], fan_in: int, out: int, use_bias: bool, dtype):
-    kernel = jax.nn.initializers.lecun_normal()(rngs(), (*window, fan_in, out), dtype)
+def _parameters(rngs: Rngs, window: tuple[int, ...], fan_in: int, out: int, use_bias: bool, dtype):
+    kernel = lecun_normal(rngs(), (*window, fan_in, out), dtype)
     return kernel, (jnp.zeros((out,), dtype) if use_bias else None)
 
 
@@ -170,7 +172,7 @@ class Conv(Module):
         window = _spatial("Conv", kernel_size)
         n = len(window)
         _groups("Conv", in_features, out_features, feature_group_count)
-        self.kernel, self.bias = _init(
+        self.kernel, self.bias = _parameters(
             rngs, window, in_features // feature_group_count, out_features, use_bias, dtype
         )
         self.strides = _per_axis("Conv", "strides", strides, n)
@@ -267,7 +269,7 @@ class ConvTranspose(Module):
         window = _spatial("ConvTranspose", kernel_size)
         n = len(window)
         _groups("ConvTranspose", in_features, out_features, feature_group_count)
-        self.kernel, self.bias = _init(
+        self.kernel, self.bias = _parameters(
             rngs, window, in_features // feature_group_count, out_features, use_bias, dtype
         )
         self.strides = _per_axis("ConvTranspose", "strides", strides, n)

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float
 
 from .._module import Module
+from ._random import keep_mask
 
 
 class Dropout(Module):
@@ -42,7 +43,7 @@ class Dropout(Module):
                 return x
             if self.rate == 1.0:
                 return jnp.zeros_like(x)
-            keep = jax.random.bernoulli(key, 1.0 - self.rate, x.shape)
+            keep = keep_mask(key, self.rate, x.shape)
             return jnp.where(
                 keep, x / jnp.asarray(1.0 - self.rate, x.dtype), jnp.zeros((), x.dtype)
             )

@@ -10,6 +10,7 @@ from jaxtyping import Array, Float, Integer
 from .._module import Module
 from .._rngs import Rngs
 from ._checks import check_features
+from ._random import normal
 
 
 class Embed(Module):
@@ -38,8 +39,7 @@ class Embed(Module):
         dtype: DTypeLike = jnp.float32,
         rngs: Rngs,
     ):
-        init = jax.nn.initializers.normal(stddev=1.0)
-        self.embedding = init(rngs(), (num_embeddings, features), dtype)
+        self.embedding = normal(rngs(), (num_embeddings, features), dtype, stddev=1.0)
 
     def __call__(self, ids: Integer[Array, "*batch"]) -> Float[Array, "*batch features"]:
         """Returns the rows of ``embedding`` for ``ids`` ``[*batch]``: ``[*batch, features]``.
