@@ -56,5 +56,5 @@ def test_slicing_indexing_and_iteration():
     assert list(tail.flat_state_dict()) == [
         f"layers.{i}.{p}" for i in (0, 1) for p in ("kernel", "bias")
     ]
-    with pytest.raises(IndexError):
+    with pytest.raises(IndexError, match="out of range"):
         seq[3]

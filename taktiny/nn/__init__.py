@@ -6,7 +6,7 @@ from .._rngs import Rngs as Rngs
 from ._attention import MultiHeadAttention as MultiHeadAttention
 from ._batchnorm import BatchNorm as BatchNorm
 from ._conv import Conv as Conv
-from ._conv import ConvTranspose as ConvTranspose
+from ._conv_transpose import ConvTranspose as ConvTranspose
 from ._dropout import Dropout as Dropout
 from ._embed import Embed as Embed
 from ._linear import Linear as Linear
