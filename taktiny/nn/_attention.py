@@ -185,14 +185,16 @@ class MultiHeadAttention(Module):
     ) -> jax.Array:
         """Attention with dropout on the weights ([B, t, heads, d] layouts), which
         ``jax.nn.dot_product_attention`` does not offer; masked as it masks."""
-        logits = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(jnp.asarray(q.shape[-1], q.dtype))
+        # logits and softmax in float32 (at least), as jax.nn.dot_product_attention does
+        logits = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32)
+        logits = logits / jnp.sqrt(jnp.float32(q.shape[-1]))
         allowed = jnp.ones((1, 1, q.shape[1], k.shape[1]), jnp.bool_)
         if mask is not None:
             allowed = allowed & mask
         if causal:
             allowed = allowed & jnp.tril(jnp.ones((q.shape[1], k.shape[1]), jnp.bool_))
         logits = jnp.where(allowed, logits, jnp.finfo(logits.dtype).min)
-        weights = jax.nn.softmax(logits.astype(jnp.float32), axis=-1).astype(q.dtype)
+        weights = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
         keep = keep_mask(key, self.dropout_rate, weights.shape)
         weights = jnp.where(keep, weights / jnp.asarray(1.0 - self.dropout_rate, weights.dtype), 0)
         return jnp.einsum("bhqk,bkhd->bqhd", weights, v)
