@@ -1,5 +1,6 @@
 """Helpers for the oracle tests: PyTorch modules in, NumPy arrays out, one error budget."""
 
+import jax
 import numpy as np
 import torch
 
@@ -47,6 +48,4 @@ def build(factory, state):
     """The layer `factory()` builds, with `state` loaded: built abstractly (no random
     initialisation to compile) and filled by a strict load, which must supply every
     parameter."""
-    import jax
-
     return jax.eval_shape(factory).load_flat_state_dict(state, strict=True)
