@@ -197,6 +197,18 @@ def _convert(name: str, value: Any, old: Any, problems: list[StateProblem]) -> A
     return value.astype(old.dtype)
 
 
+def _shared(value: Any, given: Any, target: Any) -> bool:
+    """Whether placing NumPy `value` on `target` (None: the default device) could leave the
+    loaded leaf sharing memory with an array the caller still holds (`given` itself, or what
+    it views, like a torch tensor's `.numpy()`). On CPU, jax.device_put shares aligned host
+    buffers, even with may_alias=False, so a later write to the caller's array would
+    silently change the loaded model."""
+    if not isinstance(value, np.ndarray) or (value is not given and value.flags.owndata):
+        return False
+    devices = target.device_set if target is not None else jax.devices()[:1]
+    return any(device.platform == "cpu" for device in devices)
+
+
 def load(model: Any, state: Any, *, strict: bool, flat: bool) -> Any:
     method = "load_flat_state_dict" if flat else "load_state_dict"
     if not isinstance(state, Mapping):
@@ -229,15 +241,16 @@ def load(model: Any, state: Any, *, strict: bool, flat: bool) -> Any:
             else:
                 moves.append((i, value, want))
             continue
-        value = _convert(spec.names[i], value, old, problems)
+        given, value = value, _convert(spec.names[i], value, old, problems)
         if value is None:
             continue
+        target = getattr(old, "sharding", None)
         if isinstance(old, Tracer) or isinstance(value, Tracer):  # inside jit: jit places it
             new[i] = jnp.asarray(value)
-        elif isinstance(value, jax.Array) and value.sharding == getattr(old, "sharding", None):
+        elif isinstance(value, jax.Array) and value.sharding == target:
             new[i] = value
         else:
-            moves.append((i, value, getattr(old, "sharding", None)))
+            moves.append((i, value.copy() if _shared(value, given, target) else value, target))
 
     if len(supplied) < len(leaves):
         absent = [i for i in range(len(leaves)) if i not in supplied]

@@ -28,3 +28,28 @@ def test_quickstart_runs_to_its_end():
     assert "partially loaded the trained `input` layer" in out
     assert "input.kernel    (32, 64)    float32       8192" in out
     assert "total parameters: 2,372" in out
+
+
+def max_errors(out: str) -> dict[str, float]:
+    return {
+        line.split()[0]: float(line.split()[-1])
+        for line in out.splitlines()
+        if "max abs error" in line
+    }
+
+
+def test_bert_example_matches_transformers():
+    out = run_example("bert.py")
+    errors = max_errors(out)
+    assert errors.keys() == {"last_hidden_state", "pooler_output"}, out
+    assert max(errors.values()) <= 1e-5, errors
+    moved = float(out.split("hidden states move by")[-1])
+    assert moved > 0.01  # dropout with a key changes the output
+
+
+def test_gpt2_example_matches_transformers():
+    out = run_example("gpt2.py")
+    errors = max_errors(out)
+    assert errors.keys() == {"logits"}, out
+    assert errors["logits"] <= 1e-5, errors
+    assert "causal: earlier positions do not see later tokens" in out

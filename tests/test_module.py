@@ -232,9 +232,17 @@ def test_public_surface_is_short_and_documented():
         "nn",
     ]
     assert _public(nn) == [
+        "BatchNorm",
+        "Conv",
+        "ConvTranspose",
+        "Dropout",
+        "Embed",
         "Lambda",
+        "LayerNorm",
         "Linear",
         "Module",
+        "MultiHeadAttention",
+        "RMSNorm",
         "Rngs",
         "Sequential",
         "field",

@@ -314,3 +314,44 @@ def test_non_dict_state_is_a_type_error():
         _state.load(m, m, strict=False, flat=False)  # pyright: ignore[reportArgumentType]
     with pytest.raises(TypeError, match=r"parameter 'state'"):
         m.load_state_dict(m)  # pyright: ignore[reportArgumentType]
+
+
+def _aligned(values):
+    """A float32 copy of `values` in a 64-byte-aligned buffer: the kind jax.device_put
+    shares on CPU instead of copying."""
+    values = np.asarray(values, np.float32)
+    buffer = np.empty(values.nbytes + 64, np.uint8)
+    start = -buffer.ctypes.data % 64
+    array = buffer[start : start + values.nbytes].view(np.float32).reshape(values.shape)
+    array[...] = values
+    return array
+
+
+class _Tensor:
+    """Stands in for a torch tensor: np.asarray() of it is a view of its memory."""
+
+    def __init__(self, array):
+        self.array = array
+
+    def __array__(self, dtype=None, copy=None):
+        return self.array
+
+
+def test_loads_do_not_share_memory_with_the_callers_arrays():
+    """Regression: loads of aligned NumPy arrays (or of objects that expose their memory,
+    like torch tensors) used to share it on CPU, so updating the source afterwards (a
+    torch BatchNorm's running statistics, a reused buffer) silently changed the model."""
+    m = MLP(rngs=nn.Rngs(0))
+    abstract = jax.eval_shape(lambda: nn.Linear(2, 3, rngs=nn.Rngs(0)))
+    sources = {name: _aligned(np.ones(v.shape)) for name, v in m.flat_state_dict().items()}
+    kernel, bias = _aligned(np.ones((2, 3))), _aligned(np.ones(3))
+    loaded = [
+        m.load_flat_state_dict(sources),
+        m.load_state_dict({"input": {"kernel": sources["input.kernel"]}}),
+        abstract.load_flat_state_dict({"kernel": kernel, "bias": _Tensor(bias)}, strict=True),
+    ]
+    for array in [*sources.values(), kernel, bias]:
+        array[...] = 7.0
+    for model in loaded:
+        for leaf in jax.tree.leaves(model):
+            assert not np.any(np.asarray(leaf) == 7.0)

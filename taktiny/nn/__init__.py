@@ -3,6 +3,14 @@
 from .._module import Module as Module
 from .._module import field as field
 from .._rngs import Rngs as Rngs
+from ._attention import MultiHeadAttention as MultiHeadAttention
+from ._batchnorm import BatchNorm as BatchNorm
+from ._conv import Conv as Conv
+from ._conv_transpose import ConvTranspose as ConvTranspose
+from ._dropout import Dropout as Dropout
+from ._embed import Embed as Embed
 from ._linear import Linear as Linear
+from ._norm import LayerNorm as LayerNorm
+from ._norm import RMSNorm as RMSNorm
 from ._sequential import Lambda as Lambda
 from ._sequential import Sequential as Sequential

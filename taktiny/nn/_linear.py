@@ -9,6 +9,7 @@ from jaxtyping import Array, Float
 
 from .._module import Module
 from .._rngs import Rngs
+from ._random import lecun_normal
 
 
 class Linear(Module):
@@ -41,8 +42,7 @@ class Linear(Module):
         dtype: DTypeLike = jnp.float32,
         rngs: Rngs,
     ):
-        init = jax.nn.initializers.lecun_normal()
-        self.kernel = init(rngs(), (in_features, out_features), dtype)
+        self.kernel = lecun_normal(rngs(), (in_features, out_features), dtype)
         self.bias = jnp.zeros((out_features,), dtype) if use_bias else None
 
     def __call__(

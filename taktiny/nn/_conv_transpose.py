@@ -1,0 +1,127 @@
+"""`ConvTranspose`: the channels-last transpose of a strided convolution."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+from jax.typing import DTypeLike
+from jaxtyping import Array, Float
+
+from .._module import Module
+from .._rngs import Rngs
+from ._conv import Padding, _convolve, _groups, _padding, _parameters, _per_axis, _spatial
+
+
+class ConvTranspose(Module):
+    """The transpose of a strided convolution (a learned upsampling), channels last.
+
+    As in PyTorch, ``strides`` spreads the input out and each input element adds a
+    weighted copy of the kernel window to the output; the full output of a spatial axis
+    of size ``L`` has ``(L - 1) * stride + dilation * (k - 1) + 1`` elements, and
+    ``padding`` says how much of it to crop. Computed as a convolution of the
+    stride-dilated input with ``kernel``, so ``kernel`` is stored in that convolution's
+    orientation.
+
+    Parameters (state names):
+        kernel: ``[*kernel_size, in_features // feature_group_count, out_features]``,
+            LeCun-normal initialised (fan_in ``prod(kernel_size) * in_features //
+            feature_group_count``). PyTorch's ``nn.ConvTranspose{1,2,3}d.weight`` is
+            ``[in, out // groups, *kernel_size]`` and applied mirrored: reshape it to
+            ``[groups, in // groups, out // groups, *kernel_size]``, move the window axes
+            first, merge the group axis into the output axis and flip the window axes.
+        bias: ``[out_features]``, zeros; ``None`` when ``use_bias=False``.
+
+    Args:
+        in_features: channels of the input (its last axis).
+        out_features: channels of the output.
+        kernel_size: the window, one size per spatial axis (a tuple, even in 1D).
+        strides: the upsampling factor, an int or one per spatial axis.
+        padding: how much of the full output to crop: ``"VALID"`` (nothing: PyTorch's
+            ``padding=0``), ``"SAME"`` (output size ``size * stride``, cropping as evenly
+            as possible with any odd element cropped at the start, as PyTorch's
+            ``padding=p, output_padding=op`` do when they give that size), an int ``p``
+            (``p`` from both ends: PyTorch's ``padding=p``), or one int or
+            ``(low, high)`` pair per spatial axis (PyTorch's ``padding=p,
+            output_padding=op`` is ``(p, p - op)``; a negative value pads instead).
+        kernel_dilation: spacing between kernel taps (PyTorch's ``dilation``).
+        feature_group_count: channel groups (PyTorch's ``groups``).
+        use_bias: whether to add a bias.
+        dtype: the parameters' dtype, which is also the dtype the layer computes in.
+        rngs: the key stream for the initialisation.
+    """
+
+    kernel: Float[Array, "*kernel_size in_per_group out_features"]
+    bias: Float[Array, " out_features"] | None
+    strides: tuple[int, ...]
+    padding: str | tuple[tuple[int, int], ...]
+    kernel_dilation: tuple[int, ...]
+    feature_group_count: int
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        kernel_size: Sequence[int],
+        *,
+        strides: int | Sequence[int] = 1,
+        padding: Padding = "SAME",
+        kernel_dilation: int | Sequence[int] = 1,
+        feature_group_count: int = 1,
+        use_bias: bool = True,
+        dtype: DTypeLike = jnp.float32,
+        rngs: Rngs,
+    ):
+        window = _spatial("ConvTranspose", kernel_size)
+        n = len(window)
+        _groups("ConvTranspose", in_features, out_features, feature_group_count)
+        self.kernel, self.bias = _parameters(
+            rngs, window, in_features // feature_group_count, out_features, use_bias, dtype
+        )
+        self.strides = _per_axis("ConvTranspose", "strides", strides, n)
+        self.padding = _padding("ConvTranspose", padding, n)
+        self.kernel_dilation = _per_axis("ConvTranspose", "kernel_dilation", kernel_dilation, n)
+        self.feature_group_count = feature_group_count
+
+    def _crops(self) -> Sequence[tuple[int, int]]:
+        if not isinstance(self.padding, str):
+            return self.padding
+        if self.padding == "VALID":
+            return [(0, 0)] * len(self.strides)
+        spans = [(k - 1) * d + 1 for k, d in zip(self.kernel.shape, self.kernel_dilation)]
+        excess = [span - s for span, s in zip(spans, self.strides)]  # full size - size * stride
+        return [(e - e // 2, e // 2) for e in excess]
+
+    def _pads(self, spatial: tuple[int, ...]) -> Sequence[tuple[int, int]]:
+        spans = [(k - 1) * d + 1 for k, d in zip(self.kernel.shape, self.kernel_dilation)]
+        return [(span - 1 - lo, span - 1 - hi) for span, (lo, hi) in zip(spans, self._crops())]
+
+    def __call__(
+        self, x: Float[Array, "*batch_spatial in_features"]
+    ) -> Float[Array, "*batch_spatial_out out_features"]:
+        """Upsamples ``x`` ``[*batch, *spatial, in_features]`` to
+        ``[*batch, *out_spatial, out_features]``."""
+        with jax.named_scope("ConvTranspose"):
+            spans = [(k - 1) * d + 1 for k, d in zip(self.kernel.shape, self.kernel_dilation)]
+            if x.ndim > len(spans):
+                spatial = x.shape[-len(spans) - 1 : -1]
+                full = [(s - 1) * st + span for s, st, span in zip(spatial, self.strides, spans)]
+                sizes = [f - lo - hi for f, (lo, hi) in zip(full, self._crops())]
+                if min(sizes) < 1:
+                    raise ValueError(
+                        f"ConvTranspose's padding {self.padding} crops more than the full "
+                        f"output {tuple(full)} of an input of shape {tuple(x.shape)} holds "
+                        f"(it would leave {tuple(sizes)}); use less padding or a larger input."
+                    )
+            return _convolve(
+                "ConvTranspose",
+                x,
+                self.kernel,
+                self.bias,
+                self.feature_group_count,
+                self._pads,
+                window_strides=(1,) * len(self.strides),
+                lhs_dilation=self.strides,
+                rhs_dilation=self.kernel_dilation,
+            )

@@ -1,0 +1,49 @@
+"""`Dropout`: randomly zeroes elements during training, with an explicit key."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float
+
+from .._module import Module
+from ._random import keep_mask
+
+
+class Dropout(Module):
+    """Zeroes each element with probability ``rate`` and scales the rest by
+    ``1 / (1 - rate)``, so the expected value is unchanged (inverted dropout, as PyTorch's
+    ``nn.Dropout`` in training mode).
+
+    There is no train/eval flag and no hidden random state: called without a key the
+    layer is the identity (evaluation); called with ``key=`` it drops, and the same key
+    drops the same elements. Split a fresh key per step and per layer
+    (``jax.random.split``), or let :class:`Sequential` split one for its layers.
+
+    Dropout has no parameters; it computes in the input's dtype.
+
+    Args:
+        rate: the probability of zeroing an element, in ``[0, 1]``.
+    """
+
+    rate: float
+
+    def __init__(self, rate: float):
+        if not 0.0 <= rate <= 1.0:
+            raise ValueError(f"Dropout's rate is a probability in [0, 1], got {rate!r}.")
+        self.rate = float(rate)
+
+    def __call__(self, x: Float[Array, "*shape"], *, key: Any = None) -> Float[Array, "*shape"]:
+        """Returns ``x`` (any shape) unchanged when ``key`` is None, else ``x`` with elements
+        dropped using ``key`` (a PRNG key from ``jax.random.key``)."""
+        with jax.named_scope("Dropout"):
+            if key is None or self.rate == 0.0:
+                return x
+            if self.rate == 1.0:
+                return jnp.zeros_like(x)
+            keep = keep_mask(key, self.rate, x.shape)
+            return jnp.where(
+                keep, x / jnp.asarray(1.0 - self.rate, x.dtype), jnp.zeros((), x.dtype)
+            )

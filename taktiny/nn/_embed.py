@@ -1,0 +1,70 @@
+"""`Embed`: a lookup table from integer ids to vectors, usable as a tied output projection."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.typing import DTypeLike
+from jaxtyping import Array, Float, Integer
+
+from .._module import Module
+from .._rngs import Rngs
+from ._checks import check_features
+from ._random import normal
+
+
+class Embed(Module):
+    """A table of ``num_embeddings`` vectors of size ``features``, looked up by integer id.
+
+    Parameters (state names):
+        embedding: ``[num_embeddings, features]``, standard-normal initialised
+            (``normal(0, 1)``, as PyTorch's ``nn.Embedding``, whose ``weight`` has the same
+            layout and needs no conversion).
+
+    Args:
+        num_embeddings: the number of ids (the vocabulary size).
+        features: the size of each vector.
+        dtype: the embedding's dtype, which is also the dtype the outputs have and the
+            dtype :meth:`attend` computes in.
+        rngs: the key stream for the initialisation.
+    """
+
+    embedding: Float[Array, "num_embeddings features"]
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        features: int,
+        *,
+        dtype: DTypeLike = jnp.float32,
+        rngs: Rngs,
+    ):
+        self.embedding = normal(rngs(), (num_embeddings, features), dtype, stddev=1.0)
+
+    def __call__(self, ids: Integer[Array, "*batch"]) -> Float[Array, "*batch features"]:
+        """Returns the rows of ``embedding`` for ``ids`` ``[*batch]``: ``[*batch, features]``.
+
+        Ids follow NumPy's indexing: a negative id counts from the end of the table. An id
+        ``>= num_embeddings`` gives a row of NaNs (not an error, so that the call works
+        inside ``jax.jit``), which makes the mistake visible downstream.
+        """
+        with jax.named_scope("Embed"):
+            if not jnp.issubdtype(ids.dtype, jnp.integer):
+                raise TypeError(
+                    f"Embed expects integer ids, got an array of dtype {ids.dtype} and shape "
+                    f"{tuple(ids.shape)}; cast it first: ids.astype(jnp.int32)."
+                )
+            return jnp.take(self.embedding, ids, axis=0, mode="fill", fill_value=jnp.nan)
+
+    def attend(self, x: Float[Array, "*batch features"]) -> Float[Array, "*batch num_embeddings"]:
+        """Scores ``x`` ``[*batch, features]`` against every row: ``x @ embedding.T``.
+
+        This is the output projection of a language model whose input and output
+        embeddings are tied; the result is ``[*batch, num_embeddings]`` (logits).
+        """
+        with jax.named_scope("Embed.attend"):
+            shape = tuple(self.embedding.shape)
+            check_features(
+                "Embed.attend", x, shape[1], why=f"its embedding is {shape}", argument="features"
+            )
+            return x.astype(self.embedding.dtype) @ self.embedding.T

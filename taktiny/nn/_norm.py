@@ -1,0 +1,119 @@
+"""`LayerNorm` and `RMSNorm`: normalisation over the last axis of each example."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.typing import DTypeLike
+from jaxtyping import Array, Float
+
+from .._module import Module
+from .._rngs import Rngs
+from ._checks import check_features
+
+
+class LayerNorm(Module):
+    """Layer normalisation: each vector on the last axis to zero mean and unit variance,
+    then scaled and shifted: ``(x - mean) / sqrt(var + epsilon) * scale + bias``.
+
+    The variance is the biased one (divided by ``num_features``), as in PyTorch.
+
+    Parameters (state names):
+        scale: ``[num_features]``, ones; ``None`` when ``use_scale=False``
+            (PyTorch's ``nn.LayerNorm.weight``).
+        bias: ``[num_features]``, zeros; ``None`` when ``use_bias=False``
+            (PyTorch's ``nn.LayerNorm.bias``).
+
+    Args:
+        num_features: the size of the normalised last axis.
+        epsilon: added to the variance for stability (PyTorch's ``eps``, whose default
+            is ``1e-5``; BERT uses ``1e-12``).
+        use_scale: whether to multiply by a learned ``scale``.
+        use_bias: whether to add a learned ``bias``.
+        dtype: the parameters' dtype, which is also the dtype the layer computes in.
+            A LayerNorm with neither scale nor bias has no parameters and computes in
+            the input's dtype.
+        rngs: unused (the initialisation is deterministic); accepted so that every
+            layer can be built the same way.
+    """
+
+    scale: Float[Array, " num_features"] | None
+    bias: Float[Array, " num_features"] | None
+    epsilon: float
+
+    def __init__(
+        self,
+        num_features: int,
+        *,
+        epsilon: float = 1e-6,
+        use_scale: bool = True,
+        use_bias: bool = True,
+        dtype: DTypeLike = jnp.float32,
+        rngs: Rngs | None = None,
+    ):
+        self.scale = jnp.ones((num_features,), dtype) if use_scale else None
+        self.bias = jnp.zeros((num_features,), dtype) if use_bias else None
+        self.epsilon = epsilon
+
+    def __call__(
+        self, x: Float[Array, "*batch num_features"]
+    ) -> Float[Array, "*batch num_features"]:
+        """Normalises ``x`` ``[*batch, num_features]`` over its last axis; same shape out."""
+        with jax.named_scope("LayerNorm"):
+            param = self.scale if self.scale is not None else self.bias
+            if param is not None:
+                size = param.shape[0]
+                why = f"its {'scale' if self.scale is not None else 'bias'} is ({size},)"
+                check_features("LayerNorm", x, size, why=why, argument="num_features")
+                x = x.astype(param.dtype)
+            mean = jnp.mean(x, axis=-1, keepdims=True)
+            var = jnp.mean(jnp.square(x - mean), axis=-1, keepdims=True)
+            y = (x - mean) * jax.lax.rsqrt(var + self.epsilon)
+            if self.scale is not None:
+                y = y * self.scale
+            if self.bias is not None:
+                y = y + self.bias
+            return y
+
+
+class RMSNorm(Module):
+    """Root-mean-square normalisation: ``x / sqrt(mean(x**2) + epsilon) * scale`` on the
+    last axis, with no centring and no bias (as in T5 and Llama).
+
+    Parameters (state names):
+        scale: ``[num_features]``, ones (PyTorch's ``nn.RMSNorm.weight``).
+
+    Args:
+        num_features: the size of the normalised last axis.
+        epsilon: added to the mean square for stability (PyTorch's ``eps``; give it
+            explicitly there, as its default depends on the dtype).
+        dtype: the parameter's dtype, which is also the dtype the layer computes in.
+        rngs: unused (the initialisation is deterministic).
+    """
+
+    scale: Float[Array, " num_features"]
+    epsilon: float
+
+    def __init__(
+        self,
+        num_features: int,
+        *,
+        epsilon: float = 1e-6,
+        dtype: DTypeLike = jnp.float32,
+        rngs: Rngs | None = None,
+    ):
+        self.scale = jnp.ones((num_features,), dtype)
+        self.epsilon = epsilon
+
+    def __call__(
+        self, x: Float[Array, "*batch num_features"]
+    ) -> Float[Array, "*batch num_features"]:
+        """Normalises ``x`` ``[*batch, num_features]`` over its last axis; same shape out."""
+        with jax.named_scope("RMSNorm"):
+            size = self.scale.shape[0]
+            check_features(
+                "RMSNorm", x, size, why=f"its scale is ({size},)", argument="num_features"
+            )
+            x = x.astype(self.scale.dtype)
+            mean_square = jnp.mean(jnp.square(x), axis=-1, keepdims=True)
+            return x * jax.lax.rsqrt(mean_square + self.epsilon) * self.scale

@@ -1,0 +1,139 @@
+"""BatchNorm against torch.nn.BatchNorm{1,2,3}d: inference, train steps, running statistics."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+import torch
+from _torch import assert_close, build, channels_last, numpy, randomize_
+
+from taktiny import nn
+
+NAMES = {"weight": "scale", "bias": "bias", "running_mean": "mean", "running_var": "var"}
+
+
+def convert(reference):
+    """Drops num_batches_tracked, which only matters for torch's momentum=None."""
+    state = reference.state_dict()
+    assert set(state) == {*NAMES, "num_batches_tracked"}
+    return {NAMES[name]: numpy(value) for name, value in state.items() if name in NAMES}
+
+
+# the torch layer and an input [N, C, *spatial] for it
+CASES = [
+    (torch.nn.BatchNorm1d, (8, 5)),
+    (torch.nn.BatchNorm1d, (4, 5, 7)),
+    (torch.nn.BatchNorm2d, (3, 5, 4, 6)),
+    (torch.nn.BatchNorm3d, (2, 5, 3, 4, 2)),
+]
+
+
+@pytest.mark.parametrize("torch_type, shape", CASES)
+def test_inference_uses_the_running_statistics_as_torch_eval(torch_type, shape):
+    reference = randomize_(torch_type(5, eps=1e-3))
+    bn = build(lambda: nn.BatchNorm(5, epsilon=1e-3), convert(reference))
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(0)) * 2 + 1
+    assert_close(bn(jnp.asarray(channels_last(x))), channels_last(reference(x)))
+
+
+@pytest.mark.parametrize("torch_type, shape", CASES)
+def test_train_steps_match_torch_train_mode(torch_type, shape):
+    """Three steps, each normalising with batch statistics and updating the running ones;
+    a torch momentum of 0.1 is 0.9 here."""
+    reference = randomize_(torch_type(5, momentum=0.1)).train()
+    bn = build(lambda: nn.BatchNorm(5, momentum=0.9), convert(reference))
+    step = jax.jit(lambda bn, x: bn(x, train=True))
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        x = torch.randn(shape, generator=generator) * 3 - 1
+        y, bn = step(bn, jnp.asarray(channels_last(x)))
+        assert_close(y, channels_last(reference(x)))
+        assert_close(bn.mean, numpy(reference.running_mean))
+        assert_close(bn.var, numpy(reference.running_var))  # updated with the unbiased variance
+
+
+def test_train_returns_a_new_module_and_leaves_the_old_one_alone():
+    bn = nn.BatchNorm(3)
+    x = jnp.arange(12.0).reshape(4, 3)
+    y, new = bn(x, train=True)
+    assert isinstance(new, nn.BatchNorm) and new is not bn
+    np.testing.assert_array_equal(bn.mean, np.zeros(3))
+    np.testing.assert_allclose(new.mean, 0.01 * np.asarray(x.mean(0)), rtol=1e-6)
+    np.testing.assert_allclose(new.var, 0.99 + 0.01 * np.asarray(x.var(0, ddof=1)), rtol=1e-6)
+    assert new.scale is bn.scale and new.momentum == bn.momentum
+    np.testing.assert_allclose(y.mean(0), np.zeros(3), atol=1e-6)
+    assert list(new.flat_state_dict()) == ["scale", "bias", "mean", "var"]
+
+
+def test_a_jitted_train_step_with_optax_learns_and_tracks_statistics(optax_promotion):
+    """The documented pattern: the new statistics come out of the loss as auxiliary data."""
+    model = nn.Sequential(nn.Linear(4, 8, rngs=nn.Rngs(0)), nn.BatchNorm(8, momentum=0.5))
+    optimizer = optax.sgd(0.1)
+    x = jax.random.normal(jax.random.key(1), (32, 4)) * 3 + 2
+    target = jnp.ones((32, 8))
+
+    @jax.jit
+    def train_step(model, opt_state):
+        def loss_fn(model):
+            h = model.layers[0](x)
+            y, bn = model.layers[1](h, train=True)
+            return jnp.mean((y - target) ** 2), model.replace(layers=(model.layers[0], bn))
+
+        (loss, model_with_stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(model)
+        np_zero = jnp.zeros(8)
+        # training mode does not read the running statistics: their gradients are zero
+        zero_grads = jnp.array_equal(grads.layers[1].mean, np_zero) & jnp.array_equal(
+            grads.layers[1].var, np_zero
+        )
+        updates, opt_state = optimizer.update(grads, opt_state, model_with_stats)
+        return optax.apply_updates(model_with_stats, updates), opt_state, loss, zero_grads
+
+    opt_state = optimizer.init(model)
+    losses = []
+    for _ in range(30):
+        model, opt_state, loss, zero_grads = train_step(model, opt_state)
+        assert bool(zero_grads)
+        losses.append(float(loss))
+    assert losses[-1] < losses[0] / 2
+    h = model.layers[0](x)
+    np.testing.assert_allclose(model.layers[1].mean, h.mean(0), atol=1e-3)  # tracked
+    assert not np.allclose(model.layers[1].scale, 1.0)  # and the affine part learned
+
+
+def test_parameters_and_dtype():
+    bn = nn.BatchNorm(3, dtype=jnp.bfloat16)
+    assert {v.dtype for v in bn.flat_state_dict().values()} == {jnp.dtype(jnp.bfloat16)}
+    assert bn(jnp.ones((2, 3))).dtype == jnp.bfloat16
+    y, new = bn(jnp.ones((2, 3)) * jnp.arange(3.0), train=True)
+    assert y.dtype == new.mean.dtype == new.var.dtype == jnp.bfloat16
+    fresh = nn.BatchNorm(3)
+    for name, value in (("scale", 1), ("bias", 0), ("mean", 0), ("var", 1)):
+        np.testing.assert_array_equal(getattr(fresh, name), np.full(3, value))
+
+
+def test_rejects_the_wrong_feature_size():
+    with pytest.raises(
+        ValueError,
+        match=r"BatchNorm expects inputs whose last axis has 3 features \(its scale is \(3,\)\), "
+        r"got an input of shape \(4, 5\).*num_features=5",
+    ):
+        nn.BatchNorm(3)(jnp.ones((4, 5)), train=True)
+
+
+def test_training_needs_more_than_one_value_per_feature():
+    with pytest.raises(
+        ValueError,
+        match=r"BatchNorm\(train=True\) needs more than one value per feature.*got an input of "
+        r"shape \(1, 3\)",
+    ):
+        nn.BatchNorm(3)(jnp.ones((1, 3)), train=True)
+    assert nn.BatchNorm(3)(jnp.ones((1, 3))).shape == (1, 3)  # inference is fine
+
+
+def test_momentum_must_be_in_unit_interval_and_mentions_torch():
+    with pytest.raises(
+        ValueError,
+        match=r"BatchNorm's momentum .* in \[0, 1\]; got 1\.5 \(a PyTorch momentum m is 1 - m here\)",
+    ):
+        nn.BatchNorm(3, momentum=1.5)

@@ -1,0 +1,105 @@
+"""What every layer shares: named scopes, the dtype rule, jit/grad, init draws, reprs."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from taktiny import nn
+from taktiny.nn import _random
+
+
+def rngs():
+    return nn.Rngs(0)
+
+
+# name -> (factory taking a dtype, input shape, call keyword arguments)
+LAYERS = {
+    "Linear": (lambda dtype: nn.Linear(4, 3, dtype=dtype, rngs=rngs()), (2, 4), {}),
+    "LayerNorm": (lambda dtype: nn.LayerNorm(4, dtype=dtype), (2, 4), {}),
+    "RMSNorm": (lambda dtype: nn.RMSNorm(4, dtype=dtype), (2, 4), {}),
+    "Conv": (lambda dtype: nn.Conv(4, 3, (3,), dtype=dtype, rngs=rngs()), (2, 5, 4), {}),
+    "ConvTranspose": (
+        lambda dtype: nn.ConvTranspose(4, 3, (3,), strides=2, dtype=dtype, rngs=rngs()),
+        (2, 5, 4),
+        {},
+    ),
+    "BatchNorm": (lambda dtype: nn.BatchNorm(4, dtype=dtype), (2, 4), {}),
+    "MultiHeadAttention": (
+        lambda dtype: nn.MultiHeadAttention(2, 4, dtype=dtype, rngs=rngs()),
+        (2, 5, 4),
+        {"causal": True},
+    ),
+}
+
+
+@pytest.mark.parametrize("name", LAYERS)
+def test_layers_compute_in_their_parameters_dtype(name):
+    factory, shape, kwargs = LAYERS[name]
+    layer = factory(jnp.bfloat16)
+    assert {leaf.dtype for leaf in jax.tree.leaves(layer)} == {jnp.dtype(jnp.bfloat16)}
+    assert layer(jnp.ones(shape, jnp.float32), **kwargs).dtype == jnp.bfloat16
+    layer = factory(jnp.float32)
+    assert layer(jnp.ones(shape, jnp.bfloat16), **kwargs).dtype == jnp.float32
+
+
+@pytest.mark.parametrize("name", [*LAYERS, "Embed", "Dropout", "Sequential"])
+def test_every_call_runs_in_a_named_scope(name):
+    if name == "Embed":
+        layer, x, kwargs = nn.Embed(5, 4, rngs=rngs()), jnp.arange(3), {}
+    elif name == "Dropout":
+        layer, x, kwargs = nn.Dropout(0.5), jnp.ones((2, 4)), {"key": jax.random.key(0)}
+    elif name == "Sequential":
+        layer, x, kwargs = nn.Sequential(nn.LayerNorm(4), jax.nn.relu), jnp.ones((2, 4)), {}
+    else:
+        factory, shape, kwargs = LAYERS[name]
+        layer, x = factory(jnp.float32), jnp.ones(shape)
+    jaxpr = jax.make_jaxpr(lambda layer, x: layer(x, **kwargs))(layer, x).jaxpr
+    stacks = {str(eqn.source_info.name_stack) for eqn in jaxpr.eqns}
+    assert stacks and all(stack.startswith(name) for stack in stacks), stacks
+
+
+def test_attend_has_its_own_scope():
+    embed = nn.Embed(5, 4, rngs=rngs())
+    jaxpr = jax.make_jaxpr(embed.attend)(jnp.ones((2, 4))).jaxpr
+    assert {str(e.source_info.name_stack) for e in jaxpr.eqns} == {"Embed.attend"}
+
+
+@pytest.mark.parametrize("name", LAYERS)
+def test_layers_jit_and_differentiate(name):
+    factory, shape, kwargs = LAYERS[name]
+    layer = factory(jnp.float32)
+    x = jnp.asarray(np.random.default_rng(0).normal(size=shape), jnp.float32)
+    eager = layer(x, **kwargs)
+    jitted = jax.jit(lambda layer, x: layer(x, **kwargs))(layer, x)
+    np.testing.assert_allclose(jitted, eager, atol=1e-6)
+    grads = jax.grad(lambda layer: jnp.sum(layer(x, **kwargs) ** 2))(layer)
+    assert type(grads) is type(layer)
+    assert jax.tree.structure(grads) == jax.tree.structure(layer)
+
+
+def test_flat_draws_equal_jax_initializers_on_the_full_shape():
+    """A [window, in, out] kernel: fan_in is window * in, and the draws are JAX's own
+    (to the rounding of the standard deviation)."""
+    shape, key = (3, 2, 4), jax.random.key(3)
+    np.testing.assert_allclose(
+        _random.lecun_normal(key, shape, jnp.float32),
+        jax.nn.initializers.lecun_normal()(key, shape, jnp.float32),
+        rtol=1e-6,
+    )
+    np.testing.assert_array_equal(
+        _random.normal(key, shape, jnp.bfloat16, stddev=2.0),
+        jax.nn.initializers.normal(2.0)(key, shape, jnp.bfloat16),
+    )
+    np.testing.assert_array_equal(
+        _random.keep_mask(key, 0.3, shape), jax.random.bernoulli(key, 0.7, shape)
+    )
+    assert math.prod(shape) == _random.keep_mask(key, 0.3, shape).size
+
+
+def test_reprs_show_parameters_and_configuration():
+    assert repr(nn.LayerNorm(4)) == "LayerNorm(scale=f32[4], bias=f32[4], epsilon=1e-06)"
+    assert repr(nn.Embed(5, 4, rngs=rngs())) == "Embed(embedding=f32[5,4])"
+    assert "strides=(2,)" in repr(nn.Conv(1, 2, (3,), strides=2, rngs=rngs()))
