@@ -82,5 +82,5 @@ def generated_init(cls: type, fields: dict[str, Field]) -> Any:
 
     __init__.__signature__ = signature  # type: ignore[attr-defined]
     __init__.__qualname__ = f"{cls.__qualname__}.__init__"
-    __init__._taktiny_generated = True  # type: ignore[attr-defined]
+    __init__._taktiny_replaceable = True  # type: ignore[attr-defined]
     return __init__

@@ -10,6 +10,7 @@ registered with JAX as a dataclass node so that ``jax.jit`` flattens it in C++.
 from __future__ import annotations
 
 import dataclasses
+import types
 from collections.abc import Mapping
 from typing import Any, ClassVar, dataclass_transform
 
@@ -22,23 +23,10 @@ from ._fields import MISSING, Field, declared_fields, field, generated_init
 from ._rngs import Rngs
 from ._state import ARRAY_TYPES
 
-_NODE = "_taktiny_node"  # the meta field that tells a JAX rebuild from a user call
 _INITIALISING: set[int] = set()  # ids of instances whose __init__ is running
 _RESERVED = frozenset(
     {"state_dict", "flat_state_dict", "load_state_dict", "load_flat_state_dict", "replace"}
 )
-
-
-class _Rebuild:
-    """The value of the `_taktiny_node` meta field: marks calls made by JAX's unflatten."""
-
-    __slots__ = ()
-
-    def __repr__(self) -> str:
-        return "taktiny"
-
-
-_REBUILD = _Rebuild()
 
 
 def _is_module_or_array(x: Any) -> bool:
@@ -86,27 +74,28 @@ def _classify(owner: str, name: str, value: Any, static: bool | None) -> bool:
     return True
 
 
-def _register(base: type[Module], layout: tuple[tuple[str, bool], ...]) -> type[Module]:
-    """The registered node type of `base` for `layout`: `base` itself for its first layout,
-    a hidden subclass of the same name for each further one."""
-    known = base._taktiny_layouts
-    node_type = known.get(layout)
+def _node_type(base: type[Module], layout: tuple[tuple[str, bool], ...]) -> type[Module]:
+    """The class that instances of `base` with `layout` take once built: a subclass of the same
+    name registered with JAX as a dataclass node, one per layout of the fields.
+
+    JAX rebuilds a node by calling its class with the fields as keywords. For these classes
+    that call runs entirely in C (``type.__call__`` and ``SimpleNamespace.__init__``), never
+    the user's ``__init__``, which makes unflattening (every load, every jit output) cheap.
+    """
+    node_type = base._taktiny_layouts.get(layout)
     if node_type is None:
-        if known:
-            namespace = {
-                "__module__": base.__module__,
-                "__qualname__": base.__qualname__,
-                "__doc__": base.__doc__,
-                "_taktiny_hidden": True,
-            }
-            node_type = type(base)(base.__name__, (base,), namespace)
-        else:
-            node_type = base
+        namespace = {
+            "__module__": base.__module__,
+            "__qualname__": base.__qualname__,
+            "__doc__": base.__doc__,
+            "__init__": types.SimpleNamespace.__init__,
+            "_taktiny_layout": layout,
+        }
+        node_type: Any = _NodeMeta(base.__name__, (base,), namespace)  # pyright: ignore[reportCallIssue]
         data = [name for name, is_data in layout if is_data]
         meta = [name for name, is_data in layout if not is_data]
-        jax.tree_util.register_dataclass(node_type, data, [*meta, _NODE])
-        node_type._taktiny_layout = layout
-        known[layout] = node_type
+        jax.tree_util.register_dataclass(node_type, data, meta)
+        base._taktiny_layouts[layout] = node_type
     return node_type
 
 
@@ -136,9 +125,7 @@ def _finalise(obj: Module) -> Module:
         (name, _classify(base.__name__, name, value, getattr(fields.get(name), "static", None)))
         for name, value in values.items()
     )
-    node_type = _register(base, layout)
-    if type(obj) is not node_type:
-        object.__setattr__(obj, "__class__", node_type)
+    object.__setattr__(obj, "__class__", _node_type(base, layout))
     return obj
 
 
@@ -146,22 +133,16 @@ def _finalise(obj: Module) -> Module:
 class _ModuleMeta(type):
     def __new__(mcs, name: str, bases: tuple[type, ...], namespace: dict[str, Any], **kw: Any):
         cls: Any = super().__new__(mcs, name, bases, namespace, **kw)
+        cls._taktiny_base = cls
         cls._taktiny_layouts = {}
-        if not namespace.get("_taktiny_hidden", False):
-            cls._taktiny_base = cls
-            cls._taktiny_fields = declared_fields(cls, namespace)
-            init = cls.__init__
-            replaceable = init is object.__init__ or getattr(init, "_taktiny_generated", False)
-            if "__init__" not in namespace and cls._taktiny_fields and replaceable:
-                cls.__init__ = generated_init(cls, cls._taktiny_fields)
+        cls._taktiny_fields = declared_fields(cls, namespace)
+        replaceable = getattr(cls.__init__, "_taktiny_replaceable", False)
+        if "__init__" not in namespace and cls._taktiny_fields and replaceable:
+            cls.__init__ = generated_init(cls, cls._taktiny_fields)
         return cls
 
     def __call__(cls, *args: Any, **kwargs: Any) -> Any:
-        if kwargs.pop(_NODE, None) is _REBUILD:  # JAX rebuilding a node: no __init__, no checks
-            obj: Any = object.__new__(cls)
-            obj.__dict__.update(kwargs)
-            return obj
-        obj: Any = object.__new__(cls)
+        obj: Any = types.SimpleNamespace.__new__(cls)
         _INITIALISING.add(id(obj))
         try:
             cls.__init__(obj, *args, **kwargs)
@@ -170,7 +151,23 @@ class _ModuleMeta(type):
         return _finalise(obj)
 
 
-class Module(metaclass=_ModuleMeta):
+class _NodeMeta(_ModuleMeta):
+    """The metaclass of the registered node classes: calling one rebuilds a node (in C)."""
+
+    __call__ = type.__call__  # pyright: ignore[reportAssignmentType]
+
+    def __new__(mcs, name: str, bases: tuple[type, ...], namespace: dict[str, Any], **kw: Any):
+        if "_taktiny_layout" not in namespace:
+            raise TypeError(
+                f"cannot subclass {bases[0].__name__} as type(module) gives it: subclass the "
+                f"class you defined instead (type(module).__mro__[1])."
+            )
+        cls: Any = type.__new__(mcs, name, bases, namespace, **kw)
+        cls._taktiny_base = bases[0]
+        return cls
+
+
+class Module(types.SimpleNamespace, metaclass=_ModuleMeta):
     """Base class of every Taktiny layer and model: an immutable PyTree.
 
     Arrays, modules, ``None`` and lists/tuples/dicts holding them are data (the
@@ -181,11 +178,19 @@ class Module(metaclass=_ModuleMeta):
     ``__init__`` the instance is frozen: use :meth:`replace` for a changed copy.
     """
 
-    _taktiny_node: ClassVar[_Rebuild] = _REBUILD
-    _taktiny_layouts: ClassVar[dict[tuple[tuple[str, bool], ...], type]]
-    _taktiny_layout: ClassVar[tuple[tuple[str, bool], ...]] = ()
     _taktiny_base: ClassVar[type[Module]]
     _taktiny_fields: ClassVar[dict[str, Field]]
+    _taktiny_layouts: ClassVar[dict[tuple[tuple[str, bool], ...], type]]
+    _taktiny_layout: ClassVar[tuple[tuple[str, bool], ...]] = ()
+
+    def __init__(self) -> None:
+        """Subclasses assign their fields here, or declare them with annotations."""
+
+    __init__._taktiny_replaceable = True  # type: ignore[attr-defined]  # by a generated one
+
+    __eq__ = object.__eq__  # identity, as for any object (SimpleNamespace compares fields)
+    __ne__ = object.__ne__
+    __hash__ = object.__hash__  # pyright: ignore[reportAssignmentType]
 
     def __setattr__(self, name: str, value: Any) -> None:
         if id(self) not in _INITIALISING:
@@ -220,7 +225,7 @@ class Module(metaclass=_ModuleMeta):
                 f"{type(self).__name__}.replace() got unknown field(s) {unknown}; "
                 f"its fields are {list(fields)}."
             )
-        obj: Any = object.__new__(type(self)._taktiny_base)
+        obj: Any = types.SimpleNamespace.__new__(type(self)._taktiny_base)
         obj.__dict__.update(fields)
         obj.__dict__.update(changes)
         return _finalise(obj)

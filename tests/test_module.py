@@ -178,7 +178,7 @@ def test_repr_is_readable():
     )
     assert repr(Declared(jnp.ones(2), tag="x")) == "Declared(weight=f32[2], tag='x', extra=[])"
     # fields keep their declared order whichever were passed
-    assert type(Declared(jnp.ones(2), tag="x")) is type(Declared(jnp.ones(2))) is Declared
+    assert type(Declared(jnp.ones(2), tag="x")) is type(Declared(jnp.ones(2)))
 
 
 def test_works_with_jax_transformations():
@@ -259,3 +259,16 @@ def test_field_names_cannot_hide_module_methods():
 
     with pytest.raises(TypeError, match=r"M has a field named 'replace'.*rename the field"):
         M()
+
+
+def test_built_modules_take_a_registered_node_class_of_the_same_name():
+    m = MLP(rngs=nn.Rngs(0))
+    node_type = type(m)
+    assert node_type is not MLP and node_type.__mro__[1] is MLP and isinstance(m, MLP)
+    assert node_type.__name__ == "MLP" and node_type.__qualname__ == MLP.__qualname__
+    # calling the node class rebuilds a node from its fields, as JAX's unflatten does
+    rebuilt = node_type(input=m.input, output=m.output)
+    assert type(rebuilt) is node_type and rebuilt.input is m.input
+    assert rebuilt != m and m == m  # modules compare by identity
+    with pytest.raises(TypeError, match=r"subclass the class you defined instead"):
+        type("Sub", (node_type,), {})
