@@ -3,8 +3,8 @@
 
 Saves end with an fsync of every file written, so each time is to durable bytes;
 reads start from a cold page cache (the files' cached pages are dropped first).
-PyTorch and safetensors are imported only by the cases that use them, so that a
-memory worker's baseline holds only what its own case needs.
+Orbax, PyTorch and safetensors are imported only by the cases that use them, so that
+a memory worker's baseline holds only what its own case needs.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import orbax.checkpoint as ocp
 from jax.sharding import SingleDeviceSharding
 
 from taktiny import nn
@@ -81,12 +80,16 @@ def abstracts(width: int, depth: int) -> dict[str, Any]:
 
 
 def _orbax(tuned: bool) -> Any:
+    import orbax.checkpoint as ocp
+
     if tuned:
         return ocp.AsyncCheckpointer(ocp.PyTreeCheckpointHandler(**TUNED))
     return ocp.StandardCheckpointer()
 
 
 def save_orbax(path: Path, tree: Any, *, tuned: bool = False) -> None:
+    import orbax.checkpoint as ocp
+
     with _orbax(tuned) as checkpointer:
         if tuned:
             checkpointer.save(path, args=ocp.args.PyTreeSave(tree))
@@ -96,6 +99,8 @@ def save_orbax(path: Path, tree: Any, *, tuned: bool = False) -> None:
 
 
 def restore_orbax(path: Path, target: Any, *, tuned: bool = False) -> Any:
+    import orbax.checkpoint as ocp
+
     with _orbax(tuned) as checkpointer:
         if not tuned:
             return checkpointer.restore(path, target=target)
@@ -182,7 +187,7 @@ RESTORE = {  # system -> (the call the report shows, restore(path, abstracts))
         _load_torch,
     ),
     "raw disk (numpy)": (
-        "file.readinto(numpy buffer) per leaf",
+        "file.read() of the whole file, then np.frombuffer views",
         lambda p, a: read_raw(p, jax.tree.leaves(a["taktiny"])),
     ),
 }

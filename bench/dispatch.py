@@ -170,7 +170,10 @@ def run(config: Config) -> Group:
     sizes = _sizes(config)
     batches = _batches(sizes)
     training = Table("Training step (forward, backward, Adam update)", SYSTEMS)
-    for net, title in (("mlp", "MLP"), ("transformer", "small transformer")):
+    # --quick leaves out the transformer: its five XLA compiles alone take ~20 s here
+    nets = config.pick(["mlp", "transformer"], ["mlp"], ["mlp", "transformer"])
+    for net in nets:
+        title = {"mlp": "MLP", "transformer": "small transformer"}[net]
         stats = compare(_training(net, sizes, batches[net]), repeat=config.repeat, warmup=2)
         for system, st in stats.items():
             training.add(title, system, CALLS[system], st.median, (st.low, st.high))

@@ -104,7 +104,7 @@ def run(config: Config) -> Group:
             _formats.SAVE[system][1](path, models)
         del models
         sizes = {s: _disk.size(p) for s, p in paths.items()}
-        with ThreadPoolExecutor(config.pick(2, 2, len(paths))) as pool:
+        with ThreadPoolExecutor(config.pick(2, 3, len(paths))) as pool:
             futures = {s: pool.submit(_measure, s, p, width, depth) for s, p in paths.items()}
             results = {s: f.result() for s, f in futures.items()}
     finally:
@@ -147,9 +147,9 @@ def run(config: Config) -> Group:
             ),
         ]
     group.notes += [
-        "One fresh subprocess per case (two at a time); 'before' is the process's resident memory "
-        "after importing what its case needs (JAX, Orbax, Taktiny; PyTorch or safetensors "
-        "only for theirs) and building the abstract target, "
+        f"One fresh subprocess per case ({config.pick(2, 3, len(paths))} at a time); 'before' is "
+        "the process's resident memory after importing what its case needs (JAX and Taktiny; "
+        "Orbax, PyTorch or safetensors only for theirs) and building the abstract target, "
         "just before the restore; peak is the process's VmHWM (see the module docstring for why "
         "not ru_maxrss, which here reads "
         + f"{max(r['maxrss'] for r in results.values()) / 1e6:,.0f} MB in every worker: the "

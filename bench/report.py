@@ -163,6 +163,14 @@ def write(groups: list[Group], out: Path, *, mode: str, seconds: float, command:
             need = f"{'≥' if t.at_least else '≤'} {t.threshold:g}"
             met = "yes" if t.met else "**no**"
             lines.append(f"| {t.goal} | {t.value:.3g} ({t.measured}) | {need} | {met} |")
+    if any(not t.met for g in groups for t in g.targets):
+        findings = os.path.relpath(Path(__file__).parent / "FINDINGS.md", out)
+        lines += [
+            "",
+            "Why the missed targets miss, from profiles, and what would close them: "
+            f"[FINDINGS.md]({findings}) (reproduce with `python bench/diagnose.py load` "
+            "and `python bench/diagnose.py orbax`).",
+        ]
     for group in groups:
         lines += ["", f"## {group.title}", "", f"Group `{group.name}`, {group.seconds:.0f} s.", ""]
         for i, table in enumerate(group.tables, 1):

@@ -6,7 +6,7 @@ import math
 import jax
 import pytest
 
-from bench import checkpoint, dispatch, memory, report, state
+from bench import checkpoint, diagnose, dispatch, memory, report, state
 from bench._results import Config, Group, Table, Target
 from bench._timing import Case, compare, paired_ratio
 
@@ -71,3 +71,8 @@ def test_target_direction():
     table.add("op", "Taktiny", "f()", 1.0)
     table.add("op", "peer", "g()", 3.0)
     assert table.value("op", "peer") == 3.0
+
+
+def test_load_profile_runs(capsys):
+    diagnose.profile_load(seconds=0.03, blocks=(2,))
+    assert "12 leaves" in capsys.readouterr().out
