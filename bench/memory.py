@@ -13,6 +13,7 @@ memory just before the restore began (interpreter, JAX, PyTorch and Orbax themse
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import resource
@@ -51,6 +52,8 @@ def _worker(case: str, path: str, width: int, depth: int) -> None:
 
     from . import _formats
 
+    for module in _formats.NEEDS[case]:
+        importlib.import_module(module)
     abstracts = _formats.abstracts(width, depth)
     before = _rss()
     start = time.perf_counter()

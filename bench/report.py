@@ -16,7 +16,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
-from ._results import Group, Table
+from ._results import Group, Table, fmt_ratio, fmt_time
 
 # Benchmarks that arrive with later issues; the report keeps a place for each
 PENDING = {
@@ -27,17 +27,10 @@ PENDING = {
 }
 
 
-def _time(seconds: float) -> str:
-    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("µs", 1e-6)):
-        if seconds >= scale:
-            return f"{seconds / scale:.3g} {unit}"
-    return f"{seconds / 1e-9:.3g} ns"
-
-
 def _value(table: Table, value: float) -> str:
     if table.unit == "x":
         return f"{value:.2f}x"
-    return _time(value) if table.unit == "s" else f"{value / 1e6:,.0f} MB"
+    return fmt_time(value) if table.unit == "s" else f"{value / 1e6:,.0f} MB"
 
 
 def _cell(table: Table, op: str, system: str) -> str:
@@ -162,7 +155,7 @@ def write(groups: list[Group], out: Path, *, mode: str, seconds: float, command:
         for t in group.targets:
             need = f"{'≥' if t.at_least else '≤'} {t.threshold:g}"
             met = "yes" if t.met else "**no**"
-            lines.append(f"| {t.goal} | {t.value:.3g} ({t.measured}) | {need} | {met} |")
+            lines.append(f"| {t.goal} | {fmt_ratio(t.value)} ({t.measured}) | {need} | {met} |")
     if any(not t.met for g in groups for t in g.targets):
         findings = os.path.relpath(Path(__file__).parent / "FINDINGS.md", out)
         lines += [

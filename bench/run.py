@@ -22,7 +22,7 @@ if __package__ in (None, ""):  # run as a script: make the project root importab
     sys.path.insert(0, str(HERE.parent))
 
 from bench import checkpoint, dispatch, memory, report, state  # noqa: E402
-from bench._results import Config, Group  # noqa: E402
+from bench._results import Config, Group, fmt_ratio  # noqa: E402
 
 GROUPS = {
     "state": state.run,
@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> list[Group]:
     path = report.write(groups, out, mode=mode, seconds=seconds, command=command.strip())
     for group in groups:
         for t in group.targets:
-            print(f"[bench] {'met ' if t.met else 'MISS'} {t.value:8.3g}  {t.goal}")
+            print(f"[bench] {'met ' if t.met else 'MISS'} {fmt_ratio(t.value):>8}  {t.goal}")
     print(f"[bench] {len(groups)} group(s) in {seconds:.0f} s; report: {path}")
     return groups
 
