@@ -47,6 +47,7 @@ class Table:
     unit: Literal["s", "B", "x"] = "s"  # seconds, bytes, or a plain ratio
     reference: str = "Taktiny"
     log: bool = True  # plot on a log scale
+    line: float | None = None  # a target to draw across the plot (ratio tables)
 
     def add(self, op: str, system: str, call: str, value: float, spread: Any = None) -> None:
         """Records `system`'s `value` for `op`."""

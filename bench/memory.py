@@ -124,7 +124,9 @@ def run(config: Config) -> Group:
         table.add("process RSS before the restore", s, call, r["before"])
         table.add("peak RSS", s, call, r["peak"])
         table.add("peak RSS growth (peak - before)", s, call, r["peak"] - r["before"])
-    ratios = Table("Peak RSS relative to the checkpoint's size", systems, unit="x", log=False)
+    ratios = Table(
+        "Peak RSS relative to the checkpoint's size", systems, unit="x", log=False, line=1.3
+    )
     for s, r in results.items():
         call = _formats.RESTORE[s][0]
         ratios.add("growth / checkpoint size", s, call, (r["peak"] - r["before"]) / sizes[s])

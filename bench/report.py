@@ -90,12 +90,22 @@ def plot(table: Table, path: Path) -> None:
                 if ref is not None:
                     ratio = table.rows[op][system].value / ref.value
                     ax.annotate(
-                        f"{ratio:.2g}x",
+                        f"{ratio:.0f}x" if ratio >= 10 else f"{ratio:.2g}x",
                         (bar.get_x() + bar.get_width() / 2, bar.get_height()),
                         ha="center",
                         va="bottom",
                         fontsize=7,
                     )
+    if table.line is not None:
+        ax.axhline(table.line, color="grey", linestyle="--", linewidth=1)
+        ax.annotate(
+            f"target {table.line:g}x",
+            (len(ops) - 0.5, table.line),
+            ha="right",
+            va="bottom",
+            fontsize=7,
+            color="grey",
+        )
     ax.set_xticks(range(len(ops)), ops)
     if table.unit == "s":
         ax.set_yscale("log" if table.log else "linear")
