@@ -1,7 +1,7 @@
 """Interleaved repeated timing: every system measured side by side, medians compared.
 
 The machine is shared and noisy, so absolute times drift. To keep ratios honest,
-``compare`` runs one sample of every case in turn (rotating the order each round),
+``compare`` runs one sample of every case in turn (in a fresh shuffled order each round),
 after a warm-up of every case, and reports each case's median. Fast operations are
 timed in batches of calls so that a sample lasts long enough to be measured well.
 """
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import random
 import statistics
 import time
 from collections.abc import Callable
@@ -97,10 +98,11 @@ def compare(
             _sample(case, 1)
     numbers = {name: _calls_per_sample(case, min_sample_s) for name, case in named.items()}
     times: dict[str, list[float]] = {name: [] for name in named}
-    order = list(named)
-    for round_ in range(repeat):
-        shift = round_ % len(order)
-        for name in order[shift:] + order[:shift]:
+    shuffle = random.Random(0).shuffle  # the same orders every run
+    for _ in range(repeat):
+        order = list(named)
+        shuffle(order)  # a new order each round, so no case always follows the same neighbour
+        for name in order:
             times[name].append(_sample(named[name], numbers[name]))
     return {
         name: Stats(statistics.median(ts), min(ts), max(ts), tuple(ts), numbers[name])

@@ -10,6 +10,7 @@ I/O, the most a format can hope for on this disk.
 from __future__ import annotations
 
 import itertools
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -39,11 +40,16 @@ def _save_case(root: Path, name: str, save: Any, models: dict[str, Any]) -> Case
         save(path, models)
         _disk.sync(path)
 
-    return Case(run, before, _disk.remove)
+    def after(path: Path) -> None:
+        _disk.remove(path)
+        os.sync()  # let the deletion and any writeback settle before the next sample
+
+    return Case(run, before, after)
 
 
 def _restore_case(path: Path, restore: Any, abstracts: dict[str, Any]) -> Case:
     def before() -> Path:
+        os.sync()
         _disk.evict(path)
         return path
 

@@ -116,6 +116,8 @@ def profile_orbax(quick: bool, rounds: int = 3) -> None:
         for tuned in (False, True):
             saves = []
             for i in range(rounds):
+                if i:  # freed blocks are rewritten fast; this VM's disk is slow on fresh ones
+                    _disk.remove(paths[tuned])
                 paths[tuned] = Path(tmp, f"tuned-{tuned}-{i}")
                 saves.append(_measure(_save, paths[tuned], models["taktiny"].state_dict(), tuned))
             wall, cpu, _ = min(saves)
