@@ -109,7 +109,7 @@ def run(config: Config) -> Group:
     """Times every system's save and restore of the big model, and checks the targets."""
     start = time.perf_counter()
     width, depth = _formats.SIZES[config.mode]
-    repeat = config.pick(4, 1, 1)
+    repeat = config.pick(5, 1, 1)
     models = _formats.models(width, depth)
     abstracts = _formats.abstracts(width, depth)
     nbytes = sum(x.nbytes for x in jax.tree.leaves(models["taktiny"]))
