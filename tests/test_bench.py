@@ -2,9 +2,13 @@
 benchmarks cannot rot. (The real runs are `make bench` and `make bench-quick`.)"""
 
 import math
+import sys
+from pathlib import Path
 
 import jax
 import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # bench/ is not installed
 
 from bench import checkpoint, diagnose, dispatch, memory, report, state
 from bench._results import Config, Group, Table, Target
