@@ -1,0 +1,160 @@
+"""Profiles behind the missed targets in results.md, reproducible on their own.
+
+    python bench/diagnose.py load      # cProfile of load_state_dict, 384 and 3,000 leaves
+    python bench/diagnose.py orbax     # CPU time, page faults and peak memory of Orbax
+                                      # save/restore, default vs tuned, and why restores copy
+    python bench/diagnose.py orbax --quick
+
+(For a sampling view of the load path: ``py-spy record -f raw -o load.raw -- python
+bench/diagnose.py load`` and read the inclusive share of each frame under load_state_dict.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import cProfile
+import pstats
+import resource
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import jax
+import numpy as np
+
+from bench import _disk, _formats, _models
+
+
+def profile_load(seconds: float = 3.0, blocks: tuple[int, ...] = (64, 500)) -> None:
+    """Where a full load_state_dict spends its time, by function (cProfile, own time)."""
+    for n in blocks:
+        model = _models.build("taktiny", n, 0)
+        state = jax.tree.map(lambda x: x * 0.5 + 1.0, model).state_dict()
+        calls, start = 0, time.perf_counter()
+        while time.perf_counter() - start < seconds / 3:
+            model.load_state_dict(state)
+            calls += 1
+        per_call = (time.perf_counter() - start) / calls
+        profiler = cProfile.Profile()
+        profiler.enable()
+        for _ in range(calls):
+            model.load_state_dict(state)
+        profiler.disable()
+        stats = pstats.Stats(profiler)
+        total = sum(row[2] for row in stats.stats.values())  # pyright: ignore[reportAttributeAccessIssue]
+        print(f"\n{n * 6:,} leaves: {per_call * 1e3:.3f} ms per load (unprofiled); own time:")
+        rows = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])  # pyright: ignore[reportAttributeAccessIssue]
+        for (file, line, name), (_, ncalls, own, *_rest) in rows[:10]:
+            where = f"{Path(file).name}:{line}({name})"
+            print(f"  {own / total:6.1%}  {ncalls / calls:8.1f} calls/load  {where}")
+
+
+def _usage() -> tuple[float, int]:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime, r.ru_minflt
+
+
+def _measure(fn: Any, *args: Any, **kwargs: Any) -> tuple[float, float, int]:
+    """Wall seconds, CPU seconds and minor page faults of one call."""
+    cpu, faults = _usage()
+    start = time.perf_counter()
+    fn(*args, **kwargs)
+    wall = time.perf_counter() - start
+    cpu2, faults2 = _usage()
+    return wall, cpu2 - cpu, faults2 - faults
+
+
+def _save(path: Path, state: Any, tuned: bool) -> None:
+    _formats.save_orbax(path, state, tuned=tuned)
+    _disk.sync(path)
+
+
+def _restore(path: Path, abstracts: Any, tuned: bool) -> None:
+    jax.block_until_ready(_formats._load_orbax(path, abstracts, tuned=tuned))
+
+
+def _aligned_zeros(shape: Any, dtype: Any) -> np.ndarray:
+    """np.zeros, but starting on a 64-byte boundary, as XLA's CPU client needs to alias it."""
+    dtype = np.dtype(dtype)
+    nbytes = int(np.prod(shape)) * dtype.itemsize
+    raw = np.zeros(nbytes + 64, np.uint8)
+    return raw[-raw.ctypes.data % 64 :][:nbytes].view(dtype).reshape(shape)
+
+
+@contextlib.contextmanager
+def _orbax_reads_aligned() -> Any:
+    """A what-if, not a fix to ship: Orbax's _read_shard allocating its buffer aligned."""
+    from orbax.checkpoint._src.serialization import serialization
+
+    class AlignedNumpy:
+        def __getattr__(self, name: str) -> Any:
+            return _aligned_zeros if name == "zeros" else getattr(np, name)
+
+    saved = serialization.np
+    serialization.np = AlignedNumpy()  # pyright: ignore[reportAttributeAccessIssue]
+    try:
+        yield
+    finally:
+        serialization.np = saved
+
+
+def profile_orbax(quick: bool, rounds: int = 3) -> None:
+    """Wall and CPU time and minor page faults of Orbax save/restore, default vs tuned (the
+    best of `rounds` each), and whether Orbax's read buffers can be handed to JAX uncopied."""
+    width, depth = _formats.SIZES["quick" if quick else "full"]
+    models, abstracts = _formats.models(width, depth), _formats.abstracts(width, depth)
+    nbytes = sum(x.nbytes for x in jax.tree.leaves(models["taktiny"]))
+    print(f"model: {nbytes / 1e6:,.0f} MB in {depth} arrays; best of {rounds} rounds")
+    with tempfile.TemporaryDirectory() as tmp:
+        paths = {}
+        for tuned in (False, True):
+            saves = []
+            for i in range(rounds):
+                if i:  # freed blocks are rewritten fast; this VM's disk is slow on fresh ones
+                    _disk.remove(paths[tuned])
+                paths[tuned] = Path(tmp, f"tuned-{tuned}-{i}")
+                saves.append(_measure(_save, paths[tuned], models["taktiny"].state_dict(), tuned))
+            wall, cpu, _ = min(saves)
+            size = _disk.size(paths[tuned])
+            label = "tuned  " if tuned else "default"
+            print(f"save    {label} wall {wall:5.2f} s  CPU {cpu:5.2f} s  bytes {size:,}")
+        cases = {
+            "default": (False, False),
+            "tuned  ": (True, False),
+            "tuned, aligned reads (a what-if: Orbax patched)": (True, True),
+        }
+        for label, (tuned, aligned) in cases.items():
+            restores = []
+            for _ in range(rounds):
+                _disk.evict(paths[tuned])
+                with _orbax_reads_aligned() if aligned else contextlib.nullcontext():
+                    restores.append(_measure(_restore, paths[tuned], abstracts, tuned))
+            wall, cpu, faults = min(restores)
+            print(
+                f"restore {label} wall {wall:5.2f} s  CPU {cpu:5.2f} s  minor page faults "
+                f"{faults:,} = {faults * 4096 / nbytes:.2f}x the model's bytes in 4 KiB pages"
+            )
+    # Orbax reads each array into np.zeros(...) and then calls jax.device_put on it.
+    zeros = np.zeros((width, width), np.float32)
+    aligned = _aligned_zeros(zeros.shape, zeros.dtype)
+    for name, host in (("np.zeros (what Orbax reads into)", zeros), ("64-byte aligned", aligned)):
+        device = jax.device_put(host)
+        shared = device.unsafe_buffer_pointer() == host.ctypes.data
+        print(
+            f"{name}: address % 64 = {host.ctypes.data % 64}; jax.device_put "
+            f"{'aliases it (no copy)' if shared else 'copies it'}"
+        )
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("what", choices=["load", "orbax"])
+    parser.add_argument("--quick", action="store_true", help="orbax: the 67 MB model")
+    args = parser.parse_args()
+    profile_load() if args.what == "load" else profile_orbax(args.quick)

@@ -1,0 +1,81 @@
+"""Runs Taktiny's benchmarks and writes the report.
+
+    python bench/run.py                  # full run: bench/results.md and bench/plots/*.png
+    python bench/run.py --quick          # small sizes, few samples: bench/out/ (< 1 minute)
+    python bench/run.py --only state,dispatch --out /tmp/report
+
+Groups: state (state read/write), dispatch (jit dispatch), checkpoint (save/restore of a
+1 GB model), memory (peak RSS of restoring it). A full run takes under 10 minutes on 2 cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+if __package__ in (None, ""):  # run as a script: make the project root importable
+    sys.path.insert(0, str(HERE.parent))
+
+from bench import checkpoint, dispatch, memory, report, state  # noqa: E402
+from bench._results import Config, Group, fmt_ratio  # noqa: E402
+
+GROUPS = {
+    "state": state.run,
+    "dispatch": dispatch.run,
+    "checkpoint": checkpoint.run,
+    "memory": memory.run,
+    # later, as their issues land: "sharded" and "quant" (see report.PENDING)
+}
+
+
+def main(argv: list[str] | None = None) -> list[Group]:
+    """Runs the chosen groups, writes the report, and returns the groups' results."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="small sizes, few samples")
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes, one sample (tests)")
+    parser.add_argument("--only", default=",".join(GROUPS), help="comma-separated groups")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        help="report folder (default: bench/, or bench/out/ for --quick, --smoke or --only)",
+    )
+    parser.add_argument(
+        "--scratch",
+        type=Path,
+        help="where checkpoints are written (a temporary folder is made in it)",
+    )
+    args = parser.parse_args(argv)
+    names = [n.strip() for n in args.only.split(",") if n.strip()]
+    if unknown := [n for n in names if n not in GROUPS]:
+        parser.error(f"unknown group(s) {unknown}; choose from {list(GROUPS)}")
+    mode = "smoke" if args.smoke else "quick" if args.quick else "full"
+    partial = mode != "full" or names != list(GROUPS)
+    out = args.out or (HERE / "out" if partial else HERE)
+    scratch = Path(tempfile.mkdtemp(prefix="taktiny-bench-", dir=args.scratch))
+    config = Config(mode, scratch)
+    start = time.perf_counter()
+    groups = []
+    try:
+        for name in names:
+            print(f"[bench] {name} ...", flush=True)
+            groups.append(GROUPS[name](config))
+            print(f"[bench] {name} done in {groups[-1].seconds:.1f} s", flush=True)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    seconds = time.perf_counter() - start
+    command = "python bench/run.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    path = report.write(groups, out, mode=mode, seconds=seconds, command=command.strip())
+    for group in groups:
+        for t in group.targets:
+            print(f"[bench] {'met ' if t.met else 'MISS'} {fmt_ratio(t.value):>8}  {t.goal}")
+    print(f"[bench] {len(groups)} group(s) in {seconds:.0f} s; report: {path}")
+    return groups
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,82 @@
+"""Smoke test of the benchmark suite: every group runs once on tiny sizes, so the
+benchmarks cannot rot. (The real runs are `make bench` and `make bench-quick`.)"""
+
+import math
+import sys
+from pathlib import Path
+
+import jax
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # bench/ is not installed
+
+from bench import checkpoint, diagnose, dispatch, memory, report, state
+from bench._results import Config, Group, Table, Target
+from bench._timing import Case, compare, paired_ratio
+
+GROUPS = {"state": state, "dispatch": dispatch, "checkpoint": checkpoint, "memory": memory}
+
+
+def check(group: Group) -> None:
+    assert group.tables and group.targets
+    for table in group.tables:
+        assert table.rows
+        for row in table.rows.values():
+            assert row, table.title
+            for cell in row.values():
+                positive = cell.value > 0 if table.unit == "s" else cell.value >= 0
+                assert math.isfinite(cell.value) and positive, (table.title, cell)
+    for target in group.targets:
+        assert math.isfinite(target.value) and target.value >= 0, target.goal
+        assert isinstance(target.met, bool)
+
+
+@pytest.fixture
+def fast_compile():
+    """XLA's optimisations cost more than they save on one call of a tiny step: the smoke
+    test only checks that every benchmark runs, not how fast."""
+    jax.config.update("jax_disable_most_optimizations", True)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_disable_most_optimizations", False)
+
+
+@pytest.mark.parametrize("name", list(GROUPS))
+def test_benchmark_group_runs_on_tiny_sizes(name, tmp_path, request, fast_compile):
+    if name == "dispatch":  # its training steps use optax's Adam
+        request.getfixturevalue("optax_promotion")
+    (tmp_path / "scratch").mkdir()
+    group = GROUPS[name].run(Config("smoke", tmp_path / "scratch"))
+    check(group)
+    assert list((tmp_path / "scratch").iterdir()) == []  # every checkpoint was cleaned up
+    out = report.write([group], tmp_path / "report", mode="smoke", seconds=1.0, command="test")
+    text = out.read_text()
+    assert group.title in text and "## Targets" in text and "## Later groups" in text
+    assert len(list((tmp_path / "report" / "plots").glob("*.png"))) == len(group.tables)
+
+
+def test_compare_interleaves_and_takes_medians():
+    calls = []
+    stats = compare(
+        {"a": lambda: calls.append("a"), "b": Case(lambda x: calls.append(x), lambda: "b")},
+        repeat=3,
+        warmup=1,
+        min_sample_s=0.0,
+    )
+    assert stats["a"].samples and len(stats["b"].samples) == 3
+    assert calls[:2] == ["a", "b"]  # warm-up of each, then interleaved rounds
+    assert 0 < paired_ratio(stats["a"], stats["a"]) == 1.0
+
+
+def test_target_direction():
+    assert Target("x", 0.9, 1.0, False, "").met and not Target("x", 0.9, 1.0, True, "").met
+    table = Table("t", ["Taktiny", "peer"])
+    table.add("op", "Taktiny", "f()", 1.0)
+    table.add("op", "peer", "g()", 3.0)
+    assert table.value("op", "peer") == 3.0
+
+
+def test_load_profile_runs(capsys):
+    diagnose.profile_load(seconds=0.03, blocks=(2,))
+    assert "12 leaves" in capsys.readouterr().out
