@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import gc
+import operator
 from collections.abc import Mapping
 from typing import Any
 
@@ -24,6 +25,7 @@ from . import _errors as err
 from ._errors import StateDictError, StateProblem
 
 ARRAY_TYPES = (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct)
+_SINGLE = jax.sharding.SingleDeviceSharding
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +42,7 @@ class _Spec:
     names: tuple[str, ...]  # the flat name of each leaf, in flatten order
     index: dict[str, int]  # name -> leaf position
     template: dict[str, Any]  # nested: key -> leaf position | sub-template | _Custom
+    plan: Any  # how to gather a full nested state's values in leaf order (None: can't)
 
 
 _SPECS: dict[Any, _Spec] = {}
@@ -80,7 +83,48 @@ def _make_spec(model: Any) -> _Spec:
         elif inner:
             node[keys[-1]] = _Custom(treedef, len(names), len(names) + len(inner))
         names += [".".join(keys + [_key(k) for k in sub]) for sub, _ in inner]
-    return _Spec(tuple(names), {name: i for i, name in enumerate(names)}, template)
+    index = {name: i for i, name in enumerate(names)}
+    return _Spec(tuple(names), index, template, _plan(template))
+
+
+def _plan(template: dict[str, Any]) -> Any:
+    """For a template node: its key count and segments, each a run of leaf keys (read with
+    one itemgetter) or a sub-node; None when a custom parameter makes it irregular."""
+    segments: list[tuple[Any, Any]] = []
+    for key, child in template.items():
+        if type(child) is dict:
+            sub = _plan(child)
+            if sub is None:
+                return None
+            segments.append((key, sub))
+        elif type(child) is int:
+            if segments and type(segments[-1][0]) is list:
+                segments[-1][0].append(key)
+            else:
+                segments.append(([key], None))
+        else:
+            return None
+    runs = [
+        (operator.itemgetter(*keys), len(keys) > 1) if type(keys) is list else (keys, sub)
+        for keys, sub in segments
+    ]
+    return len(template), runs
+
+
+def _gather(plan: Any, state: Any, out: list[Any]) -> None:
+    """Appends a full nested state's values in leaf order; raises (LookupError, TypeError or
+    AttributeError) when `state` isn't shaped exactly like the template."""
+    size, runs = plan
+    if len(state) != size:
+        raise LookupError
+    for first, second in runs:
+        if type(second) is bool:  # a run of leaves
+            if second:
+                out.extend(first(state))
+            else:
+                out.append(first(state))
+        else:
+            _gather(second, state[first], out)
 
 
 def _flatten(model: Any) -> tuple[list[Any], Any, _Spec]:
@@ -117,39 +161,56 @@ def flat_state_dict(model: Any) -> dict[str, Any]:
 # --- loading ---------------------------------------------------------------------------
 
 
-def _collect(
-    template: dict[str, Any],
-    state: Mapping[str, Any],
-    prefix: str,
-    supplied: dict[int, Any],
-    problems: list[StateProblem],
-    spec: _Spec,
-    array_type: type,
-) -> None:
-    """Walks a nested state along the template, gathering leaf position -> value."""
-    for key, value in state.items():
-        child = template.get(key)
-        if type(child) is int:
-            if type(value) is array_type or not isinstance(value, Mapping):
-                supplied[child] = value
+def _collect(spec: _Spec, state: Mapping[Any, Any]) -> tuple[dict[int, Any], list[StateProblem]]:
+    """Walks a nested state along the spec's template: leaf position -> value, and problems."""
+    supplied: dict[int, Any] = {}
+    problems: list[StateProblem] = []
+    array_type = _array_type()
+
+    def name(path: tuple[Any, ...], key: Any) -> str:  # built only for problems
+        parts = [key if isinstance(key, str) else repr(key)]
+        while path:
+            path, parent = path
+            parts.append(parent)
+        return ".".join(reversed(parts))
+
+    def walk(template: dict[str, Any], state: Mapping[Any, Any], path: tuple[Any, ...]) -> None:
+        for key, value in state.items():
+            child = template.get(key)
+            if type(child) is int:
+                if type(value) is array_type or not isinstance(value, Mapping):
+                    supplied[child] = value
+                else:
+                    problems.append(err.array_expected(name(path, key), value, "it is one array"))
+            elif type(child) is dict:
+                if type(value) is dict or isinstance(value, Mapping):
+                    walk(child, value, (path, key))
+                else:
+                    problems.append(err.group_expected(name(path, key), list(child), value))
+            elif child is not None:  # a custom PyTree parameter, given whole
+                inner, treedef = jax.tree_util.tree_flatten(value)
+                if treedef == child.treedef:
+                    supplied.update(zip(range(child.start, child.stop), inner))
+                else:
+                    problems.append(err.structure(name(path, key), child.treedef, treedef))
+            elif isinstance(key, str) and "." in key:
+                problems.append(err.dotted_key(name(path, key)))
             else:
-                problems.append(err.array_expected(f"{prefix}{key}", value, "it is one parameter"))
-        elif type(child) is dict:
-            if type(value) is dict or isinstance(value, Mapping):
-                _collect(child, value, f"{prefix}{key}.", supplied, problems, spec, array_type)
-            else:
-                problems.append(err.group_expected(f"{prefix}{key}", list(child), value))
-        elif child is not None:  # a custom PyTree parameter, given whole
-            inner, treedef = jax.tree_util.tree_flatten(value)
-            if treedef == child.treedef:
-                supplied.update(zip(range(child.start, child.stop), inner))
-            else:
-                problems.append(err.structure(f"{prefix}{key}", child.treedef, treedef))
-        elif isinstance(key, str) and "." in key:
-            problems.append(err.dotted_key(f"{prefix}{key}"))
-        else:
-            name = f"{prefix}{key}" if isinstance(key, str) else f"{prefix}{key!r}"
-            problems.append(err.unknown(name, spec.names, value, flat=False))
+                problems.append(err.unknown(name(path, key), spec.names, value, flat=False))
+
+    walk(spec.template, state, ())
+    return supplied, problems
+
+
+def _same_place(have: Any, want: Any) -> bool:
+    """Whether two shardings place an array alike: the check every loaded leaf needs, so
+    single-device shardings (which every computed array carries a fresh copy of) are
+    compared by their device and memory kind without the general ``==``."""
+    if have is want:
+        return True
+    if type(have) is _SINGLE and type(want) is _SINGLE:
+        return have._device is want._device and have._memory_kind == want._memory_kind
+    return have == want
 
 
 _KINDS = (
@@ -210,12 +271,21 @@ def _shared(value: Any, given: Any, target: Any) -> bool:
     return any(device.platform == "cpu" for device in devices)
 
 
-def _full_state(state: Mapping[Any, Any], spec: _Spec) -> list[Any] | None:
-    """The values of a flat `state` in the model's leaf order when it names every leaf in the
-    model's own order (a full load, as from flat_state_dict()); None otherwise."""
-    if len(state) == len(spec.names) and tuple(state) == spec.names:
-        return list(state.values())
-    return None
+def _full_state(state: Mapping[Any, Any], spec: _Spec, flat: bool) -> list[Any] | None:
+    """The values of `state` in the model's leaf order when it names every leaf exactly as
+    the model's own state does (a full load); None otherwise, or when unsure."""
+    if flat:
+        if len(state) == len(spec.names) and tuple(state) == spec.names:
+            return list(state.values())
+        return None
+    if spec.plan is None or spec.plan[0] != len(state):
+        return None
+    values: list[Any] = []
+    try:
+        _gather(spec.plan, state, values)
+    except (LookupError, TypeError, AttributeError):
+        return None
+    return values
 
 
 def load(model: Any, state: Any, *, strict: bool, flat: bool) -> Any:
@@ -237,12 +307,12 @@ def load(model: Any, state: Any, *, strict: bool, flat: bool) -> Any:
 def _load(model: Any, state: Mapping[Any, Any], strict: bool, method: str) -> Any:
     flat = method == "load_flat_state_dict"
     leaves, treedef, spec = _flatten(model)
-    problems: list[StateProblem] = []
-    supplied: dict[int, Any] = {}
-    values = _full_state(state, spec) if flat else None  # every leaf, in order: a fast path
-    if values is not None:
-        pass
-    elif flat:
+    values = _full_state(state, spec, flat)  # every leaf, in leaf order: the fast path
+    if not flat and values is None:
+        supplied, problems = _collect(spec, state)
+    else:
+        supplied, problems = {}, []
+    if flat and values is None:
         for name, value in state.items():
             i = spec.index.get(name)
             if i is None:
@@ -251,8 +321,6 @@ def _load(model: Any, state: Mapping[Any, Any], strict: bool, method: str) -> An
                 problems.append(err.array_expected(name, value, "flat states map names to arrays"))
             else:
                 supplied[i] = value
-    else:
-        _collect(spec.template, state, "", supplied, problems, spec, _array_type())
 
     new = list(leaves)
     moves: list[tuple[int, Any, Any]] = []  # values to place like the leaf they replace
@@ -261,7 +329,11 @@ def _load(model: Any, state: Mapping[Any, Any], strict: bool, method: str) -> An
         old = leaves[i]
         if type(value) is array_type and type(old) is array_type and value.aval == old.aval:
             have, want = value.sharding, old.sharding  # the common case: same shape and dtype
-            if have is want or have == want:
+            if have is want or (
+                _same_place(have, want)
+                if type(have) is not _SINGLE or type(want) is not _SINGLE
+                else have._device is want._device and have._memory_kind == want._memory_kind
+            ):
                 new[i] = value
             else:
                 moves.append((i, value, want))

@@ -355,3 +355,34 @@ def test_loads_do_not_share_memory_with_the_callers_arrays():
     for model in loaded:
         for leaf in jax.tree.leaves(model):
             assert not np.any(np.asarray(leaf) == 7.0)
+
+
+def test_full_states_are_checked_like_partial_ones():
+    # a state naming every leaf takes a faster path; it must find the same problems
+    m = MLP(rngs=nn.Rngs(0))
+    state = m.state_dict()
+    state["output"]["bias"] = np.zeros(5, np.float32)
+    with pytest.raises(
+        tt.StateDictError, match=r"'output\.bias': shape mismatch: expected \(4,\), got \(5,\)"
+    ):
+        m.load_state_dict(state)
+    state["output"]["bias"] = {"nested": 1}
+    with pytest.raises(
+        tt.StateDictError,
+        match=r"'output\.bias': expected an array, got a dict with keys \['nested'\]",
+    ):
+        m.load_state_dict(state)
+    state["output"]["bias"] = np.zeros(4, np.float32)
+    state["output"]["extra"] = np.zeros(4, np.float32)
+    with pytest.raises(tt.StateDictError, match=r"'output\.extra': unknown key"):
+        m.load_state_dict(state)
+    flat = m.flat_state_dict()
+    flat["input.bias"] = np.zeros(64, np.int32)
+    with pytest.raises(tt.StateDictError, match=r"'input\.bias': dtype kind changes"):
+        m.load_flat_state_dict(flat)
+    state = m.state_dict()
+    state["input"] = jnp.zeros(3)
+    with pytest.raises(
+        tt.StateDictError, match=r"'input': expected a dict of this submodule's parameters"
+    ):
+        m.load_state_dict(state)
