@@ -123,6 +123,17 @@ def dotted_key(name: str) -> StateProblem:
     )
 
 
+def non_string_key(name: str, key: Any, as_string_exists: bool) -> StateProblem:
+    same = f"; did you mean {str(key)!r}?" if as_string_exists else "."
+    return StateProblem(
+        "key",
+        name,
+        "a str key",
+        key,
+        f"nested state keys must be strings, got {type(key).__name__} {key!r}{same}",
+    )
+
+
 def array_expected(name: str, value: Any, why: str) -> StateProblem:
     return StateProblem(
         "structure",

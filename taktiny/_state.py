@@ -50,8 +50,10 @@ _SPECS: dict[Any, _Spec] = {}
 
 @functools.cache
 def _array_type() -> type:
-    """The concrete class of JAX arrays, for an exact-type fast path."""
-    return type(jnp.zeros(()))
+    """The concrete class of JAX arrays, for an exact-type fast path (made concretely even
+    when first asked for inside a jit trace)."""
+    with jax.ensure_compile_time_eval():
+        return type(jnp.zeros(()))
 
 
 def _key(key: Any) -> str:
@@ -165,7 +167,6 @@ def _collect(spec: _Spec, state: Mapping[Any, Any]) -> tuple[dict[int, Any], lis
     """Walks a nested state along the spec's template: leaf position -> value, and problems."""
     supplied: dict[int, Any] = {}
     problems: list[StateProblem] = []
-    array_type = _array_type()
 
     def name(path: tuple[Any, ...], key: Any) -> str:  # built only for problems
         parts = [key if isinstance(key, str) else repr(key)]
@@ -178,10 +179,7 @@ def _collect(spec: _Spec, state: Mapping[Any, Any]) -> tuple[dict[int, Any], lis
         for key, value in state.items():
             child = template.get(key)
             if type(child) is int:
-                if type(value) is array_type or not isinstance(value, Mapping):
-                    supplied[child] = value
-                else:
-                    problems.append(err.array_expected(name(path, key), value, "it is one array"))
+                supplied[child] = value  # checked with the others
             elif type(child) is dict:
                 if type(value) is dict or isinstance(value, Mapping):
                     walk(child, value, (path, key))
@@ -195,6 +193,8 @@ def _collect(spec: _Spec, state: Mapping[Any, Any]) -> tuple[dict[int, Any], lis
                     problems.append(err.structure(name(path, key), child.treedef, treedef))
             elif isinstance(key, str) and "." in key:
                 problems.append(err.dotted_key(name(path, key)))
+            elif not isinstance(key, str):
+                problems.append(err.non_string_key(name(path, key), key, str(key) in template))
             else:
                 problems.append(err.unknown(name(path, key), spec.names, value, flat=False))
 
@@ -222,19 +222,23 @@ _KINDS = (
 )
 
 
-def _kind(dtype: Any) -> str:
-    return next((name for name, kind in _KINDS if jnp.issubdtype(dtype, kind)), str(dtype))
+def _kind(dtype: Any) -> str | None:
+    """The kind a load may cast within, or None for a dtype that is not numeric or bool."""
+    return next((name for name, kind in _KINDS if jnp.issubdtype(dtype, kind)), None)
 
 
 def _convert(name: str, value: Any, old: Any, problems: list[StateProblem]) -> Any:
     """`value` checked against the leaf `old` it replaces and cast to its dtype; None (and a
     problem recorded) when it can't be."""
     if not isinstance(value, (jax.Array, np.ndarray)):
+        if isinstance(value, Mapping):
+            problems.append(err.array_expected(name, value, "this name is one array"))
+            return None
         try:
             array = None if isinstance(value, jax.ShapeDtypeStruct) else np.asarray(value)
         except Exception:  # noqa: BLE001 - any failure means "not an array"
             array = None
-        if array is None or _kind(array.dtype) == str(array.dtype):  # not numeric
+        if array is None or _kind(array.dtype) is None:  # not numeric
             problems.append(err.not_an_array(name, value))
             return None
         value = array
@@ -245,7 +249,8 @@ def _convert(name: str, value: Any, old: Any, problems: list[StateProblem]) -> A
         return None
     if value.dtype == old.dtype:
         return value
-    source, target = _kind(value.dtype), _kind(old.dtype)
+    source = _kind(value.dtype) or str(value.dtype)
+    target = _kind(old.dtype) or str(old.dtype)
     if source != target:
         problems.append(err.dtype_kind(name, old.dtype, value.dtype, target, source))
         return None
@@ -317,8 +322,6 @@ def _load(model: Any, state: Mapping[Any, Any], strict: bool, method: str) -> An
             i = spec.index.get(name)
             if i is None:
                 problems.append(err.unknown(str(name), spec.names, value, flat=True))
-            elif isinstance(value, Mapping):
-                problems.append(err.array_expected(name, value, "flat states map names to arrays"))
             else:
                 supplied[i] = value
 
@@ -362,7 +365,10 @@ def _load(model: Any, state: Mapping[Any, Any], strict: bool, method: str) -> An
     for placed in ([m for m in moves if m[2] is not None], [m for m in moves if m[2] is None]):
         if placed:  # one batched transfer; a None target means the default device
             targets = [t for _, _, t in placed] if placed[0][2] is not None else None
-            arrays = jax.device_put([v for _, v, _ in placed], targets)
+            # a zero-size value holds no data, so it is placed afresh: JAX 0.10's device_put of
+            # a zero-size array onto a mesh of another device order makes misshapen shards
+            sources = [np.zeros(v.shape, v.dtype) if v.size == 0 else v for _, v, _ in placed]
+            arrays = jax.device_put(sources, targets)
             for (i, _, _), array in zip(placed, arrays):
                 new[i] = array
     return treedef.unflatten(new)

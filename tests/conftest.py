@@ -1,14 +1,8 @@
-"""Strict test settings: 8 simulated CPU devices, strict dtype promotion, warnings as errors
-(set in pyproject.toml), and jaxtyping shapes checked by beartype (pytest's
-``--jaxtyping-packages`` option, also in pyproject.toml)."""
+"""Fixtures of the unit tests. The strict JAX settings they run under live in the repository's
+root ``conftest.py``, shared with ``property_tests/``."""
 
 import jax
 import pytest
-
-# Before any computation: the backend is created on first use.
-jax.config.update("jax_num_cpu_devices", 8)
-jax.config.update("jax_numpy_dtype_promotion", "strict")
-jax.config.update("jax_debug_key_reuse", False)
 
 
 @pytest.fixture

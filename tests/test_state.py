@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import taktiny as tt
 from taktiny import nn
@@ -386,3 +386,104 @@ def test_full_states_are_checked_like_partial_ones():
         tt.StateDictError, match=r"'input': expected a dict of this submodule's parameters"
     ):
         m.load_state_dict(state)
+
+
+def test_python_scalars_forced_into_the_data_load_like_arrays():
+    # Regression (found by property_tests): a field forced into the data with
+    # field(static=False) holds a Python scalar, which the state lists like any leaf; loading
+    # the module's own state crashed with AttributeError ('int' object has no attribute 'shape').
+    class Counter(nn.Module):
+        count: int = nn.field(static=False)
+        rate: float = nn.field(static=False)
+
+    m = Counter(count=3, rate=0.5)
+    assert m.flat_state_dict() == {"count": 3, "rate": 0.5}
+    loaded = m.load_flat_state_dict(m.flat_state_dict(), strict=True)
+    # a loaded leaf is a JAX array of the dtype JAX gives the scalar, as under jax.jit
+    assert isinstance(loaded.count, jax.Array) and loaded.count.dtype == jnp.int32
+    assert int(loaded.count) == 3 and loaded.rate.dtype == jnp.float32
+    assert int(m.load_state_dict({"count": np.int64(7)}).count) == 7
+    with pytest.raises(
+        tt.StateDictError, match=r"'count': shape mismatch: expected \(\), got \(2,\)"
+    ):
+        m.load_flat_state_dict({"count": np.zeros(2, np.int32)})
+    with pytest.raises(
+        tt.StateDictError,
+        match=r"'rate': dtype kind changes: the model holds float32 \(floating\), got int8",
+    ):
+        m.load_state_dict({"rate": np.int8(1)})
+
+
+def test_non_string_keys_in_a_nested_state_are_named_as_such():
+    # Regression (found by property_tests): an int key where the module has "0" was reported as
+    # "names a group of parameters ... got a dict" (and left out of unexpected_keys), or, where
+    # "0" is an array, as "unknown key; did you mean 'w.0'?", the very name that was given.
+    m = Stack(2, rngs=nn.Rngs(0))
+    layer = m.state_dict()["layers"]["0"]
+    with pytest.raises(
+        tt.StateDictError,
+        match=r"'layers\.0': nested state keys must be strings, got int 0; did you mean '0'\?",
+    ) as info:
+        m.load_state_dict({"layers": {0: layer}})
+    assert info.value.unexpected_keys == ("layers.0",)
+    with pytest.raises(
+        tt.StateDictError, match=r"'layers\.7': nested state keys must be strings, got int 7\."
+    ):
+        m.load_state_dict({"layers": {7: layer}})
+
+
+def test_zero_size_leaves_load_onto_any_sharding():
+    # Regression (found by property_tests): JAX 0.10's device_put of a zero-size array
+    # replicated over one device order onto a sharding that splits it over another order made
+    # shards of the wrong shape, so the loaded leaf was broken (np.asarray of it failed).
+    devices = jax.devices()[::-1]
+    replicated = NamedSharding(Mesh(np.array(devices), ("x",)), PartitionSpec())
+    value = jax.device_put(np.zeros((0, 4), np.float32), replicated)
+    target = NamedSharding(jax.make_mesh((2, 4), ("x", "y")), PartitionSpec(None, "y"))
+
+    class Holder(nn.Module):
+        w: jax.Array
+
+    model = Holder(jax.device_put(np.zeros((0, 4), np.float32), target))
+    loaded = model.load_state_dict({"w": value})
+    assert loaded.w.sharding == target
+    assert [shard.data.shape for shard in loaded.w.addressable_shards] == [(0, 1)] * 8
+    assert np.asarray(loaded.w).shape == (0, 4)
+
+
+def test_bool_leaves_load_from_bools():
+    # regression: a bool value was once taken for a non-numeric one
+    class Flags(nn.Module):
+        def __init__(self):
+            self.mask = jnp.array([True, False])
+
+    f = Flags()
+    loaded = f.load_state_dict({"mask": [False, True]})
+    np.testing.assert_array_equal(loaded.mask, [False, True])
+    assert loaded.mask.dtype == jnp.bool_
+    with pytest.raises(
+        tt.StateDictError, match=r"'mask': dtype kind changes: the model holds bool"
+    ):
+        f.load_state_dict({"mask": [1, 0]})
+
+
+def test_a_first_load_inside_jit_does_not_confuse_later_loads():
+    # regression: the concrete array class was once learnt from a traced array when the first
+    # load of the process happened inside jit, and every later load then failed
+    import subprocess
+    import sys
+
+    code = (
+        "import jax, jax.numpy as jnp\n"
+        "from taktiny import nn\n"
+        "m = nn.Linear(2, 2, rngs=nn.Rngs(0))\n"
+        "s = nn.Linear(2, 2, rngs=nn.Rngs(1)).state_dict()\n"
+        "inside = jax.jit(lambda m, s: m.load_state_dict(s))(m, s)\n"
+        "outside = m.load_state_dict(s)\n"
+        "assert (inside.kernel == outside.kernel).all()\n"
+        "print('ok')\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=False
+    )
+    assert result.stdout.strip() == "ok", result.stderr[-2000:]
