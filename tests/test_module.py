@@ -8,18 +8,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _models import MLP
 
 import taktiny as tt
 from taktiny import nn
-
-
-class MLP(nn.Module):
-    def __init__(self, *, rngs: nn.Rngs):
-        self.input = nn.Linear(32, 64, rngs=rngs)
-        self.output = nn.Linear(64, 4, rngs=rngs)
-
-    def __call__(self, x):
-        return self.output(jax.nn.relu(self.input(x)))
 
 
 class Declared(nn.Module):

@@ -4,15 +4,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
+from _models import MLP
 from jax.sharding import NamedSharding, PartitionSpec
 
 from taktiny import nn
-
-
-class MLP(nn.Module):
-    def __init__(self, *, rngs: nn.Rngs):
-        self.input = nn.Linear(32, 64, rngs=rngs)
-        self.output = nn.Linear(64, 4, rngs=rngs)
 
 
 class Deep(nn.Module):

@@ -4,19 +4,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _models import MLP
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import taktiny as tt
 from taktiny import nn
-
-
-class MLP(nn.Module):
-    def __init__(self, *, rngs: nn.Rngs):
-        self.input = nn.Linear(32, 64, rngs=rngs)
-        self.output = nn.Linear(64, 4, rngs=rngs)
-
-    def __call__(self, x):
-        return self.output(jax.nn.relu(self.input(x)))
 
 
 class Stack(nn.Module):
