@@ -202,17 +202,6 @@ def _collect(spec: _Spec, state: Mapping[Any, Any]) -> tuple[dict[int, Any], lis
     return supplied, problems
 
 
-def _same_place(have: Any, want: Any) -> bool:
-    """Whether two shardings place an array alike: the check every loaded leaf needs, so
-    single-device shardings (which every computed array carries a fresh copy of) are
-    compared by their device and memory kind without the general ``==``."""
-    if have is want:
-        return True
-    if type(have) is _SINGLE and type(want) is _SINGLE:
-        return have._device is want._device and have._memory_kind == want._memory_kind
-    return have == want
-
-
 _KINDS = (
     ("floating", jnp.floating),
     ("complex", jnp.complexfloating),
@@ -332,11 +321,13 @@ def _load(model: Any, state: Mapping[Any, Any], strict: bool, method: str) -> An
         old = leaves[i]
         if type(value) is array_type and type(old) is array_type and value.aval == old.aval:
             have, want = value.sharding, old.sharding  # the common case: same shape and dtype
-            if have is want or (
-                _same_place(have, want)
-                if type(have) is not _SINGLE or type(want) is not _SINGLE
-                else have._device is want._device and have._memory_kind == want._memory_kind
-            ):
+            if type(have) is _SINGLE and type(want) is _SINGLE:
+                # every computed array carries its own single-device sharding: compare what
+                # it places by, without the general (and, per leaf, costly) ==
+                same = have._device is want._device and have._memory_kind == want._memory_kind
+            else:
+                same = have is want or have == want
+            if same:
                 new[i] = value
             else:
                 moves.append((i, value, want))
