@@ -2,7 +2,8 @@
 
     python bench/diagnose.py load      # cProfile of load_state_dict, 384 and 3,000 leaves
     python bench/diagnose.py orbax     # CPU time, page faults and peak memory of Orbax
-                                      # save/restore, default vs tuned, and why restores copy
+                                      # save/restore, default, tuned, chunked, and why
+                                      # restores copy
     python bench/diagnose.py orbax --quick
 
 (For a sampling view of the load path: ``py-spy record -f raw -o load.raw -- python
@@ -70,8 +71,8 @@ def _measure(fn: Any, *args: Any, **kwargs: Any) -> tuple[float, float, int]:
     return wall, cpu2 - cpu, faults2 - faults
 
 
-def _save(path: Path, state: Any, tuned: bool) -> None:
-    _formats.save_orbax(path, state, tuned=tuned)
+def _save(path: Path, state: Any, tuned: bool, chunk: int | None) -> None:
+    _formats.save_orbax(path, state, tuned=tuned, chunk=chunk)
     _disk.sync(path)
 
 
@@ -105,39 +106,46 @@ def _orbax_reads_aligned() -> Any:
 
 
 def profile_orbax(quick: bool, rounds: int = 3) -> None:
-    """Wall and CPU time and minor page faults of Orbax save/restore, default vs tuned (the
-    best of `rounds` each), and whether Orbax's read buffers can be handed to JAX uncopied."""
+    """Wall and CPU time and minor page faults of Orbax save/restore, default vs tuned vs
+    chunked (the best of `rounds` each), and whether Orbax's read buffers can be handed to
+    JAX uncopied."""
     width, depth = _formats.SIZES["quick" if quick else "full"]
     models, abstracts = _formats.models(width, depth), _formats.abstracts(width, depth)
     nbytes = sum(x.nbytes for x in jax.tree.leaves(models["taktiny"]))
     print(f"model: {nbytes / 1e6:,.0f} MB in {depth} arrays; best of {rounds} rounds")
+    variants = {
+        "default": (False, None),
+        "tuned": (True, None),
+        "chunked": (True, _formats.CHUNK_BYTES),
+    }
     with tempfile.TemporaryDirectory() as tmp:
         paths = {}
-        for tuned in (False, True):
+        for name, (tuned, chunk) in variants.items():
             saves = []
             for i in range(rounds):
                 if i:  # freed blocks are rewritten fast; this VM's disk is slow on fresh ones
-                    _disk.remove(paths[tuned])
-                paths[tuned] = Path(tmp, f"tuned-{tuned}-{i}")
-                saves.append(_measure(_save, paths[tuned], models["taktiny"].state_dict(), tuned))
+                    _disk.remove(paths[name])
+                paths[name] = Path(tmp, f"{name}-{i}")
+                state = models["taktiny"].state_dict()
+                saves.append(_measure(_save, paths[name], state, tuned, chunk))
             wall, cpu, _ = min(saves)
-            size = _disk.size(paths[tuned])
-            label = "tuned  " if tuned else "default"
-            print(f"save    {label} wall {wall:5.2f} s  CPU {cpu:5.2f} s  bytes {size:,}")
+            size = _disk.size(paths[name])
+            print(f"save    {name:8} wall {wall:5.2f} s  CPU {cpu:5.2f} s  bytes {size:,}")
         cases = {
-            "default": (False, False),
-            "tuned  ": (True, False),
-            "tuned, aligned reads (a what-if: Orbax patched)": (True, True),
+            "default": ("default", False),
+            "tuned": ("tuned", False),
+            "chunked": ("chunked", False),
+            "chunked, aligned reads (a what-if: Orbax patched)": ("chunked", True),
         }
-        for label, (tuned, aligned) in cases.items():
+        for label, (name, aligned) in cases.items():
             restores = []
             for _ in range(rounds):
-                _disk.evict(paths[tuned])
+                _disk.evict(paths[name])
                 with _orbax_reads_aligned() if aligned else contextlib.nullcontext():
-                    restores.append(_measure(_restore, paths[tuned], abstracts, tuned))
+                    restores.append(_measure(_restore, paths[name], abstracts, name != "default"))
             wall, cpu, faults = min(restores)
             print(
-                f"restore {label} wall {wall:5.2f} s  CPU {cpu:5.2f} s  minor page faults "
+                f"restore {label:8} wall {wall:5.2f} s  CPU {cpu:5.2f} s  minor page faults "
                 f"{faults:,} = {faults * 4096 / nbytes:.2f}x the model's bytes in 4 KiB pages"
             )
     # Orbax reads each array into np.zeros(...) and then calls jax.device_put on it.

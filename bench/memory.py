@@ -26,7 +26,7 @@ from pathlib import Path
 from ._results import Config, Group, Table, Target
 
 ROOT = Path(__file__).resolve().parent.parent
-TT, TUNED = "Taktiny + Orbax", "Taktiny + Orbax tuned"
+TT, TUNED, CHUNKED = "Taktiny + Orbax", "Taktiny + Orbax tuned", "Taktiny + Orbax chunked"
 
 
 def _status(field: str) -> int:
@@ -98,9 +98,9 @@ def run(config: Config) -> Group:
     group = Group("memory", f"Peak memory of restoring a {nbytes / 1e9:.2f} GB checkpoint")
     root = Path(config.scratch)
     root.mkdir(parents=True, exist_ok=True)
-    # the smoke test runs the two Orbax cases only (every restore function also runs in the
+    # the smoke test runs the Orbax cases only (every restore function also runs in the
     # checkpoint group's smoke test); each subprocess costs seconds of imports
-    systems = [TT, TUNED] if config.mode == "smoke" else list(_formats.SAVE)
+    systems = [TT, TUNED, CHUNKED] if config.mode == "smoke" else list(_formats.SAVE)
     paths = {s: root / f"memory-{i}" for i, s in enumerate(systems)}
     try:
         for system, path in paths.items():
@@ -132,7 +132,7 @@ def run(config: Config) -> Group:
         ratios.add("growth / checkpoint size", s, call, (r["peak"] - r["before"]) / sizes[s])
         ratios.add("whole process / checkpoint size", s, call, r["peak"] / sizes[s])
     group.tables += [table, ratios]
-    for system in (TT, TUNED):
+    for system in (TT, TUNED, CHUNKED):
         r, size = results[system], sizes[system]
         group.targets += [
             Target(

@@ -111,3 +111,28 @@ def test_restore_places_leaves_like_the_target(tmp_path):
     restored = target_model.load_state_dict(state)
     assert restored.input.kernel.sharding == sharded
     assert_bitwise_equal(restored, model)
+
+
+def test_large_checkpoint_settings_round_trip(tmp_path):
+    """The docs' large-checkpoint recipe: uncompressed, several chunks per array, bounded reads."""
+    path = (tmp_path / "model").absolute()
+    model = Deep(rngs=nn.Rngs(0))
+    state = model.state_dict()
+    chunk = 64  # bytes: a [8, 8] float32 kernel (256 bytes) is split into several chunks
+    save_args = jax.tree.map(lambda _: ocp.SaveArgs(chunk_byte_size=chunk), state)
+    handler = ocp.PyTreeCheckpointHandler(use_compression=False, restore_concurrent_gb=0.1)
+    with ocp.Checkpointer(handler) as checkpointer:
+        checkpointer.save(path, args=ocp.args.PyTreeSave(state, save_args=save_args))
+        metadata = checkpointer.metadata(path).item_metadata.tree
+        kernel = metadata["layers"]["0"]["kernel"]
+        assert kernel.storage.chunk_shape != kernel.shape  # really more than one chunk
+        abstract = jax.eval_shape(lambda: Deep(rngs=nn.Rngs(1)))
+        target = abstract.state_dict()
+        restore_args = ocp.checkpoint_utils.construct_restore_args(target)
+        tuned = checkpointer.restore(
+            path, args=ocp.args.PyTreeRestore(target, restore_args=restore_args)
+        )
+    assert_bitwise_equal(abstract.load_state_dict(tuned, strict=True), model)
+    with ocp.StandardCheckpointer() as checkpointer:  # any checkpointer reads it back
+        plain = checkpointer.restore(path, target=abstract.state_dict())
+    assert_bitwise_equal(abstract.load_state_dict(plain, strict=True), model)
