@@ -142,7 +142,8 @@ def profile_orbax(quick: bool, rounds: int = 3) -> None:
             for _ in range(rounds):
                 _disk.evict(paths[name])
                 with _orbax_reads_aligned() if aligned else contextlib.nullcontext():
-                    restores.append(_measure(_restore, paths[name], abstracts, name != "default"))
+                    tuned = variants[name][0]
+                    restores.append(_measure(_restore, paths[name], abstracts, tuned))
             wall, cpu, faults = min(restores)
             print(
                 f"restore {label:8} wall {wall:5.2f} s  CPU {cpu:5.2f} s  minor page faults "
