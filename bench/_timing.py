@@ -116,4 +116,4 @@ def paired_ratio(a: Stats, b: Stats) -> float:
     Both ran in the same round, close together in time, so the slow drifts of a shared
     machine's load cancel in each ratio; this is the steadiest estimate of a / b.
     """
-    return statistics.median(x / y for x, y in zip(a.samples, b.samples))
+    return statistics.median(x / y for x, y in zip(a.samples, b.samples, strict=True))

@@ -85,7 +85,7 @@ def plot(table: Table, path: Path) -> None:
             edgecolor="black" if system == table.reference else None,
         )
         if table.unit == "s" and system != table.reference:
-            for bar, op in zip(bars, [op for op in ops if system in table.rows[op]]):
+            for bar, op in zip(bars, [op for op in ops if system in table.rows[op]], strict=True):
                 ref = table.rows[op].get(table.reference)
                 if ref is not None:
                     ratio = table.rows[op][system].value / ref.value
@@ -192,6 +192,6 @@ def write(groups: list[Group], out: Path, *, mode: str, seconds: float, command:
 
 def _jsonable(group: Group) -> Any:
     data = dataclasses.asdict(group)
-    for t, target in zip(data["targets"], group.targets):
+    for t, target in zip(data["targets"], group.targets, strict=True):
         t["met"] = target.met
     return json.loads(json.dumps(data, default=str), parse_constant=lambda c: math.nan)

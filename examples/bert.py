@@ -62,7 +62,7 @@ class Bert(nn.Module):
         x = self.word(ids) + self.position(positions) + self.token_type(token_types)
         x = self.dropout(self.embed_norm(x), key=keys[0])
         mask = valid[:, None, None, :]  # padding: no query attends to a padded key
-        for layer, layer_key in zip(self.layers, keys[1:]):
+        for layer, layer_key in zip(self.layers, keys[1:], strict=True):
             x = layer(x, mask, key=layer_key)
         return x, jnp.tanh(self.pooler(x[:, 0]))
 

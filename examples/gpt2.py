@@ -82,7 +82,9 @@ def convert(torch_state):
             raise KeyError(f"no rule converts {name!r}; add one to RULES")
         value = tensor.detach().numpy()
         targets = [re.sub(rule[0], target, name) for target in rule[1]]
-        for target, part in zip(targets, np.split(value, max(len(targets), 1), axis=-1)):
+        for target, part in zip(
+            targets, np.split(value, max(len(targets), 1), axis=-1), strict=False
+        ):
             if target.endswith(".weight"):
                 stem = target.removesuffix(".weight")
                 target = stem + (".kernel" if part.ndim == 2 else ".scale")

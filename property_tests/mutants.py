@@ -1,8 +1,8 @@
 """Deliberately broken variants of the state walk, to see each property catch the ones its
 docstring names.
 
-Nothing here changes the package: each variant monkeypatches `taktiny._state` for one pytest
-run, as a plugin (pytest does not collect this file as tests). Run one variant against one
+Nothing here changes the package: each variant monkeypatches `taktiny._state` or
+`taktiny._values` for one pytest run, as a plugin (pytest does not collect this file as tests). Run one variant against one
 property, or every variant against the properties expected to catch it:
 
     PYTHONPATH=. python -m pytest -p property_tests.mutants --mutant=flat_sorted \
@@ -34,11 +34,11 @@ def _wrap_load(before: Any = None, after: Any = None, failed: Any = None) -> Any
 
     load = _state.load
 
-    def broken(model: Any, state: Any, *, strict: bool, flat: bool) -> Any:
+    def broken(model: Any, state: Any, *, strict: bool, flat: bool, **kw: Any) -> Any:
         if before is not None:
             model, state, strict = before(model, state, strict, flat)
         try:
-            result = load(model, state, strict=strict, flat=flat)
+            result = load(model, state, strict=strict, flat=flat, **kw)
         except _state.StateDictError as error:
             if failed is None:
                 raise
@@ -100,10 +100,13 @@ def _flat_items(state: dict, prefix: str = "") -> list:
 
 
 def _mutants() -> dict[str, Any]:
-    """Each variant's name and the patches (attribute of `taktiny._state`, value) it makes."""
-    from taktiny import _state
+    """Each variant's name and the patches (module, attribute, value) it makes."""
+    from taktiny import _state, _values
+    from taktiny._module import NODES
 
-    flat_state_dict, state_dict, cast = _state.flat_state_dict, _state.state_dict, _state._cast
+    flat_state_dict = lambda m: _state.flat_state_dict(m, NODES)
+    state_dict = lambda m: _state.state_dict(m, NODES)
+    flat_read, nested_read, convert = _state.flat_state_dict, _state.state_dict, _values.convert
 
     def drop_sharding(model: Any, state: Any, result: Any, flat: bool) -> Any:
         if _traced(result):
@@ -117,7 +120,8 @@ def _mutants() -> dict[str, Any]:
         names = list(flat_state_dict(model))
         same = lambda v, x: isinstance(v, jax.Array) and (v.shape, v.dtype) == (x.shape, x.dtype)
         leaves = [
-            given[n] if same(given.get(n), x) else x for n, x in zip(names, jax.tree.leaves(result))
+            given[n] if same(given.get(n), x) else x
+            for n, x in zip(names, jax.tree.leaves(result), strict=True)
         ]
         return jax.tree.unflatten(jax.tree.structure(result), leaves)
 
@@ -146,24 +150,29 @@ def _mutants() -> dict[str, Any]:
     )
     no_strict_nested = lambda m, s, strict, flat: (m, s, strict and flat)
     no_lists = lambda m, s, strict, flat: (m, _numbered(s, flat), strict)
-    no_cast_in_jit = lambda n, v, d, p: v if isinstance(v, jax.core.Tracer) else cast(n, v, d, p)
-    same_kind = lambda v, d: _state._kind(v.dtype) == _state._kind(d)
-    no_range_check = lambda n, v, d, p: v.astype(d) if same_kind(v, d) else cast(n, v, d, p)
+    no_cast_in_jit = lambda n, v, o, p: v if isinstance(v, jax.core.Tracer) else convert(n, v, o, p)
+    same_kind = lambda v, o: _values.kind(np.result_type(v)) == _values.kind(o.dtype)
+    no_range_check = lambda n, v, o, p: (
+        np.asarray(v).astype(o.dtype) if same_kind(v, o) else convert(n, v, o, p)
+    )
+    flat_sorted = lambda m, nodes: dict(sorted(flat_read(m, nodes).items()))
+    nested_sorted = lambda m, nodes: jax.tree.map(lambda x: x, nested_read(m, nodes))
+    state_copies = lambda m, nodes: jax.tree.map(np.asarray, nested_read(m, nodes))
     return {
-        "flat_sorted": [("flat_state_dict", lambda m: dict(sorted(flat_state_dict(m).items())))],
-        "nested_sorted": [("state_dict", lambda m: jax.tree.map(lambda x: x, state_dict(m)))],
-        "state_copies": [("state_dict", lambda m: jax.tree.map(np.asarray, state_dict(m)))],
-        "lists_ignored": [("load", _wrap_load(before=no_lists))],
-        "drop_sharding": [("load", _wrap_load(after=drop_sharding))],
-        "keep_value_sharding": [("load", _wrap_load(after=keep_value_sharding))],
-        "permuted": [("load", _wrap_load(after=permuted))],
-        "first_problem_only": [("load", _wrap_load(failed=_first_problem))],
-        "half_applied": [("load", _wrap_load(failed=_half_applied))],
-        "unknown_ignored": [("load", _wrap_load(before=unknown_ignored))],
-        "strict_ignored_nested": [("load", _wrap_load(before=no_strict_nested))],
-        "stop_gradient": [("load", _wrap_load(after=stop))],
-        "no_cast_in_jit": [("_cast", no_cast_in_jit)],
-        "no_range_check": [("_cast", no_range_check)],
+        "flat_sorted": [(_state, "flat_state_dict", flat_sorted)],
+        "nested_sorted": [(_state, "state_dict", nested_sorted)],
+        "state_copies": [(_state, "state_dict", state_copies)],
+        "lists_ignored": [(_state, "load", _wrap_load(before=no_lists))],
+        "drop_sharding": [(_state, "load", _wrap_load(after=drop_sharding))],
+        "keep_value_sharding": [(_state, "load", _wrap_load(after=keep_value_sharding))],
+        "permuted": [(_state, "load", _wrap_load(after=permuted))],
+        "first_problem_only": [(_state, "load", _wrap_load(failed=_first_problem))],
+        "half_applied": [(_state, "load", _wrap_load(failed=_half_applied))],
+        "unknown_ignored": [(_state, "load", _wrap_load(before=unknown_ignored))],
+        "strict_ignored_nested": [(_state, "load", _wrap_load(before=no_strict_nested))],
+        "stop_gradient": [(_state, "load", _wrap_load(after=stop))],
+        "no_cast_in_jit": [(_values, "convert", no_cast_in_jit)],
+        "no_range_check": [(_values, "convert", no_range_check)],
     }
 
 
@@ -215,10 +224,8 @@ def pytest_addoption(parser: Any) -> None:
 def pytest_sessionstart(session: Any) -> None:
     name = session.config.getoption("--mutant")
     if name:
-        from taktiny import _state
-
-        for attr, value in _mutants()[name]:
-            setattr(_state, attr, value)
+        for module, attr, value in _mutants()[name]:
+            setattr(module, attr, value)
 
 
 def main() -> int:

@@ -32,7 +32,7 @@ def flat_selections(draw: Any, flat: dict[str, Any]) -> list[str]:
     if mode != "some":
         return list(flat) if mode == "all" else []
     keep = draw(st.lists(st.booleans(), min_size=len(flat), max_size=len(flat)))
-    return [name for name, kept in zip(flat, keep) if kept]
+    return [name for name, kept in zip(flat, keep, strict=True) if kept]
 
 
 @st.composite

@@ -1,7 +1,15 @@
 """Taktiny: a small, fast, pure-functional neural-network library for JAX."""
 
 from . import nn as nn
-from ._state import StateDictError as StateDictError
-from ._state import StateProblem as StateProblem
+from ._errors import StateDictError as StateDictError
+from ._errors import StateProblem as StateProblem
+from ._summary import Summary as Summary
+from ._summary import summary as summary
+from ._tree import by_name as by_name
+from ._tree import flat_state_dict as flat_state_dict
+from ._tree import load_flat_state_dict as load_flat_state_dict
+from ._tree import load_state_dict as load_state_dict
+from ._tree import state_dict as state_dict
+from ._tree import trainable as trainable
 
 __version__ = "0.1.0"

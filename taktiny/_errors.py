@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 
@@ -16,12 +17,13 @@ class StateProblem:
     """One problem found while loading a state.
 
     Attributes:
-        kind: ``"unknown"`` (no such name), ``"missing"`` (not supplied under
-            ``strict=True``), ``"abstract"`` (not supplied to an abstract model),
-            ``"shape"``, ``"dtype"`` (a change of dtype kind, or a narrowing integer
-            cast that would change values), ``"value"`` (not an array),
-            ``"structure"`` (a dict where one array belongs, or the reverse) or
-            ``"key"`` (a nested key containing ``"."``).
+        kind: ``"unknown"`` (no such name), ``"key"`` (a nested key that is not a
+            string, or contains ``"."``), ``"structure"`` (a dict where one array
+            belongs, or the reverse), ``"shape"``, ``"dtype"`` (a change of dtype
+            kind, or a cast to a narrower dtype that would change values: an integer
+            out of range, a finite float that would become infinite), ``"value"`` (not
+            an array), ``"missing"`` (not supplied under ``strict=True``) or
+            ``"abstract"`` (not supplied to an abstract model).
         key: the flat name (``"layers.1.kernel"``) the problem is about.
         expected: what the model holds there (a shape, a dtype name, a suggestion).
         got: what the state supplied.
@@ -38,20 +40,29 @@ class StateProblem:
         return f"{self.key!r}: {self.hint}"
 
 
+_ORDER = {"unknown": 0, "key": 0, "structure": 0, "missing": 2, "abstract": 2}  # values: 1
+SHOWN = 20  # problems printed in the message; all of them stay in `problems`
+
+
 class StateDictError(ValueError):
     """The one error type for state problems; raised once, listing every offending name.
 
     When it is raised nothing has been loaded: the module is unchanged and no new
-    module is returned. Structural problems come first, then problems with values,
-    then names that were not supplied. The problems are also available as
-    :attr:`problems` (a tuple of :class:`StateProblem`), :attr:`missing_keys` and
-    :attr:`unexpected_keys`.
+    module is returned. Problems with names and structure come first (unknown names,
+    bad keys, a dict where an array belongs), then problems with values (shape,
+    dtype, not an array), then names that were not supplied; within each group, in
+    the order of the state. The message shows the first 20; all of them are in
+    :attr:`problems` (a tuple of :class:`StateProblem`), and by name in
+    :attr:`missing_keys` and :attr:`unexpected_keys`.
     """
 
     def __init__(self, where: str, problems: Sequence[StateProblem]):
-        self.problems = tuple(problems)
+        self.problems = tuple(sorted(problems, key=lambda p: _ORDER.get(p.kind, 1)))
         count = f"{len(problems)} problem{'s' if len(problems) > 1 else ''}"
-        lines = [f"{where}: {count}; nothing was loaded.", *(f"  - {p}" for p in problems)]
+        lines = [f"{where}: {count}; nothing was loaded."]
+        lines += [f"  - {p}" for p in self.problems[:SHOWN]]
+        if len(problems) > SHOWN:
+            lines.append(f"  ... and {len(problems) - SHOWN} more (all in .problems)")
         super().__init__("\n".join(lines))
 
     @property
@@ -73,10 +84,62 @@ def describe(value: Any) -> str:
     return f"a value of type {type(value).__name__}"
 
 
-def unknown(name: str, names: Sequence[str], value: Any, flat: bool) -> StateProblem:
-    """A name with no leaf: a group of parameters, a child of an array, or simply unknown."""
-    inside = [n for n in names if n.startswith(name + ".")]
-    if inside:
+_SUGGESTED = 100  # unknown names that get a suggestion; later ones are only listed
+
+
+class _Suggester:
+    """Finds the closest valid name for unknown ones: among the names (and groups) the
+    state does not already supply, those with the same last part first, preferring one
+    whose parts include all the given ones in order (``fc.2.bias`` in
+    ``fc.layers.2.bias``), then by string similarity."""
+
+    def __init__(self, names: Sequence[str], given: Collection[str]):
+        groups = {n.rsplit(".", k)[0] for n in names for k in range(1, n.count(".") + 1)}
+        self.names, self.known, self.groups = names, set(names), groups
+        self.candidates = [n for n in (*names, *sorted(groups)) if n not in given]
+        self.by_last: dict[str, list[str]] = {}
+        for candidate in self.candidates:
+            self.by_last.setdefault(candidate.rsplit(".", 1)[-1], []).append(candidate)
+
+    def __call__(self, name: str) -> str | None:
+        parts = name.split(".")
+        pool = self.by_last.get(parts[-1], [])
+
+        def contains(candidate: str) -> bool:
+            rest = iter(candidate.split("."))
+            return all(part in rest for part in parts)
+
+        contained = [c for c in pool if contains(c)]
+        if contained:
+            return max(contained, key=lambda c: difflib.SequenceMatcher(None, name, c).ratio())
+        for among in (pool, self.candidates):
+            close = difflib.get_close_matches(name, among, n=1, cutoff=0.6)
+            if close:
+                return close[0]
+        return None
+
+
+def closest(name: str, candidates: Sequence[str]) -> str | None:
+    """The candidate closest to `name`, as a suggestion; None when none is close."""
+    return _Suggester(candidates, ())(name)
+
+
+def unknown(
+    items: Sequence[tuple[str, Any]], names: Sequence[str], flat: bool, given: Collection[str]
+) -> list[StateProblem]:
+    """A problem for each (name, value) whose name has no leaf: a group of parameters, a
+    child of an array, or simply unknown. Suggestions leave out the names in `given`
+    (what the same state already supplies)."""
+    suggest = _Suggester(names, given)
+    return [
+        _unknown(name, value, flat, suggest, i < _SUGGESTED)
+        for i, (name, value) in enumerate(items)
+    ]
+
+
+def _unknown(name: str, value: Any, flat: bool, names: _Suggester, suggest: bool) -> StateProblem:
+    if name in names.groups:
+        inside = [n for n in names.names if n.startswith(name + ".")]
         listed = ", ".join(inside[:4]) + (", ..." if len(inside) > 4 else "")
         how = f"by name (e.g. {inside[0]!r})" if flat else "as a nested dict"
         return StateProblem(
@@ -87,7 +150,8 @@ def unknown(name: str, names: Sequence[str], value: Any, flat: bool) -> StatePro
             f"names a group of parameters ({listed}), not one array; got {describe(value)}. "
             f"Supply its parameters {how}.",
         )
-    parent = next((n for n in names if name.startswith(n + ".")), None)
+    prefixes = (name.rsplit(".", k)[0] for k in range(1, name.count(".") + 1))
+    parent = next((p for p in prefixes if p in names.known), None)
     if parent is not None:
         return StateProblem(
             "structure",
@@ -97,18 +161,26 @@ def unknown(name: str, names: Sequence[str], value: Any, flat: bool) -> StatePro
             f"{parent!r} is an array, so it has no entry {name[len(parent) + 1 :]!r}; give the "
             f"array itself at {parent!r}.",
         )
-    groups = {n.rsplit(".", k)[0] for n in names for k in range(1, n.count(".") + 1)}
-    close = difflib.get_close_matches(name, [*names, *sorted(groups)], n=1, cutoff=0.6)
-    if close:
-        return StateProblem(
-            "unknown", name, close[0], name, f"unknown key; did you mean {close[0]!r}?"
-        )
+    close = names(name) if suggest else None
+    if close is not None:
+        return StateProblem("unknown", name, close, name, f"unknown key; did you mean {close!r}?")
     return StateProblem(
         "unknown",
         name,
         None,
         name,
-        f"unknown key; the model has no parameter of that name (it has {list(names[:3])}, ...).",
+        f"unknown key; the model has no parameter of that name (it has "
+        f"{list(names.names[:3])}, ...).",
+    )
+
+
+def unknown_part(name: str, parts: Sequence[str]) -> StateProblem:
+    return StateProblem(
+        "unknown",
+        name,
+        list(parts),
+        name,
+        f"unknown key; this parameter's parts are {list(parts)}.",
     )
 
 
@@ -201,6 +273,21 @@ def narrowing(name: str, expected: Any, got: Any, traced: bool) -> StateProblem:
     why = "cannot be checked inside jit" if traced else "would change values"
     hint = f"narrowing {have} to {want} {why}; convert the value yourself."
     return StateProblem("dtype", name, want, have, hint)
+
+
+def overflow(name: str, expected: Any, got: Any, count: int, largest: float) -> StateProblem:
+    want, have = np.dtype(expected).name, np.dtype(got).name
+    limit = float(jnp.finfo(expected).max)
+    values = "value" if count == 1 else f"{count} values"
+    return StateProblem(
+        "dtype",
+        name,
+        want,
+        have,
+        f"casting {have} to {want} would turn {values} into inf: the largest is {largest:.4g}, "
+        f"and {want} holds at most {limit:.4g}. Scale or clip the value, or keep this "
+        f"parameter in a wider dtype.",
+    )
 
 
 def missing(name: str) -> StateProblem:

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import re
+import sys
+import typing
 from typing import Any
 
 MISSING: Any = dataclasses.MISSING
@@ -16,10 +19,15 @@ class Field:
     default: Any
     default_factory: Any
     static: bool | None
+    trainable: bool = True
 
 
 def field(
-    *, default: Any = MISSING, default_factory: Any = MISSING, static: bool | None = None
+    *,
+    default: Any = MISSING,
+    default_factory: Any = MISSING,
+    static: bool | None = None,
+    trainable: bool = True,
 ) -> Any:
     """Declares a module field with options, as in ``scale: float = field(default=1.0)``.
 
@@ -28,11 +36,43 @@ def field(
         default_factory: a zero-argument callable that makes the default.
         static: ``True`` forces the field into the tree structure (it must hold no
             array); ``False`` forces it to be a PyTree child even when it holds no
-            array; ``None`` (the default) sorts it by its value.
+            array (Python numbers in it become JAX arrays); ``None`` (the default) sorts
+            it by its value.
+        trainable: ``False`` marks the arrays under this field as state that is not
+            trained (BatchNorm's running statistics, a step counter): they stay in the
+            state dicts, but :func:`taktiny.trainable` marks them ``False`` so that
+            optimisers leave them alone. A module reading such a field in a
+            differentiated computation should pass it through ``jax.lax.stop_gradient``.
     """
     if default is not MISSING and default_factory is not MISSING:
         raise TypeError("field() takes `default` or `default_factory`, not both.")
-    return Field(default, default_factory, static)
+    if static is True and not trainable:
+        raise TypeError(
+            "field(static=True, trainable=False) contradicts itself: a static field holds no "
+            "arrays, so there is nothing to train or to keep from training. Drop one of them."
+        )
+    return Field(default, default_factory, static, trainable)
+
+
+# A string annotation such as "ClassVar[int]" or "typing.ClassVar": an optional module
+# prefix and a name, as `dataclasses` reads them.
+_STRING_ANNOTATION = re.compile(r"^\s*(?:(\w+)\s*\.)?\s*(\w+)")
+
+
+def _is_classvar(cls: type, annotation: Any) -> bool:
+    """Whether `annotation` is ``ClassVar`` or ``ClassVar[...]``, also when written as a
+    string (``from __future__ import annotations``): the name is looked up in the module
+    that defines `cls`, so a type that merely has ``ClassVar`` in its name is a field."""
+    if isinstance(annotation, str):
+        match = _STRING_ANNOTATION.match(annotation)
+        if match is None:
+            return False
+        prefix, name = match.groups()
+        scope = vars(sys.modules.get(cls.__module__, typing))
+        if prefix is not None:
+            scope = vars(scope[prefix]) if inspect.ismodule(scope.get(prefix)) else {}
+        annotation = scope.get(name)
+    return annotation is typing.ClassVar or typing.get_origin(annotation) is typing.ClassVar
 
 
 def declared_fields(cls: type, namespace: dict[str, Any]) -> dict[str, Field]:
@@ -42,7 +82,7 @@ def declared_fields(cls: type, namespace: dict[str, Any]) -> dict[str, Field]:
     for klass in reversed(cls.__mro__[1:]):
         fields.update(getattr(klass, "_taktiny_fields", {}))
     for name, annotation in namespace.get("__annotations__", {}).items():
-        if "ClassVar" in str(annotation) or name.startswith("__"):
+        if name.startswith("__") or _is_classvar(cls, annotation):
             continue
         value = namespace.get(name, MISSING)
         if isinstance(value, Field):
@@ -54,7 +94,8 @@ def declared_fields(cls: type, namespace: dict[str, Any]) -> dict[str, Field]:
 
 
 def generated_init(cls: type, fields: dict[str, Field]) -> Any:
-    """An ``__init__`` taking the declared fields in order, as a dataclass's does."""
+    """An ``__init__`` taking the declared fields in order, as a dataclass's does, then
+    calling ``__post_init__`` if the class has one."""
     params = [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)]
     for name, spec in fields.items():
         default = inspect.Parameter.empty
@@ -82,5 +123,5 @@ def generated_init(cls: type, fields: dict[str, Field]) -> Any:
 
     __init__.__signature__ = signature  # type: ignore[attr-defined]
     __init__.__qualname__ = f"{cls.__qualname__}.__init__"
-    __init__._taktiny_replaceable = True  # type: ignore[attr-defined]
+    __init__._taktiny_generated = True  # type: ignore[attr-defined]
     return __init__

@@ -3,8 +3,9 @@
 A subclass either declares its fields with annotations (and gets a generated
 ``__init__``) or assigns attributes in its own ``__init__``. When ``__init__``
 returns, every attribute is sorted into *data* (a PyTree child) or *static*
-(part of the tree structure), the instance is frozen, and its class is
-registered with JAX as a dataclass node so that ``jax.jit`` flattens it in C++.
+(part of the tree structure), the instance is checked and frozen, and its class is
+set to a node type registered with JAX as a dataclass node, so that ``jax.jit``
+flattens it in C++ (see ``_module.md`` beside this file).
 """
 
 from __future__ import annotations
@@ -16,43 +17,90 @@ from typing import Any, ClassVar, dataclass_transform
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
+import numpy as np
 import wadler_lindig as wl
 
-from . import _state
+from . import _checks, _state
 from ._fields import MISSING, Field, declared_fields, field, generated_init
+from ._names import Nodes
 from ._rngs import Rngs
-from ._state import ARRAY_TYPES
 
+ARRAY_TYPES = (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct)
+_SCALARS = (bool, int, float, complex)
 _INITIALISING: set[int] = set()  # ids of instances whose __init__ is running
-_RESERVED = frozenset(
-    {"state_dict", "flat_state_dict", "load_state_dict", "load_flat_state_dict", "replace"}
-)
+Layout = tuple[tuple[str, bool], ...]  # (field name, is data) in attribute order
+_NODE_TYPES: dict[tuple[type, Layout], type] = {}  # kept outside the classes: see _module.md
 
 
 def _is_module_or_array(x: Any) -> bool:
     return isinstance(x, (Module, *ARRAY_TYPES))
 
 
-def _classify(owner: str, name: str, value: Any, static: bool | None) -> bool:
-    """Returns True when `value` is data (a PyTree child); raises on values that can't be either."""
+def is_param(x: Any) -> bool:
+    """What the state walk treats as one parameter: anything but None, modules and the
+    containers (lists, tuples, dicts) that hold them."""
+    return x is not None and not isinstance(x, (Module, list, tuple, dict))
+
+
+def _data_fields(node: Any) -> dict[str, Any] | None:
+    if not isinstance(node, Module):
+        return None
+    values = node.__dict__
+    return {name: values[name] for name, is_data in type(node)._taktiny_layout if is_data}
+
+
+def _with_fields(node: Any, changes: dict[str, Any]) -> Any:
+    return type(node)(**{**node.__dict__, **changes})  # the node class: rebuilt in C
+
+
+NODES = Nodes(is_param, _data_fields, _with_fields)  # how the state walk sees modules
+
+
+def _as_arrays(value: Any) -> Any:
+    """`value` with its Python numbers made JAX arrays (of JAX's default dtype for them), so
+    that the state holds arrays only."""
+    leaves = jax.tree_util.tree_leaves(value, is_leaf=_is_module_or_array)
+    if not any(type(leaf) in _SCALARS for leaf in leaves):
+        return value
+    convert = lambda x: (
+        jnp.asarray(x, jax.dtypes.canonicalize_dtype(type(x))) if type(x) in _SCALARS else x
+    )
+    return jax.tree_util.tree_map(convert, value, is_leaf=_is_module_or_array)
+
+
+def _classify(
+    obj: Module, owner: str, name: str, value: Any, spec: Field | None
+) -> tuple[bool, Any]:
+    """Whether `value` (field `name` of `obj`) is data (a PyTree child), and the value to
+    store; raises on values that can be neither, or that would silently lose parameters."""
     if isinstance(value, Rngs):
         raise TypeError(
             f"{owner}.{name} holds an nn.Rngs. Rngs is a construction-time key stream and must "
             f"not be stored in a module: draw the keys you need in __init__ (key = rngs()) and "
             f"pass randomness at call time with an explicit `key=` argument."
         )
+    static = None if spec is None else spec.static
     path_leaves = jax.tree_util.tree_flatten_with_path(value, is_leaf=_is_module_or_array)[0]
     holds_data = value is None or any(_is_module_or_array(leaf) for _, leaf in path_leaves)
-    if static is True:
-        if holds_data and value is not None:
+    if static is True and holds_data and value is not None:
+        raise TypeError(
+            f"{owner}.{name} is declared static but holds an array or module. Static fields "
+            f"are part of the tree structure and must be plain configuration; remove "
+            f"`static=True` to make it a parameter, or store a Python value instead."
+        )
+    if static is False:
+        return True, _as_arrays(value)
+    if static is True or not holds_data:
+        if spec is not None and not spec.trainable:
             raise TypeError(
-                f"{owner}.{name} is declared static but holds an array or module. Static fields "
-                f"are part of the tree structure and must be plain configuration; remove "
-                f"`static=True` to make it a parameter, or store a Python value instead."
+                f"{owner}.{name} is declared trainable=False but holds {value!r:.60}, which is "
+                f"static configuration: only arrays can be kept from training. Store an array, "
+                f"or drop trainable=False."
             )
-        return False
-    if static is False or not holds_data:
-        return static is False
+        for _, leaf in path_leaves:
+            _checks.hidden_module(owner, name, leaf, obj, Module)
+        return False, value
     for path, leaf in path_leaves:
         where = f"{owner}.{name}{jax.tree_util.keystr(path)}"
         if not _is_module_or_array(leaf):
@@ -62,19 +110,11 @@ def _classify(owner: str, name: str, value: Any, static: bool | None) -> bool:
                 f"value in it must be an array, a module or None. Keep configuration in its own "
                 f"field, or wrap a function as a module with nn.Lambda(fn)."
             )
-        for key in path:
-            if isinstance(key, jax.tree_util.DictKey) and (
-                not isinstance(key.key, str) or "." in key.key
-            ):
-                raise TypeError(
-                    f"{owner}.{name} has the dict key {key.key!r}. Keys of dicts inside a module "
-                    f"name parameters, so they must be strings without '.' (a '.' joins flat "
-                    f"names); rename it, e.g. {str(key.key).replace('.', '_')!r}."
-                )
-    return True
+        _checks.dict_keys(owner, name, path)
+    return True, value
 
 
-def _node_type(base: type[Module], layout: tuple[tuple[str, bool], ...]) -> type[Module]:
+def _node_type(base: type[Module], layout: Layout) -> type[Module]:
     """The class that instances of `base` with `layout` take once built: a subclass of the same
     name registered with JAX as a dataclass node, one per layout of the fields.
 
@@ -82,7 +122,7 @@ def _node_type(base: type[Module], layout: tuple[tuple[str, bool], ...]) -> type
     that call runs entirely in C (``type.__call__`` and ``SimpleNamespace.__init__``), never
     the user's ``__init__``, which makes unflattening (every load, every jit output) cheap.
     """
-    node_type = base._taktiny_layouts.get(layout)
+    node_type = _NODE_TYPES.get((base, layout))
     if node_type is None:
         namespace = {
             "__module__": base.__module__,
@@ -95,37 +135,51 @@ def _node_type(base: type[Module], layout: tuple[tuple[str, bool], ...]) -> type
         data = [name for name, is_data in layout if is_data]
         meta = [name for name, is_data in layout if not is_data]
         jax.tree_util.register_dataclass(node_type, data, meta)
-        base._taktiny_layouts[layout] = node_type
+        _NODE_TYPES[(base, layout)] = node_type
     return node_type
 
 
-def _finalise(obj: Module) -> Module:
-    """Sorts the attributes of a freshly built `obj` into data and static, and sets its class
-    to the node type registered for that layout."""
+def _rebuild(base: type[Module], layout: Layout, values: dict[str, Any]) -> Module:
+    """Unpickles a module (see `Module.__reduce__`)."""
+    return _node_type(base, layout)(**values)
+
+
+def _finalise(obj: Module, changed: Mapping[str, Any] | None = None) -> Module:
+    """Sorts the attributes of a freshly built `obj` into data and static, checks them, and
+    sets its class to the node type registered for that layout. For a `replace`, only the
+    `changed` fields are sorted again; the others keep their place in the layout."""
     base = type(obj)._taktiny_base
     values: dict[str, Any] = obj.__dict__  # pyright: ignore[reportAssignmentType]
-    for name, spec in base._taktiny_fields.items():
-        if name not in values:
-            if spec.default_factory is not MISSING:
-                values[name] = spec.default_factory()
-            elif spec.default is not MISSING:
-                values[name] = spec.default
-            else:
-                raise TypeError(
-                    f"{base.__name__}.__init__ did not set the declared field {name!r}; assign "
-                    f"it (self.{name} = ...) or give it a default."
-                )
-    if clash := sorted(_RESERVED.intersection(values)):
-        raise TypeError(
-            f"{base.__name__} has a field named {clash[0]!r}, which would hide the Module "
-            f"method of that name; rename the field."
-        )
     fields = base._taktiny_fields
-    layout = tuple(
-        (name, _classify(base.__name__, name, value, getattr(fields.get(name), "static", None)))
-        for name, value in values.items()
-    )
-    object.__setattr__(obj, "__class__", _node_type(base, layout))
+    if changed is None:
+        for name, spec in fields.items():
+            if name not in values:
+                if spec.default_factory is not MISSING:
+                    values[name] = spec.default_factory()
+                elif spec.default is not MISSING:
+                    values[name] = spec.default
+                else:
+                    raise TypeError(
+                        f"{base.__name__}.__init__ did not set the declared field {name!r}; "
+                        f"assign it (self.{name} = ...) or give it a default."
+                    )
+        if clash := sorted(_RESERVED.intersection(values)):
+            raise TypeError(
+                f"{base.__name__} has a field named {clash[0]!r}, which would hide the Module "
+                f"attribute of that name; rename the field."
+            )
+        old: dict[str, bool] = {}
+    else:
+        old = dict(type(obj)._taktiny_layout)
+    layout = []
+    for name, value in values.items():
+        if changed is None or name in changed:
+            is_data, values[name] = _classify(obj, base.__name__, name, value, fields.get(name))
+            layout.append((name, is_data))
+        else:
+            layout.append((name, old[name]))
+    object.__setattr__(obj, "__class__", _node_type(base, tuple(layout)))
+    _checks.ties(obj, base.__name__, changed)
     return obj
 
 
@@ -134,11 +188,18 @@ class _ModuleMeta(type):
     def __new__(mcs, name: str, bases: tuple[type, ...], namespace: dict[str, Any], **kw: Any):
         cls: Any = super().__new__(mcs, name, bases, namespace, **kw)
         cls._taktiny_base = cls
-        cls._taktiny_layouts = {}
         cls._taktiny_fields = declared_fields(cls, namespace)
-        replaceable = getattr(cls.__init__, "_taktiny_replaceable", False)
-        if "__init__" not in namespace and cls._taktiny_fields and replaceable:
+        inherited = cls.__init__
+        if "__init__" not in namespace and (
+            getattr(inherited, "_taktiny_generated", False) or inherited is _MODULE_INIT
+        ):
             cls.__init__ = generated_init(cls, cls._taktiny_fields)
+        elif hasattr(cls, "__post_init__"):
+            raise TypeError(
+                f"{name} has both its own __init__ and a __post_init__, which would never run: "
+                f"__post_init__ only follows the __init__ that Taktiny generates from declared "
+                f"fields. Move its body to the end of __init__, or drop the custom __init__."
+            )
         return cls
 
     def __call__(cls, *args: Any, **kwargs: Any) -> Any:
@@ -167,6 +228,12 @@ class _NodeMeta(_ModuleMeta):
         return cls
 
 
+def fields_of(module: Module) -> dict[str, Any]:
+    """A built module's fields, in attribute order."""
+    values = module.__dict__
+    return {name: values[name] for name, _ in type(module)._taktiny_layout}
+
+
 class Module(types.SimpleNamespace, metaclass=_ModuleMeta):
     """Base class of every Taktiny layer and model: an immutable PyTree.
 
@@ -174,19 +241,17 @@ class Module(types.SimpleNamespace, metaclass=_ModuleMeta):
     PyTree's children, and what the state dict holds); every other attribute
     (ints, floats, strings, dtypes, functions, config objects) is static and is
     kept in the tree structure. Declare fields with annotations, or assign them
-    in ``__init__``; ``field(static=...)`` forces either side. After
-    ``__init__`` the instance is frozen: use :meth:`replace` for a changed copy.
+    in ``__init__``; ``field(static=..., trainable=...)`` forces either side or keeps
+    a field from training. After ``__init__`` the instance is frozen: use
+    :meth:`replace` for a changed copy.
     """
 
     _taktiny_base: ClassVar[type[Module]]
     _taktiny_fields: ClassVar[dict[str, Field]]
-    _taktiny_layouts: ClassVar[dict[tuple[tuple[str, bool], ...], type]]
-    _taktiny_layout: ClassVar[tuple[tuple[str, bool], ...]] = ()
+    _taktiny_layout: ClassVar[Layout] = ()
 
     def __init__(self) -> None:
         """Subclasses assign their fields here, or declare them with annotations."""
-
-    __init__._taktiny_replaceable = True  # type: ignore[attr-defined]  # by a generated one
 
     __eq__ = object.__eq__  # identity, as for any object (SimpleNamespace compares fields)
     __ne__ = object.__ne__
@@ -208,32 +273,33 @@ class Module(types.SimpleNamespace, metaclass=_ModuleMeta):
             )
         object.__delattr__(self, name)
 
-    def _fields(self) -> dict[str, Any]:
-        """The instance's fields in attribute order."""
-        values = self.__dict__
-        return {name: values[name] for name, _ in type(self)._taktiny_layout}
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickles (and deep-copies) a module by its class as defined, its layout and its
+        fields; unpickling takes the registered node class for that layout."""
+        node = type(self)
+        return _rebuild, (node._taktiny_base, node._taktiny_layout, fields_of(self))
 
     def replace(self, **changes: Any) -> Any:
         """Returns a copy of this module with the given fields replaced.
 
-        The copy is checked like a newly built module (data and static fields are
-        re-sorted); this module is not changed.
+        The new values are checked as in a newly built module (sorted into data and
+        static); the other fields are reused as they are. This module is not changed.
         """
-        fields = self._fields()
+        fields = fields_of(self)
         if unknown := sorted(changes.keys() - fields.keys()):
             raise TypeError(
                 f"{type(self).__name__}.replace() got unknown field(s) {unknown}; "
                 f"its fields are {list(fields)}."
             )
-        obj: Any = types.SimpleNamespace.__new__(type(self)._taktiny_base)
+        obj: Any = types.SimpleNamespace.__new__(type(self))
         obj.__dict__.update(fields)
         obj.__dict__.update(changes)
-        return _finalise(obj)
+        return _finalise(obj, changes)
 
     def __pdoc__(self, **kwargs: Any) -> wl.AbstractDoc:
         declared = type(self)._taktiny_fields
         shown = []
-        for name, value in self._fields().items():
+        for name, value in fields_of(self).items():
             spec = declared.get(name)
             if spec is not None and spec.default is not MISSING and value is spec.default:
                 continue
@@ -257,29 +323,36 @@ class Module(types.SimpleNamespace, metaclass=_ModuleMeta):
         parameters and ``None`` fields do not appear. A custom PyTree parameter (a
         quantized weight) stays whole.
         """
-        return _state.state_dict(self)
+        return _state.state_dict(self, NODES)
 
     def flat_state_dict(self) -> dict[str, Any]:
         """The parameters as one dict from dotted names (``"layers.0.kernel"``) to arrays.
 
-        Names come in module order: attribute order, then positions 0, 1, 2, ...
-        Custom PyTree parameters are flattened down to their arrays.
+        Names come in the order JAX flattens the module: attributes in the order
+        ``__init__`` set them, list positions 0, 1, 2, ..., dict keys sorted. Custom
+        PyTree parameters are flattened down to their arrays.
         """
-        return _state.flat_state_dict(self)
+        return _state.flat_state_dict(self, NODES)
 
     def load_state_dict(self, state: Mapping[str, Any], *, strict: bool = False) -> Any:
         """Returns a new module with the parameters in the nested `state` loaded.
 
         Leaves that `state` does not mention keep their values; with ``strict=True``
         every leaf must be supplied. Values may be JAX or NumPy arrays or array-likes;
-        each is checked against the leaf it replaces (shape, dtype kind), cast to its
-        floating dtype and placed with its sharding. Any problem raises one
+        each is checked against the leaf it replaces (shape, dtype kind, range), cast to
+        its dtype and placed with its sharding. Any problem raises one
         :class:`~taktiny.StateDictError` listing every offending name, and nothing is
         loaded. This module is never changed. Works inside ``jax.jit``.
         """
-        return _state.load(self, state, strict=strict, flat=False)
+        return _state.load(self, state, strict=strict, flat=False, nodes=NODES)
 
     def load_flat_state_dict(self, flat: Mapping[str, Any], *, strict: bool = False) -> Any:
         """As :meth:`load_state_dict`, for a dict of dotted names as :meth:`flat_state_dict`
         gives."""
-        return _state.load(self, flat, strict=strict, flat=True)
+        return _state.load(self, flat, strict=strict, flat=True, nodes=NODES)
+
+
+_MODULE_INIT = Module.__init__
+# Every attribute a Module has (its methods and the class attributes Taktiny keeps): a field
+# of the same name would hide it.
+_RESERVED = frozenset(name for name in vars(Module) if not name.startswith("__"))

@@ -48,3 +48,18 @@ def test_wrong_structure_for_a_custom_value_is_an_error():
         m.load_state_dict({"kernel": jnp.ones((2, 3))})
     with pytest.raises(tt.StateDictError, match=r"'kernel\.value': dtype kind changes"):
         m.load_state_dict({"kernel": Scaled(jnp.ones((2, 3)), jnp.ones(3))})
+
+
+def test_a_dict_of_the_parts_loads_too():
+    # what Orbax gives back for a custom parameter restored without a target
+    m = Dense()
+    parts = {"value": np.full((2, 3), 2, np.int8), "scale": [1.0, 2.0, 3.0]}
+    loaded = m.load_state_dict({"kernel": parts})
+    assert isinstance(loaded.kernel, Scaled) and int(loaded.kernel.value[0, 0]) == 2
+    np.testing.assert_array_equal(loaded.kernel.scale, [1.0, 2.0, 3.0])
+    assert loaded.bias is m.bias
+    with pytest.raises(
+        tt.StateDictError,
+        match=r"'kernel\.zero_point': unknown key; this parameter's parts are \['value', 'scale'\]",
+    ):
+        m.load_state_dict({"kernel": {"zero_point": np.zeros(3)}})

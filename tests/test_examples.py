@@ -53,3 +53,12 @@ def test_gpt2_example_matches_transformers():
     assert errors.keys() == {"logits"}, out
     assert errors["logits"] <= 1e-5, errors
     assert "causal: earlier positions do not see later tokens" in out
+
+
+def test_batchnorm_example_trains_through_nested_layers():
+    out = run_example("batchnorm.py")
+    losses = [float(line.split()[-1]) for line in out.splitlines() if line.startswith("step")]
+    assert len(losses) == 5 and losses[-1] < losses[0] / 10
+    assert "256 not trained" in out
+    means = out.split("running mean, first 3: [")[1].split("]")[0].split()
+    assert any(abs(float(m)) > 0.5 for m in means)  # the deep BatchNorm tracked its input

@@ -17,10 +17,13 @@ def convert(reference):
         weights = reference.in_proj_weight.chunk(3)
     else:
         weights = (reference.q_proj_weight, reference.k_proj_weight, reference.v_proj_weight)
-    state = {f"{name}.kernel": numpy(w.T) for name, w in zip(("query", "key", "value"), weights)}
+    state = {
+        f"{name}.kernel": numpy(w.T)
+        for name, w in zip(("query", "key", "value"), weights, strict=True)
+    }
     state["out.kernel"] = numpy(reference.out_proj.weight.T)
     if reference.in_proj_bias is not None:
-        for name, b in zip(("query", "key", "value"), reference.in_proj_bias.chunk(3)):
+        for name, b in zip(("query", "key", "value"), reference.in_proj_bias.chunk(3), strict=True):
             state[f"{name}.bias"] = numpy(b)
         state["out.bias"] = numpy(reference.out_proj.bias)
     return state

@@ -175,7 +175,7 @@ def test_conv_transpose_matches_torch(
             9,
             kernel_size,
             strides=strides,
-            padding=[(p, p - e) for p, e in zip(pads, extra)],
+            padding=[(p, p - e) for p, e in zip(pads, extra, strict=True)],
             kernel_dilation=dilation,
             feature_group_count=groups,
             rngs=nn.Rngs(0),

@@ -86,3 +86,45 @@ def test_norms_reject_the_wrong_feature_size(layer, name):
 def test_layer_norm_with_only_a_bias_names_the_bias():
     with pytest.raises(ValueError, match=r"LayerNorm .* 6 features \(its bias is \(6,\)\)"):
         nn.LayerNorm(6, use_scale=False)(jnp.ones((2, 4)))
+
+
+def _close_to(y, expected):
+    """`y` within bfloat16's rounding of the float64 `expected` (8 significant bits)."""
+    y = np.asarray(y, np.float64)
+    assert np.all(np.abs(y - expected) <= np.abs(expected) * 2**-8 + 1e-3), np.abs(
+        y - expected
+    ).max()
+
+
+def test_low_precision_norms_compute_their_statistics_in_float32():
+    # Once: a bfloat16 LayerNorm(4096) took the mean of a mean-50 input in bfloat16, and was
+    # off by 0.03 everywhere, also where the output is near zero.
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((8, 4096)) + 50, jnp.bfloat16)
+    x64 = np.asarray(x, np.float64)
+    mean, var = x64.mean(-1, keepdims=True), x64.var(-1, keepdims=True)
+    layer = nn.LayerNorm(4096, dtype=jnp.bfloat16)(x)
+    assert layer.dtype == jnp.bfloat16
+    _close_to(layer, (x64 - mean) / np.sqrt(var + 1e-6))
+    rms = nn.RMSNorm(4096, dtype=jnp.bfloat16)(x)
+    assert rms.dtype == jnp.bfloat16
+    _close_to(rms, x64 / np.sqrt(np.mean(x64**2, -1, keepdims=True) + 1e-6))
+    y, new = nn.BatchNorm(4096, dtype=jnp.bfloat16)(x, train=True)
+    assert y.dtype == jnp.bfloat16 and new.mean.dtype == jnp.bfloat16
+    _close_to(y, (x64 - x64.mean(0)) / np.sqrt(x64.var(0) + 1e-5))
+    np.testing.assert_allclose(np.asarray(new.mean, np.float64), 0.01 * x64.mean(0), rtol=2**-7)
+
+
+@pytest.mark.parametrize("epsilon", [1e-5, 1e-2])
+def test_epsilon_where_it_matters(epsilon):
+    # a row of zeros (0 / sqrt(epsilon), not NaN) and values near 1e-3, where epsilon is a
+    # large part of the variance: compared with torch at the same epsilon
+    x = torch.tensor([[0.0] * 8, [1e-3, -2e-3, 3e-3, 0.0, 1e-3, -1e-3, 2e-3, 5e-4]])
+    layer = torch.nn.LayerNorm(8, eps=epsilon, elementwise_affine=False)
+    ours = nn.LayerNorm(8, epsilon=epsilon, use_scale=False, use_bias=False)
+    assert_close(ours(jnp.asarray(numpy(x))), numpy(layer(x)))
+    rms = torch.nn.RMSNorm(8, eps=epsilon, elementwise_affine=False)
+    ours_rms = nn.RMSNorm(8, epsilon=epsilon)
+    assert_close(ours_rms(jnp.asarray(numpy(x))), numpy(rms(x)))
+    assert np.all(np.isfinite(ours_rms(jnp.zeros((2, 8)))))
+    assert not np.any(ours_rms(jnp.zeros((2, 8))))

@@ -1,6 +1,11 @@
 """nn.Module: field rules, freezing, PyTree registration, transformations, repr, replace."""
 
+import copy
 import dataclasses
+import functools
+import typing
+from pathlib import Path
+from typing import ClassVar
 
 import equinox as eqx
 import jax
@@ -11,7 +16,14 @@ import pytest
 from _models import MLP
 
 import taktiny as tt
-from taktiny import nn
+from taktiny import _module, nn
+
+
+def leaves_equal(a, b):
+    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+    return len(la) == len(lb) and all(
+        x.dtype == y.dtype and np.array_equal(x, y) for x, y in zip(la, lb, strict=True)
+    )
 
 
 class Declared(nn.Module):
@@ -69,7 +81,8 @@ def test_declared_field_can_force_either_side():
         table: tuple = nn.field(static=True)
 
     m = M(count=3, table=(1, 2))
-    assert jax.tree.leaves(m) == [3]
+    (count,) = jax.tree.leaves(m)
+    assert isinstance(count, jax.Array) and int(count) == 3
     with pytest.raises(TypeError, match=r"M\.table is declared static but holds an array"):
         M(count=1, table=(jnp.ones(2),))
 
@@ -203,7 +216,7 @@ def test_optax_updates_a_module(optax_promotion):
 def test_rngs_same_seed_same_parameters():
     a, b = MLP(rngs=nn.Rngs(0)), MLP(rngs=nn.Rngs(0))
     c = MLP(rngs=nn.Rngs(1))
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
         np.testing.assert_array_equal(x, y)
     assert not np.allclose(a.input.kernel, c.input.kernel)
     # each draw from the stream is a fresh key
@@ -221,7 +234,15 @@ def test_public_surface_is_short_and_documented():
     assert _public(tt) == [
         "StateDictError",
         "StateProblem",
+        "Summary",
+        "by_name",
+        "flat_state_dict",
+        "load_flat_state_dict",
+        "load_state_dict",
         "nn",
+        "state_dict",
+        "summary",
+        "trainable",
     ]
     assert _public(nn) == [
         "BatchNorm",
@@ -238,6 +259,7 @@ def test_public_surface_is_short_and_documented():
         "Rngs",
         "Sequential",
         "field",
+        "train_forward",
     ]
     for owner in (tt, nn):
         for name in _public(owner):
@@ -264,3 +286,283 @@ def test_built_modules_take_a_registered_node_class_of_the_same_name():
     assert rebuilt != m and m == m  # modules compare by identity
     with pytest.raises(TypeError, match=r"subclass the class you defined instead"):
         type("Sub", (node_type,), {})
+
+
+# --- construction cases that used to be silently wrong ----------------------------------
+
+
+def test_a_bound_method_of_the_module_cannot_be_stored():
+    # Once: the method became static and kept pointing at the old module, so a loaded model
+    # still computed with the old weights and jax.grad through it was zero.
+    class Net(nn.Module):
+        def __init__(self):
+            self.linear = nn.Linear(2, 2, rngs=nn.Rngs(0))
+            self.act = self._gelu
+
+        def _gelu(self, x):
+            return jax.nn.gelu(self.linear(x))
+
+    with pytest.raises(
+        TypeError,
+        match=r"Net\.act holds the bound method Net\._gelu of the module being built.*"
+        r"self\._gelu\(x\) in __call__",
+    ):
+        Net()
+
+
+@pytest.mark.parametrize(
+    "wrap, how",
+    [
+        (jax.vmap, "wrapped by a function transformation"),
+        (jax.jit, "wrapped by a function transformation"),
+        (lambda layer: functools.partial(layer), "inside functools.partial"),
+        (lambda layer: lambda x: layer(x), "in a closure"),
+        (lambda layer: layer.__call__, "as the object of a bound method"),
+    ],
+)
+def test_a_layer_hidden_in_a_function_cannot_be_stored(wrap, how):
+    # Once: the function was static, so the layer's weights vanished from the state and got
+    # no gradient.
+    class Net(nn.Module):
+        def __init__(self):
+            self.f = wrap(nn.Linear(2, 2, rngs=nn.Rngs(0)))
+
+    with pytest.raises(
+        TypeError,
+        match=rf"Net\.f is a function that holds a Linear module \({how}.*"
+        r"parameters would vanish from the state.*jax\.vmap\(self\.f\)\(x\)",
+    ):
+        Net()
+
+
+def test_functions_without_modules_stay_static():
+    class Net(nn.Module):
+        def __init__(self):
+            self.act = functools.partial(jax.nn.gelu, approximate=False)
+            self.scale = jax.jit(lambda x: x * 2)
+            self.w = jnp.ones(2)
+
+    net = Net()
+    assert jax.tree.leaves(net) == [net.w]
+
+
+def test_post_init_beside_a_custom_init_is_an_error():
+    # Once: __post_init__ silently never ran.
+    with pytest.raises(TypeError, match=r"M has both its own __init__ and a __post_init__"):
+
+        class M(nn.Module):
+            def __init__(self):
+                self.w = jnp.ones(2)
+
+            def __post_init__(self):
+                raise AssertionError("never reached")
+
+    class Base(nn.Module):
+        def __init__(self):
+            self.w = jnp.ones(2)
+
+    with pytest.raises(TypeError, match=r"Sub has both its own __init__ and a __post_init__"):
+
+        class Sub(Base):
+            w: jax.Array
+
+            def __post_init__(self):
+                pass
+
+
+def test_post_init_runs_after_a_generated_init_even_without_fields():
+    class Checked(nn.Module):
+        def __post_init__(self):
+            self.ran = True
+
+    assert Checked().ran is True
+
+
+@pytest.mark.parametrize("tie", ["module", "array", "nested array", "list"])
+def test_the_same_module_or_array_at_two_places_is_refused(tie):
+    # Once: both places were listed in the state, and one SGD step untied them.
+    class LM(nn.Module):
+        def __init__(self):
+            self.embed = nn.Embed(10, 4, rngs=nn.Rngs(0))
+            if tie == "module":
+                self.out = self.embed
+            elif tie == "array":
+                self.out = self.embed.embedding
+            elif tie == "nested array":
+                self.out = {"w": self.embed.embedding}
+            else:
+                self.blocks = [self.embed, self.embed]
+
+    where = {
+        "module": r"LM\.embed and LM\.out are the same Embed",
+        "array": r"LM\.embed\.embedding and LM\.out are the same array",
+        "nested array": r"LM\.embed\.embedding and LM\.out\['w'\] are the same array",
+        "list": r"LM\.embed and LM\.blocks\[0\] are the same Embed",
+    }[tie]
+    with pytest.raises(TypeError, match=where + r".*embed\.attend\(x\)"):
+        LM()
+
+
+def test_replace_cannot_tie_either_but_shared_parameterless_modules_are_fine():
+    # replace() costs what its new values cost: they are searched whole, and compared with
+    # the other fields' own values and their list, tuple and dict items
+    m = MLP(rngs=nn.Rngs(0))
+    with pytest.raises(TypeError, match=r"MLP\.input and MLP\.output are the same Linear"):
+        m.replace(output=m.input)
+    linear = m.input.replace(bias=jnp.zeros(64))
+    with pytest.raises(
+        TypeError,
+        match=r"Sequential\.layers\[0\]\.kernel and Sequential\.layers\[1\]\.kernel are the same",
+    ):
+        nn.Sequential(linear).replace(layers=(m.input, linear))
+    act = nn.Lambda(jax.nn.relu)
+    net = nn.Sequential(act, nn.Linear(2, 2, rngs=nn.Rngs(0)), act)
+    assert len(jax.tree.leaves(net)) == 2
+
+
+def test_python_scalars_forced_into_the_state_become_arrays():
+    # Once: they came out of flat_state_dict() as Python numbers, came back from Orbax as
+    # arrays, and a load error then claimed the model held int32.
+    class Counter(nn.Module):
+        count: int = nn.field(static=False)
+        rate: float = nn.field(static=False)
+        flags: tuple = nn.field(static=False)
+
+    c = Counter(count=3, rate=0.5, flags=(True, 2))
+    flat = c.flat_state_dict()
+    assert list(flat) == ["count", "rate", "flags.0", "flags.1"]
+    assert all(isinstance(v, jax.Array) for v in flat.values())
+    assert [v.dtype for v in flat.values()] == [jnp.int32, jnp.float32, jnp.bool_, jnp.int32]
+    assert not any(v.weak_type for v in flat.values())
+    with pytest.raises(
+        tt.StateDictError, match=r"'count': dtype kind changes: the model holds int32"
+    ):
+        c.load_flat_state_dict({"count": np.float32(1.0)})
+
+
+def test_annotations_name_classvar_by_type_not_by_substring():
+    # Once: a substring test dropped any field whose annotation merely mentioned ClassVar.
+    class ClassVarLike:
+        pass
+
+    class M(nn.Module):
+        weight: ClassVarLike
+        counter: ClassVar[int] = 0
+        quoted: "typing.ClassVar[str]" = "x"
+
+    assert list(M._taktiny_fields) == ["weight"]
+    m = M(weight=ClassVarLike())
+    assert isinstance(m.weight, ClassVarLike)
+
+
+def test_string_annotations_are_read_like_dataclasses():
+    import subprocess
+    import sys
+
+    code = (
+        "from __future__ import annotations\n"
+        "import typing\n"
+        "from typing import ClassVar\n"
+        "import jax, jax.numpy as jnp\n"
+        "from taktiny import nn\n"
+        "class ClassVarish: ...\n"
+        "class M(nn.Module):\n"
+        "    w: jax.Array\n"
+        "    a: ClassVar[int] = 1\n"
+        "    b: typing.ClassVar[int] = 2\n"
+        "    c: ClassVarish = None\n"
+        "print(list(M._taktiny_fields))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.stdout.strip() == "['w', 'c']", result.stderr[-2000:]
+
+
+@pytest.mark.parametrize("name", sorted(_module._RESERVED))
+def test_no_field_can_take_the_name_of_a_module_attribute(name):
+    class M(nn.Module):
+        def __init__(self):
+            setattr(self, name, jnp.ones(2))
+
+    with pytest.raises(TypeError, match=rf"M has a field named '{name}'.*rename the field"):
+        M()
+
+
+def test_every_public_method_is_reserved():
+    public = {n for n in dir(nn.Module) if not n.startswith("_")}
+    assert public == {"state_dict", "flat_state_dict", "load_state_dict",
+                      "load_flat_state_dict", "replace"}  # fmt: skip
+    assert public <= _module._RESERVED
+
+
+def test_a_field_named_like_a_private_helper_keeps_repr_and_replace_working():
+    # Once: a field called `_fields` hid the method that repr and replace used.
+    class M(nn.Module):
+        def __init__(self):
+            self._fields = jnp.ones(2)
+            self.fields = jnp.zeros(2)
+
+    m = M()
+    assert repr(m) == "M(_fields=f32[2], fields=f32[2])"
+    assert m.replace(fields=jnp.ones(2)).fields[0] == 1
+
+
+# --- pickle and copy --------------------------------------------------------------------
+
+
+class Picklable(nn.Module):
+    """At module level, so pickle finds it by name."""
+
+    def __init__(self, flag):
+        self.body = MLP(rngs=nn.Rngs(0))
+        self.tag = "t" if flag else jnp.ones(2)
+
+
+@pytest.mark.parametrize("flag", [True, False])
+def test_pickle_and_deepcopy_round_trip(flag):
+    import pickle
+
+    m = Picklable(flag)
+    for copied in (pickle.loads(pickle.dumps(m)), copy.deepcopy(m)):
+        assert type(copied) is type(m) and isinstance(copied, Picklable)
+        assert jax.tree.structure(copied) == jax.tree.structure(m)
+        assert leaves_equal(copied, m)
+        assert copied.body.input.kernel is not m.body.input.kernel
+    shallow = copy.copy(m)
+    assert type(shallow) is type(m) and shallow.body is m.body
+
+
+def test_cloudpickle_round_trips_a_class_defined_in_a_test():
+    import cloudpickle
+
+    class Local(nn.Module):
+        def __init__(self):
+            self.layers = nn.Sequential(nn.Linear(3, 3, rngs=nn.Rngs(0)), jax.nn.gelu)
+            self.steps = jnp.zeros((), jnp.int32)
+
+        def __call__(self, x):
+            return self.layers(x)
+
+    m = Local()
+    copied = cloudpickle.loads(cloudpickle.dumps(m))
+    assert isinstance(copied, Local) and type(copied).__name__ == "Local"
+    x = jnp.ones((2, 3))
+    np.testing.assert_array_equal(jax.jit(lambda m: m(x))(copied), m(x))
+    loaded = copied.load_flat_state_dict({"steps": np.int32(4)})
+    assert int(loaded.steps) == 4
+
+
+def test_unpickling_in_a_fresh_process_registers_the_node_class(tmp_path):
+    import pickle
+    import subprocess
+    import sys
+
+    path = tmp_path / "model.pkl"
+    path.write_bytes(pickle.dumps(MLP(rngs=nn.Rngs(3))))
+    code = (
+        "import pickle, sys, jax, jax.numpy as jnp\n"
+        f"sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
+        f"m = pickle.loads(open({str(path)!r}, 'rb').read())\n"
+        "print(len(jax.tree.leaves(m)), jax.jit(lambda m: m(jnp.ones(32)))(m).shape)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.stdout.strip() == "4 (4,)", result.stderr[-2000:]

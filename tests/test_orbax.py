@@ -18,7 +18,7 @@ class Deep(nn.Module):
 def assert_bitwise_equal(a, b):
     la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
     assert len(la) == len(lb)
-    for x, y in zip(la, lb):
+    for x, y in zip(la, lb, strict=True):
         assert x.dtype == y.dtype and x.shape == y.shape
         assert np.asarray(x).tobytes() == np.asarray(y).tobytes()
 

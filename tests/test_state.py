@@ -8,7 +8,16 @@ from _models import MLP
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import taktiny as tt
-from taktiny import nn
+from taktiny import _state, nn
+from taktiny._module import NODES
+
+
+@pytest.fixture(autouse=True, params=["walk", "flat"])
+def view(request, monkeypatch):
+    """Every test here runs twice: loads that walk to the leaves they name, and loads that
+    flatten the whole tree (the two views must find the same results and problems)."""
+    monkeypatch.setattr(_state, "WALK_LIMIT", 10**9 if request.param == "walk" else -1)
+    return request.param
 
 
 class Stack(nn.Module):
@@ -22,7 +31,7 @@ class Stack(nn.Module):
 def leaves_equal(a, b):
     la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
     return len(la) == len(lb) and all(
-        x.dtype == y.dtype and np.array_equal(x, y) for x, y in zip(la, lb)
+        x.dtype == y.dtype and np.array_equal(x, y) for x, y in zip(la, lb, strict=True)
     )
 
 
@@ -223,7 +232,7 @@ def test_python_scalar_leaves_forced_to_be_data_load_as_arrays():
         count: int = nn.field(static=False)
 
     c = Counter(count=3)
-    assert c.state_dict() == {"count": 3}
+    assert list(c.state_dict()) == ["count"] and int(c.state_dict()["count"]) == 3
     loaded = c.load_state_dict({"count": np.int32(5)})
     assert isinstance(loaded.count, jax.Array) and int(loaded.count) == 5
     with pytest.raises(
@@ -299,13 +308,38 @@ def test_all_problems_are_reported_at_once_and_nothing_is_applied():
 
 
 def test_non_dict_state_is_a_type_error():
-    from taktiny import _state  # called directly: in tests beartype rejects the call first
-
+    # _state.load is called directly: in tests beartype rejects the method call first
     m = MLP(rngs=nn.Rngs(0))
     with pytest.raises(TypeError, match=r"MLP\.load_state_dict\(\) expects a dict, got MLP"):
-        _state.load(m, m, strict=False, flat=False)  # pyright: ignore[reportArgumentType]
+        _state.load(m, m, strict=False, flat=False, nodes=NODES)
     with pytest.raises(TypeError, match=r"parameter 'state'"):
         m.load_state_dict(m)  # pyright: ignore[reportArgumentType]
+
+
+def test_bad_arguments_read_the_same_without_the_test_time_type_checks():
+    # the tests run under beartype, which rejects these calls before Taktiny sees them; a
+    # user's process has no such hook, so check the messages users get in a plain process
+    import subprocess
+    import sys
+
+    code = (
+        "import jax.numpy as jnp, taktiny as tt\n"
+        "from taktiny import nn\n"
+        "m = nn.Linear(2, 2, rngs=nn.Rngs(0))\n"
+        "for call in (lambda: m.load_state_dict(m), lambda: tt.load_flat_state_dict([m], [1]),\n"
+        "             lambda: tt.by_name(['head.**'])):\n"
+        "    try:\n"
+        "        call()\n"
+        "    except TypeError as error:\n"
+        "        print(error)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.stdout.splitlines() == [
+        "Linear.load_state_dict() expects a dict, got Linear.",
+        "taktiny.load_flat_state_dict(list) expects a dict, got list.",
+        "taktiny.by_name takes its rules as a dict {pattern: value} or a list of (pattern, "
+        "value) pairs, got the entry 'head.**'.",
+    ], result.stderr[-2000:]
 
 
 def _aligned(values):
@@ -389,7 +423,7 @@ def test_python_scalars_forced_into_the_data_load_like_arrays():
         rate: float = nn.field(static=False)
 
     m = Counter(count=3, rate=0.5)
-    assert m.flat_state_dict() == {"count": 3, "rate": 0.5}
+    assert {k: v.item() for k, v in m.flat_state_dict().items()} == {"count": 3, "rate": 0.5}
     loaded = m.load_flat_state_dict(m.flat_state_dict(), strict=True)
     # a loaded leaf is a JAX array of the dtype JAX gives the scalar, as under jax.jit
     assert isinstance(loaded.count, jax.Array) and loaded.count.dtype == jnp.int32
@@ -479,3 +513,154 @@ def test_a_first_load_inside_jit_does_not_confuse_later_loads():
         [sys.executable, "-c", code], capture_output=True, text=True, check=False
     )
     assert result.stdout.strip() == "ok", result.stderr[-2000:]
+
+
+# --- casts that would change values -----------------------------------------------------
+
+
+def test_negative_integers_out_of_range_are_refused_too():
+    # the narrowing check covers both bounds: int64 -1000 into int8 would load as 24
+    s = Stack(1, rngs=nn.Rngs(0)).replace(steps=jnp.zeros((), jnp.int8))
+    for bad in (-1000, -129, 128):
+        with pytest.raises(
+            tt.StateDictError, match=r"'steps': narrowing int64 to int8 would change values"
+        ):
+            s.load_flat_state_dict({"steps": np.array(bad, np.int64)})
+    for good in (-128, 127, 0):
+        assert int(s.load_flat_state_dict({"steps": np.array(good, np.int64)}).steps) == good
+
+
+@pytest.mark.parametrize(
+    "value, leaf, largest",
+    [
+        (np.array([1.0, 1e5], np.float32), jnp.float16, "1e\\+05"),
+        (np.array([1e300, 2.0], np.float64), jnp.float32, "1e\\+300"),
+        (jnp.array([7e4, 1.0], jnp.float32), jnp.float16, "7e\\+04"),
+        (jnp.array([-3.4e38, 1.0], jnp.float32), jnp.bfloat16, "3.4e\\+38"),
+    ],
+)
+def test_finite_values_that_would_become_inf_are_refused(value, leaf, largest):
+    class Holder(nn.Module):
+        w: jax.Array
+
+    h = Holder(jnp.zeros(2, leaf))
+    name = np.dtype(leaf).name
+    with pytest.raises(
+        tt.StateDictError,
+        match=rf"'w': casting {np.dtype(value.dtype).name} to {name} would turn value into "
+        rf"inf: the largest is {largest}, and {name} holds at most",
+    ) as info:
+        h.load_state_dict({"w": value})
+    assert info.value.problems[0].kind == "dtype"
+
+
+def test_values_that_fit_and_values_already_infinite_load():
+    class Holder(nn.Module):
+        w: jax.Array
+
+    h = Holder(jnp.zeros(4, jnp.float16))
+    loaded = h.load_state_dict({"w": np.array([65504.0, -1.5, np.inf, np.nan], np.float32)})
+    np.testing.assert_array_equal(loaded.w[:3], [65504.0, -1.5, np.inf])
+    assert np.isnan(loaded.w[3]) and loaded.w.dtype == jnp.float16
+    # inside jit the cast happens as written (the docs say so): no check on traced values
+    inside = jax.jit(lambda h, v: h.load_state_dict({"w": v}))(h, jnp.full(4, 1e5))
+    assert np.isinf(inside.w).all()
+
+
+# --- loads that name a few leaves rebuild only their paths ------------------------------
+
+
+class Blocks(nn.Module):
+    def __init__(self, n, *, rngs):
+        self.blocks = [MLP(rngs=rngs) for _ in range(n)]
+        self.head = nn.Linear(4, 2, rngs=rngs)
+
+
+@pytest.mark.parametrize("flat", [False, True])
+def test_a_small_load_rebuilds_only_the_nodes_on_its_paths(flat, view):
+    m = Blocks(5, rngs=nn.Rngs(0))
+    donor = Blocks(5, rngs=nn.Rngs(1))
+    if flat:
+        new = m.load_flat_state_dict({"blocks.3.input.kernel": donor.blocks[3].input.kernel})
+    else:
+        new = m.load_state_dict(
+            {"blocks": {"3": {"input": {"kernel": donor.blocks[3].input.kernel}}}}
+        )
+    assert new.blocks[3].input.kernel is donor.blocks[3].input.kernel
+    assert new is not m and new.blocks[3] is not m.blocks[3]
+    assert m.blocks[3].input.kernel is not donor.blocks[3].input.kernel  # m unchanged
+    assert type(new.blocks) is list and type(new.blocks[3]) is type(m.blocks[3])
+    untouched = [new.head, new.blocks[0], new.blocks[4], new.blocks[3].output]
+    originals = [m.head, m.blocks[0], m.blocks[4], m.blocks[3].output]
+    if view == "walk":  # the same node objects: nothing off the path was rebuilt
+        assert all(a is b for a, b in zip(untouched, originals, strict=True))
+    assert leaves_equal(untouched, originals)
+    assert jax.tree.structure(new) == jax.tree.structure(m)
+
+
+def test_walk_and_flat_give_identical_trees_for_every_kind_of_container(monkeypatch):
+    class Mixed(nn.Module):
+        def __init__(self):
+            self.seq = (nn.Linear(2, 2, rngs=nn.Rngs(0)), None)
+            self.table = {"b": jnp.ones(2), "a": [jnp.zeros(3), nn.Linear(2, 1, rngs=nn.Rngs(1))]}
+            self.name = "static"
+
+    m = Mixed()
+    flat = {"seq.0.bias": np.full(2, 5.0), "table.a.1.kernel": np.ones((2, 1)), "table.b": [3, 4]}
+    results = []
+    for limit in (10**9, -1):
+        monkeypatch.setattr(_state, "WALK_LIMIT", limit)
+        results.append(
+            m.load_flat_state_dict({k: np.asarray(v, np.float32) for k, v in flat.items()})
+        )
+    walked, flattened = results
+    assert jax.tree.structure(walked) == jax.tree.structure(flattened) == jax.tree.structure(m)
+    assert leaves_equal(walked, flattened)
+    assert walked.seq[1] is None and walked.name == "static"
+
+
+# --- error messages ---------------------------------------------------------------------
+
+
+def test_suggestions_prefer_the_same_last_part_and_skip_names_already_given():
+    class Net(nn.Module):
+        def __init__(self):
+            self.conv2 = nn.Linear(2, 2, rngs=nn.Rngs(0))
+            self.fc = nn.Sequential(*[nn.Linear(2, 2, rngs=nn.Rngs(i)) for i in range(3)])
+
+    net = Net()
+    with pytest.raises(
+        tt.StateDictError, match=r"'fc\.2\.bias': unknown key; did you mean 'fc\.layers\.2\.bias'\?"
+    ):
+        net.load_flat_state_dict({"fc.2.bias": np.zeros(2, np.float32)})
+    # a name the same state already supplies is never the suggestion
+    given = {"input.kernel": np.zeros((32, 64), np.float32), "input.kernal": np.zeros((32, 64))}
+    with pytest.raises(tt.StateDictError) as info:
+        MLP(rngs=nn.Rngs(0)).load_flat_state_dict(given)
+    assert "did you mean 'input.kernel'" not in str(info.value)
+
+
+def test_problems_with_names_come_before_problems_with_values():
+    m = MLP(rngs=nn.Rngs(0))
+    err = error_of(
+        lambda: m.load_flat_state_dict(
+            {"output.bias": np.zeros(9, np.float32), "input.bias": "x", "nope": 1}
+        )
+    )
+    assert [p.kind for p in err.problems] == ["unknown", "shape", "value"]
+    lines = str(err).splitlines()[1:]
+    assert [line.split("'")[1] for line in lines] == ["nope", "output.bias", "input.bias"]
+
+
+def test_the_message_shows_twenty_problems_and_counts_the_rest():
+    m = Blocks(20, rngs=nn.Rngs(0))
+    bad = {
+        f"blocks.{i}.{p}.bias": np.zeros(9, np.float32)
+        for i in range(20)
+        for p in ("input", "output")
+    }
+    err = error_of(lambda: m.load_flat_state_dict(bad))
+    lines = str(err).splitlines()
+    assert lines[0] == "Blocks.load_flat_state_dict(): 40 problems; nothing was loaded."
+    assert len(lines) == 22 and lines[-1] == "  ... and 20 more (all in .problems)"
+    assert len(err.problems) == 40 and {p.kind for p in err.problems} == {"shape"}

@@ -14,3 +14,4 @@ from ._norm import LayerNorm as LayerNorm
 from ._norm import RMSNorm as RMSNorm
 from ._sequential import Lambda as Lambda
 from ._sequential import Sequential as Sequential
+from ._training import train_forward as train_forward

@@ -166,7 +166,7 @@ class MultiHeadAttention(Module):
         """Checks `mask` against [*batch, heads, q, k] and folds its batch axes into one."""
         target = (*batch, self.num_heads, q, k)
         ok = mask.dtype == jnp.bool_ and mask.ndim <= len(target)
-        ok = ok and all(m in (1, t) for m, t in zip(mask.shape[::-1], target[::-1]))
+        ok = ok and all(m in (1, t) for m, t in zip(mask.shape[::-1], target[::-1], strict=False))
         if not ok:
             raise ValueError(
                 f"MultiHeadAttention's mask must be booleans broadcastable to [*batch, "

@@ -9,9 +9,11 @@ import jax.numpy as jnp
 from jax.typing import DTypeLike
 from jaxtyping import Array, Float
 
-from .._module import Module
+from .._module import Module, field
 from .._rngs import Rngs
 from ._checks import check_features
+from ._norm import statistics_dtype
+from ._training import latest, record, training
 
 
 class BatchNorm(Module):
@@ -20,34 +22,30 @@ class BatchNorm(Module):
     Inference, ``bn(x)``, normalises with the running statistics:
     ``(x - mean) / sqrt(var + epsilon) * scale + bias``.
 
-    Training, ``bn(x, train=True)``, normalises with the statistics of the batch (the
-    biased variance) and returns ``(y, new_bn)``: a new BatchNorm whose running
-    statistics moved towards the batch's, ``running = momentum * running + (1 - momentum)
+    Training normalises with the statistics of the batch (the biased variance) and moves
+    the running statistics towards them, ``running = momentum * running + (1 - momentum)
     * batch``, where the variance entering the update is the unbiased one (``n / (n - 1)``
     times the biased), exactly as PyTorch does. A PyTorch ``momentum`` of ``m`` is a
     Taktiny ``momentum`` of ``1 - m`` (PyTorch's default 0.1 is 0.9 here). Nothing is
-    changed in place: keep the returned module, typically by returning it from the
-    loss as auxiliary output::
+    changed in place; there are two ways to get the updated layer:
 
-        @jax.jit
-        def train_step(model, opt_state, x, y):
-            def loss_fn(model):
-                logits, model_with_new_stats = model(x, train=True)
-                return loss(logits, y), model_with_new_stats
+    - in a model, however deep the BatchNorm sits, :func:`train_forward` runs the model
+      in training mode and returns ``(output, model_with_new_statistics)``;
+    - called directly, ``bn(x, train=True)`` returns ``(y, new_bn)``.
 
-            (value, model), grads = jax.value_and_grad(loss_fn, has_aux=True)(model)
-            updates, opt_state = optimizer.update(grads, opt_state, model)
-            return optax.apply_updates(model, updates), opt_state, value
+    The running statistics are state, not parameters: they are declared
+    ``field(trainable=False)``, so :func:`taktiny.trainable` marks them ``False`` (for
+    optax's masks and labels), and no gradient flows into them (inference reads them
+    through ``jax.lax.stop_gradient``; training does not read them).
 
-    The running statistics get zero gradients (training mode does not read them), so
-    plain optimisers leave them alone; mask them out of optimisers that change
-    parameters without gradients (weight decay).
+    Statistics are computed in the parameters' dtype but at least float32; the output
+    and the stored statistics keep the parameters' dtype.
 
     Parameters (state names; PyTorch's ``nn.BatchNorm{1,2,3}d`` names in brackets):
         scale: ``[num_features]``, ones (``weight``).
         bias: ``[num_features]``, zeros (``bias``).
-        mean: ``[num_features]``, the running mean, zeros (``running_mean``).
-        var: ``[num_features]``, the running variance, ones (``running_var``).
+        mean: ``[num_features]``, the running mean, zeros (``running_mean``); not trained.
+        var: ``[num_features]``, the running variance, ones (``running_var``); not trained.
         PyTorch's ``num_batches_tracked`` has no counterpart (it only matters for
         ``momentum=None``); drop it when converting.
 
@@ -55,14 +53,14 @@ class BatchNorm(Module):
         num_features: the size of the last (channel) axis.
         momentum: the weight of the old running statistics in each update.
         epsilon: added to the variance for stability (PyTorch's ``eps``).
-        dtype: the parameters' dtype, which is also the dtype the layer computes in.
+        dtype: the parameters' dtype, which is also the dtype of the output.
         rngs: unused (the initialisation is deterministic).
     """
 
     scale: Float[Array, " num_features"]
     bias: Float[Array, " num_features"]
-    mean: Float[Array, " num_features"]
-    var: Float[Array, " num_features"]
+    mean: Float[Array, " num_features"] = field(trainable=False)
+    var: Float[Array, " num_features"] = field(trainable=False)
     momentum: float
     epsilon: float
 
@@ -89,7 +87,7 @@ class BatchNorm(Module):
 
     @overload
     def __call__(
-        self, x: Float[Array, "*batch num_features"], *, train: Literal[False] = False
+        self, x: Float[Array, "*batch num_features"], *, train: Literal[False, None] = None
     ) -> Float[Array, "*batch num_features"]: ...
 
     @overload
@@ -98,40 +96,51 @@ class BatchNorm(Module):
     ) -> tuple[Float[Array, "*batch num_features"], BatchNorm]: ...
 
     def __call__(
-        self, x: Float[Array, "*batch num_features"], *, train: bool = False
+        self, x: Float[Array, "*batch num_features"], *, train: bool | None = None
     ) -> (
         Float[Array, "*batch num_features"] | tuple[Float[Array, "*batch num_features"], BatchNorm]
     ):
-        """Normalises ``x`` ``[*batch, num_features]``; see the class docstring for ``train``.
+        """Normalises ``x`` ``[*batch, num_features]``; same shape out.
 
-        Returns ``y`` (same shape as ``x``), or with ``train=True`` the pair
-        ``(y, new_bn)``.
+        ``train=None`` (the default) trains under :func:`train_forward` and infers
+        otherwise; ``train=False`` always infers; ``train=True`` trains and returns the
+        pair ``(y, new_bn)``.
         """
         with jax.named_scope("BatchNorm"):
             size = self.scale.shape[0]
             check_features(
                 "BatchNorm", x, size, why=f"its scale is ({size},)", argument="num_features"
             )
-            x = x.astype(self.scale.dtype)
-            if not train:
-                return self._normalise(x, self.mean, self.var)
+            dtype = self.scale.dtype
+            x = x.astype(statistics_dtype(dtype))
+            if not (training() if train is None else train):
+                mean, var = jax.lax.stop_gradient((self.mean, self.var))
+                return self._normalise(x, mean, var).astype(dtype)
             axes = tuple(range(x.ndim - 1))
             count = x.size // size
             if count < 2:
                 raise ValueError(
-                    f"BatchNorm(train=True) needs more than one value per feature to estimate "
+                    f"BatchNorm in training needs more than one value per feature to estimate "
                     f"a variance, got an input of shape {tuple(x.shape)}; use a larger batch, "
-                    f"or call it without train=True to use the running statistics."
+                    f"or call it with train=False to use the running statistics."
                 )
             mean = jnp.mean(x, axis=axes)
             var = jnp.mean(jnp.square(x - mean), axis=axes)
-            y = self._normalise(x, mean, var)
+            y = self._normalise(x, mean, var).astype(dtype)
             mean, unbiased = jax.lax.stop_gradient((mean, var * (count / (count - 1))))
-            m = self.momentum
-            new = self.replace(
-                mean=m * self.mean + (1 - m) * mean, var=m * self.var + (1 - m) * unbiased
+            base = latest(self) if train is None else self
+            m = base.momentum
+            new = base.replace(
+                mean=(m * base.mean.astype(mean.dtype) + (1 - m) * mean).astype(dtype),
+                var=(m * base.var.astype(mean.dtype) + (1 - m) * unbiased).astype(dtype),
             )
+            if train is None:
+                record(self, new)
+                return y
             return y, new
 
     def _normalise(self, x: jax.Array, mean: jax.Array, var: jax.Array) -> jax.Array:
-        return (x - mean) * jax.lax.rsqrt(var + self.epsilon) * self.scale + self.bias
+        """``x`` normalised in ``x``'s dtype (the statistics dtype)."""
+        scale, bias = self.scale.astype(x.dtype), self.bias.astype(x.dtype)
+        mean, var = mean.astype(x.dtype), var.astype(x.dtype)
+        return (x - mean) * jax.lax.rsqrt(var + self.epsilon) * scale + bias

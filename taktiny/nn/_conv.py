@@ -67,6 +67,12 @@ def _padding(layer: str, padding: Padding, n: int) -> str | tuple[tuple[int, int
     return tuple((int(lo), int(hi)) for lo, hi in pairs)
 
 
+def _dilated(sizes: Sequence[int], dilation: Sequence[int]) -> list[int]:
+    """The extent of each axis of `sizes` with ``d - 1`` gaps between neighbours: a dilated
+    kernel's window, or a dilated input."""
+    return [(size - 1) * d + 1 for size, d in zip(sizes, dilation, strict=True)]
+
+
 def _groups(layer: str, in_features: int, out_features: int, groups: int) -> None:
     if groups < 1 or in_features % groups or out_features % groups:
         raise ValueError(
@@ -189,8 +195,8 @@ class Conv(Module):
     def _pads(self, spatial: tuple[int, ...]) -> Sequence[tuple[int, int]]:
         if not isinstance(self.padding, str):
             return self.padding
-        dilated = [(s - 1) * d + 1 for s, d in zip(spatial, self.input_dilation)]
-        window = [(k - 1) * d + 1 for k, d in zip(self.kernel.shape, self.kernel_dilation)]
+        dilated = _dilated(spatial, self.input_dilation)
+        window = _dilated(self.kernel.shape[:-2], self.kernel_dilation)
         return jax.lax.padtype_to_pads(dilated, window, self.strides, self.padding)
 
     def __call__(

@@ -11,7 +11,16 @@ from jaxtyping import Array, Float
 
 from .._module import Module
 from .._rngs import Rngs
-from ._conv import Padding, _convolve, _groups, _padding, _parameters, _per_axis, _spatial
+from ._conv import (
+    Padding,
+    _convolve,
+    _dilated,
+    _groups,
+    _padding,
+    _parameters,
+    _per_axis,
+    _spatial,
+)
 
 
 class ConvTranspose(Module):
@@ -89,13 +98,14 @@ class ConvTranspose(Module):
             return self.padding
         if self.padding == "VALID":
             return [(0, 0)] * len(self.strides)
-        spans = [(k - 1) * d + 1 for k, d in zip(self.kernel.shape, self.kernel_dilation)]
-        excess = [span - s for span, s in zip(spans, self.strides)]  # full size - size * stride
+        spans = _dilated(self.kernel.shape[:-2], self.kernel_dilation)
+        excess = [span - s for span, s in zip(spans, self.strides, strict=True)]  # full - size * s
         return [(e - e // 2, e // 2) for e in excess]
 
     def _pads(self, spatial: tuple[int, ...]) -> Sequence[tuple[int, int]]:
-        spans = [(k - 1) * d + 1 for k, d in zip(self.kernel.shape, self.kernel_dilation)]
-        return [(span - 1 - lo, span - 1 - hi) for span, (lo, hi) in zip(spans, self._crops())]
+        spans = _dilated(self.kernel.shape[:-2], self.kernel_dilation)
+        crops = self._crops()
+        return [(span - 1 - lo, span - 1 - hi) for span, (lo, hi) in zip(spans, crops, strict=True)]
 
     def __call__(
         self, x: Float[Array, "*batch_spatial in_features"]
@@ -103,11 +113,14 @@ class ConvTranspose(Module):
         """Upsamples ``x`` ``[*batch, *spatial, in_features]`` to
         ``[*batch, *out_spatial, out_features]``."""
         with jax.named_scope("ConvTranspose"):
-            spans = [(k - 1) * d + 1 for k, d in zip(self.kernel.shape, self.kernel_dilation)]
+            spans = _dilated(self.kernel.shape[:-2], self.kernel_dilation)
             if x.ndim > len(spans):
                 spatial = x.shape[-len(spans) - 1 : -1]
-                full = [(s - 1) * st + span for s, st, span in zip(spatial, self.strides, spans)]
-                sizes = [f - lo - hi for f, (lo, hi) in zip(full, self._crops())]
+                full = [
+                    (s - 1) * st + span
+                    for s, st, span in zip(spatial, self.strides, spans, strict=True)
+                ]
+                sizes = [f - lo - hi for f, (lo, hi) in zip(full, self._crops(), strict=True)]
                 if min(sizes) < 1:
                     raise ValueError(
                         f"ConvTranspose's padding {self.padding} crops more than the full "

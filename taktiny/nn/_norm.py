@@ -12,6 +12,13 @@ from .._rngs import Rngs
 from ._checks import check_features
 
 
+def statistics_dtype(dtype: DTypeLike) -> jnp.dtype:
+    """The dtype norms compute their statistics in: `dtype`, but at least float32, so that a
+    bfloat16 or float16 layer does not lose the mean of large inputs to rounding."""
+    dtype = jnp.dtype(dtype)
+    return jnp.dtype(jnp.float32) if jnp.finfo(dtype).bits < 32 else dtype
+
+
 class LayerNorm(Module):
     """Layer normalisation: each vector on the last axis to zero mean and unit variance,
     then scaled and shifted: ``(x - mean) / sqrt(var + epsilon) * scale + bias``.
@@ -30,9 +37,10 @@ class LayerNorm(Module):
             is ``1e-5``; BERT uses ``1e-12``).
         use_scale: whether to multiply by a learned ``scale``.
         use_bias: whether to add a learned ``bias``.
-        dtype: the parameters' dtype, which is also the dtype the layer computes in.
-            A LayerNorm with neither scale nor bias has no parameters and computes in
-            the input's dtype.
+        dtype: the parameters' dtype, which is also the dtype of the output. The mean
+            and variance are computed in this dtype but at least float32, and the result
+            cast back. A LayerNorm with neither scale nor bias has no parameters and
+            returns the input's dtype.
         rngs: unused (the initialisation is deterministic); accepted so that every
             layer can be built the same way.
     """
@@ -61,19 +69,21 @@ class LayerNorm(Module):
         """Normalises ``x`` ``[*batch, num_features]`` over its last axis; same shape out."""
         with jax.named_scope("LayerNorm"):
             param = self.scale if self.scale is not None else self.bias
+            out = x.dtype
             if param is not None:
                 size = param.shape[0]
                 why = f"its {'scale' if self.scale is not None else 'bias'} is ({size},)"
                 check_features("LayerNorm", x, size, why=why, argument="num_features")
-                x = x.astype(param.dtype)
+                out = param.dtype
+            x = x.astype(statistics_dtype(out))
             mean = jnp.mean(x, axis=-1, keepdims=True)
             var = jnp.mean(jnp.square(x - mean), axis=-1, keepdims=True)
-            y = (x - mean) * jax.lax.rsqrt(var + self.epsilon)
+            y = (x - mean) * jax.lax.rsqrt(var + jnp.asarray(self.epsilon, x.dtype))
             if self.scale is not None:
-                y = y * self.scale
+                y = y * self.scale.astype(x.dtype)
             if self.bias is not None:
-                y = y + self.bias
-            return y
+                y = y + self.bias.astype(x.dtype)
+            return y.astype(out)
 
 
 class RMSNorm(Module):
@@ -87,7 +97,9 @@ class RMSNorm(Module):
         num_features: the size of the normalised last axis.
         epsilon: added to the mean square for stability (PyTorch's ``eps``; give it
             explicitly there, as its default depends on the dtype).
-        dtype: the parameter's dtype, which is also the dtype the layer computes in.
+        dtype: the parameter's dtype, which is also the dtype of the output. The mean
+            square is computed in this dtype but at least float32, and the result cast
+            back.
         rngs: unused (the initialisation is deterministic).
     """
 
@@ -114,6 +126,7 @@ class RMSNorm(Module):
             check_features(
                 "RMSNorm", x, size, why=f"its scale is ({size},)", argument="num_features"
             )
-            x = x.astype(self.scale.dtype)
+            x = x.astype(statistics_dtype(self.scale.dtype))
             mean_square = jnp.mean(jnp.square(x), axis=-1, keepdims=True)
-            return x * jax.lax.rsqrt(mean_square + self.epsilon) * self.scale
+            y = x * jax.lax.rsqrt(mean_square + jnp.asarray(self.epsilon, x.dtype))
+            return (y * self.scale.astype(x.dtype)).astype(self.scale.dtype)

@@ -78,7 +78,7 @@ class Sequential(Module):
             keys = [None] * len(self.layers)
             if key is not None and self.layers:
                 keys = list(jax.random.split(key, len(self.layers)))
-            for layer, layer_key in zip(self.layers, keys):
+            for layer, layer_key in zip(self.layers, keys, strict=True):
                 if layer_key is not None and _takes_key(type(layer)):
                     x = layer(x, key=layer_key)  # pyright: ignore[reportCallIssue]
                 else:

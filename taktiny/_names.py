@@ -1,0 +1,165 @@
+"""Names for the leaves of a PyTree, as the state dicts give them.
+
+One ``tree_flatten_with_path`` describes a tree: the flat name of every leaf, and a
+nested template (key -> leaf position, sub-template, or a custom parameter's span).
+The description is cached by tree structure, so reading a state is one ``tree_flatten``
+and a lookup. Which values count as one parameter (and are not walked into) is the
+caller's `Nodes.is_param`: for modules, everything but modules, lists, tuples, dicts and
+None.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+from jax.tree_util import DictKey, FlattenedIndexKey, GetAttrKey, SequenceKey
+
+
+class Nodes(NamedTuple):
+    """How the state walk sees the nodes of a tree (the module layer gives its own)."""
+
+    is_param: Callable[[Any], bool]  # a value that is one parameter: not walked into
+    fields: Callable[[Any], dict[str, Any] | None]  # a module's data fields (None: not one)
+    rebuild: Callable[[Any, dict[str, Any]], Any]  # a module with some data fields replaced
+
+
+@dataclasses.dataclass(frozen=True)
+class Custom:
+    """A custom PyTree parameter (a quantized weight): whole in the nested form, its leaves
+    at positions ``start:stop`` in the flat one."""
+
+    treedef: Any
+    start: int
+    stop: int
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Spec:
+    """What the state walk knows about one tree structure."""
+
+    names: tuple[str, ...]  # the flat name of each leaf, in flatten order
+    index: dict[str, int]  # name -> leaf position
+    template: dict[str, Any]  # nested: key -> leaf position | sub-template | Custom
+    plan: Any  # how to gather a full nested state's values in leaf order (None: can't)
+
+
+_SPECS: dict[tuple[Any, Nodes], Spec] = {}
+
+
+def key_name(key: Any) -> str:
+    """The name of one step of a key path: an attribute, a position or a dict key."""
+    if isinstance(key, GetAttrKey):
+        return key.name
+    if isinstance(key, SequenceKey):
+        return str(key.idx)
+    if isinstance(key, (DictKey, FlattenedIndexKey)):
+        return str(key.key)
+    return str(key)
+
+
+def _names(path: tuple[Any, ...], where: str) -> list[str]:
+    names = [key_name(k) for k in path]
+    for key, name in zip(path, names, strict=True):
+        if "." in name:
+            raise TypeError(
+                f"{where} has the key {getattr(key, 'key', name)!r} at "
+                f"{jax.tree_util.keystr(path)}, which cannot be part of a name: names join "
+                f"keys with '.', so a key must hold no '.'. Rename it."
+            )
+    return names
+
+
+def _make_spec(tree: Any, is_param: Callable[[Any], bool]) -> Spec:
+    template: dict[str, Any] = {}
+    names: list[str] = []
+    where = type(tree).__name__
+    below_root = lambda x: x is not tree and is_param(x)  # the root is always walked into
+    for path, value in jax.tree_util.tree_flatten_with_path(tree, is_leaf=below_root)[0]:
+        keys = _names(path, where)
+        if not keys:
+            raise TypeError(
+                f"a {where} is a single array, so it has no names: state dicts name the "
+                f"leaves of a module or of a container (a dict, list or tuple) of arrays."
+            )
+        node = template
+        for key in keys[:-1]:
+            node = node.setdefault(key, {})
+        inner, treedef = jax.tree_util.tree_flatten_with_path(value)
+        if treedef.num_nodes == 1 and treedef.num_leaves == 1:  # an array
+            node[keys[-1]] = len(names)
+            names.append(".".join(keys))
+        elif inner:
+            node[keys[-1]] = Custom(treedef, len(names), len(names) + len(inner))
+            names += [".".join(keys + _names(sub, where)) for sub, _ in inner]
+    index = {name: i for i, name in enumerate(names)}
+    if len(index) != len(names):
+        twice = sorted({n for n in names if names.count(n) > 1})
+        raise TypeError(f"{where} gives two leaves the same name: {twice[:5]}.")
+    return Spec(tuple(names), index, template, _plan(template))
+
+
+def _plan(template: dict[str, Any]) -> Any:
+    """For a template node: its key count and segments, each a run of leaf keys (read with
+    one itemgetter) or a sub-node; None when a custom parameter makes it irregular."""
+    segments: list[tuple[Any, Any]] = []
+    for key, child in template.items():
+        if type(child) is dict:
+            sub = _plan(child)
+            if sub is None:
+                return None
+            segments.append((key, sub))
+        elif type(child) is int:
+            if segments and type(segments[-1][0]) is list:
+                segments[-1][0].append(key)
+            else:
+                segments.append(([key], None))
+        else:
+            return None
+    runs = [
+        (operator.itemgetter(*keys), len(keys) > 1) if type(keys) is list else (keys, sub)
+        for keys, sub in segments
+    ]
+    return len(template), runs
+
+
+def gather(plan: Any, state: Any, out: list[Any]) -> None:
+    """Appends a full nested state's values in leaf order; raises (LookupError, TypeError or
+    AttributeError) when `state` isn't shaped exactly like the template."""
+    size, runs = plan
+    if len(state) != size:
+        raise LookupError
+    for first, second in runs:
+        if type(second) is bool:  # a run of leaves
+            if second:
+                out.extend(first(state))
+            else:
+                out.append(first(state))
+        else:
+            gather(second, state[first], out)
+
+
+def flatten(tree: Any, nodes: Nodes) -> tuple[list[Any], Any, Spec]:
+    """The leaves of `tree`, its structure, and the names of its leaves."""
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    spec = _SPECS.get((treedef, nodes))
+    if spec is None:
+        if len(_SPECS) >= 4096:
+            _SPECS.clear()
+        spec = _SPECS[(treedef, nodes)] = _make_spec(tree, nodes.is_param)
+    return leaves, treedef, spec
+
+
+def nested(template: dict[str, Any], leaves: list[Any]) -> dict[str, Any]:
+    """The nested state: `template` with `leaves` (and custom parameters) filled in."""
+    return {
+        key: leaves[child]
+        if type(child) is int
+        else nested(child, leaves)
+        if type(child) is dict
+        else child.treedef.unflatten(leaves[child.start : child.stop])
+        for key, child in template.items()
+    }

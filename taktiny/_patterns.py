@@ -1,0 +1,123 @@
+"""Name patterns: ordered rules that pick flat state names by glob.
+
+A pattern is matched against a whole flat name (``"encoder.layers.3.attn.kernel"``),
+part by part: ``*`` matches within one part (``layers.*.kernel``, ``*_proj``), ``?`` one
+character, ``[...]`` one of a set, and a part that is exactly ``**`` matches any number
+of parts, none included (``encoder.**``, ``**.bias``).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple
+
+from . import _errors as err
+
+Rules = Mapping[str, Any] | Sequence[tuple[str, Any]]
+
+
+def _part(pattern: str, part: str) -> str:
+    if not part:
+        raise ValueError(
+            f"the pattern {pattern!r} has an empty part: names have no empty parts, so it "
+            f"would match nothing. Remove the extra '.'."
+        )
+    if "**" in part:
+        raise ValueError(
+            f"the pattern {pattern!r} uses '**' inside the part {part!r}: '**' matches whole "
+            f"parts, so it must stand between dots ('encoder.**', '**.bias'); use '*' to "
+            f"match within a part."
+        )
+    out, i = [], 0
+    while i < len(part):
+        char = part[i]
+        if char == "*":
+            out.append("[^.]*")
+        elif char == "?":
+            out.append("[^.]")
+        elif char == "[":
+            end = part.find("]", i + 2 if part[i + 1 : i + 2] in ("!", "]") else i + 1)
+            if end < 0:
+                raise ValueError(f"the pattern {pattern!r} has a '[' without its ']'.")
+            inside = part[i + 1 : end]
+            inside = "^" + inside[1:] if inside.startswith("!") else inside
+            out.append(f"[{inside.replace(chr(92), chr(92) * 2)}]")
+            i = end
+        else:
+            out.append(re.escape(char))
+        i += 1
+    return "".join(out)
+
+
+def compile_pattern(pattern: Any) -> re.Pattern[str]:
+    """The regex matching the flat names that `pattern` matches (see the module's doc);
+    a ValueError naming the pattern when it is not one."""
+    if not isinstance(pattern, str) or not pattern:
+        raise ValueError(f"a name pattern is a non-empty string, got {pattern!r}.")
+    regex = "".join(
+        r"(?:\.[^.]+)*" if part == "**" else r"\." + _part(pattern, part)
+        for part in pattern.split(".")
+    )
+    try:
+        return re.compile(regex)
+    except re.error as error:
+        raise ValueError(f"the pattern {pattern!r} is not valid: {error}.") from None
+
+
+class Match(NamedTuple):
+    """What ordered rules give a list of names."""
+
+    values: list[Any]  # for each name, the value of the first rule matching it (or default)
+    unmatched: list[str]  # names no rule matched
+    unused: list[str]  # patterns that matched no name
+
+
+def rule_list(rules: Rules, what: str) -> list[tuple[str, Any]]:
+    """`rules` as a list of (pattern, value) pairs, checked."""
+    pairs = list(rules.items()) if isinstance(rules, Mapping) else list(rules)
+    for pair in pairs:
+        if not (isinstance(pair, tuple) and len(pair) == 2):
+            raise TypeError(
+                f"{what} takes its rules as a dict {{pattern: value}} or a list of "
+                f"(pattern, value) pairs, got the entry {pair!r}."
+            )
+    return pairs
+
+
+def match(rules: list[tuple[str, Any]], names: Sequence[str], default: Any) -> Match:
+    """Gives each name the value of the first rule whose pattern matches it; names that
+    none matches get `default`."""
+    compiled = [(compile_pattern(pattern), value) for pattern, value in rules]
+    used = [False] * len(compiled)
+    values, unmatched = [], []
+    for name in names:
+        dotted = "." + name
+        for i, (regex, value) in enumerate(compiled):
+            if regex.fullmatch(dotted):
+                used[i] = True
+                values.append(value)
+                break
+        else:
+            unmatched.append(name)
+            values.append(default)
+    unused = [pattern for (pattern, _), hit in zip(rules, used, strict=True) if not hit]
+    return Match(values, unmatched, unused)
+
+
+def unused_hint(pattern: str, names: Sequence[str]) -> str:
+    """Why `pattern` may have matched nothing, and what might have been meant."""
+    groups = sorted({n.rsplit(".", k)[0] for n in names for k in range(1, n.count(".") + 1)})
+    regex = compile_pattern(pattern)
+    group = next((g for g in groups if regex.fullmatch("." + g)), None)
+    if group is not None:
+        return (
+            f"it matches the group {group!r}, not a parameter: '{pattern}.**' matches "
+            f"everything in it"
+        )
+    parts = pattern.split(".")
+    fixed = next((i for i, p in enumerate(parts) if any(c in p for c in "*?[")), len(parts))
+    close = err.closest(".".join(parts[:fixed]), [*names, *groups]) if fixed else None
+    if close is None:
+        return "no name is close to it"
+    return f"did you mean {'.'.join([close, *parts[fixed:]])!r}?"

@@ -1,0 +1,131 @@
+"""Resolving a state's names to the leaves they name, in either view of the tree (see
+`_views`): written once for both, for flat names and for nested dicts."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Any, NamedTuple
+
+import jax
+
+from . import _errors as err
+from ._errors import StateProblem
+from ._views import GROUP, LEAF
+
+
+class Resolved(NamedTuple):
+    """What a state names: the value for each leaf (by its `where` in the view), and the
+    problems of entries that name no leaf."""
+
+    supplied: dict[Any, Any]
+    problems: list[StateProblem]
+
+
+def resolve(view: Any, state: Mapping[Any, Any], flat: bool) -> Resolved:
+    """Finds the leaf each entry of `state` names; lists the entries that name none."""
+    found = Resolved({}, [])
+    unknown: list[tuple[str, Any]] = []
+    if flat:
+        for name, value in state.items():
+            if not _resolve_name(view, name, value, found):
+                unknown.append((str(name), value))
+    else:
+        _resolve_nested(view, view.root, state, (), found, unknown)
+    if unknown:
+        given = {view.name(w) for w in found.supplied}
+        found.problems.extend(err.unknown(unknown, view.names(), flat, given))
+    return found
+
+
+def _resolve_name(view: Any, name: Any, value: Any, found: Resolved) -> bool:
+    """Resolves one flat name; False when it names no leaf (a group, the inside of an
+    array, or nothing)."""
+    if not isinstance(name, str):
+        return False
+    node, keys = view.root, tuple(name.split("."))
+    for i, key in enumerate(keys):
+        step = view.child(node, key)
+        if step is None:
+            return False
+        kind, node = step
+        if kind is GROUP:
+            continue
+        if kind is LEAF:
+            if i + 1 < len(keys):
+                return False
+            found.supplied[view.leaf(node, keys)] = value
+            return True
+        rest = ".".join(keys[i + 1 :])  # inside a custom parameter
+        where = next((w for n, w in view.inner(node, keys[: i + 1])[1] if n == rest), None)
+        if where is None:
+            return False
+        found.supplied[where] = value
+        return True
+    return False
+
+
+def _resolve_nested(
+    view: Any,
+    node: Any,
+    state: Mapping[Any, Any],
+    path: tuple[str, ...],
+    found: Resolved,
+    unknown: list[tuple[str, Any]],
+) -> None:
+    for key, value in state.items():
+        if type(key) is not str:
+            name = ".".join((*path, repr(key)))
+            same = view.child(node, str(key)) is not None
+            found.problems.append(err.non_string_key(name, key, same))
+            continue
+        if "." in key:
+            found.problems.append(err.dotted_key(".".join((*path, key))))
+            continue
+        where = (*path, key)
+        step = view.child(node, key)
+        if step is None:
+            unknown.append((".".join(where), value))
+            continue
+        kind, child = step
+        if kind is LEAF:
+            found.supplied[view.leaf(child, where)] = value
+        elif kind is GROUP:
+            if isinstance(value, Mapping):
+                _resolve_nested(view, child, value, where, found, unknown)
+            else:
+                name = ".".join(where)
+                found.problems.append(err.group_expected(name, view.keys(child), value))
+        else:
+            _resolve_param(view, child, where, value, found)
+
+
+def _resolve_param(
+    view: Any, node: Any, where: tuple[str, ...], value: Any, found: Resolved
+) -> None:
+    """A custom parameter in a nested state: given whole (a value of the same structure)
+    or as a dict of its parts by name ({"value": ..., "scale": ...})."""
+    treedef, inner = view.inner(node, where)
+    name = ".".join(where)
+    if isinstance(value, Mapping):
+        by_name = dict(inner)
+        for part, given in _flat_items(value, ()):
+            if part in by_name:
+                found.supplied[by_name[part]] = given
+            else:
+                parts = [n for n, _ in inner]
+                found.problems.append(err.unknown_part(f"{name}.{part}", parts))
+        return
+    leaves, given = jax.tree_util.tree_flatten(value)
+    if given != treedef:
+        found.problems.append(err.structure(name, treedef, given))
+        return
+    for (_, w), leaf in zip(inner, leaves, strict=True):
+        found.supplied[w] = leaf
+
+
+def _flat_items(state: Mapping[Any, Any], prefix: tuple[str, ...]) -> Iterator[tuple[str, Any]]:
+    for key, value in state.items():
+        if isinstance(value, Mapping):
+            yield from _flat_items(value, (*prefix, str(key)))
+        else:
+            yield ".".join((*prefix, str(key))), value

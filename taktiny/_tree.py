@@ -1,0 +1,160 @@
+"""Names for any PyTree: the state functions for trees that are not modules (an optimizer
+state, a dict of models), which leaves are trained, and values chosen by name."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+
+from . import _names, _patterns, _state
+from ._fields import MISSING
+from ._module import NODES, Module
+
+_TRAINABLE: dict[Any, list[bool]] = {}  # tree structure -> trainable flag per leaf
+
+
+def state_dict(tree: Any) -> dict[str, Any]:
+    """The leaves of any PyTree as nested dicts, named as a module's state is named.
+
+    Modules and the lists, tuples (named tuples too) and dicts that hold them are walked
+    into; their keys are attribute names, positions ("0", "1", ...) and dict keys. So the
+    state of ``optax.adam``'s optimizer state reads
+    ``{"0": {"count": ..., "mu": {"encoder": ...}, "nu": {...}}}``. For a module this is
+    ``tree.state_dict()``.
+
+    Args:
+        tree: a module, or a container of arrays and modules.
+
+    Returns:
+        Nested dicts whose leaves are the tree's own arrays (no copies).
+    """
+    return _state.state_dict(tree, NODES)
+
+
+def flat_state_dict(tree: Any) -> dict[str, Any]:
+    """The leaves of any PyTree under dotted names (``"0.mu.encoder.kernel"``), in the
+    order JAX flattens the tree; see :func:`state_dict`."""
+    return _state.flat_state_dict(tree, NODES)
+
+
+def load_state_dict(tree: Any, state: Mapping[str, Any], *, strict: bool = False) -> Any:
+    """Returns a copy of `tree` with the leaves the nested `state` names replaced.
+
+    The same load as :meth:`Module.load_state_dict <taktiny.nn.Module.load_state_dict>`,
+    for any PyTree: names not given keep their values, every value is checked against
+    the leaf it replaces, and any problem raises one :class:`~taktiny.StateDictError`
+    with nothing loaded. With it, part of an optimizer state can be restored (a new
+    head keeps its fresh moments while the encoder's come from a checkpoint).
+    """
+    caller = f"taktiny.load_state_dict({type(tree).__name__})"
+    return _state.load(tree, state, strict=strict, flat=False, nodes=NODES, caller=caller)
+
+
+def load_flat_state_dict(tree: Any, flat: Mapping[str, Any], *, strict: bool = False) -> Any:
+    """As :func:`load_state_dict`, for a dict of dotted names as :func:`flat_state_dict`
+    gives."""
+    caller = f"taktiny.load_flat_state_dict({type(tree).__name__})"
+    return _state.load(tree, flat, strict=strict, flat=True, nodes=NODES, caller=caller)
+
+
+def _flags(node: Any, trainable: bool, out: list[bool]) -> None:
+    """Appends, in flatten order, whether each leaf under `node` is trained."""
+    if isinstance(node, Module):
+        declared = type(node)._taktiny_fields
+        for name, is_data in type(node)._taktiny_layout:
+            if is_data:
+                keep = trainable and getattr(declared.get(name), "trainable", True)
+                _flags(node.__dict__[name], keep, out)
+        return
+    children, treedef = jax.tree_util.tree_flatten(node, is_leaf=lambda x: x is not node)
+    if treedef.num_nodes == 1 and treedef.num_leaves == 1:  # a leaf
+        out.append(trainable)
+        return
+    for child in children:
+        _flags(child, trainable, out)
+
+
+def trainable(tree: Any) -> Any:
+    """Which leaves of `tree` are trained: a tree of the same structure with ``True`` for
+    parameters and ``False`` for the arrays of fields declared with
+    ``nn.field(trainable=False)`` (BatchNorm's running statistics, say).
+
+    Pass the function itself where optax takes a mask or labels, so that optax calls it
+    with the parameters (a module is callable, and optax would call a module-shaped
+    mask)::
+
+        optax.adamw(1e-3, mask=tt.trainable)       # no weight decay on statistics
+        optax.multi_transform({True: optax.adam(1e-3), False: optax.set_to_zero()},
+                              tt.trainable)
+
+    Args:
+        tree: a module, or any PyTree holding modules.
+
+    Returns:
+        `tree`'s structure with a bool at each leaf.
+    """
+    treedef = jax.tree_util.tree_structure(tree)
+    flags = _TRAINABLE.get(treedef)
+    if flags is None:
+        flags = []
+        _flags(tree, True, flags)
+        if len(_TRAINABLE) >= 4096:
+            _TRAINABLE.clear()
+        _TRAINABLE[treedef] = flags
+    return treedef.unflatten(flags)
+
+
+class by_name:  # a class used as a function: tt.by_name(rules)(model)
+    """Values for the leaves of a tree chosen by their flat state names: labels for
+    ``optax.multi_transform``, masks for freezing, a dtype per parameter.
+
+    ``tt.by_name(rules, default=...)`` is a function from a tree to a tree of the same
+    structure holding, at each leaf, the value of the first rule whose pattern matches
+    the leaf's name (``"encoder.**"``, ``"*.bias"``, ``"layers.*.kernel"``: ``*``
+    matches within one part of a name, a ``**`` part matches any number of parts).
+    Pass the function itself to optax, which calls it with the parameters::
+
+        labels = tt.by_name({"encoder.**": "frozen"}, default="train")
+        optax.multi_transform({"train": optax.adam(1e-3), "frozen": optax.set_to_zero()},
+                              labels)
+
+    A tree whose names some rule does not reach needs `default`; a rule that matches no
+    name is an error (it is usually a typo, or a group named without ``.**``).
+
+    Args:
+        rules: a dict ``{pattern: value}`` or a list of ``(pattern, value)`` pairs, tried
+            in order.
+        default: the value of leaves no rule matches.
+    """
+
+    def __init__(self, rules: _patterns.Rules, *, default: Any = MISSING):
+        self.rules = _patterns.rule_list(rules, "taktiny.by_name")
+        for pattern, _ in self.rules:
+            _patterns.compile_pattern(pattern)
+        self.default = default
+
+    def __call__(self, tree: Any) -> Any:
+        """`tree` with each leaf replaced by the value its name selects."""
+        _, treedef, spec = _names.flatten(tree, NODES)
+        found = _patterns.match(self.rules, spec.names, self.default)
+        problems = []
+        if found.unmatched and self.default is MISSING:
+            listed = ", ".join(repr(n) for n in found.unmatched[:10])
+            more = f" and {len(found.unmatched) - 10} more" if len(found.unmatched) > 10 else ""
+            problems.append(
+                f"no rule matches {listed}{more}; add a rule for them (a last rule '**' "
+                f"matches everything), or pass default=..."
+            )
+        for pattern in found.unused:
+            hint = _patterns.unused_hint(pattern, spec.names)
+            problems.append(f"the rule {pattern!r} matches no name; {hint}")
+        if problems:
+            lines = "\n".join(f"  - {p}" for p in problems)
+            raise ValueError(f"taktiny.by_name on {type(tree).__name__}:\n{lines}")
+        return treedef.unflatten(found.values)
+
+    def __repr__(self) -> str:
+        default = "" if self.default is MISSING else f", default={self.default!r}"
+        return f"by_name({dict(self.rules)!r}{default})"

@@ -1,0 +1,120 @@
+"""Checking one loaded value against the leaf it replaces: that it is an array, its shape,
+its dtype kind, and that casting it to the leaf's dtype keeps its values."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.core import Tracer
+
+from . import _errors as err
+from ._errors import StateProblem
+
+_KINDS = (
+    ("floating", jnp.floating),
+    ("complex", jnp.complexfloating),
+    ("signed integer", jnp.signedinteger),
+    ("unsigned integer", jnp.unsignedinteger),
+    ("bool", jnp.bool_),
+)
+_SCALARS = (bool, int, float, complex)
+
+
+def kind(dtype: Any) -> str | None:
+    """The kind a load may cast within, or None for a dtype that is not numeric or bool."""
+    return next((name for name, kind in _KINDS if jnp.issubdtype(dtype, kind)), None)
+
+
+def _as_array(name: str, value: Any, problems: list[StateProblem]) -> Any:
+    """`value` as a JAX or NumPy array, or None (and a problem recorded) if it is none."""
+    if isinstance(value, (jax.Array, np.ndarray)):
+        return value
+    if isinstance(value, Mapping):
+        problems.append(err.array_expected(name, value, "this name is one array"))
+        return None
+    if isinstance(value, jax.ShapeDtypeStruct):
+        problems.append(err.not_an_array(name, value))
+        return None
+    try:
+        array = np.asarray(value)
+    except Exception:  # noqa: BLE001 - any failure means "not an array"
+        array = None
+    if array is None or kind(array.dtype) is None:  # not numeric
+        problems.append(err.not_an_array(name, value))
+        return None
+    return array
+
+
+def _narrowing(name: str, value: Any, old_dtype: Any, traced: bool) -> StateProblem | None:
+    """A problem when the integer `value` does not fit the narrower `old_dtype`."""
+    if traced:
+        return err.narrowing(name, old_dtype, value.dtype, traced=True)
+    info = jnp.iinfo(old_dtype)
+    if value.size and (int(value.min()) < info.min or int(value.max()) > info.max):
+        return err.narrowing(name, old_dtype, value.dtype, traced=False)
+    return None
+
+
+def _overflow(name: str, value: Any, cast: Any) -> StateProblem | None:
+    """A problem when finite values of `value` became infinite in `cast` (a narrower float).
+    Checked on concrete values only: inside jit the cast happens as written."""
+    xp = np if isinstance(value, np.ndarray) else jnp
+    bad = xp.isinf(cast) & xp.isfinite(value)
+    if not bool(bad.any()):
+        return None
+    largest = float(np.max(np.abs(np.asarray(value)[np.asarray(bad)])))
+    return err.overflow(name, cast.dtype, value.dtype, int(bad.sum()), largest)
+
+
+def convert(name: str, value: Any, old: Any, problems: list[StateProblem]) -> Any:
+    """`value` checked against the leaf `old` it replaces and cast to its dtype; None (and a
+    problem recorded) when it can't be."""
+    value = _as_array(name, value, problems)
+    if value is None:
+        return None
+    if type(old) in _SCALARS:  # a Python number in a PyTree that is not a module
+        old = jax.ShapeDtypeStruct((), jax.dtypes.canonicalize_dtype(type(old)))
+    if value.shape != old.shape:
+        problems.append(err.shape(name, tuple(old.shape), tuple(value.shape)))
+        return None
+    if value.dtype == old.dtype:
+        return value
+    source = kind(value.dtype) or str(value.dtype)
+    target = kind(old.dtype) or str(old.dtype)
+    if source != target:
+        problems.append(err.dtype_kind(name, old.dtype, value.dtype, target, source))
+        return None
+    traced = isinstance(value, Tracer)
+    if "integer" in target and jnp.iinfo(old.dtype).bits < jnp.iinfo(value.dtype).bits:
+        problem = _narrowing(name, value, old.dtype, traced)
+        if problem is not None:
+            problems.append(problem)
+            return None
+    with np.errstate(over="ignore"):  # an overflow is reported below, as a problem
+        cast = value.astype(old.dtype)
+    if (
+        target in ("floating", "complex")
+        and not traced
+        and jnp.finfo(old.dtype).max < jnp.finfo(value.dtype).max
+    ):
+        problem = _overflow(name, value, cast)
+        if problem is not None:
+            problems.append(problem)
+            return None
+    return cast
+
+
+def shares_memory(value: Any, given: Any, target: Any) -> bool:
+    """Whether placing NumPy `value` on `target` (None: the default device) could leave the
+    loaded leaf sharing memory with an array the caller still holds (`given` itself, or what
+    it views, like a torch tensor's `.numpy()`). On CPU, jax.device_put shares aligned host
+    buffers, even with may_alias=False, so a later write to the caller's array would
+    silently change the loaded model."""
+    if not isinstance(value, np.ndarray) or (value is not given and value.flags.owndata):
+        return False
+    devices = target.device_set if target is not None else jax.devices()[:1]
+    return any(device.platform == "cpu" for device in devices)

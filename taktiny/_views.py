@@ -1,0 +1,194 @@
+"""Two views of a tree for loading: the same questions (the child of a node by name, the
+leaves of a custom parameter, writing new leaves), answered two ways.
+
+`Flat` flattens the tree once and answers from the cached template of its names: a load
+that names every leaf (or many) costs one flatten and one unflatten. `Walk` starts at the
+root and visits only the nodes on the paths to the leaves named, then rebuilds only those
+nodes: a load that names a few leaves costs what it touches, not the size of the tree.
+A leaf's `where` is its position in `Flat` and its key path in `Walk`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+
+from . import _names
+from ._names import Custom, Nodes
+
+LEAF, GROUP, PARAM = "leaf", "group", "param"
+_LEAF_TYPES = (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct, bool, int, float, complex)
+
+
+class Flat:
+    """The tree flattened once; leaves found through the template, written by unflatten."""
+
+    def __init__(self, tree: Any, nodes: Nodes):
+        self.olds, self.treedef, self.spec = _names.flatten(tree, nodes)
+        self.root: Any = self.spec.template
+
+    def child(self, node: dict[str, Any], key: str) -> tuple[str, Any] | None:
+        child = node.get(key)
+        if child is None:
+            return None
+        return (LEAF if type(child) is int else GROUP if type(child) is dict else PARAM), child
+
+    def keys(self, node: dict[str, Any]) -> list[str]:
+        return list(node)
+
+    def leaf(self, node: int, where: tuple[str, ...]) -> int:
+        return node
+
+    def inner(self, node: Custom, where: tuple[str, ...]) -> tuple[Any, list[tuple[str, Any]]]:
+        """A custom parameter's structure, and its leaves: (name below it, where)."""
+        cut = len(".".join(where)) + 1
+        names = self.spec.names[node.start : node.stop]
+        return node.treedef, [
+            (n[cut:], i) for n, i in zip(names, range(node.start, node.stop), strict=True)
+        ]
+
+    def name(self, where: int) -> str:
+        return self.spec.names[where]
+
+    def names(self) -> tuple[str, ...]:
+        return self.spec.names
+
+    def new(self) -> list[Any]:
+        return list(self.olds)
+
+    def write(self, new: list[Any]) -> Any:
+        return self.treedef.unflatten(new)
+
+
+class _New(NamedTuple):
+    value: Any
+
+
+class Walk:
+    """The tree walked from its root along the paths named; only those nodes rebuilt."""
+
+    def __init__(self, tree: Any, nodes: Nodes):
+        self.root, self.nodes = tree, nodes
+        self.olds: dict[tuple[str, ...], Any] = {}
+        self._levels: dict[int, tuple[list[str], list[Any], Any]] = {}
+        self._seen: dict[int, dict[str, Any]] = {}  # node -> its children by name
+
+    def _level(self, node: Any) -> tuple[list[str], list[Any], Any]:
+        """One level of a node of any other type: its children's names, the children, and
+        its one-level structure to rebuild it."""
+        found = self._levels.get(id(node))
+        if found is None:
+            pairs, treedef = jax.tree_util.tree_flatten_with_path(
+                node, is_leaf=lambda x: x is not node
+            )
+            keys = [_names.key_name(path[0]) for path, _ in pairs]
+            found = self._levels[id(node)] = keys, [c for _, c in pairs], treedef
+        return found
+
+    def _children(self, node: Any) -> dict[str, Any] | Sequence[Any]:
+        """A node's children: by position (lists, tuples) or by name."""
+        kind = type(node)
+        if kind is list or kind is tuple:
+            return node
+        found = self._seen.get(id(node))
+        if found is None:
+            if kind is dict and all(type(key) is str for key in node):
+                found = node
+            else:
+                found = self.nodes.fields(node)
+                if found is None:
+                    keys, children, _ = self._level(node)
+                    found = dict(zip(keys, children, strict=True))
+            self._seen[id(node)] = found
+        return found
+
+    def child(self, node: Any, key: str) -> tuple[str, Any] | None:
+        children = self._children(node)
+        if isinstance(children, dict):
+            child = children.get(key)
+        else:
+            index = int(key) if key.isdigit() and str(int(key)) == key else len(children)
+            child = children[index] if index < len(children) else None
+        if child is None:
+            return None
+        if not self.nodes.is_param(child):
+            return GROUP, child
+        if isinstance(child, _LEAF_TYPES):
+            return LEAF, child
+        treedef = jax.tree_util.tree_structure(child)
+        if treedef.num_leaves == 0:
+            return None
+        return (LEAF if treedef.num_nodes == 1 else PARAM), child
+
+    def keys(self, node: Any) -> list[str]:
+        children = self._children(node)
+        return (
+            list(children) if isinstance(children, dict) else [str(i) for i in range(len(children))]
+        )
+
+    def leaf(self, node: Any, where: tuple[str, ...]) -> tuple[str, ...]:
+        self.olds[where] = node
+        return where
+
+    def inner(self, node: Any, where: tuple[str, ...]) -> tuple[Any, list[tuple[str, Any]]]:
+        paths, treedef = jax.tree_util.tree_flatten_with_path(node)
+        found = []
+        for path, leaf in paths:
+            inside = tuple(_names.key_name(k) for k in path)
+            self.olds[where + inside] = leaf
+            found.append((".".join(inside), where + inside))
+        return treedef, found
+
+    def name(self, where: tuple[str, ...]) -> str:
+        return ".".join(where)
+
+    def names(self) -> tuple[str, ...]:
+        return _names.flatten(self.root, self.nodes)[2].names
+
+    def new(self) -> dict[tuple[str, ...], Any]:
+        return {}
+
+    def write(self, new: dict[tuple[str, ...], Any]) -> Any:
+        trie: dict[str, Any] = {}
+        for where, value in new.items():
+            node = trie
+            for key in where[:-1]:
+                node = node.setdefault(key, {})
+            node[where[-1]] = _New(value)
+        return self._rebuild(self.root, trie)
+
+    def _rebuild(self, node: Any, trie: dict[str, Any]) -> Any:
+        """`node` with the values in `trie` (key -> sub-trie or _New) written into it."""
+        if node is not self.root and self.nodes.is_param(node):  # a custom parameter
+            paths, treedef = jax.tree_util.tree_flatten_with_path(node)
+            inner = dict(_flat_trie(trie, ()))
+            named = [(tuple(_names.key_name(k) for k in path), leaf) for path, leaf in paths]
+            return treedef.unflatten([inner.get(name, leaf) for name, leaf in named])
+        children = self._children(node)
+        if not isinstance(children, dict):  # a list or tuple
+            items = list(children)
+            for key, sub in trie.items():
+                i = int(key)
+                items[i] = sub.value if type(sub) is _New else self._rebuild(items[i], sub)
+            return items if type(node) is list else tuple(items)
+        changed = {
+            key: sub.value if type(sub) is _New else self._rebuild(children[key], sub)
+            for key, sub in trie.items()
+        }
+        if children is node:  # a dict with string keys
+            return {**node, **changed}
+        if self.nodes.fields(node) is not None:
+            return self.nodes.rebuild(node, changed)
+        keys, values, treedef = self._level(node)
+        return treedef.unflatten([changed.get(k, v) for k, v in zip(keys, values, strict=True)])
+
+
+def _flat_trie(trie: dict[str, Any], prefix: tuple[str, ...]) -> Iterator[tuple[Any, Any]]:
+    for key, sub in trie.items():
+        if type(sub) is _New:
+            yield (*prefix, key), sub.value
+        else:
+            yield from _flat_trie(sub, (*prefix, key))
