@@ -128,23 +128,22 @@ def _shallow(values: list[Any]) -> set[int]:
     return ids
 
 
-def ties(obj: Any, owner: str, changed: Mapping[str, Any] | None) -> None:
+def ties(obj: Any, owner: str, replaced: tuple[list[Any], list[Any]] | None) -> None:
     """Raises when the same array (or a module with arrays) sits at two places in `obj`:
     the state would hold it twice and the first training step would untie it.
 
-    A newly built module is searched whole. A `replace` costs what its `changed` fields
-    cost: they are searched whole, and compared with the other fields' own values (and
-    their containers' items), which finds ``m.replace(head=m.embed)``."""
-    if changed is None:
+    A newly built module is searched whole. A `replace` costs what it changes: `replaced`
+    is (the new values, searched whole; the values kept), and the new values are compared
+    with the kept ones and their containers' items, which finds ``m.replace(head=m.embed)``."""
+    if replaced is None:
         leaves = jax.tree_util.tree_leaves(obj)
         if len({id(leaf) for leaf in leaves}) == len(leaves):
             return
     else:
-        new = list(changed.values())
+        new, kept = replaced
         leaves = jax.tree_util.tree_leaves(new)
         ids = {id(leaf) for leaf in leaves}
-        others = [v for k, v in obj.__dict__.items() if k not in changed]
-        if len(ids) == len(leaves) and not (ids | _shallow(new)) & _shallow(others):
+        if len(ids) == len(leaves) and not (ids | _shallow(new)) & _shallow(kept):
             return
     seen: dict[int, tuple[Any, ...]] = {}
     for path, leaf in jax.tree_util.tree_flatten_with_path(obj)[0]:

@@ -47,7 +47,7 @@ def _data_fields(node: Any) -> dict[str, Any] | None:
     if not isinstance(node, Module):
         return None
     values = node.__dict__
-    return {name: values[name] for name, is_data in type(node)._taktiny_layout if is_data}
+    return {name: values[name] for name in type(node)._taktiny_data}
 
 
 def _with_fields(node: Any, changes: dict[str, Any]) -> Any:
@@ -130,6 +130,7 @@ def _node_type(base: type[Module], layout: Layout) -> type[Module]:
             "__doc__": base.__doc__,
             "__init__": types.SimpleNamespace.__init__,
             "_taktiny_layout": layout,
+            "_taktiny_data": tuple(name for name, is_data in layout if is_data),
         }
         node_type: Any = _NodeMeta(base.__name__, (base,), namespace)  # pyright: ignore[reportCallIssue]
         data = [name for name, is_data in layout if is_data]
@@ -144,10 +145,28 @@ def _rebuild(base: type[Module], layout: Layout, values: dict[str, Any]) -> Modu
     return _node_type(base, layout)(**values)
 
 
-def _finalise(obj: Module, changed: Mapping[str, Any] | None = None) -> Module:
+def _new_items(old: Any, new: Any) -> tuple[list[Any], list[Any]] | None:
+    """For a container `new` of the same type and size (or keys) as `old`: the items that are
+    not the ones `old` holds at the same place, and those that are; None otherwise."""
+    if type(new) is not type(old):
+        return None
+    if isinstance(new, (list, tuple)) and len(new) == len(old):
+        pairs = list(zip(new, old, strict=True))
+    elif isinstance(new, dict) and new.keys() == old.keys():
+        pairs = [(new[key], old[key]) for key in new]
+    else:
+        return None
+    return [n for n, o in pairs if n is not o], [n for n, o in pairs if n is o]
+
+
+def _finalise(
+    obj: Module, changed: Mapping[str, Any] | None = None, previous: Mapping[str, Any] | None = None
+) -> Module:
     """Sorts the attributes of a freshly built `obj` into data and static, checks them, and
     sets its class to the node type registered for that layout. For a `replace`, only the
-    `changed` fields are sorted again; the others keep their place in the layout."""
+    `changed` fields are sorted again (the others keep their place in the layout, and
+    `previous` holds their values before); a list, tuple or dict field that only swaps
+    some items for arrays or modules has only those items checked."""
     base = type(obj)._taktiny_base
     values: dict[str, Any] = obj.__dict__  # pyright: ignore[reportAssignmentType]
     fields = base._taktiny_fields
@@ -172,15 +191,30 @@ def _finalise(obj: Module, changed: Mapping[str, Any] | None = None) -> Module:
     else:
         old = dict(type(obj)._taktiny_layout)
     layout = []
+    new, kept = [], []  # for a replace: what is new (searched whole), what was there before
     for name, value in values.items():
-        if changed is None or name in changed:
-            is_data, values[name] = _classify(obj, base.__name__, name, value, fields.get(name))
-            layout.append((name, is_data))
-        else:
+        if changed is not None and name not in changed:
             layout.append((name, old[name]))
+            kept.append(value)
+            continue
+        spec = fields.get(name)
+        items = _new_items(previous[name], value) if previous and old.get(name) else None
+        forced = spec is not None and spec.static is False
+        if items is not None and not forced and all(map(_is_data_item, items[0])):
+            layout.append((name, True))  # some items of a container swapped: check those
+            new += items[0]
+            kept += items[1]
+            continue
+        is_data, values[name] = _classify(obj, base.__name__, name, value, spec)
+        layout.append((name, is_data))
+        new.append(values[name])
     object.__setattr__(obj, "__class__", _node_type(base, tuple(layout)))
-    _checks.ties(obj, base.__name__, changed)
+    _checks.ties(obj, base.__name__, None if changed is None else (new, kept))
     return obj
+
+
+def _is_data_item(x: Any) -> bool:
+    return x is None or _is_module_or_array(x)
 
 
 @dataclass_transform(field_specifiers=(field,))
@@ -249,6 +283,7 @@ class Module(types.SimpleNamespace, metaclass=_ModuleMeta):
     _taktiny_base: ClassVar[type[Module]]
     _taktiny_fields: ClassVar[dict[str, Field]]
     _taktiny_layout: ClassVar[Layout] = ()
+    _taktiny_data: ClassVar[tuple[str, ...]] = ()  # the data fields' names, in layout order
 
     def __init__(self) -> None:
         """Subclasses assign their fields here, or declare them with annotations."""
@@ -294,7 +329,7 @@ class Module(types.SimpleNamespace, metaclass=_ModuleMeta):
         obj: Any = types.SimpleNamespace.__new__(type(self))
         obj.__dict__.update(fields)
         obj.__dict__.update(changes)
-        return _finalise(obj, changes)
+        return _finalise(obj, changes, fields)
 
     def __pdoc__(self, **kwargs: Any) -> wl.AbstractDoc:
         declared = type(self)._taktiny_fields

@@ -90,7 +90,7 @@ def _resolve_nested(
         if kind is LEAF:
             found.supplied[view.leaf(child, where)] = value
         elif kind is GROUP:
-            if isinstance(value, Mapping):
+            if type(value) is dict or isinstance(value, Mapping):
                 _resolve_nested(view, child, value, where, found, unknown)
             else:
                 name = ".".join(where)

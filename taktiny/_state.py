@@ -8,9 +8,8 @@ on their paths; one that names many flattens the tree once (`_views`).
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -31,14 +30,6 @@ from ._views import Flat, Walk
 WALK_LIMIT = 64
 
 
-@functools.cache
-def _array_type() -> type:
-    """The concrete class of JAX arrays, for an exact-type fast path (made concretely even
-    when first asked for inside a jit trace)."""
-    with jax.ensure_compile_time_eval():
-        return type(jnp.zeros(()))
-
-
 def state_dict(tree: Any, nodes: Nodes) -> dict[str, Any]:
     leaves, _, spec = _names.flatten(tree, nodes)
     return _names.nested(spec.template, leaves)
@@ -49,26 +40,33 @@ def flat_state_dict(tree: Any, nodes: Nodes) -> dict[str, Any]:
     return dict(zip(spec.names, leaves, strict=True))
 
 
+class _Move(NamedTuple):
+    """A checked value still to be placed like the leaf it replaces."""
+
+    where: Any
+    value: Any
+    target: Any  # the leaf's sharding; None: the default device
+
+
 def _check(
     view: Flat | Walk, supplied: Iterable[tuple[Any, Any]], problems: list[StateProblem]
-) -> tuple[Any, list[tuple[Any, Any, Any]]]:
+) -> tuple[Any, list[_Move]]:
     """Checks each supplied value against the leaf it replaces. Returns the new leaves (the
-    view's container, with the checked values written in) and the moves (where, value,
-    sharding) that still need placing."""
+    view's container, with the checked values written in) and the values still to place."""
     olds, new = view.olds, view.new()
-    moves: list[tuple[Any, Any, Any]] = []
-    array_type = _array_type()
+    moves: list[_Move] = []
+    array = _values.array_type()
     seen: tuple[Any, Any, bool] = (None, None, False)  # the last two shardings compared
     for where, value in supplied:
         old = olds[where]
-        if type(value) is array_type and type(old) is array_type and value.aval == old.aval:
+        if type(value) is array and type(old) is array and value.aval == old.aval:
             have, want = value.sharding, old.sharding  # the common case: same shape and dtype
             if have is not seen[0] or want is not seen[1]:  # arrays share few sharding objects
                 seen = (have, want, have is want or have == want)
             if seen[2]:
                 new[where] = value
             else:
-                moves.append((where, value, want))
+                moves.append(_Move(where, value, want))
             continue
         given, value = value, _values.convert(view.name(where), value, old, problems)
         if value is None:
@@ -80,22 +78,24 @@ def _check(
             new[where] = value
         else:
             copy = _values.shares_memory(value, given, target)
-            moves.append((where, value.copy() if copy else value, target))
+            moves.append(_Move(where, value.copy() if copy else value, target))
     return new, moves
 
 
-def _place(moves: list[tuple[Any, Any, Any]], new: Any) -> None:
-    """Places the moves into `new`, one batched transfer per kind of target (a None target
-    means the default device)."""
-    for placed in ([m for m in moves if m[2] is not None], [m for m in moves if m[2] is None]):
-        if not placed:
+def _place(moves: list[_Move], new: Any) -> None:
+    """Places the moves into `new`: one batched transfer onto the leaves' shardings, one
+    onto the default device (for leaves that have no sharding: Python numbers)."""
+    placed = [m for m in moves if m.target is not None]
+    default = [m for m in moves if m.target is None]
+    for group, targets in ((placed, [m.target for m in placed]), (default, None)):
+        if not group:
             continue
-        targets = [t for _, _, t in placed] if placed[0][2] is not None else None
         # a zero-size value holds no data, so it is placed afresh: JAX 0.10's device_put of a
         # zero-size array onto a mesh of another device order makes misshapen shards
-        sources = [np.zeros(v.shape, v.dtype) if v.size == 0 else v for _, v, _ in placed]
-        for (where, _, _), array in zip(placed, jax.device_put(sources, targets), strict=True):
-            new[where] = array
+        sources = [np.zeros(m.value.shape, m.value.dtype) if m.value.size == 0 else m.value
+                   for m in group]  # fmt: skip
+        for move, array in zip(group, jax.device_put(sources, targets), strict=True):
+            new[move.where] = array
 
 
 def _few(state: Mapping[Any, Any], flat: bool) -> bool:
@@ -106,7 +106,7 @@ def _few(state: Mapping[Any, Any], flat: bool) -> bool:
 
     def count(node: Mapping[Any, Any]) -> bool:
         for value in node.values():
-            if isinstance(value, Mapping):
+            if type(value) is dict or isinstance(value, Mapping):
                 if not count(value):
                     return False
             else:

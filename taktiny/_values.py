@@ -3,6 +3,7 @@ its dtype kind, and that casting it to the leaf's dtype keeps its values."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from typing import Any
 
@@ -22,6 +23,14 @@ _KINDS = (
     ("bool", jnp.bool_),
 )
 _SCALARS = (bool, int, float, complex)
+
+
+@functools.cache
+def array_type() -> type:
+    """The concrete class of JAX arrays, for exact-type fast paths (made concretely even
+    when first asked for inside a jit trace)."""
+    with jax.ensure_compile_time_eval():
+        return type(jnp.zeros(()))
 
 
 def kind(dtype: Any) -> str | None:

@@ -10,14 +10,15 @@ A leaf's `where` is its position in `Flat` and its key path in `Walk`.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from typing import Any, NamedTuple
+from collections.abc import Iterator
+from typing import Any
 
 import jax
 import numpy as np
 
 from . import _names
 from ._names import Custom, Nodes
+from ._values import array_type
 
 LEAF, GROUP, PARAM = "leaf", "group", "param"
 _LEAF_TYPES = (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct, bool, int, float, complex)
@@ -63,57 +64,48 @@ class Flat:
         return self.treedef.unflatten(new)
 
 
-class _New(NamedTuple):
-    value: Any
-
-
 class Walk:
     """The tree walked from its root along the paths named; only those nodes rebuilt."""
 
     def __init__(self, tree: Any, nodes: Nodes):
         self.root, self.nodes = tree, nodes
         self.olds: dict[tuple[str, ...], Any] = {}
-        self._levels: dict[int, tuple[list[str], list[Any], Any]] = {}
-        self._seen: dict[int, dict[str, Any]] = {}  # node -> its children by name
+        self._seen: dict[int, tuple[str, Any]] = {}  # node -> (its kind, its children)
+        self._array = array_type()
 
-    def _level(self, node: Any) -> tuple[list[str], list[Any], Any]:
-        """One level of a node of any other type: its children's names, the children, and
-        its one-level structure to rebuild it."""
-        found = self._levels.get(id(node))
-        if found is None:
-            pairs, treedef = jax.tree_util.tree_flatten_with_path(
-                node, is_leaf=lambda x: x is not node
-            )
-            keys = [_names.key_name(path[0]) for path, _ in pairs]
-            found = self._levels[id(node)] = keys, [c for _, c in pairs], treedef
-        return found
-
-    def _children(self, node: Any) -> dict[str, Any] | Sequence[Any]:
-        """A node's children: by position (lists, tuples) or by name."""
-        kind = type(node)
-        if kind is list or kind is tuple:
-            return node
+    def _children(self, node: Any) -> tuple[str, Any]:
+        """How a node holds its children: "seq" (a list or tuple, by position), "dict" (a
+        dict of string keys), "module" (a module's data fields by name) or "other" (any
+        other PyTree node: children by key name, and its one-level structure)."""
         found = self._seen.get(id(node))
         if found is None:
-            if kind is dict and all(type(key) is str for key in node):
-                found = node
+            kind = type(node)
+            if kind is list or kind is tuple:
+                found = "seq", node
+            elif kind is dict and all(type(key) is str for key in node):
+                found = "dict", node
+            elif (fields := self.nodes.fields(node)) is not None:
+                found = "module", fields
             else:
-                found = self.nodes.fields(node)
-                if found is None:
-                    keys, children, _ = self._level(node)
-                    found = dict(zip(keys, children, strict=True))
+                pairs, treedef = jax.tree_util.tree_flatten_with_path(
+                    node, is_leaf=lambda x: x is not node
+                )
+                keys = [_names.key_name(path[0]) for path, _ in pairs]
+                found = "other", (dict(zip(keys, [c for _, c in pairs], strict=True)), treedef)
             self._seen[id(node)] = found
         return found
 
     def child(self, node: Any, key: str) -> tuple[str, Any] | None:
-        children = self._children(node)
-        if isinstance(children, dict):
-            child = children.get(key)
-        else:
+        kind, children = self._children(node)
+        if kind == "seq":
             index = int(key) if key.isdigit() and str(int(key)) == key else len(children)
             child = children[index] if index < len(children) else None
+        else:
+            child = (children[0] if kind == "other" else children).get(key)
         if child is None:
             return None
+        if type(child) is self._array:
+            return LEAF, child
         if not self.nodes.is_param(child):
             return GROUP, child
         if isinstance(child, _LEAF_TYPES):
@@ -124,10 +116,10 @@ class Walk:
         return (LEAF if treedef.num_nodes == 1 else PARAM), child
 
     def keys(self, node: Any) -> list[str]:
-        children = self._children(node)
-        return (
-            list(children) if isinstance(children, dict) else [str(i) for i in range(len(children))]
-        )
+        kind, children = self._children(node)
+        if kind == "seq":
+            return [str(i) for i in range(len(children))]
+        return list(children[0] if kind == "other" else children)
 
     def leaf(self, node: Any, where: tuple[str, ...]) -> tuple[str, ...]:
         self.olds[where] = node
@@ -157,38 +149,40 @@ class Walk:
             node = trie
             for key in where[:-1]:
                 node = node.setdefault(key, {})
-            node[where[-1]] = _New(value)
+            node[where[-1]] = [value]
         return self._rebuild(self.root, trie)
 
     def _rebuild(self, node: Any, trie: dict[str, Any]) -> Any:
-        """`node` with the values in `trie` (key -> sub-trie or _New) written into it."""
-        if node is not self.root and self.nodes.is_param(node):  # a custom parameter
+        """`node` with the values in `trie` written into it: key -> sub-trie (a dict), or
+        a new leaf (a one-item list)."""
+        if node is not self.root and id(node) not in self._seen:  # a custom parameter
             paths, treedef = jax.tree_util.tree_flatten_with_path(node)
             inner = dict(_flat_trie(trie, ()))
             named = [(tuple(_names.key_name(k) for k in path), leaf) for path, leaf in paths]
             return treedef.unflatten([inner.get(name, leaf) for name, leaf in named])
-        children = self._children(node)
-        if not isinstance(children, dict):  # a list or tuple
+        kind, children = self._children(node)
+        if kind == "seq":
             items = list(children)
             for key, sub in trie.items():
                 i = int(key)
-                items[i] = sub.value if type(sub) is _New else self._rebuild(items[i], sub)
+                items[i] = sub[0] if type(sub) is list else self._rebuild(items[i], sub)
             return items if type(node) is list else tuple(items)
+        named = children[0] if kind == "other" else children
         changed = {
-            key: sub.value if type(sub) is _New else self._rebuild(children[key], sub)
+            key: sub[0] if type(sub) is list else self._rebuild(named[key], sub)
             for key, sub in trie.items()
         }
-        if children is node:  # a dict with string keys
+        if kind == "dict":
             return {**node, **changed}
-        if self.nodes.fields(node) is not None:
+        if kind == "module":
             return self.nodes.rebuild(node, changed)
-        keys, values, treedef = self._level(node)
-        return treedef.unflatten([changed.get(k, v) for k, v in zip(keys, values, strict=True)])
+        values, treedef = children
+        return treedef.unflatten([changed.get(k, v) for k, v in values.items()])
 
 
 def _flat_trie(trie: dict[str, Any], prefix: tuple[str, ...]) -> Iterator[tuple[Any, Any]]:
     for key, sub in trie.items():
-        if type(sub) is _New:
-            yield (*prefix, key), sub.value
+        if type(sub) is list:
+            yield (*prefix, key), sub[0]
         else:
             yield from _flat_trie(sub, (*prefix, key))
