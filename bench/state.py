@@ -2,8 +2,10 @@
 
 On the 384-leaf and 3,000-leaf "many small blocks" models (see ``_models``):
 reading the state, a full load of a *different* model's state of the same
-architecture, and a partial load of 10% of the blocks. Every system's calls are
-timed in one interleaved run; ratios are (peer time) / (Taktiny time).
+architecture, a partial load of 10% of the blocks, a load of one block (its six
+leaves, nested and flat), and swapping one block for another. Every system's calls are
+timed in one interleaved run; ratios are (peer time) / (Taktiny time), and the one-block
+load and the swap are also compared with Taktiny's own full load.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from ._timing import compare
 
 SYSTEMS = ["Taktiny", "Flax NNX", "NNX split/merge", "Equinox", "PyTorch"]
 READ, READ_FLAT, LOAD, PARTIAL = "read state", "read flat state", "full load", "10% partial load"
+ONE, ONE_FLAT, SWAP = "one-block load", "one-block flat load", "swap one block"
 
 
 def _cases(n: int) -> dict[str, dict[str, tuple[str, Any]]]:
@@ -43,6 +46,14 @@ def _cases(n: int) -> dict[str, dict[str, tuple[str, Any]]]:
     th = _models.build("torch", n, 0)
     th_state = _models.build("torch", n, 1).state_dict()
     th_partial = {key: v for key, v in th_state.items() if int(key.split(".")[1]) < k}
+
+    j = n // 2  # the block loaded or swapped alone
+    one = {"blocks": {str(j): state["blocks"][str(j)]}}
+    one_flat = {f"blocks.{j}.{name}": v for name, v in _flat(state["blocks"][str(j)])}
+    swapped = [*tt.blocks[:j], jax.tree.map(other, tt.blocks[j]), *tt.blocks[j + 1 :]]
+    nx_one = nnx.State({"blocks": {j: nx_state["blocks"][j]}})
+    eq_block = jax.tree.map(other, eq.blocks[j])
+    th_one = {key: v for key, v in th_state.items() if int(key.split(".")[1]) == j}
 
     return {
         READ: {
@@ -80,7 +91,41 @@ def _cases(n: int) -> dict[str, dict[str, tuple[str, Any]]]:
                 lambda: th.load_state_dict(th_partial, strict=False),
             ),
         },
+        ONE: {
+            "Taktiny": ("model.load_state_dict(one)", lambda: tt.load_state_dict(one)),
+            "Flax NNX": ("nnx.update(model, one)", lambda: nnx.update(nx, nx_one)),
+            "Equinox": (
+                "eqx.tree_at(lambda m: m.blocks[j], model, block)",
+                lambda: eqx.tree_at(lambda m: m.blocks[j], eq, eq_block),
+            ),
+            "PyTorch": (
+                "model.load_state_dict(one, strict=False)",
+                lambda: th.load_state_dict(th_one, strict=False),
+            ),
+        },
+        ONE_FLAT: {
+            "Taktiny": (
+                "model.load_flat_state_dict(one)",
+                lambda: tt.load_flat_state_dict(one_flat),
+            ),
+        },
+        SWAP: {
+            "Taktiny": ("model.replace(blocks=swapped)", lambda: tt.replace(blocks=swapped)),
+            "Equinox": (
+                "eqx.tree_at(lambda m: m.blocks[j], model, block)",
+                lambda: eqx.tree_at(lambda m: m.blocks[j], eq, eq_block),
+            ),
+        },
     }
+
+
+def _flat(nested: dict[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
+    out: list[tuple[str, Any]] = []
+    for key, value in nested.items():
+        out += (
+            _flat(value, f"{prefix}{key}.") if isinstance(value, dict) else [(prefix + key, value)]
+        )
+    return out
 
 
 def _eqx_read(model: Any) -> Any:
@@ -106,6 +151,12 @@ def _check(cases: dict[str, dict[str, tuple[str, Any]]]) -> None:
     assert new.blocks[0].a.kernel is not own["0"]["a"]["kernel"]
     assert part.blocks[0].a.kernel is new.blocks[0].a.kernel
     assert part.blocks[-1].a.kernel is own[str(len(own) - 1)]["a"]["kernel"]
+    j = len(own) // 2
+    for loaded in (cases[ONE]["Taktiny"][1](), cases[ONE_FLAT]["Taktiny"][1]()):
+        assert loaded.blocks[j].b.bias is new.blocks[j].b.bias  # the other model's
+        assert loaded.blocks[j - 1].a.kernel is own[str(j - 1)]["a"]["kernel"]  # untouched
+    swapped = cases[SWAP]["Taktiny"][1]()
+    assert swapped.blocks[j] is not part.blocks[j] and len(swapped.blocks) == len(own)
 
 
 def run(config: Config) -> Group:
@@ -154,11 +205,39 @@ def run(config: Config) -> Group:
                 "nnx.update time / Taktiny time",
             ),
         ]
-    group.notes += [
+        ratios = {
+            op: table.value(op, "Taktiny") / table.value(LOAD, "Taktiny")
+            for op in (ONE, ONE_FLAT, SWAP)
+        }
+        group.notes.append(
+            f"{size}: one-block load {ratios[ONE]:.3f}x, one-block flat load "
+            f"{ratios[ONE_FLAT]:.3f}x, swap one block {ratios[SWAP]:.3f}x of a full load."
+        )
+        if n >= 500:  # the issue's target is stated for the 500-block model
+            group.targets += [
+                Target(
+                    f"{what} <= 0.05x a full load ({size})",
+                    ratios[op],
+                    0.05,
+                    False,
+                    f"Taktiny {what} time / Taktiny full load time",
+                )
+                for op, what in ((ONE, "one-block load"), (ONE_FLAT, "one-block flat load"))
+            ]
+    group.notes[:0] = [
         "Full loads load a different model's state (same architecture, another seed); the "
         "partial load supplies the first 10% of the blocks. PyTorch copies into its existing "
         "tensors; nnx.update sets its Variables in place; Taktiny and Equinox return a new model.",
         "NNX split/merge: `nnx.merge(graphdef, state)` with the graphdef taken once beforehand.",
+        "One-block load: the six leaves of the middle block, as a nested state (Taktiny, "
+        "NNX, PyTorch) or flat (Taktiny's second row); Equinox swaps the block with "
+        "`eqx.tree_at`. A Taktiny load of a few leaves walks to them and rebuilds only the "
+        "modules on their paths, so it costs about the same on both models (about 50 us for "
+        "six leaves here). The target (<= 0.05x a full load) is the issue's, stated for the "
+        "500-block model; a full load of the 384-leaf model takes only about 0.5 ms, so "
+        "there the same load is about 0.1x of it.",
+        "Swap one block: `model.replace(blocks=...)` with a list equal to the model's but "
+        "for one block; only the swapped block is checked.",
     ]
     group.seconds = time.perf_counter() - start
     return group

@@ -41,8 +41,9 @@ def field(
         trainable: ``False`` marks the arrays under this field as state that is not
             trained (BatchNorm's running statistics, a step counter): they stay in the
             state dicts, but :func:`taktiny.trainable` marks them ``False`` so that
-            optimisers leave them alone. A module reading such a field in a
-            differentiated computation should pass it through ``jax.lax.stop_gradient``.
+            optimisers leave them alone, and no gradient flows into them (while the
+            module holds traced values, the field reads through
+            ``jax.lax.stop_gradient``).
     """
     if default is not MISSING and default_factory is not MISSING:
         raise TypeError("field() takes `default` or `default_factory`, not both.")

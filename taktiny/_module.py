@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import wadler_lindig as wl
+from jax.core import Tracer
 
 from . import _checks, _state
 from ._fields import MISSING, Field, declared_fields, field, generated_init
@@ -114,6 +115,33 @@ def _classify(
     return True, value
 
 
+class _Untrained:
+    """How a node class reads a data field declared ``trainable=False``: through
+    ``jax.lax.stop_gradient`` while it holds traced values, so that no gradient flows into
+    it however the module's code uses it; as it is otherwise. A data descriptor, so it
+    also serves JAX's flatten (which reads fields with getattr); the node class's
+    constructor writes ``__dict__`` directly, so unflattening is unchanged."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __get__(self, obj: Any, owner: Any = None) -> Any:
+        if obj is None:
+            return self
+        value = obj.__dict__[self.name]
+        if isinstance(value, Tracer):
+            return jax.lax.stop_gradient(value)
+        if isinstance(value, ARRAY_TYPES) or value is None:
+            return value
+        stop = lambda x: jax.lax.stop_gradient(x) if isinstance(x, Tracer) else x
+        return jax.tree_util.tree_map(stop, value)
+
+    def __set__(self, obj: Any, value: Any) -> None:
+        obj.__setattr__(self.name, value)  # Module.__setattr__: frozen
+
+
 def _node_type(base: type[Module], layout: Layout) -> type[Module]:
     """The class that instances of `base` with `layout` take once built: a subclass of the same
     name registered with JAX as a dataclass node, one per layout of the fields.
@@ -132,6 +160,10 @@ def _node_type(base: type[Module], layout: Layout) -> type[Module]:
             "_taktiny_layout": layout,
             "_taktiny_data": tuple(name for name, is_data in layout if is_data),
         }
+        fields = base._taktiny_fields
+        for name, is_data in layout:
+            if is_data and not getattr(fields.get(name), "trainable", True):
+                namespace[name] = _Untrained(name)
         node_type: Any = _NodeMeta(base.__name__, (base,), namespace)  # pyright: ignore[reportCallIssue]
         data = [name for name, is_data in layout if is_data]
         meta = [name for name, is_data in layout if not is_data]

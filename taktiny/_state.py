@@ -56,14 +56,18 @@ def _check(
     olds, new = view.olds, view.new()
     moves: list[_Move] = []
     array = _values.array_type()
-    seen: tuple[Any, Any, bool] = (None, None, False)  # the last two shardings compared
+    # Arrays share a few sharding objects, so each pair is compared once. They are keyed by
+    # id: the arrays hold them, so they live (and keep their ids) for the whole loop.
+    same: dict[tuple[int, int], bool] = {}
     for where, value in supplied:
         old = olds[where]
         if type(value) is array and type(old) is array and value.aval == old.aval:
             have, want = value.sharding, old.sharding  # the common case: same shape and dtype
-            if have is not seen[0] or want is not seen[1]:  # arrays share few sharding objects
-                seen = (have, want, have is want or have == want)
-            if seen[2]:
+            pair = (id(have), id(want))
+            placed = same.get(pair)
+            if placed is None:
+                placed = same[pair] = have is want or have == want
+            if placed:
                 new[where] = value
             else:
                 moves.append(_Move(where, value, want))

@@ -71,6 +71,7 @@ class Walk:
         self.root, self.nodes = tree, nodes
         self.olds: dict[tuple[str, ...], Any] = {}
         self._seen: dict[int, tuple[str, Any]] = {}  # node -> (its kind, its children)
+        self._steps: dict[tuple[int, str], Any] = {}  # (node, key) -> what `child` found
         self._array = array_type()
 
     def _children(self, node: Any) -> tuple[str, Any]:
@@ -96,6 +97,12 @@ class Walk:
         return found
 
     def child(self, node: Any, key: str) -> tuple[str, Any] | None:
+        step = self._steps.get((id(node), key), self)  # flat names share their prefixes
+        if step is self:
+            step = self._steps[(id(node), key)] = self._child(node, key)
+        return step
+
+    def _child(self, node: Any, key: str) -> tuple[str, Any] | None:
         kind, children = self._children(node)
         if kind == "seq":
             index = int(key) if key.isdigit() and str(int(key)) == key else len(children)

@@ -116,6 +116,30 @@ def test_trainable_marks_non_trainable_fields_and_is_what_optax_takes(optax_prom
         assert not np.allclose(new.linear.kernel, model.linear.kernel)
 
 
+def test_no_gradient_flows_into_untrained_fields_whatever_the_module_does():
+    class Averaged(nn.Module):
+        average: jax.Array = nn.field(trainable=False)
+        history: list = nn.field(trainable=False)
+
+        def __init__(self):
+            self.w = jnp.ones(3)
+            self.average = jnp.full(3, 2.0)
+            self.history = [jnp.ones(3)]
+
+        def __call__(self, x):
+            return jnp.sum(x * self.w * self.average * self.history[0])
+
+    m = Averaged()
+    x = jnp.arange(3.0)
+    for grad in (jax.grad(lambda m: m(x)), jax.jit(jax.grad(lambda m: m(x)))):
+        g = grad(m)
+        np.testing.assert_array_equal(g.w, 2 * x)
+        assert not np.any(g.average) and not np.any(g.history[0])
+    assert float(m(x)) == 6.0  # the forward pass reads the values as they are
+    assert m.average is m.__dict__["average"]  # outside a trace: the array itself
+    assert jax.tree.leaves(m)[1] is m.average
+
+
 def test_trainable_false_is_only_for_arrays():
     with pytest.raises(TypeError, match=r"contradicts itself"):
         nn.field(static=True, trainable=False)

@@ -35,8 +35,7 @@ class BatchNorm(Module):
 
     The running statistics are state, not parameters: they are declared
     ``field(trainable=False)``, so :func:`taktiny.trainable` marks them ``False`` (for
-    optax's masks and labels), and no gradient flows into them (inference reads them
-    through ``jax.lax.stop_gradient``; training does not read them).
+    optax's masks and labels), and no gradient flows into them.
 
     Statistics are computed in the parameters' dtype but at least float32; the output
     and the stored statistics keep the parameters' dtype.
@@ -114,8 +113,7 @@ class BatchNorm(Module):
             dtype = self.scale.dtype
             x = x.astype(statistics_dtype(dtype))
             if not (training() if train is None else train):
-                mean, var = jax.lax.stop_gradient((self.mean, self.var))
-                return self._normalise(x, mean, var).astype(dtype)
+                return self._normalise(x, self.mean, self.var).astype(dtype)
             axes = tuple(range(x.ndim - 1))
             count = x.size // size
             if count < 2:
