@@ -2,9 +2,17 @@
 dtype promotion and no key-reuse checks. Warnings are errors and jaxtyping shapes are checked by
 beartype through pyproject.toml (``filterwarnings`` and ``--jaxtyping-packages``)."""
 
+import os
+
 import jax
 
 # Before any computation: the backend is created on first use.
 jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_numpy_dtype_promotion", "strict")
 jax.config.update("jax_debug_key_reuse", False)
+
+# `make mutate` runs the tests once per mutant, each in a fresh process: share compiled
+# programs between them through JAX's persistent cache
+if cache := os.environ.get("TAKTINY_TEST_COMPILATION_CACHE"):
+    jax.config.update("jax_compilation_cache_dir", cache)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)

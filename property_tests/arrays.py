@@ -22,7 +22,7 @@ import numpy as np
 from hypothesis import strategies as st
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16, jnp.int8, jnp.int32, jnp.bool_)
+DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16, jnp.int8, jnp.int32, jnp.uint8, jnp.bool_)
 SIZES = (1, 2, 4, 3, 8)
 MESH_SHAPES = ((8,), (2, 4), (4, 2))
 SPECIALS = (np.nan, np.inf, -np.inf, -0.0)

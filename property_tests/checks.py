@@ -6,6 +6,7 @@ is compared as the array JAX makes of it (its canonical dtype), which is what a 
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -19,10 +20,12 @@ def dtype_of(x: Any) -> np.dtype:
 
 
 def kind_of(dtype: Any) -> str:
-    """ "floating", "integer" or "bool": the kinds a load never converts between."""
+    """ "floating", "signed", "unsigned" or "bool": the kinds a load never converts between."""
     if jnp.issubdtype(dtype, jnp.floating):
         return "floating"
-    return "integer" if jnp.issubdtype(dtype, jnp.integer) else "bool"
+    if jnp.issubdtype(dtype, jnp.integer):
+        return "signed" if jnp.issubdtype(dtype, jnp.signedinteger) else "unsigned"
+    return "bool"
 
 
 def host(x: Any) -> np.ndarray:
@@ -76,11 +79,16 @@ def assert_same_model(got: Any, want: Any, *, sharding: bool = True) -> None:
 
 
 def flatten_by_path(nested: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    """A nested state flattened by path, keys joined with ".", in the dicts' own order."""
+    """A nested state flattened by path, keys joined with ".", in the dicts' own order; a
+    custom PyTree parameter kept whole in it is flattened by its own key paths."""
     flat: dict[str, Any] = {}
     for key, value in nested.items():
         if isinstance(value, dict):
             flat.update(flatten_by_path(value, f"{prefix}{key}."))
+        elif dataclasses.is_dataclass(value):  # a custom parameter (strategies.Scaled)
+            for path, leaf in jax.tree_util.tree_flatten_with_path(value)[0]:
+                inner = jax.tree_util.keystr(path, simple=True, separator=".")
+                flat[f"{prefix}{key}.{inner}"] = leaf
         else:
             flat[f"{prefix}{key}"] = value
     return flat

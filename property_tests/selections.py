@@ -20,7 +20,8 @@ from .checks import dtype_of, kind_of
 # Where a value can come from: each form below is something `load_*` accepts for any leaf.
 FORMS = ("jax, same placement", "jax, default device", "jax, another device", "numpy")
 FORMS += ("numpy, wider dtype", "python list", "jax, wider dtype")
-_WIDER = {"floating": np.float64, "integer": np.int64, "bool": np.bool_}
+_WIDER = {"floating": np.float64, "signed": np.int64, "unsigned": np.uint64, "bool": np.bool_}
+_WIDEST_JAX = {"floating": jnp.float32, "signed": jnp.int32, "unsigned": jnp.uint32}  # no x64
 BAD_KINDS = ("shape", "dtype", "value", "structure")
 RENAMINGS = ("typo", "suffix", "parent", "prefix", "index", "upper", "empty")
 
@@ -75,25 +76,27 @@ def replacements(
     elif form == "python list":
         value = host.tolist()
     else:  # the widest dtype JAX has without x64
-        value = jnp.asarray(
-            host.astype({"floating": jnp.float32, "integer": jnp.int32}.get(kind_of(dtype), dtype))
-        )
+        value = jnp.asarray(host.astype(_WIDEST_JAX.get(kind_of(dtype), dtype)))
     return value, host
 
 
 @st.composite
-def bad_values(draw: Any, leaf: Any) -> tuple[Any, str]:
-    """A value `leaf` cannot take, and the kind of problem it must raise (`BAD_KINDS`)."""
+def bad_values(draw: Any, leaf: Any, traced: bool = False) -> tuple[Any, str]:
+    """A value `leaf` cannot take, and the kind of problem it must raise (`BAD_KINDS`). With
+    `traced`, one that can be passed to ``jax.jit`` (arrays; no 64-bit ints, which jit would
+    quietly narrow)."""
     dtype, shape = dtype_of(leaf), tuple(np.shape(leaf))
-    kind = draw(st.sampled_from(BAD_KINDS))
+    kind = draw(st.sampled_from([k for k in BAD_KINDS if not (traced and k == "value")]))
     if kind == "shape":
         shapes = [(*shape, 2)]
         shapes += [shape[1:], (*shape[:-1], shape[-1] + 1)] if shape else []
         return np.zeros(draw(st.sampled_from(shapes)), dtype), kind
     if kind == "dtype":
-        if kind_of(dtype) == "integer" and np.prod(shape) > 0 and draw(st.booleans()):
-            out_of_range = 2**40 if dtype == jnp.int32 else 1000  # the same kind, but narrowing
-            return np.full(shape, out_of_range, np.int64), kind  # (JAX has no int64 without x64)
+        if kind_of(dtype) in _WIDER and kind_of(dtype) != "floating" and np.prod(shape) > 0:
+            if not traced and draw(st.booleans()) and dtype != jnp.bool_:  # narrowing
+                out_of_range = 2**40 if np.dtype(dtype).itemsize == 4 else 1000
+                wider = _WIDER[kind_of(dtype)]  # (JAX has no 64-bit ints without x64)
+                return np.full(shape, out_of_range, wider), kind
         value = draw(st.sampled_from([d for d in DTYPES if kind_of(d) != kind_of(dtype)]))
         value = np.zeros(shape, value)
         return (jnp.asarray(value) if draw(st.booleans()) else value), kind

@@ -16,9 +16,9 @@ All arrays of a model live in one placement (`property_tests.arrays`), mostly a 
 random PartitionSpec per array. `revalued` and `replaced` give the same structure with new
 values or a new placement. Strategies over states are in `property_tests.selections`.
 
-Hook for quantized values (Taktiny has none yet): add a ``"quantized"`` kind to `KINDS` that
-draws such a custom PyTree parameter in `_item`. The nested state keeps it whole and the flat
-state lists its arrays, so `checks.flatten_by_path` must then flatten it by its key paths too.
+Fields may also hold a custom PyTree parameter (`Scaled`: a ``value`` and a ``scale`` array, as
+a quantized weight keeps them), which the nested state keeps whole and the flat state lists
+as ``name.value`` and ``name.scale``; `checks.flatten_by_path` flattens it by its key paths.
 """
 
 from __future__ import annotations
@@ -53,7 +53,17 @@ FORCED = (3, -2, 0.5, False)  # Python scalars forced into the data with field(s
 # The kinds of data fields, repeated to weight them (shrinking goes to the first); fields of
 # the kind "static" hold static configuration
 KINDS = ("array", "module", "list", "array", "dict", "module", "none", "tuple", "forced")
+KINDS += ("custom",)
 _CONTAINED = ("array", "module", "none", "array", "list", "dict")  # inside a list, tuple or dict
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Scaled:
+    """A custom PyTree parameter: two arrays, named ``value`` and ``scale`` by key path."""
+
+    value: Any
+    scale: Any
 
 
 class Case:
@@ -112,6 +122,11 @@ def _item(draw: Any, build: _Build, depth: int, kinds: tuple[str, ...]) -> tuple
         return kind, x, describe(x)
     if kind == "none":
         return kind, None, "None"
+    if kind == "custom":
+        build.leaves += 2
+        value = draw(arrays(build.placement, dtype=jnp.int8, allow_empty=build.allow_empty))
+        scale = draw(arrays(build.placement, dtype=jnp.float32, allow_empty=build.allow_empty))
+        return kind, Scaled(value, scale), f"Scaled({describe(value)}, {describe(scale)})"
     if kind in ("static", "forced"):
         value = draw(st.sampled_from(STATICS if kind == "static" else FORCED))
         return kind, value, getattr(value, "__name__", None) or repr(value)

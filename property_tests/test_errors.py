@@ -12,6 +12,7 @@ import taktiny as tt
 from .budget import examples
 from .checks import assert_same_model, identities, nest
 from .selections import (
+    FORMS,
     bad_values,
     flat_problem_kind,
     flat_renamings,
@@ -21,6 +22,8 @@ from .selections import (
     walk_nested,
 )
 from .strategies import models
+
+JIT_FORMS = ("jax, same placement", "jax, default device", "numpy")  # jit takes arrays
 
 
 def load(model, state, *, nested, strict):
@@ -68,7 +71,8 @@ def test_unknown_keys_always_fail_and_are_all_listed(platform, data):
 
     Seen to catch (`property_tests/mutants.py`): a load that drops keys it does not know, as
     PyTorch's ``strict=False`` does (``unknown_ignored``); an error that lists only its first
-    problem (``first_problem_only``); nested loads that ignore ``strict``. It also found a real
+    problem (``first_problem_only``); nested loads that ignore ``strict``
+    (``strict_ignored_nested``). It also found a real
     bug: a non-string key where the module has ``"0"`` was reported as a group given a dict
     (and left out of ``unexpected_keys``), or as "did you mean" the very name given.
     """
@@ -107,7 +111,8 @@ def test_bad_values_are_all_listed_and_nothing_is_loaded(platform, data):
     """A state (nested or flat) in which some values are bad (wrong shape, a dtype of another
     kind, an int out of the leaf's range, a string, None, an object, an abstract array, a dict
     where an array belongs) beside good ones fails with one StateDictError listing exactly the
-    bad names with the right kind of problem; the module and the state are unchanged.
+    bad names with the right kind of problem; the module and the state are unchanged. Inside
+    ``jax.jit`` (arrays only) the same problems are found.
 
     Seen to catch (`property_tests/mutants.py`): a load that writes the good values into the
     module before raising (``half_applied``); an error that lists only its first problem
@@ -118,17 +123,22 @@ def test_bad_values_are_all_listed_and_nothing_is_loaded(platform, data):
     model = data.draw(models(devices, min_leaves=1), label="case").model
     flat = model.flat_state_dict()
     nested = data.draw(st.booleans(), label="nested")
+    traced = data.draw(st.booleans(), label="inside jax.jit")
     names = data.draw(flat_selections(flat), label="names") or list(flat)
     bad = data.draw(st.lists(st.sampled_from(names), min_size=1, unique=True), label="bad")
-    values = {name: data.draw(bad_values(flat[name]), label=name) for name in bad}
+    values = {name: data.draw(bad_values(flat[name], traced), label=name) for name in bad}
+    forms = JIT_FORMS if traced else FORMS
     state = {  # new good values, so that a load that applies them before raising shows
-        name: values[name][0] if name in values else data.draw(replacements(flat[name], devices))[0]
+        name: values[name][0]
+        if name in values
+        else data.draw(replacements(flat[name], devices, forms=forms))[0]
         for name in names
     }
     state = nest(state) if nested else state
     before, given_state = identities(model), identities(state)
+    loader = lambda m, s: load(m, s, nested=nested, strict=False)
     with pytest.raises(tt.StateDictError, match=r"problems?; nothing was loaded") as info:
-        load(model, state, nested=nested, strict=False)
+        (jax.jit(loader) if traced else loader)(model, state)
     got = {p.key: p.kind for p in info.value.problems}
     assert len(got) == len(info.value.problems)
     assert got == {name: kind for name, (_, kind) in values.items()}

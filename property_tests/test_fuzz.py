@@ -7,9 +7,10 @@ are the module's names, typos, dotted, non-string or numerous; values that are a
 dtype (object, string, big-endian, non-contiguous, on another device), Python scalars, None,
 NaN and inf, lists where dicts belong, and dicts where arrays belong.
 
-Seen to catch, each planted by hand once: a conversion without its guard around
-``np.asarray`` (a list of JAX arrays raised TypeError), and a shape check that let 2-D values
-through (the loaded leaf had the value's shape).
+Seen to catch (`property_tests/mutants.py`): a shape check that lets 2-D values through
+(``no_shape_check``: the loaded leaf has the value's shape). Planted by hand once, it also
+caught a conversion without its guard around ``np.asarray`` (a list of JAX arrays raised
+TypeError).
 """
 
 from __future__ import annotations
@@ -92,7 +93,7 @@ def _fuzzed(draw: Any, state: dict[str, Any], flat: dict[str, Any], devices: lis
         if action == "keep":
             out[key] = value
         elif action == "value":
-            leaf = value if not isinstance(value, dict) else next(iter(flat.values()))
+            leaf = value if hasattr(value, "dtype") else next(iter(flat.values()))
             out[key] = draw(_values(leaf, devices))
         elif action == "fuzz" and isinstance(value, dict):
             out[key] = draw(_fuzzed(value, flat, devices))

@@ -1,8 +1,10 @@
 """Invariant 5: a partial load changes exactly the supplied leaves, and nothing else."""
 
 import contextlib
+import dataclasses
 
 import jax
+import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -13,13 +15,22 @@ from .strategies import models
 
 
 def with_values(selection, values, prefix=""):
-    """`selection` (a nested state) with each leaf replaced by ``values[flat name]``."""
-    return {
-        key: with_values(value, values, f"{prefix}{key}.")
-        if isinstance(value, dict)
-        else values[f"{prefix}{key}"]
-        for key, value in selection.items()
-    }
+    """`selection` (a nested state) with each leaf replaced by ``values[flat name]``; a custom
+    parameter kept whole gets its parts by their flat names (as arrays: in a custom value a
+    Python list would be a node of the tree, not a value)."""
+
+    def part(key, path):
+        value = values[f"{prefix}{key}.{jax.tree_util.keystr(path, simple=True, separator='.')}"]
+        return np.asarray(value) if isinstance(value, list) else value
+
+    def new(key, value):
+        if isinstance(value, dict):
+            return with_values(value, values, f"{prefix}{key}.")
+        if dataclasses.is_dataclass(value):
+            return jax.tree_util.tree_map_with_path(lambda path, _: part(key, path), value)
+        return values[f"{prefix}{key}"]
+
+    return {key: new(key, value) for key, value in selection.items()}
 
 
 @settings(max_examples=examples(150))

@@ -12,6 +12,8 @@ from . import _errors as err
 from ._errors import StateProblem
 from ._views import GROUP, LEAF
 
+_UNKNOWN: Any = object()  # where the problem of an unknown name goes, once it is written
+
 
 class Resolved(NamedTuple):
     """What a state names: the value for each leaf (by its `where` in the view), and the
@@ -24,16 +26,18 @@ class Resolved(NamedTuple):
 def resolve(view: Any, state: Mapping[Any, Any], flat: bool) -> Resolved:
     """Finds the leaf each entry of `state` names; lists the entries that name none."""
     found = Resolved({}, [])
-    unknown: list[tuple[str, Any]] = []
+    unknown: list[tuple[str, Any]] = []  # each also holds a place in `problems`, in order
     if flat:
         for name, value in state.items():
             if not _resolve_name(view, name, value, found):
                 unknown.append((str(name), value))
+                found.problems.append(_UNKNOWN)
     else:
         _resolve_nested(view, view.root, state, (), found, unknown)
     if unknown:
         given = {view.name(w) for w in found.supplied}
-        found.problems.extend(err.unknown(unknown, view.names(), flat, given))
+        named = iter(err.unknown(unknown, view.names(), flat, given))
+        found.problems[:] = [next(named) if p is _UNKNOWN else p for p in found.problems]
     return found
 
 
@@ -85,6 +89,7 @@ def _resolve_nested(
         step = view.child(node, key)
         if step is None:
             unknown.append((".".join(where), value))
+            found.problems.append(_UNKNOWN)
             continue
         kind, child = step
         if kind is LEAF:
@@ -108,7 +113,7 @@ def _resolve_param(
     name = ".".join(where)
     if isinstance(value, Mapping):
         by_name = dict(inner)
-        for part, given in _flat_items(value, ()):
+        for part, given in _parts(value, (), by_name):
             if part in by_name:
                 found.supplied[by_name[part]] = given
             else:
@@ -123,9 +128,14 @@ def _resolve_param(
         found.supplied[w] = leaf
 
 
-def _flat_items(state: Mapping[Any, Any], prefix: tuple[str, ...]) -> Iterator[tuple[str, Any]]:
+def _parts(
+    state: Mapping[Any, Any], prefix: tuple[str, ...], leaves: Mapping[str, Any]
+) -> Iterator[tuple[str, Any]]:
+    """The (dotted name, value) pairs of a dict of a custom parameter's parts; a name of one
+    of its `leaves` takes its value as it is (a dict there is reported as one)."""
     for key, value in state.items():
-        if isinstance(value, Mapping):
-            yield from _flat_items(value, (*prefix, str(key)))
+        name = ".".join((*prefix, str(key)))
+        if isinstance(value, Mapping) and name not in leaves:
+            yield from _parts(value, (*prefix, str(key)), leaves)
         else:
-            yield ".".join((*prefix, str(key))), value
+            yield name, value

@@ -38,24 +38,41 @@ def kind(dtype: Any) -> str | None:
     return next((name for name, kind in _KINDS if jnp.issubdtype(dtype, kind)), None)
 
 
-def _as_array(name: str, value: Any, problems: list[StateProblem]) -> Any:
-    """`value` as a JAX or NumPy array, or None (and a problem recorded) if it is none."""
+def _from_dlpack(value: Any) -> Any:
+    """A JAX copy of a tensor of another framework (a torch tensor, also bfloat16, one that
+    requires grad, an ``nn.Parameter``), through DLPack; None when that fails. A copy, so
+    that the caller's later writes to its tensor cannot reach the loaded model."""
+    detach = getattr(value, "detach", None)  # torch exports no tensor that requires grad
+    try:
+        return jnp.array(jax.dlpack.from_dlpack(detach() if callable(detach) else value))
+    except Exception:  # noqa: BLE001 - not importable this way: try NumPy's conversion
+        return None
+
+
+def _as_array(name: str, value: Any, problems: list[StateProblem]) -> tuple[Any, bool]:
+    """`value` as a JAX or NumPy array, or None (and a problem recorded) if it is none; and
+    whether it was made of Python numbers (a list, a scalar), which take the leaf's dtype
+    as JAX's weakly typed numbers do."""
     if isinstance(value, (jax.Array, np.ndarray)):
-        return value
+        return value, False
     if isinstance(value, Mapping):
         problems.append(err.array_expected(name, value, "this name is one array"))
-        return None
+        return None, False
     if isinstance(value, jax.ShapeDtypeStruct):
         problems.append(err.not_an_array(name, value))
-        return None
+        return None, False
+    if hasattr(value, "__dlpack__") and not isinstance(value, np.generic):
+        imported = _from_dlpack(value)
+        if imported is not None:
+            return imported, False
     try:
         array = np.asarray(value)
     except Exception:  # noqa: BLE001 - any failure means "not an array"
         array = None
     if array is None or kind(array.dtype) is None:  # not numeric
         problems.append(err.not_an_array(name, value))
-        return None
-    return array
+        return None, False
+    return array, isinstance(value, (list, tuple, *_SCALARS))
 
 
 def _narrowing(name: str, value: Any, old_dtype: Any, traced: bool) -> StateProblem | None:
@@ -79,10 +96,27 @@ def _overflow(name: str, value: Any, cast: Any) -> StateProblem | None:
     return err.overflow(name, cast.dtype, value.dtype, int(bad.sum()), largest)
 
 
+# The kinds Python numbers may load into besides their own: an int list into a float or an
+# unsigned leaf, as JAX's weakly typed numbers take the other operand's dtype (when every
+# value survives the cast exactly).
+_WEAK = {"signed integer": ("floating", "complex", "unsigned integer"), "floating": ("complex",)}
+
+
+def _exact(name: str, value: np.ndarray, dtype: Any, problems: list[StateProblem]) -> Any:
+    """Python numbers `value` in `dtype`, when that keeps every value exactly."""
+    with np.errstate(all="ignore"):
+        cast = value.astype(dtype)
+        exact = np.array_equal(cast.astype(value.dtype), value)
+    if not exact:
+        problems.append(err.narrowing(name, dtype, value.dtype, traced=False))
+        return None
+    return cast
+
+
 def convert(name: str, value: Any, old: Any, problems: list[StateProblem]) -> Any:
     """`value` checked against the leaf `old` it replaces and cast to its dtype; None (and a
     problem recorded) when it can't be."""
-    value = _as_array(name, value, problems)
+    value, python_numbers = _as_array(name, value, problems)
     if value is None:
         return None
     if type(old) in _SCALARS:  # a Python number in a PyTree that is not a module
@@ -94,6 +128,8 @@ def convert(name: str, value: Any, old: Any, problems: list[StateProblem]) -> An
         return value
     source = kind(value.dtype) or str(value.dtype)
     target = kind(old.dtype) or str(old.dtype)
+    if python_numbers and _WEAK.get(source, ()) and target in _WEAK[source]:
+        return _exact(name, value, old.dtype, problems)
     if source != target:
         problems.append(err.dtype_kind(name, old.dtype, value.dtype, target, source))
         return None

@@ -12,7 +12,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # bench/ is not
 
 from bench import checkpoint, diagnose, dispatch, memory, report, state
 from bench._results import Config, Group, Table, Target
-from bench._timing import Case, compare, paired_ratio
+from bench._timing import Case, Stats, compare, paired_ratio
+
+pytestmark = pytest.mark.program
 
 GROUPS = {"state": state, "dispatch": dispatch, "checkpoint": checkpoint, "memory": memory}
 
@@ -66,7 +68,10 @@ def test_compare_interleaves_and_takes_medians():
     )
     assert stats["a"].samples and len(stats["b"].samples) == 3
     assert calls[:2] == ["a", "b"]  # warm-up of each, then interleaved rounds
-    assert 0 < paired_ratio(stats["a"], stats["a"]) == 1.0
+    # the median of per-round ratios, not the ratio of medians (2/1, 3/3, 8/2 -> 2, not 3/2)
+    a = Stats(3.0, 2.0, 8.0, (2.0, 3.0, 8.0), 1)
+    b = Stats(2.0, 1.0, 3.0, (1.0, 3.0, 2.0), 1)
+    assert paired_ratio(a, b) == 2.0 and paired_ratio(b, a) == 0.5
 
 
 def test_target_direction():

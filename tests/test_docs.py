@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.program
+
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = sorted([*ROOT.glob("docs/**/*.md"), ROOT / "README.md"])
 BLOCK = re.compile(r"^```python\n(.*?)^```\n(?:\s*prints\s*\n\s*```text\n(.*?)^```)?", re.S | re.M)

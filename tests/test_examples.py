@@ -4,6 +4,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.program
+
 ROOT = Path(__file__).resolve().parent.parent
 
 

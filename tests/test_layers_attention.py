@@ -209,3 +209,17 @@ def test_rejects_heads_that_do_not_divide_the_features():
         ValueError, match=r"MultiHeadAttention's num_heads \(3\) must divide qkv_features \(8\)"
     ):
         nn.MultiHeadAttention(3, 8, rngs=nn.Rngs(0))
+
+
+@pytest.mark.parametrize("rate", [0.2, 0.5])
+def test_attention_dropout_rescales_the_kept_weights(rate):
+    # dropping attention weights keeps their expected value: each kept weight is scaled by
+    # 1 / (1 - rate), so the output's mean over many keys is the output without dropout
+    mha = nn.MultiHeadAttention(2, E, dropout_rate=rate, rngs=nn.Rngs(0))
+    mha = mha.replace(out=mha.out.replace(bias=jnp.zeros(E)))
+    x = randn(B, T, E, seed=0)
+    plain = np.asarray(mha(x))
+    draws = np.stack([np.asarray(mha(x, key=jax.random.key(i))) for i in range(400)])
+    # without the rescale the mean would be off by `rate` of the output (20% to 50%)
+    np.testing.assert_allclose(draws.mean(0), plain, atol=0.15 * np.abs(plain).max())
+    assert np.abs(draws.mean(0) - plain).mean() < 0.1 * np.abs(plain).mean()

@@ -56,3 +56,16 @@ def test_rate_must_be_a_probability(rate):
         ValueError, match=rf"Dropout's rate is a probability in \[0, 1\], got {rate}"
     ):
         nn.Dropout(rate)
+
+
+@pytest.mark.parametrize("rate", [0.1, 0.5, 0.8])
+def test_dropout_is_the_reference_mask_and_rescale(rate):
+    # the elements kept are those of jax.random.bernoulli(key, 1 - rate), scaled by
+    # 1 / (1 - rate): the expected value of each output is its input
+    x = jnp.asarray(np.random.default_rng(0).uniform(1, 2, size=(50, 40)).astype(np.float32))
+    key = jax.random.key(3)
+    keep = np.asarray(jax.random.bernoulli(key, 1.0 - rate, (x.size,))).reshape(x.shape)
+    expected = np.where(keep, np.asarray(x) / np.float32(1 - rate), 0.0)
+    np.testing.assert_allclose(nn.Dropout(rate)(x, key=key), expected, rtol=1e-6)
+    means = [float(nn.Dropout(rate)(x, key=jax.random.key(i)).mean()) for i in range(20)]
+    assert abs(np.mean(means) - float(x.mean())) < 0.02 * float(x.mean())

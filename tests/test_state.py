@@ -172,7 +172,7 @@ def test_unknown_key_suggests_the_closest_name():
         tt.StateDictError, match=r"'input\.kernal': unknown key; did you mean 'input\.kernel'\?"
     ):
         m.load_flat_state_dict({"input.kernal": np.zeros((32, 64))})
-    with pytest.raises(tt.StateDictError, match=r"'inptu': unknown key; did you mean 'input'?"):
+    with pytest.raises(tt.StateDictError, match=r"'inptu': unknown key; did you mean 'input'\?"):
         m.load_state_dict({"inptu": {"kernel": np.zeros((32, 64))}})
     err = error_of(lambda: m.load_flat_state_dict({"zzz": 1, "yyy": 2}))
     assert err.unexpected_keys == ("zzz", "yyy")
@@ -308,14 +308,16 @@ def test_all_problems_are_reported_at_once_and_nothing_is_applied():
 
 
 def test_non_dict_state_is_a_type_error():
-    # _state.load is called directly: in tests beartype rejects the method call first
+    # _state.load is called directly: in tests beartype would reject the method call first
+    # (test_bad_arguments_read_the_same_without_the_test_time_type_checks calls the methods)
     m = MLP(rngs=nn.Rngs(0))
-    with pytest.raises(TypeError, match=r"MLP\.load_state_dict\(\) expects a dict, got MLP"):
-        _state.load(m, m, strict=False, flat=False, nodes=NODES)
-    with pytest.raises(TypeError, match=r"parameter 'state'"):
-        m.load_state_dict(m)  # pyright: ignore[reportArgumentType]
+    for flat in (False, True):
+        method = "load_flat_state_dict" if flat else "load_state_dict"
+        with pytest.raises(TypeError, match=rf"MLP\.{method}\(\) expects a dict, got MLP"):
+            _state.load(m, m, strict=False, flat=flat, nodes=NODES)
 
 
+@pytest.mark.program
 def test_bad_arguments_read_the_same_without_the_test_time_type_checks():
     # the tests run under beartype, which rejects these calls before Taktiny sees them; a
     # user's process has no such hook, so check the messages users get in a plain process
@@ -493,6 +495,7 @@ def test_bool_leaves_load_from_bools():
         f.load_state_dict({"mask": [1, 0]})
 
 
+@pytest.mark.program
 def test_a_first_load_inside_jit_does_not_confuse_later_loads():
     # regression: the concrete array class was once learnt from a traced array when the first
     # load of the process happened inside jit, and every later load then failed
@@ -664,3 +667,49 @@ def test_the_message_shows_twenty_problems_and_counts_the_rest():
     assert lines[0] == "Blocks.load_flat_state_dict(): 40 problems; nothing was loaded."
     assert len(lines) == 22 and lines[-1] == "  ... and 20 more (all in .problems)"
     assert len(err.problems) == 40 and {p.kind for p in err.problems} == {"shape"}
+
+
+def test_bad_values_loaded_inside_jit_are_refused_as_outside():
+    # the checks of names, shapes and dtype kinds run on traced values too
+    m = MLP(rngs=nn.Rngs(0))
+    cases = [
+        (
+            {"output.bias": jnp.zeros(5)},
+            r"'output\.bias': shape mismatch: expected \(4,\), got \(5,\)",
+        ),
+        ({"output.bias": jnp.zeros(4, jnp.int32)}, r"'output\.bias': dtype kind changes"),
+        (
+            {"output.bais": jnp.zeros(4)},
+            r"'output\.bais': unknown key; did you mean 'output\.bias'\?",
+        ),
+    ]
+    for flat, message in cases:
+        with pytest.raises(tt.StateDictError, match=message):
+            jax.jit(lambda m, s: m.load_flat_state_dict(s))(m, flat)
+        with pytest.raises(tt.StateDictError, match=message):
+            m.load_flat_state_dict(flat)
+
+
+def test_tensors_of_other_frameworks_and_python_numbers_load():
+    # what the docs promise: array-likes, Python numbers taking the leaf's dtype as JAX's
+    # do, and CPU torch tensors of any kind (bfloat16, requiring grad, nn.Parameter)
+    import torch
+
+    lin = nn.Linear(2, 3, rngs=nn.Rngs(0))
+    reference = torch.nn.Linear(2, 3)
+    loaded = lin.load_flat_state_dict({"kernel": reference.weight.T, "bias": reference.bias})
+    np.testing.assert_allclose(loaded.kernel, reference.weight.detach().numpy().T)
+    bias = torch.tensor([1.0, 2.0, 3.0], requires_grad=True)
+    assert loaded.load_flat_state_dict({"bias": bias}).bias.tolist() == [1.0, 2.0, 3.0]
+    half = nn.Linear(2, 3, dtype=jnp.bfloat16, rngs=nn.Rngs(0))
+    from_bf16 = half.load_flat_state_dict({"bias": torch.ones(3, dtype=torch.bfloat16)})
+    assert from_bf16.bias.dtype == jnp.bfloat16 and from_bf16.bias.tolist() == [1, 1, 1]
+    source = torch.zeros(3)
+    copied = lin.load_flat_state_dict({"bias": source})
+    source.fill_(7.0)  # the loaded model does not share the tensor's memory
+    assert copied.bias.tolist() == [0.0, 0.0, 0.0]
+    assert lin.load_flat_state_dict({"bias": [1, 2, 3]}).bias.dtype == jnp.float32
+    with pytest.raises(tt.StateDictError, match=r"'bias': narrowing int64 to float32 would change"):
+        lin.load_flat_state_dict({"bias": [2**30 + 1, 0, 0]})  # not exact in float32
+    with pytest.raises(tt.StateDictError, match=r"'bias': dtype kind changes"):
+        lin.load_flat_state_dict({"bias": np.array([1, 2, 3])})  # an int array is no Python number

@@ -66,8 +66,11 @@ def test_load_inside_jit_gives_the_same_model_as_outside():
         model = model.load_state_dict(state)
         return model(x)
 
-    outside = MLP(rngs=nn.Rngs(0)).load_state_dict(state)
-    np.testing.assert_array_equal(predict_with(MLP(rngs=nn.Rngs(0)), state, x), outside(x))
+    fresh = MLP(rngs=nn.Rngs(0))
+    inside = predict_with(fresh, state, x)
+    np.testing.assert_array_equal(inside, fresh.load_state_dict(state)(x))
+    np.testing.assert_allclose(inside, trained(x), rtol=1e-6)  # the trained model's outputs
+    assert not np.allclose(inside, fresh(x))  # not the fresh model's: the load happened
 
 
 # --- tied weights -----------------------------------------------------------------------
