@@ -6,11 +6,6 @@ The inputs are arbitrary nested structures built around the module's own names: 
 are the module's names, typos, dotted, non-string or numerous; values that are arrays of any
 dtype (object, string, big-endian, non-contiguous, on another device), Python scalars, None,
 NaN and inf, lists where dicts belong, and dicts where arrays belong.
-
-Seen to catch (`property_tests/mutants.py`): a shape check that lets 2-D values through
-(``no_shape_check``: the loaded leaf has the value's shape). Planted by hand once, it also
-caught a conversion without its guard around ``np.asarray`` (a list of JAX arrays raised
-TypeError).
 """
 
 from __future__ import annotations
@@ -126,7 +121,13 @@ def _loaded_as_given(model: Any, loaded: Any, given: dict[str, Any]) -> None:
 @given(data=st.data())
 def test_any_input_loads_or_raises_one_state_dict_error(platform, data):
     """Fuzzed states (nested and flat) either load, with each value where it was named, or
-    raise StateDictError with at least one problem; the module is never changed."""
+    raise StateDictError with at least one problem; the module is never changed.
+
+    Seen to catch (`property_tests/mutants.py`): a shape check that lets 2-D values through
+    (``no_shape_check``: the loaded leaf has the value's shape). Planted by hand once, it also
+    caught a conversion without its guard around ``np.asarray`` (a list of JAX arrays raised
+    TypeError).
+    """
     devices = jax.devices(platform)
     model = data.draw(models(devices), label="case").model
     flat = model.flat_state_dict()
