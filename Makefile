@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test property bench bench-quick lint format clean
+.PHONY: demo test property mutate bench bench-quick lint format clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -24,6 +24,13 @@ test: $(STAMP)
 property: $(STAMP)
 	$(PY) -m pytest -q property_tests --hypothesis-profile=thorough
 
+# Mutation testing (docs/testing.md): every mutant of taktiny/ against the unit tests, then
+# the report (mutants/report.md); fails when a kill rate misses its target
+mutate: $(STAMP)
+	rm -rf mutants
+	TAKTINY_TEST_COMPILATION_CACHE=$(CURDIR)/.jax-cache $(VENV)/bin/mutmut run --max-children 2
+	$(PY) tests/mutation_report.py
+
 bench: $(STAMP)
 	$(PY) bench/run.py
 
@@ -40,4 +47,4 @@ format: $(STAMP)
 	$(VENV)/bin/ruff check --fix taktiny tests property_tests examples bench
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis build *.egg-info
+	rm -rf $(VENV) .pytest_cache .hypothesis build *.egg-info mutants .jax-cache
