@@ -77,9 +77,12 @@ class StateDictError(ValueError):
 
 
 def describe(value: Any) -> str:
+    """A value as a message names it: ``an array float32[2, 3]``, ``a dict with keys [...]``."""
     if isinstance(value, Mapping):
         return f"a dict with keys {list(value)[:6]}"
-    if isinstance(value, (jax.Array, np.ndarray, jax.ShapeDtypeStruct)):
+    if isinstance(value, jax.ShapeDtypeStruct):
+        return f"an abstract array {np.dtype(value.dtype).name}{list(value.shape)}"
+    if isinstance(value, (jax.Array, np.ndarray)):
         return f"an array {np.dtype(value.dtype).name}{list(value.shape)}"
     return f"a value of type {type(value).__name__}"
 
@@ -238,7 +241,7 @@ def structure(name: str, expected: Any, got: Any) -> StateProblem:
 
 def not_an_array(name: str, value: Any) -> StateProblem:
     if isinstance(value, jax.ShapeDtypeStruct):
-        why = f"got {describe(value)}, an abstract value: restore real arrays first."
+        why = f"got {describe(value)} (from jax.eval_shape): restore real arrays first."
     elif value is None or isinstance(value, Mapping):
         why = f"got {describe(value)}."
     else:
@@ -278,7 +281,7 @@ def narrowing(name: str, expected: Any, got: Any, traced: bool) -> StateProblem:
 def overflow(name: str, expected: Any, got: Any, count: int, largest: float) -> StateProblem:
     want, have = np.dtype(expected).name, np.dtype(got).name
     limit = float(jnp.finfo(expected).max)
-    values = "value" if count == 1 else f"{count} values"
+    values = "a value" if count == 1 else f"{count} values"
     return StateProblem(
         "dtype",
         name,

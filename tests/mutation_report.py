@@ -78,7 +78,7 @@ def report(results: dict, equivalent: dict[str, str], summary: dict) -> str:
             f"{c['equivalent']} | {rate(c):.1%} |"
         )
     lines += ["", "## Surviving mutants", ""]
-    for source, codes in results.items():
+    for codes in results.values():
         for name, code in codes.items():
             if code not in KILLED and name not in equivalent:
                 lines.append(f"- `{name}` ({'no tests' if code in NO_TESTS else 'survived'})")

@@ -63,3 +63,25 @@ def test_a_dict_of_the_parts_loads_too():
         match=r"'kernel\.zero_point': unknown key; this parameter's parts are \['value', 'scale'\]",
     ):
         m.load_state_dict({"kernel": {"zero_point": np.zeros(3)}})
+
+
+def test_both_views_load_custom_parameters(monkeypatch):
+    # a load naming many leaves (or strict) flattens the model; one naming few walks to them:
+    # custom parameters load the same either way, whole or by their parts
+    from taktiny import _state
+
+    m = Dense()
+    parts = {"value": np.full((2, 3), 4, np.int8), "scale": np.full(3, 0.25, np.float32)}
+    for limit in (-1, 10**9):
+        monkeypatch.setattr(_state, "WALK_LIMIT", limit)
+        whole = m.load_state_dict({"kernel": Scaled(*parts.values()), "bias": np.ones(3)})
+        by_parts = m.load_state_dict({"kernel": parts, "bias": np.ones(3)}, strict=True)
+        flat = m.load_flat_state_dict(
+            {"kernel.value": parts["value"], "kernel.scale": parts["scale"]}
+        )
+        for loaded in (whole, by_parts, flat):
+            assert isinstance(loaded.kernel, Scaled) and loaded.kernel.value.dtype == jnp.int8
+            np.testing.assert_array_equal(loaded.kernel.value, parts["value"])
+            np.testing.assert_array_equal(loaded.kernel.scale, parts["scale"])
+        with pytest.raises(tt.StateDictError, match=r"'kernel\.value': dtype kind changes"):
+            m.load_state_dict({"kernel": {"value": np.zeros((2, 3), np.float32)}})

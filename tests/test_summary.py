@@ -67,3 +67,8 @@ def test_summary_shows_shardings_when_sharded():
     assert lines[4].split()[:6] == ["input.kernel", "(32,", "64)", "float32", "P(None,", "'model')"]
     assert "cpu:0" in lines[5]
     assert "sharding" not in str(tt.summary(model))
+
+
+def test_summary_repr_is_its_table():
+    summary = tt.summary(MLP(rngs=nn.Rngs(0)))
+    assert repr(summary) == str(summary) and str(summary).startswith("MLP summary\n---")

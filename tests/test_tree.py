@@ -1,6 +1,8 @@
 """Names for any PyTree (optimizer states), trainable masks and values chosen by name, with
 optax as the user runs it."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -136,6 +138,8 @@ def test_no_gradient_flows_into_untrained_fields_whatever_the_module_does():
         np.testing.assert_array_equal(g.w, 2 * x)
         assert not np.any(g.average) and not np.any(g.history[0])
     assert float(m(x)) == 6.0  # the forward pass reads the values as they are
+    with pytest.raises(dataclasses.FrozenInstanceError, match=r"cannot set Averaged\.average"):
+        object.__setattr__(m, "average", jnp.zeros(3))  # past Module.__setattr__: still frozen
     assert m.average is m.__dict__["average"]  # outside a trace: the array itself
     assert jax.tree.leaves(m)[1] is m.average
 
@@ -193,6 +197,10 @@ def test_by_name_rules_are_ordered_globs_over_state_names():
         "head.kernel": "rest",
         "head.bias": "bias",
     }
+    assert repr(tt.by_name(rules)) == (
+        "by_name({'*.bias': 'bias', 'encoder.*.kernel': 'encoder kernel', '**': 'rest'})"
+    )
+    assert repr(tt.by_name({"a.**": 1}, default=0)) == "by_name({'a.**': 1}, default=0)"
     dtypes = tt.by_name({"head.**": jnp.float32}, default=jnp.bfloat16)(model)
     cast = jax.tree.map(lambda x, d: x.astype(d), model, dtypes)
     assert cast.head.kernel.dtype == jnp.float32 and cast.encoder.input.bias.dtype == jnp.bfloat16

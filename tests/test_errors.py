@@ -1,0 +1,220 @@
+"""Every kind of StateDictError problem, word for word: the message a user reads, and the
+fields (`kind`, `key`, `expected`, `got`) a program reads. Each message names the key, what
+the model holds, what was given, and what to do."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from _models import MLP
+
+import taktiny as tt
+from taktiny import _errors, nn
+
+
+class Stack(nn.Module):
+    def __init__(self):
+        self.layers = [nn.Linear(2, 2, rngs=nn.Rngs(i)) for i in range(6)]
+        self.steps = jnp.zeros((), jnp.int8)
+        self.half = jnp.zeros(2, jnp.float16)
+
+
+MODEL, STACK = MLP(rngs=nn.Rngs(0)), Stack()
+ABSTRACT = jax.eval_shape(lambda: MLP(rngs=nn.Rngs(0)))
+SDS = jax.ShapeDtypeStruct((64, 4), jnp.float32)
+MISSING_HINT = (
+    "missing: strict=True requires every parameter; supply it, or pass strict=False to keep "
+    "its current value."
+)
+ABSTRACT_HINT = (
+    "not supplied, and the model is abstract (from jax.eval_shape): a load into an abstract "
+    "model must supply every parameter, or it would stay unfilled."
+)
+
+CASES = {
+    "a group named by a flat name": (
+        lambda: MODEL.load_flat_state_dict({"input": np.zeros(3)}),
+        [("structure", "input", "a dict of parameters", "an array float64[3]",
+          "names a group of parameters (input.kernel, input.bias), not one array; got an array "
+          "float64[3]. Supply its parameters by name (e.g. 'input.kernel').")],
+    ),
+    "a position past the end": (
+        lambda: STACK.load_state_dict({"layers": {"9": np.zeros(3)}}),
+        [("unknown", "layers.9", "layers.5", "layers.9", "unknown key; did you mean 'layers.5'?")],
+    ),
+    "a name like none": (
+        lambda: STACK.load_flat_state_dict({"zzz": 1}),
+        [("unknown", "zzz", None, "zzz",
+          "unknown key; the model has no parameter of that name (it has ['layers.0.kernel', "
+          "'layers.0.bias', 'layers.1.kernel'], ...).")],
+    ),
+    "a group of many named by a flat name": (
+        lambda: STACK.load_flat_state_dict({"layers": np.zeros(3)}),
+        [("structure", "layers", "a dict of parameters", "an array float64[3]",
+          "names a group of parameters (layers.0.kernel, layers.0.bias, layers.1.kernel, "
+          "layers.1.bias, ...), not one array; got an array float64[3]. Supply its parameters "
+          "by name (e.g. 'layers.0.kernel').")],
+    ),
+    "a name inside an array": (
+        lambda: MODEL.load_flat_state_dict({"input.kernel.value": np.zeros(3)}),
+        [("structure", "input.kernel.value", "an array at 'input.kernel'", "an array float64[3]",
+          "'input.kernel' is an array, so it has no entry 'value'; give the array itself at "
+          "'input.kernel'.")],
+    ),
+    "a typo": (
+        lambda: MODEL.load_flat_state_dict({"input.kernal": np.zeros(3)}),
+        [("unknown", "input.kernal", "input.kernel", "input.kernal",
+          "unknown key; did you mean 'input.kernel'?")],
+    ),
+    "a dotted nested key": (
+        lambda: MODEL.load_state_dict({"input": {"kernel.x": 1}}),
+        [("key", "input.kernel.x", "a key without '.'", "x",
+          "nested state keys must not contain '.'; nest it as a dict, or pass dotted names to "
+          "load_flat_state_dict().")],
+    ),
+    "int keys": (
+        lambda: STACK.load_state_dict({"layers": {0: {}, 9: {}}}),
+        [("key", "layers.0", "a str key", 0,
+          "nested state keys must be strings, got int 0; did you mean '0'?"),
+         ("key", "layers.9", "a str key", 9, "nested state keys must be strings, got int 9.")],
+    ),
+    "a dict where an array belongs": (
+        lambda: MODEL.load_flat_state_dict({"input.bias": {"a": 1, "b": 2}}),
+        [("structure", "input.bias", "an array", "a dict with keys ['a', 'b']",
+          "expected an array, got a dict with keys ['a', 'b']; this name is one array.")],
+    ),
+    "an array where a group belongs": (
+        lambda: MODEL.load_state_dict({"input": np.zeros(2, np.float32)}),
+        [("structure", "input", "a dict with keys ['kernel', 'bias']", "an array float32[2]",
+          "expected a dict of this submodule's parameters (keys ['kernel', 'bias']), got an "
+          "array float32[2].")],
+    ),
+    "values that are not arrays": (
+        lambda: MODEL.load_flat_state_dict(
+            {"input.bias": "oops", "output.bias": None, "output.kernel": SDS}
+        ),
+        [("value", "input.bias", "an array", "str",
+          "expected an array, got a value that is not numeric ('oops')."),
+         ("value", "output.bias", "an array", "NoneType",
+          "expected an array, got a value of type NoneType."),
+         ("value", "output.kernel", "an array", "ShapeDtypeStruct",
+          "expected an array, got an abstract array float32[64, 4] (from jax.eval_shape): "
+          "restore real arrays first.")],
+    ),
+    "a shape": (
+        lambda: MODEL.load_flat_state_dict({"output.bias": np.zeros((2, 2), np.float32)}),
+        [("shape", "output.bias", (4,), (2, 2), "shape mismatch: expected (4,), got (2, 2).")],
+    ),
+    "a dtype kind": (
+        lambda: MODEL.load_flat_state_dict({"output.bias": np.zeros(4, np.uint8)}),
+        [("dtype", "output.bias", "float32", "uint8",
+          "dtype kind changes: the model holds float32 (floating), got uint8 (unsigned "
+          "integer). Loads only cast within a kind; convert the value yourself if this is "
+          "really intended.")],
+    ),
+    "a narrowing integer cast": (
+        lambda: STACK.load_flat_state_dict({"steps": np.array(300)}),
+        [("dtype", "steps", "int8", "int64",
+          "narrowing int64 to int8 would change values; convert the value yourself.")],
+    ),
+    "a narrowing integer cast inside jit": (
+        lambda: jax.jit(lambda s, v: s.load_flat_state_dict({"steps": v}))(STACK, jnp.int32(3)),
+        [("dtype", "steps", "int8", "int32",
+          "narrowing int32 to int8 cannot be checked inside jit; convert the value yourself.")],
+    ),
+    "values too large for a narrower float": (
+        lambda: STACK.load_flat_state_dict({"half": np.array([1e5, 2e5], np.float32)}),
+        [("dtype", "half", "float16", "float32",
+          "casting float32 to float16 would turn 2 values into inf: the largest is 2e+05, and "
+          "float16 holds at most 6.55e+04. Scale or clip the value, or keep this parameter in "
+          "a wider dtype.")],
+    ),
+    "a value too large for a narrower float": (
+        lambda: STACK.load_flat_state_dict({"half": np.array([-1e5, 2], np.float32)}),
+        [("dtype", "half", "float16", "float32",
+          "casting float32 to float16 would turn a value into inf: the largest is 1e+05, and "
+          "float16 holds at most 6.55e+04. Scale or clip the value, or keep this parameter in "
+          "a wider dtype.")],
+    ),
+    "names left out under strict": (
+        lambda: MODEL.load_flat_state_dict({"input.bias": np.zeros(64, np.float32)}, strict=True),
+        [("missing", name, "a value", None, MISSING_HINT)
+         for name in ("input.kernel", "output.kernel", "output.bias")],
+    ),
+    "names left out of an abstract model": (
+        lambda: ABSTRACT.load_flat_state_dict({"input.bias": np.zeros(64, np.float32)}),
+        [("abstract", name, "a value", None, ABSTRACT_HINT)
+         for name in ("input.kernel", "output.kernel", "output.bias")],
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_each_problem_word_for_word(case):
+    load, expected = CASES[case]
+    with pytest.raises(tt.StateDictError) as info:
+        load()
+    error = info.value
+    got = [(p.kind, p.key, p.expected, p.got, p.hint) for p in error.problems]
+    assert got == expected
+    count = f"{len(expected)} problem{'s' if len(expected) > 1 else ''}"
+    lines = str(error).splitlines()
+    assert lines[0].endswith(f"(): {count}; nothing was loaded.")
+    assert lines[1:] == [f"  - {key!r}: {hint}" for _, key, _, _, hint in expected]
+    assert error.missing_keys == tuple(
+        k for kind, k, *_ in expected if kind in ("missing", "abstract")
+    )
+    assert error.unexpected_keys == tuple(
+        k for kind, k, *_ in expected if kind in ("unknown", "key")
+    )
+
+
+def test_the_message_names_the_call():
+    with pytest.raises(tt.StateDictError, match=r"^MLP\.load_flat_state_dict\(\): 1 problem;"):
+        CASES["a typo"][0]()
+    with pytest.raises(tt.StateDictError, match=r"^Stack\.load_state_dict\(\): 2 problems;"):
+        CASES["int keys"][0]()
+
+
+def test_problems_sort_by_group_and_keep_their_order_within_one():
+    p = lambda kind, key: _errors.StateProblem(kind, key, None, None, key)
+    error = _errors.StateDictError(
+        "f()", [p("missing", "m"), p("shape", "s"), p("unknown", "u"), p("value", "v"),
+                p("key", "k"), p("abstract", "a"), p("dtype", "d"), p("structure", "t")]
+    )  # fmt: skip
+    assert [q.key for q in error.problems] == ["u", "k", "t", "s", "v", "d", "m", "a"]
+    assert str(error).splitlines()[1] == "  - 'u': u"
+
+
+def test_describe_names_what_it_was_given():
+    assert _errors.describe({"a": 1, **{str(i): i for i in range(9)}}) == (
+        "a dict with keys ['a', '0', '1', '2', '3', '4']"
+    )
+    assert _errors.describe(np.zeros((2, 3), np.int8)) == "an array int8[2, 3]"
+    assert _errors.describe(jnp.zeros((), jnp.bfloat16)) == "an array bfloat16[]"
+    assert _errors.describe(SDS) == "an abstract array float32[64, 4]"
+    assert _errors.describe(3.5) == "a value of type float"
+
+
+@pytest.mark.parametrize(
+    "name, candidates, expected",
+    [
+        ("fc.2.bias", ["conv2.bias", "fc.layers.2.bias", "fc.layers.2.kernel"], "fc.layers.2.bias"),
+        ("input.kernal", ["input.kernel", "output.kernel"], "input.kernel"),
+        ("inptu", ["input", "output"], "input"),
+        ("blocks.3.b.bias", ["blocks.3.a.bias", "blocks.30.b.bias"], "blocks.30.b.bias"),
+        ("zzz", ["input.kernel", "output.bias"], None),
+        ("kernel", [], None),
+    ],
+)
+def test_suggestions(name, candidates, expected):
+    assert _errors.closest(name, candidates) == expected
+
+
+def test_unknown_names_past_the_hundredth_are_listed_without_suggestions():
+    names = [f"layer{i}.kernel" for i in range(5)]
+    unknown = [(f"layer{i}.kernal", None) for i in range(102)]
+    problems = _errors.unknown(unknown, names, flat=True, given=set())
+    assert problems[0].hint == "unknown key; did you mean 'layer0.kernel'?"
+    assert problems[99].expected is not None and problems[100].expected is None
+    assert problems[101].hint.startswith("unknown key; the model has no parameter of that name")

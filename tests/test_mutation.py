@@ -1,0 +1,67 @@
+"""A smoke run of `make mutate`'s machinery, so that it cannot rot: mutmut, configured as in
+pyproject.toml, mutates one function of a copy of the package, runs a small test against each
+mutant in its fork server, and the report script reads the results."""
+
+import re
+import shutil
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+
+import mutation_report  # noqa: E402
+
+pytestmark = pytest.mark.program
+
+SMOKE_TEST = """
+import pytest
+from taktiny._patterns import compile_pattern
+
+def test_patterns():
+    assert compile_pattern("a.*.c").fullmatch(".a.b.c")
+    assert not compile_pattern("a.*.c").fullmatch(".a.b.d.c")
+    assert compile_pattern("a.**").fullmatch(".a") and compile_pattern("**.c").fullmatch(".x.y.c")
+    assert compile_pattern("l[0-2]").fullmatch(".l1") and not compile_pattern("l[!0-2]").fullmatch(".l1")
+    with pytest.raises(ValueError, match="is a non-empty string"):
+        compile_pattern("")
+"""
+
+
+def test_mutmut_runs_the_configured_pipeline_on_one_function(tmp_path):
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["mutmut"]
+    smoke = {**config, "only_mutate": ["taktiny/_patterns.py"], "also_copy": []}
+    lines = ["[tool.mutmut]"] + [f"{k} = {_toml(v)}" for k, v in smoke.items()]
+    (tmp_path / "pyproject.toml").write_text("\n".join(lines) + "\n")
+    shutil.copytree(ROOT / "taktiny", tmp_path / "taktiny")
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "test_smoke.py").write_text(SMOKE_TEST)
+    shutil.copy(ROOT / config["preload_modules_file"], tmp_path / config["preload_modules_file"])
+    run = subprocess.run(
+        [sys.executable, "-m", "mutmut", "run", "--max-children", "2",
+         "taktiny._patterns.x_compile_pattern*"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    results = mutation_report.read(tmp_path / "mutants")
+    codes = {n: c for n, c in results["taktiny/_patterns.py"].items() if "compile_pattern" in n}
+    assert len(codes) >= 10 and all(code is not None for code in codes.values())
+    summary = mutation_report.summarise(results, {})
+    assert summary["files"]["taktiny/_patterns.py"]["killed"] >= len(codes) // 2
+    assert mutation_report.main(["--mutants", str(tmp_path / "mutants"), "--no-targets"]) == 0
+    report = (tmp_path / "mutants" / "report.md").read_text()
+    assert re.search(r"\| taktiny/_patterns\.py \| \d+ \| \d+ \|", report)
+
+
+def _toml(value):
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml(v) for v in value) + "]"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    return repr(value)
