@@ -19,9 +19,23 @@ class Stack(nn.Module):
         self.half = jnp.zeros(2, jnp.float16)
 
 
-MODEL, STACK = MLP(rngs=nn.Rngs(0)), Stack()
-ABSTRACT = jax.eval_shape(lambda: MLP(rngs=nn.Rngs(0)))
 SDS = jax.ShapeDtypeStruct((64, 4), jnp.float32)
+
+
+# Built per test, not at import: collecting the tests must not start JAX's backend (`make
+# mutate` forks each mutant's process from one that has collected them).
+def mlp():
+    return MLP(rngs=nn.Rngs(0))
+
+
+def stack():
+    return Stack()
+
+
+def abstract():
+    return jax.eval_shape(lambda: MLP(rngs=nn.Rngs(0)))
+
+
 MISSING_HINT = (
     "missing: strict=True requires every parameter; supply it, or pass strict=False to keep "
     "its current value."
@@ -33,64 +47,64 @@ ABSTRACT_HINT = (
 
 CASES = {
     "a group named by a flat name": (
-        lambda: MODEL.load_flat_state_dict({"input": np.zeros(3)}),
+        lambda: mlp().load_flat_state_dict({"input": np.zeros(3)}),
         [("structure", "input", "a dict of parameters", "an array float64[3]",
           "names a group of parameters (input.kernel, input.bias), not one array; got an array "
           "float64[3]. Supply its parameters by name (e.g. 'input.kernel').")],
     ),
     "a position past the end": (
-        lambda: STACK.load_state_dict({"layers": {"9": np.zeros(3)}}),
+        lambda: stack().load_state_dict({"layers": {"9": np.zeros(3)}}),
         [("unknown", "layers.9", "layers.5", "layers.9", "unknown key; did you mean 'layers.5'?")],
     ),
     "a name like none": (
-        lambda: STACK.load_flat_state_dict({"zzz": 1}),
+        lambda: stack().load_flat_state_dict({"zzz": 1}),
         [("unknown", "zzz", None, "zzz",
           "unknown key; the model has no parameter of that name (it has ['layers.0.kernel', "
           "'layers.0.bias', 'layers.1.kernel'], ...).")],
     ),
     "a group of many named by a flat name": (
-        lambda: STACK.load_flat_state_dict({"layers": np.zeros(3)}),
+        lambda: stack().load_flat_state_dict({"layers": np.zeros(3)}),
         [("structure", "layers", "a dict of parameters", "an array float64[3]",
           "names a group of parameters (layers.0.kernel, layers.0.bias, layers.1.kernel, "
           "layers.1.bias, ...), not one array; got an array float64[3]. Supply its parameters "
           "by name (e.g. 'layers.0.kernel').")],
     ),
     "a name inside an array": (
-        lambda: MODEL.load_flat_state_dict({"input.kernel.value": np.zeros(3)}),
+        lambda: mlp().load_flat_state_dict({"input.kernel.value": np.zeros(3)}),
         [("structure", "input.kernel.value", "an array at 'input.kernel'", "an array float64[3]",
           "'input.kernel' is an array, so it has no entry 'value'; give the array itself at "
           "'input.kernel'.")],
     ),
     "a typo": (
-        lambda: MODEL.load_flat_state_dict({"input.kernal": np.zeros(3)}),
+        lambda: mlp().load_flat_state_dict({"input.kernal": np.zeros(3)}),
         [("unknown", "input.kernal", "input.kernel", "input.kernal",
           "unknown key; did you mean 'input.kernel'?")],
     ),
     "a dotted nested key": (
-        lambda: MODEL.load_state_dict({"input": {"kernel.x": 1}}),
+        lambda: mlp().load_state_dict({"input": {"kernel.x": 1}}),
         [("key", "input.kernel.x", "a key without '.'", "x",
           "nested state keys must not contain '.'; nest it as a dict, or pass dotted names to "
           "load_flat_state_dict().")],
     ),
     "int keys": (
-        lambda: STACK.load_state_dict({"layers": {0: {}, 9: {}}}),
+        lambda: stack().load_state_dict({"layers": {0: {}, 9: {}}}),
         [("key", "layers.0", "a str key", 0,
           "nested state keys must be strings, got int 0; did you mean '0'?"),
          ("key", "layers.9", "a str key", 9, "nested state keys must be strings, got int 9.")],
     ),
     "a dict where an array belongs": (
-        lambda: MODEL.load_flat_state_dict({"input.bias": {"a": 1, "b": 2}}),
+        lambda: mlp().load_flat_state_dict({"input.bias": {"a": 1, "b": 2}}),
         [("structure", "input.bias", "an array", "a dict with keys ['a', 'b']",
           "expected an array, got a dict with keys ['a', 'b']; this name is one array.")],
     ),
     "an array where a group belongs": (
-        lambda: MODEL.load_state_dict({"input": np.zeros(2, np.float32)}),
+        lambda: mlp().load_state_dict({"input": np.zeros(2, np.float32)}),
         [("structure", "input", "a dict with keys ['kernel', 'bias']", "an array float32[2]",
           "expected a dict of this submodule's parameters (keys ['kernel', 'bias']), got an "
           "array float32[2].")],
     ),
     "values that are not arrays": (
-        lambda: MODEL.load_flat_state_dict(
+        lambda: mlp().load_flat_state_dict(
             {"input.bias": "oops", "output.bias": None, "output.kernel": SDS}
         ),
         [("value", "input.bias", "an array", "str",
@@ -102,47 +116,47 @@ CASES = {
           "restore real arrays first.")],
     ),
     "a shape": (
-        lambda: MODEL.load_flat_state_dict({"output.bias": np.zeros((2, 2), np.float32)}),
+        lambda: mlp().load_flat_state_dict({"output.bias": np.zeros((2, 2), np.float32)}),
         [("shape", "output.bias", (4,), (2, 2), "shape mismatch: expected (4,), got (2, 2).")],
     ),
     "a dtype kind": (
-        lambda: MODEL.load_flat_state_dict({"output.bias": np.zeros(4, np.uint8)}),
+        lambda: mlp().load_flat_state_dict({"output.bias": np.zeros(4, np.uint8)}),
         [("dtype", "output.bias", "float32", "uint8",
           "dtype kind changes: the model holds float32 (floating), got uint8 (unsigned "
           "integer). Loads only cast within a kind; convert the value yourself if this is "
           "really intended.")],
     ),
     "a narrowing integer cast": (
-        lambda: STACK.load_flat_state_dict({"steps": np.array(300)}),
+        lambda: stack().load_flat_state_dict({"steps": np.array(300)}),
         [("dtype", "steps", "int8", "int64",
           "narrowing int64 to int8 would change values; convert the value yourself.")],
     ),
     "a narrowing integer cast inside jit": (
-        lambda: jax.jit(lambda s, v: s.load_flat_state_dict({"steps": v}))(STACK, jnp.int32(3)),
+        lambda: jax.jit(lambda s, v: s.load_flat_state_dict({"steps": v}))(stack(), jnp.int32(3)),
         [("dtype", "steps", "int8", "int32",
           "narrowing int32 to int8 cannot be checked inside jit; convert the value yourself.")],
     ),
     "values too large for a narrower float": (
-        lambda: STACK.load_flat_state_dict({"half": np.array([1e5, 2e5], np.float32)}),
+        lambda: stack().load_flat_state_dict({"half": np.array([1e5, 2e5], np.float32)}),
         [("dtype", "half", "float16", "float32",
           "casting float32 to float16 would turn 2 values into inf: the largest is 2e+05, and "
           "float16 holds at most 6.55e+04. Scale or clip the value, or keep this parameter in "
           "a wider dtype.")],
     ),
     "a value too large for a narrower float": (
-        lambda: STACK.load_flat_state_dict({"half": np.array([-1e5, 2], np.float32)}),
+        lambda: stack().load_flat_state_dict({"half": np.array([-1e5, 2], np.float32)}),
         [("dtype", "half", "float16", "float32",
           "casting float32 to float16 would turn a value into inf: the largest is 1e+05, and "
           "float16 holds at most 6.55e+04. Scale or clip the value, or keep this parameter in "
           "a wider dtype.")],
     ),
     "names left out under strict": (
-        lambda: MODEL.load_flat_state_dict({"input.bias": np.zeros(64, np.float32)}, strict=True),
+        lambda: mlp().load_flat_state_dict({"input.bias": np.zeros(64, np.float32)}, strict=True),
         [("missing", name, "a value", None, MISSING_HINT)
          for name in ("input.kernel", "output.kernel", "output.bias")],
     ),
     "names left out of an abstract model": (
-        lambda: ABSTRACT.load_flat_state_dict({"input.bias": np.zeros(64, np.float32)}),
+        lambda: abstract().load_flat_state_dict({"input.bias": np.zeros(64, np.float32)}),
         [("abstract", name, "a value", None, ABSTRACT_HINT)
          for name in ("input.kernel", "output.kernel", "output.bias")],
     ),

@@ -71,10 +71,9 @@ def test_norms_compute_in_their_parameters_dtype():
     assert jax.jit(bare.__call__)(jnp.ones((3, 7))).shape == (3, 7)  # and any size
 
 
-@pytest.mark.parametrize(
-    "layer, name", [(nn.LayerNorm(6), "LayerNorm"), (nn.RMSNorm(6), "RMSNorm")]
-)
-def test_norms_reject_the_wrong_feature_size(layer, name):
+@pytest.mark.parametrize("name", ["LayerNorm", "RMSNorm"])
+def test_norms_reject_the_wrong_feature_size(name):
+    layer = getattr(nn, name)(6)
     with pytest.raises(
         ValueError,
         match=rf"{name} expects inputs whose last axis has 6 features \(its scale is \(6,\)\), "

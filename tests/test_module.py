@@ -576,18 +576,18 @@ def test_unpickling_in_a_fresh_process_registers_the_node_class(tmp_path):
 @pytest.mark.parametrize(
     "value, where",
     [
-        ({"attn.q": jnp.ones(2)}, "'attn.q'"),
-        ([{"attn.q": jnp.ones(2)}], "'attn.q'"),
-        ({"a": {"b": [{"c.d": jnp.ones(2)}]}}, "'c.d'"),
-        ((jnp.ones(2), {"e": {"f.g": jnp.ones(2)}}), "'f.g'"),
-        ([{0: jnp.ones(2)}], "0"),
+        ({"attn.q": np.ones(2)}, "'attn.q'"),
+        ([{"attn.q": np.ones(2)}], "'attn.q'"),
+        ({"a": {"b": [{"c.d": np.ones(2)}]}}, "'c.d'"),
+        ((np.ones(2), {"e": {"f.g": np.ones(2)}}), "'f.g'"),
+        ([{0: np.ones(2)}], "0"),
     ],
 )
 def test_dict_keys_are_checked_at_every_depth(value, where):
     # a dotted key deep inside a field would give an ambiguous flat name
     class M(nn.Module):
         def __init__(self, value):
-            self.blocks = value
+            self.blocks = jax.tree.map(jnp.asarray, value)  # (JAX arrays made in the test)
 
     with pytest.raises(TypeError, match=rf"M\.blocks has the dict key {where}\."):
         M(value)

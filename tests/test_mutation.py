@@ -40,7 +40,6 @@ def test_mutmut_runs_the_configured_pipeline_on_one_function(tmp_path):
     shutil.copytree(ROOT / "taktiny", tmp_path / "taktiny")
     (tmp_path / "tests").mkdir()
     (tmp_path / "tests" / "test_smoke.py").write_text(SMOKE_TEST)
-    shutil.copy(ROOT / config["preload_modules_file"], tmp_path / config["preload_modules_file"])
     run = subprocess.run(
         [sys.executable, "-m", "mutmut", "run", "--max-children", "2",
          "taktiny._patterns.x_compile_pattern*"],
@@ -65,3 +64,18 @@ def _toml(value):
     if isinstance(value, str):
         return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
     return repr(value)
+
+
+def test_collecting_the_tests_does_not_start_jax():
+    # the mutation server collects the tests before it forks a process per mutant; a test
+    # module that makes an array at import would start JAX's backend there, whose threads
+    # do not survive a fork (each mutant would hang until its time limit)
+    code = (
+        "import sys, pytest\n"
+        "from jax._src import xla_bridge  # a test may read JAX's internals\n"
+        "pytest.main(['--collect-only', '-qqq', '-p', 'no:cacheprovider', '-o', 'addopts=',\n"
+        "             '-m', 'not program', 'tests/'])\n"
+        "print('STARTED' if xla_bridge._backends else 'NOT STARTED')\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert run.stdout.splitlines()[-1] == "NOT STARTED", run.stdout[-2000:] + run.stderr[-2000:]
