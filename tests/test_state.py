@@ -554,7 +554,7 @@ def test_finite_values_that_would_become_inf_are_refused(where, value, leaf, lar
     name = np.dtype(leaf).name
     with pytest.raises(
         tt.StateDictError,
-        match=rf"'w': casting {np.dtype(value.dtype).name} to {name} would turn value into "
+        match=rf"'w': casting {np.dtype(value.dtype).name} to {name} would turn a value into "
         rf"inf: the largest is {largest}, and {name} holds at most",
     ) as info:
         h.load_state_dict({"w": value})
