@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -90,6 +90,11 @@ def describe(value: Any) -> str:
 _SUGGESTED = 100  # unknown names that get a suggestion; later ones are only listed
 
 
+def groups_of(names: Iterable[str]) -> set[str]:
+    """Every group above the names: ``a.b.c`` is in ``a.b`` and ``a``."""
+    return {n.rsplit(".", k)[0] for n in names for k in range(1, n.count(".") + 1)}
+
+
 class _Suggester:
     """Finds the closest valid name for unknown ones: among the names (and groups) the
     state does not already supply, those with the same last part first, preferring one
@@ -97,7 +102,7 @@ class _Suggester:
     ``fc.layers.2.bias``), then by string similarity."""
 
     def __init__(self, names: Sequence[str], given: Collection[str]):
-        groups = {n.rsplit(".", k)[0] for n in names for k in range(1, n.count(".") + 1)}
+        groups = groups_of(names)
         self.names, self.known, self.groups = names, set(names), groups
         self.candidates = [n for n in (*names, *sorted(groups)) if n not in given]
         self.by_last: dict[str, list[str]] = {}

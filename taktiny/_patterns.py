@@ -37,12 +37,14 @@ def _part(pattern: str, part: str) -> str:
         elif char == "?":
             out.append("[^.]")
         elif char == "[":
-            end = part.find("]", i + 2 if part[i + 1 : i + 2] in ("!", "]") else i + 1)
+            negate = part[i + 1 : i + 2] == "!"
+            first = i + 1 + negate  # a ']' here is a member, not the end
+            end = part.find("]", first + (part[first : first + 1] == "]"))
             if end < 0:
                 raise ValueError(f"the pattern {pattern!r} has a '[' without its ']'.")
-            inside = part[i + 1 : end]
-            inside = "^" + inside[1:] if inside.startswith("!") else inside
-            out.append(f"[{inside.replace(chr(92), chr(92) * 2)}]")
+            # every member literal ('^', '\\', '[' too), but '-' still makes ranges
+            inside = "".join(c if c == "-" else re.escape(c) for c in part[first:end])
+            out.append(f"(?!\\.)[^{inside}]" if negate else f"[{inside}]")  # never a dot
             i = end
         else:
             out.append(re.escape(char))
@@ -62,7 +64,7 @@ def compile_pattern(pattern: Any) -> re.Pattern[str]:
     try:
         return re.compile(regex)
     except re.error as error:
-        raise ValueError(f"the pattern {pattern!r} is not valid: {error}.") from None
+        raise ValueError(f"the pattern {pattern!r} is not valid: {error.msg}.") from None
 
 
 class Match(NamedTuple):
@@ -101,15 +103,14 @@ def match(rules: list[tuple[str, Any]], names: Sequence[str], default: Any) -> M
         else:
             unmatched.append(name)
             values.append(default)
-    unused = [pattern for (pattern, _), hit in zip(rules, used, strict=True) if not hit]
+    unused = [rules[i][0] for i, hit in enumerate(used) if not hit]
     return Match(values, unmatched, unused)
 
 
 def unused_hint(pattern: str, names: Sequence[str]) -> str:
     """Why `pattern` may have matched nothing, and what might have been meant."""
-    groups = sorted({n.rsplit(".", k)[0] for n in names for k in range(1, n.count(".") + 1)})
     regex = compile_pattern(pattern)
-    group = next((g for g in groups if regex.fullmatch("." + g)), None)
+    group = next((g for g in sorted(err.groups_of(names)) if regex.fullmatch("." + g)), None)
     if group is not None:
         return (
             f"it matches the group {group!r}, not a parameter: '{pattern}.**' matches "
@@ -117,7 +118,7 @@ def unused_hint(pattern: str, names: Sequence[str]) -> str:
         )
     parts = pattern.split(".")
     fixed = next((i for i, p in enumerate(parts) if any(c in p for c in "*?[")), len(parts))
-    close = err.closest(".".join(parts[:fixed]), [*names, *groups]) if fixed else None
+    close = err.closest(".".join(parts[:fixed]), names)  # None when the first part is wild
     if close is None:
         return "no name is close to it"
     return f"did you mean {'.'.join([close, *parts[fixed:]])!r}?"
