@@ -2,6 +2,7 @@
 pyproject.toml, mutates one function of a copy of the package, runs a small test against each
 mutant in its fork server, and the report script reads the results."""
 
+import json
 import re
 import shutil
 import subprocess
@@ -79,3 +80,29 @@ def test_collecting_the_tests_does_not_start_jax():
     )
     run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert run.stdout.splitlines()[-1] == "NOT STARTED", run.stdout[-2000:] + run.stderr[-2000:]
+
+
+def test_the_report_counts_equivalents_apart_and_refuses_stale_ones(tmp_path, capsys):
+    meta = tmp_path / "mutants" / "taktiny" / "_x.py.meta"
+    meta.parent.mkdir(parents=True)
+    codes = {"m.a__mutmut_1": 1, "m.a__mutmut_2": 0, "m.a__mutmut_3": 0, "m.a__mutmut_4": -11,
+             "m.a__mutmut_5": 36, "m.a__mutmut_6": None, "m.a__mutmut_7": 33}  # fmt: skip
+    meta.write_text(json.dumps({"exit_code_by_key": codes}))
+    equivalents = tmp_path / "eq.toml"
+    equivalents.write_text('[mutants]\n"m.a__mutmut_3" = "same behaviour"\n')
+    counts = mutation_report.summarise(mutation_report.read(tmp_path / "mutants"), {
+        "m.a__mutmut_3": "same behaviour"})["files"]["taktiny/_x.py"]  # fmt: skip
+    assert dict(counts) == {"killed": 2, "survived": 1, "equivalent": 1, "suspicious": 1,
+                            "not run": 1, "no tests": 1}  # fmt: skip
+    assert mutation_report.rate(counts) == 2 / 5  # equivalents and unrun ones left out
+    args = ["--mutants", str(tmp_path / "mutants"), "--equivalents", str(equivalents)]
+    assert mutation_report.main(args) == 1  # 40% misses the target
+    report = (tmp_path / "mutants" / "report.md").read_text()
+    assert "| taktiny/_x.py | 7 | 2 | 1 | 1 | 1 | 1 | 1 | 40.0% |" in report
+    assert "- `m.a__mutmut_4` (suspicious: segfault)" in report
+    assert "- `m.a__mutmut_3`: same behaviour" in report
+    equivalents.write_text('[mutants]\n"m.gone__mutmut_1" = "was equivalent"\n')
+    codes = {k: 1 for k in codes}
+    meta.write_text(json.dumps({"exit_code_by_key": codes}))
+    assert mutation_report.main(args) == 1
+    assert "lists m.gone__mutmut_1, which is no longer a mutant" in capsys.readouterr().out
