@@ -38,10 +38,15 @@ def _inside(value: Any) -> Iterator[tuple[str, Any]]:
             continue
 
 
-def _find(value: Any, module_type: type, depth: int, seen: set[int]) -> tuple[str, Any] | None:
-    if depth == 0 or id(value) in seen:
+def _find(
+    value: Any, module_type: type, depth: int, seen: dict[int, int]
+) -> tuple[str, Any] | None:
+    """The first module held in `value`, `depth` levels deep at most. `seen` maps what was
+    searched to the depth it was searched to: reached again with more depth left (by a
+    shorter path), it is searched again, deeper."""
+    if depth <= seen.get(id(value), 0):
         return None
-    seen.add(id(value))
+    seen[id(value)] = depth
     for how, held in _inside(value):
         if isinstance(held, module_type):
             return how, held
@@ -65,7 +70,7 @@ def hidden_module(owner: str, name: str, value: Any, obj: Any, module_type: type
             f"(self.{method}(x) in __call__) instead of storing it, or store a plain function "
             f"(self.{name} = jax.nn.gelu)."
         )
-    found = _find(value, module_type, _DEPTH, set())
+    found = _find(value, module_type, _DEPTH, {})
     if found is None:
         return
     how, module = found

@@ -121,7 +121,7 @@ class _Suggester:
         if contained:
             return max(contained, key=lambda c: difflib.SequenceMatcher(None, name, c).ratio())
         for among in (pool, self.candidates):
-            close = difflib.get_close_matches(name, among, n=1, cutoff=0.6)
+            close = difflib.get_close_matches(name, among)  # best first; only those >= 0.6 alike
             if close:
                 return close[0]
         return None
@@ -203,14 +203,15 @@ def dotted_key(name: str) -> StateProblem:
     )
 
 
-def non_string_key(name: str, key: Any, as_string_exists: bool) -> StateProblem:
+def non_string_key(name: str, key: Any, as_string_exists: bool, flat: bool) -> StateProblem:
     same = f"; did you mean {str(key)!r}?" if as_string_exists else "."
     return StateProblem(
         "key",
         name,
         "a str key",
         key,
-        f"nested state keys must be strings, got {type(key).__name__} {key!r}{same}",
+        f"{'flat' if flat else 'nested'} state keys must be strings, got "
+        f"{type(key).__name__} {key!r}{same}",
     )
 
 
@@ -247,8 +248,8 @@ def structure(name: str, expected: Any, got: Any) -> StateProblem:
 def not_an_array(name: str, value: Any) -> StateProblem:
     if isinstance(value, jax.ShapeDtypeStruct):
         why = f"got {describe(value)} (from jax.eval_shape): restore real arrays first."
-    elif value is None or isinstance(value, Mapping):
-        why = f"got {describe(value)}."
+    elif value is None:  # (a dict is reported as array_expected before it gets here)
+        why = "got a value of type NoneType."
     else:
         why = f"got a value that is not numeric ({value!r:.60})."
     return StateProblem(

@@ -94,14 +94,31 @@ def declared_fields(cls: type, namespace: dict[str, Any]) -> dict[str, Field]:
     return fields
 
 
+class _Factory:
+    """Stands for a default that a factory makes, in a generated ``__init__``'s signature."""
+
+    def __repr__(self) -> str:
+        return "<factory>"
+
+
+_FACTORY = _Factory()
+
+
 def generated_init(cls: type, fields: dict[str, Field]) -> Any:
     """An ``__init__`` taking the declared fields in order, as a dataclass's does, then
     calling ``__post_init__`` if the class has one."""
+    if "self" in fields:
+        raise TypeError(
+            f"{cls.__name__} declares a field named 'self', the name its generated __init__ "
+            f"gives the instance; rename the field."
+        )
     params = [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)]
     for name, spec in fields.items():
         default = inspect.Parameter.empty
-        if spec.default is not MISSING or spec.default_factory is not MISSING:
-            default = spec.default if spec.default is not MISSING else spec.default_factory
+        if spec.default_factory is not MISSING:
+            default = _FACTORY  # shown as dataclasses show it, not as the factory itself
+        elif spec.default is not MISSING:
+            default = spec.default
         params.append(
             inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=default)
         )

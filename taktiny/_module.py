@@ -232,8 +232,10 @@ def _finalise(
         spec = fields.get(name)
         items = _new_items(previous[name], value) if previous and old.get(name) else None
         forced = spec is not None and spec.static is False
-        if items is not None and not forced and all(map(_is_data_item, items[0])):
-            layout.append((name, True))  # some items of a container swapped: check those
+        if items is not None and not forced and all(map(_is_module_or_array, items[0])):
+            # some items of a container swapped for arrays or modules: check those (one
+            # swapped for None may leave no data, so the field is sorted again below)
+            layout.append((name, True))
             new += items[0]
             kept += items[1]
             continue
@@ -243,10 +245,6 @@ def _finalise(
     object.__setattr__(obj, "__class__", _node_type(base, tuple(layout)))
     _checks.ties(obj, base.__name__, None if changed is None else (new, kept))
     return obj
-
-
-def _is_data_item(x: Any) -> bool:
-    return x is None or _is_module_or_array(x)
 
 
 @dataclass_transform(field_specifiers=(field,))
@@ -376,7 +374,7 @@ class Module(types.SimpleNamespace, metaclass=_ModuleMeta):
             docs=wl.named_objs(shown, **kwargs),
             sep=wl.comma,
             end=wl.TextDoc(")"),
-            indent=kwargs.get("indent", 2),
+            indent=kwargs["indent"],  # wl.pdoc passes all its options on
         )
 
     def __repr__(self) -> str:

@@ -75,8 +75,8 @@ class Match(NamedTuple):
     unused: list[str]  # patterns that matched no name
 
 
-def rule_list(rules: Rules, what: str) -> list[tuple[str, Any]]:
-    """`rules` as a list of (pattern, value) pairs, checked."""
+def rule_list(rules: Any, what: str) -> list[tuple[str, Any]]:
+    """`rules` (whatever was passed for them) as a list of (pattern, value) pairs, checked."""
     pairs = list(rules.items()) if isinstance(rules, Mapping) else list(rules)
     for pair in pairs:
         if not (isinstance(pair, tuple) and len(pair) == 2):

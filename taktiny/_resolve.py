@@ -29,7 +29,10 @@ def resolve(view: Any, state: Mapping[Any, Any], flat: bool) -> Resolved:
     unknown: list[tuple[str, Any]] = []  # each also holds a place in `problems`, in order
     if flat:
         for name, value in state.items():
-            if not _resolve_name(view, name, value, found):
+            if type(name) is not str:
+                same = _resolve_name(view, str(name), value, Resolved({}, []))
+                found.problems.append(err.non_string_key(repr(name), name, same, flat=True))
+            elif not _resolve_name(view, name, value, found):
                 unknown.append((str(name), value))
                 found.problems.append(_UNKNOWN)
     else:
@@ -41,11 +44,9 @@ def resolve(view: Any, state: Mapping[Any, Any], flat: bool) -> Resolved:
     return found
 
 
-def _resolve_name(view: Any, name: Any, value: Any, found: Resolved) -> bool:
+def _resolve_name(view: Any, name: str, value: Any, found: Resolved) -> bool:
     """Resolves one flat name; False when it names no leaf (a group, the inside of an
     array, or nothing)."""
-    if not isinstance(name, str):
-        return False
     node, keys = view.root, tuple(name.split("."))
     for i, key in enumerate(keys):
         step = view.child(node, key)
@@ -80,7 +81,7 @@ def _resolve_nested(
         if type(key) is not str:
             name = ".".join((*path, repr(key)))
             same = view.child(node, str(key)) is not None
-            found.problems.append(err.non_string_key(name, key, same))
+            found.problems.append(err.non_string_key(name, key, same, flat=False))
             continue
         if "." in key:
             found.problems.append(err.dotted_key(".".join((*path, key))))

@@ -86,10 +86,10 @@ class Summary:
             cells = [row.name, shape, row.dtype, *([row.sharding] if self.sharded else [])]
             lines.append([*cells, train, f"{row.size:,}", _bytes(row.nbytes)])
         widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
-        right = {len(header) - 2, len(header) - 1}
+        right = {len(header) - 2, len(header) - 1}  # so no line ends in spaces
         text = [
             "  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in
-                      enumerate(zip(line, widths, strict=True))).rstrip()
+                      enumerate(zip(line, widths, strict=True)))
             for line in lines
         ]  # fmt: skip
         rule = "-" * max(map(len, text))

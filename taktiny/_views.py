@@ -47,9 +47,7 @@ class Flat:
         """A custom parameter's structure, and its leaves: (name below it, where)."""
         cut = len(".".join(where)) + 1
         names = self.spec.names[node.start : node.stop]
-        return node.treedef, [
-            (n[cut:], i) for n, i in zip(names, range(node.start, node.stop), strict=True)
-        ]
+        return node.treedef, [(n[cut:], i) for i, n in enumerate(names, node.start)]
 
     def name(self, where: int) -> str:
         return self.spec.names[where]

@@ -2,6 +2,9 @@
 fields (`kind`, `key`, `expected`, `got`) a program reads. Each message names the key, what
 the model holds, what was given, and what to do."""
 
+import dataclasses
+import pathlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,7 +12,8 @@ import pytest
 from _models import MLP
 
 import taktiny as tt
-from taktiny import _errors, nn
+from taktiny import _errors, _state, nn
+from taktiny._module import NODES
 
 
 class Stack(nn.Module):
@@ -17,6 +21,23 @@ class Stack(nn.Module):
         self.layers = [nn.Linear(2, 2, rngs=nn.Rngs(i)) for i in range(6)]
         self.steps = jnp.zeros((), jnp.int8)
         self.half = jnp.zeros(2, jnp.float16)
+
+
+class Bag(nn.Module):
+    def __init__(self, n):
+        self.ws = [jnp.zeros(1) for _ in range(n)]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Scaled:
+    value: jax.Array
+    scale: jax.Array
+
+
+class Dense(nn.Module):  # a custom parameter
+    def __init__(self):
+        self.kernel = Scaled(jnp.ones((2, 3), jnp.int8), jnp.full((3,), 0.5))
 
 
 SDS = jax.ShapeDtypeStruct((64, 4), jnp.float32)
@@ -69,6 +90,18 @@ CASES = {
           "layers.1.bias, ...), not one array; got an array float64[3]. Supply its parameters "
           "by name (e.g. 'layers.0.kernel').")],
     ),
+    "a group of four named by a flat name: all listed": (
+        lambda: Bag(4).load_flat_state_dict({"ws": np.zeros(3)}),
+        [("structure", "ws", "a dict of parameters", "an array float64[3]",
+          "names a group of parameters (ws.0, ws.1, ws.2, ws.3), not one array; got an array "
+          "float64[3]. Supply its parameters by name (e.g. 'ws.0').")],
+    ),
+    "a group of five named by a flat name: four listed": (
+        lambda: Bag(5).load_flat_state_dict({"ws": np.zeros(3)}),
+        [("structure", "ws", "a dict of parameters", "an array float64[3]",
+          "names a group of parameters (ws.0, ws.1, ws.2, ws.3, ...), not one array; got an "
+          "array float64[3]. Supply its parameters by name (e.g. 'ws.0').")],
+    ),
     "a name inside an array": (
         lambda: mlp().load_flat_state_dict({"input.kernel.value": np.zeros(3)}),
         [("structure", "input.kernel.value", "an array at 'input.kernel'", "an array float64[3]",
@@ -92,6 +125,17 @@ CASES = {
           "nested state keys must be strings, got int 0; did you mean '0'?"),
          ("key", "layers.9", "a str key", 9, "nested state keys must be strings, got int 9.")],
     ),
+    "a part a custom parameter does not have": (
+        lambda: Dense().load_state_dict({"kernel": {"zero_point": np.zeros(3)}}),
+        [("unknown", "kernel.zero_point", ["value", "scale"], "kernel.zero_point",
+          "unknown key; this parameter's parts are ['value', 'scale'].")],
+    ),
+    "a custom parameter given another structure": (
+        lambda: Dense().load_state_dict({"kernel": np.ones((2, 3))}),
+        [("structure", "kernel", "PyTreeDef(CustomNode(Scaled[()], [*, *]))", "PyTreeDef(*)",
+          "expected a value structured as PyTreeDef(CustomNode(Scaled[()], [*, *])), got "
+          "PyTreeDef(*).")],
+    ),
     "a dict where an array belongs": (
         lambda: mlp().load_flat_state_dict({"input.bias": {"a": 1, "b": 2}}),
         [("structure", "input.bias", "an array", "a dict with keys ['a', 'b']",
@@ -102,6 +146,13 @@ CASES = {
         [("structure", "input", "a dict with keys ['kernel', 'bias']", "an array float32[2]",
           "expected a dict of this submodule's parameters (keys ['kernel', 'bias']), got an "
           "array float32[2].")],
+    ),
+    "an array where a group of many belongs: six keys shown": (
+        lambda: Bag(8).load_state_dict({"ws": np.zeros(2, np.float32)}),
+        [("structure", "ws", "a dict with keys ['0', '1', '2', '3', '4', '5']",
+          "an array float32[2]",
+          "expected a dict of this submodule's parameters (keys ['0', '1', '2', '3', '4', '5']), "
+          "got an array float32[2].")],
     ),
     "values that are not arrays": (
         lambda: mlp().load_flat_state_dict(
@@ -214,6 +265,8 @@ def test_describe_names_what_it_was_given():
     "name, candidates, expected",
     [
         ("fc.2.bias", ["conv2.bias", "fc.layers.2.bias", "fc.layers.2.kernel"], "fc.layers.2.bias"),
+        # of several that hold all the parts, the most similar (not the first, not the last)
+        ("enc.bias", ["enc.layers.0.bias", "enc.a.bias", "enc.bb.bias"], "enc.a.bias"),
         ("input.kernal", ["input.kernel", "output.kernel"], "input.kernel"),
         ("inptu", ["input", "output"], "input"),
         ("blocks.3.b.bias", ["blocks.3.a.bias", "blocks.30.b.bias"], "blocks.30.b.bias"),
@@ -232,3 +285,31 @@ def test_unknown_names_past_the_hundredth_are_listed_without_suggestions():
     assert problems[0].hint == "unknown key; did you mean 'layer0.kernel'?"
     assert problems[99].expected is not None and problems[100].expected is None
     assert problems[101].hint.startswith("unknown key; the model has no parameter of that name")
+
+
+def test_a_group_named_in_a_nested_state_is_told_to_nest_its_parameters():
+    (problem,) = _errors.unknown(
+        [("input", np.zeros(3))], ["input.kernel", "input.bias"], flat=False, given=set()
+    )
+    assert problem.hint == (
+        "names a group of parameters (input.kernel, input.bias), not one array; got an array "
+        "float64[3]. Supply its parameters as a nested dict."
+    )
+
+
+def test_a_flat_key_that_is_not_a_string_is_refused_by_its_type():
+    # a key that prints as a name is still not one: never read as the leaf, nor as a group
+    # (called as the methods call it: their `Mapping[str, Any]` would stop beartype first)
+    model = mlp()
+    for key, hint in [
+        (pathlib.PurePosixPath("input.kernel"), "got PurePosixPath PurePosixPath('input.kernel')"
+         "; did you mean 'input.kernel'?"),
+        (pathlib.PurePosixPath("input"), "got PurePosixPath PurePosixPath('input')."),
+        (3, "got int 3."),
+    ]:  # fmt: skip
+        with pytest.raises(tt.StateDictError) as info:
+            _state.load(model, {key: np.zeros((3, 64))}, strict=False, flat=True, nodes=NODES)
+        (problem,) = info.value.problems
+        assert (problem.kind, problem.key) == ("key", repr(key))
+        assert problem.hint == f"flat state keys must be strings, {hint}"
+        assert info.value.unexpected_keys == (repr(key),)

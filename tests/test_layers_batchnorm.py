@@ -9,6 +9,7 @@ import torch
 from _torch import assert_close, build, channels_last, numpy, randomize_
 
 from taktiny import nn
+from taktiny.nn._training import record
 
 NAMES = {"weight": "scale", "bias": "bias", "running_mean": "mean", "running_var": "var"}
 
@@ -137,3 +138,67 @@ def test_momentum_must_be_in_unit_interval_and_mentions_torch():
         match=r"BatchNorm's momentum .* in \[0, 1\]; got 1\.5 \(a PyTorch momentum m is 1 - m here\)",
     ):
         nn.BatchNorm(3, momentum=1.5)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("train", [False, True])
+def test_batch_norm_stays_in_float32_when_x64_is_on(dtype, train):
+    """With ``jax_enable_x64``, a float32 or bfloat16 BatchNorm still computes (and keeps its
+    running statistics) in float32, not in JAX's default float dtype (float64 then); the
+    values are those of a float64 NumPy oracle to bfloat16's rounding."""
+    values = np.linspace(0.5, 1.5, 4)
+    x64 = np.random.default_rng(0).normal(size=(6, 4)) * 2 + 1
+    with jax.enable_x64(True):
+        state = {name: values.astype(dtype) for name in ("scale", "bias", "mean", "var")}
+        bn = nn.BatchNorm(4, dtype=dtype).load_flat_state_dict(state, strict=True)
+        x = jnp.asarray(x64, jnp.float32)
+        jaxpr = jax.make_jaxpr(lambda bn, x: bn(x, train=train))(bn, x).jaxpr
+        assert [e for e in jaxpr.eqns if any(v.aval.dtype == np.float64 for v in e.outvars)] == []
+        out = bn(x, train=train)
+    v, x64 = values.astype(dtype).astype(np.float64), np.asarray(x, np.float64)
+    if not train:
+        expected = (x64 - v) / np.sqrt(v + 1e-5) * v + v
+    else:
+        out, new = out
+        mean, var = x64.mean(0), x64.var(0)
+        expected = (x64 - mean) / np.sqrt(var + 1e-5) * v + v
+        assert new.mean.dtype == new.var.dtype == dtype
+        np.testing.assert_allclose(
+            np.asarray(new.mean, np.float64), 0.99 * v + 0.01 * mean, rtol=2**-7
+        )
+        np.testing.assert_allclose(
+            np.asarray(new.var, np.float64), 0.99 * v + 0.01 * var * 6 / 5, rtol=2**-7
+        )
+    assert out.dtype == dtype
+    np.testing.assert_allclose(np.asarray(out, np.float64), expected, rtol=2**-7, atol=1e-2)
+
+
+class OtherNorm(nn.BatchNorm):
+    """A second kind of BatchNorm, to tell the kinds of stray layers apart."""
+
+
+def test_train_forward_hands_keywords_on_and_names_every_kind_of_stray_layer():
+    """``train_forward(model, *args, **kwargs)`` calls ``model(*args, **kwargs)`` (a dropout
+    key reaches the dropout); layers that ran but are not in the model are refused, each
+    kind named once; ``record`` outside ``train_forward`` is an error."""
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(8, 4)), jnp.float32)
+    model, key = nn.Sequential(nn.BatchNorm(4), nn.Dropout(0.5)), jax.random.key(0)
+    out, new = nn.train_forward(model, x, key=key)
+    y, bn = model[0](x, train=True)
+    np.testing.assert_array_equal(out, model[1](y, key=jax.random.split(key, 2)[1]))
+    np.testing.assert_array_equal(new[0].mean, bn.mean)
+
+    class Strays(nn.Module):
+        def __call__(self, x):
+            return OtherNorm(4)(nn.BatchNorm(4)(nn.BatchNorm(4)(x)))  # made during the call
+
+    with pytest.raises(ValueError) as raised:
+        nn.train_forward(Strays(), x)
+    assert str(raised.value) == (
+        "train_forward: 3 layer(s) (BatchNorm, OtherNorm) ran in training mode but are not "
+        "part of the Strays given, so their new statistics have nowhere to go. Store every "
+        "layer the model calls in one of its fields."
+    )
+    with pytest.raises(RuntimeError) as raised:
+        record(model[0], bn)
+    assert str(raised.value) == ("record() is only called by layers running under train_forward().")

@@ -1,5 +1,6 @@
 """What every layer shares: named scopes, the dtype rule, jit/grad, init draws, reprs."""
 
+import inspect
 import math
 
 import jax
@@ -61,6 +62,14 @@ def test_every_call_runs_in_a_named_scope(name):
     assert stacks and all(stack.startswith(name) for stack in stacks), stacks
 
 
+def test_sequential_nests_its_layers_scopes_in_its_own():
+    """Each layer of a Sequential, a wrapped function too, keeps its own scope inside it."""
+    seq = nn.Sequential(nn.LayerNorm(4), jax.nn.relu)
+    jaxpr = jax.make_jaxpr(lambda seq, x: seq(x))(seq, jnp.ones((2, 4))).jaxpr
+    stacks = {str(e.source_info.name_stack) for e in jaxpr.eqns}
+    assert stacks == {"Sequential/LayerNorm", "Sequential/Lambda"}
+
+
 def test_attend_has_its_own_scope():
     embed = nn.Embed(5, 4, rngs=rngs())
     jaxpr = jax.make_jaxpr(embed.attend)(jnp.ones((2, 4))).jaxpr
@@ -103,3 +112,67 @@ def test_reprs_show_parameters_and_configuration():
     assert repr(nn.LayerNorm(4)) == "LayerNorm(scale=f32[4], bias=f32[4], epsilon=1e-06)"
     assert repr(nn.Embed(5, 4, rngs=rngs())) == "Embed(embedding=f32[5,4])"
     assert "strides=(2,)" in repr(nn.Conv(1, 2, (3,), strides=2, rngs=rngs()))
+
+
+BAD_INPUTS = [  # (the layer, the input): made in the test, not at import
+    (
+        lambda: nn.Linear(4, 3, rngs=rngs()),
+        lambda: jnp.ones((2, 5)),
+        ValueError,
+        "Linear expects inputs whose last axis has 4 features (its kernel is (4, 3)), got an "
+        "input of shape (2, 5).",
+    ),
+    (
+        lambda: nn.Linear(4, 3, rngs=rngs()),
+        lambda: jnp.ones(()),
+        ValueError,
+        "Linear expects inputs whose last axis has 4 features (its kernel is (4, 3)), got an "
+        "input of shape ().",
+    ),
+    (
+        lambda: nn.Embed(5, 4, rngs=rngs()),
+        lambda: jnp.ones((2, 3)),
+        TypeError,
+        "Embed expects integer ids, got an array of dtype float32 and shape (2, 3); cast it "
+        "first: ids.astype(jnp.int32).",
+    ),
+    (
+        lambda: nn.RMSNorm(4),
+        lambda: jnp.ones(()),
+        ValueError,
+        "RMSNorm expects inputs whose last axis has 4 features (its scale is (4,)), got an "
+        "input of shape (). Pass inputs with 4 features on the last axis, or build the layer "
+        "for this input (a batch of vectors of 4).",
+    ),
+    (
+        lambda: nn.LayerNorm(4),
+        lambda: jnp.ones((3,)),
+        ValueError,
+        "LayerNorm expects inputs whose last axis has 4 features (its scale is (4,)), got an "
+        "input of shape (3,). Pass inputs with 4 features on the last axis, or build the "
+        "layer for this input (num_features=3).",
+    ),
+]
+
+
+@pytest.mark.parametrize("layer, x, error, message", BAD_INPUTS)
+def test_a_bad_input_is_rejected_with_the_layer_and_both_shapes(layer, x, error, message):
+    """An input of the wrong size (or a scalar, or float ids) is an error naming the layer,
+    what fixes its size and the input's shape; a scalar cannot be fitted by a constructor
+    argument, so the hint asks for a batch of vectors instead."""
+    layer = layer()
+    # the layer's own check, as users see it: in tests beartype checks the jaxtyping shapes
+    # first, so the call goes past that test-time wrapper
+    with pytest.raises(error) as raised:
+        inspect.unwrap(type(layer).__call__)(layer, x())
+    assert str(raised.value) == message
+
+
+@pytest.mark.parametrize("batch", [(), (3,), (3, 2), (2, 3, 5)])
+def test_linear_maps_the_last_axis_of_any_batch_shape(batch):
+    """Only the last axis must match ``in_features``; any leading axes are batch axes."""
+    layer = nn.Linear(4, 3, rngs=rngs())
+    layer = layer.load_flat_state_dict({"bias": np.arange(3.0, dtype=np.float32)})
+    x = np.random.default_rng(0).normal(size=(*batch, 4))
+    expected = x @ np.asarray(layer.kernel, np.float64) + np.arange(3.0)
+    np.testing.assert_allclose(layer(jnp.asarray(x, jnp.float32)), expected, atol=1e-5)

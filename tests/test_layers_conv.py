@@ -1,5 +1,7 @@
 """Conv and ConvTranspose against torch.nn.Conv{1,2,3}d and ConvTranspose{1,2,3}d."""
 
+import inspect
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -285,6 +287,11 @@ def test_convs_reject_bad_arguments(layer_type):
     ):
         _spatial(name, 3)  # the layer's own check, which users without beartype see
     with pytest.raises(
+        TypeError,
+        match=rf"{name}'s kernel_size must be a tuple with one positive size.*got \(3, 0\)",
+    ):
+        layer_type(4, 8, (3, 0), rngs=nn.Rngs(0))  # a tuple, so past beartype, but a 0 size
+    with pytest.raises(
         ValueError, match=rf"{name}'s feature_group_count \(3\) must divide both in_features \(4\)"
     ):
         layer_type(4, 6, (3,), feature_group_count=3, rngs=nn.Rngs(0))
@@ -293,6 +300,12 @@ def test_convs_reject_bad_arguments(layer_type):
         match=rf"{name}'s strides must be a positive int or 2 positive ints.*got \(1, 2, 3\)",
     ):
         layer_type(4, 8, (3, 3), strides=(1, 2, 3), rngs=nn.Rngs(0))
+    with pytest.raises(ValueError) as raised:
+        layer_type(4, 8, (3, 3), kernel_dilation=(1, 0), rngs=nn.Rngs(0))
+    assert str(raised.value) == (
+        f"{name}'s kernel_dilation must be a positive int or 2 positive ints (one per spatial "
+        "axis of its 2D kernel_size), got (1, 0)."
+    )
     with pytest.raises(ValueError, match=rf"{name}'s padding must be 'SAME', 'VALID'.*got 'FULL'"):
         layer_type(4, 8, (3, 3), padding="FULL", rngs=nn.Rngs(0))
     with pytest.raises(
@@ -302,6 +315,12 @@ def test_convs_reject_bad_arguments(layer_type):
 
 
 def test_conv_transpose_rejects_padding_that_crops_everything():
+    """Cropping may leave as little as one element (here the kernel's centre tap on a
+    one-element input), but not less."""
+    layer = nn.ConvTranspose(2, 2, (3,), padding=1, rngs=nn.Rngs(0))
+    x = np.random.default_rng(0).normal(size=(1, 1, 2))
+    expected = x @ np.asarray(layer.kernel[1], np.float64) + np.asarray(layer.bias)
+    np.testing.assert_allclose(layer(jnp.asarray(x, jnp.float32)), expected, atol=1e-6)
     layer = nn.ConvTranspose(2, 2, (3,), padding=3, rngs=nn.Rngs(0))
     with pytest.raises(
         ValueError,
@@ -309,3 +328,10 @@ def test_conv_transpose_rejects_padding_that_crops_everything():
         r"an input of shape \(1, 2, 2\) holds \(it would leave \(-2,\)\)",
     ):
         layer(jnp.ones((1, 2, 2)))
+
+
+@pytest.mark.parametrize("layer_type", [nn.Conv, nn.ConvTranspose])
+def test_convs_default_to_same_padding(layer_type):
+    """The documented default padding is "SAME", in the signature and on the layer."""
+    assert inspect.signature(layer_type.__init__).parameters["padding"].default == "SAME"
+    assert layer_type(2, 3, (3,), rngs=nn.Rngs(0)).padding == "SAME"

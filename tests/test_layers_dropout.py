@@ -45,6 +45,9 @@ def test_rates_zero_and_one_and_the_input_dtype():
     key = jax.random.key(0)
     assert nn.Dropout(0.0)(x, key=key) is x
     np.testing.assert_array_equal(nn.Dropout(1.0)(x, key=key), np.zeros((3, 4)))
+    # rate 1 drops everything, and its gradient is zero, not 0 * (1 / 0) = NaN
+    grad = jax.grad(lambda x: nn.Dropout(1.0)(x, key=key).sum())(jnp.ones((3, 4)))
+    np.testing.assert_array_equal(grad, np.zeros((3, 4)))
     assert nn.Dropout(0.5)(x, key=key).dtype == jnp.bfloat16
     assert nn.Dropout(0.5).state_dict() == {}
     assert repr(nn.Dropout(0.25)) == "Dropout(rate=0.25)"

@@ -127,3 +127,43 @@ def test_epsilon_where_it_matters(epsilon):
     assert_close(ours_rms(jnp.asarray(numpy(x))), numpy(rms(x)))
     assert np.all(np.isfinite(ours_rms(jnp.zeros((2, 8)))))
     assert not np.any(ours_rms(jnp.zeros((2, 8))))
+
+
+def _float64_results(fn, *args):
+    """The primitives of `fn`'s jaxpr that produce a float64 value."""
+    jaxpr = jax.make_jaxpr(fn)(*args).jaxpr
+    return [e.primitive.name for e in jaxpr.eqns for v in e.outvars if v.aval.dtype == np.float64]
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda dtype: nn.LayerNorm(8, epsilon=np.float64(1e-2), dtype=dtype),
+        lambda dtype: nn.LayerNorm(8, epsilon=np.float64(1e-2), use_bias=False, dtype=dtype),
+        lambda dtype: nn.LayerNorm(8, epsilon=np.float64(1e-2), use_scale=False, dtype=dtype),
+        lambda dtype: nn.LayerNorm(8, epsilon=np.float64(1e-2), use_scale=False, use_bias=False),
+        lambda dtype: nn.RMSNorm(8, epsilon=np.float64(1e-2), dtype=dtype),
+    ],
+    ids=["LayerNorm", "LayerNorm-scale-only", "LayerNorm-bias-only", "LayerNorm-bare", "RMSNorm"],
+)
+def test_norms_stay_in_float32_when_x64_is_on(make, dtype):
+    """With ``jax_enable_x64``, a float32 or bfloat16 norm still computes in float32: neither
+    JAX's default float dtype (float64 then) nor a NumPy float64 epsilon promotes it."""
+    values = np.linspace(-1, 1, 8).astype(dtype)  # the scale, and the bias if any
+    with jax.enable_x64(True):
+        layer = make(dtype)
+        names = [name for name in ("scale", "bias") if name in layer.flat_state_dict()]
+        layer = layer.load_flat_state_dict(dict.fromkeys(names, values))
+        x = jnp.asarray(np.random.default_rng(0).normal(size=(3, 8)) * 3 + 1, jnp.float32)
+        assert _float64_results(layer, x) == []
+        y = layer(x)
+        assert y.dtype == (dtype if names else jnp.float32)  # bare: the input's dtype
+    v, x = values.astype(np.float64), np.asarray(x, np.float64)
+    if isinstance(layer, nn.RMSNorm):
+        expected = x / np.sqrt(np.mean(x**2, -1, keepdims=True) + 1e-2) * v
+    else:
+        mean, var = x.mean(-1, keepdims=True), x.var(-1, keepdims=True)
+        expected = (x - mean) / np.sqrt(var + 1e-2)
+        expected = expected * (v if "scale" in names else 1) + (v if "bias" in names else 0)
+    _close_to(y, expected)

@@ -3,6 +3,7 @@
 import copy
 import dataclasses
 import functools
+import re
 import typing
 from pathlib import Path
 from typing import ClassVar
@@ -115,8 +116,20 @@ def test_frozen_after_init_with_helpful_error():
         m.input = None
     with pytest.raises(dataclasses.FrozenInstanceError, match=r"eqx\.tree_at"):
         m.input = None
-    with pytest.raises(dataclasses.FrozenInstanceError, match="immutable"):
+    with pytest.raises(dataclasses.FrozenInstanceError) as error:
         del m.output
+    assert str(error.value) == "cannot delete MLP.output: modules are immutable once built."
+
+
+def test_init_may_delete_what_it_set():
+    class M(nn.Module):
+        def __init__(self):
+            self.w = jnp.ones(2)
+            self.scratch = jnp.zeros(2)
+            del self.scratch
+
+    m = M()
+    assert type(m)._taktiny_layout == (("w", True),) and not hasattr(m, "scratch")
 
 
 def test_replace_returns_a_checked_copy():
@@ -128,6 +141,35 @@ def test_replace_returns_a_checked_copy():
         m.replace(inputs=other)
     with pytest.raises(TypeError, match=r"Lambda\(fn\)"):
         m.replace(input=[other, "not-an-array"])
+
+
+@pytest.mark.parametrize(
+    "before, after",
+    [
+        ([0, 1], [None, None]),  # every item swapped for None: nothing left to be data
+        ([0, 1], [None, 1]),
+        ([0, 1], [2, 1]),
+        ([0, 1], [1, 0]),
+        ({"a": 0, "b": 1}, {"a": None, "b": None}),
+        ({"a": 0, "b": 1}, {"a": 2, "b": 1}),
+        ((0,), (None,)),
+    ],
+)
+def test_replace_sorts_a_container_as_building_with_it_would(before, after):
+    # replace() checks only the swapped items of a list, tuple or dict; the module it gives
+    # must still have the layout (and so the tree structure) of one built with the new value
+    arrays = [jnp.full(2, float(i)) for i in range(3)]
+    pick = lambda ix: jax.tree.map(lambda i: arrays[i], ix)
+
+    class M(nn.Module):
+        def __init__(self, items):
+            self.items = items
+
+    replaced = M(pick(before)).replace(items=pick(after))
+    built = M(pick(after))
+    assert type(replaced) is type(built)
+    assert jax.tree.structure(replaced) == jax.tree.structure(built)
+    assert jax.tree.leaves(replaced) == jax.tree.leaves(built)  # the same arrays
 
 
 def test_mixed_container_and_bad_dict_keys_are_errors():
@@ -184,6 +226,14 @@ def test_repr_is_readable():
     assert repr(Declared(jnp.ones(2), tag="x")) == "Declared(weight=f32[2], tag='x', extra=[])"
     # fields keep their declared order whichever were passed
     assert type(Declared(jnp.ones(2), tag="x")) is type(Declared(jnp.ones(2)))
+    # abstract arrays (a model from jax.eval_shape) read the same way
+    abstract = jax.eval_shape(lambda: nn.Linear(32, 64, rngs=nn.Rngs(0)))
+    assert repr(abstract) == "Linear(kernel=f32[32,64], bias=f32[64])"
+    # the indent asked for is the indent given
+    assert eqx.tree_pformat(MLP(rngs=nn.Rngs(0)), indent=4) == (
+        "MLP(\n    input=Linear(kernel=f32[32,64], bias=f32[64]),\n"
+        "    output=Linear(kernel=f32[64,4], bias=f32[4])\n)"
+    )
 
 
 def test_works_with_jax_transformations():
@@ -223,6 +273,26 @@ def test_rngs_same_seed_same_parameters():
     assert not np.allclose(a.input.kernel[:4, :4], a.output.kernel[:4, :4])
     same_key = MLP(rngs=nn.Rngs(jax.random.key(0)))
     np.testing.assert_array_equal(same_key.input.kernel, a.input.kernel)
+
+
+@pytest.mark.parametrize(
+    "seed",
+    [
+        pytest.param(lambda: 7, id="int"),
+        pytest.param(lambda: jax.random.key(7), id="typed key"),
+        pytest.param(lambda: jax.random.PRNGKey(7), id="raw uint32[2] key"),
+    ],
+)
+def test_rngs_streams_fold_the_draw_count_into_the_seed_key(seed):
+    # key n of the stream is fold_in(key(seed), n), whichever form the seed takes
+    rngs = nn.Rngs(seed())
+    assert repr(rngs) == "Rngs(drawn=0)"
+    drawn = [rngs() for _ in range(3)]
+    assert repr(rngs) == "Rngs(drawn=3)"
+    for n, key in enumerate(drawn):
+        assert key.shape == () and jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key)
+        expected = jax.random.fold_in(jax.random.key(7), n)
+        np.testing.assert_array_equal(jax.random.key_data(key), jax.random.key_data(expected))
 
 
 def _public(owner):
@@ -423,6 +493,58 @@ def test_replace_cannot_tie_either_but_shared_parameterless_modules_are_fine():
     assert len(jax.tree.leaves(net)) == 2
 
 
+def test_replace_that_swaps_container_items_still_refuses_ties_and_mixed_containers():
+    class M(nn.Module):
+        def __init__(self, head, blocks, tail, cfg=(1, 2)):
+            self.head = head
+            self.blocks = blocks
+            self.tail = tail
+            self.cfg = cfg
+
+    head, tail, *blocks = (nn.Linear(2, 2, rngs=nn.Rngs(i)) for i in range(4))
+    m = M(head, blocks, tail)
+    fresh = nn.Linear(2, 2, rngs=nn.Rngs(9))
+    for changes, where in [
+        ({"blocks": [head, blocks[1]]}, r"M\.head and M\.blocks\[0\]"),
+        ({"blocks": [fresh, head]}, r"M\.head and M\.blocks\[1\]"),  # every item swapped
+        ({"blocks": [blocks[0], tail]}, r"M\.blocks\[1\] and M\.tail"),
+        ({"head": fresh, "blocks": [fresh, blocks[1]]}, r"M\.head and M\.blocks\[0\]"),
+    ]:
+        with pytest.raises(TypeError, match=where + r" are the same Linear\. A PyTree holds"):
+            m.replace(**changes)
+    # a static tuple that takes an array among its numbers is sorted in full, and refused
+    with pytest.raises(TypeError, match=re.escape("M.cfg[0] is 1, beside arrays or modules")):
+        m.replace(cfg=(1, jnp.ones(2)))
+
+
+def test_replace_sorts_again_only_what_it_changes(monkeypatch):
+    # the cost rule of replace(): a list, tuple or dict that only swaps items for arrays or
+    # modules has those items checked, without sorting the field again; a field declared
+    # static=False, or one whose items are swapped for anything else, is sorted in full
+    class M(nn.Module):
+        blocks: list
+        counts: list = nn.field(static=False)
+
+    sorted_fields = []
+    classify = _module._classify
+    monkeypatch.setattr(
+        _module,
+        "_classify",
+        lambda obj, owner, name, *rest: (
+            sorted_fields.append(name) or classify(obj, owner, name, *rest)
+        ),
+    )
+    m = M([jnp.ones(2), jnp.zeros(2)], [jnp.ones(()), 2])
+    assert sorted_fields == ["blocks", "counts"]
+    sorted_fields.clear()
+    swapped = m.replace(blocks=[jnp.full(2, 3.0), m.blocks[1]])
+    assert sorted_fields == [] and swapped.blocks[1] is m.blocks[1]
+    m.replace(counts=[jnp.full((), 3), m.counts[1]])
+    m.replace(blocks=[None, m.blocks[1]])
+    m.replace(blocks=[m.blocks[1], m.blocks[0], jnp.ones(2)])  # not the same size
+    assert sorted_fields == ["counts", "blocks", "blocks"]
+
+
 def test_python_scalars_forced_into_the_state_become_arrays():
     # Once: they came out of flat_state_dict() as Python numbers, came back from Orbax as
     # arrays, and a load error then claimed the model held int32.
@@ -441,6 +563,25 @@ def test_python_scalars_forced_into_the_state_become_arrays():
         tt.StateDictError, match=r"'count': dtype kind changes: the model holds int32"
     ):
         c.load_flat_state_dict({"count": np.float32(1.0)})
+
+
+def test_a_forced_field_converts_only_its_own_python_numbers():
+    # The numbers directly in a static=False field become arrays; a module in it is kept as
+    # it is (the same object, whatever its leaves hold), and a value with no number to
+    # convert is stored as given.
+    class Forced(nn.Module):
+        items: list = nn.field(static=False)
+
+    linear = nn.Linear(2, 2, rngs=nn.Rngs(0))
+    halves = jax.tree.map(lambda x: x.ndim + 0.5, linear)  # leaves: Python floats
+    array = jnp.ones(3)
+    mixed = Forced([linear, halves, 2, array])
+    assert mixed.items[0] is linear and mixed.items[1] is halves
+    assert type(halves.kernel) is float and mixed.items[3] is array
+    number = mixed.items[2]
+    assert isinstance(number, jax.Array) and number.dtype == jnp.int32 and int(number) == 2
+    given = [halves, linear]
+    assert Forced(given).items is given
 
 
 def test_annotations_name_classvar_by_type_not_by_substring():

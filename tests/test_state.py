@@ -1,5 +1,9 @@
 """The four state methods, partial loads, conversions and every kind of StateDictError."""
 
+import dataclasses
+import warnings
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -717,3 +721,225 @@ def test_tensors_of_other_frameworks_and_python_numbers_load():
         lin.load_flat_state_dict({"bias": [2**30 + 1, 0, 0]})  # not exact in float32
     with pytest.raises(tt.StateDictError, match=r"'bias': dtype kind changes"):
         lin.load_flat_state_dict({"bias": np.array([1, 2, 3])})  # an int array is no Python number
+
+
+# --- values of every origin -------------------------------------------------------------
+
+
+class One(nn.Module):
+    w: jax.Array
+
+
+class _Exported:
+    """Exposes its memory through DLPack only, as a CuPy array does: no ``__array__`` for
+    NumPy to read, and no torch-style ``detach``."""
+
+    def __init__(self, array):
+        self.array = array
+
+    def __dlpack__(self, **kwargs):
+        return self.array.__dlpack__(**kwargs)
+
+    def __dlpack_device__(self):
+        return self.array.__dlpack_device__()
+
+
+def test_values_exported_only_through_dlpack_load_as_copies():
+    source = np.arange(3, dtype=np.float32)
+    loaded = One(jnp.zeros(3)).load_state_dict({"w": _Exported(source)})
+    assert isinstance(loaded.w, jax.Array) and loaded.w.dtype == jnp.float32
+    np.testing.assert_array_equal(loaded.w, np.arange(3, dtype=np.float64))
+    source[...] = 7.0  # the loaded model does not share the exporter's memory
+    np.testing.assert_array_equal(loaded.w, np.arange(3, dtype=np.float64))
+
+
+@pytest.mark.parametrize(
+    "leaf, value, refused",
+    [
+        (jnp.float32, [2**24, -3], None),
+        (jnp.float32, [2**60 + 1, 0], "int64 to float32"),  # rounds to 2**60, as in float64
+        (jnp.uint8, [255, 0], None),
+        (jnp.uint8, [-1, 0], "int64 to uint8"),
+        (jnp.complex64, [1, -2], None),
+        (jnp.complex64, [1.5, float("nan")], None),
+        (jnp.complex64, [1e300, 0.0], "float64 to complex64"),  # would become inf
+    ],
+)
+def test_python_numbers_load_into_another_kind_only_when_every_value_is_kept(leaf, value, refused):
+    """Python numbers take the leaf's dtype, of another kind too (int into float, unsigned
+    or complex; float into complex), when the cast keeps every value (NaN stays NaN);
+    otherwise the load is refused. The check itself warns of nothing."""
+    model = One(jnp.zeros(2, leaf))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        if refused is None:
+            loaded = model.load_state_dict({"w": value})
+            assert loaded.w.dtype == leaf
+            np.testing.assert_array_equal(loaded.w, np.asarray(value, np.complex128))
+            return
+        with pytest.raises(tt.StateDictError) as info:
+            model.load_state_dict({"w": value})
+    assert [str(p) for p in info.value.problems] == [
+        f"'w': narrowing {refused} would change values; convert the value yourself."
+    ]
+
+
+# --- what the walk finds, beside entries that load --------------------------------------
+# (a walk that supplies nothing hands the whole load to the flat view: these states name a
+# good leaf too, so that each view reports its own findings)
+
+
+class Pair(NamedTuple):
+    a: jax.Array
+    b: jax.Array
+
+
+class Tree(nn.Module):
+    def __init__(self):
+        self.layers = [nn.Linear(2, 2, rngs=nn.Rngs(i)) for i in range(3)]
+        self.pair = Pair(jnp.zeros(2), jnp.ones(2))  # a PyTree node that is no list or dict
+        self.bias = jnp.zeros(2)
+
+
+@pytest.mark.parametrize(
+    "flat, group, problem",
+    [
+        (
+            False,
+            ("layers",),
+            "'layers': expected a dict of this submodule's parameters (keys ['0', '1', '2']), "
+            "got an array float32[3].",
+        ),
+        (
+            False,
+            ("layers", "1"),
+            "'layers.1': expected a dict of this submodule's parameters (keys ['kernel', "
+            "'bias']), got an array float32[3].",
+        ),
+        (
+            False,
+            ("pair",),
+            "'pair': expected a dict of this submodule's parameters (keys ['a', 'b']), got an "
+            "array float32[3].",
+        ),
+        (
+            True,
+            ("layers.1.kernal",),
+            "'layers.1.kernal': unknown key; did you mean 'layers.1.kernel'?",
+        ),
+    ],
+)
+def test_a_group_given_an_array_lists_its_keys_and_an_unknown_name_gets_a_suggestion(
+    flat, group, problem
+):
+    """A group given one array names the keys it holds (a list's positions, a module's
+    fields, any other PyTree node's keys); an unknown name gets the closest known one."""
+    model = Tree()
+    state = jnp.zeros(3)
+    for key in reversed(group):  # {"layers": {"1": array}}
+        state = {key: state}
+    load = model.load_flat_state_dict if flat else model.load_state_dict
+    with pytest.raises(tt.StateDictError) as info:
+        load({**state, "bias": np.ones(2, np.float32)})
+    assert [str(p) for p in info.value.problems] == [problem]
+
+
+@pytest.mark.parametrize("flat", [False, True])
+def test_leaves_of_any_pytree_node_load_by_their_key_names(flat, view):
+    model = Tree()
+    b, bias = np.array([5.0, 6.0], np.float32), np.ones(2, np.float32)
+    if flat:
+        new = model.load_flat_state_dict({"pair.b": b, "bias": bias})
+    else:
+        new = model.load_state_dict({"pair": {"b": b}, "bias": bias})
+    assert type(new.pair) is Pair and new.pair.a is model.pair.a
+    np.testing.assert_array_equal(new.pair.b, b)
+    np.testing.assert_array_equal(new.bias, bias)
+    assert leaves_equal(new.layers, model.layers)
+    if view == "walk":  # nothing off the paths named is rebuilt
+        assert all(x is y for x, y in zip(new.layers, model.layers, strict=True))
+
+
+# --- custom parameters below the root, with parts nested in them -------------------------
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Quantized:
+    value: jax.Array
+    range: dict  # {"lo": ..., "hi": ...}: parts named "range.lo", "range.hi"
+
+
+class QuantizedDense(nn.Module):
+    def __init__(self):
+        self.bias = jnp.zeros(3)  # first: the custom parameter's leaves start at position 1
+        self.kernel = Quantized(jnp.ones((2, 3), jnp.int8), {"lo": jnp.zeros(3), "hi": jnp.ones(3)})
+
+
+class Outer(nn.Module):
+    def __init__(self):
+        self.block = QuantizedDense()
+
+
+@pytest.mark.parametrize("form", ["flat", "parts", "whole"])
+def test_custom_parameters_below_the_root_load_by_nested_part_and_whole(form):
+    m = Outer()
+    lo, value = np.full(3, -2.0, np.float32), np.full((2, 3), 5, np.int8)
+    bias = np.arange(3, dtype=np.float32)
+    if form == "flat":
+        new = m.load_flat_state_dict({"block.kernel.range.lo": lo, "block.bias": bias})
+    elif form == "parts":
+        new = m.load_state_dict({"block": {"kernel": {"range": {"lo": lo}}, "bias": bias}})
+    else:
+        whole = Quantized(m.block.kernel.value, {"lo": lo, "hi": m.block.kernel.range["hi"]})
+        new = m.load_state_dict({"block": {"kernel": whole, "bias": bias}})
+    assert isinstance(new.block.kernel, Quantized)
+    assert jax.tree.structure(new) == jax.tree.structure(m)
+    np.testing.assert_array_equal(new.block.kernel.range["lo"], lo)
+    np.testing.assert_array_equal(new.block.bias, bias)
+    assert new.block.kernel.value is m.block.kernel.value
+    assert new.block.kernel.range["hi"] is m.block.kernel.range["hi"]
+    both = m.load_flat_state_dict({"block.kernel.value": value, "block.kernel.range.hi": lo})
+    np.testing.assert_array_equal(both.block.kernel.value, value)
+    np.testing.assert_array_equal(both.block.kernel.range["hi"], lo)
+    assert both.block.kernel.range["lo"] is m.block.kernel.range["lo"]
+    assert both.block.bias is m.block.bias
+
+
+def test_problems_inside_custom_parameters_name_their_full_path():
+    m = Outer()
+    good = {"bias": np.ones(3, np.float32)}
+    parts = "this parameter's parts are ['value', 'range.hi', 'range.lo']"
+    treedef = jax.tree.structure(m.block.kernel)
+    cases = [
+        ({"kernel": {"zero": 1}}, [f"'block.kernel.zero': unknown key; {parts}."]),
+        (
+            {"kernel": {"range": {"mid": 1, "lo": np.ones(3, np.float32)}}},
+            [f"'block.kernel.range.mid': unknown key; {parts}."],
+        ),
+        (
+            {"kernel": {"range": {"lo": {"x": 1}}}},  # a part's name takes its value as it is
+            [
+                "'block.kernel.range.lo': expected an array, got a dict with keys ['x']; this "
+                "name is one array."
+            ],
+        ),
+        (
+            {"kernel": {"value": {"x": 1}}},
+            [
+                "'block.kernel.value': expected an array, got a dict with keys ['x']; this "
+                "name is one array."
+            ],
+        ),
+        (
+            {"kernel": [np.ones(3)]},
+            [
+                f"'block.kernel': expected a value structured as {treedef}, got "
+                f"{jax.tree.structure([0])}."
+            ],
+        ),
+    ]
+    for state, problems in cases:
+        with pytest.raises(tt.StateDictError) as info:
+            m.load_state_dict({"block": {**state, **good}})
+        assert [str(p) for p in info.value.problems] == problems

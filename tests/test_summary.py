@@ -2,6 +2,7 @@
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from _models import MLP
 from jax.sharding import NamedSharding, PartitionSpec
@@ -72,3 +73,122 @@ def test_summary_shows_shardings_when_sharded():
 def test_summary_repr_is_its_table():
     summary = tt.summary(MLP(rngs=nn.Rngs(0)))
     assert repr(summary) == str(summary) and str(summary).startswith("MLP summary\n---")
+
+
+def _mesh(n):
+    return jax.sharding.Mesh(np.array(jax.devices()[:n]), ("model",))
+
+
+@pytest.mark.parametrize("devices", [1, 2, 8])
+def test_a_leaf_is_sharded_when_it_spans_more_than_one_device(devices):
+    kernel = jax.device_put(jnp.ones((8, 2)), NamedSharding(_mesh(devices), PartitionSpec("model")))
+    summary = tt.summary({"kernel": kernel})
+    assert summary.rows[0].sharding == "P('model',)"
+    assert summary.sharded == (devices > 1)
+    assert ("sharding" in str(summary).splitlines()[2]) == (devices > 1)
+
+
+def test_a_sharding_without_a_partition_spec_is_named_by_its_type():
+    # JAX's GSPMDSharding has no PartitionSpec; no public constructor gives one
+    from jax._src.sharding_impls import GSPMDSharding
+
+    replicated = jax.device_put(jnp.ones(3), GSPMDSharding.get_replicated(jax.devices()))
+    summary = tt.summary({"w": replicated, "b": jnp.ones(2)})
+    assert [(r.name, r.sharding) for r in summary.rows] == [
+        ("b", "cpu:0"),
+        ("w", "GSPMDSharding"),
+    ]
+    assert summary.sharded
+    assert str(summary).splitlines()[2].split()[3] == "sharding"
+
+
+def test_plain_python_and_numpy_leaves_are_described_as_numpy_sees_them():
+    tree = {"lr": 0.5, "steps": 3, "table": np.zeros((2, 3), np.float16)}
+    summary = tt.summary(tree)
+    assert [(r.name, r.shape, r.dtype, r.sharding, r.size, r.nbytes) for r in summary.rows] == [
+        (name, np.shape(v), np.asarray(v).dtype.name, "", np.size(v), np.asarray(v).nbytes)
+        for name, v in tree.items()
+    ]
+    assert not summary.sharded and "sharding" not in str(summary)
+
+
+def test_depth_groups_names_by_their_first_parts():
+    # a group's row: no shape, its dtypes in order, "mixed" trainability, summed sizes; a leaf
+    # whose whole name is within `depth` parts keeps its own row
+    tree = {
+        "head": {"w": jnp.ones((4, 2))},
+        "net": Net(rngs=nn.Rngs(0)),
+        "step": jnp.zeros((), jnp.int32),
+    }
+    head_w = ("head.w", (4, 2), "float32", True, 8, 32)
+    step = ("step", (), "int32", True, 1, 4)
+    norm = [
+        (f"net.norm.{name}", (4,), "bfloat16", trained, 4, 8)
+        for name, trained in [("scale", True), ("bias", True), ("mean", False), ("var", False)]
+    ]
+    expected = {
+        1: [
+            ("head", None, "float32", True, 8, 32),
+            ("net", None, "float32/bfloat16", None, 2388, 4 * 2372 + 2 * 16),
+            step,
+        ],
+        2: [
+            head_w,
+            ("net.mlp", None, "float32", True, 2372, 4 * 2372),
+            ("net.norm", None, "bfloat16", None, 16, 32),
+            step,
+        ],
+        3: [
+            head_w,
+            ("net.mlp.input", None, "float32", True, 32 * 64 + 64, 4 * (32 * 64 + 64)),
+            ("net.mlp.output", None, "float32", True, 64 * 4 + 4, 4 * (64 * 4 + 4)),
+            *norm,
+            step,
+        ],
+    }
+    for depth, rows in expected.items():
+        summary = tt.summary(tree, depth=depth)
+        got = [(r.name, r.shape, r.dtype, r.trainable, r.size, r.nbytes) for r in summary.rows]
+        assert got == rows, depth
+        assert (summary.params, summary.trainable_params) == (8 + 2388 + 1, 8 + 2380 + 1)
+    lines = str(tt.summary(tree, depth=1)).splitlines()
+    assert [line.split() for line in lines[4:7]] == [
+        ["head", "float32", "yes", "8", "32", "B"],
+        ["net", "float32/bfloat16", "mixed", "2,388", "9.3", "KiB"],
+        ["step", "()", "int32", "yes", "1", "4", "B"],
+    ]
+
+
+def test_a_group_shows_its_placement_or_mixed():
+    model = MLP(rngs=nn.Rngs(0))
+    mesh = jax.make_mesh((2, 4), ("data", "model"))
+    kernel = jax.device_put(model.input.kernel, NamedSharding(mesh, PartitionSpec(None, "model")))
+    summary = tt.summary(model.replace(input=model.input.replace(kernel=kernel)), depth=1)
+    assert [(r.name, r.sharding) for r in summary.rows] == [("input", "mixed"), ("output", "cpu:0")]
+    lines = str(summary).splitlines()
+    assert lines[2].split()[3] == "sharding"
+    assert lines[4].split()[:3] == ["input", "float32", "mixed"]
+    assert lines[5].split()[:3] == ["output", "float32", "cpu:0"]
+
+
+@pytest.mark.parametrize(
+    ("nbytes", "text"),
+    [
+        (1023, "1023 B"),
+        (1024, "1.0 KiB"),
+        (1536, "1.5 KiB"),
+        (2**20 - 1, "1024.0 KiB"),
+        (2**20, "1.0 MiB"),
+        (3 * 2**19, "1.5 MiB"),
+        (2**30 - 1, "1024.0 MiB"),
+        (2**30, "1.0 GiB"),
+        (5 * 2**29, "2.5 GiB"),
+    ],
+)
+def test_byte_counts_are_shown_in_binary_units_from_one_unit_up(nbytes, text):
+    # abstract leaves: a GiB of uint8 costs nothing
+    summary = tt.summary({"buffer": jax.ShapeDtypeStruct((nbytes,), jnp.uint8)})
+    assert summary.nbytes == nbytes
+    lines = str(summary).splitlines()
+    assert lines[4].endswith(f"  {text}")
+    assert lines[-1] == f"{nbytes:,} parameters ({text}): {nbytes:,} trainable, 0 not trained"

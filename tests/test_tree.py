@@ -224,3 +224,53 @@ def test_by_name_refuses_rules_that_match_nothing_and_names_left_unlabelled():
         tt.by_name({"enc**": 1})
     with pytest.raises(ValueError, match=r"has a '\[' without its '\]'"):
         tt.by_name({"layers.[0": 1})
+
+
+@pytest.mark.parametrize("load", [tt.load_state_dict, tt.load_flat_state_dict])
+def test_a_strict_load_of_any_tree_names_each_missing_leaf_and_its_call(load):
+    tree = {"step": jnp.zeros((), jnp.int32), "w": {"a": jnp.ones(2)}}
+    state = {"step": np.int32(1)}
+    with pytest.raises(tt.StateDictError) as info:
+        load(tree, state, strict=True)
+    assert str(info.value) == (
+        f"taktiny.{load.__name__}(dict): 1 problem; nothing was loaded.\n"
+        "  - 'w.a': missing: strict=True requires every parameter; supply it, or pass "
+        "strict=False to keep its current value."
+    )
+    loaded = load(tree, state)  # not strict: the rest keep their values
+    assert int(loaded["step"]) == 1 and loaded["w"]["a"] is tree["w"]["a"]
+
+
+@pytest.mark.parametrize(
+    ("unlabelled", "more"), [(1, ""), (10, ""), (11, " and 1 more"), (12, " and 2 more")]
+)
+def test_by_name_lists_the_first_ten_unlabelled_names_and_counts_the_rest(unlabelled, more):
+    names = [f"p{i:02d}" for i in range(unlabelled)]
+    tree = {"keep": jnp.ones(1), **{name: jnp.ones(1) for name in names}}
+    listed = ", ".join(repr(name) for name in names[:10])
+    with pytest.raises(ValueError) as info:
+        tt.by_name({"keep": 1, "kep": 2})(tree)
+    assert str(info.value) == (
+        "taktiny.by_name on dict:\n"
+        f"  - no rule matches {listed}{more}; add a rule for them (a last rule '**' matches "
+        "everything), or pass default=...\n"
+        "  - the rule 'kep' matches no name; did you mean 'keep'?"
+    )
+
+
+def test_trainable_reaches_modules_inside_any_container():
+    # a module alone in a list, an empty node (None) beside it: one flag per leaf, and the
+    # untrained fields keep False however deep the module sits
+    tree = {"models": [Normed(rngs=nn.Rngs(0))], "none": None, "step": jnp.zeros((), jnp.int32)}
+    for _ in range(2):  # computed, then from the cache
+        mask = tt.trainable(tree)
+        assert jax.tree.structure(mask) == jax.tree.structure(tree)
+        assert dict(zip(tt.flat_state_dict(tree), jax.tree.leaves(mask), strict=True)) == {
+            "models.0.linear.kernel": True,
+            "models.0.linear.bias": True,
+            "models.0.norm.scale": True,
+            "models.0.norm.bias": True,
+            "models.0.norm.mean": False,
+            "models.0.norm.var": False,
+            "step": True,
+        }

@@ -44,6 +44,5 @@ class Dropout(Module):
             if self.rate == 1.0:
                 return jnp.zeros_like(x)
             keep = keep_mask(key, self.rate, x.shape)
-            return jnp.where(
-                keep, x / jnp.asarray(1.0 - self.rate, x.dtype), jnp.zeros((), x.dtype)
-            )
+            # a Python float is weakly typed: the division stays in x's dtype
+            return jnp.where(keep, x / (1.0 - self.rate), jnp.zeros((), x.dtype))
