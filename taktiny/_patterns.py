@@ -118,7 +118,10 @@ def unused_hint(pattern: str, names: Sequence[str]) -> str:
         )
     parts = pattern.split(".")
     fixed = next((i for i, p in enumerate(parts) if any(c in p for c in "*?[")), len(parts))
-    close = err.closest(".".join(parts[:fixed]), names)  # None when the first part is wild
+    prefix = ".".join(parts[:fixed])
+    close = err.closest(prefix, names)  # None when the first part is wild
     if close is None:
         return "no name is close to it"
+    if close == prefix:  # (then a wild part follows: a name or group would have matched)
+        return f"the names in {prefix!r} do not match the rest, {'.'.join(parts[fixed:])!r}"
     return f"did you mean {'.'.join([close, *parts[fixed:]])!r}?"

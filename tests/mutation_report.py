@@ -7,6 +7,7 @@ exit code) and the mutants judged equivalent, with a reason each, in
 exits 1 when a group misses its target.
 
     python tests/mutation_report.py [--mutants mutants] [--equivalents FILE] [--no-targets]
+    python tests/mutation_report.py --survivors   # their names, to run them again
 """
 
 from __future__ import annotations
@@ -104,8 +105,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mutants", type=Path, default=Path("mutants"))
     parser.add_argument("--equivalents", type=Path, default=HERE / "mutation_equivalents.toml")
     parser.add_argument("--no-targets", action="store_true", help="exit 0 whatever the rates")
+    parser.add_argument(
+        "--survivors", action="store_true", help="only print the surviving mutants' names"
+    )
     args = parser.parse_args(argv)
     results = read(args.mutants)
+    if args.survivors:  # for `make mutate` to judge them again, against today's tests
+        print(" ".join(n for codes in results.values() for n, c in codes.items() if c == 0))
+        return 0
     if not results:
         print(f"no mutation results under {args.mutants}/: run `make mutate` first")
         return 1

@@ -353,6 +353,12 @@ def test_built_modules_take_a_registered_node_class_of_the_same_name():
     node_type = type(m)
     assert node_type is not MLP and node_type.__mro__[1] is MLP and isinstance(m, MLP)
     assert node_type.__name__ == "MLP" and node_type.__qualname__ == MLP.__qualname__
+    assert node_type.__module__ == MLP.__module__ and node_type.__doc__ == MLP.__doc__
+
+    class Local(nn.Module):  # its qualified name is not its name
+        w: jax.Array
+
+    assert type(Local(jnp.ones(1))).__qualname__ == Local.__qualname__
     # calling the node class rebuilds a node from its fields, as JAX's unflatten does
     rebuilt = node_type(input=m.input, output=m.output)
     assert type(rebuilt) is node_type and rebuilt.input is m.input

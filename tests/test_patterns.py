@@ -146,6 +146,8 @@ def test_match_gives_the_first_rule_and_reports_what_went_unmatched_and_unused()
         ("enc.ipn.*", "did you mean 'enc.inp.*'?"),
         ("Xporj.k?", "did you mean 'Xproj.k?'?"),
         ("hd.[ab]", "did you mean 'head.[ab]'?"),
+        ("enc.inp.*.w", "the names in 'enc.inp' do not match the rest, '*.w'"),
+        ("enc.*.w", "the names in 'enc' do not match the rest, '*.w'"),
         ("*.nothing", "no name is close to it"),  # nothing fixed to compare
         ("zzzzzz.*", "no name is close to it"),
     ],

@@ -241,6 +241,15 @@ def test_a_strict_load_of_any_tree_names_each_missing_leaf_and_its_call(load):
     assert int(loaded["step"]) == 1 and loaded["w"]["a"] is tree["w"]["a"]
 
 
+def test_by_name_rules_must_be_pairs(without_type_checks):
+    with pytest.raises(TypeError) as info:
+        tt.by_name([("a", 1, 2)])
+    assert str(info.value) == (
+        "taktiny.by_name takes its rules as a dict {pattern: value} or a list of "
+        "(pattern, value) pairs, got the entry ('a', 1, 2)."
+    )
+
+
 @pytest.mark.parametrize(
     ("unlabelled", "more"), [(1, ""), (10, ""), (11, " and 1 more"), (12, " and 2 more")]
 )
