@@ -167,3 +167,20 @@ def test_norms_stay_in_float32_when_x64_is_on(make, dtype):
         expected = (x - mean) / np.sqrt(var + 1e-2)
         expected = expected * (v if "scale" in names else 1) + (v if "bias" in names else 0)
     _close_to(y, expected)
+
+
+@pytest.mark.parametrize(
+    ("make", "names"),
+    [
+        (lambda eps: nn.LayerNorm(4, epsilon=eps), ["scale", "bias"]),
+        (lambda eps: nn.RMSNorm(4, epsilon=eps), ["scale"]),
+        (lambda eps: nn.BatchNorm(4, epsilon=eps, momentum=np.float32(0.9)),
+         ["scale", "bias", "mean", "var"]),
+    ],
+)  # fmt: skip
+def test_a_numpy_scalar_epsilon_is_configuration_not_a_parameter(make, names, without_type_checks):
+    # a NumPy scalar is an array to a module; stored as given, epsilon would join the state
+    # and an optimizer would train it
+    layer = make(np.float32(1e-3))
+    assert list(layer.flat_state_dict()) == names
+    assert type(layer.epsilon) is float and layer.epsilon == np.float32(1e-3)

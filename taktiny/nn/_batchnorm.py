@@ -81,8 +81,8 @@ class BatchNorm(Module):
         self.bias = jnp.zeros((num_features,), dtype)
         self.mean = jnp.zeros((num_features,), dtype)
         self.var = jnp.ones((num_features,), dtype)
-        self.momentum = momentum
-        self.epsilon = epsilon
+        self.momentum = float(momentum)  # a NumPy scalar would be an array: a parameter
+        self.epsilon = float(epsilon)  # a NumPy scalar would be an array: a parameter
 
     @overload
     def __call__(

@@ -61,7 +61,7 @@ class LayerNorm(Module):
     ):
         self.scale = jnp.ones((num_features,), dtype) if use_scale else None
         self.bias = jnp.zeros((num_features,), dtype) if use_bias else None
-        self.epsilon = epsilon
+        self.epsilon = float(epsilon)  # a NumPy scalar would be an array: a parameter
 
     def __call__(
         self, x: Float[Array, "*batch num_features"]
@@ -115,7 +115,7 @@ class RMSNorm(Module):
         rngs: Rngs | None = None,
     ):
         self.scale = jnp.ones((num_features,), dtype)
-        self.epsilon = epsilon
+        self.epsilon = float(epsilon)  # a NumPy scalar would be an array: a parameter
 
     def __call__(
         self, x: Float[Array, "*batch num_features"]
