@@ -106,17 +106,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--equivalents", type=Path, default=HERE / "mutation_equivalents.toml")
     parser.add_argument("--no-targets", action="store_true", help="exit 0 whatever the rates")
     parser.add_argument(
-        "--survivors", action="store_true", help="only print the surviving mutants' names"
+        "--survivors",
+        action="store_true",
+        help="only print the survivors' names (equivalent ones left out)",
     )
     args = parser.parse_args(argv)
     results = read(args.mutants)
-    if args.survivors:  # for `make mutate` to judge them again, against today's tests
-        print(" ".join(n for codes in results.values() for n, c in codes.items() if c == 0))
+    equivalent = tomllib.loads(args.equivalents.read_text()).get("mutants", {})
+    if args.survivors:  # for `make mutate` to judge again (against today's tests) what may die
+        found = [n for codes in results.values() for n, c in codes.items() if c == 0]
+        print(" ".join(n for n in found if n not in equivalent))
         return 0
     if not results:
         print(f"no mutation results under {args.mutants}/: run `make mutate` first")
         return 1
-    equivalent = tomllib.loads(args.equivalents.read_text()).get("mutants", {})
     summary = summarise(results, equivalent)
     (args.mutants / "report.md").write_text(report(results, equivalent, summary))
     stale = sorted(set(equivalent) - {n for codes in results.values() for n in codes})
