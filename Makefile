@@ -26,10 +26,13 @@ property: $(STAMP)
 
 # Mutation testing (docs/testing.md): the mutants of taktiny/ not judged yet (all of them the
 # first time; then those of changed functions), the survivors again against today's tests,
-# then the report (mutants/report.md); fails when a kill rate misses its target.
-# `rm -rf mutants` first for a run from scratch.
+# then the report (mutants/report.md); fails when a kill rate misses its target. The map of
+# which tests reach which function is rebuilt each time (mutmut updates it only for tests
+# with new names, so a changed test would keep its old reach). `rm -rf mutants` first for a
+# run from scratch.
 MUTMUT := TAKTINY_TEST_COMPILATION_CACHE=$(CURDIR)/.jax-cache $(VENV)/bin/mutmut run --max-children 2
 mutate: $(STAMP)
+	rm -f mutants/mutmut-stats.json
 	$(MUTMUT)
 	$(MUTMUT) $$($(PY) tests/mutation_report.py --survivors)
 	$(PY) tests/mutation_report.py

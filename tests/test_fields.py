@@ -56,6 +56,19 @@ def test_a_declared_field_takes_its_default_or_a_fresh_value_from_its_factory():
         M(weight, bias=weight)
 
 
+def test_a_custom_init_that_leaves_a_field_unset_gets_its_default_or_factory_value():
+    class M(nn.Module):
+        weight: jax.Array
+        tag: str = "t"
+        extra: list = nn.field(default_factory=list)
+
+        def __init__(self, weight):
+            self.weight = weight
+
+    a, b = M(jnp.ones(2)), M(jnp.ones(2))
+    assert (a.tag, a.extra) == ("t", []) and a.extra is not b.extra
+
+
 def test_the_generated_init_has_a_signature_like_a_dataclass_one():
     class M(nn.Module):
         weight: jax.Array
@@ -112,6 +125,17 @@ def test_declared_fields_that_cannot_make_an_init_are_refused(body, message):
         exec(code, {"nn": nn})
     # Python 3.12 adds the argument's name: "non-default argument 'b' follows ..."
     assert re.sub(r" argument '\w+' follows", " argument follows", str(error.value)) == message
+
+
+def test_annotated_dunder_names_stay_class_attributes():
+    # Python's own annotated names (`__slots__`, `__match_args__`, ...) are never fields.
+    class M(nn.Module):
+        __match_args__: tuple = ("weight",)
+        weight: jax.Array
+
+    assert str(inspect.signature(M.__init__)) == "(self, weight)"
+    assert M.__match_args__ == ("weight",)
+    assert repr(M(jnp.zeros(2))) == "M(weight=f32[2])"
 
 
 def test_annotations_name_classvar_also_as_strings():

@@ -1,5 +1,7 @@
 """MultiHeadAttention against torch.nn.MultiheadAttention and torch's scaled_dot_product_attention."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -146,16 +148,89 @@ def test_dropout_only_with_a_key_and_the_key_decides():
 
 
 @pytest.mark.parametrize("causal", [False, True])
-def test_the_dropout_path_masks_like_the_fused_path(causal):
+@pytest.mark.parametrize(("batch", "heads", "masked"), [(2, 2, True), (1, 4, False), (3, 1, True)])
+def test_the_dropout_path_masks_like_the_fused_path(causal, batch, heads, masked):
     """With a vanishing rate nothing is dropped, so the hand-written attention that
-    supports dropout must equal jax.nn.dot_product_attention, masks included (and a query
-    that may attend to nothing gets the mean of the values in both)."""
-    mha = nn.MultiHeadAttention(2, E, dropout_rate=1e-12, rngs=nn.Rngs(0))
-    x = randn(B, T, E, seed=0)
-    mask = random_mask((B, 2, T, T), 5)
-    mask[1, 0, 2] = False  # a query with nothing to attend to
-    kwargs = {"mask": jnp.asarray(mask), "causal": causal}
+    supports dropout must equal jax.nn.dot_product_attention, for any batch size and number
+    of heads, masks included (and a query that may attend to nothing gets the mean of the
+    values in both)."""
+    mha = nn.MultiHeadAttention(heads, E, dropout_rate=1e-12, rngs=nn.Rngs(0))
+    x = randn(batch, T, E, seed=0)
+    kwargs = {"causal": causal}
+    if masked:
+        mask = random_mask((batch, heads, T, T), 5)
+        mask[-1, 0, 2] = False  # a query with nothing to attend to
+        kwargs["mask"] = jnp.asarray(mask)
     assert_close(mha(x, key=jax.random.key(3), **kwargs), mha(x, **kwargs))
+
+
+def _eqns(jaxpr):
+    """The equations of `jaxpr` and of the jaxprs nested in it."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for param in eqn.params.values():
+            inner = getattr(param, "jaxpr", None)
+            if inner is not None:
+                yield from _eqns(getattr(inner, "jaxpr", inner))
+
+
+def test_bfloat16_dropout_attention_takes_logits_and_softmax_in_float32():
+    """As jax.nn.dot_product_attention does: bfloat16 queries and keys give float32 logits,
+    and the weights return to bfloat16 only to meet the values; the output stays bfloat16
+    and matches the fused path within bfloat16's rounding."""
+    half = nn.MultiHeadAttention(2, E, dtype=jnp.bfloat16, dropout_rate=1e-12, rngs=nn.Rngs(0))
+    x = randn(B, T, E, seed=0).astype(jnp.bfloat16)
+    dropped = half(x, key=jax.random.key(3))
+    assert dropped.dtype == jnp.bfloat16
+    np.testing.assert_allclose(
+        np.asarray(dropped, np.float32), np.asarray(half(x), np.float32), atol=2e-2
+    )
+    jaxpr = jax.make_jaxpr(lambda m, x: m(x, key=jax.random.key(3)))(half, x).jaxpr
+    logits = [
+        e.outvars[0].aval
+        for e in _eqns(jaxpr)
+        if e.primitive.name == "dot_general" and e.outvars[0].aval.shape == (B, 2, T, T)
+    ]
+    assert [a.dtype for a in logits] == [jnp.float32]
+
+
+def test_a_zero_dropout_rate_draws_no_random_numbers_even_with_a_key():
+    mha = nn.MultiHeadAttention(2, E, dropout_rate=0.5, rngs=nn.Rngs(0))
+    x = randn(B, T, E, seed=0)
+
+    def program(m):
+        return str(jax.make_jaxpr(lambda m, x: m(x, key=jax.random.key(0)))(m, x))
+
+    assert "random_bits" in program(mha)
+    assert "random_bits" not in program(mha.replace(dropout_rate=0.0))
+
+
+@pytest.mark.parametrize("rate", [-0.1, 1.0, 1.5])
+def test_the_dropout_rate_must_be_in_zero_to_one(rate):
+    expected = f"MultiHeadAttention's dropout_rate must be in [0, 1), got {rate!r}."
+    with pytest.raises(ValueError, match=f"^{re.escape(expected)}$"):
+        nn.MultiHeadAttention(2, E, dropout_rate=rate, rngs=nn.Rngs(0))
+    assert nn.MultiHeadAttention(2, E, dropout_rate=0.0, rngs=nn.Rngs(0)).dropout_rate == 0.0
+
+
+@pytest.mark.parametrize(
+    ("q_shape", "kv_shape"), [((2, T, E), (3, S, E)), ((E,), (E,)), ((4, 2, T, E), (2, S, E))]
+)
+def test_rejects_queries_and_keys_with_other_batch_axes(q_shape, kv_shape, without_type_checks):
+    mha = nn.MultiHeadAttention(2, E, rngs=nn.Rngs(0))
+    expected = (
+        "MultiHeadAttention expects inputs_q [*batch, q_length, features] and inputs_kv "
+        f"[*batch, kv_length, features] with the same batch axes, got shapes {q_shape} and "
+        f"{kv_shape}."
+    )
+    with pytest.raises(ValueError, match=f"^{re.escape(expected)}$"):
+        mha(jnp.ones(q_shape), jnp.ones(kv_shape))
+
+
+def test_rejects_a_mask_that_is_not_boolean(without_type_checks):
+    mha = nn.MultiHeadAttention(2, E, rngs=nn.Rngs(0))
+    with pytest.raises(ValueError, match=r"= \[2, 2, 5, 5\], got float32\[2, 2, 5, 5\]\."):
+        mha(jnp.ones((2, T, E)), mask=jnp.ones((2, 2, T, T)))
 
 
 def test_submodules_are_linear_layers_with_the_jax_names():

@@ -138,6 +138,32 @@ def test_momentum_must_be_in_unit_interval_and_mentions_torch():
         match=r"BatchNorm's momentum .* in \[0, 1\]; got 1\.5 \(a PyTorch momentum m is 1 - m here\)",
     ):
         nn.BatchNorm(3, momentum=1.5)
+    for momentum in (0.0, 1.0):  # the ends: keep only the batch's statistics, or only the old
+        x = jnp.asarray(np.random.default_rng(0).normal(size=(6, 3)), jnp.float32)
+        _, new = nn.BatchNorm(3, momentum=momentum)(x, train=True)
+        expected = np.asarray(x).mean(0) if momentum == 0.0 else np.zeros(3)
+        np.testing.assert_allclose(new.mean, expected, rtol=1e-6, atol=1e-7)
+
+
+class _Twice(nn.Module):
+    """Calls its BatchNorm twice: once as train_forward tracks it, once with train=True."""
+
+    def __init__(self):
+        self.bn = nn.BatchNorm(3, momentum=0.5)
+
+    def __call__(self, x):
+        self.bn(x)
+        return self.bn(x * 3.0, train=True)[1]
+
+
+def test_train_true_updates_from_the_layer_it_is_called_on_even_under_train_forward():
+    """An explicit train=True returns the layer it was called on, moved once: updates that
+    train_forward collected for the same layer do not leak into it."""
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(6, 3)), jnp.float32)
+    model = _Twice()
+    explicit, tracked = nn.train_forward(model, x)
+    np.testing.assert_allclose(explicit.mean, 0.5 * np.asarray(x * 3.0).mean(0), rtol=1e-6)
+    np.testing.assert_allclose(tracked.bn.mean, 0.5 * np.asarray(x).mean(0), rtol=1e-6)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])

@@ -314,6 +314,32 @@ def test_convs_reject_bad_arguments(layer_type):
         layer_type(4, 8, (3, 3), padding=[1, 2, 3], rngs=nn.Rngs(0))
 
 
+@pytest.mark.parametrize("layer_type", [nn.Conv, nn.ConvTranspose])
+def test_convs_take_up_to_22_spatial_axes_and_whole_padding_pairs(layer_type, without_type_checks):
+    """A kernel may have as many spatial axes as the dimension numbers have letters for
+    (22); padding pairs must be two ints each, and Conv's input_dilation one positive int
+    per axis. Each refusal names the layer, the argument and the value."""
+    name = layer_type.__name__
+    assert layer_type(1, 1, (1,) * 22, rngs=nn.Rngs(0)).kernel.shape == (1,) * 24
+    with pytest.raises(ValueError) as raised:
+        layer_type(1, 1, (1,) * 23, rngs=nn.Rngs(0))
+    assert str(raised.value) == f"{name}'s kernel_size must have 1 to 22 entries, got {(1,) * 23}."
+    for padding in [((1, 2, 3), 1), ((1, 2.5), 1), (1, (2,))]:
+        with pytest.raises(ValueError) as raised:
+            layer_type(4, 8, (3, 3), padding=padding, rngs=nn.Rngs(0))
+        assert str(raised.value) == (
+            f"{name}'s padding must be 'SAME', 'VALID', an int, or 2 ints or (low, high) pairs "
+            f"(one per spatial axis of its 2D kernel_size); got {padding!r}."
+        )
+    if layer_type is nn.Conv:
+        with pytest.raises(ValueError) as raised:
+            nn.Conv(4, 8, (3, 3), input_dilation=(2, 0), rngs=nn.Rngs(0))
+        assert str(raised.value) == (
+            "Conv's input_dilation must be a positive int or 2 positive ints (one per spatial "
+            "axis of its 2D kernel_size), got (2, 0)."
+        )
+
+
 def test_conv_transpose_rejects_padding_that_crops_everything():
     """Cropping may leave as little as one element (here the kernel's centre tap on a
     one-element input), but not less."""

@@ -169,6 +169,23 @@ def test_norms_stay_in_float32_when_x64_is_on(make, dtype):
     _close_to(y, expected)
 
 
+def test_float64_norms_compute_in_float64():
+    """With ``jax_enable_x64``, a float64 norm keeps float64 statistics: its output matches
+    NumPy's float64 result far beyond float32's precision (inputs offset by 1e3)."""
+    x = np.random.default_rng(0).normal(size=(6, 16)) + 1e3
+    mean, var = x.mean(-1, keepdims=True), x.var(-1, keepdims=True)
+    with jax.enable_x64(True):
+        layer = nn.LayerNorm(16, dtype=jnp.float64)(jnp.asarray(x))
+        rms = nn.RMSNorm(16, dtype=jnp.float64)(jnp.asarray(x))
+        batch, _ = nn.BatchNorm(16, dtype=jnp.float64)(jnp.asarray(x), train=True)
+    assert layer.dtype == rms.dtype == batch.dtype == np.float64
+    np.testing.assert_allclose(layer, (x - mean) / np.sqrt(var + 1e-6), rtol=0, atol=1e-10)
+    expected_rms = x / np.sqrt(np.mean(x**2, -1, keepdims=True) + 1e-6)
+    np.testing.assert_allclose(rms, expected_rms, rtol=0, atol=1e-12)
+    expected_batch = (x - x.mean(0)) / np.sqrt(x.var(0) + 1e-5)
+    np.testing.assert_allclose(batch, expected_batch, rtol=0, atol=1e-10)
+
+
 @pytest.mark.parametrize(
     ("make", "names"),
     [

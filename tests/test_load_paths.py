@@ -12,7 +12,7 @@ from _models import MLP
 from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
 import taktiny as tt
-from taktiny import _state, nn
+from taktiny import _state, _values, nn
 
 
 class Blocks(nn.Module):
@@ -111,8 +111,8 @@ def test_zero_size_leaves_keep_their_dtype(dtype, sharded):
 
 @pytest.mark.parametrize("flat", [False, True])
 def test_problems_of_a_full_load_in_leaf_order_name_the_call(flat):
-    """A state naming every leaf in order (the fast path) reports its problems under the
-    name of the call, like any other load."""
+    """A strict load of a state naming every leaf in order (the fast path) reports its
+    problems under the name of the call, like any other load."""
     m = MLP(rngs=nn.Rngs(0))
     state = m.flat_state_dict() if flat else m.state_dict()
     if flat:
@@ -125,7 +125,29 @@ def test_problems_of_a_full_load_in_leaf_order_name_the_call(flat):
         "  - 'output.bias': shape mismatch: expected (4,), got (5,)."
     )
     with pytest.raises(tt.StateDictError, match=f"^{re.escape(expected)}$"):
-        getattr(m, method)(state)
+        getattr(m, method)(state, strict=True)
+
+
+@pytest.mark.parametrize("flat", [False, True])
+def test_a_full_load_in_leaf_order_resolves_no_name_and_converts_no_array(flat, monkeypatch):
+    """The fast paths that bench/ times: a strict load of a state shaped like the model's own
+    gathers its values in leaf order without resolving a single name, and an array that
+    already has its leaf's shape, dtype and sharding goes in as it is, unconverted."""
+    m, donor = Blocks(rngs=nn.Rngs(0)), Blocks(rngs=nn.Rngs(1))
+    state = donor.flat_state_dict() if flat else donor.state_dict()
+
+    def slow_path(*args, **kwargs):
+        raise AssertionError("a full load in leaf order took the slow path")
+
+    monkeypatch.setattr(_state, "resolve", slow_path)
+    monkeypatch.setattr(_values, "convert", slow_path)
+    new = (
+        m.load_flat_state_dict(state, strict=True)
+        if flat
+        else m.load_state_dict(state, strict=True)
+    )
+    pairs = zip(jax.tree.leaves(new), jax.tree.leaves(donor), strict=True)
+    assert all(loaded is given for loaded, given in pairs)
 
 
 def test_concrete_values_load_into_a_traced_model_inside_jit():
