@@ -138,8 +138,8 @@ def test_momentum_must_be_in_unit_interval_and_mentions_torch():
         match=r"BatchNorm's momentum .* in \[0, 1\]; got 1\.5 \(a PyTorch momentum m is 1 - m here\)",
     ):
         nn.BatchNorm(3, momentum=1.5)
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(6, 3)), jnp.float32)
     for momentum in (0.0, 1.0):  # the ends: keep only the batch's statistics, or only the old
-        x = jnp.asarray(np.random.default_rng(0).normal(size=(6, 3)), jnp.float32)
         _, new = nn.BatchNorm(3, momentum=momentum)(x, train=True)
         expected = np.asarray(x).mean(0) if momentum == 0.0 else np.zeros(3)
         np.testing.assert_allclose(new.mean, expected, rtol=1e-6, atol=1e-7)

@@ -391,10 +391,6 @@ def test_loads_do_not_share_memory_with_the_callers_arrays():
             assert not np.any(np.asarray(leaf) == 7.0)
 
 
-class _Vector(nn.Module):
-    w: jax.Array
-
-
 def _owning_aligned(n):
     """n float32 ones in a NumPy array that owns its memory at a 64-byte-aligned address (the
     kind jax.device_put shares on CPU); NumPy's allocator gives one within a few tries."""
@@ -411,7 +407,7 @@ def _owning_aligned(n):
 def test_loads_do_not_share_memory_with_arrays_the_caller_owns(strict):
     """The same for a NumPy array that owns its memory: the caller may write to it after the
     load without changing the model."""
-    m = _Vector(jnp.zeros(4096))
+    m = One(jnp.zeros(4096))  # (defined below)
     source = _owning_aligned(4096)
     loaded = m.load_state_dict({"w": source}, strict=strict)
     source[...] = 7.0
