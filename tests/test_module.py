@@ -327,14 +327,18 @@ def _public(owner):
 
 def test_public_surface_is_short_and_documented():
     assert _public(tt) == [
+        "ShardingPlan",
         "StateDictError",
         "StateProblem",
         "Summary",
         "by_name",
+        "eval_shape",
         "flat_state_dict",
         "load_flat_state_dict",
         "load_state_dict",
         "nn",
+        "shard",
+        "sharding_plan",
         "state_dict",
         "summary",
         "trainable",

@@ -10,6 +10,7 @@ from jaxtyping import Array, Float, Integer
 from .._module import Module
 from .._rngs import Rngs
 from ._checks import check_features
+from .._sharding import Spec
 from ._random import normal
 
 
@@ -26,6 +27,10 @@ class Embed(Module):
         features: the size of each vector.
         dtype: the embedding's dtype, which is also the dtype the outputs have and the
             dtype :meth:`attend` computes in.
+        embedding_sharding: how ``embedding`` is split over the mesh of an enclosing
+            ``jax.set_mesh``: a tuple of mesh axis names, one per axis (``("model", None)``
+            splits the vocabulary, ``(None, "model")`` the features), or a
+            ``PartitionSpec``. Ignored without a mesh.
         rngs: the key stream for the initialisation.
     """
 
@@ -37,9 +42,11 @@ class Embed(Module):
         features: int,
         *,
         dtype: DTypeLike = jnp.float32,
+        embedding_sharding: Spec | None = None,
         rngs: Rngs,
     ):
-        self.embedding = normal(rngs(), (num_embeddings, features), dtype, stddev=1.0)
+        shape = (num_embeddings, features)
+        self.embedding = normal(rngs(), shape, dtype, 1.0, embedding_sharding, "Embed.embedding")
 
     def __call__(self, ids: Integer[Array, "*batch"]) -> Float[Array, "*batch features"]:
         """Returns the rows of ``embedding`` for ``ids`` ``[*batch]``: ``[*batch, features]``.

@@ -9,7 +9,8 @@ from jaxtyping import Array, Float
 
 from .._module import Module
 from .._rngs import Rngs
-from ._random import lecun_normal
+from .._sharding import Spec
+from ._random import constant, lecun_normal
 
 
 class Linear(Module):
@@ -27,6 +28,10 @@ class Linear(Module):
         out_features: size of the output's last axis.
         use_bias: whether to add a bias.
         dtype: the parameters' dtype, which is also the dtype the layer computes in.
+        kernel_sharding: how ``kernel`` is split over the mesh of an enclosing
+            ``jax.set_mesh``: a tuple of mesh axis names, one per axis (``(None, "model")``
+            splits the outputs), or a ``PartitionSpec``. Ignored without a mesh.
+        bias_sharding: the same for ``bias`` (``("model",)``).
         rngs: the key stream for the initialisation.
     """
 
@@ -40,10 +45,15 @@ class Linear(Module):
         *,
         use_bias: bool = True,
         dtype: DTypeLike = jnp.float32,
+        kernel_sharding: Spec | None = None,
+        bias_sharding: Spec | None = None,
         rngs: Rngs,
     ):
-        self.kernel = lecun_normal(rngs(), (in_features, out_features), dtype)
-        self.bias = jnp.zeros((out_features,), dtype) if use_bias else None
+        shape = (in_features, out_features)
+        self.kernel = lecun_normal(rngs(), shape, dtype, kernel_sharding, "Linear.kernel")
+        self.bias = (
+            constant(0, (out_features,), dtype, bias_sharding, "Linear.bias") if use_bias else None
+        )
 
     def __call__(
         self, x: Float[Array, "*batch in_features"]

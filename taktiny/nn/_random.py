@@ -10,30 +10,98 @@ building small models and compiling dropout.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Sequence
+from functools import partial
+from typing import Any
 
 import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
 from jax.typing import DTypeLike
+
+from .._sharding import Spec, explicit_part, placement
 
 # The standard deviation of a standard normal truncated to [-2, 2]; dividing by it
 # keeps the requested variance, as jax.nn.initializers.variance_scaling does.
 _TRUNCATED_STDDEV = 0.87962566103423978
 
 
-def lecun_normal(key: jax.Array, shape: Sequence[int], dtype: DTypeLike) -> jax.Array:
+@partial(jax.jit, static_argnames=("kind", "shape", "dtype", "stddev", "spec", "explicit"))
+def _sharded(
+    key: Any, *, kind: str, shape: tuple[int, ...], dtype: Any, stddev: float, spec: Any,
+    explicit: Any,
+) -> jax.Array:  # fmt: skip
+    """A parameter created directly with its sharding: every device computes its own shard
+    (JAX's threefry is partitionable), so no device ever holds the whole parameter. The
+    values are those of the unsharded draw."""
+    if kind == "lecun_normal":
+        init = jax.nn.initializers.truncated_normal(stddev, lower=-2.0, upper=2.0)
+        x = init(key, shape, dtype, out_sharding=explicit)
+    elif kind == "normal":
+        x = jax.nn.initializers.normal(stddev)(key, shape, dtype, out_sharding=explicit)
+    else:
+        x = jnp.full(shape, kind == "ones", dtype, out_sharding=explicit)
+    # on Explicit axes the draw is already placed; Auto axes (and the mesh of `with mesh:`)
+    # are placed by a constraint, which the compiler propagates back into the draw
+    return x if explicit == spec else jax.lax.with_sharding_constraint(x, spec)
+
+
+def _create(kind: str, key: Any, shape: Sequence[int], dtype: DTypeLike, stddev: float,
+            sharding: Spec | None, where: str) -> jax.Array | None:  # fmt: skip
+    """The parameter created on the ambient mesh by `sharding`; None when it is to be
+    created as without a mesh."""
+    placed = placement(sharding, tuple(shape), where)
+    if placed is None:
+        return None
+    spec, mesh = placed
+    # the mesh of `with mesh:` (a concrete Mesh) is made ambient as jax.set_mesh would
+    with jax.set_mesh(mesh) if isinstance(mesh, Mesh) else contextlib.nullcontext():
+        return _sharded(key, kind=kind, shape=tuple(shape), dtype=np.dtype(dtype),
+                        stddev=stddev, spec=spec, explicit=explicit_part(spec, mesh))  # fmt: skip
+
+
+def lecun_normal(
+    key: jax.Array, shape: Sequence[int], dtype: DTypeLike, sharding: Spec | None = None,
+    where: str = "",
+) -> jax.Array:  # fmt: skip
     """``jax.nn.initializers.lecun_normal()(key, shape, dtype)`` for a kernel whose last
     axis is the output: a normal truncated to two standard deviations, with variance
     ``1 / fan_in``, where ``fan_in`` is the product of every other axis (input features
-    times the window)."""
+    times the window). Under a mesh, `sharding` (named `where` in errors) places it."""
     stddev = math.sqrt(1.0 / math.prod(shape[:-1])) / _TRUNCATED_STDDEV
+    placed = _create("lecun_normal", key, shape, dtype, stddev, sharding, where)
+    if placed is not None:
+        return placed
     init = jax.nn.initializers.truncated_normal(stddev, lower=-2.0, upper=2.0)
     return init(key, (math.prod(shape),), dtype).reshape(shape)
 
 
-def normal(key: jax.Array, shape: Sequence[int], dtype: DTypeLike, stddev: float) -> jax.Array:
-    """``jax.nn.initializers.normal(stddev)(key, shape, dtype)``."""
+def normal(
+    key: jax.Array, shape: Sequence[int], dtype: DTypeLike, stddev: float,
+    sharding: Spec | None = None, where: str = "",
+) -> jax.Array:  # fmt: skip
+    """``jax.nn.initializers.normal(stddev)(key, shape, dtype)``; see :func:`lecun_normal`
+    for `sharding`."""
+    placed = _create("normal", key, shape, dtype, stddev, sharding, where)
+    if placed is not None:
+        return placed
     return jax.nn.initializers.normal(stddev)(key, (math.prod(shape),), dtype).reshape(shape)
+
+
+def constant(
+    value: int, shape: Sequence[int], dtype: DTypeLike, sharding: Spec | None = None,
+    where: str = "",
+) -> jax.Array:  # fmt: skip
+    """``jnp.zeros`` (`value` 0) or ``jnp.ones`` (1); see :func:`lecun_normal` for
+    `sharding`."""
+    kind = "ones" if value else "zeros"
+    placed = _create(kind, None, shape, dtype, 0.0, sharding, where)
+    if placed is not None:
+        return placed
+    return jnp.ones(shape, dtype) if value else jnp.zeros(shape, dtype)
 
 
 def keep_mask(key: jax.Array, rate: float, shape: Sequence[int]) -> jax.Array:
