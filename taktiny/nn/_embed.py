@@ -9,8 +9,8 @@ from jaxtyping import Array, Float, Integer
 
 from .._module import Module
 from .._rngs import Rngs
-from ._checks import check_features
 from .._sharding import Spec
+from ._checks import check_features
 from ._random import normal
 
 
