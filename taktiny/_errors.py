@@ -22,7 +22,8 @@ class StateProblem:
             belongs, or the reverse), ``"shape"``, ``"dtype"`` (a change of dtype
             kind, or a cast to a narrower dtype that would change values: an integer
             out of range, a finite float that would become infinite), ``"value"`` (not
-            an array), ``"missing"`` (not supplied under ``strict=True``) or
+            an array), ``"sharding"`` (an array on devices outside the mesh of the
+            leaf it replaces), ``"missing"`` (not supplied under ``strict=True``) or
             ``"abstract"`` (not supplied to an abstract model).
         key: the flat name (``"layers.1.kernel"``) the problem is about.
         expected: what the model holds there (a shape, a dtype name, a suggestion).
@@ -296,6 +297,23 @@ def overflow(name: str, expected: Any, got: Any, count: int, largest: float) -> 
         f"casting {have} to {want} would turn {values} into inf: the largest is {largest:.4g}, "
         f"and {want} holds at most {limit:.4g}. Scale or clip the value, or keep this "
         f"parameter in a wider dtype.",
+    )
+
+
+def devices(name: str, shape: tuple[int, ...], got: Any, target: Any) -> StateProblem:
+    """A value on devices outside the mesh of the leaf it replaces."""
+    mesh = target.mesh
+    axes = "{" + ", ".join(f"{a!r}: {n}" for a, n in mesh.shape.items()) + "}"
+    have = sorted(d.id for d in got.device_set)
+    want = sorted(d.id for d in mesh.devices.flat)
+    return StateProblem(
+        "sharding",
+        name,
+        f"devices {want}",
+        f"devices {have}",
+        f"the value of shape {shape} sits on devices {have}, outside the leaf's mesh {axes} "
+        f"(devices {want}, spec {target.spec}). Load host data (NumPy) or arrays on the "
+        f"model's mesh: jax.device_put(value, leaf.sharding) first.",
     )
 
 

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.core import Tracer
+from jax.sharding import AxisType, NamedSharding
 
 from . import _errors as err
 from . import _names, _values
@@ -76,14 +77,39 @@ def _check(
         if value is None:
             continue
         target = getattr(old, "sharding", None)
-        if isinstance(old, Tracer) or isinstance(value, Tracer):  # inside jit: jit places it
-            new[where] = jnp.asarray(value)
+        if isinstance(old, Tracer) or isinstance(value, Tracer):  # inside jit
+            new[where] = _constrain(jnp.asarray(value), old, target)
         elif isinstance(value, jax.Array) and value.sharding == target:
             new[where] = value
+        elif isinstance(value, jax.Array) and _outside(value, target):
+            problems.append(err.devices(view.name(where), old.shape, value.sharding, target))
         else:
             copy = _values.shares_memory(value, given, target)
             moves.append(_Move(where, value.copy() if copy else value, target))
     return new, moves
+
+
+def _outside(value: jax.Array, target: Any) -> bool:
+    """Whether `value` sits on devices outside the mesh of `target` (a NamedSharding)."""
+    if not isinstance(target, NamedSharding):
+        return False
+    return not value.sharding.device_set <= target.device_set
+
+
+def _constrain(value: Any, old: Any, target: Any) -> Any:
+    """`value`, traced, kept on the sharding of the leaf `old` it replaces: a concrete
+    leaf's own sharding, or the sharding in a traced leaf's type (Explicit mesh axes).
+    A traced leaf on Auto axes has none to keep; jit's out_shardings place it."""
+    if isinstance(target, NamedSharding):  # a concrete leaf, closed over by the jitted code
+        types = set(target.mesh.axis_types)
+        if types == {AxisType.Explicit}:
+            return jax.sharding.reshard(value, target)
+        return jax.lax.with_sharding_constraint(value, target)
+    if isinstance(old, Tracer):
+        have, want = jax.typeof(value).sharding, jax.typeof(old).sharding
+        if not want.mesh.empty and want.spec != have.spec and want.mesh.are_all_axes_explicit:
+            return jax.sharding.reshard(value, want.spec)
+    return value
 
 
 def _place(moves: list[_Move], new: Any) -> None:

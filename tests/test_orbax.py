@@ -3,10 +3,13 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import orbax.checkpoint as ocp
+import pytest
 from _models import MLP
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
+import taktiny as tt
 from taktiny import nn
 
 
@@ -97,7 +100,7 @@ def test_partial_and_selected_parameter_checkpoints(tmp_path):
 
 
 def test_restore_places_leaves_like_the_target(tmp_path):
-    mesh = jax.make_mesh((4, 2), ("data", "model"))
+    mesh = jax.make_mesh((4, 2), ("data", "model"), devices=jax.devices("cpu"))
     sharded = NamedSharding(mesh, PartitionSpec(None, "model"))
     model = MLP(rngs=nn.Rngs(0))
     path = (tmp_path / "model").absolute()
@@ -137,3 +140,85 @@ def test_large_checkpoint_settings_round_trip(tmp_path):
     with ocp.StandardCheckpointer() as checkpointer:  # any checkpointer reads it back
         plain = checkpointer.restore(path, target=abstract.state_dict())
     assert_bitwise_equal(abstract.load_state_dict(plain, strict=True), model)
+
+
+RULES = {"input.kernel": (None, "model"), "input.bias": ("model",), "output.kernel": ("model",)}
+
+
+def _mesh(shape):
+    return jax.make_mesh(shape, ("data", "model"), devices=jax.devices("cpu"))
+
+
+@pytest.fixture
+def sharded_checkpoint(tmp_path, optax_promotion):
+    """A sharded MLP on a (2, 4) mesh after one Adam step, saved with its optimizer state."""
+    mesh = _mesh((2, 4))
+    model = tt.shard(MLP(rngs=nn.Rngs(0)), RULES, mesh)
+    optimizer = optax.adam(1e-2)
+    opt_state = optimizer.init(model)
+    with jax.set_mesh(mesh):  # the mesh's axes are Explicit: computations run under it
+        grads = jax.grad(lambda m: jnp.sum(m(jnp.ones((2, 32))) ** 2))(model)
+        updates, opt_state = optimizer.update(grads, opt_state, model)
+        model = optax.apply_updates(model, updates)
+    assert model.input.kernel.sharding.spec == PartitionSpec(None, "model")
+    path = (tmp_path / "run").absolute()
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(path, {"model": model.state_dict(), "opt": tt.state_dict(opt_state)})
+    return path, model, opt_state, optimizer
+
+
+def _restore(path, model, opt_state):
+    """Restores onto `model` and `opt_state` (concrete or abstract) as the targets."""
+    target = {"model": model.state_dict(), "opt": tt.state_dict(opt_state)}
+    with ocp.StandardCheckpointer() as checkpointer:
+        state = checkpointer.restore(path, target=target)
+    restored = model.load_state_dict(state["model"], strict=True)
+    return restored, tt.load_state_dict(opt_state, state["opt"], strict=True)
+
+
+def _placed_like(tree, target):
+    """Every leaf of `tree` sits where the leaf of `target` with its name does."""
+    want = tt.flat_state_dict(target)
+    for name, leaf in tt.flat_state_dict(tree).items():
+        assert isinstance(leaf, jax.Array), name
+        assert leaf.sharding.is_equivalent_to(want[name].sharding, leaf.ndim), name
+
+
+@pytest.mark.parametrize("where", ["same mesh", "(4, 2) mesh", "one device"])
+def test_a_sharded_model_and_its_adam_state_restore_onto_the_targets_placement(
+    sharded_checkpoint, where
+):
+    path, model, opt_state, optimizer = sharded_checkpoint
+    fresh = MLP(rngs=nn.Rngs(1))  # other values, so a restore that skipped a leaf shows
+    if where != "one device":
+        fresh = tt.shard(fresh, RULES, _mesh((2, 4) if where == "same mesh" else (4, 2)))
+    target_opt = optimizer.init(fresh)
+    restored, restored_opt = _restore(path, fresh, target_opt)
+    assert_bitwise_equal(restored, model)
+    assert_bitwise_equal(restored_opt, opt_state)
+    _placed_like(restored, fresh)
+    _placed_like(restored_opt, target_opt)
+    kernel = restored.input.kernel.sharding
+    if where == "one device":
+        assert kernel == SingleDeviceSharding(jax.devices()[0])
+    else:
+        assert kernel.mesh.devices.shape == ((2, 4) if where == "same mesh" else (4, 2))
+        assert kernel.spec == PartitionSpec(None, "model")
+
+
+def test_the_resume_recipe_restores_onto_an_abstract_target_on_a_new_mesh(sharded_checkpoint):
+    """Nothing random-initialised, nothing on the old mesh: the abstract model and optimizer
+    state of `tt.eval_shape` carry the new mesh's shardings into Orbax."""
+    path, model, opt_state, optimizer = sharded_checkpoint
+    new = _mesh((4, 2))
+    abstract = tt.shard(tt.eval_shape(lambda: MLP(rngs=nn.Rngs(1))), RULES, new)
+    abstract_opt = tt.eval_shape(optimizer.init, abstract)
+    for name, leaf in tt.flat_state_dict(abstract_opt).items():
+        assert isinstance(leaf, jax.ShapeDtypeStruct), name
+        assert leaf.sharding.mesh == new, name  # never missing, never the old mesh
+    restored, restored_opt = _restore(path, abstract, abstract_opt)
+    assert_bitwise_equal(restored, model)
+    assert_bitwise_equal(restored_opt, opt_state)
+    _placed_like(restored, abstract)
+    _placed_like(restored_opt, abstract_opt)
+    assert restored_opt[0].mu.input.kernel.sharding.spec == PartitionSpec(None, "model")
