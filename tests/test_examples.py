@@ -66,3 +66,15 @@ def test_batchnorm_example_trains_through_nested_layers():
     assert "256 not trained" in out
     means = out.split("running mean, first 3: [")[1].split("]")[0].split()
     assert any(abs(float(m)) > 0.5 for m in means)  # the deep BatchNorm tracked its input
+
+
+def test_distributed_example_saves_and_restores_onto_another_mesh_in_one_process():
+    # with no arguments, one process of 8 simulated CPU devices; tests/test_multiprocess.py
+    # runs the same program as 2 processes
+    out = run_example("distributed.py")
+    assert "process 0 of 1: 8 of 8 devices" in out
+    assert (
+        "process 0: 16 leaves restored bitwise equal (128 shards) on mesh {'data': 4, 'model': 2}"
+        in out
+    )
+    assert len([line for line in out.splitlines() if " loss " in line]) == 2  # saved, resumed

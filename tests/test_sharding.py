@@ -8,6 +8,7 @@ import numpy as np
 import optax
 import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec, SingleDeviceSharding
+from jax.sharding import PartitionSpec as P
 
 import taktiny as tt
 from taktiny import nn
@@ -293,3 +294,54 @@ def test_a_load_inside_jit_keeps_the_shardings_of_a_model_argument_on_explicit_a
     replicated = jax.device_put(replicated, NamedSharding(auto, PartitionSpec()))
     load = jax.jit(lambda m, s: m.load_state_dict(s), out_shardings=plan.shardings)
     assert load(model, replicated).up.kernel.sharding.spec == PartitionSpec(None, "model")
+
+
+def test_eval_shape_falls_back_to_the_compilers_shardings_where_explicit_axes_refuse():
+    def operands(mesh):
+        return (
+            jax.ShapeDtypeStruct(
+                (8, 16), jnp.float32, sharding=NamedSharding(mesh, P(None, "model"))
+            ),
+            jax.ShapeDtypeStruct((16, 4), jnp.float32, sharding=NamedSharding(mesh, P("model"))),
+        )
+
+    # a contraction over the split axis: ambiguous on Explicit axes, fine on Auto ones
+    explicit = mesh_of()
+    with pytest.raises(Exception, match=r"Contracting dimensions are sharded"):
+        with jax.set_mesh(explicit):
+            jax.eval_shape(jnp.matmul, *operands(explicit))
+    mesh = mesh_of(axis_type=AxisType.Auto)
+    a, b = operands(mesh)
+    out = tt.eval_shape(lambda x, y: {"product": x @ y, "kept": x * 2}, a, b)
+    assert out["product"].shape == (8, 4) and out["product"].sharding.mesh == mesh
+    assert same(out["kept"].sharding, a.sharding, 2)
+
+
+def test_the_guides_recipe_builds_under_with_mesh_and_restores_with_orbax(tmp_path):
+    """The guide: build under ``with mesh:`` (deprecated in JAX 0.10, still accepted), restore
+    with ``target=model.state_dict()``, load: every leaf sharded as annotated, values equal."""
+    import orbax.checkpoint as ocp
+
+    saved = Net(rngs=nn.Rngs(0))
+    path = (tmp_path / "ckpt").absolute()
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(path, saved.state_dict())
+    mesh = mesh_of()
+    with pytest.warns(DeprecationWarning, match="with mesh"), mesh:
+        model = Net(rngs=nn.Rngs(1), sharded=True)
+        with ocp.StandardCheckpointer() as checkpointer:
+            state = checkpointer.restore(path, target=model.state_dict())
+        model = model.load_state_dict(state)
+    embedding = model.embed.embedding
+    assert embedding.sharding == NamedSharding(mesh, P(None, "model"))
+    assert [s.data.shape for s in embedding.addressable_shards] == [(32, 2)] * 8
+    for name, value in model.flat_state_dict().items():
+        assert np.asarray(value).tobytes() == np.asarray(saved.flat_state_dict()[name]).tobytes()
+
+
+def test_eval_shape_without_a_mesh_follows_the_default_device():
+    device = jax.devices("cpu")[3]
+    with jax.default_device(device):
+        out = tt.eval_shape(lambda: jnp.zeros(3))
+        assert out.sharding == SingleDeviceSharding(jnp.zeros(3).devices().pop())
+    assert out.sharding == SingleDeviceSharding(device)
