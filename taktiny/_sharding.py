@@ -94,14 +94,17 @@ def check(where: str, shape: tuple[int, ...], spec: PartitionSpec, mesh: Any) ->
         )
 
 
-def explicit_part(spec: PartitionSpec, mesh: Any) -> PartitionSpec | None:
+def part(spec: PartitionSpec, mesh: Any, explicit: bool) -> PartitionSpec | None:
     """`spec` with only the mesh's Explicit axes kept (what a computation that creates the
-    array must be told); None when none is."""
+    array must be told), or only its other axes (what a constraint then places); None
+    when no entry is left."""
     types = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
 
     def keep(entry: Any) -> Any:
         names = entry if isinstance(entry, tuple) else (entry,)
-        kept = tuple(n for n in names if n is not None and types.get(n) == AxisType.Explicit)
+        kept = tuple(
+            n for n in names if n is not None and (types.get(n) == AxisType.Explicit) == explicit
+        )
         return None if not kept else kept[0] if len(kept) == 1 else kept
 
     entries = [keep(e) for e in spec]
@@ -199,9 +202,15 @@ def sharding_plan(
     mesh = _concrete_mesh(mesh, caller)
     leaves, treedef, names = _names.flatten(tree, NODES)
     found = _patterns.match(checked, names.names, PartitionSpec())
+    # models repeat a few shapes and specs: each pair is checked, and each spec made into a
+    # sharding, once (PartitionSpecs are hashable; the rules hold the same few objects)
+    checks: dict[tuple[Any, ...], list[str]] = {}
     for name, leaf, spec in zip(names.names, leaves, found.values, strict=True):
         shape = tuple(np.shape(leaf))
-        for problem in spec_problems(shape, spec, mesh):
+        key = (shape, spec)
+        if key not in checks:
+            checks[key] = spec_problems(shape, spec, mesh)
+        for problem in checks[key]:
             problems.append(
                 f"{name} of shape {shape} by {spec} on the mesh {_mesh_text(mesh)}: {problem}"
             )
@@ -213,7 +222,9 @@ def sharding_plan(
             problems.append(f"the rule {pattern!r} matches no name; {hint}")
     if problems:
         raise ValueError(_listing(caller, tree, problems))
-    shardings = [NamedSharding(mesh, spec) for spec in found.values]
+    made: dict[PartitionSpec, NamedSharding] = {}
+    shardings = [made.get(spec) or made.setdefault(spec, NamedSharding(mesh, spec))
+                 for spec in found.values]  # fmt: skip
     return ShardingPlan(
         shardings=treedef.unflatten(shardings),
         specs=dict(zip(names.names, found.values, strict=True)),
@@ -287,7 +298,10 @@ def eval_shape(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
 
     Every leaf has a sharding: a result that no computation places is replicated on the
     mesh (or, without a mesh, on the default device), so an Orbax restore with it as the
-    target never guesses.
+    target never guesses. Should `fn` do something that ``Explicit`` axes refuse as
+    ambiguous (a contraction over two split axes, say), the shardings are those the
+    compiler chooses for ``jax.jit(fn)`` on the original mesh instead (found by compiling
+    it, still without running it).
 
     Args:
         fn: the function; its arguments may be arrays or ``jax.ShapeDtypeStruct``.
@@ -309,7 +323,7 @@ def eval_shape(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         )
     if not meshes:
         out = jax.eval_shape(fn, *args, **kwargs)
-        default = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        default = jax.sharding.SingleDeviceSharding(_default_device())
         return jax.tree.map(lambda s: _with(s, s.sharding or default), out)
     mesh = meshes[0]
     explicit = Mesh(
@@ -323,15 +337,34 @@ def eval_shape(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         spec = sharding.spec if isinstance(sharding, NamedSharding) else PartitionSpec()
         return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=NamedSharding(explicit, spec))
 
-    args, kwargs = treedef.unflatten([typed(leaf) for leaf in leaves])
-    with jax.set_mesh(explicit):
-        out = jax.eval_shape(fn, *args, **kwargs)
+    typed_args, typed_kwargs = treedef.unflatten([typed(leaf) for leaf in leaves])
+    try:
+        with jax.set_mesh(explicit):
+            out = jax.eval_shape(fn, *typed_args, **typed_kwargs)
+    except Exception:
+        if explicit.axis_types == mesh.axis_types:
+            raise
+        # an operation that Explicit axes find ambiguous: what the compiler would place
+        # instead (it places results that depend on no input, such as zeros, replicated)
+        with jax.set_mesh(mesh):
+            compiled = jax.jit(fn).lower(*args, **kwargs).compile()
+        shapes = jax.eval_shape(fn, *args, **kwargs)
+        return jax.tree.map(_with, shapes, compiled.output_shardings)
 
     def back(s: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
         spec = s.sharding.spec if isinstance(s.sharding, NamedSharding) else PartitionSpec()
         return _with(s, NamedSharding(mesh, spec))
 
     return jax.tree.map(back, out)
+
+
+def _default_device() -> Any:
+    """Where arrays go by default: ``jax_default_device``, or this process's first device
+    (in a multi-process run ``jax.devices()[0]`` belongs to process 0)."""
+    default = jax.config.jax_default_device  # type: ignore[attr-defined]  # a device, a platform, None
+    if isinstance(default, str):
+        return jax.local_devices(backend=default)[0]
+    return default or jax.local_devices()[0]
 
 
 def _with(s: jax.ShapeDtypeStruct, sharding: Any) -> jax.ShapeDtypeStruct:

@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 from jax.typing import DTypeLike
 from jaxtyping import Array, Bool, Float
 
 from .._module import Module
 from .._rngs import Rngs
+from .._sharding import Spec, placement
 from ._checks import check_features
+from ._explicit import explicit_axes, merged, typed_spec
 from ._linear import Linear
 from ._random import keep_mask
 
@@ -51,6 +55,16 @@ class MultiHeadAttention(Module):
         use_bias: whether the four projections have biases.
         dropout_rate: the dropout applied to attention weights when a ``key`` is given.
         dtype: the parameters' dtype, which is also the dtype the layer computes in.
+        query_kernel_sharding: how ``query.kernel`` is split over the mesh of an
+            enclosing ``jax.set_mesh``, as :class:`Linear`'s ``kernel_sharding``:
+            ``(None, "model")`` splits the heads (with a number of heads the mesh axis
+            divides, each device holds whole heads). Ignored without a mesh.
+        query_bias_sharding: the same for ``query.bias`` (``("model",)``).
+        key_kernel_sharding, key_bias_sharding, value_kernel_sharding,
+        value_bias_sharding: the same for ``key`` and ``value``.
+        out_kernel_sharding: the same for ``out.kernel``; ``("model", None)`` splits
+            its inputs, the heads.
+        out_bias_sharding: the same for ``out.bias``.
         rngs: the key stream for the initialisation.
     """
 
@@ -72,6 +86,14 @@ class MultiHeadAttention(Module):
         use_bias: bool = True,
         dropout_rate: float = 0.0,
         dtype: DTypeLike = jnp.float32,
+        query_kernel_sharding: Spec | None = None,
+        query_bias_sharding: Spec | None = None,
+        key_kernel_sharding: Spec | None = None,
+        key_bias_sharding: Spec | None = None,
+        value_kernel_sharding: Spec | None = None,
+        value_bias_sharding: Spec | None = None,
+        out_kernel_sharding: Spec | None = None,
+        out_bias_sharding: Spec | None = None,
         rngs: Rngs,
     ):
         qkv = in_features if qkv_features is None else qkv_features
@@ -86,10 +108,21 @@ class MultiHeadAttention(Module):
             )
         kv = in_features if kv_features is None else kv_features
         out = in_features if out_features is None else out_features
-        self.query = Linear(in_features, qkv, use_bias=use_bias, dtype=dtype, rngs=rngs)
-        self.key = Linear(kv, qkv, use_bias=use_bias, dtype=dtype, rngs=rngs)
-        self.value = Linear(kv, qkv, use_bias=use_bias, dtype=dtype, rngs=rngs)
-        self.out = Linear(qkv, out, use_bias=use_bias, dtype=dtype, rngs=rngs)
+        shardings = {
+            "query": (in_features, qkv, query_kernel_sharding, query_bias_sharding),
+            "key": (kv, qkv, key_kernel_sharding, key_bias_sharding),
+            "value": (kv, qkv, value_kernel_sharding, value_bias_sharding),
+            "out": (qkv, out, out_kernel_sharding, out_bias_sharding),
+        }
+        for name, (n_in, n_out, kernel, bias) in shardings.items():
+            # checked here first, so that an error names the projection
+            placement(kernel, (n_in, n_out), f"MultiHeadAttention.{name}.kernel")
+            placement(bias if use_bias else None, (n_out,), f"MultiHeadAttention.{name}.bias")
+        self.query, self.key, self.value, self.out = (
+            Linear(n_in, n_out, use_bias=use_bias, dtype=dtype, kernel_sharding=kernel,
+                   bias_sharding=bias, rngs=rngs)
+            for n_in, n_out, kernel, bias in shardings.values()
+        )  # fmt: skip
         self.num_heads = num_heads
         self.dropout_rate = dropout_rate
 
@@ -144,13 +177,8 @@ class MultiHeadAttention(Module):
                     f"shapes {tuple(inputs_q.shape)} and {tuple(inputs_kv.shape)}."
                 )
             batch = inputs_q.shape[:-2]
-            heads = self.num_heads
-
-            def split(x: jax.Array) -> jax.Array:  # [*batch, t, f] -> [B, t, heads, f / heads]
-                return x.reshape(-1, x.shape[-2], heads, x.shape[-1] // heads)
-
-            q = split(self.query(inputs_q))
-            k, v = split(self.key(inputs_kv)), split(self.value(inputs_kv))
+            q = self._split(self.query(inputs_q))
+            k, v = self._split(self.key(inputs_kv)), self._split(self.value(inputs_kv))
             if mask is not None:
                 mask = self._fold_mask(mask, batch, q.shape[1], k.shape[1])
             if key is None or self.dropout_rate == 0.0:
@@ -160,7 +188,26 @@ class MultiHeadAttention(Module):
                     y = _dot_product_attention(q, k, v, mask=mask, is_causal=causal)
             else:
                 y = self._attend_with_dropout(q, k, v, mask, causal, key)
-            return self.out(y.reshape(*batch, q.shape[1], -1))
+            merged_heads = (*batch, q.shape[1], -1)
+            if not explicit_axes():
+                return self.out(y.reshape(merged_heads))
+            # the batch and time axes split as the queries', the features as the heads were
+            split = P(*typed_spec(inputs_q)[:-1], typed_spec(y)[2])
+            return self.out(y.reshape(merged_heads, out_sharding=split))
+
+    def _split(self, x: jax.Array) -> jax.Array:
+        """``[*batch, t, f]`` to ``[B, t, heads, f / heads]``. Under Explicit axes the batch
+        axes' splits are merged, and the heads are split as the features were when the mesh
+        axes divide the number of heads (unsplit otherwise)."""
+        heads = self.num_heads
+        shape = (-1, x.shape[-2], heads, x.shape[-1] // heads)
+        if not explicit_axes():
+            return x.reshape(shape)
+        *batch, time, features = typed_spec(x)
+        names = features if isinstance(features, tuple) else (features,)
+        parts = math.prod(jax.sharding.get_abstract_mesh().shape[n] for n in names if n)
+        split = features if heads % parts == 0 else None
+        return x.reshape(shape, out_sharding=P(merged(batch), time, split, None))
 
     def _fold_mask(self, mask: Any, batch: tuple[int, ...], q: int, k: int) -> jax.Array:
         """Checks `mask` against [*batch, heads, q, k] and folds its batch axes into one."""

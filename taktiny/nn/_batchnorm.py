@@ -6,13 +6,17 @@ from typing import Literal, overload
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 from jax.typing import DTypeLike
 from jaxtyping import Array, Float
 
 from .._module import Module, field
 from .._rngs import Rngs
+from .._sharding import Spec
 from ._checks import check_features
+from ._explicit import explicit_axes, follow, typed_spec
 from ._norm import statistics_dtype
+from ._random import constant
 from ._training import latest, record, training
 
 
@@ -53,6 +57,13 @@ class BatchNorm(Module):
         momentum: the weight of the old running statistics in each update.
         epsilon: added to the variance for stability (PyTorch's ``eps``).
         dtype: the parameters' dtype, which is also the dtype of the output.
+        scale_sharding: how ``scale`` is split over the mesh of an enclosing
+            ``jax.set_mesh``: a tuple with one mesh axis name (or None), such as
+            ``("model",)``, or a ``PartitionSpec``. Ignored without a mesh. The running
+            ``mean`` and ``var`` are created split as ``scale`` is; on Explicit mesh axes
+            training keeps their split and the output is split as the input is (on Auto
+            axes the compiler, or ``jax.jit``'s ``out_shardings``, decides).
+        bias_sharding: the same for ``bias``.
         rngs: unused (the initialisation is deterministic).
     """
 
@@ -70,6 +81,8 @@ class BatchNorm(Module):
         momentum: float = 0.99,
         epsilon: float = 1e-5,
         dtype: DTypeLike = jnp.float32,
+        scale_sharding: Spec | None = None,
+        bias_sharding: Spec | None = None,
         rngs: Rngs | None = None,
     ):
         if not 0.0 <= momentum <= 1.0:
@@ -77,10 +90,11 @@ class BatchNorm(Module):
                 f"BatchNorm's momentum is the weight of the old running statistics, in [0, 1]; "
                 f"got {momentum!r} (a PyTorch momentum m is 1 - m here)."
             )
-        self.scale = jnp.ones((num_features,), dtype)
-        self.bias = jnp.zeros((num_features,), dtype)
-        self.mean = jnp.zeros((num_features,), dtype)
-        self.var = jnp.ones((num_features,), dtype)
+        shape = (num_features,)
+        self.scale = constant(1, shape, dtype, scale_sharding, "BatchNorm.scale")
+        self.bias = constant(0, shape, dtype, bias_sharding, "BatchNorm.bias")
+        self.mean = constant(0, shape, dtype, scale_sharding, "BatchNorm.mean")
+        self.var = constant(1, shape, dtype, scale_sharding, "BatchNorm.var")
         self.momentum = float(momentum)  # a NumPy scalar would be an array: a parameter
         self.epsilon = float(epsilon)  # a NumPy scalar would be an array: a parameter
 
@@ -127,6 +141,9 @@ class BatchNorm(Module):
             y = self._normalise(x, mean, var).astype(dtype)
             mean, unbiased = jax.lax.stop_gradient((mean, var * (count / (count - 1))))
             base = latest(self) if train is None else self
+            if explicit_axes():  # the running statistics keep their own split
+                splits = P(*typed_spec(base.mean)), P(*typed_spec(base.var))
+                mean, unbiased = jax.sharding.reshard((mean, unbiased), splits)
             m = base.momentum
             new = base.replace(
                 mean=(m * base.mean.astype(mean.dtype) + (1 - m) * mean).astype(dtype),
@@ -139,6 +156,7 @@ class BatchNorm(Module):
 
     def _normalise(self, x: jax.Array, mean: jax.Array, var: jax.Array) -> jax.Array:
         """``x`` normalised in ``x``'s dtype (the statistics dtype)."""
-        scale, bias = self.scale.astype(x.dtype), self.bias.astype(x.dtype)
-        mean, var = mean.astype(x.dtype), var.astype(x.dtype)
+        # under Explicit axes every vector is split as x's features are
+        scale, bias = follow(self.scale, x).astype(x.dtype), follow(self.bias, x).astype(x.dtype)
+        mean, var = follow(mean, x).astype(x.dtype), follow(var, x).astype(x.dtype)
         return (x - mean) * jax.lax.rsqrt(var + self.epsilon) * scale + bias

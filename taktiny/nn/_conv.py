@@ -8,13 +8,16 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 from jax.typing import DTypeLike
 from jaxtyping import Array, Float
 
 from .._module import Module
 from .._rngs import Rngs
+from .._sharding import Spec
 from ._checks import check_features
-from ._random import lecun_normal
+from ._explicit import explicit_axes, follow, free, merged, typed_spec
+from ._random import constant, lecun_normal
 
 Padding = str | int | Sequence[int | tuple[int, int]]
 _LETTERS = "ABDEFGHJKLMPQRSTUVWXYZ"  # spatial axis names for dimension numbers (no N, C, I, O)
@@ -81,9 +84,13 @@ def _groups(layer: str, in_features: int, out_features: int, groups: int) -> Non
         )
 
 
-def _parameters(rngs: Rngs, window: tuple[int, ...], fan_in: int, out: int, use_bias: bool, dtype):
-    kernel = lecun_normal(rngs(), (*window, fan_in, out), dtype)
-    return kernel, (jnp.zeros((out,), dtype) if use_bias else None)
+def _parameters(
+    layer: str, rngs: Rngs, window: tuple[int, ...], fan_in: int, out: int, use_bias: bool,
+    dtype: DTypeLike, kernel_sharding: Spec | None, bias_sharding: Spec | None,
+) -> tuple[jax.Array, jax.Array | None]:  # fmt: skip
+    kernel = lecun_normal(rngs(), (*window, fan_in, out), dtype, kernel_sharding, f"{layer}.kernel")
+    bias = constant(0, (out,), dtype, bias_sharding, f"{layer}.bias") if use_bias else None
+    return kernel, bias
 
 
 def _convolve(
@@ -109,16 +116,26 @@ def _convolve(
     check_features(layer, x, in_features, why=why, argument="in_features")
     batch, spatial = x.shape[: -n - 1], x.shape[-n - 1 : -1]
     letters = _LETTERS[:n]
+    x = x.astype(kernel.dtype)
+    # under Explicit axes the reshapes and the convolution are told their output's split:
+    # the batch axes' split, none on the spatial axes, the kernel's on the output channels
+    explicit = bool(explicit_axes())
+    splits = typed_spec(x) if explicit else (None,) * x.ndim
+    flat = merged(splits[: -n - 1])
+    folded = P(flat, *splits[-n - 1 :]) if explicit else None
+    out = P(flat, *(None,) * n, free(typed_spec(kernel)[-1], flat)) if explicit else None
     y = jax.lax.conv_general_dilated(
-        x.astype(kernel.dtype).reshape(-1, *spatial, in_features),
+        jnp.reshape(x, (-1, *spatial, in_features), out_sharding=folded),
         kernel,
         padding=pads_for(spatial),
         dimension_numbers=(f"N{letters}C", f"{letters}IO", f"N{letters}C"),
         feature_group_count=groups,
+        out_sharding=out,
         **conv,
     )
-    y = y.reshape(*batch, *y.shape[1:])
-    return y if bias is None else y + bias
+    unfolded = P(*splits[: -n - 1], *typed_spec(y)[1:]) if explicit else None
+    y = y.reshape((*batch, *y.shape[1:]), out_sharding=unfolded)
+    return y if bias is None else y + follow(bias, y)
 
 
 class Conv(Module):
@@ -154,6 +171,11 @@ class Conv(Module):
             convolved separately (PyTorch's ``groups``; ``in_features`` for depthwise).
         use_bias: whether to add a bias.
         dtype: the parameters' dtype, which is also the dtype the layer computes in.
+        kernel_sharding: how ``kernel`` is split over the mesh of an enclosing
+            ``jax.set_mesh``: a tuple of mesh axis names, one per axis (``(None, None,
+            None, "model")`` splits a 2D kernel's output channels), or a
+            ``PartitionSpec``. Ignored without a mesh.
+        bias_sharding: the same for ``bias`` (``("model",)``).
         rngs: the key stream for the initialisation.
     """
 
@@ -178,14 +200,18 @@ class Conv(Module):
         feature_group_count: int = 1,
         use_bias: bool = True,
         dtype: DTypeLike = jnp.float32,
+        kernel_sharding: Spec | None = None,
+        bias_sharding: Spec | None = None,
         rngs: Rngs,
     ):
         window = _spatial("Conv", kernel_size)
         n = len(window)
         _groups("Conv", in_features, out_features, feature_group_count)
+        fan_in = in_features // feature_group_count
         self.kernel, self.bias = _parameters(
-            rngs, window, in_features // feature_group_count, out_features, use_bias, dtype
-        )
+            "Conv", rngs, window, fan_in, out_features, use_bias, dtype, kernel_sharding,
+            bias_sharding,
+        )  # fmt: skip
         self.strides = _per_axis("Conv", "strides", strides, n)
         self.padding = _padding("Conv", padding, n)
         self.input_dilation = _per_axis("Conv", "input_dilation", input_dilation, n)

@@ -11,6 +11,7 @@ from jaxtyping import Array, Float
 
 from .._module import Module
 from .._rngs import Rngs
+from .._sharding import Spec
 from ._conv import (
     Padding,
     _convolve,
@@ -58,6 +59,11 @@ class ConvTranspose(Module):
         feature_group_count: channel groups (PyTorch's ``groups``).
         use_bias: whether to add a bias.
         dtype: the parameters' dtype, which is also the dtype the layer computes in.
+        kernel_sharding: how ``kernel`` is split over the mesh of an enclosing
+            ``jax.set_mesh``: a tuple of mesh axis names, one per axis (``(None, None,
+            None, "model")`` splits a 2D kernel's output channels), or a
+            ``PartitionSpec``. Ignored without a mesh.
+        bias_sharding: the same for ``bias`` (``("model",)``).
         rngs: the key stream for the initialisation.
     """
 
@@ -80,14 +86,18 @@ class ConvTranspose(Module):
         feature_group_count: int = 1,
         use_bias: bool = True,
         dtype: DTypeLike = jnp.float32,
+        kernel_sharding: Spec | None = None,
+        bias_sharding: Spec | None = None,
         rngs: Rngs,
     ):
         window = _spatial("ConvTranspose", kernel_size)
         n = len(window)
         _groups("ConvTranspose", in_features, out_features, feature_group_count)
+        fan_in = in_features // feature_group_count
         self.kernel, self.bias = _parameters(
-            rngs, window, in_features // feature_group_count, out_features, use_bias, dtype
-        )
+            "ConvTranspose", rngs, window, fan_in, out_features, use_bias, dtype,
+            kernel_sharding, bias_sharding,
+        )  # fmt: skip
         self.strides = _per_axis("ConvTranspose", "strides", strides, n)
         self.padding = _padding("ConvTranspose", padding, n)
         self.kernel_dilation = _per_axis("ConvTranspose", "kernel_dilation", kernel_dilation, n)

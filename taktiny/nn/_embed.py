@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 from jax.typing import DTypeLike
 from jaxtyping import Array, Float, Integer
 
@@ -11,6 +12,7 @@ from .._module import Module
 from .._rngs import Rngs
 from .._sharding import Spec
 from ._checks import check_features
+from ._explicit import explicit_axes, free, project, typed_spec
 from ._random import normal
 
 
@@ -61,7 +63,13 @@ class Embed(Module):
                     f"Embed expects integer ids, got an array of dtype {ids.dtype} and shape "
                     f"{tuple(ids.shape)}; cast it first: ids.astype(jnp.int32)."
                 )
-            return jnp.take(self.embedding, ids, axis=0, mode="fill", fill_value=jnp.nan)
+            if not explicit_axes():
+                return jnp.take(self.embedding, ids, axis=0, mode="fill", fill_value=jnp.nan)
+            # on Explicit axes a gather from a split table must be told its output's split:
+            # the ids' on the batch axes, the table's feature split on the last
+            batch = typed_spec(ids)
+            out = P(*batch, free(typed_spec(self.embedding)[1], *batch))
+            return self.embedding.at[ids].get(mode="fill", fill_value=jnp.nan, out_sharding=out)
 
     def attend(self, x: Float[Array, "*batch features"]) -> Float[Array, "*batch num_embeddings"]:
         """Scores ``x`` ``[*batch, features]`` against every row: ``x @ embedding.T``.
@@ -74,4 +82,4 @@ class Embed(Module):
             check_features(
                 "Embed.attend", x, shape[1], why=f"its embedding is {shape}", argument="features"
             )
-            return x.astype(self.embedding.dtype) @ self.embedding.T
+            return project(x.astype(self.embedding.dtype), self.embedding.T)

@@ -10,6 +10,7 @@ from jaxtyping import Array, Float
 from .._module import Module
 from .._rngs import Rngs
 from .._sharding import Spec
+from ._explicit import project
 from ._random import constant, lecun_normal
 
 
@@ -67,5 +68,4 @@ class Linear(Module):
                     f"kernel is {tuple(self.kernel.shape)}), got an input of shape "
                     f"{tuple(x.shape)}."
                 )
-            y = x.astype(self.kernel.dtype) @ self.kernel
-            return y if self.bias is None else y + self.bias
+            return project(x.astype(self.kernel.dtype), self.kernel, self.bias)

@@ -9,7 +9,10 @@ from jaxtyping import Array, Float
 
 from .._module import Module
 from .._rngs import Rngs
+from .._sharding import Spec
 from ._checks import check_features
+from ._explicit import follow
+from ._random import constant
 
 
 def statistics_dtype(dtype: DTypeLike) -> jnp.dtype:
@@ -41,6 +44,11 @@ class LayerNorm(Module):
             and variance are computed in this dtype but at least float32, and the result
             cast back. A LayerNorm with neither scale nor bias has no parameters and
             returns the input's dtype.
+        scale_sharding: how ``scale`` is split over the mesh of an enclosing
+            ``jax.set_mesh``: a tuple with one mesh axis name (or None), such as
+            ``("model",)``, or a ``PartitionSpec``. Ignored without a mesh. On Explicit
+            mesh axes the output is split as the input is.
+        bias_sharding: the same for ``bias``.
         rngs: unused (the initialisation is deterministic); accepted so that every
             layer can be built the same way.
     """
@@ -57,10 +65,15 @@ class LayerNorm(Module):
         use_scale: bool = True,
         use_bias: bool = True,
         dtype: DTypeLike = jnp.float32,
+        scale_sharding: Spec | None = None,
+        bias_sharding: Spec | None = None,
         rngs: Rngs | None = None,
     ):
-        self.scale = jnp.ones((num_features,), dtype) if use_scale else None
-        self.bias = jnp.zeros((num_features,), dtype) if use_bias else None
+        shape = (num_features,)
+        self.scale = (
+            constant(1, shape, dtype, scale_sharding, "LayerNorm.scale") if use_scale else None
+        )
+        self.bias = constant(0, shape, dtype, bias_sharding, "LayerNorm.bias") if use_bias else None
         self.epsilon = float(epsilon)  # a NumPy scalar would be an array: a parameter
 
     def __call__(
@@ -80,9 +93,9 @@ class LayerNorm(Module):
             var = jnp.mean(jnp.square(x - mean), axis=-1, keepdims=True)
             y = (x - mean) * jax.lax.rsqrt(var + jnp.asarray(self.epsilon, x.dtype))
             if self.scale is not None:
-                y = y * self.scale.astype(x.dtype)
+                y = y * follow(self.scale, x).astype(x.dtype)
             if self.bias is not None:
-                y = y + self.bias.astype(x.dtype)
+                y = y + follow(self.bias, x).astype(x.dtype)
             return y.astype(out)
 
 
@@ -100,6 +113,9 @@ class RMSNorm(Module):
         dtype: the parameter's dtype, which is also the dtype of the output. The mean
             square is computed in this dtype but at least float32, and the result cast
             back.
+        scale_sharding: how ``scale`` is split over the mesh of an enclosing
+            ``jax.set_mesh`` (``("model",)``, or a ``PartitionSpec``); ignored without a
+            mesh. On Explicit mesh axes the output is split as the input is.
         rngs: unused (the initialisation is deterministic).
     """
 
@@ -112,9 +128,10 @@ class RMSNorm(Module):
         *,
         epsilon: float = 1e-6,
         dtype: DTypeLike = jnp.float32,
+        scale_sharding: Spec | None = None,
         rngs: Rngs | None = None,
     ):
-        self.scale = jnp.ones((num_features,), dtype)
+        self.scale = constant(1, (num_features,), dtype, scale_sharding, "RMSNorm.scale")
         self.epsilon = float(epsilon)  # a NumPy scalar would be an array: a parameter
 
     def __call__(
@@ -129,4 +146,5 @@ class RMSNorm(Module):
             x = x.astype(statistics_dtype(self.scale.dtype))
             mean_square = jnp.mean(jnp.square(x), axis=-1, keepdims=True)
             y = x * jax.lax.rsqrt(mean_square + jnp.asarray(self.epsilon, x.dtype))
-            return (y * self.scale.astype(x.dtype)).astype(self.scale.dtype)
+            scale = follow(self.scale, x)  # under Explicit axes, split as x is
+            return (y * scale.astype(x.dtype)).astype(self.scale.dtype)

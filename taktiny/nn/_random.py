@@ -22,17 +22,17 @@ import numpy as np
 from jax.sharding import Mesh
 from jax.typing import DTypeLike
 
-from .._sharding import Spec, explicit_part, placement
+from .._sharding import Spec, part, placement
 
 # The standard deviation of a standard normal truncated to [-2, 2]; dividing by it
 # keeps the requested variance, as jax.nn.initializers.variance_scaling does.
 _TRUNCATED_STDDEV = 0.87962566103423978
 
 
-@partial(jax.jit, static_argnames=("kind", "shape", "dtype", "stddev", "spec", "explicit"))
+@partial(jax.jit, static_argnames=("kind", "shape", "dtype", "stddev", "explicit", "auto"))
 def _sharded(
-    key: Any, *, kind: str, shape: tuple[int, ...], dtype: Any, stddev: float, spec: Any,
-    explicit: Any,
+    key: Any, *, kind: str, shape: tuple[int, ...], dtype: Any, stddev: float, explicit: Any,
+    auto: Any,
 ) -> jax.Array:  # fmt: skip
     """A parameter created directly with its sharding: every device computes its own shard
     (JAX's threefry is partitionable), so no device ever holds the whole parameter. The
@@ -44,9 +44,9 @@ def _sharded(
         x = jax.nn.initializers.normal(stddev)(key, shape, dtype, out_sharding=explicit)
     else:
         x = jnp.full(shape, kind == "ones", dtype, out_sharding=explicit)
-    # on Explicit axes the draw is already placed; Auto axes (and the mesh of `with mesh:`)
-    # are placed by a constraint, which the compiler propagates back into the draw
-    return x if explicit == spec else jax.lax.with_sharding_constraint(x, spec)
+    # the draw is placed on the Explicit axes; the Auto ones (and those of `with mesh:`) by
+    # a constraint, which the compiler propagates back into the draw
+    return x if auto is None else jax.lax.with_sharding_constraint(x, auto)
 
 
 def _create(kind: str, key: Any, shape: Sequence[int], dtype: DTypeLike, stddev: float,
@@ -60,7 +60,8 @@ def _create(kind: str, key: Any, shape: Sequence[int], dtype: DTypeLike, stddev:
     # the mesh of `with mesh:` (a concrete Mesh) is made ambient as jax.set_mesh would
     with jax.set_mesh(mesh) if isinstance(mesh, Mesh) else contextlib.nullcontext():
         return _sharded(key, kind=kind, shape=tuple(shape), dtype=np.dtype(dtype),
-                        stddev=stddev, spec=spec, explicit=explicit_part(spec, mesh))  # fmt: skip
+                        stddev=stddev, explicit=part(spec, mesh, explicit=True),
+                        auto=part(spec, mesh, explicit=False))  # fmt: skip
 
 
 def lecun_normal(
