@@ -1,12 +1,12 @@
 """Taktiny: a small, fast, pure-functional neural-network library for JAX."""
 
 from . import nn as nn
+from ._abstract import eval_shape as eval_shape
 from ._errors import StateDictError as StateDictError
 from ._errors import StateProblem as StateProblem
-from ._sharding import ShardingPlan as ShardingPlan
-from ._sharding import eval_shape as eval_shape
-from ._sharding import shard as shard
-from ._sharding import sharding_plan as sharding_plan
+from ._shard import ShardingPlan as ShardingPlan
+from ._shard import shard as shard
+from ._shard import sharding_plan as sharding_plan
 from ._summary import Summary as Summary
 from ._summary import summary as summary
 from ._tree import by_name as by_name

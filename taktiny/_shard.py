@@ -1,0 +1,162 @@
+"""`tt.shard` and `tt.sharding_plan`: placing every leaf of a tree by ordered rules over its
+flat state names."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from . import _names, _patterns
+from ._module import NODES
+from ._sharding import ambient_mesh, as_spec, mesh_text, spec_problems
+
+
+class ShardingPlan(NamedTuple):
+    """What ordered sharding rules give a tree; see :func:`sharding_plan`.
+
+    Attributes:
+        shardings: the tree's structure with a ``NamedSharding`` at each leaf (the leaves
+            no rule matched are replicated), for ``jax.jit``'s ``in_shardings`` and
+            ``out_shardings`` or ``jax.device_put``.
+        specs: each flat state name with its PartitionSpec, in leaf order.
+        unmatched: the names no rule matched (replicated).
+        unused: the patterns that matched no name.
+    """
+
+    shardings: Any
+    specs: dict[str, PartitionSpec]
+    unmatched: tuple[str, ...]
+    unused: tuple[str, ...]
+
+    def __repr__(self) -> str:
+        rows = "".join(f"\n  {name}: {spec}" for name, spec in self.specs.items())
+        return (
+            f"ShardingPlan({len(self.specs)} leaves, {len(self.unmatched)} unmatched, "
+            f"unused rules {list(self.unused)}){rows}"
+        )
+
+
+def _concrete_mesh(mesh: Mesh | None, caller: str) -> Mesh:
+    if mesh is not None:
+        return mesh
+    found = ambient_mesh()
+    if found is None:
+        raise ValueError(
+            f"{caller} needs a mesh: pass mesh=..., or call it inside `with jax.set_mesh(mesh):`."
+        )
+    return found if isinstance(found, Mesh) else jax.sharding.get_mesh()
+
+
+def sharding_plan(
+    tree: Any, rules: _patterns.Rules, mesh: Mesh | None = None, *, strict: bool = False
+) -> ShardingPlan:
+    """The sharding of each leaf of `tree` by ordered rules over its flat state names.
+
+    Each rule is ``(pattern, spec)``: the first rule whose pattern matches a leaf's name
+    (the names of :meth:`~taktiny.nn.Module.flat_state_dict`, such as
+    ``"encoder.layers.*.kernel"``; ``*`` matches within one part, a ``**`` part any number
+    of parts) gives its spec, a ``PartitionSpec`` or a tuple of mesh axis names. A leaf
+    no rule matches is replicated.
+
+    Args:
+        tree: a module or any PyTree of arrays (or of ``jax.ShapeDtypeStruct``).
+        rules: a dict ``{pattern: spec}`` or a list of ``(pattern, spec)`` pairs.
+        mesh: the mesh; by default the one of the enclosing ``jax.set_mesh``.
+        strict: also raise when some leaf is matched by no rule, or some rule matches no
+            leaf (both are reported in the plan otherwise).
+
+    Returns:
+        A :class:`ShardingPlan`.
+
+    Raises:
+        ValueError: listing every leaf whose spec names an axis the mesh lacks, has more
+            entries than the leaf has axes, or splits an axis that does not divide evenly,
+            with the leaf's shape, the spec and the mesh; and every pattern that is not
+            valid.
+    """
+    caller = "taktiny.sharding_plan" if not strict else "taktiny.sharding_plan(strict=True)"
+    pairs = _patterns.rule_list(rules, "taktiny.sharding_plan")
+    problems = []
+    checked = []
+    for pattern, spec in pairs:
+        try:
+            _patterns.compile_pattern(pattern)
+            checked.append((pattern, as_spec(spec, f"the rule {pattern!r}")))
+        except (ValueError, TypeError) as error:
+            problems.append(str(error))
+    if problems:
+        raise ValueError(_listing(caller, tree, problems))
+    mesh = _concrete_mesh(mesh, caller)
+    leaves, treedef, names = _names.flatten(tree, NODES)
+    found = _patterns.match(checked, names.names, PartitionSpec())
+    # models repeat a few shapes and specs: each pair is checked, and each spec made into a
+    # sharding, once (PartitionSpecs are hashable; the rules hold the same few objects)
+    checks: dict[tuple[Any, ...], list[str]] = {}
+    for name, leaf, spec in zip(names.names, leaves, found.values, strict=True):
+        shape = tuple(np.shape(leaf))
+        key = (shape, spec)
+        if key not in checks:
+            checks[key] = spec_problems(shape, spec, mesh)
+        for problem in checks[key]:
+            problems.append(
+                f"{name} of shape {shape} by {spec} on the mesh {mesh_text(mesh)}: {problem}"
+            )
+    if strict:
+        if found.unmatched:
+            problems.append(f"no rule matches {', '.join(map(repr, found.unmatched))}")
+        for pattern in found.unused:
+            hint = _patterns.unused_hint(pattern, names.names)
+            problems.append(f"the rule {pattern!r} matches no name; {hint}")
+    if problems:
+        raise ValueError(_listing(caller, tree, problems))
+    made: dict[PartitionSpec, NamedSharding] = {}
+    shardings = [made.get(spec) or made.setdefault(spec, NamedSharding(mesh, spec))
+                 for spec in found.values]  # fmt: skip
+    return ShardingPlan(
+        shardings=treedef.unflatten(shardings),
+        specs=dict(zip(names.names, found.values, strict=True)),
+        unmatched=tuple(found.unmatched),
+        unused=tuple(found.unused),
+    )
+
+
+def _listing(caller: str, tree: Any, problems: list[str]) -> str:
+    lines = "\n".join(f"  - {p}" for p in problems)
+    return f"{caller} on {type(tree).__name__}: {len(problems)} problem(s):\n{lines}"
+
+
+def shard(
+    tree: Any, rules: _patterns.Rules, mesh: Mesh | None = None, *, strict: bool = False
+) -> Any:
+    """Returns `tree` with every leaf placed by ordered rules over its flat state names.
+
+    The rules are those of :func:`sharding_plan`; leaves no rule matches are replicated.
+    Arrays move in one batched ``jax.device_put``; ``jax.ShapeDtypeStruct`` leaves (an
+    abstract model) come back as ``ShapeDtypeStruct`` carrying their sharding, ready as
+    an Orbax restore target. Any problem raises before anything moves; `tree` is never
+    changed.
+
+    Args:
+        tree: a module or any PyTree of arrays.
+        rules: a dict ``{pattern: spec}`` or a list of ``(pattern, spec)`` pairs.
+        mesh: the mesh; by default the one of the enclosing ``jax.set_mesh``.
+        strict: raise when some leaf is matched by no rule, or some rule matches no leaf.
+
+    Returns:
+        A new tree of the same structure.
+    """
+    plan = sharding_plan(tree, rules, mesh, strict=strict)
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    shardings = treedef.flatten_up_to(plan.shardings)
+    moving = [i for i, leaf in enumerate(leaves) if not isinstance(leaf, jax.ShapeDtypeStruct)]
+    moved = jax.device_put([leaves[i] for i in moving], [shardings[i] for i in moving])
+    out: list[Any] = list(leaves)
+    for i, array in zip(moving, moved, strict=True):
+        out[i] = array
+    for i, leaf in enumerate(leaves):
+        if isinstance(leaf, jax.ShapeDtypeStruct):
+            out[i] = jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=shardings[i])
+    return treedef.unflatten(out)
