@@ -5,6 +5,8 @@
                                       # save/restore, default, tuned, chunked, and why
                                       # restores copy
     python bench/diagnose.py orbax --quick
+    python bench/diagnose.py sharded   # cProfile of tt.shard (3,000 leaves) and of building
+                                      # the sharded restore targets (tt.eval_shape, tt.shard)
 
 (For a sampling view of the load path: ``py-spy record -f raw -o load.raw -- python
 bench/diagnose.py load`` and read the inclusive share of each frame under load_state_dict.)
@@ -15,6 +17,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import cProfile
+import functools
 import pstats
 import resource
 import sys
@@ -27,9 +30,12 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import jax
-import numpy as np
 
-from bench import _disk, _formats, _models
+jax.config.update("jax_num_cpu_devices", 8)  # for `sharded`; JAX takes it before first use
+
+import numpy as np  # noqa: E402
+
+from bench import _disk, _formats, _models  # noqa: E402
 
 
 def profile_load(seconds: float = 3.0, blocks: tuple[int, ...] = (64, 500)) -> None:
@@ -37,23 +43,8 @@ def profile_load(seconds: float = 3.0, blocks: tuple[int, ...] = (64, 500)) -> N
     for n in blocks:
         model = _models.build("taktiny", n, 0)
         state = jax.tree.map(lambda x: x * 0.5 + 1.0, model).state_dict()
-        calls, start = 0, time.perf_counter()
-        while time.perf_counter() - start < seconds / 3:
-            model.load_state_dict(state)
-            calls += 1
-        per_call = (time.perf_counter() - start) / calls
-        profiler = cProfile.Profile()
-        profiler.enable()
-        for _ in range(calls):
-            model.load_state_dict(state)
-        profiler.disable()
-        stats = pstats.Stats(profiler)
-        total = sum(row[2] for row in stats.stats.values())  # pyright: ignore[reportAttributeAccessIssue]
-        print(f"\n{n * 6:,} leaves: {per_call * 1e3:.3f} ms per load (unprofiled); own time:")
-        rows = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])  # pyright: ignore[reportAttributeAccessIssue]
-        for (file, line, name), (_, ncalls, own, *_rest) in rows[:10]:
-            where = f"{Path(file).name}:{line}({name})"
-            print(f"  {own / total:6.1%}  {ncalls / calls:8.1f} calls/load  {where}")
+        load = functools.partial(model.load_state_dict, state)
+        _own_time(f"{n * 6:,} leaves, a full load_state_dict", load, seconds * 2 / 3)
 
 
 def _usage() -> tuple[float, int]:
@@ -161,9 +152,65 @@ def profile_orbax(quick: bool, rounds: int = 3) -> None:
         )
 
 
+def _own_time(label: str, fn: Any, seconds: float) -> None:
+    """Times `fn` unprofiled, then prints cProfile's ten biggest own times in a loop of it."""
+    fn()
+    calls, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds / 2:
+        fn()
+        calls += 1
+    per_call = (time.perf_counter() - start) / calls
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(calls):
+        fn()
+    profiler.disable()
+    stats = pstats.Stats(profiler)
+    total = sum(row[2] for row in stats.stats.values())  # pyright: ignore[reportAttributeAccessIssue]
+    print(f"\n{label}: {per_call * 1e3:.2f} ms per call (unprofiled); own time:")
+    rows = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])  # pyright: ignore[reportAttributeAccessIssue]
+    for (file, line, name), (_, ncalls, own, *_rest) in rows[:10]:
+        where = f"{Path(file).name}:{line}({name})"
+        print(f"  {own / total:6.1%}  {ncalls / calls:8.1f} calls/call  {where}")
+
+
+def profile_sharded(seconds: float = 6.0, blocks: int = 500, width: int = 4096) -> None:
+    """Where tt.shard of the small-blocks model and the build of the sharded restore
+    targets spend their time (cProfile, own time), on the (2, 4) mesh of 8 CPU devices."""
+    import optax
+
+    import taktiny as tt
+    from bench import sharded
+    from taktiny import nn
+
+    where = sharded.mesh()
+    model = _models.build("taktiny", blocks, 0)
+    _own_time(
+        f"tt.shard, {blocks * 6:,} leaves",
+        lambda: jax.block_until_ready(tt.shard(model, sharded.BLOCK_RULES, where)),
+        seconds,
+    )
+    _own_time(
+        f"tt.sharding_plan, {blocks * 6:,} leaves",
+        lambda: tt.sharding_plan(model, sharded.BLOCK_RULES, where),
+        seconds,
+    )
+
+    def targets() -> Any:
+        abstract = tt.eval_shape(lambda: _formats.Big(width, 16, rngs=nn.Rngs(0)))
+        abstract = tt.shard(abstract, sharded.BIG_RULES, where)
+        opt_abstract = tt.eval_shape(optax.adam(1e-3).init, abstract)
+        return abstract.state_dict(), tt.state_dict(opt_abstract)
+
+    _own_time(f"the sharded restore's targets, 16 x Linear({width}, {width})", targets, seconds)
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("what", choices=["load", "orbax"])
+    parser.add_argument("what", choices=["load", "orbax", "sharded"])
     parser.add_argument("--quick", action="store_true", help="orbax: the 67 MB model")
     args = parser.parse_args()
-    profile_load() if args.what == "load" else profile_orbax(args.quick)
+    if args.what == "sharded":
+        profile_sharded()
+    else:
+        profile_load() if args.what == "load" else profile_orbax(args.quick)

@@ -20,8 +20,6 @@ from ._results import Group, Table, fmt_ratio, fmt_time
 
 # Benchmarks that arrive with later issues; the report keeps a place for each
 PENDING = {
-    "sharded": "Sharded restore: restoring a model across the 8 simulated devices with "
-    "Orbax, against restoring on one device and resharding (arrives with the sharding issue).",
     "quant": "Quantized model bytes: checkpoint and in-memory bytes of int8/float8 "
     "models against float32 (arrives with the quantization issue).",
 }

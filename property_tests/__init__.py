@@ -17,7 +17,12 @@ test_errors      bad values are all listed, nothing is loaded (6)       120   12
 test_transforms  loading inside jit equals loading outside (7)           40    400
 test_transforms  gradients through a load equal the model's (7)          30    300
 test_orbax       Orbax round trip, bitwise, target's shardings (8)       40    400
+test_orbax       Orbax onto a tt.shard target on another mesh (8)        25    250
 test_sharding    loading onto another placement reshards (9)            100   1000
+test_sharding    tt.shard gives each leaf its first matching rule        80    800
+test_sharding    tt.shard between meshes of any device order             30    300
+test_sharding    host (NumPy) values load onto the leaves' shardings     50    500
+test_sharding    tt.eval_shape(optimizer.init): moments as params        40    400
 =====================================================================  ====  ========
 
 (The numbers in brackets are the invariants of issue 4.) With ``-n 2`` on two shared cores the

@@ -51,6 +51,11 @@ class Placement:
         axes (``jax.grad`` included) must run inside it."""
         return jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
 
+    def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
+        """How Hypothesis prints a drawn placement: as its repr, device order included (its
+        printer would otherwise show the dataclass's fields, and a Mesh hides its devices)."""
+        printer.text(repr(self))
+
     def __repr__(self) -> str:
         if self.kind == "mesh":
             assert self.mesh is not None
@@ -76,6 +81,12 @@ def meshes(draw: Any, devices: list[Any]) -> Mesh:
     axis_type = draw(st.sampled_from((AxisType.Explicit, AxisType.Auto)))
     names = ("x", "y")[: len(shape)]
     return Mesh(np.array(chosen).reshape(shape), names, axis_types=(axis_type,) * len(shape))
+
+
+def mesh_placements(devices: list[Any]) -> st.SearchStrategy[Placement]:
+    """A mesh as `meshes` draws it, as a :class:`Placement`: a failing example then shows its
+    device order, which a Mesh's own repr leaves out."""
+    return meshes(devices).map(lambda mesh: Placement("mesh", mesh=mesh))
 
 
 @st.composite

@@ -1,9 +1,10 @@
 """Deliberately broken variants of the state walk, to see each property catch the ones its
 docstring names.
 
-Nothing here changes the package: each variant monkeypatches `taktiny._state` or
-`taktiny._values` for one pytest run, as a plugin (pytest does not collect this file as tests). Run one variant against one
-property, or every variant against the properties expected to catch it:
+Nothing here changes the package: each variant monkeypatches `taktiny._state`,
+`taktiny._values`, `taktiny._patterns` or `taktiny._abstract` for one pytest run, as a plugin
+(pytest does not collect this file as tests). Run one variant against one property, or every
+variant against the properties expected to catch it:
 
     PYTHONPATH=. python -m pytest -p property_tests.mutants --mutant=flat_sorted \
         --hypothesis-profile=mutants property_tests/test_round_trip.py
@@ -104,8 +105,10 @@ def _flat_items(state: dict, prefix: str = "") -> list:
 
 def _mutants() -> dict[str, Any]:
     """Each variant's name and the patches (module, attribute, value) it makes."""
-    from taktiny import _state, _values
+    from taktiny import _abstract, _patterns, _state, _values
     from taktiny._module import NODES
+
+    match = _patterns.match
 
     flat_state_dict = lambda m: _state.flat_state_dict(m, NODES)
     state_dict = lambda m: _state.state_dict(m, NODES)
@@ -166,6 +169,11 @@ def _mutants() -> dict[str, Any]:
             return array.astype(old.dtype)  # 2-D values go through whatever their shape
         return convert(name, value, old, problems)
 
+    def last_rule_wins(rules: Any, names: Any, default: Any) -> Any:
+        found = match(rules[::-1], names, default)  # the last matching rule, not the first
+        used = set(found.unused)
+        return found._replace(unused=[p for p, _ in rules if p in used])
+
     flat_sorted = lambda m, nodes: dict(sorted(flat_read(m, nodes).items()))
     nested_sorted = lambda m, nodes: jax.tree.map(lambda x: x, nested_read(m, nodes))
     state_copies = lambda m, nodes: jax.tree.map(np.asarray, nested_read(m, nodes))
@@ -185,6 +193,8 @@ def _mutants() -> dict[str, Any]:
         "no_cast_in_jit": [(_values, "convert", no_cast_in_jit)],
         "no_range_check": [(_values, "convert", no_range_check)],
         "no_shape_check": [(_values, "convert", no_shape_check)],
+        "last_rule_wins": [(_patterns, "match", last_rule_wins)],
+        "eval_shape_ignores_mesh": [(_abstract, "_meshes", lambda leaves: [])],
     }
 
 
@@ -202,7 +212,9 @@ EXPECTED = {
         "test_round_trip.py::test_own_state_loads_back_to_an_equal_module",
         "test_partial.py::test_partial_load_changes_exactly_the_supplied_leaves",
         "test_sharding.py::test_loading_onto_another_placement_reshards_with_equal_values",
+        "test_sharding.py::test_host_values_load_onto_the_shardings_of_the_leaves_they_replace",
         "test_orbax.py::test_orbax_round_trip_is_bitwise_onto_the_targets_shardings",
+        "test_orbax.py::test_orbax_restores_onto_an_abstract_target_sharded_on_another_mesh",
     ],
     "keep_value_sharding": [
         "test_partial.py::test_partial_load_changes_exactly_the_supplied_leaves",
@@ -227,6 +239,11 @@ EXPECTED = {
     "no_cast_in_jit": ["test_transforms.py::test_loading_inside_jit_equals_loading_outside"],
     "no_range_check": ["test_errors.py::test_bad_values_are_all_listed_and_nothing_is_loaded"],
     "no_shape_check": ["test_fuzz.py::test_any_input_loads_or_raises_one_state_dict_error"],
+    "last_rule_wins": ["test_sharding.py::test_shard_places_each_leaf_by_its_first_matching_rule"],
+    "eval_shape_ignores_mesh": [
+        "test_sharding.py::"
+        "test_optimizer_state_of_an_abstract_sharded_model_is_sharded_like_its_parameters"
+    ],
 }
 
 

@@ -12,8 +12,12 @@ import orbax.checkpoint as ocp
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import taktiny as tt
+
+from .arrays import mesh_placements
 from .budget import examples
 from .checks import assert_same_leaf, flatten_by_path
+from .rules import placing_rules
 from .strategies import models, replaced, revalued
 
 
@@ -66,3 +70,43 @@ def test_orbax_round_trip_is_bitwise_onto_the_targets_shardings(platform, data, 
         assert_same_leaf(value, want[name], name, sharding=False)
         if isinstance(placed[name], jax.Array):
             assert value.sharding == placed[name].sharding, name
+
+
+@settings(max_examples=examples(25))
+@given(data=st.data())
+def test_orbax_restores_onto_an_abstract_target_sharded_on_another_mesh(
+    platform, data, tmp_path_factory
+):
+    """A module's state saved with StandardCheckpointer (nested or flat) and restored with
+    the state of an abstract target, ``tt.shard(tt.eval_shape(lambda: m), rules, mesh)`` with
+    random rules on a newly drawn mesh (another shape, device order or axis type than ``m``'s
+    placement, mostly), gives ``m``'s leaves bit for bit, each with the sharding of the
+    target's leaf; loading that into the abstract target (strict), or loading ``m``'s own
+    state into it directly, gives ``m``'s values as arrays on those shardings.
+
+    Seen to catch (`property_tests/mutants.py`): a load that places every leaf on the default
+    device (``drop_sharding``).
+    """
+    devices = jax.devices(platform)
+    model = data.draw(models(devices, allow_empty=False, min_leaves=1), label="case").model
+    mesh = data.draw(mesh_placements(devices), label="target mesh").mesh
+    flat = model.flat_state_dict()
+    rules = data.draw(placing_rules(flat, mesh), label="rules")
+    abstract = tt.shard(tt.eval_shape(lambda: model), rules, mesh)
+    placed = abstract.flat_state_dict()
+    via_orbax = data.draw(st.booleans(), label="through Orbax")
+    nested = data.draw(st.booleans(), label="nested")
+    state = model.state_dict() if nested else flat
+    if via_orbax:
+        target = abstract.state_dict() if nested else placed
+        state = save_and_restore(state, target, tmp_path_factory.getbasetemp())
+        restored = flatten_by_path(state) if nested else state
+        assert sorted(restored) == sorted(flat)
+        for name, value in restored.items():
+            assert_same_leaf(value, flat[name], name, sharding=False)
+            assert value.sharding == placed[name].sharding, f"{name}: {value.sharding}"
+    load = abstract.load_state_dict if nested else abstract.load_flat_state_dict
+    for name, value in load(state, strict=True).flat_state_dict().items():
+        assert isinstance(value, jax.Array), f"{name}: {type(value).__name__}"
+        assert_same_leaf(value, flat[name], name, sharding=False)
+        assert value.sharding == placed[name].sharding, f"{name}: {value.sharding}"

@@ -107,9 +107,21 @@ def match(rules: list[tuple[str, Any]], names: Sequence[str], default: Any) -> M
     return Match(values, unmatched, unused)
 
 
-def unused_hint(pattern: str, names: Sequence[str]) -> str:
-    """Why `pattern` may have matched nothing, and what might have been meant."""
+def unused_hint(pattern: str, names: Sequence[str], patterns: Sequence[str] = ()) -> str:
+    """Why `pattern` may have matched nothing, and what might have been meant; `patterns`
+    are those of all the rules, in order (an earlier one may have taken its names)."""
     regex = compile_pattern(pattern)
+    mine = [n for n in names if regex.fullmatch("." + n)]
+    if mine:  # every one taken by an earlier rule
+        first = mine[0]
+        taker = next((p for p in patterns if compile_pattern(p).fullmatch("." + first)), pattern)
+        more = f" and {len(mine) - 1} more" if len(mine) > 1 else ""
+        if taker == pattern:
+            return "an earlier rule has the same pattern; remove one of them"
+        return (
+            f"the names it would match ({first!r}{more}) go to the earlier rule {taker!r}; "
+            f"put the more specific rule first"
+        )
     group = next((g for g in sorted(err.groups_of(names)) if regex.fullmatch("." + g)), None)
     if group is not None:
         return (

@@ -108,7 +108,7 @@ def sharding_plan(
         if found.unmatched:
             problems.append(f"no rule matches {', '.join(map(repr, found.unmatched))}")
         for pattern in found.unused:
-            hint = _patterns.unused_hint(pattern, names.names)
+            hint = _patterns.unused_hint(pattern, names.names, [p for p, _ in checked])
             problems.append(f"the rule {pattern!r} matches no name; {hint}")
     if problems:
         raise ValueError(_listing(caller, tree, problems))
@@ -152,7 +152,11 @@ def shard(
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     shardings = treedef.flatten_up_to(plan.shardings)
     moving = [i for i, leaf in enumerate(leaves) if not isinstance(leaf, jax.ShapeDtypeStruct)]
-    moved = jax.device_put([leaves[i] for i in moving], [shardings[i] for i in moving])
+    # a zero-size array holds no data, so it is placed afresh: JAX 0.10's device_put of one
+    # from a mesh of another device order makes misshapen shards
+    sources = [np.zeros(np.shape(leaves[i]), leaves[i].dtype) if np.size(leaves[i]) == 0
+               else leaves[i] for i in moving]  # fmt: skip
+    moved = jax.device_put(sources, [shardings[i] for i in moving])
     out: list[Any] = list(leaves)
     for i, array in zip(moving, moved, strict=True):
         out[i] = array

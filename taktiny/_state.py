@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.core import Tracer
-from jax.sharding import AxisType, NamedSharding
+from jax.sharding import NamedSharding
 
 from . import _errors as err
 from . import _names, _values
@@ -51,14 +51,17 @@ class _Move(NamedTuple):
 
 def _check(
     view: Flat | Walk, supplied: Iterable[tuple[Any, Any]], problems: list[StateProblem]
-) -> tuple[Any, list[_Move]]:
+) -> tuple[Any, list[_Move], list[tuple[Any, ...]]]:
     """Checks each supplied value against the leaf it replaces. Returns the new leaves (the
-    view's container, with the checked values written in) and the values still to place."""
+    view's container, with the checked values written in), the values still to place, and
+    the traced values still to constrain (once nothing is wrong)."""
     olds, new = view.olds, view.new()
     moves: list[_Move] = []
+    traced: list[tuple[Any, ...]] = []
     array = _values.array_type()
     # Arrays share a few sharding objects, so each pair is compared once. They are keyed by
-    # id: the arrays hold them, so they live (and keep their ids) for the whole loop.
+    # id: the arrays hold them, so they live (and keep their ids) for the whole loop. Two
+    # shardings that place alike (P("x") and P("x", None)) count as the same: no copy.
     same: dict[tuple[int, int], bool] = {}
     for where, value in supplied:
         old = olds[where]
@@ -68,7 +71,7 @@ def _check(
             placed = same.get(pair)
             if placed is None:
                 placed = same[pair] = have is want or have == want
-            if placed:
+            if placed or have.is_equivalent_to(want, value.ndim):
                 new[where] = value
             else:
                 moves.append(_Move(where, value, want))
@@ -78,7 +81,7 @@ def _check(
             continue
         target = getattr(old, "sharding", None)
         if isinstance(old, Tracer) or isinstance(value, Tracer):  # inside jit
-            new[where] = _constrain(jnp.asarray(value), old, target)
+            traced.append((where, jnp.asarray(value), old, target))
         elif isinstance(value, jax.Array) and value.sharding == target:
             new[where] = value
         elif isinstance(value, jax.Array) and _outside(value, target):
@@ -86,7 +89,7 @@ def _check(
         else:
             copy = _values.shares_memory(value, given, target)
             moves.append(_Move(where, value.copy() if copy else value, target))
-    return new, moves
+    return new, moves, traced
 
 
 def _outside(value: jax.Array, target: Any) -> bool:
@@ -99,16 +102,22 @@ def _outside(value: jax.Array, target: Any) -> bool:
 def _constrain(value: Any, old: Any, target: Any) -> Any:
     """`value`, traced, kept on the sharding of the leaf `old` it replaces: a concrete
     leaf's own sharding, or the sharding in a traced leaf's type (Explicit mesh axes).
-    A traced leaf on Auto axes has none to keep; jit's out_shardings place it."""
+    A traced leaf on Auto axes has none to keep; jit's out_shardings place it. On
+    Explicit axes a value is resharded only from the leaf's own mesh, or under
+    ``jax.set_mesh`` of it (JAX refuses it otherwise)."""
+    have = jax.typeof(value).sharding.mesh
     if isinstance(target, NamedSharding):  # a concrete leaf, closed over by the jitted code
-        types = set(target.mesh.axis_types)
-        if types == {AxisType.Explicit}:
+        if not target.mesh.are_all_axes_explicit:
+            return jax.lax.with_sharding_constraint(value, target)
+        want = target.mesh.abstract_mesh
+        if want in (have, jax.sharding.get_abstract_mesh()):
             return jax.sharding.reshard(value, target)
-        return jax.lax.with_sharding_constraint(value, target)
+        return value
     if isinstance(old, Tracer):
-        have, want = jax.typeof(value).sharding, jax.typeof(old).sharding
-        if not want.mesh.empty and want.spec != have.spec and want.mesh.are_all_axes_explicit:
-            return jax.sharding.reshard(value, want.spec)
+        want = jax.typeof(old).sharding
+        explicit = not want.mesh.empty and want.mesh.are_all_axes_explicit
+        if explicit and want.mesh in (have, jax.sharding.get_abstract_mesh()):
+            return jax.sharding.reshard(value, NamedSharding(want.mesh, want.spec))
     return value
 
 
@@ -202,8 +211,10 @@ def _finish(
     problems: list[StateProblem],
     caller: str,
 ) -> Any:
-    new, moves = _check(view, supplied, problems)
+    new, moves, traced = _check(view, supplied, problems)
     if problems:
         raise StateDictError(caller, problems)
     _place(moves, new)
+    for where, value, old, target in traced:
+        new[where] = _constrain(value, old, target)
     return view.write(new)

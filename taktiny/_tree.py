@@ -148,7 +148,7 @@ class by_name:  # a class used as a function: tt.by_name(rules)(model)
                 f"matches everything), or pass default=..."
             )
         for pattern in found.unused:
-            hint = _patterns.unused_hint(pattern, spec.names)
+            hint = _patterns.unused_hint(pattern, spec.names, [p for p, _ in self.rules])
             problems.append(f"the rule {pattern!r} matches no name; {hint}")
         if problems:
             lines = "\n".join(f"  - {p}" for p in problems)

@@ -10,13 +10,19 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # bench/ is not installed
 
-from bench import checkpoint, diagnose, dispatch, memory, report, state
+from bench import checkpoint, diagnose, dispatch, memory, report, sharded, state
 from bench._results import Config, Group, Table, Target
 from bench._timing import Case, Stats, compare, paired_ratio
 
 pytestmark = pytest.mark.program
 
-GROUPS = {"state": state, "dispatch": dispatch, "checkpoint": checkpoint, "memory": memory}
+GROUPS = {
+    "state": state,
+    "dispatch": dispatch,
+    "checkpoint": checkpoint,
+    "memory": memory,
+    "sharded": sharded,
+}
 
 
 def check(group: Group) -> None:
@@ -85,3 +91,9 @@ def test_target_direction():
 def test_load_profile_runs(capsys):
     diagnose.profile_load(seconds=0.03, blocks=(2,))
     assert "12 leaves" in capsys.readouterr().out
+
+
+def test_sharded_profile_runs(capsys):
+    diagnose.profile_sharded(seconds=0.03, blocks=2, width=32)
+    out = capsys.readouterr().out
+    assert "tt.shard, 12 leaves" in out and "Linear(32, 32)" in out

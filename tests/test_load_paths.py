@@ -74,7 +74,8 @@ class Trio(nn.Module):
 def test_each_loaded_array_takes_the_sharding_of_the_leaf_it_replaces(partial):
     """Every value ends on its own leaf's sharding, also when several leaves and values share
     sharding objects: a value already placed like one leaf is still moved for another."""
-    on0, on5 = SingleDeviceSharding(jax.devices()[0]), SingleDeviceSharding(jax.devices()[5])
+    cpus = jax.devices("cpu")
+    on0, on5 = SingleDeviceSharding(cpus[0]), SingleDeviceSharding(cpus[5])
 
     def put(x, sharding):
         return jax.device_put(np.full(3, x, np.float32), sharding)
@@ -99,7 +100,7 @@ def test_zero_size_leaves_keep_their_dtype(dtype, sharded):
     """A zero-size value, placed afresh, gets the dtype of the leaf it replaces."""
     leaf = jnp.zeros((0, 4), dtype)
     if sharded:
-        mesh = jax.make_mesh((2, 4), ("x", "y"))
+        mesh = jax.make_mesh((2, 4), ("x", "y"), devices=jax.devices("cpu"))
         leaf = jax.device_put(leaf, NamedSharding(mesh, PartitionSpec(None, "y")))
     model = Holder(leaf)
     for value in (np.zeros((0, 4), dtype), jax.device_put(jnp.zeros((0, 4), dtype), None)):

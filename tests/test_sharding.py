@@ -345,3 +345,46 @@ def test_eval_shape_without_a_mesh_follows_the_default_device():
         out = tt.eval_shape(lambda: jnp.zeros(3))
         assert out.sharding == SingleDeviceSharding(jnp.zeros(3).devices().pop())
     assert out.sharding == SingleDeviceSharding(device)
+
+
+def test_a_rule_shadowed_by_an_earlier_one_is_reported_as_such():
+    model = Block(rngs=nn.Rngs(0))
+    with pytest.raises(ValueError, match=r"the rule '\*\.kernel' matches no name; the names it "
+                       r"would match \('up.kernel' and 1 more\) go to the earlier rule '\*\*'; "
+                       r"put the more specific rule first"):  # fmt: skip
+        tt.sharding_plan(model, [("**", ()), ("*.kernel", ("model",))], mesh_of(), strict=True)
+    with pytest.raises(ValueError, match=r"the rule 'up.kernel' matches no name; the names it "
+                       r"would match \('up.kernel'\) go to the earlier rule 'up.\*'"):  # fmt: skip
+        tt.by_name([("up.*", 1), ("up.kernel", 2)], default=0)(model)
+    with pytest.raises(ValueError, match=r"the rule 'up.kernel' matches no name; an earlier "
+                       r"rule has the same pattern; remove one of them"):  # fmt: skip
+        tt.shard(model, [("up.kernel", ()), ("up.kernel", ("model",))], mesh_of(), strict=True)
+
+
+def test_zero_size_leaves_move_between_meshes_of_any_device_order():
+    cpu = jax.devices("cpu")
+    reversed_mesh = jax.sharding.Mesh(np.array(cpu[::-1]), ("x",))
+    empty = jax.device_put(np.zeros((0, 4), np.float32), NamedSharding(reversed_mesh, P()))
+    mesh = mesh_of()
+    moved = tt.shard({"w": empty}, {"w": (None, "model")}, mesh)["w"]
+    assert [s.data.shape for s in moved.addressable_shards] == [(0, 1)] * 8
+    assert np.asarray(moved).shape == (0, 4)
+
+
+def test_a_value_placed_alike_under_another_spec_is_kept_not_copied():
+    mesh = mesh_of()
+    model = tt.shard(Block(rngs=nn.Rngs(0)), {"up.kernel": ("data",)}, mesh)
+    assert model.up.kernel.sharding.spec == P("data")
+    alike = jax.device_put(np.ones((8, 16), np.float32), NamedSharding(mesh, P("data", None)))
+    loaded = model.load_state_dict({"up": {"kernel": alike}})
+    assert loaded.up.kernel is alike  # the same placement: nothing moved
+
+
+def test_a_load_inside_jit_with_problems_reports_them_before_any_resharding():
+    mesh = mesh_of()
+    model = tt.shard(Block(rngs=nn.Rngs(0)), {"*.kernel": (None, "model")}, mesh)
+    elsewhere = jax.device_put(np.ones((8, 16), np.float32), jax.devices("cpu")[0])
+    with pytest.raises(tt.StateDictError, match=r"'down.kernel': shape mismatch"):
+        jax.jit(lambda m, a: m.load_state_dict({"up": {"kernel": a}, "down": {"kernel": a}}))(
+            model, elsewhere
+        )

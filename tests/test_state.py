@@ -119,14 +119,14 @@ def test_float_casts_follow_the_model_dtype():
 
 
 def test_results_keep_the_placement_of_the_leaves_they_replace():
-    mesh = jax.make_mesh((2, 4), ("x", "y"))
+    mesh = jax.make_mesh((2, 4), ("x", "y"), devices=jax.devices("cpu"))
     sharding = NamedSharding(mesh, PartitionSpec("x", "y"))
     lin = nn.Linear(4, 8, rngs=nn.Rngs(0))
     lin = lin.replace(kernel=jax.device_put(lin.kernel, sharding))
     new = lin.load_state_dict({"kernel": np.ones((4, 8), np.float32), "bias": jnp.ones(8)})
     assert new.kernel.sharding == sharding
     assert new.bias.sharding == lin.bias.sharding
-    on_other = jax.device_put(jnp.ones(8), jax.devices()[5])
+    on_other = jax.device_put(jnp.ones(8), jax.devices("cpu")[5])
     assert lin.load_state_dict({"bias": on_other}).bias.sharding == lin.bias.sharding
 
 
@@ -493,10 +493,11 @@ def test_zero_size_leaves_load_onto_any_sharding():
     # Regression (found by property_tests): JAX 0.10's device_put of a zero-size array
     # replicated over one device order onto a sharding that splits it over another order made
     # shards of the wrong shape, so the loaded leaf was broken (np.asarray of it failed).
-    devices = jax.devices()[::-1]
-    replicated = NamedSharding(Mesh(np.array(devices), ("x",)), PartitionSpec())
+    devices = jax.devices("cpu")
+    replicated = NamedSharding(Mesh(np.array(devices[::-1]), ("x",)), PartitionSpec())
     value = jax.device_put(np.zeros((0, 4), np.float32), replicated)
-    target = NamedSharding(jax.make_mesh((2, 4), ("x", "y")), PartitionSpec(None, "y"))
+    mesh = jax.make_mesh((2, 4), ("x", "y"), devices=devices)
+    target = NamedSharding(mesh, PartitionSpec(None, "y"))
 
     class Holder(nn.Module):
         w: jax.Array

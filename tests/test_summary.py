@@ -11,6 +11,18 @@ import taktiny as tt
 from taktiny import nn
 
 
+def cpus():
+    """The 8 simulated devices of conftest.py: CPU devices, also where the default backend
+    is a GPU with one device."""
+    return jax.devices("cpu")
+
+
+def on_default():
+    """How a summary names a leaf on the default device: "cpu:0" here, "gpu:0" on a GPU."""
+    device = jax.devices()[0]
+    return f"{device.platform}:{device.id}"
+
+
 class Net(nn.Module):
     def __init__(self, *, rngs):
         self.mlp = MLP(rngs=rngs)
@@ -59,14 +71,14 @@ def test_summary_totals_groups_and_abstract_models():
 
 
 def test_summary_shows_shardings_when_sharded():
-    mesh = jax.make_mesh((2, 4), ("data", "model"))
+    mesh = jax.make_mesh((2, 4), ("data", "model"), devices=cpus())
     model = MLP(rngs=nn.Rngs(0))
     kernel = jax.device_put(model.input.kernel, NamedSharding(mesh, PartitionSpec(None, "model")))
     text = str(tt.summary(model.replace(input=model.input.replace(kernel=kernel))))
     lines = text.splitlines()
     assert lines[2].split() == ["name", "shape", "dtype", "sharding", "train", "params", "bytes"]
     assert lines[4].split()[:6] == ["input.kernel", "(32,", "64)", "float32", "P(None,", "'model')"]
-    assert "cpu:0" in lines[5]
+    assert on_default() in lines[5]
     assert "sharding" not in str(tt.summary(model))
 
 
@@ -76,7 +88,7 @@ def test_summary_repr_is_its_table():
 
 
 def _mesh(n):
-    return jax.sharding.Mesh(np.array(jax.devices()[:n]), ("model",))
+    return jax.sharding.Mesh(np.array(cpus()[:n]), ("model",))
 
 
 @pytest.mark.parametrize("devices", [1, 2, 8])
@@ -89,13 +101,13 @@ def test_a_leaf_is_sharded_when_it_spans_more_than_one_device(devices):
 
 
 def test_a_sharding_without_a_partition_spec_is_named_by_its_type():
-    # JAX's GSPMDSharding has no PartitionSpec; no public constructor gives one
-    from jax._src.sharding_impls import GSPMDSharding
+    # JAX's GSPMDSharding has no PartitionSpec (public through jax.extend, for libraries)
+    from jax.extend.sharding import GSPMDSharding
 
-    replicated = jax.device_put(jnp.ones(3), GSPMDSharding.get_replicated(jax.devices()))
+    replicated = jax.device_put(jnp.ones(3), GSPMDSharding.get_replicated(cpus()))
     summary = tt.summary({"w": replicated, "b": jnp.ones(2)})
     assert [(r.name, r.sharding) for r in summary.rows] == [
-        ("b", "cpu:0"),
+        ("b", on_default()),
         ("w", "GSPMDSharding"),
     ]
     assert summary.sharded
@@ -161,14 +173,17 @@ def test_depth_groups_names_by_their_first_parts():
 
 def test_a_group_shows_its_placement_or_mixed():
     model = MLP(rngs=nn.Rngs(0))
-    mesh = jax.make_mesh((2, 4), ("data", "model"))
+    mesh = jax.make_mesh((2, 4), ("data", "model"), devices=cpus())
     kernel = jax.device_put(model.input.kernel, NamedSharding(mesh, PartitionSpec(None, "model")))
     summary = tt.summary(model.replace(input=model.input.replace(kernel=kernel)), depth=1)
-    assert [(r.name, r.sharding) for r in summary.rows] == [("input", "mixed"), ("output", "cpu:0")]
+    assert [(r.name, r.sharding) for r in summary.rows] == [
+        ("input", "mixed"),
+        ("output", on_default()),
+    ]
     lines = str(summary).splitlines()
     assert lines[2].split()[3] == "sharding"
     assert lines[4].split()[:3] == ["input", "float32", "mixed"]
-    assert lines[5].split()[:3] == ["output", "float32", "cpu:0"]
+    assert lines[5].split()[:3] == ["output", "float32", on_default()]
 
 
 @pytest.mark.parametrize(
