@@ -73,6 +73,8 @@ def _check(
                 placed = same[pair] = have is want or have == want
             if placed or have.is_equivalent_to(want, value.ndim):
                 new[where] = value
+            elif _outside(value, want):
+                problems.append(err.devices(view.name(where), old.shape, have, want))
             else:
                 moves.append(_Move(where, value, want))
             continue

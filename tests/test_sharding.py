@@ -241,18 +241,25 @@ def test_host_data_lands_on_each_leafs_sharding_in_one_transfer(monkeypatch):
         assert np.asarray(leaf).tobytes() == host[name].tobytes(), name
 
 
-def test_a_value_on_devices_outside_the_models_mesh_is_refused():
+@pytest.mark.parametrize("axis_type", AXES)
+def test_a_value_on_devices_outside_the_models_mesh_is_refused(axis_type):
     cpu = jax.devices("cpu")
-    mesh = jax.make_mesh((4,), ("model",), devices=cpu[:4])
+    mesh = jax.make_mesh((4,), ("model",), axis_types=(axis_type,), devices=cpu[:4])
     model = tt.shard(Block(rngs=nn.Rngs(0)), {"up.kernel": (None, "model")}, mesh)
     elsewhere = jax.device_put(np.ones((8, 16), np.float32), cpu[6])
     other = jax.device_put(np.ones(8, np.float32), cpu[7])
+    # the same split on a mesh of the same shape over other devices (the same abstract mesh)
+    twin = jax.make_mesh((4,), ("model",), axis_types=(axis_type,), devices=cpu[4:])
+    split = jax.device_put(np.ones((16, 8), np.float32), NamedSharding(twin, P()))
     with pytest.raises(tt.StateDictError) as info:
-        model.load_state_dict({"up": {"kernel": elsewhere}, "down": {"bias": other}})
+        model.load_state_dict(
+            {"up": {"kernel": elsewhere}, "down": {"bias": other, "kernel": split}}
+        )
     problems = info.value.problems
     assert [(p.key, p.kind) for p in problems] == [
         ("up.kernel", "sharding"),
         ("down.bias", "sharding"),
+        ("down.kernel", "sharding"),
     ]
     assert str(problems[0]) == (
         "'up.kernel': the value of shape (8, 16) sits on devices [6], outside the leaf's mesh "
