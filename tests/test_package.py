@@ -1,5 +1,6 @@
 """The wheel holds the package, its PEP 561 marker, and nothing else."""
 
+import ast
 import subprocess
 import sys
 import zipfile
@@ -25,3 +26,31 @@ def test_the_wheel_holds_the_package_its_type_marker_and_nothing_else(tmp_path):
     assert package == sorted([*sources, "taktiny/py.typed"])
     metadata = {n.split("/", 1)[1] for n in names if n.startswith("taktiny-")}
     assert metadata == {"METADATA", "WHEEL", "top_level.txt", "RECORD"}
+
+
+UNPICKLERS = {"pickle", "cPickle", "_pickle", "dill", "cloudpickle", "joblib", "shelve"}
+
+
+def unpickler_imports(source: str) -> list[str]:
+    """The pickle-family modules that `source` imports."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names = [alias.name.split(".")[0] for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            names = [(node.module or "").split(".")[0]]
+        else:
+            continue
+        found += [n for n in names if n in UNPICKLERS]
+    return found
+
+
+def test_no_module_of_the_package_imports_pickle():
+    """Nothing in Taktiny unpickles data: no module imports a pickle-family module."""
+    assert unpickler_imports("import os, pickle\nfrom dill import loads") == ["pickle", "dill"]
+    found = {
+        str(path.relative_to(ROOT)): unpickler_imports(path.read_text())
+        for path in sorted((ROOT / "taktiny").rglob("*.py"))
+    }
+    assert len(found) > 20
+    assert {name: hits for name, hits in found.items() if hits} == {}
