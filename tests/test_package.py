@@ -1,4 +1,5 @@
-"""The wheel holds the package, its PEP 561 marker, and nothing else."""
+"""The wheel holds the package, its PEP 561 marker and the `taktiny` command, and nothing else;
+the package unpickles nothing."""
 
 import ast
 import subprocess
@@ -25,7 +26,10 @@ def test_the_wheel_holds_the_package_its_type_marker_and_nothing_else(tmp_path):
     sources = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "taktiny").rglob("*.py"))
     assert package == sorted([*sources, "taktiny/py.typed"])
     metadata = {n.split("/", 1)[1] for n in names if n.startswith("taktiny-")}
-    assert metadata == {"METADATA", "WHEEL", "top_level.txt", "RECORD"}
+    assert metadata == {"METADATA", "WHEEL", "top_level.txt", "RECORD", "entry_points.txt"}
+    (entry_points,) = [n for n in names if n.endswith("entry_points.txt")]
+    scripts = zipfile.ZipFile(wheel).read(entry_points).decode()
+    assert "[console_scripts]\ntaktiny = taktiny._cli:main" in scripts
 
 
 UNPICKLERS = {"pickle", "cPickle", "_pickle", "dill", "cloudpickle", "joblib", "shelve"}
