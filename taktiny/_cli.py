@@ -154,6 +154,7 @@ def diff(a: str, b: str) -> tuple[str, bool]:
         if (x.shape, x.dtype) != (y.shape, y.dtype):
             rows.append([name, f"{x.shape} vs {y.shape}", f"{x.dtype} vs {y.dtype}", "-"])
             continue
+        assert x.file is not None and y.file is not None  # (checked above)
         with _safe_open(x.file) as fa, _safe_open(y.file) as fb:  # two tensors at a time
             u = np.asarray(fa.get_tensor(name), np.float64)
             v = np.asarray(fb.get_tensor(name), np.float64)
@@ -169,7 +170,7 @@ def diff(a: str, b: str) -> tuple[str, bool]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """The ``taktiny`` command (also ``python -m taktiny``)."""
-    parser = argparse.ArgumentParser(prog="taktiny", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="taktiny", description=(__doc__ or "").split("\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
     shown = commands.add_parser("inspect", help="list the tensors of a checkpoint")
     shown.add_argument("path", help="a .safetensors file, an index .json, or a folder")
