@@ -334,6 +334,7 @@ def test_public_surface_is_short_and_documented():
         "by_name",
         "eval_shape",
         "flat_state_dict",
+        "io",
         "load_flat_state_dict",
         "load_state_dict",
         "nn",
@@ -360,7 +361,8 @@ def test_public_surface_is_short_and_documented():
         "field",
         "train_forward",
     ]
-    for owner in (tt, nn):
+    assert _public(tt.io) == ["save_safetensors"]
+    for owner in (tt, tt.io, nn):
         for name in _public(owner):
             assert getattr(owner, name).__doc__, f"{owner.__name__}.{name} has no docstring"
 

@@ -1,0 +1,258 @@
+"""taktiny.io.save_safetensors: files read back bitwise, shards and their index, header
+metadata, and failed saves that leave nothing behind."""
+
+import json
+import os
+import struct
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+import safetensors.numpy
+from _models import MLP
+from jax.sharding import NamedSharding, PartitionSpec
+
+import taktiny as tt
+from taktiny import nn
+from taktiny.io import save_safetensors
+
+# safetensors' dtype names; its numpy loader knows no bfloat16 or float8, so the tests parse
+# the files themselves (an 8-byte header length, a JSON header, then the tensor bytes)
+DTYPES = {
+    "BOOL": np.bool_,
+    "U8": np.uint8,
+    "I8": np.int8,
+    "I16": np.int16,
+    "U16": np.uint16,
+    "I32": np.int32,
+    "U32": np.uint32,
+    "I64": np.int64,
+    "U64": np.uint64,
+    "F16": np.float16,
+    "F32": np.float32,
+    "F64": np.float64,
+    "BF16": ml_dtypes.bfloat16,
+    "F8_E4M3": ml_dtypes.float8_e4m3fn,
+    "F8_E5M2": ml_dtypes.float8_e5m2,
+}
+
+
+def read(path):
+    """The header metadata and the tensors of a safetensors file."""
+    data = path.read_bytes()
+    (length,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8 : 8 + length])
+    body = data[8 + length :]
+    metadata = header.pop("__metadata__", None)
+    tensors = {}
+    for name, entry in header.items():
+        start, stop = entry["data_offsets"]
+        flat = np.frombuffer(body[start:stop], dtype=DTYPES[entry["dtype"]])
+        tensors[name] = flat.reshape(entry["shape"])
+    return metadata, tensors
+
+
+def assert_bitwise(got, expected):
+    expected = np.asarray(expected)
+    assert got.dtype == expected.dtype and got.shape == expected.shape
+    assert got.tobytes() == np.ascontiguousarray(expected).tobytes()
+
+
+def random_array(dtype, shape, seed=0):
+    """Random bits of `dtype` (NaN payloads and all), as a JAX array."""
+    rng = np.random.default_rng(seed)
+    if dtype == np.bool_:
+        return jnp.asarray(rng.integers(0, 2, shape).astype(np.bool_))
+    size = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    return jnp.asarray(np.frombuffer(rng.bytes(size), dtype=dtype).reshape(shape))
+
+
+def test_a_model_round_trips_bitwise_with_metadata_in_the_header(tmp_path):
+    model = MLP(rngs=nn.Rngs(0))
+    path = tmp_path / "model.safetensors"
+    written = save_safetensors(path, model, metadata={"step": "12"})
+    assert written == [path]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.safetensors"]
+    metadata, tensors = read(path)
+    assert metadata == {"format": "taktiny", "taktiny_version": tt.__version__, "step": "12"}
+    expected = model.flat_state_dict()
+    assert list(tensors) == sorted(expected)  # safetensors orders its header by name
+    for name, value in expected.items():
+        assert_bitwise(tensors[name], value)
+    # and the safetensors library reads it too
+    loaded = safetensors.numpy.load_file(path)
+    np.testing.assert_array_equal(loaded["input.kernel"], np.asarray(model.input.kernel))
+
+
+@pytest.mark.parametrize(
+    "dtype",
+    [
+        jnp.float32,
+        jnp.float16,
+        jnp.bfloat16,
+        jnp.float8_e4m3fn,
+        jnp.float8_e5m2,
+        jnp.int8,
+        jnp.uint8,
+        jnp.int16,
+        jnp.uint16,
+        jnp.int32,
+        jnp.uint32,
+        jnp.bool_,
+    ],
+    ids=lambda d: np.dtype(d).name,
+)
+def test_every_dtype_round_trips_bitwise(tmp_path, dtype):
+    value = random_array(dtype, (3, 5))
+    path = tmp_path / "flat.safetensors"
+    save_safetensors(path, {"layer.weight": value, "empty": jnp.zeros((0, 4), dtype)})
+    _, tensors = read(path)
+    assert_bitwise(tensors["layer.weight"], value)
+    assert_bitwise(tensors["empty"], np.zeros((0, 4), dtype))
+
+
+def test_host_arrays_64_bit_non_contiguous_and_sharded_arrays_are_saved(tmp_path):
+    strided = np.arange(24, dtype=np.int64).reshape(4, 6)[:, ::2]
+    assert not strided.flags.c_contiguous
+    mesh = jax.make_mesh((8,), ("x",))
+    spread = jax.device_put(
+        random_array(jnp.float32, (8, 3)), NamedSharding(mesh, PartitionSpec("x"))
+    )
+    path = tmp_path / "flat.safetensors"
+    save_safetensors(path, {"strided": strided, "f64": np.linspace(0, 1, 5), "spread": spread})
+    _, tensors = read(path)
+    assert_bitwise(tensors["strided"], strided)
+    assert_bitwise(tensors["f64"], np.linspace(0, 1, 5))
+    assert_bitwise(tensors["spread"], spread)
+
+
+def test_any_pytree_is_saved_under_its_flat_state_dict_names(tmp_path):
+    tree = {"model": nn.Linear(2, 3, rngs=nn.Rngs(1)), "step": [jnp.arange(3)]}
+    save_safetensors(tmp_path / "t.safetensors", tree)
+    _, tensors = read(tmp_path / "t.safetensors")
+    expected = tt.flat_state_dict(tree)
+    assert sorted(tensors) == sorted(expected) == ["model.bias", "model.kernel", "step.0"]
+    for name, value in expected.items():
+        assert_bitwise(tensors[name], value)
+
+
+@pytest.mark.parametrize("limit", [1200, "1.2KB"])
+def test_shards_and_an_index_hold_every_tensor_once(tmp_path, limit):
+    model = MLP(rngs=nn.Rngs(0))  # kernels of 8192 and 1024 bytes, biases of 256 and 16
+    path = tmp_path / "model.safetensors"
+    written = save_safetensors(path, model, max_shard_size=limit)
+    index_path = tmp_path / "model.safetensors.index.json"
+    shards = [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]
+    assert written == [tmp_path / s for s in shards] + [index_path]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([*shards, index_path.name])
+    index = json.loads(index_path.read_text())
+    expected = model.flat_state_dict()
+    assert index["metadata"] == {"total_size": sum(v.nbytes for v in expected.values())}
+    assert index["metadata"]["total_size"] == 8192 + 256 + 1024 + 16
+    assert sorted(index["weight_map"]) == sorted(expected)
+    assert index["weight_map"] == {
+        "input.kernel": shards[0],
+        "input.bias": shards[1],
+        "output.kernel": shards[2],
+        "output.bias": shards[2],
+    }
+    seen = {}
+    for shard in shards:
+        metadata, tensors = read(tmp_path / shard)
+        assert metadata["format"] == "taktiny"
+        for name, value in tensors.items():
+            assert name not in seen and index["weight_map"][name] == shard
+            seen[name] = value
+        # the big kernel has a shard of its own; the others stay within the limit
+        assert len(tensors) == 1 or sum(t.nbytes for t in tensors.values()) <= 1200
+    assert sorted(seen) == sorted(expected)
+    for name, value in expected.items():
+        assert_bitwise(seen[name], value)
+
+
+def test_a_limit_everything_fits_in_writes_one_file_and_no_index(tmp_path):
+    path = tmp_path / "model.safetensors"
+    assert save_safetensors(path, MLP(rngs=nn.Rngs(0)), max_shard_size="1GiB") == [path]
+    assert [p.name for p in tmp_path.iterdir()] == ["model.safetensors"]
+
+
+def test_a_failed_sharded_save_leaves_no_file_and_no_temporary(tmp_path, monkeypatch):
+    real = safetensors.numpy.save_file
+    calls = []
+
+    def fail_on_the_second_shard(tensors, filename, metadata=None):
+        calls.append(filename)
+        real(tensors, filename, metadata=metadata)  # the bytes are on disk, then it fails
+        if len(calls) == 2:
+            raise RuntimeError("disk full")
+
+    monkeypatch.setattr(safetensors.numpy, "save_file", fail_on_the_second_shard)
+    with pytest.raises(OSError, match=r"writing .*model-00002-of-00003\.safetensors: disk full"):
+        save_safetensors(tmp_path / "model.safetensors", MLP(rngs=nn.Rngs(0)), max_shard_size=1200)
+    assert len(calls) == 2
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_failed_rename_removes_the_shards_already_in_place(tmp_path, monkeypatch):
+    real = os.replace
+
+    def fail_on_the_index(src, dst):
+        if str(dst).endswith(".index.json"):
+            raise OSError("rename refused")
+        real(src, dst)
+
+    monkeypatch.setattr(os, "replace", fail_on_the_index)
+    with pytest.raises(OSError, match="rename refused"):
+        save_safetensors(tmp_path / "model.safetensors", MLP(rngs=nn.Rngs(0)), max_shard_size=1200)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_none_in_a_mapping_is_an_empty_subtree_as_in_flat_state_dict(tmp_path):
+    save_safetensors(tmp_path / "n.safetensors", {"w": jnp.ones(2), "cache": None})
+    assert list(read(tmp_path / "n.safetensors")[1]) == ["w"]
+
+
+def test_int4_is_refused_by_name_and_nothing_is_written(tmp_path):
+    tensors = {"ok": jnp.ones(4), "packed.weight": jnp.zeros(4, jnp.int4)}
+    message = r"'packed\.weight' has dtype int4, and safetensors has no 4-bit type; .* quantized"
+    with pytest.raises(TypeError, match=message):
+        save_safetensors(tmp_path / "q.safetensors", tensors)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_an_array_other_processes_hold_parts_of_is_refused_by_name(tmp_path, monkeypatch):
+    # one process cannot make such an array: this one says it is one
+    spread = jnp.ones(8)
+    monkeypatch.setattr(type(spread), "is_fully_addressable", property(lambda self: False))
+    with pytest.raises(ValueError, match=r"'w' is spread over several processes.*gather it"):
+        save_safetensors(tmp_path / "p.safetensors", {"w": spread})
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_prng_keys_are_refused_by_name(tmp_path):
+    with pytest.raises(TypeError, match=r"'seed' is an array of PRNG keys.*key_data"):
+        save_safetensors(tmp_path / "k.safetensors", {"seed": jax.random.key(0)})
+
+
+@pytest.mark.usefixtures("without_type_checks")
+def test_metadata_must_be_strings_and_leave_the_format_keys_alone(tmp_path):
+    path = tmp_path / "m.safetensors"
+    with pytest.raises(TypeError, match=r"metadata must map strings to strings.*'step': 12"):
+        save_safetensors(path, {"w": jnp.ones(2)}, metadata={"step": 12})
+    with pytest.raises(ValueError, match=r"metadata key 'format' is Taktiny's own"):
+        save_safetensors(path, {"w": jnp.ones(2)}, metadata={"format": "pt"})
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_bad_paths_names_and_sizes_are_refused(tmp_path):
+    with pytest.raises(ValueError, match=r"must name a '\*\.safetensors' file: .*model\.bin"):
+        save_safetensors(tmp_path / "model.bin", {"w": jnp.ones(2)})
+    with pytest.raises(TypeError, match=r"tensor names must be strings, got 3"):
+        save_safetensors(tmp_path / "m.safetensors", {3: jnp.ones(2)})
+    with pytest.raises(ValueError, match=r"max_shard_size '5 parsecs' is not a size"):
+        save_safetensors(tmp_path / "m.safetensors", {"w": jnp.ones(2)}, max_shard_size="5 parsecs")
+    with pytest.raises(ValueError, match=r"max_shard_size must be positive, got 0"):
+        save_safetensors(tmp_path / "m.safetensors", {"w": jnp.ones(2)}, max_shard_size=0)
+    assert list(tmp_path.iterdir()) == []
