@@ -1,5 +1,6 @@
 """Taktiny: a small, fast, pure-functional neural-network library for JAX."""
 
+from . import convert as convert
 from . import io as io
 from . import nn as nn
 from ._abstract import eval_shape as eval_shape

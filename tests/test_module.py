@@ -332,6 +332,7 @@ def test_public_surface_is_short_and_documented():
         "StateProblem",
         "Summary",
         "by_name",
+        "convert",
         "eval_shape",
         "flat_state_dict",
         "io",
@@ -362,7 +363,12 @@ def test_public_surface_is_short_and_documented():
         "train_forward",
     ]
     assert _public(tt.io) == ["save_safetensors"]
-    for owner in (tt, tt.io, nn):
+    assert _public(tt.convert) == sorted([
+        "ConversionError", "ConversionProblem", "Ignore", "Report", "Rule", "Step", "Tie",
+        "Transform", "cast", "chain", "check", "concatenate", "convert", "export", "identity",
+        "reshape", "round_trip_check", "split", "stack", "transpose", "unstack",
+    ])  # fmt: skip
+    for owner in (tt, tt.io, tt.convert, nn):
         for name in _public(owner):
             assert getattr(owner, name).__doc__, f"{owner.__name__}.{name} has no docstring"
 

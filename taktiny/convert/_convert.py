@@ -1,0 +1,172 @@
+"""Running the rules: `check`, `convert` (source -> Taktiny), `export` (Taktiny -> source)
+and `round_trip_check`."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from .._tree import flat_state_dict
+from ._coverage import ConversionError, ConversionProblem, Report, check_allow, plan, runner, spec
+from ._rules import AnyRule, Rule, Tie, _compile
+
+
+def _leaves(target: Any) -> dict[str, Any]:
+    return dict(target) if isinstance(target, Mapping) else flat_state_dict(target)
+
+
+def check(
+    rules: Sequence[AnyRule],
+    source: Mapping[str, Any],
+    *,
+    target: Any,
+    allow: Mapping[str, Sequence[str]] | None = None,
+) -> Report:
+    """Checks, from names, shapes and dtypes alone, that `rules` turn `source` (a flat
+    mapping) into exactly the leaves of `target` (a model, or its flat state; abstract
+    leaves do); raises one :class:`ConversionError` listing every problem.
+
+    ``allow`` lets problems through by kind and name pattern (``{"missing": ["head.*"],
+    "unused": ["**.num_batches_tracked"], "unknown": [...], "unmatched": [...]}``, a rule
+    matched by its source template); the :class:`Report` lists those it let through.
+    Values with ``.shape`` and ``.dtype`` are not read.
+    """
+    report, _ = plan(rules, source, _leaves(target), check_allow(allow), "convert.check")
+    return report
+
+
+def convert(
+    rules: Sequence[AnyRule],
+    source: Mapping[str, Any],
+    *,
+    target: Any,
+    allow: Mapping[str, Sequence[str]] | None = None,
+) -> dict[str, Any]:
+    """The flat state `target` needs, made from `source` by `rules`, for
+    ``target.load_flat_state_dict(flat, strict=True)``.
+
+    Rules are tried in order; each source name goes to the first that matches it. The
+    whole conversion is checked first (see :func:`check`): nothing is converted unless
+    every problem is allowed. Only the source names the rules read are indexed, once
+    each, so a lazy mapping reads tensor by tensor. Values may be NumPy or JAX arrays,
+    or anything ``np.asarray`` takes (PyTorch CPU tensors).
+    """
+    leaves = _leaves(target)
+    report, ties = plan(rules, source, leaves, check_allow(allow), "convert.convert")
+    unequal = [
+        ConversionProblem("tie", name, f"is tied to {other!r}, but their values differ.")
+        for name, other in ties
+        if not np.array_equal(_read(source[name]), _read(source[other]))
+    ]
+    if unequal:
+        raise ConversionError("convert.convert", unequal)
+    out = {}
+    for step in report.steps:
+        arrays = tuple(_read(source[name]) for name in step.sources)
+        count = None if step.rule.gathered else len(step.targets)
+        if any(isinstance(a, jax.ShapeDtypeStruct) for a in arrays):
+            results = jax.eval_shape(runner(step.rule.transform, count), *arrays)
+        else:
+            results = step.rule.transform(arrays, count)
+        out.update(
+            (name, value)
+            for name, value in zip(step.targets, results, strict=True)
+            if name in leaves
+        )
+    return {name: out[name] for name in leaves if name in out}
+
+
+def _read(value: Any) -> Any:
+    if isinstance(value, (jax.Array, np.ndarray)):
+        return value
+    if isinstance(value, jax.ShapeDtypeStruct):
+        return spec(value)
+    return np.asarray(value)
+
+
+def export(rules: Sequence[AnyRule], model: Any) -> dict[str, Any]:
+    """The parameters of `model` (or of its flat state) in the source's names and
+    layouts: `rules` run backwards, each through its transform's inverse; tied names
+    (:class:`Tie`) get the same array. Raises one :class:`ConversionError` naming every
+    leaf that cannot be exported (a rule that is not invertible, or no rule). Names the
+    rules ignore are not made."""
+    leaves = _leaves(model)
+    inverse = [_compile_targets(r) if isinstance(r, Rule) else [] for r in rules]
+    problems: list[ConversionProblem] = []
+    groups: dict[tuple[int, tuple[tuple[str, str], ...]], dict[int, str]] = {}
+    for leaf in leaves:
+        found = next(
+            ((i, j, m.groupdict()) for i, ps in enumerate(inverse) for j, p in enumerate(ps)
+             if (m := p.fullmatch("." + leaf)) is not None),
+            None,
+        )  # fmt: skip
+        if found is None:
+            problems.append(
+                ConversionProblem(
+                    "missing",
+                    leaf,
+                    "no rule produces this leaf, so export cannot name it; add a Rule.",
+                )
+            )
+            continue
+        i, j, captures = found
+        groups.setdefault((i, tuple(sorted(captures.items()))), {})[j] = leaf
+    out: dict[str, Any] = {}
+    for (i, key), by_target in groups.items():
+        rule = rules[i]
+        assert isinstance(rule, Rule)
+        names = [by_target.get(j) for j in range(len(rule.targets))]
+        why = rule.irreversible()
+        if why is None and None in names:
+            lacking = [t for t, n in zip(rule.targets, names, strict=True) if n is None]
+            why = f"the model lacks {lacking}"
+        if why is not None:
+            problems.extend(
+                ConversionProblem("irreversible", n, f"{rule!r} cannot export it: {why}.")
+                for n in names
+                if n is not None
+            )
+            continue
+        binding = dict(key)
+        transform = rule.transform.inverse
+        assert transform is not None
+        count = None if rule.gathered else len(rule.sources)
+        arrays = transform(tuple(leaves[n] for n in names if n is not None), count)
+        if rule.gathered:
+            made = [rule.sources[0].format(**binding, **{rule.gathered: str(k)})
+                    for k in range(len(arrays))]  # fmt: skip
+        else:
+            made = [s.format(**binding) for s in rule.sources]
+        out.update(zip(made, arrays, strict=True))
+    for tie in (r for r in rules if isinstance(r, Tie)):
+        partner = _compile(tie.same_as, repr(tie))
+        for name, value in list(out.items()):
+            if (m := partner.fullmatch("." + name)) is not None:
+                out[tie.sources[0].format(**m.groupdict())] = value
+    if problems:
+        raise ConversionError("convert.export", problems)
+    return out
+
+
+def _compile_targets(rule: Rule) -> list[Any]:
+    return [_compile(t, repr(rule)) for t in rule.targets]
+
+
+def round_trip_check(rules: Sequence[AnyRule], model: Any) -> None:
+    """Proves that `rules` export `model` and convert it back bit for bit: every leaf
+    comes back with its shape, dtype and bits. Raises :class:`ConversionError` otherwise."""
+    leaves = _leaves(model)
+    back = convert(rules, export(rules, model), target=leaves)
+    problems = []
+    for name, leaf in leaves.items():
+        a, b = np.asarray(leaf), np.asarray(back[name])
+        if a.dtype != b.dtype or a.shape != b.shape or a.tobytes() != b.tobytes():
+            problems.append(ConversionProblem(
+                "round_trip", name, f"export then convert gives {b.dtype.name}{list(b.shape)} "
+                f"with other values than the model's {a.dtype.name}{list(a.shape)}; a transform "
+                f"and its inverse disagree."))  # fmt: skip
+    if problems:
+        raise ConversionError("convert.round_trip_check", problems)

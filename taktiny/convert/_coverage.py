@@ -1,0 +1,269 @@
+"""Coverage: what the rules make of a source, checked from names, shapes and dtypes alone,
+before any array is converted or loaded; every problem in one `ConversionError`."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+
+from .. import _errors, _patterns, _values
+from ._rules import _CAPTURE, AnyRule, Rule, Tie, first_match
+from ._transforms import Transform
+
+KINDS = ("unused", "missing", "unknown", "unmatched")  # those `allow` may allow; besides:
+# "duplicate", "shape", "dtype", "transform", "incomplete", "gather", "tie", "irreversible",
+# "round_trip"
+
+
+@dataclasses.dataclass(frozen=True)
+class ConversionProblem:
+    """One problem with a conversion.
+
+    Attributes:
+        kind: ``"unused"`` (a source name no rule consumed or ignored), ``"missing"`` (a
+            target leaf no rule produced), ``"unknown"`` (a produced name the target does
+            not have), ``"unmatched"`` (a rule that matched no name), ``"duplicate"`` (a
+            name produced twice), ``"shape"``, ``"dtype"`` (a change of dtype kind),
+            ``"transform"`` (the transform failed on these arrays), ``"incomplete"`` (a
+            rule found some of its sources only), ``"gather"`` (gathered captures not 0..n-1),
+            ``"tie"``, ``"irreversible"`` (export), ``"round_trip"``.
+        name: the name (or rule) the problem is about.
+        hint: the full explanation, with the fix.
+    """
+
+    kind: str
+    name: str
+    hint: str
+
+    def __str__(self) -> str:
+        return f"[{self.kind}] {self.name!r}: {self.hint}"
+
+
+class ConversionError(ValueError):
+    """Raised once, listing every problem of a conversion; nothing was converted."""
+
+    def __init__(self, where: str, problems: Sequence[ConversionProblem]):
+        self.problems = tuple(problems)
+        count = f"{len(problems)} problem{'s' if len(problems) > 1 else ''}"
+        lines = [f"{where}: {count}; nothing was converted.", *(f"  - {p}" for p in problems)]
+        super().__init__("\n".join(lines))
+
+
+class Report(NamedTuple):
+    """What a conversion will do, and the problems `allow` let through."""
+
+    allowed: tuple[ConversionProblem, ...]
+    steps: tuple[Step, ...]  # in the order of the source
+
+
+class Step(NamedTuple):
+    """One application of a rule: the source names it reads and target names it makes."""
+
+    rule: Rule
+    sources: tuple[str, ...]
+    targets: tuple[str, ...]
+
+
+def spec(value: Any) -> jax.ShapeDtypeStruct:
+    """Shape and dtype of a value, read without its data where it has ``.shape``/``.dtype``."""
+    if isinstance(value, jax.ShapeDtypeStruct):
+        return jax.ShapeDtypeStruct(value.shape, jax.dtypes.canonicalize_dtype(value.dtype))
+    shape, dtype = getattr(value, "shape", None), getattr(value, "dtype", None)
+    try:
+        if shape is None or dtype is None:
+            raise TypeError
+        shape, dtype = tuple(shape), np.dtype(dtype)
+    except TypeError:  # a torch tensor, a list: read it
+        array = np.asarray(value)
+        shape, dtype = array.shape, array.dtype
+    return jax.ShapeDtypeStruct(shape, jax.dtypes.canonicalize_dtype(dtype))
+
+
+def runner(transform: Transform, count: int | None) -> Any:
+    """``transform`` as a function of the arrays, for ``jax.eval_shape``."""
+    return lambda *arrays: transform(arrays, count)
+
+
+def _show(s: Any) -> str:
+    return f"{np.dtype(s.dtype).name}{list(s.shape)}"
+
+
+def _allowed(kind: str, name: str, allow: Mapping[str, Sequence[str]]) -> bool:
+    return any(
+        pattern == name or _patterns.compile_pattern(pattern).fullmatch("." + name)
+        for pattern in allow.get(kind, ())
+    )
+
+
+def check_allow(allow: Mapping[str, Sequence[str]] | None) -> dict[str, Sequence[str]]:
+    allow = dict(allow or {})
+    for kind, patterns in allow.items():
+        if kind not in KINDS or isinstance(patterns, str):
+            raise ValueError(
+                f"allow takes {{kind: [patterns]}} with kinds {list(KINDS)}, got {kind!r}: "
+                f"{patterns!r}. Shapes, dtypes and duplicates are never allowed: fix the rule."
+            )
+    return allow
+
+
+def plan(
+    rules: Sequence[AnyRule],
+    source: Mapping[str, Any],
+    leaves: Mapping[str, Any],
+    allow: Mapping[str, Sequence[str]],
+    where: str,
+) -> tuple[Report, list[tuple[str, str]]]:
+    """The steps that convert `source` into `leaves` (the target's flat leaves), and the
+    tied (name, same_as) pairs; raises one ConversionError with every problem not allowed."""
+    problems: list[ConversionProblem] = []
+
+    def add(kind: str, name: str, hint: str) -> None:
+        problems.append(ConversionProblem(kind, name, hint))
+
+    hits, groups, ties = [0] * len(rules), {}, []
+    for name in source:
+        found = first_match(rules, name)
+        if found is None:
+            add(
+                "unused",
+                name,
+                "no rule consumes or ignores this source name; add a Rule for it, or an Ignore.",
+            )
+            continue
+        i, j, captures = found
+        hits[i] += 1
+        rule = rules[i]
+        if isinstance(rule, Tie):
+            ties.append((name, rule.same_as.format(**captures)))
+        elif isinstance(rule, Rule):
+            key = (i, tuple((k, captures[k]) for k in rule.kept))
+            groups.setdefault(key, {}).setdefault(j, []).append((captures, name))
+    for rule, hit in zip(rules, hits, strict=True):
+        if not hit:
+            add(
+                "unmatched",
+                ", ".join(rule.sources),
+                f"{rule!r} matched no source name; {_why(rule, source)}.",
+            )
+    produced: dict[str, list[tuple[tuple[str, ...], Any]]] = {}
+    steps = []
+    for (i, key), found in groups.items():
+        rule = rules[i]
+        assert isinstance(rule, Rule)
+        step = _step(rule, dict(key), found, add)
+        if step is None:
+            continue
+        count = None if rule.gathered else len(step.targets)
+        try:
+            specs = [spec(source[n]) for n in step.sources]
+            out = jax.eval_shape(runner(step.rule.transform, count), *specs)
+            if len(out) != len(step.targets):
+                raise ValueError(f"it made {len(out)} arrays for {len(step.targets)} targets")
+        except Exception as error:  # noqa: BLE001  (any failure is reported with its rule)
+            add("transform", step.sources[0], f"{rule!r} failed on {list(step.sources)}: {error}")
+            continue
+        steps.append(step)
+        for target, result in zip(step.targets, out, strict=True):
+            produced.setdefault(target, []).append((step.sources, result))
+    for name, other in ties:
+        if other not in source:
+            add("tie", name, f"is tied to {other!r}, which the source lacks.")
+        elif (a := spec(source[name])) != (b := spec(source[other])):
+            add("tie", name, f"is tied to {other!r} but holds {_show(a)}, not {_show(b)}.")
+    for target, made in produced.items():
+        got = made[0][1]
+        if len(made) > 1:
+            add(
+                "duplicate",
+                target,
+                f"produced {len(made)} times, from "
+                f"{[list(s) for s, _ in made]}; make the patterns disjoint.",
+            )
+        elif target not in leaves:
+            close = _errors.closest(target, list(leaves))
+            hint = f"did you mean {close!r}?" if close else "fix the rule's target template."
+            add(
+                "unknown",
+                target,
+                f"produced from {list(made[0][0])}, but the target has no such leaf; {hint}",
+            )
+        elif tuple(got.shape) != tuple(leaves[target].shape):
+            add(
+                "shape",
+                target,
+                f"shape mismatch: the target holds "
+                f"{_show(leaves[target])}, the rule makes {_show(got)} from "
+                f"{list(made[0][0])}; fix its transform.",
+            )
+        elif _values.kind(got.dtype) != _values.kind(leaves[target].dtype):
+            add(
+                "dtype",
+                target,
+                f"dtype kind changes: the target holds "
+                f"{_show(leaves[target])}, the rule makes {_show(got)}; add "
+                f"a cast, or fix the rule.",
+            )
+    for leaf in leaves:
+        if leaf not in produced:
+            add(
+                "missing",
+                leaf,
+                "no rule produces this target leaf; add a "
+                "Rule, or allow it (allow={'missing': [...]}) and load with "
+                "strict=False.",
+            )
+    allowed = [p for p in problems if _allowed(p.kind, p.name, allow)]
+    if len(allowed) < len(problems):
+        raise ConversionError(where, [p for p in problems if p not in allowed])
+    return Report(tuple(allowed), tuple(steps)), ties
+
+
+def _step(
+    rule: Rule, binding: dict[str, str], found: dict[int, list[Any]], add: Any
+) -> Step | None:
+    names = {j: [n for _, n in found.get(j, [])] for j in range(len(rule.sources))}
+    targets = rule.target_names(binding)
+    lacking = [s for j, s in enumerate(rule.sources) if not names[j]]
+    if lacking:
+        have = [n for ns in names.values() for n in ns]
+        add(
+            "incomplete",
+            have[0],
+            f"{rule!r} found {have} but no name for "
+            f"{lacking}; it needs all its sources to make {list(targets)}.",
+        )
+        return None
+    if rule.gathered:
+        items = sorted(found[0], key=lambda c: (len(c[0][rule.gathered]), c[0][rule.gathered]))
+        values = [c[rule.gathered] for c, _ in items]
+        if values != [str(k) for k in range(len(values))]:
+            add(
+                "gather",
+                items[0][1],
+                f"{rule!r} gathers {{{rule.gathered}}} "
+                f"over {values}, which must be 0, 1, ..., n-1.",
+            )
+            return None
+        return Step(rule, tuple(n for _, n in items), targets)
+    twice = [ns for ns in names.values() if len(ns) > 1]
+    if twice:
+        add(
+            "duplicate",
+            targets[0],
+            f"{rule!r} makes it from each of {twice[0]}; make the source pattern name one source.",
+        )
+        return None
+    return Step(rule, tuple(names[j][0] for j in range(len(rule.sources))), targets)
+
+
+def _why(rule: AnyRule, names: Iterable[str]) -> str:
+    if isinstance(rule, Rule) and rule.regex:
+        return "check the regular expression against the names"
+    try:
+        return _patterns.unused_hint(_CAPTURE.sub("*", rule.sources[0]), list(names))
+    except ValueError:
+        return "check the pattern against the names"

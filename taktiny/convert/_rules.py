@@ -1,0 +1,192 @@
+"""Conversion rules: which source names make which target names.
+
+A name template is a glob over dotted names (``*`` within one part, ``**`` any parts, as
+in ``tt.by_name``) in which ``{name}`` captures one part: ``layers.{i}.attn.weight``.
+The captures fill the target templates (``blocks.{i}.attention.kernel``); a capture the
+targets do not use is gathered over: the rule reads every name it matches, in the order
+0, 1, ..., n-1 of that capture, as one group (``stack`` them into one array).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from typing import Any
+
+from .. import _patterns
+from ._transforms import Transform, identity
+
+_CAPTURE = re.compile(r"\{([A-Za-z_]\w*)\}")
+
+
+def _compile(template: str, where: str) -> re.Pattern[str]:
+    """The regex (matched against ``"." + name``) of a name template."""
+    if not isinstance(template, str) or not template:
+        raise ValueError(f"{where}: a name template is a non-empty string, got {template!r}.")
+    out, seen = [], set()
+    for part in template.split("."):
+        if part == "**":
+            out.append(r"(?:\.[^.]+)*")
+            continue
+        pieces, at = [], 0
+        for found in [*_CAPTURE.finditer(part), None]:
+            end = len(part) if found is None else found.start()
+            if end > at:
+                try:
+                    pieces.append(_patterns._part(template, part[at:end]))
+                except ValueError as error:
+                    raise ValueError(f"{where}: {error}") from None
+            if found is not None:
+                name = found.group(1)
+                pieces.append(f"(?P={name})" if name in seen else f"(?P<{name}>[^.]+)")
+                seen.add(name)
+                at = found.end()
+        if not pieces:
+            raise ValueError(f"{where}: the template {template!r} has an empty part.")
+        out.append(r"\." + "".join(pieces))
+    return re.compile("".join(out))
+
+
+def _literal(template: str) -> bool:
+    """Whether the template names one name once its captures are filled (no wildcards)."""
+    return not any(c in _CAPTURE.sub("", template) for c in "*?[]{}")
+
+
+def _names(template: str) -> set[str]:
+    return set(_CAPTURE.findall(template))
+
+
+def _tuple(value: str | Sequence[str]) -> tuple[str, ...]:
+    return (value,) if isinstance(value, str) else tuple(value)
+
+
+class Rule:
+    """Makes the ``target`` names from the ``source`` names through ``transform``.
+
+    Args:
+        source: a name template, or several (their arrays go to the transform in
+            order: ``concatenate`` them). With ``regex=True``, regular expressions
+            matched against the whole name, whose named groups are the captures.
+        target: a name template, or several (the transform makes one array for each:
+            ``split``). Captures only, no wildcards.
+        transform: what to do to the arrays; ``identity()`` (a rename) by default.
+        regex: whether ``source`` holds regular expressions (such a rule converts, but
+            cannot export: it has no template to name the source).
+    """
+
+    def __init__(
+        self,
+        source: str | Sequence[str],
+        target: str | Sequence[str],
+        transform: Transform | None = None,
+        *,
+        regex: bool = False,
+    ):
+        self.sources, self.targets = _tuple(source), _tuple(target)
+        self.transform = identity() if transform is None else transform
+        self.regex = regex
+        if not self.sources or not self.targets:
+            raise ValueError(f"{self!r}: a rule needs at least one source and one target.")
+        if regex:
+            try:
+                self.patterns = [
+                    re.compile(r"\.(?:" + s.removeprefix("^").removesuffix("$") + ")")
+                    for s in self.sources
+                ]
+            except re.error as error:
+                raise ValueError(
+                    f"{self!r}: the source is not a valid regular expression: {error}. Escape "
+                    f"the dots in names (r'layers\\.0'), or pass a template without regex=True."
+                ) from None
+            captures = [set(p.groupindex) for p in self.patterns]
+        else:
+            self.patterns = [_compile(s, repr(self)) for s in self.sources]
+            captures = [_names(s) for s in self.sources]
+        for target in self.targets:
+            if not _literal(target):
+                raise ValueError(
+                    f"{self!r}: the target {target!r} has a wildcard; a target names one "
+                    f"parameter, with {{name}} captures from the source only."
+                )
+        kept = set().union(*map(_names, self.targets))
+        for source, names in zip(self.sources, captures, strict=True):
+            if not kept <= names:
+                raise ValueError(
+                    f"{self!r}: the target uses {sorted(kept - names)}, which the source "
+                    f"{source!r} does not capture."
+                )
+        self.kept = tuple(sorted(kept))
+        gathered = sorted(set().union(*captures) - kept)
+        if len(gathered) > 1 or (gathered and len(self.sources) > 1):
+            raise ValueError(
+                f"{self!r}: the captures {gathered} are not in the target; a rule gathers over "
+                f"at most one capture, from a single source template."
+            )
+        self.gathered = gathered[0] if gathered else None
+
+    def target_names(self, captures: dict[str, str]) -> tuple[str, ...]:
+        return tuple(t.format(**captures) for t in self.targets)
+
+    def irreversible(self) -> str | None:
+        """Why this rule cannot export, or None when it can."""
+        if self.regex:
+            return "its source is a regular expression, not a template that names one source"
+        if not all(map(_literal, self.sources)):
+            return "its source has a wildcard, so it does not name one source"
+        if self.transform.inverse is None:
+            return f"its transform {self.transform!r} has no inverse"
+        return None
+
+    def __repr__(self) -> str:
+        def show(names: tuple[str, ...]) -> str:
+            return repr(names[0]) if len(names) == 1 else repr(list(names))
+
+        sources = show(getattr(self, "sources", ()) or ("?",))
+        return f"Rule({sources} -> {show(self.targets)}, {getattr(self, 'transform', '')!r})"
+
+
+class Ignore:
+    """Source names that are consumed and dropped (``*.num_batches_tracked``); export
+    cannot make them."""
+
+    def __init__(self, *patterns: str):
+        self.patterns = [_compile(p, repr(self)) for p in patterns] if patterns else []
+        self.sources = patterns
+        if not patterns:
+            raise ValueError("Ignore() needs at least one name pattern.")
+
+    def __repr__(self) -> str:
+        return f"Ignore({', '.join(map(repr, getattr(self, 'sources', ())))})"
+
+
+class Tie:
+    """A source name that holds the same array as another (``lm_head.weight`` tied to
+    ``embed.weight``): converting checks that they are equal and reads one; exporting
+    writes the array under both names. Both templates capture the same names."""
+
+    def __init__(self, source: str, same_as: str):
+        self.sources, self.same_as = (source,), same_as
+        self.patterns = [_compile(source, repr(self))]
+        _compile(same_as, repr(self))
+        if not (_literal(source) and _literal(same_as)) or _names(source) != _names(same_as):
+            raise ValueError(
+                f"{self!r}: both names must be templates with the same captures and no "
+                f"wildcards, so each tied name has exactly one partner."
+            )
+
+    def __repr__(self) -> str:
+        return f"Tie({self.sources[0]!r}, same_as={self.same_as!r})"
+
+
+AnyRule = Rule | Ignore | Tie
+
+
+def first_match(rules: Sequence[AnyRule], name: str) -> tuple[int, int, dict[str, Any]] | None:
+    """(rule index, source template index, captures) of the first rule matching `name`."""
+    dotted = "." + name
+    for i, rule in enumerate(rules):
+        for j, pattern in enumerate(rule.patterns):
+            found = pattern.fullmatch(dotted)
+            if found is not None:
+                return i, j, found.groupdict()
+    return None

@@ -1,0 +1,233 @@
+"""Transforms: what a conversion rule does to the arrays it reads.
+
+A transform maps a tuple of arrays to a tuple of arrays (``count`` is how many the rule
+wants out, so a ``split`` can infer its parts). Element-wise ones (``transpose``,
+``reshape``, ``cast``) act on every array; ``split``/``unstack`` make several from one,
+``concatenate``/``stack`` one from several. ``inverse`` is the transform that undoes it,
+or None; it is what runs on export. Arrays may be NumPy or JAX: each is transformed with
+its own library. They are classes used as functions, like ``tt.by_name``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def _xp(array: Any) -> Any:
+    return jnp if isinstance(array, jax.Array) else np
+
+
+class Transform:
+    """The base of every transform: ``transform(arrays, count) -> arrays``."""
+
+    def __call__(self, arrays: tuple[Any, ...], count: int | None = None) -> tuple[Any, ...]:
+        raise NotImplementedError
+
+    @property
+    def inverse(self) -> Transform | None:
+        """The transform that undoes this one (export runs it), or None."""
+        return None
+
+    def _args(self) -> str:
+        return ""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self._args()})"
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is type(self) and repr(other) == repr(self)
+
+    def __hash__(self) -> int:
+        return hash(repr(self))
+
+
+class _EachArray(Transform):
+    def one(self, array: Any) -> Any:
+        raise NotImplementedError
+
+    def __call__(self, arrays: tuple[Any, ...], count: int | None = None) -> tuple[Any, ...]:
+        return tuple(self.one(a) for a in arrays)
+
+
+class identity(_EachArray):
+    """Keeps the arrays as they are: the rule only renames."""
+
+    def one(self, array: Any) -> Any:
+        return array
+
+    @property
+    def inverse(self) -> Transform:
+        return self
+
+
+class transpose(_EachArray):
+    """Permutes the axes (``perm``; all of them reversed by default, a matrix's ``.T``)."""
+
+    def __init__(self, perm: Sequence[int] | None = None):
+        self.perm = None if perm is None else tuple(int(p) for p in perm)
+
+    def one(self, array: Any) -> Any:
+        return _xp(array).transpose(array, self.perm)
+
+    @property
+    def inverse(self) -> Transform:
+        return self if self.perm is None else transpose(np.argsort(self.perm).tolist())
+
+    def _args(self) -> str:
+        return "" if self.perm is None else repr(self.perm)
+
+
+class reshape(_EachArray):
+    """Reshapes to ``shape``; invertible when ``source_shape`` (the shape it undoes to,
+    ``-1`` allowed) is given."""
+
+    def __init__(self, shape: Sequence[int], *, source_shape: Sequence[int] | None = None):
+        self.shape = tuple(int(s) for s in shape)
+        self.source_shape = None if source_shape is None else tuple(int(s) for s in source_shape)
+
+    def one(self, array: Any) -> Any:
+        return _xp(array).reshape(array, self.shape)
+
+    @property
+    def inverse(self) -> Transform | None:
+        if self.source_shape is None:
+            return None
+        return reshape(self.source_shape, source_shape=self.shape)
+
+    def _args(self) -> str:
+        back = "" if self.source_shape is None else f", source_shape={self.source_shape}"
+        return f"{self.shape}{back}"
+
+
+class cast(_EachArray):
+    """Casts to ``dtype``; invertible when ``source_dtype`` (the dtype it undoes to) is given."""
+
+    def __init__(self, dtype: Any, *, source_dtype: Any = None):
+        self.dtype = np.dtype(dtype)
+        self.source_dtype = None if source_dtype is None else np.dtype(source_dtype)
+
+    def one(self, array: Any) -> Any:
+        return array.astype(self.dtype)
+
+    @property
+    def inverse(self) -> Transform | None:
+        if self.source_dtype is None:
+            return None
+        return cast(self.source_dtype, source_dtype=self.dtype)
+
+    def _args(self) -> str:
+        back = "" if self.source_dtype is None else f", source_dtype={self.source_dtype.name!r}"
+        return f"{self.dtype.name!r}{back}"
+
+
+def _single(transform: Transform, arrays: tuple[Any, ...]) -> Any:
+    if len(arrays) != 1:
+        raise ValueError(f"{transform!r} takes one array, got {len(arrays)}")
+    return arrays[0]
+
+
+class split(Transform):
+    """Splits one array along ``axis`` into ``sizes`` (by default into as many equal parts
+    as the rule has targets): a fused qkv into query, key and value."""
+
+    def __init__(self, axis: int = 0, sizes: Sequence[int] | None = None):
+        self.axis = int(axis)
+        self.sizes = None if sizes is None else tuple(int(s) for s in sizes)
+
+    def __call__(self, arrays: tuple[Any, ...], count: int | None = None) -> tuple[Any, ...]:
+        array = _single(self, arrays)
+        if self.sizes is not None:
+            sections: Any = np.cumsum(self.sizes)[:-1].tolist()
+        elif count is None:
+            raise ValueError(f"{self!r} needs its sizes here: the number of parts is not known")
+        else:
+            sections = count
+        return tuple(_xp(array).split(array, sections, axis=self.axis))
+
+    @property
+    def inverse(self) -> Transform:
+        return concatenate(self.axis, self.sizes)
+
+    def _args(self) -> str:
+        return f"axis={self.axis}" + ("" if self.sizes is None else f", sizes={self.sizes}")
+
+
+class concatenate(Transform):
+    """Joins several arrays along ``axis``; the inverse splits into ``sizes`` (by default
+    into as many equal parts as the rule has sources)."""
+
+    def __init__(self, axis: int = 0, sizes: Sequence[int] | None = None):
+        self.axis = int(axis)
+        self.sizes = None if sizes is None else tuple(int(s) for s in sizes)
+
+    def __call__(self, arrays: tuple[Any, ...], count: int | None = None) -> tuple[Any, ...]:
+        return (_xp(arrays[0]).concatenate(arrays, axis=self.axis),)
+
+    @property
+    def inverse(self) -> Transform:
+        return split(self.axis, self.sizes)
+
+    def _args(self) -> str:
+        return f"axis={self.axis}" + ("" if self.sizes is None else f", sizes={self.sizes}")
+
+
+class stack(Transform):
+    """Stacks several arrays along a new ``axis`` (per-layer tensors into one)."""
+
+    def __init__(self, axis: int = 0):
+        self.axis = int(axis)
+
+    def __call__(self, arrays: tuple[Any, ...], count: int | None = None) -> tuple[Any, ...]:
+        return (_xp(arrays[0]).stack(arrays, axis=self.axis),)
+
+    @property
+    def inverse(self) -> Transform:
+        return unstack(self.axis)
+
+    def _args(self) -> str:
+        return f"axis={self.axis}"
+
+
+class unstack(Transform):
+    """Cuts one array along ``axis`` into the arrays it stacks."""
+
+    def __init__(self, axis: int = 0):
+        self.axis = int(axis)
+
+    def __call__(self, arrays: tuple[Any, ...], count: int | None = None) -> tuple[Any, ...]:
+        array = _xp(arrays[0]).moveaxis(_single(self, arrays), self.axis, 0)
+        return tuple(array[i] for i in range(array.shape[0]))
+
+    @property
+    def inverse(self) -> Transform:
+        return stack(self.axis)
+
+    def _args(self) -> str:
+        return f"axis={self.axis}"
+
+
+class chain(Transform):
+    """Runs transforms one after the other: ``chain(split(0), transpose())``."""
+
+    def __init__(self, *transforms: Transform):
+        self.transforms = transforms
+
+    def __call__(self, arrays: tuple[Any, ...], count: int | None = None) -> tuple[Any, ...]:
+        for transform in self.transforms:
+            arrays = transform(arrays, count)
+        return arrays
+
+    @property
+    def inverse(self) -> Transform | None:
+        inverses = [t.inverse for t in reversed(self.transforms)]
+        if any(t is None for t in inverses):
+            return None
+        return chain(*[t for t in inverses if t is not None])
+
+    def _args(self) -> str:
+        return ", ".join(map(repr, self.transforms))

@@ -1,0 +1,326 @@
+"""`taktiny.convert`: rules from PyTorch names to Taktiny's, coverage, export, round trips."""
+
+import re
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from _torch import assert_close, numpy, randomize_
+
+import taktiny as tt
+from taktiny import convert as cv
+from taktiny import nn
+
+MLP_RULES = [
+    cv.Rule("{i}.weight", "layers.{i}.kernel", cv.transpose()),
+    cv.Rule("{i}.bias", "layers.{i}.bias"),
+]
+
+
+def torch_mlp() -> torch.nn.Sequential:
+    return randomize_(
+        torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+    )
+
+
+def mlp() -> nn.Sequential:
+    rngs = nn.Rngs(0)
+    return nn.Sequential(nn.Linear(4, 8, rngs=rngs), jax.nn.relu, nn.Linear(8, 3, rngs=rngs))
+
+
+class QKV(nn.Module):
+    def __init__(self, features: int, *, rngs: nn.Rngs):
+        self.query = nn.Linear(features, features, rngs=rngs)
+        self.key = nn.Linear(features, features, rngs=rngs)
+        self.value = nn.Linear(features, features, rngs=rngs)
+
+
+QKV_RULES = [
+    cv.Rule("qkv.weight", [f"{p}.kernel" for p in ("query", "key", "value")],
+            cv.chain(cv.split(axis=0), cv.transpose())),
+    cv.Rule("qkv.bias", [f"{p}.bias" for p in ("query", "key", "value")], cv.split(axis=0)),
+]  # fmt: skip
+
+
+class Stacked(nn.Module):
+    def __init__(self, layers: int, features: int):
+        self.kernel = jnp.zeros((layers, features, features))
+        self.bias = jnp.zeros((layers, features))
+
+
+def torch_state(module: torch.nn.Module) -> dict[str, np.ndarray]:
+    return {name: numpy(t) for name, t in module.state_dict().items()}
+
+
+def test_converts_a_torch_mlp_to_the_same_function():
+    theirs = torch_mlp()
+    flat = cv.convert(MLP_RULES, theirs.state_dict(), target=mlp())  # torch tensors in
+    assert list(flat) == ["layers.0.kernel", "layers.0.bias", "layers.2.kernel", "layers.2.bias"]
+    ours = mlp().load_flat_state_dict(flat, strict=True)
+    x = np.random.default_rng(0).standard_normal((5, 4), dtype=np.float32)
+    assert_close(ours(jnp.asarray(x)), numpy(theirs(torch.from_numpy(x))))
+
+
+def test_splits_a_fused_qkv_and_exports_it_back():
+    fused = randomize_(torch.nn.Linear(4, 12))
+    source = {f"qkv.{name}": value for name, value in torch_state(fused).items()}
+    ours = QKV(4, rngs=nn.Rngs(0)).load_flat_state_dict(
+        cv.convert(QKV_RULES, source, target=QKV(4, rngs=nn.Rngs(1))), strict=True
+    )
+    x = np.random.default_rng(1).standard_normal((2, 4), dtype=np.float32)
+    q, k, v = np.split(numpy(fused(torch.from_numpy(x))), 3, axis=-1)
+    for layer, expected in ((ours.query, q), (ours.key, k), (ours.value, v)):
+        assert_close(layer(jnp.asarray(x)), expected)
+    exported = cv.export(QKV_RULES, ours)
+    assert sorted(exported) == sorted(source)
+    for name, value in source.items():
+        np.testing.assert_array_equal(exported[name], value)
+    cv.round_trip_check(QKV_RULES, ours)
+
+
+STACK_RULES = [
+    cv.Rule("layers.{i}.weight", "kernel", cv.chain(cv.transpose(), cv.stack(axis=0))),
+    cv.Rule("layers.{i}.bias", "bias", cv.stack(axis=0)),
+]
+
+
+def test_stacks_per_layer_tensors_in_index_order_and_unstacks_them():
+    layers = [randomize_(torch.nn.Linear(3, 3), seed=s) for s in range(11)]
+    source = {f"layers.{i}.{n}": v for i, m in enumerate(layers) for n, v in torch_state(m).items()}
+    shuffled = dict(sorted(source.items()))  # "layers.10" before "layers.2"
+    flat = cv.convert(STACK_RULES, shuffled, target=Stacked(11, 3))
+    assert flat["kernel"].shape == (11, 3, 3)
+    for i, layer in enumerate(layers):
+        np.testing.assert_array_equal(flat["kernel"][i], numpy(layer.weight).T)
+        np.testing.assert_array_equal(flat["bias"][i], numpy(layer.bias))
+    model = Stacked(11, 3).load_flat_state_dict(flat, strict=True)
+    exported = cv.export(STACK_RULES, model)
+    assert sorted(exported) == sorted(source)
+    for name, value in source.items():
+        np.testing.assert_array_equal(exported[name], value)
+    cv.round_trip_check(STACK_RULES, model)
+
+
+def test_concatenates_separate_projections_and_splits_them_back():
+    rules = [
+        cv.Rule(["q.{x}", "k.{x}", "v.{x}"], "{x}", cv.concatenate(axis=-1)),
+    ]
+    rng = np.random.default_rng(2)
+    source = {f"{p}.{x}": rng.standard_normal((2, 3), dtype=np.float32)
+              for p in "qkv" for x in ("kernel", "bias")}  # fmt: skip
+    target = {"kernel": jax.ShapeDtypeStruct((2, 9), jnp.float32),
+              "bias": jax.ShapeDtypeStruct((2, 9), jnp.float32)}  # fmt: skip
+    flat = cv.convert(rules, source, target=target)
+    np.testing.assert_array_equal(flat["kernel"][:, 3:6], source["k.kernel"])
+    model = Stacked(1, 3).replace(kernel=jnp.asarray(flat["kernel"]), bias=flat["bias"])
+    exported = cv.export(rules, model)
+    assert sorted(exported) == sorted(source)
+    np.testing.assert_array_equal(exported["v.bias"], source["v.bias"])
+    cv.round_trip_check(rules, model)
+
+
+def test_coverage_lists_every_problem_in_one_error_before_converting():
+    source = {
+        "0.weight": np.zeros((8, 4), np.float32),
+        "0.bias": np.zeros(8, np.int32),  # dtype kind
+        "zero.weight": np.zeros((8, 4), np.float32),  # produced twice
+        "2.bias": np.zeros(4, np.float32),  # shape
+        "extra.scale": np.zeros(1, np.float32),  # no rule
+        "3.weight": np.zeros((3, 8), np.float32),  # no such leaf
+    }
+    rules = [
+        cv.Rule("zero.weight", "layers.0.kernel", cv.transpose()),
+        cv.Rule("{i}.weight", "layers.{i}.kernel", cv.transpose()),
+        cv.Rule("0.bias", "layers.0.bias"),
+        cv.Rule("2.bias", "layers.2.bias"),
+        cv.Rule("encoder.{i}.bias", "layers.{i}.bias"),
+    ]
+    model = tt.eval_shape(mlp)
+    with pytest.raises(cv.ConversionError, match=r"7 problems") as info:
+        cv.convert(rules, source, target=model)
+    message = str(info.value)
+    for line in [
+        r"\[unused\] 'extra.scale': no rule consumes or ignores",
+        r"\[unmatched\] 'encoder.{i}.bias': Rule\('encoder.{i}.bias' -> .* matched no source",
+        r"\[duplicate\] 'layers.0.kernel': produced 2 times, from \[\['0.weight'\], \['zero",
+        r"\[unknown\] 'layers.3.kernel': produced from \['3.weight'\].*did you mean",
+        r"\[dtype\] 'layers.0.bias': dtype kind changes: the target holds float32\[8\], the "
+        r"rule makes int32\[8\]",
+        r"\[shape\] 'layers.2.bias': shape mismatch: the target holds float32\[3\], the rule "
+        r"makes float32\[4\] from \['2.bias'\]",
+        r"\[missing\] 'layers.2.kernel': no rule produces this target leaf",
+    ]:
+        assert re.search(line, message), line
+    kinds = sorted(p.kind for p in info.value.problems)
+    assert kinds == ["dtype", "duplicate", "missing", "shape", "unknown", "unmatched", "unused"]
+
+
+def test_allow_by_pattern_gives_a_typed_report():
+    source = {k: v for k, v in torch_state(torch_mlp()).items() if not k.startswith("2.")}
+    source["0.num_batches_tracked"] = np.zeros((), np.int64)
+    with pytest.raises(cv.ConversionError, match=r"\[missing\] 'layers.2.kernel'") as info:
+        cv.convert(MLP_RULES, source, target=mlp(), allow={"missing": ["layers.2.bias"]})
+    assert [p.name for p in info.value.problems] == ["0.num_batches_tracked", "layers.2.kernel"]
+    allow = {"missing": ["layers.2.*"], "unused": ["**.num_batches_tracked"]}
+    report = cv.check(MLP_RULES, source, target=mlp(), allow=allow)
+    assert [(p.kind, p.name) for p in report.allowed] == [
+        ("unused", "0.num_batches_tracked"),
+        ("missing", "layers.2.kernel"),
+        ("missing", "layers.2.bias"),
+    ]
+    assert [s.targets for s in report.steps] == [("layers.0.kernel",), ("layers.0.bias",)]
+    flat = cv.convert(MLP_RULES, source, target=mlp(), allow=allow)
+    assert sorted(flat) == ["layers.0.bias", "layers.0.kernel"]
+    with pytest.raises(ValueError, match=r"allow takes .* got 'shape'"):
+        cv.check(MLP_RULES, source, target=mlp(), allow={"shape": ["**"]})
+
+
+def test_round_trip_check_fails_clearly_for_what_does_not_invert():
+    model = mlp()
+    cv.round_trip_check(MLP_RULES, model)
+    one_way = [MLP_RULES[0], cv.Rule("{i}.bias", "layers.{i}.bias", cv.cast(jnp.float32))]
+    with pytest.raises(cv.ConversionError, match=r"\[irreversible\] 'layers.0.bias': .*cast"):
+        cv.round_trip_check(one_way, model)
+
+    class negate(cv.Transform):
+        def __call__(self, arrays: tuple[Any, ...], count: int | None = None) -> tuple[Any, ...]:
+            return tuple(-a for a in arrays)
+
+        @property
+        def inverse(self) -> cv.Transform:
+            return cv.identity()  # wrong on purpose
+
+    wrong = [MLP_RULES[0], cv.Rule("{i}.bias", "layers.{i}.bias", negate())]
+    model = model.load_flat_state_dict({"layers.2.bias": jnp.ones(3)})
+    with pytest.raises(cv.ConversionError, match=r"\[round_trip\] 'layers.2.bias'") as info:
+        cv.round_trip_check(wrong, model)
+    # bitwise: the zero biases of layer 0 come back as -0.0
+    assert [p.name for p in info.value.problems] == ["layers.0.bias", "layers.2.bias"]
+
+
+def test_tied_source_names_map_to_one_parameter_both_ways():
+    rules = [cv.Rule("embed.weight", "embedding"), cv.Tie("lm_head.weight", same_as="embed.weight")]
+    model = nn.Embed(5, 3, rngs=nn.Rngs(0))
+    table = np.random.default_rng(3).standard_normal((5, 3), dtype=np.float32)
+    flat = cv.convert(rules, {"embed.weight": table, "lm_head.weight": table.copy()}, target=model)
+    np.testing.assert_array_equal(flat["embedding"], table)
+    exported = cv.export(rules, model.load_flat_state_dict(flat))
+    assert sorted(exported) == ["embed.weight", "lm_head.weight"]
+    np.testing.assert_array_equal(exported["lm_head.weight"], table)
+    cv.round_trip_check(rules, model)
+    untied = {"embed.weight": table, "lm_head.weight": table + 1}
+    with pytest.raises(cv.ConversionError, match=r"\[tie\] 'lm_head.weight': is tied to 'embed"):
+        cv.convert(rules, untied, target=model)
+    with pytest.raises(cv.ConversionError, match=r"tied to 'embed.weight', which the source lac"):
+        cv.convert(rules, {"lm_head.weight": table}, target=model, allow={"missing": ["**"]})
+
+
+def test_rule_errors_name_the_rule():
+    with pytest.raises(ValueError, match=r"Rule\('layers\\\\.\(\?P<i>.*not a valid regular exp"):
+        cv.Rule(r"layers\.(?P<i>\d+", "layers.{i}.kernel", regex=True)
+    with pytest.raises(ValueError, match=r"Rule\('a.{i}' -> 'b.{j}'.*uses \['j'\], which the"):
+        cv.Rule("a.{i}", "b.{j}")
+    with pytest.raises(ValueError, match=r"the target 'b.\*' has a wildcard"):
+        cv.Rule("a.*", "b.*")
+
+
+def test_regex_rules_convert_but_do_not_export():
+    rules = [
+        cv.Rule(r"(?P<i>\d+)\.weight", "layers.{i}.kernel", cv.transpose(), regex=True),
+        MLP_RULES[1],
+    ]
+    flat = cv.convert(rules, torch_state(torch_mlp()), target=mlp())
+    assert flat["layers.2.kernel"].shape == (8, 3)
+    with pytest.raises(cv.ConversionError, match=r"'layers.0.kernel': .*regular expression"):
+        cv.export(rules, mlp())
+
+
+def test_gathered_indices_must_be_0_to_n_minus_1():
+    source = {f"layers.{i}.{n}": np.zeros((3, 3) if n == "weight" else 3, np.float32)
+              for i in (0, 2) for n in ("weight", "bias")}  # fmt: skip
+    with pytest.raises(cv.ConversionError, match=r"\[gather\].*gathers {i} over \['0', '2'\]"):
+        cv.convert(STACK_RULES, source, target=Stacked(2, 3))
+
+
+class Lazy(Mapping[str, Any]):
+    def __init__(self, values: dict[str, Any]):
+        self.values, self.read = values, []
+
+    def __getitem__(self, name: str) -> Any:
+        self.read.append(name)
+        return self.values[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.values)
+
+    def __len__(self) -> int:
+        return len(self.values)
+
+
+def test_only_what_the_rules_need_is_read():
+    source = Lazy({**torch_state(torch_mlp()), "0.num_batches_tracked": np.zeros((), np.int64)})
+    rules = [*MLP_RULES, cv.Ignore("*.num_batches_tracked")]
+    cv.convert(rules, source, target=mlp())
+    assert "0.num_batches_tracked" not in source.read
+    assert sorted(set(source.read)) == ["0.bias", "0.weight", "2.bias", "2.weight"]
+
+
+def test_permutes_a_torch_conv_kernel_and_back():
+    theirs = randomize_(torch.nn.Conv2d(2, 5, (3, 4), padding="valid"))
+    rules = [
+        cv.Rule(
+            "weight", "kernel", cv.transpose((2, 3, 1, 0))
+        ),  # [out, in, h, w] -> [h, w, in, out]
+        cv.Rule("bias", "bias"),
+    ]
+    model = nn.Conv(2, 5, (3, 4), padding="VALID", rngs=nn.Rngs(0))
+    model = model.load_flat_state_dict(cv.convert(rules, theirs.state_dict(), target=model))
+    x = np.random.default_rng(4).standard_normal((1, 2, 6, 7), dtype=np.float32)
+    ours = model(jnp.asarray(np.moveaxis(x, 1, -1)))
+    assert_close(ours, np.moveaxis(numpy(theirs(torch.from_numpy(x))), 1, -1))
+    np.testing.assert_array_equal(cv.export(rules, model)["weight"], numpy(theirs.weight))
+    cv.round_trip_check(rules, model)
+
+
+def test_a_split_along_a_later_axis_joins_back_along_it():
+    rules = [cv.Rule("gate_up", ["gate", "up"], cv.split(axis=1))]
+    fused = np.arange(12, dtype=np.float32).reshape(2, 6)
+    target = {n: jax.ShapeDtypeStruct((2, 3), jnp.float32) for n in ("gate", "up")}
+    flat = cv.convert(rules, {"gate_up": fused}, target=target)
+    np.testing.assert_array_equal(flat["up"], fused[:, 3:])
+    np.testing.assert_array_equal(cv.export(rules, flat)["gate_up"], fused)
+
+
+def test_a_capture_used_twice_must_capture_the_same_part():
+    rules = [cv.Rule("blocks.{i}.sub.{i}.w", "layers.{i}.kernel"), cv.Ignore("**")]
+    target = {"layers.1.kernel": jax.ShapeDtypeStruct((2,), jnp.float32)}
+    source = {n: np.zeros(2, np.float32) for n in ("blocks.1.sub.1.w", "blocks.1.sub.2.w")}
+    report = cv.check(rules, source, target=target)
+    assert [s.sources for s in report.steps] == [("blocks.1.sub.1.w",)]
+
+
+def test_incomplete_sources_wildcard_duplicates_and_failing_transforms_are_reported():
+    rules = [
+        cv.Rule(["q.{x}", "k.{x}"], "{x}", cv.concatenate(axis=-1)),
+        cv.Rule("*.gate", "gate"),
+        cv.Rule("fused", ["a", "b"], cv.split(axis=0)),
+    ]
+    source = {n: np.zeros(3, np.float32) for n in ("q.w", "up.gate", "down.gate", "fused")}
+    target = {n: jax.ShapeDtypeStruct((3,), jnp.float32) for n in ("w", "gate", "a", "b")}
+    with pytest.raises(cv.ConversionError, match=r"3 problems") as info:
+        cv.check(rules, source, target=target, allow={"missing": ["**"]})
+    messages = [str(p) for p in info.value.problems]
+    assert messages[:2] == [
+        "[incomplete] 'q.w': Rule(['q.{x}', 'k.{x}'] -> '{x}', concatenate(axis=-1)) found "
+        "['q.w'] but no name for ['k.{x}']; it needs all its sources to make ['w'].",
+        "[duplicate] 'gate': Rule('*.gate' -> 'gate', identity()) makes it from each of "
+        "['up.gate', 'down.gate']; make the source pattern name one source.",
+    ]
+    assert messages[2].startswith(  # (then JAX's own words)
+        "[transform] 'fused': Rule('fused' -> ['a', 'b'], split(axis=0)) failed on ['fused']: "
+        "array split does not result in an equal division"
+    )
