@@ -17,7 +17,8 @@ from . import _errors as err
 Rules = Mapping[str, Any] | Sequence[tuple[str, Any]]
 
 
-def _part(pattern: str, part: str) -> str:
+def part_regex(pattern: str, part: str) -> str:
+    """The regex of one part of `pattern` (no dots): `*`, `?` and `[...]` as in globs."""
     if not part:
         raise ValueError(
             f"the pattern {pattern!r} has an empty part: names have no empty parts, so it "
@@ -58,7 +59,7 @@ def compile_pattern(pattern: Any) -> re.Pattern[str]:
     if not isinstance(pattern, str) or not pattern:
         raise ValueError(f"a name pattern is a non-empty string, got {pattern!r}.")
     regex = "".join(
-        r"(?:\.[^.]+)*" if part == "**" else r"\." + _part(pattern, part)
+        r"(?:\.[^.]+)*" if part == "**" else r"\." + part_regex(pattern, part)
         for part in pattern.split(".")
     )
     try:

@@ -33,7 +33,7 @@ def _compile(template: str, where: str) -> re.Pattern[str]:
             end = len(part) if found is None else found.start()
             if end > at:
                 try:
-                    pieces.append(_patterns._part(template, part[at:end]))
+                    pieces.append(_patterns.part_regex(template, part[at:end]))
                 except ValueError as error:
                     raise ValueError(f"{where}: {error}") from None
             if found is not None:
