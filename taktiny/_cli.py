@@ -9,6 +9,7 @@ two safetensors checkpoints tensor by tensor, holding two tensors at a time.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import sys
@@ -149,18 +150,24 @@ def diff(a: str, b: str) -> tuple[str, bool]:
     lines = [f"only in {a}: {name}" for name in left if name not in right]
     lines += [f"only in {b}: {name}" for name in right if name not in left]
     rows = [["name", "shape", "dtype", "max |a - b|"]]
-    for name in (n for n in left if n in right):
-        x, y = left[name], right[name]
-        if (x.shape, x.dtype) != (y.shape, y.dtype):
-            rows.append([name, f"{x.shape} vs {y.shape}", f"{x.dtype} vs {y.dtype}", "-"])
-            continue
-        assert x.file is not None and y.file is not None  # (checked above)
-        with _safe_open(x.file) as fa, _safe_open(y.file) as fb:  # two tensors at a time
-            u = np.asarray(fa.get_tensor(name), np.float64)
-            v = np.asarray(fb.get_tensor(name), np.float64)
-        gap = float(np.max(np.abs(u - v), initial=0.0)) if u.size else 0.0
-        if gap or np.isnan(u).any() != np.isnan(v).any():
-            rows.append([name, str(x.shape), x.dtype, f"{gap:.6g}"])
+    with contextlib.ExitStack() as stack:
+        opened: dict[Path, Any] = {}  # each file opened once; two tensors read at a time
+
+        def read(entry: Entry) -> np.ndarray:
+            assert entry.file is not None  # (checked above)
+            if entry.file not in opened:
+                opened[entry.file] = stack.enter_context(_safe_open(entry.file))
+            return np.asarray(opened[entry.file].get_tensor(entry.name), np.float64)
+
+        for name in (n for n in left if n in right):
+            x, y = left[name], right[name]
+            if (x.shape, x.dtype) != (y.shape, y.dtype):
+                rows.append([name, f"{x.shape} vs {y.shape}", f"{x.dtype} vs {y.dtype}", "-"])
+                continue
+            u, v = read(x), read(y)
+            gap = float(np.max(np.abs(u - v), initial=0.0)) if u.size else 0.0
+            if gap or np.isnan(u).any() != np.isnan(v).any():
+                rows.append([name, str(x.shape), x.dtype, f"{gap:.6g}"])
     same = not lines and len(rows) == 1
     body = "\n".join(lines + ([_table(rows)] if len(rows) > 1 else []))
     common = sum(1 for n in left if n in right)

@@ -11,6 +11,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ._sharding import mesh_text
+
 
 @dataclasses.dataclass(frozen=True)
 class StateProblem:
@@ -303,7 +305,7 @@ def overflow(name: str, expected: Any, got: Any, count: int, largest: float) -> 
 def devices(name: str, shape: tuple[int, ...], got: Any, target: Any) -> StateProblem:
     """A value on devices outside the mesh of the leaf it replaces."""
     mesh = target.mesh
-    axes = "{" + ", ".join(f"{a!r}: {n}" for a, n in mesh.shape.items()) + "}"
+    axes = mesh_text(mesh)
     have = sorted(d.id for d in got.device_set)
     want = sorted(d.id for d in mesh.devices.flat)
     return StateProblem(

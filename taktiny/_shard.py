@@ -12,6 +12,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from . import _names, _patterns
 from ._module import NODES
 from ._sharding import ambient_mesh, as_spec, mesh_text, spec_problems
+from ._values import placeable
 
 
 class ShardingPlan(NamedTuple):
@@ -77,6 +78,13 @@ def sharding_plan(
             with the leaf's shape, the spec and the mesh; and every pattern that is not
             valid.
     """
+    return _plan(tree, rules, mesh, strict)[0]
+
+
+def _plan(
+    tree: Any, rules: _patterns.Rules, mesh: Mesh | None, strict: bool
+) -> tuple[ShardingPlan, list[Any], Any, list[NamedSharding]]:
+    """The plan, with the tree's leaves, its treedef and each leaf's sharding."""
     caller = "taktiny.sharding_plan" if not strict else "taktiny.sharding_plan(strict=True)"
     pairs = _patterns.rule_list(rules, "taktiny.sharding_plan")
     problems = []
@@ -115,12 +123,13 @@ def sharding_plan(
     made: dict[PartitionSpec, NamedSharding] = {}
     shardings = [made.get(spec) or made.setdefault(spec, NamedSharding(mesh, spec))
                  for spec in found.values]  # fmt: skip
-    return ShardingPlan(
+    plan = ShardingPlan(
         shardings=treedef.unflatten(shardings),
         specs=dict(zip(names.names, found.values, strict=True)),
         unmatched=tuple(found.unmatched),
         unused=tuple(found.unused),
     )
+    return plan, leaves, treedef, shardings
 
 
 def _listing(caller: str, tree: Any, problems: list[str]) -> str:
@@ -148,19 +157,11 @@ def shard(
     Returns:
         A new tree of the same structure.
     """
-    plan = sharding_plan(tree, rules, mesh, strict=strict)
-    leaves, treedef = jax.tree_util.tree_flatten(tree)
-    shardings = treedef.flatten_up_to(plan.shardings)
+    _, leaves, treedef, shardings = _plan(tree, rules, mesh, strict)
     moving = [i for i, leaf in enumerate(leaves) if not isinstance(leaf, jax.ShapeDtypeStruct)]
-    # a zero-size array holds no data, so it is placed afresh: JAX 0.10's device_put of one
-    # from a mesh of another device order makes misshapen shards
-    sources = [np.zeros(np.shape(leaves[i]), leaves[i].dtype) if np.size(leaves[i]) == 0
-               else leaves[i] for i in moving]  # fmt: skip
-    moved = jax.device_put(sources, [shardings[i] for i in moving])
-    out: list[Any] = list(leaves)
+    moved = jax.device_put([placeable(leaves[i]) for i in moving], [shardings[i] for i in moving])
+    out = [jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding)
+           for leaf, sharding in zip(leaves, shardings, strict=True)]  # fmt: skip
     for i, array in zip(moving, moved, strict=True):
         out[i] = array
-    for i, leaf in enumerate(leaves):
-        if isinstance(leaf, jax.ShapeDtypeStruct):
-            out[i] = jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=shardings[i])
     return treedef.unflatten(out)

@@ -13,7 +13,6 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.core import Tracer
 from jax.sharding import NamedSharding
 
@@ -131,10 +130,7 @@ def _place(moves: list[_Move], new: Any) -> None:
     for group, targets in ((placed, [m.target for m in placed]), (default, None)):
         if not group:
             continue
-        # a zero-size value holds no data, so it is placed afresh: JAX 0.10's device_put of a
-        # zero-size array onto a mesh of another device order makes misshapen shards
-        sources = [np.zeros(m.value.shape, m.value.dtype) if m.value.size == 0 else m.value
-                   for m in group]  # fmt: skip
+        sources = [_values.placeable(m.value) for m in group]
         for move, array in zip(group, jax.device_put(sources, targets), strict=True):
             new[move.where] = array
 

@@ -165,3 +165,10 @@ def shares_memory(value: Any, given: Any, target: Any) -> bool:
         return False
     devices = target.device_set if target is not None else jax.devices()[:1]
     return any(device.platform == "cpu" for device in devices)
+
+
+def placeable(value: Any) -> Any:
+    """`value`, ready for ``jax.device_put`` onto any sharding: a zero-size array holds no
+    data, so it is placed afresh (JAX 0.10's device_put of one from a mesh of another
+    device order makes misshapen shards)."""
+    return np.zeros(np.shape(value), value.dtype) if np.size(value) == 0 else value
