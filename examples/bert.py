@@ -1,12 +1,13 @@
 """A BERT encoder built from Taktiny layers, loaded from a Hugging Face `BertModel`.
 
 The reference is a small random `transformers.BertModel` (nothing is downloaded). Its
-state dict is converted by explicit name rules that refuse any name they do not know,
-loaded strictly into a model built without initialising it, and both models run on the
-same padded batch. Run `python examples/bert.py`: it prints the largest differences.
+state dict is converted by `RULES`, built from `taktiny.convert`'s presets for PyTorch's
+layers; the conversion is checked name by name before anything converts, loaded strictly
+into a model built without initialising it, and both models run on the same padded batch
+(`convert.parity`). The model is then exported back into a fresh `BertModel`, loaded with
+strict=True, and compared again. Run `python examples/bert.py`: it prints the largest
+differences. docs/converting.md walks through it.
 """
-
-import re
 
 import jax
 import jax.numpy as jnp
@@ -14,7 +15,7 @@ import numpy as np
 import torch
 from transformers import BertConfig, BertModel
 
-from taktiny import nn
+from taktiny import convert, nn
 
 
 class EncoderLayer(nn.Module):
@@ -67,36 +68,25 @@ class Bert(nn.Module):
         return x, jnp.tanh(self.pooler(x[:, 0]))
 
 
-# Hugging Face name -> Taktiny name. A 2D `weight` becomes a transposed `kernel` (torch's
-# Linear is [out, in]); a 1D `weight` (LayerNorm) becomes `scale`.
-LAYER = r"encoder\.layer\.(\d+)\."
+# Hugging Face name -> Taktiny name, written with the presets for PyTorch's layers: each
+# maps one layer's parameters (a Linear's weight [out, in] to a kernel [in, out], a
+# LayerNorm's weight to scale), and {i} carries the layer number across.
+HF, OURS = "encoder.layer.{i}.", "layers.{i}."
 RULES = [
-    (r"embeddings\.(word|position|token_type)_embeddings\.weight", r"\1.embedding"),
-    (r"embeddings\.LayerNorm\.(\w+)", r"embed_norm.\1"),
-    (LAYER + r"attention\.self\.(query|key|value)\.(\w+)", r"layers.\1.attention.\2.\3"),
-    (LAYER + r"attention\.output\.dense\.(\w+)", r"layers.\1.attention.out.\2"),
-    (LAYER + r"attention\.output\.LayerNorm\.(\w+)", r"layers.\1.attention_norm.\2"),
-    (LAYER + r"intermediate\.dense\.(\w+)", r"layers.\1.intermediate.\2"),
-    (LAYER + r"output\.dense\.(\w+)", r"layers.\1.output.\2"),
-    (LAYER + r"output\.LayerNorm\.(\w+)", r"layers.\1.output_norm.\2"),
-    (r"pooler\.dense\.(\w+)", r"pooler.\1"),
+    *convert.embedding("embeddings.word_embeddings", "word"),
+    *convert.embedding("embeddings.position_embeddings", "position"),
+    *convert.embedding("embeddings.token_type_embeddings", "token_type"),
+    *convert.layer_norm("embeddings.LayerNorm", "embed_norm"),
+    *convert.linear(HF + "attention.self.query", OURS + "attention.query"),
+    *convert.linear(HF + "attention.self.key", OURS + "attention.key"),
+    *convert.linear(HF + "attention.self.value", OURS + "attention.value"),
+    *convert.linear(HF + "attention.output.dense", OURS + "attention.out"),
+    *convert.layer_norm(HF + "attention.output.LayerNorm", OURS + "attention_norm"),
+    *convert.linear(HF + "intermediate.dense", OURS + "intermediate"),
+    *convert.linear(HF + "output.dense", OURS + "output"),
+    *convert.layer_norm(HF + "output.LayerNorm", OURS + "output_norm"),
+    *convert.linear("pooler.dense", "pooler"),
 ]
-
-
-def convert(torch_state):
-    """A Hugging Face BertModel state dict -> a flat Taktiny state dict."""
-    flat = {}
-    for name, tensor in torch_state.items():
-        rule = next((rule for rule in RULES if re.fullmatch(rule[0], name)), None)
-        if rule is None:
-            raise KeyError(f"no rule converts {name!r}; add one to RULES")
-        target, value = re.sub(rule[0], rule[1], name), tensor.detach().numpy()
-        if target.endswith(".weight"):
-            stem = target.removesuffix(".weight")
-            is_kernel = value.ndim == 2  # .T leaves a 1D scale as it is
-            target, value = (stem + (".kernel" if is_kernel else ".scale"), value.T)
-        flat[target] = value
-    return flat
 
 
 def main():
@@ -116,29 +106,40 @@ def main():
             parameter.add_(torch.randn_like(parameter) * 0.1)
 
     abstract = jax.eval_shape(lambda: Bert(config, rngs=nn.Rngs(0)))  # no initialisation
-    model = abstract.load_flat_state_dict(convert(reference.state_dict()), strict=True)
+    # every name checked (used once, every leaf made, shapes right) before anything converts
+    flat = convert.convert(RULES, reference.state_dict(), target=abstract)
+    model = abstract.load_flat_state_dict(flat, strict=True)
 
     rng = np.random.default_rng(0)
     ids = rng.integers(0, config.vocab_size, (2, 9))
     token_types = rng.integers(0, 2, (2, 9))
     valid = np.ones((2, 9), bool)
     valid[1, 6:] = False  # the second sequence is padded
-    with torch.no_grad():
-        expected = reference(
+    forward = jax.jit(lambda model, *inputs, key=None: model(*inputs, key=key))
+
+    def theirs(torch_model):
+        return lambda ids, token_types, valid: torch_model(
             torch.from_numpy(ids),
             attention_mask=torch.from_numpy(valid).long(),
             token_type_ids=torch.from_numpy(token_types),
         )
-    forward = jax.jit(lambda model, *inputs, key=None: model(*inputs, key=key))
+
+    ours = lambda *inputs: forward(model, *inputs)  # (hidden, pooled): paired in order
+    with torch.no_grad():
+        print("Taktiny against transformers:")
+        print(convert.parity(ours, theirs(reference), ids, token_types, valid, tolerance=1e-5))
+
+        # and back: Hugging Face's names and layouts, loaded strictly into a fresh BertModel
+        exported = {
+            k: torch.from_numpy(np.array(v)) for k, v in convert.export(RULES, model).items()
+        }
+        fresh = BertModel(config).eval()
+        fresh.load_state_dict(exported, strict=True)
+        print("exported back into a fresh BertModel (strict=True):")
+        print(convert.parity(ours, theirs(fresh), ids, token_types, valid, tolerance=1e-5))
+
     inputs = (jnp.asarray(ids), jnp.asarray(token_types), jnp.asarray(valid))
-    hidden, pooled = forward(model, *inputs)
-    errors = {
-        "last_hidden_state": np.abs(hidden - expected.last_hidden_state.numpy()).max(),
-        "pooler_output": np.abs(pooled - expected.pooler_output.numpy()).max(),
-    }
-    for name, error in errors.items():
-        print(f"{name:18} max abs error {error:.2e}")
-    assert max(errors.values()) <= 1e-5, errors
+    hidden, _ = forward(model, *inputs)
     dropped, _ = forward(model, *inputs, key=jax.random.key(0))  # training: dropout on
     print(f"with dropout (training), hidden states move by {np.abs(dropped - hidden).mean():.3f}")
 

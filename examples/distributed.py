@@ -1,8 +1,10 @@
 """Multi-host training with Taktiny: every process (one per host) runs this same program.
 
 It builds a model sharded over a mesh of all global devices, trains it a step with optax,
-checkpoints model and optimizer state with Orbax, and restores both onto a mesh of another
-shape, checking every restored value bit for bit against what the saving run held. See
+checkpoints model and optimizer state with Orbax (and the weights alone as safetensors),
+and restores both onto a mesh of another shape, checking every restored value bit for bit
+against what the saving run held; the weights are also streamed from the safetensors file
+onto the new mesh, each process reading only the bytes of its own shards. See
 docs/distributed.md.
 
 On one machine, as 2 processes of 4 simulated CPU devices each (start both; any free port):
@@ -25,6 +27,7 @@ import jax
 import numpy as np
 import optax
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
 
 import taktiny as tt
 from taktiny import nn
@@ -116,6 +119,10 @@ def save(path, mesh):
     state = {"model": model.state_dict(), "opt": tt.state_dict(opt_state)}
     with ocp.StandardCheckpointer() as checkpointer:  # every process calls save
         checkpointer.save(path / "checkpoint", state)
+    # the weights for inference: gathered (every process takes part), written by one
+    weights = multihost_utils.process_allgather(model.state_dict(), tiled=True)
+    if jax.process_index() == 0:
+        tt.io.save_safetensors(path / "weights.safetensors", weights)
     # what the restore run compares against (a test aid, not part of the recipe)
     np.savez(path / f"reference-{jax.process_index()}.npz", **local_shards(state))
 
@@ -129,6 +136,9 @@ def restore(path, mesh):
     opt_state = tt.load_state_dict(abstract_opt, state["opt"], strict=True)
     check(path, {"model": model.state_dict(), "opt": tt.state_dict(opt_state)}, target)
     train(mesh, model, opt_state, step=1)  # and training resumes
+    # the safetensors weights, streamed onto the new mesh: each process reads its shards
+    streamed = tt.io.load_safetensors(abstract, path / "weights.safetensors")
+    check(path, {"model": streamed.state_dict()}, {"model": target["model"]})
 
 
 def check(path, state, target):

@@ -3,13 +3,14 @@
 The reference is a small random `transformers.GPT2LMHeadModel` (nothing is downloaded).
 GPT-2 stores its projections as `Conv1D` weights [in, out], which is already Taktiny's
 kernel layout; its fused query/key/value projection `c_attn` is split in three. The
-output projection is tied to the token embedding (`Embed.attend`). An inference model:
-examples/bert.py shows how dropout keys thread through a model for training. Run
-`python examples/gpt2.py`: it prints the largest difference in the logits.
+output projection is tied to the token embedding (`Embed.attend`). `RULES` converts the
+state dict and exports the model back into a fresh `GPT2LMHeadModel` (strict=True);
+`convert.parity` compares the logits both times. An inference model: examples/bert.py
+shows how dropout keys thread through a model for training. Run `python examples/gpt2.py`:
+it prints the largest difference in the logits.
 """
 
 import functools
-import re
 
 import jax
 import jax.numpy as jnp
@@ -17,7 +18,7 @@ import numpy as np
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from taktiny import nn
+from taktiny import convert, nn
 
 
 class Block(nn.Module):
@@ -53,43 +54,42 @@ class GPT2(nn.Module):
         return self.token.attend(self.ln_f(x))  # the output projection is the embedding
 
 
-# Hugging Face name -> Taktiny name(s); several names split the value in equal parts along
-# its last axis. A 2D `weight` is a kernel (Conv1D is [in, out]); a 1D one a LayerNorm scale.
+def conv1d(source, target):
+    """Hugging Face's `Conv1D` (GPT-2's linear layer) stores its weight [in, out]: already
+    Taktiny's kernel layout, so unlike `convert.linear` nothing is transposed."""
+    return [
+        convert.Rule(f"{source}.weight", f"{target}.kernel"),
+        convert.Rule(f"{source}.bias", f"{target}.bias"),
+    ]
+
+
+# Hugging Face name -> Taktiny name, written with the presets; {i} carries the block
+# number across. `c_attn` holds query, key and value side by side on its output axis: split
+# in three. `lm_head.weight` is the token embedding itself: a Tie checks that on the way in
+# and writes both names on the way out.
+HF, OURS = "transformer.h.{i}.", "blocks.{i}."
 QKV = ("query", "key", "value")
-BLOCK = r"transformer\.h\.(\d+)\."
 RULES = [
-    (r"transformer\.wte\.weight", ["token.embedding"]),
-    (r"transformer\.wpe\.weight", ["position.embedding"]),
-    (BLOCK + r"(ln_1|ln_2)\.(\w+)", [r"blocks.\1.\2.\3"]),
-    (BLOCK + r"attn\.c_attn\.(\w+)", [rf"blocks.\1.attention.{n}.\2" for n in QKV]),
-    (BLOCK + r"attn\.c_proj\.(\w+)", [r"blocks.\1.attention.out.\2"]),
-    (BLOCK + r"mlp\.c_fc\.(\w+)", [r"blocks.\1.mlp.layers.0.\2"]),
-    (BLOCK + r"mlp\.c_proj\.(\w+)", [r"blocks.\1.mlp.layers.2.\2"]),
-    (r"transformer\.ln_f\.(\w+)", [r"ln_f.\1"]),
-    (r"lm_head\.weight", []),  # tied to transformer.wte.weight: checked, nothing to load
+    *convert.embedding("transformer.wte", "token"),
+    *convert.embedding("transformer.wpe", "position"),
+    *convert.layer_norm(HF + "ln_1", OURS + "ln_1"),
+    convert.Rule(
+        HF + "attn.c_attn.weight",
+        [OURS + f"attention.{name}.kernel" for name in QKV],
+        convert.split(axis=1),
+    ),
+    convert.Rule(
+        HF + "attn.c_attn.bias",
+        [OURS + f"attention.{name}.bias" for name in QKV],
+        convert.split(axis=0),
+    ),
+    *conv1d(HF + "attn.c_proj", OURS + "attention.out"),
+    *convert.layer_norm(HF + "ln_2", OURS + "ln_2"),
+    *conv1d(HF + "mlp.c_fc", OURS + "mlp.layers.0"),  # a Sequential: layers.1 is the gelu
+    *conv1d(HF + "mlp.c_proj", OURS + "mlp.layers.2"),
+    *convert.layer_norm("transformer.ln_f", "ln_f"),
+    convert.Tie("lm_head.weight", same_as="transformer.wte.weight"),
 ]
-
-
-def convert(torch_state):
-    """A Hugging Face GPT2LMHeadModel state dict -> a flat Taktiny state dict."""
-    lm_head, wte = torch_state["lm_head.weight"], torch_state["transformer.wte.weight"]
-    if not torch.equal(lm_head, wte):
-        raise ValueError("lm_head.weight differs from transformer.wte.weight: not a tied model")
-    flat = {}
-    for name, tensor in torch_state.items():
-        rule = next((rule for rule in RULES if re.fullmatch(rule[0], name)), None)
-        if rule is None:
-            raise KeyError(f"no rule converts {name!r}; add one to RULES")
-        value = tensor.detach().numpy()
-        targets = [re.sub(rule[0], target, name) for target in rule[1]]
-        for target, part in zip(
-            targets, np.split(value, max(len(targets), 1), axis=-1), strict=False
-        ):
-            if target.endswith(".weight"):
-                stem = target.removesuffix(".weight")
-                target = stem + (".kernel" if part.ndim == 2 else ".scale")
-            flat[target] = part
-    return flat
 
 
 def main():
@@ -110,16 +110,28 @@ def main():
             parameter.add_(torch.randn_like(parameter) * 0.1)
 
     abstract = jax.eval_shape(lambda: GPT2(config, rngs=nn.Rngs(0)))  # no initialisation
-    model = abstract.load_flat_state_dict(convert(reference.state_dict()), strict=True)
+    flat = convert.convert(RULES, reference.state_dict(), target=abstract)  # checked first
+    model = abstract.load_flat_state_dict(flat, strict=True)
 
     ids = np.random.default_rng(0).integers(0, config.vocab_size, (2, 11))
-    with torch.no_grad():
-        expected = reference(torch.from_numpy(ids)).logits.numpy()
     forward = jax.jit(lambda model, ids: model(ids))
+    ours = lambda ids: forward(model, ids)
+    # without the cache, a GPT2LMHeadModel's output holds the logits only: named "logits"
+    theirs = lambda torch_model: lambda ids: torch_model(torch.from_numpy(ids), use_cache=False)
+    with torch.no_grad():
+        print("Taktiny against transformers:")
+        print(convert.parity(ours, theirs(reference), ids, tolerance=1e-5))
+
+        # and back: Conv1D layouts, c_attn joined again, lm_head written as the embedding
+        exported = {
+            k: torch.from_numpy(np.array(v)) for k, v in convert.export(RULES, model).items()
+        }
+        fresh = GPT2LMHeadModel(config).eval()
+        fresh.load_state_dict(exported, strict=True)
+        print("exported back into a fresh GPT2LMHeadModel (strict=True):")
+        print(convert.parity(ours, theirs(fresh), ids, tolerance=1e-5))
+
     logits = forward(model, jnp.asarray(ids))
-    error = np.abs(logits - expected).max()
-    print(f"logits             max abs error {error:.2e}")
-    assert error <= 1e-5, error
     # causal: changing the last token leaves every earlier position's logits as they were
     changed = ids.copy()
     changed[:, -1] = (changed[:, -1] + 1) % config.vocab_size

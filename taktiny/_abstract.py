@@ -62,7 +62,7 @@ def eval_shape(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         )
     if not meshes:
         out = jax.eval_shape(fn, *args, **kwargs)
-        default = jax.sharding.SingleDeviceSharding(_default_device())
+        default = jax.sharding.SingleDeviceSharding(default_device())
         return jax.tree.map(lambda s: _with(s, s.sharding or default), out)
     mesh = meshes[0]
     explicit = Mesh(
@@ -97,7 +97,7 @@ def eval_shape(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     return jax.tree.map(back, out)
 
 
-def _default_device() -> Any:
+def default_device() -> Any:
     """Where arrays go by default: ``jax_default_device``, or this process's first device
     (in a multi-process run ``jax.devices()[0]`` belongs to process 0)."""
     default = jax.config.jax_default_device  # type: ignore[attr-defined]  # a device, a platform, None

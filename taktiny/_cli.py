@@ -3,7 +3,9 @@
 A safetensors file starts with a JSON header naming every tensor's dtype, shape and byte
 range, so listing one reads kilobytes however large it is; a Hugging Face index names the
 shard of each tensor; an Orbax checkpoint keeps a tree of array metadata. `diff` compares
-two safetensors checkpoints tensor by tensor, holding two tensors at a time.
+two checkpoints of either kind tensor by tensor, holding two tensors at a time: a tensor of
+a safetensors file is read from its byte range, an array of an Orbax checkpoint by a partial
+restore of that one array.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import contextlib
 import json
 import math
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -21,72 +23,90 @@ import numpy as np
 
 from . import _patterns
 
-_SIZES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2, "F16": 2,
-          "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}  # fmt: skip
-
 
 class Entry(NamedTuple):
     """One tensor of a checkpoint, as its header describes it."""
 
     name: str
     shape: tuple[int, ...]
-    dtype: str
+    dtype: str  # NumPy's name, whatever the format
     nbytes: int
-    file: Path | None  # the safetensors file holding it (None: an Orbax checkpoint)
+    file: Path  # the safetensors file holding it, or the Orbax checkpoint folder
+    source: Any  # its :class:`taktiny.io.Tensor`, or its path in an Orbax checkpoint's tree
 
 
-def _safe_open(path: Path) -> Any:
+def _safetensors_entries(path: Path) -> Iterator[Entry]:
+    from .io import SafetensorsError, open_safetensors
+
     try:
-        from safetensors import SafetensorError, safe_open
-    except ImportError:  # pragma: no cover - safetensors is an extra
-        raise SystemExit(
-            "taktiny: reading safetensors files needs the safetensors package: "
-            "pip install 'taktiny[safetensors]'."
-        ) from None
-    try:
-        return safe_open(str(path), framework="flax")
-    except (SafetensorError, OSError, ValueError) as error:  # the library's message says why
-        raise SystemExit(f"taktiny: {path} is not a readable safetensors file: {error}") from None
+        checkpoint = open_safetensors(path)
+    except SafetensorsError as error:  # names the file and tensor, says why
+        raise SystemExit(f"taktiny: {error}") from None
+    for t in sorted(checkpoint.values(), key=lambda t: t.name):  # as safetensors lists them
+        yield Entry(t.name, t.shape, t.dtype.name, t.nbytes, t.file, t)
 
 
-def _file_entries(path: Path) -> Iterator[Entry]:
-    with _safe_open(path) as f:
-        for name in f.keys():
-            piece = f.get_slice(name)
-            shape, dtype = tuple(piece.get_shape()), str(piece.get_dtype())
-            size = math.prod(shape) * _SIZES.get(dtype, 0)
-            yield Entry(name, shape, dtype, size, path)
+class _Orbax:
+    """An Orbax checkpoint open for reading, one array at a time: each read is a partial
+    restore (``partial_restore=True``) of a tree that holds that array alone."""
 
+    def __init__(self, path: Path) -> None:
+        import orbax.checkpoint as ocp
 
-def _index_entries(index: Path) -> Iterator[Entry]:
-    weight_map = json.loads(index.read_text()).get("weight_map")
-    if not isinstance(weight_map, dict):
-        raise SystemExit(f"taktiny: {index} has no 'weight_map': not a safetensors index.")
-    wanted = set(weight_map)
-    for shard in sorted(set(weight_map.values())):
-        file = (index.parent / shard).resolve()
-        if index.parent.resolve() not in file.parents:
-            raise SystemExit(f"taktiny: {index} names the shard {shard!r}, outside its folder.")
-        if not file.is_file():
-            raise SystemExit(f"taktiny: {index} names the shard {shard!r}, which is missing.")
-        yield from (e for e in _file_entries(file) if e.name in wanted)
+        self.path = path.absolute()  # Orbax takes absolute paths only
+        self.checkpointer = ocp.PyTreeCheckpointer()
+        metadata = self.checkpointer.metadata(self.path).item_metadata
+        if metadata is None:
+            self.checkpointer.close()
+            raise SystemExit(f"taktiny: {path} is an Orbax checkpoint without a tree of arrays.")
+        self.tree = metadata.tree
+
+    def __enter__(self) -> _Orbax:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.checkpointer.close()
+
+    def array(self, keys: tuple[str | int, ...]) -> np.ndarray:
+        """The array at `keys`, restored alone, as a NumPy array."""
+        import orbax.checkpoint as ocp
+
+        def alone(node: Any, keys: tuple[str | int, ...], leaf: Any) -> Any:
+            # `node`'s containers down `keys` with `leaf` at the end and nothing beside it
+            # (a list keeps its length: Orbax matches lists by length)
+            if not keys:
+                return leaf
+            inner = alone(node[keys[0]], keys[1:], leaf)
+            if isinstance(node, dict):
+                return {keys[0]: inner}
+            return [inner if i == keys[0] else None for i in range(len(node))]
+
+        args = ocp.args.PyTreeRestore(
+            item=alone(self.tree, keys, 0),  # any leaf: restore_args says what to make of it
+            restore_args=alone(self.tree, keys, ocp.RestoreArgs(restore_type=np.ndarray)),
+            partial_restore=True,
+        )
+        value = self.checkpointer.restore(self.path, args=args)
+        for key in keys:
+            value = value[key]
+        return np.asarray(value)
 
 
 def _orbax_entries(path: Path) -> Iterator[Entry]:
-    import orbax.checkpoint as ocp
+    with _Orbax(path) as checkpoint:
+        tree = checkpoint.tree
 
-    with ocp.StandardCheckpointer() as checkpointer:
-        tree = checkpointer.metadata(path.absolute()).item_metadata.tree
-
-    def walk(node: Any, prefix: str) -> Iterator[Entry]:
-        if isinstance(node, dict):
-            for key, value in node.items():
-                yield from walk(value, f"{prefix}{key}.")
+    def walk(node: Any, keys: tuple[str | int, ...]) -> Iterator[Entry]:
+        if isinstance(node, dict | list):
+            pairs = node.items() if isinstance(node, dict) else enumerate(node)
+            for key, value in pairs:
+                yield from walk(value, (*keys, key))
             return
         shape, dtype = tuple(node.shape), np.dtype(node.dtype)
-        yield Entry(prefix[:-1], shape, dtype.name, math.prod(shape) * dtype.itemsize, None)
+        name = ".".join(map(str, keys))
+        yield Entry(name, shape, dtype.name, math.prod(shape) * dtype.itemsize, path, keys)
 
-    yield from walk(tree, "")
+    yield from walk(tree, ())
 
 
 def entries(path: str | Path) -> list[Entry]:
@@ -109,9 +129,7 @@ def entries(path: str | Path) -> list[Entry]:
             )
     if not path.exists():
         raise SystemExit(f"taktiny: {path} does not exist.")
-    if path.name.endswith(".json"):
-        return list(_index_entries(path))
-    return list(_file_entries(path))
+    return list(_safetensors_entries(path))
 
 
 def _table(rows: list[list[str]]) -> str:
@@ -141,32 +159,42 @@ def inspect(path: str, pattern: str | None, as_json: bool) -> str:
     return f"{_table(rows)}\n{len(found)} tensors, {count:,} parameters, {total:,} bytes"
 
 
+def _read(entry: Entry, opened: Mapping[Path, Any]) -> np.ndarray:
+    """The values of one tensor, as float64, from its open file or checkpoint."""
+    if isinstance(entry.source, tuple):  # a path in an Orbax checkpoint
+        return np.asarray(opened[entry.file].array(entry.source), np.float64)
+    return np.asarray(entry.source, np.float64)  # a safetensors Tensor: reads its bytes
+
+
+def _gap(u: np.ndarray, v: np.ndarray) -> float | None:
+    """max |u - v| (nan where one side is nan), or None when the values are equal."""
+    gap = float(np.max(np.abs(u - v), initial=0.0)) if u.size else 0.0
+    return gap if gap or np.isnan(u).any() != np.isnan(v).any() else None
+
+
 def diff(a: str, b: str) -> tuple[str, bool]:
-    """The report `taktiny diff` prints, and whether the checkpoints hold equal tensors."""
+    """The report `taktiny diff` prints, and whether the checkpoints hold equal tensors.
+
+    Either checkpoint may be safetensors (a file, an index, or a folder holding one) or an
+    Orbax checkpoint folder, whose names are its dotted tree paths. Tensors of equal shape
+    and dtype are read two at a time, one from each side, and compared in float64."""
     left = {e.name: e for e in entries(a)}
     right = {e.name: e for e in entries(b)}
-    if any(e.file is None for e in [*left.values(), *right.values()]):
-        raise SystemExit("taktiny diff compares safetensors checkpoints (files or indexes).")
     lines = [f"only in {a}: {name}" for name in left if name not in right]
     lines += [f"only in {b}: {name}" for name in right if name not in left]
     rows = [["name", "shape", "dtype", "max |a - b|"]]
     with contextlib.ExitStack() as stack:
-        opened: dict[Path, Any] = {}  # each file opened once; two tensors read at a time
-
-        def read(entry: Entry) -> np.ndarray:
-            assert entry.file is not None  # (checked above)
-            if entry.file not in opened:
-                opened[entry.file] = stack.enter_context(_safe_open(entry.file))
-            return np.asarray(opened[entry.file].get_tensor(entry.name), np.float64)
-
+        opened: dict[Path, Any] = {}  # each Orbax checkpoint opened once
+        for entry in {e.file: e for e in [*left.values(), *right.values()]}.values():
+            if isinstance(entry.source, tuple):
+                opened[entry.file] = stack.enter_context(_Orbax(entry.file))
         for name in (n for n in left if n in right):
             x, y = left[name], right[name]
             if (x.shape, x.dtype) != (y.shape, y.dtype):
                 rows.append([name, f"{x.shape} vs {y.shape}", f"{x.dtype} vs {y.dtype}", "-"])
                 continue
-            u, v = read(x), read(y)
-            gap = float(np.max(np.abs(u - v), initial=0.0)) if u.size else 0.0
-            if gap or np.isnan(u).any() != np.isnan(v).any():
+            gap = _gap(_read(x, opened), _read(y, opened))  # two tensors held at a time
+            if gap is not None:
                 rows.append([name, str(x.shape), x.dtype, f"{gap:.6g}"])
     same = not lines and len(rows) == 1
     body = "\n".join(lines + ([_table(rows)] if len(rows) > 1 else []))
@@ -183,7 +211,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     shown.add_argument("path", help="a .safetensors file, an index .json, or a folder")
     shown.add_argument("--filter", help="only names matching this pattern ('encoder.**')")
     shown.add_argument("--json", action="store_true", help="print JSON")
-    compared = commands.add_parser("diff", help="compare two safetensors checkpoints")
+    compared = commands.add_parser(
+        "diff", help="compare two checkpoints (safetensors or Orbax) tensor by tensor"
+    )
     compared.add_argument("a")
     compared.add_argument("b")
     args = parser.parse_args(argv)

@@ -4,15 +4,17 @@ import json
 import os
 import subprocess
 import sys
+import weakref
 from pathlib import Path
 
+import jax
 import ml_dtypes
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 import safetensors.numpy
 
-from taktiny import nn
+from taktiny import _cli, nn
 from taktiny._cli import main
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -42,16 +44,16 @@ def two(tmp_path):
 def test_inspect_lists_names_shapes_dtypes_and_sizes(two, capsys):
     assert main(["inspect", two[0]]) == 0
     assert capsys.readouterr().out == (
-        "name            shape   dtype  bytes\n"
-        "encoder.bias    (4,)    BF16       8\n"
-        "encoder.kernel  (2, 3)  F32       24\n"
-        "head.kernel     (3, 2)  I8         6\n"
+        "name            shape   dtype     bytes\n"
+        "encoder.bias    (4,)    bfloat16      8\n"
+        "encoder.kernel  (2, 3)  float32      24\n"
+        "head.kernel     (3, 2)  int8          6\n"
         "3 tensors, 16 parameters, 38 bytes\n"
     )
     assert main(["inspect", two[0], "--filter", "encoder.*", "--json"]) == 0
     listed = json.loads(capsys.readouterr().out)
     assert [t["name"] for t in listed["tensors"]] == ["encoder.bias", "encoder.kernel"]
-    assert listed["tensors"][1] == {"name": "encoder.kernel", "shape": [2, 3], "dtype": "F32",
+    assert listed["tensors"][1] == {"name": "encoder.kernel", "shape": [2, 3], "dtype": "float32",
                                     "bytes": 24}  # fmt: skip
     assert (listed["parameters"], listed["bytes"]) == (10, 32)
 
@@ -69,13 +71,13 @@ def test_inspect_reads_an_index_and_its_shards(tmp_path, capsys):
         assert listed["bytes"] == 20
     index["weight_map"]["c"] = "../elsewhere.safetensors"
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
-    with pytest.raises(SystemExit, match=r"names the shard '\.\./elsewhere\.safetensors', "
-                       r"outside its folder"):  # fmt: skip
+    with pytest.raises(SystemExit, match=r"index.json: the shard '\.\./elsewhere\.safetensors' "
+                       r"of 'c' is outside the index's folder"):  # fmt: skip
         main(["inspect", str(tmp_path)])
     index["weight_map"]["c"] = "model-00003-of-00002.safetensors"
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
-    with pytest.raises(SystemExit, match=r"names the shard 'model-00003-of-00002.safetensors', "
-                       r"which is missing"):  # fmt: skip
+    with pytest.raises(SystemExit, match=r"the shard 'model-00003-of-00002.safetensors' "
+                       r"\(of 'c'\) is missing"):  # fmt: skip
         main(["inspect", str(tmp_path)])
 
 
@@ -97,7 +99,7 @@ def test_bad_checkpoints_are_clear_errors(tmp_path):
         main(["inspect", str(tmp_path / "none.safetensors")])
     broken = tmp_path / "broken.safetensors"
     broken.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json")
-    with pytest.raises(SystemExit, match=r"broken.safetensors is not a readable safetensors file"):
+    with pytest.raises(SystemExit, match=r"broken.safetensors: not a safetensors file: its first"):
         main(["inspect", str(broken)])
     (tmp_path / "empty").mkdir()
     with pytest.raises(SystemExit, match=r"holds no Orbax checkpoint and not exactly one"):
@@ -108,9 +110,9 @@ def test_diff_reports_names_in_one_only_shape_changes_and_the_largest_difference
     assert main(["diff", two[0], two[1]]) == 1
     assert capsys.readouterr().out == (
         f"only in {two[1]}: extra\n"
-        "name            shape         dtype         max |a - b|\n"
-        "encoder.bias    (4,) vs (5,)  BF16 vs BF16            -\n"
-        "encoder.kernel  (2, 3)        F32                   0.5\n"
+        "name            shape         dtype                 max |a - b|\n"
+        "encoder.bias    (4,) vs (5,)  bfloat16 vs bfloat16            -\n"
+        "encoder.kernel  (2, 3)        float32                       0.5\n"
         "3 common tensors, 2 differ, 1 in one only\n"
     )
     assert main(["diff", two[0], two[0]]) == 0
@@ -123,3 +125,99 @@ def test_the_command_runs_as_python_dash_m(two):
                          env={**os.environ, "JAX_PLATFORMS": "cpu"})  # fmt: skip
     assert run.returncode == 0, run.stderr
     assert run.stdout.splitlines()[-1] == "1 tensors, 6 parameters, 6 bytes"
+
+
+def orbax(path, tree):
+    path = path.absolute()  # Orbax takes absolute paths only
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(path, tree)
+    return str(path)
+
+
+@pytest.fixture
+def two_orbax(tmp_path):
+    a = orbax(tmp_path / "a", {
+        "encoder": {"kernel": np.ones((2, 3), np.float32), "bias": np.zeros(4, ml_dtypes.bfloat16)},
+        "layers": [np.arange(3, dtype=np.int32), np.full(2, 0.25, np.float32)],
+    })  # fmt: skip
+    b = orbax(tmp_path / "b", {
+        "encoder": {"kernel": np.ones((2, 3), np.float32), "bias": np.zeros(5, ml_dtypes.bfloat16)},
+        "layers": [np.arange(3, dtype=np.int32), np.array([0.25, -1.75], np.float32)],
+        "extra": np.zeros(1, np.float32),
+    })  # fmt: skip
+    return a, b
+
+
+def test_diff_compares_orbax_checkpoints_by_their_tree_paths(two_orbax, capsys):
+    a, b = two_orbax
+    assert main(["diff", a, b]) == 1
+    assert capsys.readouterr().out == (
+        f"only in {b}: extra\n"
+        "name          shape         dtype                 max |a - b|\n"
+        "encoder.bias  (4,) vs (5,)  bfloat16 vs bfloat16            -\n"
+        "layers.1      (2,)          float32                         2\n"
+        "4 common tensors, 2 differ, 1 in one only\n"
+    )
+    assert main(["diff", b, b]) == 0
+    assert capsys.readouterr().out == "5 common tensors, 0 differ, 0 in one only\n"
+
+
+def test_diff_compares_an_orbax_checkpoint_with_safetensors(tmp_path, two_orbax, capsys):
+    a, _ = two_orbax
+    same = save(tmp_path / "same.safetensors", {
+        "encoder.kernel": np.ones((2, 3), np.float32),
+        "encoder.bias": np.zeros(4, ml_dtypes.bfloat16),
+        "layers.0": np.arange(3, dtype=np.int32),
+        "layers.1": np.full(2, 0.25, np.float32),
+    })  # fmt: skip
+    assert main(["diff", a, same]) == 0
+    assert capsys.readouterr().out == "4 common tensors, 0 differ, 0 in one only\n"
+    other = save(tmp_path / "other.safetensors", {
+        "encoder.kernel": np.ones((2, 3), np.float64),  # equal values, another dtype
+        "encoder.bias": np.zeros(4, ml_dtypes.bfloat16),
+        "layers.0": np.array([0, 1, -2], np.int32),
+    })  # fmt: skip
+    assert main(["diff", other, a]) == 1
+    assert capsys.readouterr().out == (
+        f"only in {a}: layers.1\n"
+        "name            shape             dtype               max |a - b|\n"
+        "encoder.kernel  (2, 3) vs (2, 3)  float64 vs float32            -\n"
+        "layers.0        (3,)              int32                         4\n"
+        "3 common tensors, 2 differ, 1 in one only\n"
+    )
+
+
+def test_diff_holds_two_tensors_at_a_time_and_restores_one_orbax_array_per_read(
+    tmp_path, monkeypatch, capsys
+):
+    tree = {f"w{i}": np.full((4, 4), i, np.float32) for i in range(6)}
+    a, b = (
+        orbax(tmp_path / "a", tree),
+        orbax(tmp_path / "b", {**tree, "w5": np.zeros((4, 4), np.float32)}),
+    )
+    restored = []  # the arrays each restore brought back
+    restore = ocp.PyTreeCheckpointer.restore
+
+    def counting_restore(self, *args, **kwargs):
+        result = restore(self, *args, **kwargs)
+        restored.append(len(jax.tree.leaves(result)))
+        return result
+
+    live, most, reads = set(), [0], [0]  # ids of the arrays read and not yet freed
+    read = _cli._read
+
+    def counting_read(entry, opened):
+        array = read(entry, opened)
+        reads[0] += 1
+        live.add(id(array))
+        weakref.finalize(array, live.discard, id(array))
+        most[0] = max(most[0], len(live))
+        return array
+
+    monkeypatch.setattr(ocp.PyTreeCheckpointer, "restore", counting_restore)
+    monkeypatch.setattr(_cli, "_read", counting_read)
+    assert main(["diff", a, b]) == 1
+    assert capsys.readouterr().out.splitlines()[-2:] == [
+        "w5    (4, 4)  float32            5", "6 common tensors, 1 differ, 0 in one only"]  # fmt: skip
+    assert reads[0] == 12 and restored == [1] * 12  # each restore: one array
+    assert most[0] == 2  # one per side at a time

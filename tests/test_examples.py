@@ -1,5 +1,6 @@
 """The examples are what `make demo` runs; they must run to their end."""
 
+import itertools
 import subprocess
 import sys
 from pathlib import Path
@@ -34,28 +35,43 @@ def test_quickstart_runs_to_its_end():
     assert "total parameters: 2,372" in out
 
 
-def max_errors(out: str) -> dict[str, float]:
+def parity_reports(out: str) -> dict[str, dict[str, float]]:
+    """{the line before it: {output: max abs error}} for every `convert.parity` report printed."""
+    lines = out.splitlines()
     return {
-        line.split()[0]: float(line.split()[-1])
-        for line in out.splitlines()
-        if "max abs error" in line
+        lines[i - 1]: {
+            row.split()[0]: float(row.split()[-1])
+            for row in itertools.takewhile(lambda row: row.startswith("  "), lines[i + 1 :])
+        }
+        for i, line in enumerate(lines)
+        if line.startswith("Parity of ")
     }
 
 
-def test_bert_example_matches_transformers():
+def test_bert_example_matches_transformers_and_exports_back():
     out = run_example("bert.py")
-    errors = max_errors(out)
-    assert errors.keys() == {"last_hidden_state", "pooler_output"}, out
-    assert max(errors.values()) <= 1e-5, errors
+    reports = parity_reports(out)
+    assert list(reports) == [
+        "Taktiny against transformers:",
+        "exported back into a fresh BertModel (strict=True):",
+    ], out
+    for errors in reports.values():
+        assert errors.keys() == {"last_hidden_state", "pooler_output"}, out
+        assert max(errors.values()) <= 1e-5, errors
     moved = float(out.split("hidden states move by")[-1])
     assert moved > 0.01  # dropout with a key changes the output
 
 
-def test_gpt2_example_matches_transformers():
+def test_gpt2_example_matches_transformers_and_exports_back():
     out = run_example("gpt2.py")
-    errors = max_errors(out)
-    assert errors.keys() == {"logits"}, out
-    assert errors["logits"] <= 1e-5, errors
+    reports = parity_reports(out)
+    assert list(reports) == [
+        "Taktiny against transformers:",
+        "exported back into a fresh GPT2LMHeadModel (strict=True):",
+    ], out
+    for errors in reports.values():
+        assert errors.keys() == {"logits"}, out
+        assert errors["logits"] <= 1e-5, errors
     assert "causal: earlier positions do not see later tokens" in out
 
 

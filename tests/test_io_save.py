@@ -121,8 +121,11 @@ def test_host_arrays_64_bit_non_contiguous_and_sharded_arrays_are_saved(tmp_path
         random_array(jnp.float32, (8, 3)), NamedSharding(mesh, PartitionSpec("x"))
     )
     path = tmp_path / "flat.safetensors"
-    save_safetensors(path, {"strided": strided, "f64": np.linspace(0, 1, 5), "spread": spread})
+    scalar = jnp.float32(2.5)  # a 0-d array stays 0-d (a step count, a temperature)
+    flat = {"strided": strided, "f64": np.linspace(0, 1, 5), "spread": spread, "scalar": scalar}
+    save_safetensors(path, flat)
     _, tensors = read(path)
+    assert tensors["scalar"].shape == () and tensors["scalar"] == 2.5
     assert_bitwise(tensors["strided"], strided)
     assert_bitwise(tensors["f64"], np.linspace(0, 1, 5))
     assert_bitwise(tensors["spread"], spread)
@@ -207,6 +210,28 @@ def test_a_failed_rename_removes_the_shards_already_in_place(tmp_path, monkeypat
     with pytest.raises(OSError, match="rename refused"):
         save_safetensors(tmp_path / "model.safetensors", MLP(rngs=nn.Rngs(0)), max_shard_size=1200)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_save_over_an_earlier_one_never_leaves_its_index_naming_new_shards(tmp_path, monkeypatch):
+    path, index = tmp_path / "model.safetensors", tmp_path / "model.safetensors.index.json"
+    save_safetensors(path, MLP(rngs=nn.Rngs(0)), max_shard_size=1200)
+    assert index.exists()
+    real, renamed = os.replace, []
+
+    def fail_on_the_second_shard(src, dst):
+        renamed.append(dst)
+        if len(renamed) == 2:
+            raise OSError("rename refused")
+        real(src, dst)
+
+    monkeypatch.setattr(os, "replace", fail_on_the_second_shard)
+    with pytest.raises(OSError, match="rename refused"):
+        save_safetensors(path, MLP(rngs=nn.Rngs(1)), max_shard_size=1200)
+    assert not index.exists()  # the old index would now name one new and two old shards
+    monkeypatch.setattr(os, "replace", real)
+    save_safetensors(path, MLP(rngs=nn.Rngs(0)), max_shard_size=1200)
+    save_safetensors(path, MLP(rngs=nn.Rngs(2)))  # one file: the old index would shadow it
+    assert not index.exists() and path.exists()
 
 
 def test_none_in_a_mapping_is_an_empty_subtree_as_in_flat_state_dict(tmp_path):

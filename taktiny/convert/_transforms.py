@@ -131,6 +131,24 @@ def _single(transform: Transform, arrays: tuple[Any, ...]) -> Any:
     return arrays[0]
 
 
+class flip(_EachArray):
+    """Reverses the order of the elements along each of ``axes`` (a transposed
+    convolution's window); its own inverse."""
+
+    def __init__(self, axes: Sequence[int]):
+        self.axes = tuple(int(a) for a in axes)
+
+    def one(self, array: Any) -> Any:
+        return _xp(array).flip(array, axis=self.axes)
+
+    @property
+    def inverse(self) -> Transform:
+        return self
+
+    def _args(self) -> str:
+        return repr(self.axes)
+
+
 class split(Transform):
     """Splits one array along ``axis`` into ``sizes`` (by default into as many equal parts
     as the rule has targets): a fused qkv into query, key and value."""

@@ -113,6 +113,9 @@ def save_safetensors(
             temps.append(temp)
             temp.write_text(json.dumps(index, indent=2) + "\n")
             names.append(f"{target.name}.index.json")
+        # an index of an earlier save would name the shards as they are replaced one by one
+        # (and a single file as it shadows it): it goes before any file is renamed
+        (target.parent / f"{target.name}.index.json").unlink(missing_ok=True)
         for temp, name in zip(temps, names, strict=True):  # the index, if any, last
             os.replace(temp, target.parent / name)
             done.append(target.parent / name)
@@ -166,7 +169,7 @@ def _host(name: str, value: Any) -> np.ndarray:
             f"holds only part of it; gather it first (for example with "
             f"jax.experimental.multihost_utils.process_allgather), or save from each process"
         )
-    array = np.ascontiguousarray(np.asarray(value))
+    array = np.asarray(value, order="C")  # (np.ascontiguousarray makes a 0-d array 1-d)
     if array.dtype.name in _FOUR_BIT:
         raise TypeError(
             f"save_safetensors: {name!r} has dtype {array.dtype.name}, and safetensors has no "

@@ -1,0 +1,313 @@
+"""Reading safetensors checkpoints: every header checked when the checkpoint is opened,
+tensors read on demand into buffers Taktiny owns.
+
+A safetensors file is an 8-byte little-endian header length, a JSON header naming each
+tensor's dtype, shape and byte range, then the bytes. Opening reads the headers only.
+Reads go into page-aligned anonymous memory (``mmap``), filled with ``os.preadv`` and made
+read-only: JAX's CPU client adopts such a buffer without copying it (it copies any buffer
+not 64-byte aligned, as NumPy's are), and no caller can write through it afterwards.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import mmap
+import os
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+DTYPES: dict[str, Any] = {
+    "BOOL": np.bool_, "U8": np.uint8, "I8": np.int8, "U16": np.uint16, "I16": np.int16,
+    "U32": np.uint32, "I32": np.int32, "U64": np.uint64, "I64": np.int64,
+    "F16": np.float16, "F32": np.float32, "F64": np.float64, "C64": np.complex64,
+    "BF16": ml_dtypes.bfloat16, "F8_E4M3": ml_dtypes.float8_e4m3fn,
+    "F8_E5M2": ml_dtypes.float8_e5m2,
+}  # fmt: skip
+_HEADER_LIMIT = 100 * 2**20  # the safetensors library's own limit on a header
+_FLAGS = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
+_CHUNK = 1 << 30  # bytes per preadv call (Linux moves at most ~2 GiB per call)
+
+
+class SafetensorsError(ValueError):
+    """A safetensors checkpoint that cannot be read as it claims: a truncated or corrupt
+    file, a header whose byte ranges overlap or run past the file, an index naming a
+    missing shard or one outside its folder. The message names the file and tensor."""
+
+
+class Tensor:
+    """One tensor of a checkpoint, not yet read: ``name``, ``shape``, ``dtype`` (NumPy),
+    ``nbytes``, the ``file`` holding it and its byte ``offset`` there.
+
+    ``np.asarray(tensor)`` reads it (a read-only array of ``shape``); :meth:`read` reads
+    the whole tensor or one block of it.
+    """
+
+    __slots__ = ("dtype", "file", "name", "nbytes", "offset", "shape")
+
+    def __init__(self, name: str, shape: tuple[int, ...], dtype: Any, file: Path, offset: int):
+        self.name, self.shape, self.dtype = name, shape, np.dtype(dtype)
+        self.file, self.offset = file, offset
+        self.nbytes = math.prod(shape) * self.dtype.itemsize
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def read(self, index: Sequence[slice] | None = None) -> np.ndarray:
+        """The tensor, or the block ``index`` of it (one ``slice`` per axis, steps of 1),
+        read from disk into a fresh read-only aligned buffer; only the block's bytes are
+        read."""
+        if index is None:
+            index = [slice(None)] * self.ndim
+        bounds = [s.indices(n)[:2] for s, n in zip(index, self.shape, strict=True)]
+        shape = tuple(stop - start for start, stop in bounds)
+        out, raw = _buffer(shape, self.dtype)
+        if out.size:
+            with open(self.file, "rb", buffering=0) as f:
+                self._fill(f.fileno(), bounds, shape, raw)
+        out.flags.writeable = False
+        return out
+
+    def prefetch(self) -> None:
+        """Asks the OS to start reading the tensor's bytes into its page cache, so that a
+        :meth:`read` after other work finds them there (``posix_fadvise(WILLNEED)``)."""
+        if self.nbytes and hasattr(os, "posix_fadvise"):
+            fd = os.open(self.file, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, self.offset, self.nbytes, os.POSIX_FADV_WILLNEED)
+            finally:
+                os.close(fd)
+
+    def _fill(
+        self, fd: int, bounds: list[tuple[int, int]], shape: tuple[int, ...], to: Any
+    ) -> None:
+        # row-major: the axes after the last partial one are whole, so each run of the
+        # block covers those axes and the partial one; runs repeat over the axes before it
+        partial = max((i for i, (b, n) in enumerate(zip(bounds, self.shape, strict=True))
+                       if b != (0, n)), default=0)  # fmt: skip
+        item = self.dtype.itemsize
+        strides = [math.prod(self.shape[i + 1 :]) * item for i in range(self.ndim)] or [item]
+        run = math.prod(shape[partial:]) * item
+        first = self.offset + sum(b[0] * s for b, s in zip(bounds, strides, strict=False))
+        offsets = [first]
+        if partial:
+            steps = np.indices(shape[:partial], np.int64).reshape(partial, -1).T
+            offsets = (first + steps @ np.array(strides[:partial], np.int64)).tolist()
+        for k, at in enumerate(offsets):
+            _pread(fd, to[k * run : (k + 1) * run], at, self)
+
+    def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
+        array = self.read()
+        return array if dtype is None else array.astype(dtype)
+
+    def __repr__(self) -> str:
+        return f"Tensor({self.name!r}, {self.dtype.name}{list(self.shape)}, {self.file.name})"
+
+
+def _buffer(shape: tuple[int, ...], dtype: np.dtype) -> tuple[np.ndarray, memoryview]:
+    """A zeroed array in fresh page-aligned anonymous memory, and its bytes. The pages are
+    mapped up front (``MAP_POPULATE``: one call instead of a page fault per 4 KiB)."""
+    size = math.prod(shape) * dtype.itemsize
+    memory = mmap.mmap(-1, size, flags=_FLAGS) if size else bytearray()
+    return np.frombuffer(memory, dtype, math.prod(shape)).reshape(shape), memoryview(memory)
+
+
+def _pread(fd: int, into: memoryview, offset: int, tensor: Tensor) -> None:
+    done = 0
+    while done < len(into):
+        got = os.preadv(fd, [into[done : done + _CHUNK]], offset + done)
+        if got == 0:
+            raise SafetensorsError(
+                f"{tensor.file}: the file ends inside the bytes of {tensor.name!r}; it was "
+                f"truncated after it was opened. Write it again."
+            )
+        done += got
+
+
+class Checkpoint(Mapping[str, Tensor]):
+    """A safetensors checkpoint, opened: a read-only mapping from tensor names to
+    :class:`Tensor` handles, in the order of their bytes on disk (file by file). Made by
+    :func:`open_safetensors`; ``metadata`` holds the header metadata of the first file
+    (``{"format": "pt"}``, Taktiny's version, user metadata)."""
+
+    def __init__(self, path: Path, tensors: dict[str, Tensor], metadata: dict[str, str]):
+        self.path, self.metadata = path, metadata
+        self._tensors = tensors
+
+    def __getitem__(self, name: str) -> Tensor:
+        return self._tensors[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._tensors)
+
+    def __len__(self) -> int:
+        return len(self._tensors)
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes of all its tensors."""
+        return sum(t.nbytes for t in self._tensors.values())
+
+    def __repr__(self) -> str:
+        return f"Checkpoint({str(self.path)!r}, {len(self)} tensors, {self.nbytes:,} bytes)"
+
+
+def open_safetensors(path: str | os.PathLike[str]) -> Checkpoint:
+    """Opens a safetensors checkpoint, reading and checking its headers only.
+
+    Args:
+        path: a ``.safetensors`` file; a Hugging Face index (``*.safetensors.index.json``,
+            whose ``weight_map`` names each tensor's shard); or a folder holding one index,
+            or exactly one ``.safetensors`` file.
+
+    Returns:
+        A :class:`Checkpoint`: ``{name: Tensor}``, read tensor by tensor on demand.
+
+    Raises:
+        SafetensorsError: naming the file and tensor, for a truncated or corrupt file, a
+            header whose shapes disagree with their bytes or whose ranges overlap or run
+            past the file, a dtype safetensors does not define, an index naming a missing
+            shard, the same shard twice or a shard outside its folder, or a tensor the
+            index and its shard disagree on.
+    """
+    path = Path(path)
+    if path.is_dir():
+        indexes = sorted(path.glob("*.safetensors.index.json"))
+        files = sorted(path.glob("*.safetensors"))
+        if len(indexes) > 1 or (not indexes and len(files) != 1):
+            raise SafetensorsError(
+                f"{path}: a folder holding exactly one *.safetensors.index.json, or one "
+                f"*.safetensors file and no index, was expected; it has {len(indexes)} "
+                f"indexes and {len(files)} files. Name the file or index to read."
+            )
+        path = indexes[0] if indexes else files[0]
+    if not path.is_file():
+        raise SafetensorsError(f"{path}: no such file.")
+    if path.name.endswith(".json"):
+        return _open_index(path)
+    tensors, metadata = _header(path)
+    return Checkpoint(path, tensors, metadata)
+
+
+def _open_index(index: Path) -> Checkpoint:
+    try:
+        weight_map = json.loads(index.read_bytes(), object_pairs_hook=_unique)["weight_map"]
+        if not isinstance(weight_map, dict):
+            raise TypeError
+    except (ValueError, KeyError, TypeError) as error:
+        raise SafetensorsError(
+            f"{index}: not a safetensors index ({error or 'no weight_map'}); an index is JSON "
+            f'with "weight_map": {{tensor name: shard file}}.'
+        ) from None
+    folder = index.parent.resolve()
+    shards: dict[Path, str] = {}
+    for name, shard in weight_map.items():
+        file = (folder / str(shard)).resolve()
+        if not isinstance(shard, str) or folder not in file.parents:
+            raise SafetensorsError(
+                f"{index}: the shard {shard!r} of {name!r} is outside the index's folder "
+                f"{folder}; an index may name only files beside it."
+            )
+        if shards.setdefault(file, shard) != shard:
+            raise SafetensorsError(
+                f"{index}: names one shard twice, as {shards[file]!r} and {shard!r}; give "
+                f"each shard one name."
+            )
+        if not file.is_file():
+            raise SafetensorsError(f"{index}: the shard {shard!r} (of {name!r}) is missing.")
+    tensors: dict[str, Tensor] = {}
+    metadata: dict[str, str] = {}
+    for file, shard in sorted(shards.items(), key=lambda item: item[1]):
+        found, meta = _header(file)
+        metadata = metadata or meta
+        for name, tensor in found.items():
+            listed = weight_map.get(name)
+            if listed is None or (folder / listed).resolve() != file:
+                where = "does not list it" if listed is None else f"puts it in {listed!r}"
+                raise SafetensorsError(
+                    f"{index}: the shard {shard!r} holds {name!r}, but the index {where}; "
+                    f"the index and its shards disagree. Write the checkpoint again."
+                )
+            tensors[name] = tensor
+    lacking = [name for name in weight_map if name not in tensors]
+    if lacking:
+        raise SafetensorsError(
+            f"{index}: the index lists {lacking[:5]} in shards that do not hold them."
+        )
+    return Checkpoint(index, tensors, metadata)
+
+
+def _unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"the name {key!r} appears twice")
+        out[key] = value
+    return out
+
+
+def _header(file: Path) -> tuple[dict[str, Tensor], dict[str, str]]:
+    """The tensors a safetensors file's header describes, in the order of their bytes,
+    and its metadata; every entry checked against the file's size."""
+    size = file.stat().st_size
+
+    def bad(why: str) -> SafetensorsError:
+        return SafetensorsError(f"{file}: {why}")
+
+    with open(file, "rb", buffering=0) as f:
+        prefix = f.read(8)
+        length = int.from_bytes(prefix, "little") if len(prefix) == 8 else -1
+        if not 0 < length <= min(size - 8, _HEADER_LIMIT):
+            raise bad(
+                f"not a safetensors file: its first 8 bytes give a header of {length} bytes, "
+                f"and the file has {size}. It is truncated or of another format."
+            )
+        try:
+            header = json.loads(f.read(length), object_pairs_hook=_unique)
+            if not isinstance(header, dict):
+                raise TypeError("it is not a JSON object")
+        except (ValueError, TypeError) as error:
+            raise bad(f"the header is not valid: {error}. The file is corrupt.") from None
+    metadata = header.pop("__metadata__", None) or {}
+    data, start = size - 8 - length, 8 + length
+    tensors: list[tuple[int, int, Tensor]] = []
+    for name, entry in header.items():
+        try:
+            dtype, shape, (begin, end) = entry["dtype"], entry["shape"], entry["data_offsets"]
+            shape = tuple(shape)
+            if not all(type(n) is int and n >= 0 for n in (*shape, begin, end)):
+                raise TypeError
+        except (KeyError, TypeError, ValueError):
+            raise bad(
+                f"the header entry of {name!r} is {entry!r}; an entry holds a dtype, a shape of "
+                f"non-negative ints and data_offsets [begin, end]."
+            ) from None
+        if dtype not in DTYPES:
+            raise bad(
+                f"{name!r} has the dtype {dtype!r}, which Taktiny cannot read; it reads "
+                f"{sorted(DTYPES)}."
+            )
+        tensor = Tensor(name, shape, DTYPES[dtype], file, start + begin)
+        if end - begin != tensor.nbytes:
+            raise bad(
+                f"the header gives {name!r} the shape {list(shape)} of {dtype} "
+                f"({tensor.nbytes} bytes) but {end - begin} bytes [{begin}, {end}); the "
+                f"header disagrees with its bytes."
+            )
+        if end > data:
+            raise bad(
+                f"the bytes of {name!r} run to {end}, past the end of the data ({data} "
+                f"bytes): the file is truncated."
+            )
+        tensors.append((begin, end, tensor))
+    tensors.sort(key=lambda t: (t[0], t[1]))
+    for (_, end, a), (begin, _, b) in itertools.pairwise(tensors):
+        if begin < end:
+            raise bad(f"the bytes of {a.name!r} and {b.name!r} overlap; the file is corrupt.")
+    return {t.name: t for _, _, t in tensors}, {str(k): str(v) for k, v in metadata.items()}

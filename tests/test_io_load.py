@@ -1,0 +1,271 @@
+"""taktiny.io.load_safetensors and open_safetensors: streamed loads into abstract, concrete
+and sharded models, each device reading only its own bytes, rules applied per tensor,
+every problem found before a byte of data is read."""
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+import safetensors.numpy
+from _models import MLP
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import taktiny as tt
+from taktiny import convert as cv
+from taktiny import nn
+from taktiny.io import Tensor, load_safetensors, open_safetensors, save_safetensors
+
+
+def flat_numpy(tree):
+    return {k: np.asarray(v) for k, v in tt.flat_state_dict(tree).items()}
+
+
+def assert_same(tree, expected):
+    got = flat_numpy(tree)
+    assert got.keys() == expected.keys()
+    for name, value in expected.items():
+        assert got[name].dtype == value.dtype, name
+        assert got[name].tobytes() == value.tobytes(), name
+
+
+@pytest.fixture
+def saved(tmp_path):
+    model = MLP(rngs=nn.Rngs(1))
+    path = tmp_path / "mlp.safetensors"
+    save_safetensors(path, model)
+    return model, path
+
+
+@pytest.fixture
+def reads(monkeypatch):
+    """Every block read from disk: (tensor name, shape read)."""
+    log = []
+    read = Tensor.read
+
+    def logged(self, index=None):
+        out = read(self, index)
+        log.append((self.name, out.shape))
+        return out
+
+    monkeypatch.setattr(Tensor, "read", logged)
+    return log
+
+
+def abstract_mlp():
+    return jax.eval_shape(lambda: MLP(rngs=nn.Rngs(0)))
+
+
+def test_loads_into_an_abstract_model_on_the_default_device(saved, reads):
+    model, path = saved
+    loaded = load_safetensors(abstract_mlp(), path)
+    assert_same(loaded, flat_numpy(model))
+    for leaf in jax.tree.leaves(loaded):
+        assert isinstance(leaf, jax.Array) and leaf.devices() == {jax.devices()[0]}
+    assert sorted(name for name, _ in reads) == sorted(tt.flat_state_dict(model))
+    x = jnp.ones((2, 32))
+    assert np.array_equal(loaded(x), model(x))
+
+
+def test_loads_into_a_concrete_model_and_leaves_it_as_it_was(saved):
+    model, path = saved
+    other = MLP(rngs=nn.Rngs(7))
+    before = flat_numpy(other)
+    loaded = load_safetensors(other, path)
+    assert_same(loaded, flat_numpy(model))
+    assert_same(other, before)
+
+
+def test_a_read_gives_a_read_only_array(saved):
+    _, path = saved
+    checkpoint = open_safetensors(path)
+    kernel = np.asarray(checkpoint["input.kernel"])
+    assert not kernel.flags.writeable  # a read gives a read-only array: nobody writes to it
+    with pytest.raises(ValueError, match="read-only"):
+        kernel[0, 0] = 1.0
+
+
+def test_each_device_reads_only_its_own_block_of_an_inner_split(saved, reads):
+    model, path = saved
+    mesh = jax.make_mesh((2, 4), ("rows", "cols"))
+    target = tt.shard(
+        abstract_mlp(), [("input.kernel", P(None, "cols")), ("output.kernel", P("rows"))], mesh
+    )
+    loaded = load_safetensors(target, path)
+    assert_same(loaded, flat_numpy(model))
+    kernel = loaded.input.kernel
+    assert kernel.sharding == NamedSharding(mesh, P(None, "cols"))
+    expected = np.asarray(model.input.kernel)
+    for shard in kernel.addressable_shards:
+        assert shard.data.shape == (32, 16)
+        assert np.array_equal(shard.data, expected[shard.index])
+    # four distinct column blocks, each read once (the "rows" axis holds copies)
+    assert [s for n, s in reads if n == "input.kernel"] == [(32, 16)] * 4
+    assert [s for n, s in reads if n == "output.kernel"] == [(32, 4)] * 2
+    assert [s for n, s in reads if n == "input.bias"] == [(64,)]  # replicated: read once
+
+
+def test_rules_apply_tensor_by_tensor_and_place_on_the_target_sharding(tmp_path, reads):
+    rng = np.random.default_rng(0)
+    torch_names = {
+        "fc1.weight": rng.normal(size=(64, 32)).astype(np.float32),
+        "fc1.bias": rng.normal(size=(64,)).astype(np.float32),
+        "fc2.weight": rng.normal(size=(4, 64)).astype(np.float32),
+        "fc2.bias": rng.normal(size=(4,)).astype(np.float32),
+        "steps": np.array(3, np.int64),
+    }
+    path = tmp_path / "torch.safetensors"
+    safetensors.numpy.save_file(torch_names, str(path))
+    rules = [
+        cv.Rule("fc1.{p}", "input.{p}"),
+        cv.Rule("fc2.{p}", "output.{p}"),
+        cv.Ignore("steps"),
+    ]
+    rules = [cv.Rule("fc{i}.weight", "{i}", cv.transpose()), *rules]  # (wrong on purpose)
+    with pytest.raises(cv.ConversionError, match=r"\[unknown\] '1'") as caught:
+        load_safetensors(abstract_mlp(), path, rules=rules)
+    assert not reads  # found from the headers alone
+    assert "'input.kernel'" in str(caught.value)  # and still missing
+    rules = [
+        cv.Rule("fc1.weight", "input.kernel", cv.transpose()),
+        cv.Rule("fc2.weight", "output.kernel", cv.transpose()),
+        *rules[1:],
+    ]
+    mesh = jax.make_mesh((8,), ("x",))
+    target = tt.shard(abstract_mlp(), [("input.kernel", P(None, "x"))], mesh)
+    loaded = load_safetensors(target, path, rules=rules)
+    assert np.array_equal(loaded.input.kernel, torch_names["fc1.weight"].T)
+    assert np.array_equal(loaded.output.bias, torch_names["fc2.bias"])
+    assert loaded.input.kernel.sharding == NamedSharding(mesh, P(None, "x"))
+    assert sorted(name for name, _ in reads) == sorted(n for n in torch_names if n != "steps")
+    expected = dict(cv.convert(rules, torch_names, target=abstract_mlp()))
+    assert_same(loaded, {k: np.asarray(v) for k, v in expected.items()})
+
+
+def test_split_rules_read_the_fused_tensor_once(tmp_path, reads):
+    class QKV(nn.Module):
+        def __init__(self, *, rngs):
+            self.query = nn.Linear(4, 4, rngs=rngs)
+            self.key = nn.Linear(4, 4, rngs=rngs)
+            self.value = nn.Linear(4, 4, rngs=rngs)
+
+    fused = np.arange(12 * 4, dtype=np.float32).reshape(12, 4)
+    path = tmp_path / "qkv.safetensors"
+    safetensors.numpy.save_file({"qkv.weight": fused, "qkv.bias": fused[:, 0].copy()}, str(path))
+    rules = [
+        cv.Rule("qkv.weight", ["query.kernel", "key.kernel", "value.kernel"],
+                cv.chain(cv.split(0), cv.transpose())),
+        cv.Rule("qkv.bias", ["query.bias", "key.bias", "value.bias"], cv.split(0)),
+    ]  # fmt: skip
+    loaded = load_safetensors(jax.eval_shape(lambda: QKV(rngs=nn.Rngs(0))), path, rules=rules)
+    assert np.array_equal(loaded.key.kernel, fused[4:8].T)
+    assert np.array_equal(loaded.value.bias, fused[8:, 0])
+    assert sorted(reads) == [("qkv.bias", (12,)), ("qkv.weight", (12, 4))]
+
+
+def test_a_sharded_checkpoint_loads_from_its_index_or_its_folder(tmp_path):
+    model = MLP(rngs=nn.Rngs(2))
+    files = save_safetensors(tmp_path / "model.safetensors", model, max_shard_size=4000)
+    assert len(files) > 2  # shards and their index
+    for path in (tmp_path / "model.safetensors.index.json", tmp_path):
+        assert_same(load_safetensors(abstract_mlp(), path), flat_numpy(model))
+    checkpoint = open_safetensors(tmp_path)
+    assert len({t.file for t in checkpoint.values()}) == len(files) - 1
+    assert checkpoint.nbytes == sum(np.asarray(v).nbytes for v in jax.tree.leaves(model))
+
+
+def test_problems_are_found_from_the_headers_before_any_read(tmp_path, reads):
+    path = tmp_path / "bad.safetensors"
+    safetensors.numpy.save_file(
+        {
+            "input.kernel": np.zeros((32, 63), np.float32),
+            "input.bias": np.zeros((64,), np.int32),
+            "output.kernell": np.zeros((64, 4), np.float32),
+        },
+        str(path),
+    )
+    with pytest.raises(tt.StateDictError, match="load_safetensors") as caught:
+        load_safetensors(abstract_mlp(), path)
+    kinds = {p.key: p.kind for p in caught.value.problems}
+    assert kinds == {
+        "input.kernel": "shape",
+        "input.bias": "dtype",
+        "output.kernell": "unknown",
+        "output.kernel": "missing",
+        "output.bias": "missing",
+    }
+    assert "did you mean 'output.kernel'?" in str(caught.value)
+    assert not reads
+
+
+def test_partial_loads_keep_the_rest_but_an_abstract_model_cannot(tmp_path, reads):
+    model = MLP(rngs=nn.Rngs(3))
+    path = tmp_path / "input.safetensors"
+    save_safetensors(path, {"input.kernel": model.input.kernel, "input.bias": model.input.bias})
+    other = MLP(rngs=nn.Rngs(4))
+    loaded = load_safetensors(other, path, strict=False)
+    assert np.array_equal(loaded.input.kernel, model.input.kernel)
+    assert np.array_equal(loaded.output.kernel, other.output.kernel)
+    reads.clear()
+    with pytest.raises(tt.StateDictError, match=r"'output\.kernel': not supplied, and the model"):
+        load_safetensors(abstract_mlp(), path, strict=False)
+    with pytest.raises(tt.StateDictError, match=r"'output\.bias': missing: strict=True"):
+        load_safetensors(other, path)
+    assert not reads
+
+
+def test_values_cast_within_their_kind_and_overflow_is_refused(tmp_path):
+    model = MLP(rngs=nn.Rngs(5))
+    state = {k: np.asarray(v).astype(ml_dtypes.bfloat16) for k, v in flat_numpy(model).items()}
+    path = tmp_path / "bf16.safetensors"
+    save_safetensors(path, state)
+    loaded = load_safetensors(abstract_mlp(), path)
+    assert loaded.input.kernel.dtype == jnp.float32
+    assert np.array_equal(loaded.input.kernel, state["input.kernel"].astype(np.float32))
+    half = jax.eval_shape(lambda: MLP(rngs=nn.Rngs(0)))
+    half = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, jnp.float16), half)
+    big = {k: np.full(np.shape(v), 1e6, np.float32) for k, v in flat_numpy(model).items()}
+    save_safetensors(tmp_path / "big.safetensors", big)
+    with pytest.raises(tt.StateDictError, match=r"casting float32 to float16 would turn"):
+        load_safetensors(half, tmp_path / "big.safetensors")
+
+
+def test_allow_needs_rules():
+    with pytest.raises(ValueError, match="allow= applies to rules"):
+        load_safetensors(abstract_mlp(), "unused.safetensors", allow={"missing": ["**"]})
+
+
+def test_progress_bar_names_the_file_and_is_off_when_asked(saved, capsys):
+    _, path = saved
+    load_safetensors(abstract_mlp(), path, progress=True)
+    shown = capsys.readouterr().err
+    assert "mlp.safetensors" in shown and "100%" in shown
+    load_safetensors(abstract_mlp(), path, progress=False)
+    load_safetensors(abstract_mlp(), path)  # small: no bar by default
+    assert capsys.readouterr().err == ""
+
+
+def test_convert_of_an_opened_checkpoint_reads_tensor_by_tensor(saved, reads):
+    model, path = saved
+    rules = [cv.Rule("{layer}.kernel", "{layer}.kernel", cv.cast(jnp.bfloat16)),
+             cv.Rule("{layer}.bias", "{layer}.bias")]  # fmt: skip
+    converted = cv.convert(rules, open_safetensors(path), target=model)
+    assert not reads and len(converted) == 4 and "input.kernel" in converted
+    kernel = converted["input.kernel"]
+    assert reads == [("input.kernel", (32, 64))]
+    assert kernel.dtype == jnp.bfloat16
+    assert np.array_equal(kernel, np.asarray(model.input.kernel).astype(ml_dtypes.bfloat16))
+    loaded = model.load_flat_state_dict(converted, strict=True)
+    assert loaded.output.kernel.dtype == jnp.float32  # cast back by the load, within its kind
+
+
+def test_checkpoint_and_tensor_reprs(saved):
+    _, path = saved
+    checkpoint = open_safetensors(path)
+    assert repr(checkpoint) == f"Checkpoint({str(path)!r}, 4 tensors, 9,488 bytes)"
+    assert (
+        repr(checkpoint["input.kernel"])
+        == "Tensor('input.kernel', float32[32, 64], mlp.safetensors)"
+    )
+    assert checkpoint.metadata["format"] == "taktiny"

@@ -1,0 +1,205 @@
+"""taktiny.io.open_safetensors on bad input: every corrupt file, header and index is one
+SafetensorsError that names the file and the tensor, raised before any data is read."""
+
+import json
+import struct
+
+import ml_dtypes
+import numpy as np
+import pytest
+import safetensors.numpy
+
+from taktiny.io import SafetensorsError, open_safetensors, save_safetensors
+
+TENSORS = {"a": np.arange(16, dtype=np.float32).reshape(4, 4), "b": np.arange(3, dtype=np.int64)}
+
+
+def parts(path):
+    raw = path.read_bytes()
+    length = struct.unpack("<Q", raw[:8])[0]
+    return json.loads(raw[8 : 8 + length]), raw[8 + length :]
+
+
+def write(path, header, data):
+    text = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(text)) + text + data)
+    return path
+
+
+@pytest.fixture
+def good(tmp_path):
+    path = tmp_path / "good.safetensors"
+    safetensors.numpy.save_file(TENSORS, str(path))
+    return path
+
+
+def test_a_good_file_reads_back_every_dtype(tmp_path):
+    tensors = {
+        "f32": np.arange(6, dtype=np.float32).reshape(2, 3),
+        "bf16": np.arange(4).astype(ml_dtypes.bfloat16),
+        "f8": np.arange(4).astype(ml_dtypes.float8_e4m3fn),
+        "u8": np.arange(5, dtype=np.uint8),
+        "bool": np.array([True, False]),
+        "scalar": np.array(2.5, np.float64),
+        "empty": np.zeros((0, 3), np.float32),
+    }
+    save_safetensors(tmp_path / "all.safetensors", tensors)
+    checkpoint = open_safetensors(tmp_path / "all.safetensors")
+    assert set(checkpoint) == set(tensors)
+    for name, expected in tensors.items():
+        got = np.asarray(checkpoint[name])
+        assert got.dtype == expected.dtype and got.shape == expected.shape, name
+        assert got.tobytes() == expected.tobytes(), name
+        assert got.size == 0 or got.ctypes.data % 64 == 0, name  # JAX adopts it uncopied
+
+
+def test_blocks_read_only_their_bytes(good):
+    tensor = open_safetensors(good)["a"]
+    assert np.array_equal(tensor.read([slice(1, 3), slice(None)]), TENSORS["a"][1:3])
+    assert np.array_equal(tensor.read([slice(None), slice(2, 4)]), TENSORS["a"][:, 2:])
+    assert np.array_equal(tensor.read([slice(3, 4), slice(1, 2)]), TENSORS["a"][3:, 1:2])
+    assert np.array_equal(tensor.read([slice(1, 3), slice(1, 3)]), TENSORS["a"][1:3, 1:3])
+    cube = np.arange(60, dtype=np.int16).reshape(3, 4, 5)
+    safetensors.numpy.save_file({"cube": cube}, str(good))
+    tensor = open_safetensors(good)["cube"]
+    block = (slice(1, 3), slice(0, 4), slice(2, 4))  # partial, whole, partial
+    assert np.array_equal(tensor.read(block), cube[block])
+
+
+def test_a_truncated_file(good):
+    raw = good.read_bytes()
+    good.write_bytes(raw[:-10])
+    with pytest.raises(
+        SafetensorsError, match=r"good.safetensors: the bytes of 'a' run to 88, past"
+    ):
+        open_safetensors(good)
+    good.write_bytes(raw[:5])
+    with pytest.raises(SafetensorsError, match=r"good.safetensors: not a safetensors file"):
+        open_safetensors(good)
+
+
+def test_a_file_truncated_after_it_was_opened(good):
+    checkpoint = open_safetensors(good)
+    good.write_bytes(good.read_bytes()[:-10])
+    with pytest.raises(
+        SafetensorsError, match=r"good.safetensors: the file ends inside the bytes of 'a'"
+    ):
+        np.asarray(checkpoint["a"])
+
+
+def test_offsets_past_the_end_or_overlapping(good):
+    header, data = parts(good)
+    header["b"]["data_offsets"] = [64, 88]
+    write(good, header, data)
+    with pytest.raises(SafetensorsError, match=r"the bytes of '.' and '.' overlap"):
+        open_safetensors(good)
+    header["a"]["data_offsets"] = [16, 80]  # overlaps b's [0, 24) by 8 bytes only
+    header["b"]["data_offsets"] = [0, 24]
+    write(good, header, data)
+    with pytest.raises(SafetensorsError, match=r"the bytes of 'b' and 'a' overlap"):
+        open_safetensors(good)
+    header["b"]["data_offsets"] = [88, 112]
+    write(good, header, data)
+    with pytest.raises(SafetensorsError, match=r"the bytes of 'b' run to 112, past the end"):
+        open_safetensors(good)
+
+
+def test_a_shape_that_disagrees_with_its_bytes(good):
+    header, data = parts(good)
+    header["a"]["shape"] = [4, 5]
+    write(good, header, data)
+    with pytest.raises(
+        SafetensorsError, match=r"gives 'a' the shape \[4, 5\] of F32 \(80 bytes\) but 64"
+    ):
+        open_safetensors(good)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda h: h["a"].update(dtype="F4"), r"'a' has the dtype 'F4', which Taktiny cannot read"),
+        (lambda h: h["a"].update(shape=[4, -4]), r"the header entry of 'a' is"),
+        (lambda h: h["a"].pop("data_offsets"), r"the header entry of 'a' is"),
+    ],
+)
+def test_bad_header_entries(good, change, message):
+    header, data = parts(good)
+    change(header)
+    write(good, header, data)
+    with pytest.raises(SafetensorsError, match=message):
+        open_safetensors(good)
+
+
+def test_a_header_that_is_not_json_or_names_a_tensor_twice(good):
+    _, data = parts(good)
+    text = b'{"a": {"dtype": "F32", "shape": [4, 4], "data_offsets": [24, 88]}, "a": {}}'
+    good.write_bytes(struct.pack("<Q", len(text)) + text + data)
+    with pytest.raises(
+        SafetensorsError, match=r"the header is not valid: the name 'a' appears twice"
+    ):
+        open_safetensors(good)
+    good.write_bytes(struct.pack("<Q", 5) + b"{oops" + data)
+    with pytest.raises(SafetensorsError, match=r"the header is not valid"):
+        open_safetensors(good)
+
+
+@pytest.fixture
+def sharded(tmp_path):
+    tensors = {f"t{i}": np.full((100,), i, np.float32) for i in range(4)}
+    save_safetensors(tmp_path / "model.safetensors", tensors, max_shard_size=800)
+    index = tmp_path / "model.safetensors.index.json"
+    return index, json.loads(index.read_text())
+
+
+def test_an_index_reads_its_shards(sharded):
+    index, _ = sharded
+    checkpoint = open_safetensors(index)
+    assert list(checkpoint) == ["t0", "t1", "t2", "t3"]
+    assert np.array_equal(np.asarray(checkpoint["t3"]), np.full((100,), 3, np.float32))
+
+
+@pytest.mark.parametrize(
+    ("shard", "message"),
+    [
+        ("../model-00001-of-00002.safetensors", r"the shard '\.\./model-00001.* is outside"),
+        ("/etc/passwd", r"the shard '/etc/passwd' of 't0' is outside the index's folder"),
+        ("gone.safetensors", r"the shard 'gone.safetensors' \(of 't0'\) is missing"),
+        ("./model-00002-of-00002.safetensors", r"names one shard twice, as"),
+    ],
+)
+def test_an_index_naming_bad_shards(sharded, shard, message):
+    index, content = sharded
+    content["weight_map"]["t0"] = shard
+    index.write_text(json.dumps(content))
+    with pytest.raises(SafetensorsError, match=message):
+        open_safetensors(index)
+
+
+def test_an_index_that_disagrees_with_its_shards(sharded):
+    index, content = sharded
+    assert content["weight_map"]["t0"] != content["weight_map"]["t2"]
+    content["weight_map"]["t0"] = content["weight_map"]["t2"]
+    index.write_text(json.dumps(content))
+    with pytest.raises(SafetensorsError, match=r"holds 't0', but the index puts it in"):
+        open_safetensors(index)
+    del content["weight_map"]["t0"]
+    index.write_text(json.dumps(content))
+    with pytest.raises(SafetensorsError, match=r"holds 't0', but the index does not list it"):
+        open_safetensors(index)
+    content["weight_map"]["t9"] = content["weight_map"]["t1"]
+    content["weight_map"]["t0"] = "model-00001-of-00002.safetensors"
+    index.write_text(json.dumps(content))
+    with pytest.raises(SafetensorsError, match=r"lists \['t9'\] in shards that do not hold them"):
+        open_safetensors(index)
+    index.write_text('{"metadata": {}}')
+    with pytest.raises(SafetensorsError, match=r"not a safetensors index"):
+        open_safetensors(index)
+
+
+def test_a_folder_must_hold_one_checkpoint(tmp_path):
+    for name in ("a", "b"):
+        safetensors.numpy.save_file(TENSORS, str(tmp_path / f"{name}.safetensors"))
+    with pytest.raises(SafetensorsError, match=r"it has 0 indexes and 2 files"):
+        open_safetensors(tmp_path)
+    with pytest.raises(SafetensorsError, match=r"missing.safetensors: no such file"):
+        open_safetensors(tmp_path / "missing.safetensors")

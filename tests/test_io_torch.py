@@ -1,0 +1,180 @@
+"""taktiny.io.read_torch: PyTorch files read through torch.load(weights_only=True) only, bit
+for bit, flat or nested, sharded with a Hugging Face index; everything else refused by name."""
+
+import json
+import re
+import sys
+
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+
+from taktiny.io import read_torch
+
+
+class Thing:
+    """An arbitrary object: unpickling it would run its class's code."""
+
+
+def tensors():
+    generator = torch.Generator().manual_seed(0)
+    return {
+        "encoder.weight": torch.randn(3, 4, generator=generator),
+        "encoder.bias": torch.randn(4, generator=generator).to(torch.bfloat16),
+        "steps": torch.tensor([-(2**40), 7, 2**62], dtype=torch.int64),
+        "mask": torch.tensor([True, False]),
+        "fp8": torch.tensor([0.5, -448.0], dtype=torch.float8_e4m3fn),
+    }
+
+
+def assert_bitwise(read, expected):
+    assert list(read) == list(expected)
+    for name, tensor in expected.items():
+        array = read[name]
+        assert isinstance(array, np.ndarray), name
+        assert array.shape == tuple(tensor.shape), name
+        assert array.dtype.itemsize == tensor.element_size(), name
+        bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[array.itemsize]
+        raw = tensor.view(bits) if tensor.dtype != torch.bool else tensor.to(torch.uint8)
+        assert array.tobytes() == raw.numpy().tobytes(), name
+
+
+@pytest.mark.parametrize("zipped", [True, False], ids=["zip", "legacy"])
+def test_a_state_dict_round_trips_bit_for_bit(tmp_path, zipped):
+    expected = tensors()
+    if not zipped:  # torch 2.13 cannot load float8 from its legacy format
+        del expected["fp8"]
+    path = tmp_path / "model.bin"
+    torch.save(expected, path, _use_new_zipfile_serialization=zipped)
+    read = read_torch(path)
+    assert_bitwise(read, expected)
+    assert read["encoder.weight"].dtype == np.float32
+    assert read["encoder.bias"].dtype == ml_dtypes.bfloat16
+    assert read["steps"].dtype == np.int64 and read["steps"][0] == -(2**40)
+    if zipped:
+        assert read["fp8"].dtype == ml_dtypes.float8_e4m3fn
+        assert read["fp8"].astype(np.float32).tolist() == [0.5, -448.0]
+    read["encoder.weight"][0, 0] = 1e6  # writing into what was read never reaches the file
+    assert_bitwise(read_torch(str(path)), expected)
+
+
+def test_a_checkpoint_that_nests_the_state_is_flattened_with_dots(tmp_path):
+    weight = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+    checkpoint = {
+        "model": {"encoder": {"weight": weight.t(), "bias": torch.ones(2)}},
+        "optimizer": {"state": {0: {"exp_avg": torch.zeros(2)}}, "param_groups": [{"lr": 0.1}]},
+        "buffers": [torch.full((1,), 2.0), (torch.full((1,), 3.0),)],
+        "step": 1000,
+        "config": "tiny",
+        "shape": torch.Size([2, 3]),
+    }
+    torch.save(checkpoint, tmp_path / "checkpoint.pt")
+    read = read_torch(tmp_path / "checkpoint.pt")
+    assert list(read) == [
+        "model.encoder.weight", "model.encoder.bias", "optimizer.state.0.exp_avg",
+        "buffers.0", "buffers.1.0",
+    ]  # fmt: skip
+    assert np.array_equal(read["model.encoder.weight"], weight.t().numpy())  # a strided view
+    assert read["buffers.1.0"].tolist() == [3.0]
+
+
+def test_two_values_with_one_dotted_name_are_refused(tmp_path):
+    torch.save({"a.b": torch.ones(1), "a": {"b": torch.zeros(1)}}, tmp_path / "twice.pt")
+    with pytest.raises(ValueError, match=r"twice\.pt holds two tensors named 'a\.b'"):
+        read_torch(tmp_path / "twice.pt")
+
+
+def test_a_pickled_object_is_refused_and_never_unpickled(tmp_path):
+    torch.save({"weight": torch.ones(2), "head": Thing()}, tmp_path / "model.pt")
+    with pytest.raises(
+        ValueError,
+        match=r"torch\.load\(weights_only=True\) refused .*model\.pt \(Unsupported global: "
+        r"GLOBAL .*Thing was not an allowed global by default\): it holds objects other than "
+        r"tensors and plain containers, or is no PyTorch file\. Taktiny never unpickles "
+        r"arbitrary objects\. Instead, save the tensors as safetensors .*"
+        r"safetensors\.torch\.save_file",
+    ):
+        read_torch(tmp_path / "model.pt")
+    torch.save(Thing(), tmp_path / "whole.pt", _use_new_zipfile_serialization=False)
+    with pytest.raises(ValueError, match=r"refused .*whole\.pt \(Unsupported global"):
+        read_torch(tmp_path / "whole.pt")
+
+
+def test_files_that_are_not_state_dicts_are_clear_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"none\.bin does not exist"):
+        read_torch(tmp_path / "none.bin")
+    (tmp_path / "junk.bin").write_bytes(b"")
+    with pytest.raises(ValueError, match=r"junk\.bin is not a readable PyTorch file \(.*\); "
+                       r"expected a file written by torch\.save"):  # fmt: skip
+        read_torch(tmp_path / "junk.bin")
+    torch.save(torch.ones(2), tmp_path / "tensor.pt")
+    with pytest.raises(ValueError, match=r"tensor\.pt holds a Tensor, not a dict"):
+        read_torch(tmp_path / "tensor.pt")
+    torch.save({"z": torch.eye(2).to_sparse()}, tmp_path / "sparse.pt")
+    with pytest.raises(TypeError, match=r"'z' in .*sparse\.pt is a torch\.float32 tensor with "
+                       r"layout torch\.sparse_coo, which NumPy cannot hold .*\.to_dense\(\)"):  # fmt: skip
+        read_torch(tmp_path / "sparse.pt")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match=r"empty must hold one '\*\.bin\.index\.json' "
+                       r"index or a 'pytorch_model\.bin' \(found: none"):  # fmt: skip
+        read_torch(tmp_path / "empty")
+
+
+def sharded(folder, weight_map=None):
+    """A Hugging Face style sharded checkpoint of tensors() in `folder`, and its tensors."""
+    expected = tensors()
+    names = list(expected)
+    torch.save({n: expected[n] for n in names[:2]}, folder / "pytorch_model-00001-of-00002.bin")
+    torch.save({n: expected[n] for n in names[2:]}, folder / "pytorch_model-00002-of-00002.bin")
+    if weight_map is None:
+        weight_map = {n: f"pytorch_model-0000{1 + (i >= 2)}-of-00002.bin"
+                      for i, n in enumerate(names)}  # fmt: skip
+    index = {"metadata": {"total_size": 0}, "weight_map": weight_map}
+    (folder / "pytorch_model.bin.index.json").write_text(json.dumps(index))
+    return expected, weight_map
+
+
+def test_a_sharded_checkpoint_is_read_through_its_index(tmp_path):
+    expected, _ = sharded(tmp_path)
+    assert_bitwise(read_torch(tmp_path), expected)
+    assert_bitwise(read_torch(tmp_path / "pytorch_model.bin.index.json"), expected)
+    (tmp_path / "pytorch_model.bin.index.json").unlink()
+    torch.save({"only": torch.ones(1)}, tmp_path / "pytorch_model.bin")
+    assert list(read_torch(tmp_path)) == ["only"]  # a folder with one unsharded file
+
+
+@pytest.mark.parametrize("shard", ["../elsewhere.bin", "/tmp/elsewhere.bin", "."])
+def test_an_index_naming_a_shard_outside_its_folder_is_refused(tmp_path, shard):
+    (tmp_path / "model").mkdir()
+    torch.save({"stolen": torch.ones(1)}, tmp_path / "elsewhere.bin")
+    _, weight_map = sharded(tmp_path / "model")
+    sharded(tmp_path / "model", {**weight_map, "stolen": shard})
+    with pytest.raises(ValueError, match=r"names shards outside its folder .*model: "
+                       + re.escape(repr(shard)) + "; an index may name only files next to it"):  # fmt: skip
+        read_torch(tmp_path / "model")
+
+
+def test_an_index_naming_missing_shards_or_tensors_is_refused(tmp_path):
+    _, weight_map = sharded(tmp_path)
+    sharded(tmp_path, {**weight_map, "late": "pytorch_model-00003-of-00002.bin"})
+    with pytest.raises(FileNotFoundError,
+                       match=r"names shards missing from .*: 'pytorch_model-00003-of-00002\.bin'$"):  # fmt: skip
+        read_torch(tmp_path)
+    sharded(tmp_path, {**weight_map, "late": "pytorch_model-00002-of-00002.bin"})
+    with pytest.raises(ValueError, match=r"puts 'late' in the shard "
+                       r"'pytorch_model-00002-of-00002\.bin', which does not hold them "
+                       r"\(it holds 3 tensors\)"):  # fmt: skip
+        read_torch(tmp_path)
+    (tmp_path / "pytorch_model.bin.index.json").write_text(json.dumps({"weight_map": ["a"]}))
+    with pytest.raises(ValueError, match=r"index\.json has no 'weight_map' of tensor names"):
+        read_torch(tmp_path)
+
+
+def test_without_torch_the_error_says_to_install_it_or_convert(tmp_path, monkeypatch):
+    torch.save({"weight": torch.ones(2)}, tmp_path / "model.bin")
+    monkeypatch.setitem(sys.modules, "torch", None)  # `import torch` now fails
+    with pytest.raises(ImportError, match=r"reading the PyTorch file .*model\.bin needs "
+                       r"PyTorch, which is not installed: pip install torch\. Or, instead, save "
+                       r"the tensors as safetensors .*safetensors\.torch\.save_file"):  # fmt: skip
+        read_torch(tmp_path / "model.bin")
