@@ -29,8 +29,8 @@ _SCALARS = (bool, int, float, complex)
 def array_type() -> type:
     """The concrete class of JAX arrays, for exact-type fast paths (made concretely even
     when first asked for inside a jit trace)."""
-    with jax.ensure_compile_time_eval():
-        return type(jnp.zeros(()))
+    with jax.ensure_compile_time_eval():  # (a transfer: jnp.zeros would compile a program)
+        return type(jax.device_put(np.zeros((), np.float32)))
 
 
 def kind(dtype: Any) -> str | None:

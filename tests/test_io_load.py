@@ -42,14 +42,20 @@ def saved(tmp_path):
 def reads(monkeypatch):
     """Every block read from disk: (tensor name, shape read)."""
     log = []
-    read = Tensor.read
+    read, read_into = Tensor.read, Tensor.read_into
 
     def logged(self, index=None):
         out = read(self, index)
         log.append((self.name, out.shape))
         return out
 
+    def logged_into(self, memory):
+        out = read_into(self, memory)
+        log.append((self.name, out.shape))
+        return out
+
     monkeypatch.setattr(Tensor, "read", logged)
+    monkeypatch.setattr(Tensor, "read_into", logged_into)
     return log
 
 
@@ -141,6 +147,18 @@ def test_rules_apply_tensor_by_tensor_and_place_on_the_target_sharding(tmp_path,
     assert sorted(name for name, _ in reads) == sorted(n for n in torch_names if n != "steps")
     expected = dict(cv.convert(rules, torch_names, target=abstract_mlp()))
     assert_same(loaded, {k: np.asarray(v) for k, v in expected.items()})
+
+
+def test_a_rule_that_returns_its_source_gets_a_copy_not_the_reused_read_buffer(tmp_path):
+    # cast to the dtype it has, transpose by the identity: the transform hands back the very
+    # array it was given, which on CPU is the read buffer the next step reads into
+    model = MLP(rngs=nn.Rngs(6))
+    path = tmp_path / "mlp.safetensors"
+    save_safetensors(path, model)
+    rules = [cv.Rule("{layer}.kernel", "{layer}.kernel", cv.cast(jnp.float32)),
+             cv.Rule("{layer}.bias", "{layer}.bias", cv.transpose((0,)))]  # fmt: skip
+    loaded = load_safetensors(abstract_mlp(), path, rules=rules)
+    assert_same(loaded, flat_numpy(model))
 
 
 def test_split_rules_read_the_fused_tensor_once(tmp_path, reads):

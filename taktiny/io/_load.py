@@ -11,11 +11,13 @@ transformed with NumPy and placed with ``jax.device_put``.
 
 from __future__ import annotations
 
+import mmap
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from .. import _errors as err
@@ -25,7 +27,8 @@ from ..convert._convert import check_ties
 from ..convert._coverage import Step, check_allow, plan
 from ..convert._rules import AnyRule, Rule
 from ..convert._transforms import identity
-from ._read import Checkpoint, Tensor, open_safetensors
+from . import _read
+from ._read import Checkpoint, Readahead, Tensor, open_safetensors
 
 PROGRESS_BYTES = 256 * 2**20  # loads of more bytes than this show a progress bar by default
 
@@ -90,12 +93,15 @@ def load_safetensors(
     steps.sort(key=lambda s: min((str(t.file), t.offset) for t in _tensors(checkpoint, s)))
     total = sum(t.nbytes for s in steps for t in _tensors(checkpoint, s))
     placed: dict[str, Any] = {}
-    with _bar(progress, total, checkpoint) as bar:
-        for k, step in enumerate(steps):
+    order = [t for step in steps for t in _tensors(checkpoint, step)]
+    scratch = _Scratch()
+    with _bar(progress, total, checkpoint) as bar, Readahead(order) as ahead:
+        at = 0
+        for step in steps:
             sources = _tensors(checkpoint, step)
-            for tensor in _tensors(checkpoint, steps[k + 1]) if k + 1 < len(steps) else ():
-                tensor.prefetch()  # the disk reads the next step while this one is placed
-            placed.update(_load_step(step, sources, leaves, where))
+            ahead.reached(at)  # the disk reads on while this step is read and placed
+            placed.update(_load_step(step, sources, leaves, scratch, where))
+            at += len(sources)
             bar.update(sum(t.nbytes for t in sources))
     return _state.load(model, placed, strict=strict, flat=True, nodes=_tree.NODES, caller=where)
 
@@ -149,7 +155,11 @@ def _spec(leaf: Any) -> tuple[tuple[int, ...], np.dtype]:
 
 
 def _load_step(
-    step: Step, sources: list[Tensor], leaves: Mapping[str, Any], where: str
+    step: Step,
+    sources: list[Tensor],
+    leaves: Mapping[str, Any],
+    scratch: _Scratch,
+    where: str,
 ) -> dict[str, Any]:
     """The step's targets, read and placed on their leaves' shardings."""
     wanted = [name for name in step.targets if name in leaves]
@@ -159,7 +169,8 @@ def _load_step(
             return {wanted[0]: _by_device(sources[0], _sharding(leaf))}
     count = None if step.rule.gathered else len(step.targets)
     here = jax.sharding.SingleDeviceSharding(default_device())  # transformed by XLA there
-    results = step.rule.transform(tuple(jax.device_put(t.read(), here) for t in sources), count)
+    arrays = tuple(jax.device_put(a, here) for a in scratch.read(sources))
+    results = step.rule.transform(arrays, count)
     out: dict[str, Any] = {}
     problems: list[err.StateProblem] = []
     for name, value in zip(step.targets, results, strict=True):
@@ -171,10 +182,43 @@ def _load_step(
         target = _sharding(leaves[name])
         if not target.is_fully_addressable:  # it spans processes: each places its own
             value = np.asarray(value)  # devices' parts of the (equal) host value
-        out[name] = jax.device_put(_values.placeable(value), target)
+        value = jax.device_put(_values.placeable(value), target)
+        out[name] = jnp.copy(value) if scratch.holds(value) else value  # (an identity)
+    jax.block_until_ready(out)  # the scratch is free again once the results exist
     if problems:
         raise err.StateDictError(where, problems)
     return out
+
+
+class _Scratch:
+    """One read buffer, reused by every transforming step: its sources are read into it
+    (populated once, so its pages do not fault again), placed (JAX adopts them on CPU),
+    transformed into arrays of their own, and the buffer is free for the next step."""
+
+    def __init__(self) -> None:
+        self.memory: Any = None
+        self.start = self.size = 0
+
+    def read(self, tensors: Sequence[Tensor]) -> list[np.ndarray]:
+        sizes = [-(-t.nbytes // 64) * 64 for t in tensors]  # each at a multiple of 64
+        if sum(sizes) > self.size:
+            self.size = sum(sizes)
+            self.memory = mmap.mmap(-1, self.size, flags=_read.MAP_FLAGS)
+            self.start = np.frombuffer(self.memory, np.uint8).ctypes.data
+        view, at, out = memoryview(self.memory), 0, []
+        for tensor, size in zip(tensors, sizes, strict=True):
+            out.append(tensor.read_into(view[at : at + size]) if size else tensor.read())
+            at += size
+        return out
+
+    def holds(self, array: jax.Array) -> bool:
+        """Whether `array` uses the buffer's memory (a result that is one of its sources)."""
+        end = self.start + self.size
+        for shard in array.addressable_shards:
+            if shard.device.platform == "cpu" and shard.data.size:
+                if self.start <= shard.data.unsafe_buffer_pointer() < end:
+                    return True
+        return False
 
 
 def _sharding(leaf: Any) -> Any:

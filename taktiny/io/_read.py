@@ -30,7 +30,7 @@ DTYPES: dict[str, Any] = {
     "F8_E5M2": ml_dtypes.float8_e5m2,
 }  # fmt: skip
 _HEADER_LIMIT = 100 * 2**20  # the safetensors library's own limit on a header
-_FLAGS = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
+MAP_FLAGS = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
 _CHUNK = 1 << 30  # bytes per preadv call (Linux moves at most ~2 GiB per call)
 
 
@@ -68,21 +68,22 @@ class Tensor:
         bounds = [s.indices(n)[:2] for s, n in zip(index, self.shape, strict=True)]
         shape = tuple(stop - start for start, stop in bounds)
         out, raw = _buffer(shape, self.dtype)
+        return self._into(out, raw, bounds)
+
+    def read_into(self, memory: Any) -> np.ndarray:
+        """The whole tensor read into the start of `memory` (a writable buffer of at least
+        ``nbytes``), as a read-only array viewing it. The caller owns `memory`, and must
+        not reuse it while anything still uses the array (JAX on CPU may adopt it)."""
+        out = np.frombuffer(memory, self.dtype, math.prod(self.shape)).reshape(self.shape)
+        raw = memoryview(memory).cast("B")[: self.nbytes]
+        return self._into(out, raw, [(0, n) for n in self.shape])
+
+    def _into(self, out: np.ndarray, raw: Any, bounds: list[tuple[int, int]]) -> np.ndarray:
         if out.size:
             with open(self.file, "rb", buffering=0) as f:
-                self._fill(f.fileno(), bounds, shape, raw)
+                self._fill(f.fileno(), bounds, out.shape, raw)
         out.flags.writeable = False
         return out
-
-    def prefetch(self) -> None:
-        """Asks the OS to start reading the tensor's bytes into its page cache, so that a
-        :meth:`read` after other work finds them there (``posix_fadvise(WILLNEED)``)."""
-        if self.nbytes and hasattr(os, "posix_fadvise"):
-            fd = os.open(self.file, os.O_RDONLY)
-            try:
-                os.posix_fadvise(fd, self.offset, self.nbytes, os.POSIX_FADV_WILLNEED)
-            finally:
-                os.close(fd)
 
     def _fill(
         self, fd: int, bounds: list[tuple[int, int]], shape: tuple[int, ...], to: Any
@@ -114,7 +115,7 @@ def _buffer(shape: tuple[int, ...], dtype: np.dtype) -> tuple[np.ndarray, memory
     """A zeroed array in fresh page-aligned anonymous memory, and its bytes. The pages are
     mapped up front (``MAP_POPULATE``: one call instead of a page fault per 4 KiB)."""
     size = math.prod(shape) * dtype.itemsize
-    memory = mmap.mmap(-1, size, flags=_FLAGS) if size else bytearray()
+    memory = mmap.mmap(-1, size, flags=MAP_FLAGS) if size else bytearray()
     return np.frombuffer(memory, dtype, math.prod(shape)).reshape(shape), memoryview(memory)
 
 
@@ -128,6 +129,46 @@ def _pread(fd: int, into: memoryview, offset: int, tensor: Tensor) -> None:
                 f"truncated after it was opened. Write it again."
             )
         done += got
+
+
+class Readahead:
+    """Keeps the OS reading `window` bytes ahead of a reader that goes through `tensors` in
+    this order, so the disk works while the reader copies and places: each call to
+    :meth:`reached` (with the index of the tensor about to be read) asks for the bytes up
+    to `window` past it with ``posix_fadvise(WILLNEED)``, in `chunk`-byte requests (Linux
+    cuts each request to the disk's readahead size, a few MiB at most), never twice."""
+
+    def __init__(self, tensors: Sequence[Tensor], window: int = 256 * 2**20, chunk: int = 2**20):
+        self.tensors, self.window, self.chunk = tensors, window, chunk
+        self.starts = list(itertools.accumulate((t.nbytes for t in tensors), initial=0))
+        self.next, self.done = 0, 0  # the tensor being requested, and its bytes requested
+        self.fds: dict[Path, int] = {}
+
+    def reached(self, index: int) -> None:
+        if self.next < index:  # the reader overtook the requests
+            self.next, self.done = index, 0
+        k = self.next
+        while (
+            k < len(self.tensors) and self.starts[k] + self.done - self.starts[index] < self.window
+        ):
+            tensor = self.tensors[k]
+            step = min(self.chunk, tensor.nbytes - self.done)
+            if step and hasattr(os, "posix_fadvise"):
+                fd = self.fds.get(tensor.file)
+                if fd is None:
+                    fd = self.fds[tensor.file] = os.open(tensor.file, os.O_RDONLY)
+                os.posix_fadvise(fd, tensor.offset + self.done, step, os.POSIX_FADV_WILLNEED)
+            self.done += step
+            if self.done >= tensor.nbytes:
+                k, self.done = k + 1, 0
+        self.next = k
+
+    def __enter__(self) -> Readahead:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for fd in self.fds.values():
+            os.close(fd)
 
 
 class Checkpoint(Mapping[str, Tensor]):
