@@ -48,6 +48,7 @@ class Table:
     reference: str = "Taktiny"
     log: bool = True  # plot on a log scale
     line: float | None = None  # a target to draw across the plot (ratio tables)
+    label: str | None = None  # the plot's y axis, where the unit's own label does not fit
 
     def add(self, op: str, system: str, call: str, value: float, spread: Any = None) -> None:
         """Records `system`'s `value` for `op`."""
@@ -84,6 +85,9 @@ class Group:
     targets: list[Target] = dataclasses.field(default_factory=list)
     notes: list[str] = dataclasses.field(default_factory=list)
     seconds: float = 0.0  # wall time of the group
+    # the run that measured it: {"command", "mode", "seconds"}, set by report.write; a
+    # report merged from several runs (run.py --merge) names each group's own
+    run: dict[str, Any] | None = None
 
 
 def faster(table: Table, op: str, system: str, ref_op: str | None = None) -> float:

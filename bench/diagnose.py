@@ -7,6 +7,10 @@
     python bench/diagnose.py orbax --quick
     python bench/diagnose.py sharded   # cProfile of tt.shard (3,000 leaves) and of building
                                       # the sharded restore targets (tt.eval_shape, tt.shard)
+    python bench/diagnose.py streaming # taktiny.io.load_safetensors of the 1 GB model from a
+                                      # cold page cache: how far its prefetch reaches, where
+                                      # the time goes, and what-ifs against the raw read
+    python bench/diagnose.py streaming --quick
 
 (For a sampling view of the load path: ``py-spy record -f raw -o load.raw -- python
 bench/diagnose.py load`` and read the inclusive share of each frame under load_state_dict.)
@@ -17,12 +21,20 @@ from __future__ import annotations
 import argparse
 import contextlib
 import cProfile
+import ctypes
 import functools
+import mmap
+import os
 import pstats
+import random
 import resource
+import statistics
+import subprocess
 import sys
 import tempfile
 import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +45,7 @@ import jax
 
 jax.config.update("jax_num_cpu_devices", 8)  # for `sharded`; JAX takes it before first use
 
+import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from bench import _disk, _formats, _models  # noqa: E402
@@ -205,12 +218,281 @@ def profile_sharded(seconds: float = 6.0, blocks: int = 500, width: int = 4096) 
     _own_time(f"the sharded restore's targets, 16 x Linear({width}, {width})", targets, seconds)
 
 
+def _resident(path: Path, offset: int, length: int) -> int:
+    """How many bytes of the range are in the page cache (mincore on a mapping of the file)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t] + [ctypes.c_int] * 3 + [ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    page = mmap.PAGESIZE
+    start = offset // page * page
+    size = offset + length - start
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, start)
+        pages = (ctypes.c_ubyte * ((size + page - 1) // page))()
+        libc.mincore(addr, size, pages)
+        libc.munmap(addr, size)
+    finally:
+        os.close(fd)
+    return sum(p & 1 for p in pages) * page
+
+
+def _readahead_kb(path: Path) -> str:
+    dev = os.stat(path).st_dev
+    knob = Path(f"/sys/class/bdi/{os.major(dev)}:{os.minor(dev)}/read_ahead_kb")
+    return knob.read_text().strip() + " KiB" if knob.exists() else "unknown"
+
+
+@contextlib.contextmanager
+def _phases() -> Any:
+    """Adds up the seconds a load spends in each part of taktiny.io's read path (the
+    device work blocked on, so that it is counted where it is started)."""
+    from taktiny.convert import _transforms
+    from taktiny.io import _load, _read
+
+    spent: dict[str, float] = {}
+
+    def timed(name: str, fn: Any, block: bool = False) -> Any:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            out = fn(*args, **kwargs)
+            if block:
+                jax.block_until_ready(out)
+            spent[name] = spent.get(name, 0.0) + time.perf_counter() - start
+            return out
+
+        return wrapper
+
+    patches = [
+        (_read, "_buffer", "fresh buffers (mmap MAP_POPULATE)", False),
+        (_read, "_pread", "preadv (disk wait + copy)", False),
+        (_read.Readahead, "reached", "readahead calls (WILLNEED)", False),
+        (jax, "device_put", "jax.device_put (blocked)", True),
+        (_transforms.transpose, "one", "transpose in XLA (blocked)", True),
+        (_load._state, "load", "_state.load of the placed leaves", False),
+    ]
+    saved = [(owner, name, getattr(owner, name)) for owner, name, _, _ in patches]
+    for owner, name, label, block in patches:
+        setattr(owner, name, timed(label, getattr(owner, name), block))
+    try:
+        yield spent
+    finally:
+        for owner, name, fn in saved:
+            setattr(owner, name, fn)
+
+
+class _Window:
+    """Keeps the OS reading the next `ahead` bytes of a file from a tensor on, in WILLNEED
+    calls of `chunk` bytes (the kernel cuts each call to the disk's readahead size), never
+    asking twice for the same bytes."""
+
+    def __init__(self, ahead: int = 128 * 2**20, chunk: int = 2**20):
+        self.ahead, self.chunk = ahead, chunk
+        self.reached: dict[Path, int] = {}
+
+    def __call__(self, tensor: Any) -> None:
+        end = min(tensor.file.stat().st_size, tensor.offset + max(tensor.nbytes, self.ahead))
+        start = max(tensor.offset, self.reached.get(tensor.file, 0))
+        if start >= end:
+            return
+        fd = os.open(tensor.file, os.O_RDONLY)
+        try:
+            for at in range(start, end, self.chunk):
+                os.posix_fadvise(fd, at, min(self.chunk, end - at), os.POSIX_FADV_WILLNEED)
+        finally:
+            os.close(fd)
+        self.reached[tensor.file] = end
+
+
+def _cold_rounds(cases: dict[str, tuple[Any, Path]], rounds: int) -> dict[str, list[float]]:
+    """Wall seconds of each case from a cold page cache, one warm-up, interleaved rounds."""
+    times: dict[str, list[float]] = {name: [] for name in cases}
+    for fn, _ in cases.values():
+        fn()
+    for r in range(rounds):
+        order = list(cases)
+        random.Random(r).shuffle(order)
+        for name in order:
+            fn, path = cases[name]
+            os.sync()
+            _disk.evict(path)
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return times
+
+
+def _print_rounds(times: dict[str, list[float]], raw: str) -> None:
+    for name, ts in times.items():
+        share = statistics.median(r / t for r, t in zip(times[raw], ts, strict=True))
+        print(
+            f"  {name:48} median {statistics.median(ts):5.2f} s  raw/this {share:4.2f}  "
+            f"(rounds: {', '.join(f'{t:.2f}' for t in ts)})"
+        )
+
+
+def profile_streaming(quick: bool = False, rounds: int = 5, size: Any = None) -> None:
+    """Why a cold taktiny.io.load_safetensors trails the raw read: how much of a tensor its
+    prefetch brings in, the seconds in each part of the read path, and what-ifs."""
+    import taktiny.convert as cv
+    import taktiny.io as tio
+    from bench import streaming
+
+    width, depth = size or _formats.SIZES["quick" if quick else "full"]
+    model = _formats.Big(width, depth, rngs=_formats.nn.Rngs(0))
+    abstract = _formats.abstract(width, depth)
+    nbytes = sum(x.nbytes for x in jax.tree.leaves(model))
+    rules = [cv.Rule(*streaming.RULE, cv.transpose())]
+    print(f"model: {nbytes / 1e6:,.0f} MB in {2 * depth} tensors; load average {os.getloadavg()}")
+    with tempfile.TemporaryDirectory() as tmp:
+        paths = {k: Path(tmp, f"{k}.safetensors") for k in ("raw", "safetensors", "transposed")}
+        for kind, path in paths.items():
+            streaming._write(kind, path, model)
+        del model
+        plain, transposed = paths["safetensors"], paths["transposed"]
+
+        def raw() -> Any:
+            return _disk.read_raw(paths["raw"], jax.tree.leaves(abstract))
+
+        def load(path: Path = plain, **kw: Any) -> Any:
+            return jax.block_until_ready(tio.load_safetensors(abstract, path, progress=False, **kw))
+
+        # 1. how much of a tensor one WILLNEED call over all of it brings in
+        biggest = max(tio.open_safetensors(plain).values(), key=lambda t: t.nbytes)
+        _disk.evict(plain)
+        fd = os.open(plain, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, biggest.offset, biggest.nbytes, os.POSIX_FADV_WILLNEED)
+        finally:
+            os.close(fd)
+        time.sleep(0.5)
+        got = _resident(plain, biggest.offset, biggest.nbytes)
+        print(
+            f"\none posix_fadvise(WILLNEED) over all of {biggest.name} "
+            f"({biggest.nbytes / 2**20:.1f} MiB), 0.5 s later: {got / 2**20:.1f} MiB of it in "
+            f"the page cache ({got / biggest.nbytes:.0%}); the disk's read_ahead_kb is "
+            f"{_readahead_kb(plain)} (the kernel cuts a WILLNEED call to about that)"
+        )
+        order = [
+            t.name for t in sorted(tio.open_safetensors(plain).values(), key=lambda t: t.offset)
+        ]
+        print(f"tensors in file order: {', '.join(order[:4])}, ...")
+
+        # 2. the seconds in each part, from a cold page cache
+        for label, kw, path in (
+            ("no rules", {}, plain),
+            ("transposing rule", {"rules": rules}, transposed),
+        ):
+            load(path, **kw)
+            parts: list[dict[str, float]] = []
+            walls = []
+            for _ in range(max(rounds // 2, 1)):
+                os.sync()
+                _disk.evict(path)
+                with _phases() as spent:
+                    start = time.perf_counter()
+                    load(path, **kw)
+                    walls.append(time.perf_counter() - start)
+                parts.append(dict(spent))
+            print(
+                f"\ncold load, {label}: {statistics.median(walls):.2f} s (median of {len(walls)})"
+            )
+            for name in parts[0]:
+                s = statistics.median(p.get(name, 0.0) for p in parts)
+                print(f"  {s:6.3f} s  {name}")
+            rest = statistics.median(walls) - sum(
+                statistics.median(p.get(n, 0.0) for p in parts) for n in parts[0]
+            )
+            print(f"  {rest:6.3f} s  the rest (Python, planning, checks)")
+
+        # 3. the loader against the raw read, interleaved from a cold page cache
+        cases = {
+            "raw read": (raw, paths["raw"]),
+            "load_safetensors as is": (load, plain),
+            "transposing rule as is": (lambda: load(transposed, rules=rules), transposed),
+        }
+        print(f"\ncold loads against the raw read, {rounds} interleaved rounds:")
+        _print_rounds(_cold_rounds(cases, rounds), "raw read")
+
+        # 4. the read path alone, without taktiny's planning: one thread, or a reader thread
+        # reading at most two tensors ahead while the main thread places (and transposes)
+        def pipeline(path: Path, transpose: bool, ahead: int) -> Any:
+            tensors = sorted(tio.open_safetensors(path).values(), key=lambda t: t.offset)
+            device = jax.devices()[0]
+
+            window = _Window()
+
+            def read(t: Any) -> Any:
+                window(t)  # 128 MiB past this tensor
+                return t.read()
+
+            def place(host: Any) -> Any:
+                value = jax.device_put(host, device)
+                return jnp.transpose(value) if transpose else value
+
+            def run() -> Any:
+                window.reached.clear()
+                with ThreadPoolExecutor(1) as pool:
+                    if not ahead:
+                        return jax.block_until_ready([place(read(t)) for t in tensors])
+                    pending = deque(pool.submit(read, t) for t in tensors[:ahead])
+                    placed = []
+                    for t in tensors[ahead:] + [None] * ahead:
+                        host = pending.popleft().result()
+                        if t is not None:
+                            pending.append(pool.submit(read, t))
+                        placed.append(place(host))
+                    return jax.block_until_ready(placed)
+
+            return run
+
+        print("\nthe read path alone (what-ifs, all with the 128 MiB-ahead prefetch):")
+        _print_rounds(
+            _cold_rounds(
+                {
+                    "raw read": (raw, paths["raw"]),
+                    "one thread: read, place, read, ...": (pipeline(plain, False, 0), plain),
+                    "reader thread 2 tensors ahead, main places": (
+                        pipeline(plain, False, 2),
+                        plain,
+                    ),
+                    "one thread: read, place, transpose, ...": (
+                        pipeline(transposed, True, 0),
+                        transposed,
+                    ),
+                    "reader thread 2 ahead, main places, transposes": (
+                        pipeline(transposed, True, 2),
+                        transposed,
+                    ),
+                },
+                rounds,
+            ),
+            "raw read",
+        )
+    # 5. the memory a first load costs besides its arrays, in a fresh interpreter
+    code = (
+        "from bench.memory import _rss; import jax; rss = _rss(); from taktiny import _values; "
+        "_values.array_type(); print(_rss() - rss)"
+    )
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    grown = int(done.stdout.strip().splitlines()[-1]) if done.returncode == 0 else -1
+    print(
+        f"\nfirst use of taktiny._values.array_type() (a load's first check) in a fresh "
+        f"interpreter: RSS +{grown / 1e6:.1f} MB, counted in a first load's growth"
+    )
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("what", choices=["load", "orbax", "sharded"])
-    parser.add_argument("--quick", action="store_true", help="orbax: the 67 MB model")
+    parser.add_argument("what", choices=["load", "orbax", "sharded", "streaming"])
+    parser.add_argument("--quick", action="store_true", help="orbax, streaming: the 67 MB model")
     args = parser.parse_args()
     if args.what == "sharded":
         profile_sharded()
+    elif args.what == "streaming":
+        profile_streaming(args.quick)
     else:
         profile_load() if args.what == "load" else profile_orbax(args.quick)

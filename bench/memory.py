@@ -46,25 +46,33 @@ def _peak() -> int:
     return _status("VmHWM")
 
 
-def _worker(case: str, path: str, width: int, depth: int) -> None:
-    """Restores one checkpoint and prints its memory figures as JSON (runs in the subprocess)."""
+def _worker(case: str, path: str, width: int, depth: int, registry: str = "bench._formats") -> None:
+    """Restores one checkpoint and prints its memory figures as JSON (runs in the subprocess).
+
+    The case is looked up in `registry`, a module with ``RESTORE`` (case -> (call,
+    restore(path, abstracts))) and ``NEEDS`` (case -> modules to import first) tables:
+    ``bench._formats``, or another group's (``bench.streaming``).
+    """
     import jax
 
     from . import _formats
 
-    for module in _formats.NEEDS[case]:
+    cases = importlib.import_module(registry)
+    for module in cases.NEEDS[case]:
         importlib.import_module(module)
     abstracts = _formats.abstracts(width, depth)
     before = _rss()
     start = time.perf_counter()
-    restored = _formats.RESTORE[case][1](Path(path), abstracts)
+    restored = cases.RESTORE[case][1](Path(path), abstracts)
     jax.block_until_ready(restored)
     seconds = time.perf_counter() - start
     maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
     print(json.dumps({"before": before, "peak": _peak(), "maxrss": maxrss, "seconds": seconds}))
 
 
-def _measure(case: str, path: Path, width: int, depth: int) -> dict[str, float]:
+def _measure(
+    case: str, path: Path, width: int, depth: int, *, registry: str = "bench._formats"
+) -> dict[str, float]:
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
@@ -78,6 +86,8 @@ def _measure(case: str, path: Path, width: int, depth: int) -> dict[str, float]:
         str(path),
         str(width),
         str(depth),
+        "--registry",
+        registry,
     ]
     done = subprocess.run(args, capture_output=True, text=True, cwd=ROOT, env=env, check=False)
     if done.returncode != 0:
@@ -172,5 +182,7 @@ if __name__ == "__main__":
     parser.add_argument(
         "--worker", nargs=4, metavar=("CASE", "PATH", "WIDTH", "DEPTH"), required=True
     )
-    case, path, width, depth = parser.parse_args().worker
-    _worker(case, path, int(width), int(depth))
+    parser.add_argument("--registry", default="bench._formats", help="the module of the cases")
+    args = parser.parse_args()
+    case, path, width, depth = args.worker
+    _worker(case, path, int(width), int(depth), args.registry)

@@ -16,7 +16,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
-from ._results import Group, Table, fmt_ratio, fmt_time
+from ._results import Cell, Group, Table, Target, fmt_ratio, fmt_time
 
 # Benchmarks that arrive with later issues; the report keeps a place for each
 PENDING = {
@@ -109,7 +109,7 @@ def plot(table: Table, path: Path) -> None:
         ax.set_yscale("log" if table.log else "linear")
         ax.set_ylabel(f"seconds per call (median{', log scale' if table.log else ''})")
     else:
-        ax.set_ylabel({"B": "MB", "x": "x checkpoint size"}[table.unit])
+        ax.set_ylabel(table.label or {"B": "MB", "x": "x checkpoint size"}[table.unit])
     ax.set_title(
         table.title + (f" (labels: x {table.reference}'s time)" if table.unit == "s" else ""),
         fontsize=9,
@@ -139,16 +139,117 @@ def _versions() -> str:
     return ", ".join(f"{n} {getattr(m, '__version__', '?')}" for n, m in pairs)
 
 
-def write(groups: list[Group], out: Path, *, mode: str, seconds: float, command: str) -> Path:
-    """Writes results.md, plots/*.png and results.json under `out`; returns results.md."""
+def load(path: Path) -> list[Group]:
+    """The groups a results.json holds (as :func:`write` wrote them)."""
+    groups = []
+    for data in json.loads(path.read_text()):
+        tables = [
+            Table(
+                t["title"],
+                t["systems"],
+                {
+                    op: {
+                        s: Cell(c["call"], c["value"], tuple(c["spread"]) if c["spread"] else None)
+                        for s, c in row.items()
+                    }
+                    for op, row in t["rows"].items()
+                },
+                t["unit"],
+                t["reference"],
+                t["log"],
+                t["line"],
+                t.get("label"),
+            )
+            for t in data["tables"]
+        ]
+        targets = [
+            Target(t["goal"], t["value"], t["threshold"], t["at_least"], t["measured"])
+            for t in data["targets"]
+        ]
+        groups.append(
+            Group(
+                data["name"],
+                data["title"],
+                tables,
+                targets,
+                data["notes"],
+                data["seconds"],
+                data.get("run"),
+            )
+        )
+    return groups
+
+
+def _merged(kept: list[Group], new: list[Group]) -> list[Group]:
+    """`kept` with each group of `new` in place of the one of its name (new ones last)."""
+    fresh = {g.name: g for g in new}
+    out = [fresh.pop(g.name, g) for g in kept]
+    return out + list(fresh.values())
+
+
+def _key(run: dict[str, Any] | None) -> str:
+    return json.dumps(run, sort_keys=True)
+
+
+def _provenance(groups: list[Group], this_run: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """The run most groups come from (the report's own), and a sentence for each group
+    measured by another run."""
+    counts: dict[str, int] = {}
+    for g in groups:
+        counts[_key(g.run)] = counts.get(_key(g.run), 0) + 1
+    best = max(counts.values())
+    main = next((g.run for g in groups if g.run and counts[_key(g.run)] == best), this_run)
+    lines = []
+    for g in groups:
+        if _key(g.run) == _key(main):
+            continue
+        if g.run is None:
+            origin = "an earlier run that did not record its command"
+        else:
+            origin = (
+                f"`{g.run['command']}` (mode {g.run['mode']}, {g.run['seconds']:.0f} s), run on "
+                "its own"
+            )
+        lines += [
+            f"The group `{g.name}` ({g.title}) is from {origin}; its section and targets were "
+            "merged into this report (`python bench/run.py --only NAME --merge`). "
+            "`python bench/run.py` runs it with the others.",
+            "",
+        ]
+    return main, lines
+
+
+def write(
+    groups: list[Group],
+    out: Path,
+    *,
+    mode: str,
+    seconds: float,
+    command: str,
+    merge: bool = False,
+) -> Path:
+    """Writes results.md, plots/*.png and results.json under `out`; returns results.md.
+
+    Each group without a ``run`` is marked as measured by this one (command, mode, wall
+    time). With `merge`, the groups already in ``out/results.json`` are kept, but for those
+    of the same names as `groups`, and the report names the run each group comes from.
+    """
+    this_run = {"command": command, "mode": mode, "seconds": round(seconds, 1)}
+    for group in groups:
+        if group.run is None:
+            group.run = this_run
+    if merge and (out / "results.json").exists():
+        groups = _merged(load(out / "results.json"), groups)
+    main, provenance = _provenance(groups, this_run)
     plots = out / "plots"
     plots.mkdir(parents=True, exist_ok=True)
     lines = [
         "# Taktiny benchmarks",
         "",
-        f"`{command}` — mode **{mode}**, wall time **{seconds:.0f} s**, "
+        f"`{main['command']}` — mode **{main['mode']}**, wall time **{main['seconds']:.0f} s**, "
         f"{os.cpu_count()} CPU cores, Python {platform.python_version()}, {_versions()}.",
         "",
+        *provenance,
         "Every number is the median of repeated samples, all systems' samples interleaved in "
         "one run (see `bench/_timing.py`). Cells read `time (Nx)`: N is that system's time "
         "divided by the reference system's (the first column), so N > 1 means the reference "
@@ -169,8 +270,8 @@ def write(groups: list[Group], out: Path, *, mode: str, seconds: float, command:
         lines += [
             "",
             "Why the missed targets miss, from profiles, and what would close them: "
-            f"[FINDINGS.md]({findings}) (reproduce with `python bench/diagnose.py load` "
-            "and `python bench/diagnose.py orbax`).",
+            f"[FINDINGS.md]({findings}) (reproduce with `python bench/diagnose.py load`, "
+            "`python bench/diagnose.py orbax` and `python bench/diagnose.py streaming`).",
         ]
     for group in groups:
         lines += ["", f"## {group.title}", "", f"Group `{group.name}`, {group.seconds:.0f} s.", ""]

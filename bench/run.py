@@ -3,11 +3,14 @@
     python bench/run.py                  # full run: bench/results.md and bench/plots/*.png
     python bench/run.py --quick          # small sizes, few samples: bench/out/ (< 1 minute)
     python bench/run.py --only state,dispatch --out /tmp/report
+    python bench/run.py --only streaming --merge   # rerun one group into bench/results.md,
+                                                   # keeping the other groups' results
 
 Groups: state (state read/write), dispatch (jit dispatch), checkpoint (save/restore of a
 1 GB model), memory (peak RSS of restoring it), sharded (tt.shard, and a sharded restore of
-the 1 GB model with its Adam state on 8 simulated devices). A full run takes under 15 minutes
-on 2 cores.
+the 1 GB model with its Adam state on 8 simulated devices), streaming (taktiny.io's
+streaming safetensors load of the 1 GB model against the raw read and its peers, and
+`taktiny inspect`). A full run takes under 20 minutes on 2 cores.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ import jax  # noqa: E402
 # The sharded group needs 8 devices; JAX takes the count only before its first use
 jax.config.update("jax_num_cpu_devices", 8)
 
-from bench import checkpoint, dispatch, memory, report, sharded, state  # noqa: E402
+from bench import checkpoint, dispatch, memory, report, sharded, state, streaming  # noqa: E402
 from bench._results import Config, Group, fmt_ratio  # noqa: E402
 
 GROUPS = {
@@ -37,6 +40,7 @@ GROUPS = {
     "checkpoint": checkpoint.run,
     "memory": memory.run,
     "sharded": sharded.run,
+    "streaming": streaming.run,
     # later, as its issue lands: "quant" (see report.PENDING)
 }
 
@@ -57,13 +61,21 @@ def main(argv: list[str] | None = None) -> list[Group]:
         type=Path,
         help="where checkpoints are written (a temporary folder is made in it)",
     )
+    parser.add_argument(
+        "--merge",
+        action="store_true",
+        help="write into the report folder (default bench/) keeping the groups already there "
+        "(its results.json) that this run does not measure",
+    )
     args = parser.parse_args(argv)
     names = [n.strip() for n in args.only.split(",") if n.strip()]
     if unknown := [n for n in names if n not in GROUPS]:
         parser.error(f"unknown group(s) {unknown}; choose from {list(GROUPS)}")
     mode = "smoke" if args.smoke else "quick" if args.quick else "full"
     partial = mode != "full" or names != list(GROUPS)
-    out = args.out or (HERE / "out" if partial else HERE)
+    if args.merge and mode != "full" and args.out is None:
+        parser.error("--merge into bench/ takes full runs only; give --out for --quick/--smoke")
+    out = args.out or (HERE / "out" if partial and not args.merge else HERE)
     scratch = Path(tempfile.mkdtemp(prefix="taktiny-bench-", dir=args.scratch))
     config = Config(mode, scratch)
     start = time.perf_counter()
@@ -77,7 +89,9 @@ def main(argv: list[str] | None = None) -> list[Group]:
         shutil.rmtree(scratch, ignore_errors=True)
     seconds = time.perf_counter() - start
     command = "python bench/run.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    path = report.write(groups, out, mode=mode, seconds=seconds, command=command.strip())
+    path = report.write(
+        groups, out, mode=mode, seconds=seconds, command=command.strip(), merge=args.merge
+    )
     for group in groups:
         for t in group.targets:
             print(f"[bench] {'met ' if t.met else 'MISS'} {fmt_ratio(t.value):>8}  {t.goal}")

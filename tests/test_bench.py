@@ -10,7 +10,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # bench/ is not installed
 
-from bench import checkpoint, diagnose, dispatch, memory, report, sharded, state
+from bench import checkpoint, diagnose, dispatch, memory, report, sharded, state, streaming
 from bench._results import Config, Group, Table, Target
 from bench._timing import Case, Stats, compare, paired_ratio
 
@@ -22,6 +22,7 @@ GROUPS = {
     "checkpoint": checkpoint,
     "memory": memory,
     "sharded": sharded,
+    "streaming": streaming,
 }
 
 
@@ -88,6 +89,47 @@ def test_target_direction():
     assert table.value("op", "peer") == 3.0
 
 
+def _group(name: str, value: float) -> Group:
+    table = Table(f"{name} table", ["Taktiny", "peer"])
+    table.add("op", "Taktiny", "f()", value)
+    table.add("op", "peer", "g()", 2 * value, (value, 3 * value))
+    return Group(name, f"{name} title", [table], [Target(f"{name} goal", value, 1.0, False, "")])
+
+
+def test_merged_report_keeps_the_other_groups(tmp_path):
+    report.write(
+        [_group("a", 0.5), _group("b", 0.25)],
+        tmp_path,
+        mode="full",
+        seconds=9.0,
+        command="python bench/run.py",
+    )
+    # one group run again and merged: the other is kept as it was, with its own run
+    report.write(
+        [_group("b", 0.75), _group("c", 2.0)],
+        tmp_path,
+        mode="full",
+        seconds=4.0,
+        command="python bench/run.py --only b,c --merge",
+        merge=True,
+    )
+    groups = report.load(tmp_path / "results.json")
+    assert [g.name for g in groups] == ["a", "b", "c"]
+    assert [g.targets[0].value for g in groups] == [0.5, 0.75, 2.0]
+    assert groups[0].run == {"command": "python bench/run.py", "mode": "full", "seconds": 9.0}
+    assert groups[1].run and groups[1].run["command"].endswith("--merge")
+    assert groups[0].tables[0].rows["op"]["peer"].spread == (0.5, 1.5)
+    text = (tmp_path / "results.md").read_text()
+    assert "a goal" in text and "b goal" in text and "c goal" in text
+    # the report's own run is the one most groups come from; the others are named
+    assert "`python bench/run.py --only b,c --merge` — mode" in text
+    assert "The group `a` (a title) is from `python bench/run.py` (mode full, 9 s)" in text
+    assert len(list((tmp_path / "plots").glob("*.png"))) == 3
+    # without merge, only the groups given are written
+    report.write([_group("c", 2.0)], tmp_path, mode="full", seconds=1.0, command="x")
+    assert [g.name for g in report.load(tmp_path / "results.json")] == ["c"]
+
+
 def test_load_profile_runs(capsys):
     diagnose.profile_load(seconds=0.03, blocks=(2,))
     assert "12 leaves" in capsys.readouterr().out
@@ -97,3 +139,10 @@ def test_sharded_profile_runs(capsys):
     diagnose.profile_sharded(seconds=0.03, blocks=2, width=32)
     out = capsys.readouterr().out
     assert "tt.shard, 12 leaves" in out and "Linear(32, 32)" in out
+
+
+def test_streaming_profile_runs(capsys):
+    diagnose.profile_streaming(rounds=1, size=(32, 2))
+    out = capsys.readouterr().out
+    assert "one posix_fadvise(WILLNEED) over all of" in out and "load_safetensors as is" in out
+    assert "preadv (disk wait + copy)" in out and "reader thread 2 ahead" in out

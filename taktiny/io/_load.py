@@ -11,9 +11,11 @@ transformed with NumPy and placed with ``jax.device_put``.
 
 from __future__ import annotations
 
+import itertools
 import mmap
 import os
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import jax
@@ -92,17 +94,35 @@ def load_safetensors(
         raise err.StateDictError(where, problems)
     steps.sort(key=lambda s: min((str(t.file), t.offset) for t in _tensors(checkpoint, s)))
     total = sum(t.nbytes for s in steps for t in _tensors(checkpoint, s))
-    placed: dict[str, Any] = {}
     order = [t for step in steps for t in _tensors(checkpoint, step)]
-    scratch = _Scratch()
-    with _bar(progress, total, checkpoint) as bar, Readahead(order) as ahead:
-        at = 0
-        for step in steps:
-            sources = _tensors(checkpoint, step)
-            ahead.reached(at)  # the disk reads on while this step is read and placed
-            placed.update(_load_step(step, sources, leaves, scratch, where))
-            at += len(sources)
-            bar.update(sum(t.nbytes for t in sources))
+    starts = list(itertools.accumulate((len(s.sources) for s in steps), initial=0))
+    scratch = (_Scratch(), _Scratch())  # step k reads into k % 2 while k - 1 transforms
+    placed: dict[str, Any] = {}
+
+    def read(k: int) -> Any:  # in the reader thread: preadv, mmap and XLA release the GIL
+        ahead.reached(starts[k])  # the disk reads on while this step is read and placed
+        step = steps[k]
+        sources = _tensors(checkpoint, step)
+        leaf = _direct(step, sources, leaves)
+        if leaf is not None:  # renamed only: read and placed block by block, here
+            return {step.targets[0]: _by_device(sources[0], _sharding(leaf))}
+        return scratch[k % 2].read(sources)
+
+    with (
+        _bar(progress, total, checkpoint) as bar,
+        Readahead(order) as ahead,
+        ThreadPoolExecutor(1, thread_name_prefix="taktiny-read") as reader,
+    ):
+        pending = reader.submit(read, 0) if steps else None
+        for k, step in enumerate(steps):
+            assert pending is not None
+            data = pending.result()
+            pending = reader.submit(read, k + 1) if k + 1 < len(steps) else None
+            if isinstance(data, dict):
+                placed.update(data)
+            else:
+                placed.update(_transform(step, data, leaves, scratch[k % 2], where))
+            bar.update(sum(checkpoint[n].nbytes for n in step.sources))
     return _state.load(model, placed, strict=strict, flat=True, nodes=_tree.NODES, caller=where)
 
 
@@ -154,23 +174,24 @@ def _spec(leaf: Any) -> tuple[tuple[int, ...], np.dtype]:
     return tuple(np.shape(leaf)), np.dtype(dtype) if dtype is not None else np.result_type(leaf)
 
 
-def _load_step(
-    step: Step,
-    sources: list[Tensor],
-    leaves: Mapping[str, Any],
-    scratch: _Scratch,
-    where: str,
-) -> dict[str, Any]:
-    """The step's targets, read and placed on their leaves' shardings."""
+def _direct(step: Step, sources: list[Tensor], leaves: Mapping[str, Any]) -> Any:
+    """The leaf a step fills with a tensor as it is on disk (a rename, same dtype), or None."""
     wanted = [name for name in step.targets if name in leaves]
     if isinstance(step.rule.transform, identity) and len(sources) == 1 == len(wanted):
         leaf = leaves[wanted[0]]
-        if sources[0].dtype == _spec(leaf)[1]:
-            return {wanted[0]: _by_device(sources[0], _sharding(leaf))}
+        if sources[0].dtype == _spec(leaf)[1] and wanted[0] == step.targets[0]:
+            return leaf
+    return None
+
+
+def _transform(
+    step: Step, read: list[np.ndarray], leaves: Mapping[str, Any], scratch: _Scratch, where: str
+) -> dict[str, Any]:
+    """A transforming step's targets, made from its sources (read into `scratch`) by XLA
+    on the default device and placed on their leaves' shardings."""
     count = None if step.rule.gathered else len(step.targets)
-    here = jax.sharding.SingleDeviceSharding(default_device())  # transformed by XLA there
-    arrays = tuple(jax.device_put(a, here) for a in scratch.read(sources))
-    results = step.rule.transform(arrays, count)
+    here = jax.sharding.SingleDeviceSharding(default_device())
+    results = step.rule.transform(tuple(jax.device_put(a, here) for a in read), count)
     out: dict[str, Any] = {}
     problems: list[err.StateProblem] = []
     for name, value in zip(step.targets, results, strict=True):
