@@ -12,6 +12,8 @@ from ._embed import Embed as Embed
 from ._linear import Linear as Linear
 from ._norm import LayerNorm as LayerNorm
 from ._norm import RMSNorm as RMSNorm
+from ._quantized import QuantizedEmbed as QuantizedEmbed
+from ._quantized import QuantizedLinear as QuantizedLinear
 from ._sequential import Lambda as Lambda
 from ._sequential import Sequential as Sequential
 from ._training import train_forward as train_forward

@@ -1,0 +1,280 @@
+"""`QArray`: a quantized array (integer values, float scales) that is one parameter.
+
+Symmetric max-abs quantization along one axis, per channel or per group: ``scale = max|w| /
+qmax`` (127 for 8 bits, 7 for 4), ``value = clip(round(w / scale))``. Loaders that fill
+`QArray` leaves tensor by tensor use `quantize_like` and `dequantize_array`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from functools import partial
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import wadler_lindig as wl
+from jax.core import Tracer
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
+
+from ._abstract import eval_shape
+from ._sharding import mesh_text
+
+INT_DTYPES = {8: jnp.dtype(jnp.int8), 4: jnp.dtype(jnp.int4)}
+_QMAX = {8: 127, 4: 7}
+_STATIC = {"static": True}
+
+
+def scale_shape(shape: tuple[int, ...], axis: int, group_size: int | None) -> tuple[int, ...]:
+    """The scale's shape: `shape` with `axis` reduced to 1, or to its number of groups."""
+    groups = 1 if group_size is None else shape[axis] // group_size
+    return (*shape[:axis], groups, *shape[axis + 1 :])
+
+
+def check_layout(shape: tuple[int, ...], bits: Any, axis: Any, group_size: Any) -> str | None:
+    """What is wrong with quantizing an array of `shape` this way (None: nothing)."""
+    if bits not in _QMAX:
+        return f"bits must be 8 or 4, got {bits!r}"
+    if not isinstance(axis, int) or not 0 <= axis < len(shape):
+        return f"axis must be an axis of the array, 0 to {len(shape) - 1}, got {axis!r}"
+    if group_size is not None and (
+        not isinstance(group_size, int) or group_size < 1 or shape[axis] % group_size
+    ):
+        return (
+            f"group_size must divide axis {axis} (size {shape[axis]}) into whole groups, got "
+            f"{group_size!r}; pick a divisor of {shape[axis]}, or None for one scale per channel"
+        )
+    return None
+
+
+def _split(array: Any, name: str, axis: int, group_size: int | None) -> Any:
+    """The (mesh, spec) that `array` is split by (a concrete array's NamedSharding, a traced
+    one's type on Explicit axes; None: unknown), checked: no group may straddle devices."""
+    if isinstance(array, Tracer):
+        typed = jax.typeof(array).sharding
+        if typed.mesh.empty or AxisType.Explicit not in typed.mesh.axis_types:
+            return None
+        mesh, spec = typed.mesh, typed.spec
+    elif isinstance(getattr(array, "sharding", None), NamedSharding):
+        mesh, spec = array.sharding.mesh, array.sharding.spec
+    else:
+        return None
+    entry = (*spec, *(None,) * array.ndim)[axis]
+    parts = math.prod(mesh.shape[n] for n in (entry if isinstance(entry, tuple) else (entry,)) if n)
+    groups = 0 if group_size is None else array.shape[axis] // group_size
+    if groups % parts:
+        raise ValueError(
+            f"{name} of shape {tuple(array.shape)} is split {parts} ways along axis {axis} "
+            f"({spec} on the mesh {mesh_text(mesh)}), which does not divide its {groups} groups "
+            f"of {group_size}: a group would straddle two devices. Use a group size that "
+            f"gives a multiple of {parts} groups, or do not split axis {axis}."
+        )
+    return mesh, spec
+
+
+@partial(jax.jit, static_argnames=("bits", "axis", "group_size", "dtype"))
+def _quantize(array: Any, *, bits: int, axis: int, group_size: int | None, dtype: Any) -> Any:
+    qmax, shape = _QMAX[bits], array.shape
+    w = array.astype(jnp.float32)
+    if group_size is not None:
+        w = w.reshape(*shape[:axis], shape[axis] // group_size, group_size, *shape[axis + 1 :])
+    reduced = axis if group_size is None else axis + 1
+    scale = (jnp.max(jnp.abs(w), axis=reduced, keepdims=True) / qmax).astype(dtype)
+    scale = jnp.where(scale == 0, jnp.ones_like(scale), scale)  # an all-zero slice: 1
+    # rounded by the scale as stored (a float16 scale may be coarser than max|w| / qmax)
+    value = jnp.clip(jnp.round(w / scale.astype(jnp.float32)), -qmax, qmax)
+    value = value.astype(INT_DTYPES[bits]).reshape(shape)
+    return value, scale if group_size is None else scale.squeeze(reduced)
+
+
+def quantize_array(
+    array: Any, *, bits: int = 8, axis: int = 0, group_size: int | None = None,
+    dtype: Any = None, name: str = "the array",
+) -> tuple[jax.Array, jax.Array]:  # fmt: skip
+    """`array` (float, any shape) quantized along `axis`: ``(value, scale)``, `value` of
+    `array`'s shape in int8 (int4 for 4 bits), `scale` of :func:`scale_shape` in `dtype`
+    (by default `array`'s). A split array gives a value split alike and a scale split
+    alike but never along `axis`. `name` names the array in errors."""
+    array = array if isinstance(array, jax.Array) else jnp.asarray(array)
+    if not jnp.issubdtype(array.dtype, jnp.floating):
+        raise TypeError(f"cannot quantize {name}: expected a float array, got {array.dtype}.")
+    problem = check_layout(tuple(array.shape), bits, axis, group_size)
+    if problem:
+        raise ValueError(f"cannot quantize {name} of shape {tuple(array.shape)}: {problem}.")
+    placed = _split(array, name, axis, group_size)
+    dtype = jnp.dtype(array.dtype if dtype is None else dtype)
+    value, scale = _quantize(array, bits=bits, axis=axis, group_size=group_size, dtype=dtype)
+    if placed is None:
+        return value, scale
+    mesh, spec = placed
+    entries = [*spec, *(None,) * array.ndim][: array.ndim]
+    scale_at = NamedSharding(mesh, PartitionSpec(*entries[:axis], None, *entries[axis + 1 :]))
+    if isinstance(array, Tracer):  # Explicit axes: the type holds the split
+        return value, jax.sharding.reshard(scale, scale_at)
+    value, scale = jax.device_put([value, scale], [NamedSharding(mesh, spec), scale_at])
+    return value, scale
+
+
+def quantized(array: Any, *, bits: int, axis: int, group_size: int | None, dtype: Any = None,
+              name: str = "the array") -> QArray:  # fmt: skip
+    """:func:`quantize_array` as a `QArray`; an abstract `array` gives an abstract one."""
+    meta = {"bits": bits, "axis": axis, "group_size": group_size}
+    quantize = partial(quantize_array, **meta, dtype=dtype, name=name)
+    if isinstance(array, jax.ShapeDtypeStruct):
+        return QArray(*eval_shape(quantize, array), **meta)
+    return QArray(*quantize(array), **meta)
+
+
+def quantize_like(array: Any, like: QArray, name: str = "the array") -> QArray:
+    """`array` (float, `like`'s shape) quantized as `like` is: its bits, axis, group size
+    and scale dtype. For loaders that fill a `QArray` leaf from a float tensor."""
+    if tuple(array.shape) != like.shape:
+        raise ValueError(f"cannot quantize {name} like {like!r}: its shape is {array.shape}.")
+    return quantized(array, bits=like.bits, axis=like.axis, group_size=like.group_size,
+                     dtype=like.dtype, name=name)  # fmt: skip
+
+
+@partial(jax.jit, static_argnames=("axis", "group_size", "dtype"))
+def dequantize_array(
+    value: Any, scale: Any, *, axis: int, group_size: int | None, dtype: Any
+) -> jax.Array:
+    """``value * scale`` in `dtype`, a float array of `value`'s shape: each scale applied
+    to its channel, or to its group along `axis`."""
+    v, s = value.astype(dtype), scale.astype(dtype)
+    if group_size is None:
+        return v * s
+    shape = value.shape
+    grouped = (*shape[:axis], shape[axis] // group_size, group_size, *shape[axis + 1 :])
+    return (v.reshape(grouped) * jnp.expand_dims(s, axis + 1)).reshape(shape)
+
+
+_ARRAYS = (jax.Array, np.ndarray, jax.ShapeDtypeStruct)
+_CHECKED: set[tuple[Any, ...]] = set()  # layouts found consistent (every load rebuilds QArrays)
+
+
+def _problem(q: QArray) -> str | None:
+    """What is inconsistent in `q`, whose parts are arrays (None: nothing)."""
+    shape = tuple(q.value.shape)
+    problem = check_layout(shape, q.bits, q.axis, q.group_size)
+    if problem:
+        return f"{problem} (value of shape {shape})"
+    numeric = lambda dtype: jnp.issubdtype(dtype, jnp.number)  # not float0 (int gradients)
+    want, got = INT_DTYPES[q.bits], jnp.dtype(q.value.dtype)
+    if numeric(got) and got != want:
+        return (
+            f"a {q.bits}-bit QArray holds {want.name} values, got {got.name}; quantize float "
+            f"weights with QArray.quantize(w, bits={q.bits}, ...)"
+        )
+    if numeric(q.scale.dtype) and not jnp.issubdtype(q.scale.dtype, jnp.floating):
+        return f"scale must be a float array, got {jnp.dtype(q.scale.dtype).name}"
+    expected = scale_shape(shape, q.axis, q.group_size)
+    if tuple(q.scale.shape) != expected:
+        per = "one per channel" if q.group_size is None else f"one per group of {q.group_size}"
+        return (
+            f"scale has shape {tuple(q.scale.shape)}, expected {expected} for a value of shape "
+            f"{shape} quantized along axis {q.axis} ({per})"
+        )
+    return None
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True, eq=False, repr=False)
+class QArray:
+    """A quantized array, ``value * scale``: one parameter of a model.
+
+    Its parts are its PyTree children, named ``value`` and ``scale`` in the flat state
+    (``"dense.kernel.value"``); `bits`, `axis` and `group_size` are static (part of the tree
+    structure). It reads like the float array it stands for (`shape`, `dtype`, `ndim`,
+    `size`); :meth:`dequantize` gives that array. Built directly, its parts are checked
+    against each other (a ``ValueError`` otherwise); :meth:`quantize` makes one.
+
+    Attributes:
+        value: the integers, of the full logical shape: ``int8``, or ``jnp.int4`` (4 bits).
+        scale: float, `value`'s dims with `axis` reduced to 1 (one scale per channel:
+            ``[1, out]`` for an ``[in, out]`` kernel along its input axis 0) or to
+            ``shape[axis] // group_size`` (one per group of `group_size` along it).
+        bits: 8 or 4.
+        axis: the quantized axis, along which the scales are taken (a contraction axis).
+        group_size: entries per scale along `axis`; None for one scale per channel.
+    """
+
+    value: Any
+    scale: Any
+    bits: int = dataclasses.field(kw_only=True, metadata=_STATIC)
+    axis: int = dataclasses.field(kw_only=True, metadata=_STATIC)
+    group_size: int | None = dataclasses.field(default=None, kw_only=True, metadata=_STATIC)
+
+    def __post_init__(self) -> None:
+        # only parts that are arrays are checked: a tree map may give other leaves (None,
+        # masks, shardings); a layout once found consistent is not checked again
+        value, scale = self.value, self.scale
+        if not (isinstance(value, _ARRAYS) and isinstance(scale, _ARRAYS)):
+            return
+        key = (value.shape, value.dtype, scale.shape, scale.dtype, self.bits, self.axis,
+               self.group_size)  # fmt: skip
+        if key not in _CHECKED:
+            problem = _problem(self)
+            if problem:
+                raise ValueError(f"QArray: {problem}.")
+            if len(_CHECKED) >= 4096:
+                _CHECKED.clear()
+            _CHECKED.add(key)
+
+    @classmethod
+    def quantize(
+        cls, array: Any, *, bits: int = 8, axis: int = 0, group_size: int | None = None
+    ) -> QArray:
+        """`array` (float, any shape, abstract too) quantized along `axis` by symmetric
+        max-abs rounding: ``scale = max|w| / qmax`` per channel or per group of
+        `group_size` (qmax 127 for 8 bits, 7 for 4), ``value = clip(round(w / scale))``.
+        The scale keeps `array`'s dtype; a split array gives parts split like it."""
+        return quantized(array, bits=bits, axis=axis, group_size=group_size)
+
+    def dequantize(self, dtype: Any = None) -> jax.Array | jax.ShapeDtypeStruct:
+        """The float array ``value * scale`` of shape `shape`, in `dtype` (default: `dtype`)."""
+        fn = partial(dequantize_array, axis=self.axis, group_size=self.group_size,
+                     dtype=jnp.dtype(self.scale.dtype if dtype is None else dtype))  # fmt: skip
+        if isinstance(self.value, jax.ShapeDtypeStruct):
+            return eval_shape(fn, self.value, self.scale)
+        return fn(self.value, self.scale)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The logical shape: the value's."""
+        return tuple(self.value.shape)
+
+    @property
+    def dtype(self) -> Any:
+        """The logical (float) dtype: the scale's, which :meth:`dequantize` gives."""
+        return self.scale.dtype
+
+    @property
+    def ndim(self) -> int:
+        """The number of axes."""
+        return len(self.value.shape)
+
+    @property
+    def size(self) -> int:
+        """The number of entries."""
+        return math.prod(self.value.shape)
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes stored: the values (half a byte each for 4 bits) and the scales."""
+        scales = math.prod(self.scale.shape) * jnp.dtype(self.scale.dtype).itemsize
+        return (self.size * self.bits + 7) // 8 + scales
+
+    def __repr__(self) -> str:
+        short = lambda x: (  # i8[512,2048], as modules show arrays; other leaves as they are
+            eqx.tree_pformat(jax.ShapeDtypeStruct(x.shape, x.dtype), struct_as_array=True)
+            if hasattr(x, "shape") and hasattr(x, "dtype")
+            else repr(x)
+        )
+        group = "" if self.group_size is None else f", group_size={self.group_size}"
+        return f"QArray({short(self.value)}, scale={short(self.scale)}, axis={self.axis}{group})"
+
+    def __pdoc__(self, **kwargs: Any) -> wl.AbstractDoc:
+        return wl.TextDoc(repr(self))

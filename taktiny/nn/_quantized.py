@@ -1,0 +1,255 @@
+"""`QuantizedLinear` and `QuantizedEmbed`: `Linear` and `Embed` with `QArray` weights; and
+`quantize` / `dequantize`, which swap them for the float layers in a whole model."""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+from jax.typing import DTypeLike
+from jaxtyping import Array, Float, Integer
+
+from .._module import Module, _finalise
+from .._names import key_name
+from .._patterns import compile_pattern, unused_hint
+from .._quant import QArray, dequantize_array, quantized
+from .._rngs import Rngs
+from .._sharding import Spec
+from ._checks import check_features
+from ._embed import Embed
+from ._explicit import explicit_axes, free, project, typed_spec
+from ._linear import Linear
+from ._random import constant, lecun_normal, normal
+
+
+def _dequantized(weight: QArray, x: Any) -> tuple[Any, jax.Array]:
+    """The dtype a quantized layer computes in (the input's when it is float, else the
+    weight's), and the weight dequantized into it."""
+    dtype = jnp.dtype(x.dtype if jnp.issubdtype(x.dtype, jnp.floating) else weight.dtype)
+    meta = {"axis": weight.axis, "group_size": weight.group_size, "dtype": dtype}
+    return dtype, dequantize_array(weight.value, weight.scale, **meta)
+
+
+class QuantizedLinear(Module):
+    """A dense layer with a quantized kernel: ``y = x @ dequantize(kernel) + bias``.
+
+    Parameters (state names):
+        kernel: a :class:`~taktiny.QArray` of logical shape ``[in_features, out_features]``,
+            quantized along the input axis 0: ``kernel.value`` ``[in, out]`` (int8 or int4)
+            and ``kernel.scale`` ``[1, out]`` (one per output channel) or
+            ``[in // group_size, out]``. Initialised as :class:`Linear`'s kernel, then
+            quantized.
+        bias: ``[out_features]``, float, zeros; ``None`` when ``use_bias=False``.
+
+    The layer computes in the input's dtype (a float input; any other is cast to
+    `dtype`): the kernel is dequantized into it, and the output has it.
+
+    Args:
+        in_features: size of the input's last axis.
+        out_features: size of the output's last axis.
+        bits: 8 or 4.
+        group_size: input rows per scale; None for one scale per output channel. Must
+            divide `in_features`.
+        use_bias: whether to add a bias.
+        dtype: the float dtype of the scales and the bias.
+        kernel_sharding: how ``kernel.value`` is split under ``jax.set_mesh``, as for
+            :class:`Linear`; ``kernel.scale`` is split likewise on its output axis.
+        bias_sharding: the same for ``bias``.
+        rngs: the key stream for the initialisation.
+    """
+
+    kernel: QArray
+    bias: Float[Array, " out_features"] | None
+
+    def __init__(
+        self, in_features: int, out_features: int, *, bits: int = 8,
+        group_size: int | None = None, use_bias: bool = True, dtype: DTypeLike = jnp.float32,
+        kernel_sharding: Spec | None = None, bias_sharding: Spec | None = None, rngs: Rngs,
+    ):  # fmt: skip
+        where = "QuantizedLinear.kernel"
+        w = lecun_normal(rngs(), (in_features, out_features), dtype, kernel_sharding, where)
+        self.kernel = quantized(w, bits=bits, axis=0, group_size=group_size, name=where)
+        self.bias = (
+            constant(0, (out_features,), dtype, bias_sharding, "QuantizedLinear.bias")
+            if use_bias
+            else None
+        )
+
+    def __call__(
+        self, x: Float[Array, "*batch in_features"]
+    ) -> Float[Array, "*batch out_features"]:
+        """Maps ``x`` ``[*batch, in_features]`` to ``[*batch, out_features]``."""
+        with jax.named_scope("QuantizedLinear"):
+            shape = self.kernel.shape
+            check_features("QuantizedLinear", x, shape[0], why=f"its kernel is {shape}",
+                           argument="in_features")  # fmt: skip
+            dtype, kernel = _dequantized(self.kernel, x)
+            bias = None if self.bias is None else self.bias.astype(dtype)
+            return project(x.astype(dtype), kernel, bias)
+
+
+class QuantizedEmbed(Module):
+    """A table of ``num_embeddings`` quantized vectors of size ``features``, looked up by id.
+
+    Parameters (state names):
+        embedding: a :class:`~taktiny.QArray` of logical shape ``[num_embeddings,
+            features]``, quantized along the features (axis 1): ``embedding.value``
+            ``[num_embeddings, features]`` and ``embedding.scale`` ``[num_embeddings, 1]``
+            (one per row) or ``[num_embeddings, features // group_size]``. Initialised as
+            :class:`Embed`'s table, then quantized.
+
+    Lookups dequantize only the rows they read and return the scales' dtype, as
+    :class:`Embed` returns its table's; :meth:`attend` computes in its input's dtype.
+
+    Args:
+        num_embeddings: the number of ids (the vocabulary size).
+        features: the size of each vector.
+        bits: 8 or 4.
+        group_size: features per scale; None for one scale per row. Must divide `features`.
+        dtype: the float dtype of the scales (and of the vectors looked up).
+        embedding_sharding: how ``embedding.value`` is split under ``jax.set_mesh``, as for
+            :class:`Embed`; ``embedding.scale`` is split likewise on the vocabulary axis.
+        rngs: the key stream for the initialisation.
+    """
+
+    embedding: QArray
+
+    def __init__(
+        self, num_embeddings: int, features: int, *, bits: int = 8,
+        group_size: int | None = None, dtype: DTypeLike = jnp.float32,
+        embedding_sharding: Spec | None = None, rngs: Rngs,
+    ):  # fmt: skip
+        where = "QuantizedEmbed.embedding"
+        table = normal(rngs(), (num_embeddings, features), dtype, 1.0, embedding_sharding, where)
+        self.embedding = quantized(table, bits=bits, axis=1, group_size=group_size, name=where)
+
+    def __call__(self, ids: Integer[Array, "*batch"]) -> Float[Array, "*batch features"]:
+        """The rows of the table for ``ids`` ``[*batch]``, dequantized: ``[*batch,
+        features]``. Ids index as in :class:`Embed` (negative ids count from the end, ids
+        past the end give rows of NaNs)."""
+        with jax.named_scope("QuantizedEmbed"):
+            if not jnp.issubdtype(ids.dtype, jnp.integer):
+                raise TypeError(
+                    f"QuantizedEmbed expects integer ids, got an array of dtype {ids.dtype} "
+                    f"and shape {tuple(ids.shape)}; cast it first: ids.astype(jnp.int32)."
+                )
+            table = self.embedding
+            if not explicit_axes():
+                value = jnp.take(table.value, ids, axis=0, mode="fill", fill_value=0)
+                scale = jnp.take(table.scale, ids, axis=0, mode="fill", fill_value=jnp.nan)
+            else:  # split as the ids, and on the features as the table (the scale: never)
+                batch = typed_spec(ids)
+                out = P(*batch, free(typed_spec(table.value)[1], *batch))
+                value = table.value.at[ids].get(mode="fill", fill_value=0, out_sharding=out)
+                out = P(*batch, None)
+                scale = table.scale.at[ids].get(mode="fill", fill_value=jnp.nan, out_sharding=out)
+            return dequantize_array(value, scale, axis=ids.ndim, group_size=table.group_size,
+                                    dtype=jnp.dtype(table.dtype))  # fmt: skip
+
+    def attend(self, x: Float[Array, "*batch features"]) -> Float[Array, "*batch num_embeddings"]:
+        """Scores ``x`` ``[*batch, features]`` against every row: ``x @ dequantize(table).T``,
+        ``[*batch, num_embeddings]``, in ``x``'s dtype (the tied output projection)."""
+        with jax.named_scope("QuantizedEmbed.attend"):
+            shape = self.embedding.shape
+            check_features("QuantizedEmbed.attend", x, shape[1], why=f"its embedding is {shape}",
+                           argument="features")  # fmt: skip
+            dtype, table = _dequantized(self.embedding, x)
+            return project(x.astype(dtype), table.T)
+
+
+def _build(cls: type[Module], **fields: Any) -> Any:
+    """A `cls` module holding `fields` (in the order its ``__init__`` sets them), built
+    without running ``__init__`` (no random draw): the module that ``__init__`` followed by
+    a load would give."""
+    obj: Any = types.SimpleNamespace.__new__(cls)
+    obj.__dict__.update(fields)
+    return _finalise(obj)
+
+
+def _is_float_layer(x: Any) -> bool:
+    return isinstance(x, Module) and type(x)._taktiny_base in (Linear, Embed)
+
+
+def quantize(
+    model: Any, *, bits: int = 8, group_size: int | None = None,
+    filter: str | Callable[[str, Any], bool] | None = None,
+) -> Any:  # fmt: skip
+    """`model` with its :class:`Linear` and :class:`Embed` layers replaced by
+    :class:`QuantizedLinear` and :class:`QuantizedEmbed` holding their weights quantized.
+
+    A ``Linear`` kernel ``[in, out]`` is quantized along its input axis (scales ``[1, out]``,
+    or ``[in // group_size, out]``), an ``Embed`` table ``[num, features]`` per row (scales
+    ``[num, 1]`` or ``[num, features // group_size]``); biases stay as they are, and so
+    do the shardings (each scale split as its weight on the other axis). Works on
+    abstract models (from ``jax.eval_shape``) too. The model given is not changed.
+
+    Args:
+        model: a module, or any PyTree holding modules.
+        bits: 8 (int8) or 4 (``jnp.int4``).
+        group_size: entries per scale along the quantized axis; None for one per channel.
+        filter: which layers to quantize: a pattern over the layers' names (``"encoder.**"``,
+            ``"blocks.*.mlp.*"``; see :class:`taktiny.by_name`), or a function
+            ``(name, layer) -> bool`` (``lambda name, layer: name != "head"``). None: all.
+
+    Returns:
+        The quantized model.
+    """
+    if isinstance(filter, str):
+        regex = compile_pattern(filter)
+        select = lambda name, layer: regex.fullmatch("." + name) is not None
+    elif filter is None or callable(filter):
+        select = filter or (lambda name, layer: True)
+    else:
+        raise TypeError(
+            f"taktiny.quantize: filter is a name pattern ('encoder.**') or a function "
+            f"(name, layer) -> bool, got {filter!r}."
+        )
+    found = jax.tree_util.tree_flatten_with_path(model, is_leaf=_is_float_layer)[0]
+    layers = {".".join(map(key_name, path)): x for path, x in found if _is_float_layer(x)}
+    chosen = {name for name, layer in layers.items() if select(name, layer)}
+    if isinstance(filter, str) and not chosen:
+        names = list(layers)
+        hint = unused_hint(filter, names) if names else "the model has none"
+        raise ValueError(
+            f"taktiny.quantize: the filter {filter!r} matches no Linear or Embed layer "
+            f"({names[:4]}{', ...' if len(names) > 4 else ''}); {hint}"
+            + ("" if hint.endswith("?") else ".")
+        )
+
+    def swap(path: Any, layer: Any) -> Any:
+        name = ".".join(map(key_name, path))
+        if not _is_float_layer(layer) or name not in chosen:
+            return layer
+        prefix = f"{name}." if name else ""
+        if isinstance(layer, Linear):
+            kernel = quantized(layer.kernel, bits=bits, axis=0, group_size=group_size,
+                               name=f"{prefix}kernel")  # fmt: skip
+            return _build(QuantizedLinear, kernel=kernel, bias=layer.bias)
+        table = quantized(layer.embedding, bits=bits, axis=1, group_size=group_size,
+                          name=f"{prefix}embedding")  # fmt: skip
+        return _build(QuantizedEmbed, embedding=table)
+
+    return jax.tree_util.tree_map_with_path(swap, model, is_leaf=_is_float_layer)
+
+
+def dequantize(model: Any) -> Any:
+    """`model` with its :class:`QuantizedLinear` and :class:`QuantizedEmbed` layers replaced
+    by :class:`Linear` and :class:`Embed` holding the dequantized weights (in the scales'
+    dtype, split as the quantized values were). The reverse of :func:`quantize`, up to
+    the rounding it did."""
+    bases = (Linear, Embed, QuantizedLinear, QuantizedEmbed)  # not walked into, float or not
+    is_layer = lambda x: isinstance(x, Module) and type(x)._taktiny_base in bases
+
+    def swap(layer: Any) -> Any:
+        base = type(layer)._taktiny_base if is_layer(layer) else None
+        if base is QuantizedLinear:
+            return _build(Linear, kernel=layer.kernel.dequantize(), bias=layer.bias)
+        if base is QuantizedEmbed:
+            return _build(Embed, embedding=layer.embedding.dequantize())
+        return layer
+
+    return jax.tree.map(swap, model, is_leaf=is_layer)

@@ -1,0 +1,216 @@
+"""tt.QArray: symmetric max-abs quantization against a NumPy oracle, the checks of its parts,
+array-like properties and repr, PyTree behaviour, and the plain functions loaders use."""
+
+import dataclasses
+import pickle
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import taktiny as tt
+from taktiny import _quant
+
+
+def weights(*shape, seed=0, dtype=np.float32):
+    return np.random.default_rng(seed).normal(size=shape).astype(dtype)
+
+
+def oracle(w, bits, axis, group_size):
+    """Symmetric max-abs quantization in NumPy: (value, scale), scale of the reduced shape."""
+    qmax = 127 if bits == 8 else 7
+    w = np.moveaxis(w.astype(np.float32), axis, 0)
+    size = w.shape[0] if group_size is None else group_size
+    grouped = w.reshape(w.shape[0] // size, size, *w.shape[1:])
+    scale = np.abs(grouped).max(axis=1, keepdims=True) / qmax
+    scale = np.where(scale == 0, 1, scale).astype(np.float32)
+    value = np.clip(np.round(grouped / scale), -qmax, qmax).reshape(w.shape)
+    return np.moveaxis(value, 0, axis), np.moveaxis(scale[:, 0], 0, axis)
+
+
+LAYOUTS = [(8, 0, None), (4, 0, None), (8, 1, None), (4, 0, 16), (8, 0, 32), (4, 1, 8)]
+
+
+@pytest.mark.parametrize("bits, axis, group_size", LAYOUTS)
+def test_quantize_matches_the_numpy_oracle(bits, axis, group_size):
+    w = weights(64, 48)
+    q = tt.QArray.quantize(w, bits=bits, axis=axis, group_size=group_size)
+    value, scale = oracle(w, bits, axis, group_size)
+    assert q.value.dtype == (jnp.int8 if bits == 8 else jnp.int4)
+    assert (q.bits, q.axis, q.group_size) == (bits, axis, group_size)
+    np.testing.assert_array_equal(np.asarray(q.value).astype(np.int8), value)
+    np.testing.assert_allclose(q.scale, scale, rtol=1e-6)
+    # each entry is within half a step of its scale
+    step = np.asarray(q.dequantize()) - w
+    full = np.repeat(scale, 1 if group_size is None else group_size, axis=axis)
+    assert np.all(np.abs(step) <= full / 2 * (1 + 1e-5))
+    assert np.abs(q.value.astype(jnp.int8)).max() == (127 if bits == 8 else 7)
+
+
+def test_an_all_zero_channel_gets_scale_one_and_dequantizes_to_zero():
+    w = weights(16, 4)
+    w[:, 2] = 0
+    q = tt.QArray.quantize(w)
+    assert float(q.scale[0, 2]) == 1.0 and np.all(np.isfinite(q.scale))
+    np.testing.assert_array_equal(q.dequantize()[:, 2], np.zeros(16))
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_a_coarse_float16_scale_is_clipped_into_range(bits):
+    # scales of tiny float16 weights are subnormal: rounded down by up to a few percent,
+    # the largest int8 entries would round past 127 (and wrap around) without the clip;
+    # int4 (a qmax of 8 would wrap to -8) keeps its range here even without it
+    w = weights(256, 64, dtype=np.float16) * np.float16(5e-5)
+    q = tt.QArray.quantize(w, bits=bits)
+    qmax = 127 if bits == 8 else 7
+    value = np.asarray(q.value).astype(np.int8)
+    assert value.min() >= -qmax and value.max() <= qmax
+    assert q.scale.dtype == jnp.float16
+    signs = np.sign(value) == np.sign(w)
+    assert np.all(signs | (value == 0))  # no entry wrapped around to the other sign
+
+
+def test_the_scale_keeps_the_weights_dtype_and_dequantize_takes_any():
+    q = tt.QArray.quantize(jnp.asarray(weights(8, 4)).astype(jnp.bfloat16), bits=4)
+    assert q.scale.dtype == jnp.bfloat16 and q.dtype == jnp.bfloat16
+    assert q.dequantize().dtype == jnp.bfloat16
+    assert q.dequantize(jnp.float32).dtype == jnp.float32
+
+
+def test_array_properties_and_storage_bytes():
+    q8 = tt.QArray.quantize(weights(512, 256))
+    assert (q8.shape, q8.ndim, q8.size, q8.dtype) == ((512, 256), 2, 512 * 256, jnp.float32)
+    assert q8.nbytes == 512 * 256 + 256 * 4
+    q4 = tt.QArray.quantize(weights(512, 256), bits=4, group_size=64)
+    assert q4.nbytes == 512 * 256 // 2 + 8 * 256 * 4
+    odd = tt.QArray.quantize(weights(3, 3), bits=4)
+    assert odd.nbytes == 5 + 3 * 4  # 9 values in 4.5 bytes, rounded up
+
+
+def test_repr_reads_like_an_array():
+    assert repr(tt.QArray.quantize(weights(512, 256))) == (
+        "QArray(i8[512,256], scale=f32[1,256], axis=0)"
+    )
+    q = tt.QArray.quantize(weights(64, 8), bits=4, axis=1, group_size=4)
+    assert repr(q) == "QArray(i4[64,8], scale=f32[64,2], axis=1, group_size=4)"
+    abstract = jax.eval_shape(lambda: q)
+    assert repr(abstract) == repr(q)
+
+
+def test_parts_are_named_children_and_the_layout_is_static():
+    q = tt.QArray.quantize(weights(8, 4), bits=4, group_size=4)
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(q)[0]]
+    assert paths == [".value", ".scale"]
+    other = tt.QArray.quantize(weights(8, 4), bits=4)
+    assert jax.tree.structure(q) != jax.tree.structure(other)  # group_size is static
+    doubled = jax.jit(lambda q: q.dequantize() * 2)(q)
+    np.testing.assert_array_equal(doubled, q.dequantize() * 2)
+    # tree maps with other leaves build the node without checking them
+    assert jax.tree.map(lambda x: None, q).value is None
+    assert jax.tree.map(lambda x: True, q).scale is True
+    grads = jax.grad(lambda q: q.dequantize().sum(), allow_int=True)(q)
+    assert grads.value.dtype == jax.dtypes.float0 and grads.scale.shape == (2, 4)
+    copied = pickle.loads(pickle.dumps(q))
+    np.testing.assert_array_equal(copied.scale, q.scale)
+    assert jax.tree.structure(copied) == jax.tree.structure(q)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        q.bits = 8  # pyright: ignore[reportAttributeAccessIssue]
+
+
+def test_abstract_arrays_quantize_and_dequantize_abstractly():
+    q = tt.QArray.quantize(jax.ShapeDtypeStruct((64, 8), jnp.bfloat16), bits=4, group_size=16)
+    assert isinstance(q.value, jax.ShapeDtypeStruct) and q.value.dtype == jnp.int4
+    assert q.scale.shape == (4, 8) and q.scale.dtype == jnp.bfloat16
+    out = q.dequantize(jnp.float32)
+    assert isinstance(out, jax.ShapeDtypeStruct) and out.shape == (64, 8)
+
+
+INT8 = jnp.zeros((8, 4), jnp.int8)
+
+
+@pytest.mark.parametrize(
+    "value, scale, meta, message",
+    [
+        (INT8, jnp.ones((2, 4)), {"bits": 8, "axis": 0},
+         r"scale has shape \(2, 4\), expected \(1, 4\) for a value of shape \(8, 4\) quantized "
+         r"along axis 0 \(one per channel\)"),
+        (INT8, jnp.ones((1, 4)), {"bits": 8, "axis": 0, "group_size": 4},
+         r"scale has shape \(1, 4\), expected \(2, 4\).*\(one per group of 4\)"),
+        (INT8, jnp.ones((8, 1)), {"bits": 8, "axis": 0},  # the scale of the other axis
+         r"scale has shape \(8, 1\), expected \(1, 4\)"),
+        (INT8, jnp.ones((1, 4)), {"bits": 4, "axis": 0},
+         r"a 4-bit QArray holds int4 values, got int8; quantize float weights with "
+         r"QArray\.quantize\(w, bits=4, \.\.\.\)"),
+        (jnp.ones((8, 4)), jnp.ones((1, 4)), {"bits": 8, "axis": 0},
+         r"a 8-bit QArray holds int8 values, got float32"),
+        (INT8, jnp.ones((1, 4), jnp.int32), {"bits": 8, "axis": 0},
+         r"scale must be a float array, got int32"),
+        (INT8, jnp.ones((1, 4)), {"bits": 3, "axis": 0}, r"bits must be 8 or 4, got 3"),
+        (INT8, jnp.ones((1, 4)), {"bits": 8, "axis": 2},
+         r"axis must be an axis of the array, 0 to 1, got 2 \(value of shape \(8, 4\)\)"),
+        (INT8, jnp.ones((1, 4)), {"bits": 8, "axis": 0, "group_size": 3},
+         r"group_size must divide axis 0 \(size 8\) into whole groups, got 3"),
+    ],
+)  # fmt: skip
+def test_inconsistent_parts_are_refused(value, scale, meta, message):
+    tt.QArray(INT8, jnp.ones((1, 4)), bits=8, axis=0)  # a consistent one first (it is cached)
+    with pytest.raises(ValueError, match=r"^QArray: " + message):
+        tt.QArray(value, scale, **meta)
+
+
+def test_quantize_refuses_what_it_cannot_quantize():
+    with pytest.raises(TypeError, match=r"cannot quantize the array: expected a float array"):
+        tt.QArray.quantize(np.ones((4, 4), np.int32))
+    with pytest.raises(
+        ValueError,
+        match=r"cannot quantize the array of shape \(10, 4\): group_size must divide axis 0 "
+        r"\(size 10\) into whole groups, got 4; pick a divisor of 10, or None",
+    ):
+        tt.QArray.quantize(weights(10, 4), group_size=4)
+
+
+def test_plain_functions_for_loaders_quantize_like_a_leaf_and_dequantize():
+    like = tt.QArray.quantize(jnp.asarray(weights(32, 8)).astype(jnp.bfloat16), bits=4,
+                              group_size=8)  # fmt: skip
+    w = weights(32, 8, seed=1)
+    q = _quant.quantize_like(w, like)
+    assert jax.tree.structure(q) == jax.tree.structure(like)
+    assert q.scale.dtype == jnp.bfloat16 and q.value.dtype == jnp.int4
+    value, scale = _quant.quantize_array(w, bits=4, axis=0, group_size=8, dtype=jnp.bfloat16)
+    np.testing.assert_array_equal(np.asarray(q.value, np.int8), np.asarray(value, np.int8))
+    full = _quant.dequantize_array(value, scale, axis=0, group_size=8, dtype=jnp.float32)
+    np.testing.assert_array_equal(full, q.dequantize(jnp.float32))
+    with pytest.raises(
+        ValueError, match=r"cannot quantize w like QArray\(i4\[32,8\].*its shape is \(8, 32\)"
+    ):
+        _quant.quantize_like(w.T, like, name="w")
+
+
+@pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit])
+def test_split_arrays_give_parts_split_alike(axis_type):
+    mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(axis_type,) * 2,
+                         devices=jax.devices("cpu"))  # fmt: skip
+    w = weights(64, 32)
+    for spec, scale_spec in [
+        (P(None, "model"), P(None, "model")),
+        (P("model", "data"), P(None, "data")),
+    ]:
+        split = jax.device_put(w, NamedSharding(mesh, spec))
+        q = tt.QArray.quantize(split, bits=4, group_size=16)
+        assert q.value.sharding.is_equivalent_to(NamedSharding(mesh, spec), 2)
+        assert q.scale.sharding.is_equivalent_to(NamedSharding(mesh, scale_spec), 2)
+        expected = tt.QArray.quantize(w, bits=4, group_size=16)
+        np.testing.assert_array_equal(
+            np.asarray(q.value, np.int8), np.asarray(expected.value, np.int8)
+        )
+        np.testing.assert_array_equal(q.scale, expected.scale)
+    rows = jax.device_put(w, NamedSharding(mesh, P("model")))
+    with pytest.raises(
+        ValueError,
+        match=r"the array of shape \(64, 32\) is split 4 ways along axis 0 .* does not divide its "
+        r"2 groups of 32: a group would straddle two devices",
+    ):
+        tt.QArray.quantize(rows, group_size=32)
