@@ -51,7 +51,9 @@ def _worker(case: str, path: str, width: int, depth: int, registry: str = "bench
 
     The case is looked up in `registry`, a module with ``RESTORE`` (case -> (call,
     restore(path, abstracts))) and ``NEEDS`` (case -> modules to import first) tables:
-    ``bench._formats``, or another group's (``bench.streaming``).
+    ``bench._formats``, or another group's (``bench.streaming``). A registry may also have
+    ``PREPARE`` (case -> prepare(abstracts) -> abstracts), run before the memory is noted:
+    a case's own target (``bench.quantized``'s quantized model).
     """
     import jax
 
@@ -61,13 +63,19 @@ def _worker(case: str, path: str, width: int, depth: int, registry: str = "bench
     for module in cases.NEEDS[case]:
         importlib.import_module(module)
     abstracts = _formats.abstracts(width, depth)
+    prepare = getattr(cases, "PREPARE", {}).get(case)
+    if prepare is not None:
+        abstracts = prepare(abstracts)
     before = _rss()
     start = time.perf_counter()
     restored = cases.RESTORE[case][1](Path(path), abstracts)
     jax.block_until_ready(restored)
     seconds = time.perf_counter() - start
     maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
-    print(json.dumps({"before": before, "peak": _peak(), "maxrss": maxrss, "seconds": seconds}))
+    # VmHWM and VmRSS are sampled separately: a load that grows by less than a page can read a
+    # high-water mark a page under the RSS read before it; the peak is at least "before"
+    peak = max(_peak(), before)
+    print(json.dumps({"before": before, "peak": peak, "maxrss": maxrss, "seconds": seconds}))
 
 
 def _measure(

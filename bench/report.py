@@ -19,10 +19,7 @@ import matplotlib.pyplot as plt
 from ._results import Cell, Group, Table, Target, fmt_ratio, fmt_time
 
 # Benchmarks that arrive with later issues; the report keeps a place for each
-PENDING = {
-    "quant": "Quantized model bytes: checkpoint and in-memory bytes of int8/float8 "
-    "models against float32 (arrives with the quantization issue).",
-}
+PENDING: dict[str, str] = {}  # groups still to come: name -> what they will measure
 
 
 def _value(table: Table, value: float) -> str:
@@ -281,8 +278,9 @@ def write(
             lines += _markdown_table(table)
             lines += [f"![{table.title}](plots/{name})", ""]
         lines += [f"- {note}" for note in group.notes]
-    lines += ["", "## Later groups", ""]
-    lines += [f"- **{name}** (pending): {text}" for name, text in PENDING.items()]
+    if PENDING:
+        lines += ["", "## Later groups", ""]
+        lines += [f"- **{name}** (pending): {text}" for name, text in PENDING.items()]
     path = out / "results.md"
     path.write_text("\n".join(lines) + "\n")
     (out / "results.json").write_text(json.dumps([_jsonable(g) for g in groups], indent=1))

@@ -10,7 +10,9 @@ Groups: state (state read/write), dispatch (jit dispatch), checkpoint (save/rest
 1 GB model), memory (peak RSS of restoring it), sharded (tt.shard, and a sharded restore of
 the 1 GB model with its Adam state on 8 simulated devices), streaming (taktiny.io's
 streaming safetensors load of the 1 GB model against the raw read and its peers, and
-`taktiny inspect`). A full run takes under 20 minutes on 2 cores.
+`taktiny inspect`), quantized (the bytes of a quantized 100M-parameter MLP, the time to
+quantize it, and the 1 GB float32 checkpoint quantized to int8 as it streams in). A full
+run takes under 25 minutes on 2 cores.
 """
 
 from __future__ import annotations
@@ -31,7 +33,16 @@ import jax  # noqa: E402
 # The sharded group needs 8 devices; JAX takes the count only before its first use
 jax.config.update("jax_num_cpu_devices", 8)
 
-from bench import checkpoint, dispatch, memory, report, sharded, state, streaming  # noqa: E402
+from bench import (  # noqa: E402
+    checkpoint,
+    dispatch,
+    memory,
+    quantized,
+    report,
+    sharded,
+    state,
+    streaming,
+)
 from bench._results import Config, Group, fmt_ratio  # noqa: E402
 
 GROUPS = {
@@ -41,7 +52,7 @@ GROUPS = {
     "memory": memory.run,
     "sharded": sharded.run,
     "streaming": streaming.run,
-    # later, as its issue lands: "quant" (see report.PENDING)
+    "quantized": quantized.run,
 }
 
 

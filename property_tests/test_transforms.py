@@ -3,6 +3,7 @@
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -20,8 +21,9 @@ from .selections import flat_selections, replacements
 from .strategies import models
 
 # JIT arguments must be arrays, on devices compatible with the model's (or uncommitted). Wider
-# ints only go into int32: narrowing into int8 needs a range check that a load refuses to skip
-# inside jit (a StateDictError says so), and JAX turns int64 arguments into int32.
+# ints only go into 32-bit ints: narrowing into int8 or uint8 needs a range check that a load
+# refuses to skip inside jit (a StateDictError says so), and JAX turns 64-bit arguments into
+# 32-bit ones.
 ARRAY_FORMS = ("jax, same placement", "jax, default device", "numpy")
 WIDER_FORMS = (*ARRAY_FORMS, "numpy, wider dtype")
 
@@ -44,7 +46,9 @@ def test_loading_inside_jit_equals_loading_outside(platform, data):
     names = data.draw(flat_selections(flat), label="names")
     state = {}
     for name in names:
-        forms = ARRAY_FORMS if dtype_of(flat[name]) == jnp.int8 else WIDER_FORMS
+        dtype = np.dtype(dtype_of(flat[name]))
+        narrow = dtype.kind in "iu" and dtype.itemsize < 4
+        forms = ARRAY_FORMS if narrow else WIDER_FORMS
         value, _ = data.draw(replacements(flat[name], devices, forms=forms), label=name)
         state[name] = value
     nested = data.draw(st.booleans(), label="nested")

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ._quant import QArray
 from ._sharding import mesh_text
 
 
@@ -24,8 +25,10 @@ class StateProblem:
             belongs, or the reverse), ``"shape"``, ``"dtype"`` (a change of dtype
             kind, or a cast to a narrower dtype that would change values: an integer
             out of range, a finite float that would become infinite), ``"value"`` (not
-            an array), ``"sharding"`` (an array on devices outside the mesh of the
-            leaf it replaces), ``"missing"`` (not supplied under ``strict=True``) or
+            an array), ``"representation"`` (a float array where the model holds a
+            :class:`~taktiny.QArray`, or the reverse, or a QArray quantized another
+            way), ``"sharding"`` (an array on devices outside the mesh of the leaf it
+            replaces), ``"missing"`` (not supplied under ``strict=True``) or
             ``"abstract"`` (not supplied to an abstract model).
         key: the flat name (``"layers.1.kernel"``) the problem is about.
         expected: what the model holds there (a shape, a dtype name, a suggestion).
@@ -83,6 +86,8 @@ def describe(value: Any) -> str:
     """A value as a message names it: ``an array float32[2, 3]``, ``a dict with keys [...]``."""
     if isinstance(value, Mapping):
         return f"a dict with keys {list(value)[:6]}"
+    if isinstance(value, QArray):
+        return f"a {value!r}"
     if isinstance(value, jax.ShapeDtypeStruct):
         return f"an abstract array {np.dtype(value.dtype).name}{list(value.shape)}"
     if isinstance(value, (jax.Array, np.ndarray)):
@@ -164,14 +169,7 @@ def _unknown(name: str, value: Any, flat: bool, names: _Suggester, suggest: bool
     prefixes = (name.rsplit(".", k)[0] for k in range(1, name.count(".") + 1))
     parent = next((p for p in prefixes if p in names.known), None)
     if parent is not None:
-        return StateProblem(
-            "structure",
-            name,
-            f"an array at {parent!r}",
-            describe(value),
-            f"{parent!r} is an array, so it has no entry {name[len(parent) + 1 :]!r}; give the "
-            f"array itself at {parent!r}.",
-        )
+        return inside_array(name, parent, value)
     close = names(name) if suggest else None
     if close is not None:
         return StateProblem("unknown", name, close, name, f"unknown key; did you mean {close!r}?")
@@ -182,6 +180,18 @@ def _unknown(name: str, value: Any, flat: bool, names: _Suggester, suggest: bool
         name,
         f"unknown key; the model has no parameter of that name (it has "
         f"{list(names.names[:3])}, ...).",
+    )
+
+
+def inside_array(name: str, parent: str, value: Any) -> StateProblem:
+    """A flat name below the name of an array (``kernel.x`` where ``kernel`` is one)."""
+    return StateProblem(
+        "structure",
+        name,
+        f"an array at {parent!r}",
+        describe(value),
+        f"{parent!r} is an array, so it has no entry {name[len(parent) + 1 :]!r}; give the "
+        f"array itself at {parent!r}.",
     )
 
 
@@ -246,6 +256,136 @@ def structure(name: str, expected: Any, got: Any) -> StateProblem:
         str(got),
         f"expected a value structured as {expected}, got {got}.",
     )
+
+
+_MATCH = "match_quantization=True"  # the load option that converts representations
+
+
+def _quantize_call(q: QArray) -> str:
+    """The `tt.quantize` call that quantizes a float model's layer as `q` is."""
+    group = "" if q.group_size is None else f", group_size={q.group_size}"
+    return f"tt.quantize(model, bits={q.bits}{group})"
+
+
+def parts_text(parts: Mapping[str, Any]) -> str:
+    """A `{"value", "scale"}` dict of a quantized array's parts, as a message names it."""
+    shown = ", ".join(
+        f"{part} {np.dtype(v.dtype).name}{list(v.shape)}"
+        if hasattr(v, "shape") and hasattr(v, "dtype")
+        else f"{part} of type {type(v).__name__}"
+        for part, v in parts.items()
+    )
+    return f"the parts of a quantized array ({shown})"
+
+
+def quantized_expected(name: str, old: QArray, got: Any) -> StateProblem:
+    """A float array, or a QArray quantized another way, where the model holds `old`."""
+    if isinstance(got, QArray):
+        hint = (
+            f"the model holds {old!r} here and the state {got!r}: quantized another way. Pass "
+            f"{_MATCH} to re-quantize it on load as the model's is (dequantized, then rounded "
+            f"again), or load it into a model quantized as the state is ({_quantize_call(got)})."
+        )
+    else:
+        hint = (
+            f"the model holds a quantized array here, {old!r}, and the state {describe(got)}: "
+            f"the representations differ. Pass {_MATCH} to quantize it on load as the model's is, "
+            f"or load it into the float model and quantize that (tt.quantize)."
+        )
+    return StateProblem("representation", name, repr(old), describe(got), hint)
+
+
+def not_float(name: str, old: QArray, got: Any) -> StateProblem:
+    """A value of another kind than float, to be quantized as the model's `old` is."""
+    hint = (
+        f"cannot quantize {describe(got)} on load as the model's {old!r} is: quantizing "
+        f"takes a float array."
+    )
+    return StateProblem("dtype", name, repr(old), describe(got), hint)
+
+
+def not_quantized(name: str, old: QArray, got: Any) -> StateProblem:
+    """A value that is neither an array nor a QArray where the model holds `old`."""
+    hint = (
+        f"expected a QArray like the model's {old!r} (or a dict of its parts, or a float "
+        f"array to quantize with {_MATCH}), got {describe(got)}."
+    )
+    return StateProblem("structure", name, repr(old), describe(got), hint)
+
+
+def float_expected(name: str, old: Any, got: Any, layout: QArray) -> StateProblem:
+    """A QArray, or a dict of its parts, where the model holds the array `old`; `layout`:
+    the QArray given, or the one its parts make."""
+    given = parts_text(got) if isinstance(got, Mapping) else describe(got)
+    hint = (
+        f"the model holds {describe(old)} here and the state {given}: the representations "
+        f"differ. Pass {_MATCH} to dequantize it on load, or quantize the model first to keep "
+        f"it quantized ({_quantize_call(layout)})."
+    )
+    return StateProblem("representation", name, describe(old), given, hint)
+
+
+def unfit_parts(name: str, got: Mapping[str, Any], why: str) -> StateProblem:
+    """Parts of a quantized array that make no QArray, so cannot be dequantized."""
+    given = parts_text(got)
+    hint = f"cannot dequantize {given}: {why}."
+    return StateProblem("representation", name, "a value and a scale", given, hint)
+
+
+def in_quantized(problem: StateProblem, param: str, q: QArray) -> StateProblem:
+    """`problem`, about a part of the QArray `q` at `param`, told as a problem with `q`."""
+    part = problem.key[len(param) + 1 :]
+    how = (
+        f"A checkpoint quantized another way loads whole, as tt.QArray(value, scale, bits=..., "
+        f"axis=..., group_size=...), with {_MATCH}, which re-quantizes it as the model's is; "
+        f"or quantize the float model as the checkpoint is."
+    )
+    got = _dtype(problem.got) if problem.kind == "dtype" and part == "value" else None
+    if got is not None and jnp.issubdtype(got, jnp.integer):
+        hint = (
+            f"the value of {param!r}, {q!r}, holds {problem.expected} ({_a(q.bits)}-bit "
+            f"quantization); got {got.name}, the integers of another one "
+            f"({jnp.iinfo(got).bits}-bit), which a cast would not re-scale. {how}"
+        )
+    elif got is not None and jnp.issubdtype(got, jnp.floating):
+        hint = (
+            f"the value of {param!r}, {q!r}, holds {problem.expected} ({_a(q.bits)}-bit "
+            f"quantization); got {got.name}, a float array where the quantized integers "
+            f"belong. Give the float weight itself at {param!r}, with {_MATCH}, to quantize it "
+            f"on load as the model's is."
+        )
+    elif problem.kind == "shape" and part == "scale":
+        per = "one per channel" if q.group_size is None else f"one per group of {q.group_size}"
+        hint = (
+            f"the scale of {param!r}, {q!r}, has shape {problem.expected} ({per} along axis "
+            f"{q.axis}), got {problem.got}: the scales of another layout. {how}"
+        )
+    else:
+        hint = f"{problem.hint} (It is the {part} of {param!r}, {q!r}.)"
+    return dataclasses.replace(problem, hint=hint)
+
+
+def _a(bits: int) -> str:
+    return f"an {bits}" if bits == 8 else f"a {bits}"
+
+
+def _dtype(name: Any) -> Any:
+    """The dtype of a name a problem holds (``"int4"`` too); None for another value."""
+    try:
+        return jnp.dtype(name)
+    except TypeError:
+        return None
+
+
+def bits(name: str, expected: Any, got: Any) -> StateProblem:
+    """An integer cast to or from a 4-bit dtype: quantized values of another width."""
+    want, have = np.dtype(expected).name, np.dtype(got).name
+    hint = (
+        f"the model holds {want} here and the state {have}: integers of another width, as "
+        f"quantized values of another number of bits are, which a cast would not re-scale. "
+        f"Cast the value yourself (value.astype(jnp.{want})) if it really holds {want} values."
+    )
+    return StateProblem("dtype", name, want, have, hint)
 
 
 def not_an_array(name: str, value: Any) -> StateProblem:

@@ -399,7 +399,9 @@ class Module(types.SimpleNamespace, metaclass=_ModuleMeta):
         """
         return _state.flat_state_dict(self, NODES)
 
-    def load_state_dict(self, state: Mapping[str, Any], *, strict: bool = False) -> Any:
+    def load_state_dict(
+        self, state: Mapping[str, Any], *, strict: bool = False, match_quantization: bool = False
+    ) -> Any:
         """Returns a new module with the parameters in the nested `state` loaded.
 
         Leaves that `state` does not mention keep their values; with ``strict=True``
@@ -408,13 +410,26 @@ class Module(types.SimpleNamespace, metaclass=_ModuleMeta):
         its dtype and placed with its sharding. Any problem raises one
         :class:`~taktiny.StateDictError` listing every offending name, and nothing is
         loaded. This module is never changed. Works inside ``jax.jit``.
-        """
-        return _state.load(self, state, strict=strict, flat=False, nodes=NODES)
 
-    def load_flat_state_dict(self, flat: Mapping[str, Any], *, strict: bool = False) -> Any:
+        With ``match_quantization=True`` values held in another representation than the
+        module's are converted to its own: a float array where the module holds a
+        :class:`~taktiny.QArray` is quantized as that QArray is (bits, axis, group size,
+        scale dtype, sharding), a QArray (or a ``{"value", "scale"}`` dict of its parts)
+        where it holds a float array is dequantized into that array's dtype, and a QArray
+        quantized another way is re-quantized. Without it, each is an error.
+        """
+        return _state.load(self, state, strict=strict, flat=False, nodes=NODES,
+                           match_quantization=match_quantization)  # fmt: skip
+
+    def load_flat_state_dict(
+        self, flat: Mapping[str, Any], *, strict: bool = False, match_quantization: bool = False
+    ) -> Any:
         """As :meth:`load_state_dict`, for a dict of dotted names as :meth:`flat_state_dict`
-        gives."""
-        return _state.load(self, flat, strict=strict, flat=True, nodes=NODES)
+        gives. A float array for a QArray comes under its name (``"dense.kernel"``); a
+        QArray for a float array comes whole under that name, or as its parts
+        (``"dense.kernel.value"`` and ``"dense.kernel.scale"``)."""
+        return _state.load(self, flat, strict=strict, flat=True, nodes=NODES,
+                           match_quantization=match_quantization)  # fmt: skip
 
 
 _MODULE_INIT = Module.__init__

@@ -25,6 +25,7 @@ from ._sharding import mesh_text
 
 INT_DTYPES = {8: jnp.dtype(jnp.int8), 4: jnp.dtype(jnp.int4)}
 _QMAX = {8: 127, 4: 7}
+PARTS = ("value", "scale")  # a QArray's children, as state names name them
 _STATIC = {"static": True}
 
 
@@ -149,6 +150,34 @@ def dequantize_array(
     shape = value.shape
     grouped = (*shape[:axis], shape[axis] // group_size, group_size, *shape[axis + 1 :])
     return (v.reshape(grouped) * jnp.expand_dims(s, axis + 1)).reshape(shape)
+
+
+def parts_layout(value: Any, scale: Any) -> tuple[int, int, int | None] | str:
+    """The ``(bits, axis, group_size)`` of a `QArray` made of these parts, read from the
+    value's dtype and the two shapes (the scale is the value's shape with at most one axis
+    reduced: to 1, or to a number of groups that divides it); or what is wrong with them.
+    For parts that come without their layout (a ``{"value", "scale"}`` dict)."""
+    shape, reduced = tuple(value.shape), tuple(scale.shape)
+    bits = next((b for b, dtype in INT_DTYPES.items() if jnp.dtype(value.dtype) == dtype), None)
+    if bits is None:
+        return f"the value must be int8 or int4, got {jnp.dtype(value.dtype).name}"
+    if not shape or len(reduced) != len(shape):
+        return (
+            f"the scale must have as many axes as the value (at least one), got a value of "
+            f"shape {shape} and a scale of shape {reduced}"
+        )
+    differ = [i for i, (n, k) in enumerate(zip(shape, reduced, strict=True)) if n != k]
+    if not differ:  # one scale per entry: any axis reads them alike
+        return bits, 0, None if shape[0] == 1 else 1
+    axis = differ[0]
+    n, k = shape[axis], reduced[axis]
+    if len(differ) > 1 or k == 0 or n % k:
+        return (
+            f"a scale of shape {reduced} does not fit a value of shape {shape}: it must be the "
+            f"value's shape with one axis reduced to 1 (one scale per channel) or to a number "
+            f"of groups that divides it"
+        )
+    return bits, axis, None if k == 1 else n // k
 
 
 _ARRAYS = (jax.Array, np.ndarray, jax.ShapeDtypeStruct)

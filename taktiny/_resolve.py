@@ -1,5 +1,7 @@
 """Resolving a state's names to the leaves they name, in either view of the tree (see
-`_views`): written once for both, for flat names and for nested dicts."""
+`_views`): written once for both, for flat names and for nested dicts. A value in another
+representation than the model's there (a float array where it holds a `QArray`, the parts
+of a QArray under a float array's name) is set aside for `_represent`."""
 
 from __future__ import annotations
 
@@ -10,27 +12,31 @@ import jax
 
 from . import _errors as err
 from ._errors import StateProblem
+from ._quant import PARTS
+from ._represent import Other
 from ._views import GROUP, LEAF
 
 _UNKNOWN: Any = object()  # where the problem of an unknown name goes, once it is written
 
 
 class Resolved(NamedTuple):
-    """What a state names: the value for each leaf (by its `where` in the view), and the
-    problems of entries that name no leaf."""
+    """What a state names: the value for each leaf (by its `where` in the view), the
+    problems of entries that name no leaf, and the values in another representation than
+    the model's (by the `where` of their first leaf)."""
 
     supplied: dict[Any, Any]
     problems: list[StateProblem]
+    other: dict[Any, Other]
 
 
 def resolve(view: Any, state: Mapping[Any, Any], flat: bool) -> Resolved:
     """Finds the leaf each entry of `state` names; lists the entries that name none."""
-    found = Resolved({}, [])
+    found = Resolved({}, [], {})
     unknown: list[tuple[str, Any]] = []  # each also holds a place in `problems`, in order
     if flat:
         for name, value in state.items():
             if type(name) is not str:
-                same = _resolve_name(view, str(name), value, Resolved({}, []))
+                same = _resolve_name(view, str(name), value, Resolved({}, [], {}))
                 found.problems.append(err.non_string_key(repr(name), name, same, flat=True))
             elif not _resolve_name(view, name, value, found):
                 unknown.append((str(name), value))
@@ -57,8 +63,16 @@ def _resolve_name(view: Any, name: str, value: Any, found: Resolved) -> bool:
             continue
         if kind is LEAF:
             if i + 1 < len(keys):
+                if i + 2 == len(keys) and keys[-1] in PARTS:  # a QArray's part: dequantize?
+                    _other_part(view, view.leaf(node, keys[:-1]), keys[-1], value, found)
+                    return True
                 return False
             found.supplied[view.leaf(node, keys)] = value
+            return True
+        if i + 1 == len(keys):  # a custom parameter named whole
+            if isinstance(value, Mapping):
+                return False
+            _resolve_param(view, node, keys, value, found)
             return True
         rest = ".".join(keys[i + 1 :])  # inside a custom parameter
         where = next((w for n, w in view.inner(node, keys[: i + 1])[1] if n == rest), None)
@@ -108,12 +122,12 @@ def _resolve_nested(
 def _resolve_param(
     view: Any, node: Any, where: tuple[str, ...], value: Any, found: Resolved
 ) -> None:
-    """A custom parameter in a nested state: given whole (a value of the same structure)
-    or as a dict of its parts by name ({"value": ..., "scale": ...})."""
+    """A custom parameter given whole: its leaves, when `value` has its structure; else
+    (a float array where the model holds a QArray, say) the value set aside. Given as a
+    dict (nested states only), its parts by name ({"value": ..., "scale": ...})."""
     treedef, inner = view.inner(node, where)
-    name = ".".join(where)
     if isinstance(value, Mapping):
-        by_name = dict(inner)
+        name, by_name = ".".join(where), dict(inner)
         for part, given in _parts(value, (), by_name):
             if part in by_name:
                 found.supplied[by_name[part]] = given
@@ -123,10 +137,21 @@ def _resolve_param(
         return
     leaves, given = jax.tree_util.tree_flatten(value)
     if given != treedef:
-        found.problems.append(err.structure(name, treedef, given))
+        wheres = tuple(w for _, w in inner)
+        found.other[wheres[0]] = Other(".".join(where), view.param(node, where), wheres, value)
         return
     for (_, w), leaf in zip(inner, leaves, strict=True):
         found.supplied[w] = leaf
+
+
+def _other_part(view: Any, where: Any, part: str, value: Any, found: Resolved) -> None:
+    """A part of a QArray named under an array of the model (``kernel.value`` where the
+    model holds a float ``kernel``), gathered with the other parts for `_represent`."""
+    other = found.other.get(where)
+    if other is None:
+        old = view.olds[where]
+        other = found.other[where] = Other(view.name(where), old, (where,), {}, flat=True)
+    other.given[part] = value
 
 
 def _parts(

@@ -17,10 +17,11 @@ from jax.core import Tracer
 from jax.sharding import NamedSharding
 
 from . import _errors as err
-from . import _names, _values
+from . import _names, _represent, _values
 from ._errors import StateDictError, StateProblem
 from ._names import Nodes
-from ._resolve import resolve
+from ._represent import Other
+from ._resolve import Resolved, resolve
 from ._views import Flat, Walk
 
 # Loads that name at most this many leaves walk to them instead of flattening the tree: a
@@ -48,15 +49,26 @@ class _Move(NamedTuple):
     target: Any  # the leaf's sharding; None: the default device
 
 
+class _Checked(NamedTuple):
+    """What checking the supplied values gives."""
+
+    new: Any  # the view's container of new leaves, with the checked values written in
+    moves: list[_Move]  # values still to place
+    traced: list[tuple[Any, ...]]  # traced values still to constrain (once nothing is wrong)
+    other: list[Other]  # quantized values given for arrays (see `_represent`)
+
+
 def _check(
-    view: Flat | Walk, supplied: Iterable[tuple[Any, Any]], problems: list[StateProblem]
-) -> tuple[Any, list[_Move], list[tuple[Any, ...]]]:
-    """Checks each supplied value against the leaf it replaces. Returns the new leaves (the
-    view's container, with the checked values written in), the values still to place, and
-    the traced values still to constrain (once nothing is wrong)."""
-    olds, new = view.olds, view.new()
-    moves: list[_Move] = []
-    traced: list[tuple[Any, ...]] = []
+    view: Flat | Walk,
+    supplied: Iterable[tuple[Any, Any]],
+    problems: list[StateProblem],
+    into: _Checked | None = None,
+) -> _Checked:
+    """Checks each supplied value against the leaf it replaces, adding to `into`."""
+    olds = view.olds
+    if into is None:
+        into = _Checked(view.new(), [], [], [])
+    new, moves, traced = into.new, into.moves, into.traced
     array = _values.array_type()
     # Arrays share a few sharding objects, so each pair is compared once. They are keyed by
     # id: the arrays hold them, so they live (and keep their ids) for the whole loop. Two
@@ -79,6 +91,9 @@ def _check(
             continue
         given, value = value, _values.convert(view.name(where), value, old, problems)
         if value is None:
+            if _represent.is_quantized(given):  # set aside, to be converted or told
+                del problems[-1]  # (the one problem `convert` recorded for it)
+                into.other.append(Other(view.name(where), old, (where,), given))
             continue
         target = getattr(old, "sharding", None)
         if isinstance(old, Tracer) or isinstance(value, Tracer):  # inside jit
@@ -90,7 +105,7 @@ def _check(
         else:
             copy = _values.shares_memory(value, given, target)
             moves.append(_Move(where, value.copy() if copy else value, target))
-    return new, moves, traced
+    return into
 
 
 def _outside(value: jax.Array, target: Any) -> bool:
@@ -174,45 +189,58 @@ def _in_order(view: Flat, state: Mapping[Any, Any], flat: bool) -> list[Any] | N
 
 
 def load(
-    tree: Any, state: Any, *, strict: bool, flat: bool, nodes: Nodes, caller: str | None = None
-) -> Any:
+    tree: Any, state: Any, *, strict: bool, flat: bool, nodes: Nodes, caller: str | None = None,
+    match_quantization: bool = False,
+) -> Any:  # fmt: skip
     """Returns `tree` with the leaves that `state` names replaced; see `Module.load_state_dict`.
     `caller` names the call in errors (by default ``Type.load_state_dict()``)."""
     method = "load_flat_state_dict" if flat else "load_state_dict"
     caller = caller or f"{type(tree).__name__}.{method}()"
     if not isinstance(state, Mapping):
         raise TypeError(f"{caller} expects a dict, got {type(state).__name__}.")
+    match = match_quantization
     if not strict and _few(state, flat):
         walk = Walk(tree, nodes)
         found = resolve(walk, state, flat)
         olds = walk.olds.values()
         if olds and not any(isinstance(old, jax.ShapeDtypeStruct) for old in olds):
-            return _finish(walk, found.supplied.items(), found.problems, caller)
+            return _finish(walk, found.supplied.items(), found, caller, match)
         # an abstract tree (or an empty state): naming every leaf left unfilled needs them all
     view = Flat(tree, nodes)
     values = _in_order(view, state, flat)  # every leaf, in leaf order: the fast path
     if values is not None:
-        return _finish(view, enumerate(values), [], caller)
+        return _finish(view, enumerate(values), None, caller, match)
     found = resolve(view, state, flat)
-    absent = [i for i in range(len(view.olds)) if i not in found.supplied]
+    named = found.supplied
+    if found.other:  # leaves given in another representation are named too
+        named = {**named, **{w: None for other in found.other.values() for w in other.wheres}}
+    absent = [i for i in range(len(view.olds)) if i not in named]
     if strict:
         found.problems.extend(err.missing(view.spec.names[i]) for i in absent)
     else:
         abstract = [i for i in absent if isinstance(view.olds[i], jax.ShapeDtypeStruct)]
         found.problems.extend(err.abstract(view.spec.names[i]) for i in abstract)
-    return _finish(view, found.supplied.items(), found.problems, caller)
+    return _finish(view, found.supplied.items(), found, caller, match)
 
 
 def _finish(
     view: Flat | Walk,
     supplied: Iterable[tuple[Any, Any]],
-    problems: list[StateProblem],
+    found: Resolved | None,
     caller: str,
+    match: bool,
 ) -> Any:
-    new, moves, traced = _check(view, supplied, problems)
+    problems = [] if found is None else found.problems
+    checked = _check(view, supplied, problems)
+    other = [*(found.other.values() if found is not None else ()), *checked.other]
+    if other:  # values in another representation than the model's: converted, or told
+        converted = _represent.settle(view, other, match, problems)
+        _check(view, converted, problems, into=checked)
     if problems:
+        _represent.explain(view, problems)
         raise StateDictError(caller, problems)
-    _place(moves, new)
-    for where, value, old, target in traced:
+    new = checked.new
+    _place(checked.moves, new)
+    for where, value, old, target in checked.traced:
         new[where] = _constrain(value, old, target)
     return view.write(new)

@@ -11,6 +11,7 @@ import jax
 from . import _names, _patterns, _state
 from ._fields import MISSING
 from ._module import NODES, Module
+from ._quant import QArray
 
 _TRAINABLE: dict[Any, list[bool]] = {}  # tree structure -> trainable flag per leaf
 
@@ -39,7 +40,9 @@ def flat_state_dict(tree: Any) -> dict[str, Any]:
     return _state.flat_state_dict(tree, NODES)
 
 
-def load_state_dict(tree: Any, state: Mapping[str, Any], *, strict: bool = False) -> Any:
+def load_state_dict(
+    tree: Any, state: Mapping[str, Any], *, strict: bool = False, match_quantization: bool = False
+) -> Any:
     """Returns a copy of `tree` with the leaves the nested `state` names replaced.
 
     The same load as :meth:`Module.load_state_dict <taktiny.nn.Module.load_state_dict>`,
@@ -47,16 +50,22 @@ def load_state_dict(tree: Any, state: Mapping[str, Any], *, strict: bool = False
     the leaf it replaces, and any problem raises one :class:`~taktiny.StateDictError`
     with nothing loaded. With it, part of an optimizer state can be restored (a new
     head keeps its fresh moments while the encoder's come from a checkpoint).
+    ``match_quantization=True`` converts float values for :class:`~taktiny.QArray` leaves
+    and quantized values for float leaves, as the method does.
     """
     caller = f"taktiny.load_state_dict({type(tree).__name__})"
-    return _state.load(tree, state, strict=strict, flat=False, nodes=NODES, caller=caller)
+    return _state.load(tree, state, strict=strict, flat=False, nodes=NODES, caller=caller,
+                       match_quantization=match_quantization)  # fmt: skip
 
 
-def load_flat_state_dict(tree: Any, flat: Mapping[str, Any], *, strict: bool = False) -> Any:
+def load_flat_state_dict(
+    tree: Any, flat: Mapping[str, Any], *, strict: bool = False, match_quantization: bool = False
+) -> Any:
     """As :func:`load_state_dict`, for a dict of dotted names as :func:`flat_state_dict`
     gives."""
     caller = f"taktiny.load_flat_state_dict({type(tree).__name__})"
-    return _state.load(tree, flat, strict=strict, flat=True, nodes=NODES, caller=caller)
+    return _state.load(tree, flat, strict=strict, flat=True, nodes=NODES, caller=caller,
+                       match_quantization=match_quantization)  # fmt: skip
 
 
 def _flags(node: Any, trainable: bool, out: list[bool]) -> None:
@@ -67,6 +76,9 @@ def _flags(node: Any, trainable: bool, out: list[bool]) -> None:
             if is_data:
                 keep = trainable and getattr(declared.get(name), "trainable", True)
                 _flags(node.__dict__[name], keep, out)
+        return
+    if isinstance(node, QArray):  # its integers are no gradient's to update; its scale is
+        out.extend((False, trainable))
         return
     children, treedef = jax.tree_util.tree_flatten(node, is_leaf=lambda x: x is not node)
     if treedef.num_nodes == 1 and treedef.num_leaves == 1:  # a leaf
@@ -79,7 +91,8 @@ def _flags(node: Any, trainable: bool, out: list[bool]) -> None:
 def trainable(tree: Any) -> Any:
     """Which leaves of `tree` are trained: a tree of the same structure with ``True`` for
     parameters and ``False`` for the arrays of fields declared with
-    ``nn.field(trainable=False)`` (BatchNorm's running statistics, say).
+    ``nn.field(trainable=False)`` (BatchNorm's running statistics, say) and for the integer
+    ``value`` of every :class:`~taktiny.QArray` (its float ``scale`` is trained).
 
     Pass the function itself where optax takes a mask or labels, so that optax calls it
     with the parameters (a module is callable, and optax would call a module-shaped

@@ -1,5 +1,7 @@
 """Checking one loaded value against the leaf it replaces: that it is an array, its shape,
-its dtype kind, and that casting it to the leaf's dtype keeps its values."""
+its dtype kind, and that casting it to the leaf's dtype keeps its values (integers are
+never cast to or from a 4-bit dtype: those hold quantized values, whose scale a cast would
+not change)."""
 
 from __future__ import annotations
 
@@ -134,6 +136,9 @@ def convert(name: str, value: Any, old: Any, problems: list[StateProblem]) -> An
         return _exact(name, value, old.dtype, problems)
     if source != target:
         problems.append(err.dtype_kind(name, old.dtype, value.dtype, target, source))
+        return None
+    if "integer" in target and 4 in (jnp.iinfo(old.dtype).bits, jnp.iinfo(value.dtype).bits):
+        problems.append(err.bits(name, old.dtype, value.dtype))  # quantized values: no cast
         return None
     traced = isinstance(value, Tracer)
     if "integer" in target and jnp.iinfo(old.dtype).bits < jnp.iinfo(value.dtype).bits:

@@ -49,6 +49,14 @@ class Flat:
         names = self.spec.names[node.start : node.stop]
         return node.treedef, [(n[cut:], i) for i, n in enumerate(names, node.start)]
 
+    def param(self, node: Custom, where: tuple[str, ...]) -> Any:
+        """The custom parameter's value in the tree."""
+        return node.treedef.unflatten(self.olds[node.start : node.stop])
+
+    def flattened(self) -> tuple[list[Any], _names.Spec]:
+        """Every leaf, and the description of the tree."""
+        return self.olds, self.spec
+
     def name(self, where: int) -> str:
         return self.spec.names[where]
 
@@ -138,6 +146,13 @@ class Walk:
             self.olds[where + inside] = leaf
             found.append((".".join(inside), where + inside))
         return treedef, found
+
+    def param(self, node: Any, where: tuple[str, ...]) -> Any:
+        return node
+
+    def flattened(self) -> tuple[list[Any], _names.Spec]:
+        leaves, _, spec = _names.flatten(self.root, self.nodes)
+        return leaves, spec
 
     def name(self, where: tuple[str, ...]) -> str:
         return ".".join(where)

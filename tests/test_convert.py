@@ -324,3 +324,21 @@ def test_incomplete_sources_wildcard_duplicates_and_failing_transforms_are_repor
         "[transform] 'fused': Rule('fused' -> ['a', 'b'], split(axis=0)) failed on ['fused']: "
         "array split does not result in an equal division"
     )
+
+
+def test_convert_quantize_and_dequantize_invert_each_other():
+    w = jax.random.normal(jax.random.key(0), (32, 8))
+    q = tt.QArray.quantize(w, bits=4, group_size=8)
+    rule = cv.Rule("w", ["q.value", "q.scale"], cv.quantize(bits=4, group_size=8))
+    target = {"q.value": q.value, "q.scale": q.scale}
+    converted = dict(cv.convert([rule], {"w": np.asarray(w)}, target=target))
+    assert np.asarray(converted["q.value"]).tobytes() == np.asarray(q.value).tobytes()
+    assert np.array_equal(converted["q.scale"], q.scale)
+    exported = cv.export([rule], target)
+    assert np.array_equal(exported["w"], q.dequantize())
+    assert repr(rule.transform.inverse) == "dequantize(axis=0, group_size=8, bits=4)"
+    assert repr(cv.dequantize(1, dtype=jnp.bfloat16)) == "dequantize(axis=1, dtype='bfloat16')"
+    assert cv.dequantize().inverse is None
+    assert cv.quantize(4, 0, 8) == rule.transform.inverse.inverse
+    with pytest.raises(ValueError, match=r"dequantize\(axis=0\) takes two arrays, the values and the scales, got 1"):  # fmt: skip
+        cv.dequantize()((w,))

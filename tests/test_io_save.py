@@ -239,11 +239,23 @@ def test_none_in_a_mapping_is_an_empty_subtree_as_in_flat_state_dict(tmp_path):
     assert list(read(tmp_path / "n.safetensors")[1]) == ["w"]
 
 
-def test_int4_is_refused_by_name_and_nothing_is_written(tmp_path):
-    tensors = {"ok": jnp.ones(4), "packed.weight": jnp.zeros(4, jnp.int4)}
-    message = r"'packed\.weight' has dtype int4, and safetensors has no 4-bit type; .* quantized"
-    with pytest.raises(TypeError, match=message):
-        save_safetensors(tmp_path / "q.safetensors", tensors)
+def test_int4_is_packed_two_per_byte_and_listed_in_the_header(tmp_path):
+    # (tests/test_io_quant.py tests the packing and quantized models in full)
+    tensors = {"ok": jnp.ones(4), "packed.weight": jnp.array([-8, 7, -1], jnp.int4)}
+    path = tmp_path / "q.safetensors"
+    save_safetensors(path, tensors)
+    metadata, stored = read(path)
+    assert stored["packed.weight"].dtype == np.uint8
+    assert stored["packed.weight"].tolist() == [0x78, 0x0F]  # low nibble first, zero-padded
+    assert json.loads(metadata["taktiny_packed"]) == {
+        "packed.weight": {"dtype": "int4", "shape": [3]}
+    }
+
+
+def test_the_quantization_metadata_keys_are_taktinys_own(tmp_path):
+    for key in ("taktiny_packed", "taktiny_quantized"):
+        with pytest.raises(ValueError, match=f"metadata key '{key}' is Taktiny's own"):
+            save_safetensors(tmp_path / "m.safetensors", {"w": jnp.ones(2)}, metadata={key: "{}"})
     assert list(tmp_path.iterdir()) == []
 
 

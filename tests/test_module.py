@@ -375,6 +375,7 @@ def test_public_surface_is_short_and_documented():
         "ConversionError", "ConversionProblem", "Converted", "Ignore", "Report", "Rule", "Step", "Tie",
         "Transform", "cast", "chain", "check", "concatenate", "convert", "export", "identity",
         "reshape", "round_trip_check", "split", "stack", "transpose", "unstack",
+        "quantize", "dequantize",
         "flip", "Parity", "ParityOutput", "parity",
         "linear", "conv", "conv_transpose", "layer_norm", "embedding", "batch_norm",
         "multihead_attention", "pytorch",

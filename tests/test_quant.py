@@ -128,35 +128,37 @@ def test_abstract_arrays_quantize_and_dequantize_abstractly():
     assert isinstance(out, jax.ShapeDtypeStruct) and out.shape == (64, 8)
 
 
-INT8 = jnp.zeros((8, 4), jnp.int8)
+def INT8():  # made in the test: collecting the tests must not start JAX
+    return jnp.zeros((8, 4), jnp.int8)
 
 
 @pytest.mark.parametrize(
     "value, scale, meta, message",
     [
-        (INT8, jnp.ones((2, 4)), {"bits": 8, "axis": 0},
+        (INT8, lambda: jnp.ones((2, 4)), {"bits": 8, "axis": 0},
          r"scale has shape \(2, 4\), expected \(1, 4\) for a value of shape \(8, 4\) quantized "
          r"along axis 0 \(one per channel\)"),
-        (INT8, jnp.ones((1, 4)), {"bits": 8, "axis": 0, "group_size": 4},
+        (INT8, lambda: jnp.ones((1, 4)), {"bits": 8, "axis": 0, "group_size": 4},
          r"scale has shape \(1, 4\), expected \(2, 4\).*\(one per group of 4\)"),
-        (INT8, jnp.ones((8, 1)), {"bits": 8, "axis": 0},  # the scale of the other axis
+        (INT8, lambda: jnp.ones((8, 1)), {"bits": 8, "axis": 0},  # the scale of the other axis
          r"scale has shape \(8, 1\), expected \(1, 4\)"),
-        (INT8, jnp.ones((1, 4)), {"bits": 4, "axis": 0},
+        (INT8, lambda: jnp.ones((1, 4)), {"bits": 4, "axis": 0},
          r"a 4-bit QArray holds int4 values, got int8; quantize float weights with "
          r"QArray\.quantize\(w, bits=4, \.\.\.\)"),
-        (jnp.ones((8, 4)), jnp.ones((1, 4)), {"bits": 8, "axis": 0},
+        (lambda: jnp.ones((8, 4)), lambda: jnp.ones((1, 4)), {"bits": 8, "axis": 0},
          r"a 8-bit QArray holds int8 values, got float32"),
-        (INT8, jnp.ones((1, 4), jnp.int32), {"bits": 8, "axis": 0},
+        (INT8, lambda: jnp.ones((1, 4), jnp.int32), {"bits": 8, "axis": 0},
          r"scale must be a float array, got int32"),
-        (INT8, jnp.ones((1, 4)), {"bits": 3, "axis": 0}, r"bits must be 8 or 4, got 3"),
-        (INT8, jnp.ones((1, 4)), {"bits": 8, "axis": 2},
+        (INT8, lambda: jnp.ones((1, 4)), {"bits": 3, "axis": 0}, r"bits must be 8 or 4, got 3"),
+        (INT8, lambda: jnp.ones((1, 4)), {"bits": 8, "axis": 2},
          r"axis must be an axis of the array, 0 to 1, got 2 \(value of shape \(8, 4\)\)"),
-        (INT8, jnp.ones((1, 4)), {"bits": 8, "axis": 0, "group_size": 3},
+        (INT8, lambda: jnp.ones((1, 4)), {"bits": 8, "axis": 0, "group_size": 3},
          r"group_size must divide axis 0 \(size 8\) into whole groups, got 3"),
     ],
 )  # fmt: skip
 def test_inconsistent_parts_are_refused(value, scale, meta, message):
-    tt.QArray(INT8, jnp.ones((1, 4)), bits=8, axis=0)  # a consistent one first (it is cached)
+    value, scale = value(), scale()
+    tt.QArray(INT8(), jnp.ones((1, 4)), bits=8, axis=0)  # a consistent one first (it is cached)
     with pytest.raises(ValueError, match=r"^QArray: " + message):
         tt.QArray(value, scale, **meta)
 

@@ -29,8 +29,10 @@ from ._transforms import Transform as Transform
 from ._transforms import cast as cast
 from ._transforms import chain as chain
 from ._transforms import concatenate as concatenate
+from ._transforms import dequantize as dequantize
 from ._transforms import flip as flip
 from ._transforms import identity as identity
+from ._transforms import quantize as quantize
 from ._transforms import reshape as reshape
 from ._transforms import split as split
 from ._transforms import stack as stack

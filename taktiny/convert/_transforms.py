@@ -3,9 +3,11 @@
 A transform maps a tuple of arrays to a tuple of arrays (``count`` is how many the rule
 wants out, so a ``split`` can infer its parts). Element-wise ones (``transpose``,
 ``reshape``, ``cast``) act on every array; ``split``/``unstack`` make several from one,
-``concatenate``/``stack`` one from several. ``inverse`` is the transform that undoes it,
+``concatenate``/``stack`` one from several, ``quantize`` a value and its scales from a
+float array and ``dequantize`` the reverse. ``inverse`` is the transform that undoes it,
 or None; it is what runs on export. Arrays may be NumPy or JAX: each is transformed with
-its own library. They are classes used as functions, like ``tt.by_name``.
+its own library (``quantize`` and ``dequantize`` always give JAX arrays). They are classes
+used as functions, like ``tt.by_name``.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from .._quant import dequantize_array, quantize_array
 
 
 def _xp(array: Any) -> Any:
@@ -249,3 +253,75 @@ class chain(Transform):
 
     def _args(self) -> str:
         return ", ".join(map(repr, self.transforms))
+
+
+class quantize(Transform):
+    """Quantizes one float array into two, its integer values and its float scales, as
+    :meth:`taktiny.QArray.quantize` does (symmetric max-abs rounding along ``axis``, one
+    scale per channel or per ``group_size`` entries): a rule's targets are a quantized
+    parameter's parts, ``["{l}.kernel.value", "{l}.kernel.scale"]``. The scales are in
+    ``dtype`` (by default the array's). Its inverse is :class:`dequantize`.
+
+    (A load into a quantized model needs no such rule: a float array made for a
+    :class:`~taktiny.QArray`'s own name is quantized as that QArray is.)
+    """
+
+    def __init__(
+        self, bits: int = 8, axis: int = 0, group_size: int | None = None, *, dtype: Any = None
+    ):
+        self.bits, self.axis, self.group_size = int(bits), int(axis), group_size
+        self.dtype = None if dtype is None else np.dtype(dtype)
+
+    def __call__(self, arrays: tuple[Any, ...], count: int | None = None) -> tuple[Any, ...]:
+        value, scale = quantize_array(_single(self, arrays), bits=self.bits, axis=self.axis,
+                                      group_size=self.group_size, dtype=self.dtype)  # fmt: skip
+        return value, scale
+
+    @property
+    def inverse(self) -> Transform:
+        return dequantize(self.axis, self.group_size, bits=self.bits)
+
+    def _args(self) -> str:
+        group = "" if self.group_size is None else f", group_size={self.group_size}"
+        dtype = "" if self.dtype is None else f", dtype={self.dtype.name!r}"
+        return f"bits={self.bits}, axis={self.axis}{group}{dtype}"
+
+
+class dequantize(Transform):
+    """Makes one float array from two, a quantized parameter's values and scales (sources
+    ``["{l}.kernel.value", "{l}.kernel.scale"]``): ``value * scale``, each scale applied to
+    its channel (or to its group of ``group_size`` entries) along ``axis``, in ``dtype`` (by
+    default the scales'). Invertible (into :class:`quantize`) when ``bits`` is given."""
+
+    def __init__(
+        self,
+        axis: int = 0,
+        group_size: int | None = None,
+        *,
+        bits: int | None = None,
+        dtype: Any = None,
+    ):
+        self.axis, self.group_size, self.bits = int(axis), group_size, bits
+        self.dtype = None if dtype is None else np.dtype(dtype)
+
+    def __call__(self, arrays: tuple[Any, ...], count: int | None = None) -> tuple[Any, ...]:
+        if len(arrays) != 2:
+            raise ValueError(
+                f"{self!r} takes two arrays, the values and the scales, got {len(arrays)}"
+            )
+        value, scale = (jnp.asarray(a) for a in arrays)
+        dtype = scale.dtype if self.dtype is None else self.dtype
+        return (dequantize_array(value, scale, axis=self.axis, group_size=self.group_size,
+                                 dtype=jnp.dtype(dtype)),)  # fmt: skip
+
+    @property
+    def inverse(self) -> Transform | None:
+        if self.bits is None:
+            return None
+        return quantize(self.bits, self.axis, self.group_size)
+
+    def _args(self) -> str:
+        group = "" if self.group_size is None else f", group_size={self.group_size}"
+        bits = "" if self.bits is None else f", bits={self.bits}"
+        dtype = "" if self.dtype is None else f", dtype={self.dtype.name!r}"
+        return f"axis={self.axis}{group}{bits}{dtype}"

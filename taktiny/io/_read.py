@@ -6,6 +6,8 @@ tensor's dtype, shape and byte range, then the bytes. Opening reads the headers 
 Reads go into page-aligned anonymous memory (``mmap``), filled with ``os.preadv`` and made
 read-only: JAX's CPU client adopts such a buffer without copying it (it copies any buffer
 not 64-byte aligned, as NumPy's are), and no caller can write through it afterwards.
+4-bit tensors that Taktiny stored packed two per byte are presented as what they are (see
+`_quantized`): their 4-bit dtype and logical shape, unpacked as they are read.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from typing import Any
 
 import ml_dtypes
 import numpy as np
+
+from . import _quantized as qz
 
 DTYPES: dict[str, Any] = {
     "BOOL": np.bool_, "U8": np.uint8, "I8": np.int8, "U16": np.uint16, "I16": np.int16,
@@ -45,7 +49,9 @@ class Tensor:
     ``nbytes``, the ``file`` holding it and its byte ``offset`` there.
 
     ``np.asarray(tensor)`` reads it (a read-only array of ``shape``); :meth:`read` reads
-    the whole tensor or one block of it.
+    the whole tensor or one block of it. A 4-bit tensor that Taktiny stored packed two per
+    byte (:func:`~taktiny.io.save_safetensors`) has ``packed`` set: its ``dtype`` and
+    ``shape`` are the 4-bit ones, its ``nbytes`` the bytes stored, and reads unpack it.
     """
 
     __slots__ = ("dtype", "file", "name", "nbytes", "offset", "shape")
@@ -57,7 +63,13 @@ class Tensor:
 
     @property
     def ndim(self) -> int:
+        """The number of axes."""
         return len(self.shape)
+
+    @property
+    def packed(self) -> bool:
+        """Whether the file stores this 4-bit tensor packed two per byte (as uint8)."""
+        return False
 
     def read(self, index: Sequence[slice] | None = None) -> np.ndarray:
         """The tensor, or the block ``index`` of it (one ``slice`` per axis, steps of 1),
@@ -108,7 +120,43 @@ class Tensor:
         return array if dtype is None else array.astype(dtype)
 
     def __repr__(self) -> str:
-        return f"Tensor({self.name!r}, {self.dtype.name}{list(self.shape)}, {self.file.name})"
+        packed = ", packed" if self.packed else ""
+        return (
+            f"Tensor({self.name!r}, {self.dtype.name}{list(self.shape)}{packed}, {self.file.name})"
+        )
+
+
+class _Packed(Tensor):
+    """A 4-bit tensor stored packed two per byte along its last axis (see `_quantized`)."""
+
+    __slots__ = ("stored",)
+
+    def __init__(self, name: str, shape: tuple[int, ...], dtype: Any, file: Path, offset: int):
+        super().__init__(name, shape, dtype, file, offset)
+        self.stored = Tensor(name, qz.packed_shape(shape), np.uint8, file, offset)  # the bytes
+        self.nbytes = self.stored.nbytes
+
+    @property
+    def packed(self) -> bool:
+        return True
+
+    def read(self, index: Sequence[slice] | None = None) -> np.ndarray:
+        if index is None:
+            index = [slice(None)] * self.ndim
+        bounds = [s.indices(n)[:2] for s, n in zip(index, self.shape, strict=True)]
+        if not bounds:  # 0-d: one byte
+            return qz.unpack(self.stored.read(), self.dtype, 0, 1).reshape(())
+        start, stop = bounds[-1]
+        first = start - start % 2  # the bytes holding elements start to stop of each row
+        rows = [slice(*b) for b in bounds[:-1]]
+        raw = self.stored.read([*rows, slice(first // 2, (stop + 1) // 2)])
+        return qz.unpack(raw, self.dtype, start - first, stop - first)
+
+    def read_into(self, memory: Any) -> np.ndarray:
+        raw = self.stored.read_into(memory)
+        if not self.shape:
+            return qz.unpack(raw, self.dtype, 0, 1).reshape(())
+        return qz.unpack(raw, self.dtype, 0, self.shape[-1])
 
 
 def _buffer(shape: tuple[int, ...], dtype: np.dtype) -> tuple[np.ndarray, memoryview]:
@@ -175,10 +223,20 @@ class Checkpoint(Mapping[str, Tensor]):
     """A safetensors checkpoint, opened: a read-only mapping from tensor names to
     :class:`Tensor` handles, in the order of their bytes on disk (file by file). Made by
     :func:`open_safetensors`; ``metadata`` holds the header metadata of the first file
-    (``{"format": "pt"}``, Taktiny's version, user metadata)."""
+    (``{"format": "pt"}``, Taktiny's version, user metadata). ``quantized`` holds the
+    layout of each quantized parameter saved from a :class:`~taktiny.QArray`, by name (its
+    parts are the tensors ``<name>.value`` and ``<name>.scale``): ``{"bits": 4, "axis": 0,
+    "group_size": 64, "shape": [512, 2048]}``, checked against those tensors."""
 
-    def __init__(self, path: Path, tensors: dict[str, Tensor], metadata: dict[str, str]):
+    def __init__(
+        self,
+        path: Path,
+        tensors: dict[str, Tensor],
+        metadata: dict[str, str],
+        quantized: dict[str, dict[str, Any]] | None = None,
+    ):
         self.path, self.metadata = path, metadata
+        self.quantized = quantized or {}
         self._tensors = tensors
 
     def __getitem__(self, name: str) -> Tensor:
@@ -233,7 +291,31 @@ def open_safetensors(path: str | os.PathLike[str]) -> Checkpoint:
     if path.name.endswith(".json"):
         return _open_index(path)
     tensors, metadata = _header(path)
-    return Checkpoint(path, tensors, metadata)
+    return Checkpoint(path, tensors, metadata, _layouts(path, [(path, metadata)], tensors))
+
+
+def _layouts(
+    where: Path, metadata: list[tuple[Path, dict[str, str]]], tensors: Mapping[str, Tensor]
+) -> dict[str, dict[str, Any]]:
+    """The quantized layouts the files record (every file records them all), each checked
+    against its parts."""
+    out: dict[str, dict[str, Any]] = {}
+    for file, meta in metadata:
+        if qz.QUANTIZED in meta:
+            try:
+                out.update(qz.quantized_record(qz.QUANTIZED, meta[qz.QUANTIZED]))
+            except ValueError as error:
+                raise SafetensorsError(f"{file}: {error}; the header is corrupt.") from None
+    for name, record in out.items():
+        problem = qz.check_quantized(name, record, tensors)
+        if problem:
+            raise SafetensorsError(
+                f"{where}: the metadata {qz.QUANTIZED!r} records {name!r} as quantized "
+                f"{qz.describe(record['bits'], record['axis'], record['group_size'])} of shape "
+                f"{record['shape']}, but {problem}. The checkpoint is inconsistent; write it "
+                f"again with taktiny.io.save_safetensors."
+            )
+    return out
 
 
 def _open_index(index: Path) -> Checkpoint:
@@ -263,10 +345,10 @@ def _open_index(index: Path) -> Checkpoint:
         if not file.is_file():
             raise SafetensorsError(f"{index}: the shard {shard!r} (of {name!r}) is missing.")
     tensors: dict[str, Tensor] = {}
-    metadata: dict[str, str] = {}
+    metas: list[tuple[Path, dict[str, str]]] = []
     for file, shard in sorted(shards.items(), key=lambda item: item[1]):
         found, meta = _header(file)
-        metadata = metadata or meta
+        metas.append((file, meta))
         for name, tensor in found.items():
             listed = weight_map.get(name)
             if listed is None or (folder / listed).resolve() != file:
@@ -281,7 +363,8 @@ def _open_index(index: Path) -> Checkpoint:
         raise SafetensorsError(
             f"{index}: the index lists {lacking[:5]} in shards that do not hold them."
         )
-    return Checkpoint(index, tensors, metadata)
+    metadata = metas[0][1] if metas else {}
+    return Checkpoint(index, tensors, metadata, _layouts(index, metas, tensors))
 
 
 def _unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -351,4 +434,32 @@ def _header(file: Path) -> tuple[dict[str, Tensor], dict[str, str]]:
     for (_, end, a), (begin, _, b) in itertools.pairwise(tensors):
         if begin < end:
             raise bad(f"the bytes of {a.name!r} and {b.name!r} overlap; the file is corrupt.")
-    return {t.name: t for _, _, t in tensors}, {str(k): str(v) for k, v in metadata.items()}
+    metadata = {str(k): str(v) for k, v in metadata.items()}
+    found = {t.name: t for _, _, t in tensors}
+    return _unpacked(found, metadata.get(qz.PACKED), bad), metadata
+
+
+def _unpacked(tensors: dict[str, Tensor], packed: str | None, bad: Any) -> dict[str, Tensor]:
+    """`tensors` with those the metadata lists as packed 4-bit tensors presented as such."""
+    if packed is None:
+        return tensors
+    try:
+        records = qz.packed_record(qz.PACKED, packed)
+    except ValueError as error:
+        raise bad(f"{error}; the header is corrupt.") from None
+    for name, (dtype, shape) in records.items():
+        stored = tensors.get(name)
+        want = qz.packed_shape(shape)
+        if stored is None:
+            raise bad(
+                f"the metadata {qz.PACKED!r} lists {name!r} as a packed {dtype.name}{list(shape)}, "
+                f"but the file holds no tensor of that name; the header is inconsistent."
+            )
+        if stored.dtype != np.uint8 or stored.shape != want:
+            raise bad(
+                f"the metadata {qz.PACKED!r} lists {name!r} as {dtype.name}{list(shape)} packed "
+                f"two per byte, which is stored as uint8{list(want)}, but the file holds "
+                f"{stored.dtype.name}{list(stored.shape)}; the header is inconsistent."
+            )
+        tensors[name] = _Packed(name, shape, dtype, stored.file, stored.offset)
+    return tensors

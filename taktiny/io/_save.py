@@ -2,7 +2,8 @@
 
 Every file is written under a temporary name in its own directory and renamed into place
 only when all of them are written (the index last), so a failed save leaves nothing that
-looks like a finished checkpoint.
+looks like a finished checkpoint. Quantized parameters are saved as their parts, 4-bit
+tensors packed two per byte, with their layout in the header (see `_quantized`).
 """
 
 from __future__ import annotations
@@ -19,15 +20,15 @@ import jax
 import numpy as np
 
 from .. import _tree
+from . import _quantized as qz
 
 _SUFFIX = ".safetensors"
-_RESERVED = ("format", "taktiny_version")
+_RESERVED = ("format", "taktiny_version", qz.PACKED, qz.QUANTIZED)
 # numpy dtype names safetensors stores (its own names: F32, BF16, F8_E4M3, ...)
 _STORED = frozenset(
     "bool int8 uint8 int16 uint16 int32 uint32 int64 uint64 float16 float32 float64 "
     "bfloat16 float8_e4m3fn float8_e5m2 complex64".split()
 )
-_FOUR_BIT = frozenset({"int4", "uint4", "float4_e2m1fn"})
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
 _UNITS |= {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 
@@ -50,6 +51,15 @@ def save_safetensors(
     "weight_map": {name: shard file}}``) says which shard holds each tensor. A tensor larger
     than `max_shard_size` gets a shard of its own.
 
+    A quantized parameter (a :class:`~taktiny.QArray`) is saved as its two parts,
+    ``<name>.value`` (int8 as it is) and ``<name>.scale``, and its layout (bits, axis,
+    group size, shape) is recorded in every file's header metadata under
+    ``"taktiny_quantized"``. Safetensors has no 4-bit dtype: a 4-bit tensor (``int4``
+    values, or any ``int4``, ``uint4`` or ``float4_e2m1fn`` array) is stored as uint8 of
+    shape ``[..., ceil(n / 2)]``, packed two per byte along its last axis, low nibble
+    first, and listed with its dtype and shape under ``"taktiny_packed"`` in its file's
+    header. :func:`open_safetensors` and :func:`load_safetensors` unpack it.
+
     Args:
         path: the ``.safetensors`` file to write (its directory must exist).
         tree: a module or a container of arrays, saved under the names
@@ -65,7 +75,7 @@ def save_safetensors(
 
     Raises:
         TypeError: a name or metadata entry that is not a string, or a tensor whose dtype
-            safetensors cannot store (4-bit types, PRNG keys), named in the message.
+            safetensors cannot store (PRNG keys, say), named in the message.
         ValueError: a path not ending in ``.safetensors``, a bad `max_shard_size`, an
             array spread over several processes.
     """
@@ -83,7 +93,20 @@ def save_safetensors(
     if target.name == _SUFFIX or not target.name.endswith(_SUFFIX):
         raise ValueError(f"save_safetensors: the path must name a '*.safetensors' file: {path}")
     header = {"format": "taktiny", "taktiny_version": __version__, **_metadata(metadata)}
-    tensors = {name: _host(name, value) for name, value in _flat(tree).items()}
+    flat = _flat(tree)
+    layouts = (
+        {} if flat is tree else {n: qz.layout(q) for n, q in qz.quantized_arrays(tree).items()}
+    )
+    if layouts:
+        header[qz.QUANTIZED] = json.dumps(layouts)
+    tensors: dict[str, np.ndarray] = {}
+    packed: dict[str, dict[str, Any]] = {}
+    for name, value in flat.items():
+        array = _host(name, value)
+        if array.dtype.name in qz.FOUR_BIT:
+            packed[name] = {"dtype": array.dtype.name, "shape": list(array.shape)}
+            array = qz.pack(array)
+        tensors[name] = array
     shards = _split(tensors, _size(max_shard_size))
     stem = target.name[: -len(_SUFFIX)]
     if len(shards) == 1:
@@ -96,8 +119,10 @@ def save_safetensors(
         for name, shard in zip(names, shards, strict=True):
             temp = _temp(target.parent / name)
             temps.append(temp)
+            records = {n: packed[n] for n in shard if n in packed}
+            own = {**header, qz.PACKED: json.dumps(records)} if records else header
             try:
-                safetensors.numpy.save_file(shard, temp, metadata=header)
+                safetensors.numpy.save_file(shard, temp, metadata=own)
             except Exception as error:
                 raise OSError(
                     f"save_safetensors: writing {target.parent / name}: {error}"
@@ -142,8 +167,9 @@ def _metadata(metadata: Mapping[str, str] | None) -> dict[str, str]:
     return dict(metadata)
 
 
-def _flat(tree: Any) -> dict[str, Any]:
-    """Names and values: a mapping whose values are all leaves keeps its own keys."""
+def _flat(tree: Any) -> Mapping[str, Any]:
+    """Names and values: a mapping whose values are all leaves keeps its own keys (and is
+    returned as it is)."""
     if isinstance(tree, Mapping) and all(
         jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(v)) and v is not None
         for v in tree.values()
@@ -151,7 +177,7 @@ def _flat(tree: Any) -> dict[str, Any]:
         for key in tree:
             if not isinstance(key, str):
                 raise TypeError(f"save_safetensors: tensor names must be strings, got {key!r}")
-        return dict(tree)
+        return tree
     return _tree.flat_state_dict(tree)
 
 
@@ -170,16 +196,11 @@ def _host(name: str, value: Any) -> np.ndarray:
             f"jax.experimental.multihost_utils.process_allgather), or save from each process"
         )
     array = np.asarray(value, order="C")  # (np.ascontiguousarray makes a 0-d array 1-d)
-    if array.dtype.name in _FOUR_BIT:
-        raise TypeError(
-            f"save_safetensors: {name!r} has dtype {array.dtype.name}, and safetensors has no "
-            f"4-bit type; Taktiny will pack 4-bit values two per byte once quantized weights "
-            f"are supported. Until then cast it (for example to int8) before saving"
-        )
-    if array.dtype.name not in _STORED:
+    if array.dtype.name not in _STORED and array.dtype.name not in qz.FOUR_BIT:
         raise TypeError(
             f"save_safetensors: {name!r} has dtype {array.dtype.name}, which safetensors cannot "
-            f"store; it stores {', '.join(sorted(_STORED))}"
+            f"store; it stores {', '.join(sorted(_STORED))}, and {', '.join(qz.FOUR_BIT)} "
+            f"packed two per byte"
         )
     return array
 

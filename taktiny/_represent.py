@@ -1,0 +1,185 @@
+"""Loading values held in another representation than the model's.
+
+A float array where the model holds a `QArray` is quantized as that QArray is (its bits,
+axis, group size and scale dtype); a QArray, or a dict of its parts, where the model holds
+an array is dequantized into that array's dtype; a QArray quantized another way is
+dequantized and quantized again. Each only with ``match_quantization=True``: without it,
+each is a problem that says how to convert. The resolver and the check set such values
+aside only where a plain load would fail, so an ordinary load does no work here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.core import Tracer
+from jax.sharding import NamedSharding
+
+from . import _errors as err
+from . import _values
+from ._errors import StateProblem
+from ._names import Custom
+from ._quant import PARTS, QArray, parts_layout, quantize_like
+
+_CHECKED_KINDS = ("dtype", "shape", "value", "structure")  # problems told as a QArray's
+
+
+class Other(NamedTuple):
+    """A value of the state in another representation than the model's value it names."""
+
+    name: str  # the flat name of the model's array or custom parameter
+    old: Any  # the model's value there: an array, a QArray, another custom value
+    wheres: tuple[Any, ...]  # where its leaves are in the view, in flatten order
+    given: Any  # the state's value: an array, a QArray, or a dict of a QArray's parts
+    flat: bool = False  # the parts came under flat names ("kernel.value", "kernel.scale")
+
+
+def is_quantized(value: Any) -> bool:
+    """Whether a value refused as an array is a quantized one: a QArray, or a dict of some
+    of its parts (a QArray restored without a target)."""
+    if isinstance(value, QArray):
+        return True
+    return isinstance(value, Mapping) and 0 < len(value) and all(k in PARTS for k in value)
+
+
+def settle(
+    view: Any, others: list[Other], match: bool, problems: list[StateProblem]
+) -> list[tuple[Any, Any]]:
+    """The leaves to load in place of `others`, converted to the model's representation
+    (with `match`); each that cannot (or, without `match`, may not) be is a problem. All
+    are checked before any is converted, and none is when anything is wrong."""
+    plans = [_plan(other, match, problems) for other in others]
+    if problems:
+        return []
+    return [leaf for plan in plans if plan is not None for leaf in plan()]
+
+
+def _plan(other: Other, match: bool, problems: list[StateProblem]) -> Any:
+    """How to convert `other` (a function giving its leaves), once checked; None (and a
+    problem recorded) when it can't be."""
+    name, old, given = other.name, other.old, other.given
+    if isinstance(old, QArray) and isinstance(given, QArray):
+        if not match:
+            problems.append(err.quantized_expected(name, old, given))
+        elif given.shape != old.shape:
+            problems.append(err.shape(name, old.shape, given.shape))
+        else:
+            return lambda: _quantized(other, given.dequantize(jnp.float32))
+        return None
+    if isinstance(old, QArray) and _array_like(given):
+        if not match:
+            problems.append(err.quantized_expected(name, old, given))
+            return None
+        if isinstance(given, (jax.Array, np.ndarray)) and _values.kind(given.dtype) != "floating":
+            problems.append(err.not_float(name, old, given))
+            return None
+        # the shape checked; quantized from float32 (not the scale's narrower dtype)
+        wide = jnp.dtype(old.dtype) if jnp.dtype(old.dtype).itemsize > 4 else jnp.float32
+        logical = jax.ShapeDtypeStruct(old.shape, wide)
+        array = _values.convert(name, given, logical, problems)
+        return None if array is None else lambda: _quantized(other, array)
+    if is_quantized(given) and jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(old)):
+        return _dequantized(other, match, problems)
+    if isinstance(old, QArray):
+        problems.append(err.not_quantized(name, old, given))
+    else:  # a custom parameter given in another structure
+        structure = jax.tree_util.tree_structure
+        problems.append(err.structure(name, structure(old), structure(given)))
+    return None
+
+
+def _array_like(value: Any) -> bool:
+    """Whether a value that is no custom parameter is meant as one array."""
+    kinds = (jax.Array, np.ndarray, list, tuple, bool, int, float, complex)
+    return isinstance(value, kinds) or hasattr(value, "__dlpack__")
+
+
+def _quantized(other: Other, array: Any) -> list[tuple[Any, Any]]:
+    """The leaves of `array` quantized as the model's QArray `other.old` is, computed on
+    the devices of its value when it is split."""
+    old = other.old
+    concrete = not isinstance(array, Tracer) and not isinstance(old.value, Tracer)
+    target = getattr(old.value, "sharding", None) if concrete else None
+    if isinstance(target, NamedSharding):
+        array = jax.device_put(array, target)
+    q = quantize_like(array, old, name=other.name)
+    return list(zip(other.wheres, jax.tree_util.tree_leaves(q), strict=True))
+
+
+def _dequantized(other: Other, match: bool, problems: list[StateProblem]) -> Any:
+    """A QArray, or a dict of its parts, where the model holds an array."""
+    name, old, given = other.name, other.old, other.given
+    made = given if isinstance(given, QArray) else _from_parts(given)
+    if isinstance(made, str):  # parts that make no QArray
+        parts: Mapping[str, Any] = other.given
+        if match:
+            problems.append(err.unfit_parts(name, parts, made))
+        elif other.flat:  # told as they were given
+            problems.extend(err.inside_array(f"{name}.{k}", name, v) for k, v in parts.items())
+        else:
+            problems.append(err.array_expected(name, parts, "this name is one array"))
+        return None
+    if not match:
+        problems.append(err.float_expected(name, old, given, made))
+        return None
+    shape = tuple(np.shape(old))
+    dtype = jnp.result_type(old) if getattr(old, "dtype", None) is None else old.dtype
+    if made.shape != shape:
+        problems.append(err.shape(name, shape, made.shape))
+    elif not jnp.issubdtype(dtype, jnp.floating):
+        kind = _values.kind(dtype) or str(dtype)
+        problems.append(err.dtype_kind(name, dtype, made.dtype, kind, "floating"))
+    else:
+        return lambda: [(other.wheres[0], made.dequantize(dtype))]
+    return None
+
+
+def _from_parts(parts: Mapping[str, Any]) -> QArray | str:
+    """The QArray that a dict of its parts makes, its layout read from them; or why not."""
+    missing = [part for part in PARTS if part not in parts]
+    if missing:
+        return f"both the value and the scale are needed, got no {' or '.join(missing)}"
+    value, scale = parts["value"], parts["scale"]
+    if not all(hasattr(x, "shape") and hasattr(x, "dtype") for x in (value, scale)):
+        return "the value and the scale must be arrays"
+    layout = parts_layout(value, scale)
+    if isinstance(layout, str):
+        return layout
+    bits, axis, group_size = layout
+    try:
+        return QArray(value, scale, bits=bits, axis=axis, group_size=group_size)
+    except ValueError as error:
+        return str(error).removeprefix("QArray: ").rstrip(".")
+
+
+def explain(view: Any, problems: list[StateProblem]) -> None:
+    """Tells the problems with a part of a QArray (``kernel.value`` of the wrong dtype,
+    ``kernel.scale`` of the wrong shape) as problems with that QArray. For a load that
+    failed: it reads the whole tree."""
+    parents = {
+        p.key.rpartition(".")[0]
+        for p in problems
+        if p.kind in _CHECKED_KINDS and p.key.rpartition(".")[2] in PARTS
+    }
+    if not parents:
+        return
+    olds, spec = view.flattened()
+    found: dict[str, QArray] = {}
+    for parent in parents:
+        node: Any = spec.template
+        for key in parent.split("."):
+            node = node.get(key) if type(node) is dict else None
+        if isinstance(node, Custom):
+            value = node.treedef.unflatten(olds[node.start : node.stop])
+            if isinstance(value, QArray):
+                found[parent] = value
+    told: Callable[[StateProblem], StateProblem] = lambda p: (
+        err.in_quantized(p, parent, found[parent])
+        if p.kind in _CHECKED_KINDS and (parent := p.key.rpartition(".")[0]) in found
+        else p
+    )
+    problems[:] = [told(p) for p in problems]
