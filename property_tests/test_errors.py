@@ -117,7 +117,7 @@ def test_bad_values_are_all_listed_and_nothing_is_loaded(platform, data):
     Seen to catch (`property_tests/mutants.py`): a load that writes the good values into the
     module before raising (``half_applied``); an error that lists only its first problem
     (``first_problem_only``); a cast between ints without the range check
-    (``no_range_check``).
+    (``no_range_check``); a shape check that lets 2-D values through (``no_shape_check``).
     """
     devices = jax.devices(platform)
     model = data.draw(models(devices, min_leaves=1), label="case").model

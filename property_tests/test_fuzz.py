@@ -123,10 +123,10 @@ def test_any_input_loads_or_raises_one_state_dict_error(platform, data):
     """Fuzzed states (nested and flat) either load, with each value where it was named, or
     raise StateDictError with at least one problem; the module is never changed.
 
-    Seen to catch (`property_tests/mutants.py`): a shape check that lets 2-D values through
-    (``no_shape_check``: the loaded leaf has the value's shape). Planted by hand once, it also
-    caught a conversion without its guard around ``np.asarray`` (a list of JAX arrays raised
-    TypeError).
+    Planted by hand once, it caught a conversion without its guard around ``np.asarray`` (a
+    list of JAX arrays raised TypeError). It catches a shape check that lets 2-D values
+    through only in some runs (the models it draws rarely meet a wrong 2-D value), so
+    `test_bad_values_are_all_listed_and_nothing_is_loaded` is the property checked for that.
     """
     devices = jax.devices(platform)
     model = data.draw(models(devices), label="case").model

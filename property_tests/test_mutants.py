@@ -19,9 +19,6 @@ from hypothesis.errors import HypothesisException
 
 from . import mutants
 
-# Variants the usual 100 examples catch only in most runs (the generated models depend on the
-# classes other tests have registered): these get more.
-EXAMPLES = {"no_shape_check": 400}
 PAIRS = [(variant, test) for variant, tests in mutants.EXPECTED.items() for test in tests]
 
 
@@ -38,7 +35,7 @@ def test_each_property_catches_its_variants(variant, test, monkeypatch):
         monkeypatch.setattr(module, attribute, value)
     inner = _property(test).hypothesis.inner_test
     quick = settings(
-        max_examples=EXAMPLES.get(variant, 100),
+        max_examples=100,
         derandomize=True,
         database=None,
         deadline=None,

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._quant import QArray
+from ._quant import PARTS, QArray
 from ._sharding import mesh_text
 
 
@@ -185,13 +185,19 @@ def _unknown(name: str, value: Any, flat: bool, names: _Suggester, suggest: bool
 
 def inside_array(name: str, parent: str, value: Any) -> StateProblem:
     """A flat name below the name of an array (``kernel.x`` where ``kernel`` is one)."""
+    entry = name[len(parent) + 1 :]
     return StateProblem(
         "structure",
         name,
         f"an array at {parent!r}",
         describe(value),
-        f"{parent!r} is an array, so it has no entry {name[len(parent) + 1 :]!r}; give the "
-        f"array itself at {parent!r}.",
+        f"{parent!r} is an array, so it has no entry {entry!r}; give the array itself at "
+        f"{parent!r}"
+        + (
+            ", or pass match_quantization=True to dequantize a quantized array's parts on load."
+            if entry in PARTS
+            else "."
+        ),
     )
 
 

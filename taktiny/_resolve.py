@@ -29,16 +29,18 @@ class Resolved(NamedTuple):
     other: dict[Any, Other]
 
 
-def resolve(view: Any, state: Mapping[Any, Any], flat: bool) -> Resolved:
-    """Finds the leaf each entry of `state` names; lists the entries that name none."""
+def resolve(view: Any, state: Mapping[Any, Any], flat: bool, match: bool = False) -> Resolved:
+    """Finds the leaf each entry of `state` names; lists the entries that name none. With
+    `match` (``match_quantization=True``), the parts of a QArray named under a float
+    array's name are gathered to be dequantized; without it they are unknown names."""
     found = Resolved({}, [], {})
     unknown: list[tuple[str, Any]] = []  # each also holds a place in `problems`, in order
     if flat:
         for name, value in state.items():
             if type(name) is not str:
-                same = _resolve_name(view, str(name), value, Resolved({}, [], {}))
+                same = _resolve_name(view, str(name), value, Resolved({}, [], {}), match)
                 found.problems.append(err.non_string_key(repr(name), name, same, flat=True))
-            elif not _resolve_name(view, name, value, found):
+            elif not _resolve_name(view, name, value, found, match):
                 unknown.append((str(name), value))
                 found.problems.append(_UNKNOWN)
     else:
@@ -50,7 +52,7 @@ def resolve(view: Any, state: Mapping[Any, Any], flat: bool) -> Resolved:
     return found
 
 
-def _resolve_name(view: Any, name: str, value: Any, found: Resolved) -> bool:
+def _resolve_name(view: Any, name: str, value: Any, found: Resolved, match: bool) -> bool:
     """Resolves one flat name; False when it names no leaf (a group, the inside of an
     array, or nothing)."""
     node, keys = view.root, tuple(name.split("."))
@@ -63,7 +65,7 @@ def _resolve_name(view: Any, name: str, value: Any, found: Resolved) -> bool:
             continue
         if kind is LEAF:
             if i + 1 < len(keys):
-                if i + 2 == len(keys) and keys[-1] in PARTS:  # a QArray's part: dequantize?
+                if match and i + 2 == len(keys) and keys[-1] in PARTS:  # a QArray's part
                     _other_part(view, view.leaf(node, keys[:-1]), keys[-1], value, found)
                     return True
                 return False

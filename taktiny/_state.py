@@ -201,7 +201,7 @@ def load(
     match = match_quantization
     if not strict and _few(state, flat):
         walk = Walk(tree, nodes)
-        found = resolve(walk, state, flat)
+        found = resolve(walk, state, flat, match)
         olds = walk.olds.values()
         if olds and not any(isinstance(old, jax.ShapeDtypeStruct) for old in olds):
             return _finish(walk, found.supplied.items(), found, caller, match)
@@ -210,7 +210,7 @@ def load(
     values = _in_order(view, state, flat)  # every leaf, in leaf order: the fast path
     if values is not None:
         return _finish(view, enumerate(values), None, caller, match)
-    found = resolve(view, state, flat)
+    found = resolve(view, state, flat, match)
     named = found.supplied
     if found.other:  # leaves given in another representation are named too
         named = {**named, **{w: None for other in found.other.values() for w in other.wheres}}

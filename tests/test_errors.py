@@ -105,7 +105,8 @@ CASES = {
         lambda: mlp().load_flat_state_dict({"input.kernel.value": np.zeros(3)}),
         [("structure", "input.kernel.value", "an array at 'input.kernel'", "an array float64[3]",
           "'input.kernel' is an array, so it has no entry 'value'; give the array itself at "
-          "'input.kernel'.")],
+          "'input.kernel', or pass match_quantization=True to dequantize a quantized array's "
+          "parts on load.")],
     ),
     "a typo": (
         lambda: mlp().load_flat_state_dict({"input.kernal": np.zeros(3)}),

@@ -244,12 +244,18 @@ def test_a_float_model_refuses_a_quantized_state_without_the_option():
         r"the parts of a quantized array \(value int4\[32, 64\], scale float32\[2, 64\]\): the "
         r"representations differ\. Pass match_quantization=True to dequantize it on load"
     )
-    for (state, flat), message in zip(quantized_states(q), [whole, parts, parts, whole],
-                                      strict=True):  # fmt: skip
+    named = (  # flat parts are names inside a float array, each told how to dequantize
+        r"'encoder\.0\.kernel' is an array, so it has no entry 'value'; give the array itself "
+        r"at 'encoder\.0\.kernel', or pass match_quantization=True to dequantize a quantized "
+        r"array's parts on load\."
+    )
+    cases = [(whole, "representation"), (named, "structure"), (parts, "representation"),
+             (whole, "representation")]  # fmt: skip
+    for (state, flat), (message, kind) in zip(quantized_states(q), cases, strict=True):
         load = model.load_flat_state_dict if flat else model.load_state_dict
         with pytest.raises(tt.StateDictError, match=message) as error:
             load(state)
-        assert {p.kind for p in error.value.problems} == {"representation"}
+        assert {p.kind for p in error.value.problems} == {kind}
 
 
 def test_parts_that_make_no_quantized_array_are_refused():
