@@ -11,8 +11,9 @@ Groups: state (state read/write), dispatch (jit dispatch), checkpoint (save/rest
 the 1 GB model with its Adam state on 8 simulated devices), streaming (taktiny.io's
 streaming safetensors load of the 1 GB model against the raw read and its peers, and
 `taktiny inspect`), quantized (the bytes of a quantized 100M-parameter MLP, the time to
-quantize it, and the 1 GB float32 checkpoint quantized to int8 as it streams in). A full
-run takes under 25 minutes on 2 cores.
+quantize it, and the 1 GB float32 checkpoint quantized to int8 as it streams in), decoding
+(the Llama of examples/llama.py against the same model in plain JAX, and a cached decoding
+step against a full forward). A full run takes under 25 minutes on 2 cores.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ jax.config.update("jax_num_cpu_devices", 8)
 
 from bench import (  # noqa: E402
     checkpoint,
+    decoding,
     dispatch,
     memory,
     quantized,
@@ -53,6 +55,7 @@ GROUPS = {
     "sharded": sharded.run,
     "streaming": streaming.run,
     "quantized": quantized.run,
+    "decoding": decoding.run,
 }
 
 

@@ -125,7 +125,8 @@ def main():
         )
 
     ours = lambda *inputs: forward(model, *inputs)  # (hidden, pooled): paired in order
-    with torch.no_grad():
+    # full float32 products: a GPU would otherwise multiply float32 in TF32 (docs/layers.md)
+    with torch.no_grad(), jax.default_matmul_precision("highest"):
         print("Taktiny against transformers:")
         print(convert.parity(ours, theirs(reference), ids, token_types, valid, tolerance=1e-5))
 

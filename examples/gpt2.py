@@ -118,7 +118,8 @@ def main():
     ours = lambda ids: forward(model, ids)
     # without the cache, a GPT2LMHeadModel's output holds the logits only: named "logits"
     theirs = lambda torch_model: lambda ids: torch_model(torch.from_numpy(ids), use_cache=False)
-    with torch.no_grad():
+    # full float32 products: a GPU would otherwise multiply float32 in TF32 (docs/layers.md)
+    with torch.no_grad(), jax.default_matmul_precision("highest"):
         print("Taktiny against transformers:")
         print(convert.parity(ours, theirs(reference), ids, tolerance=1e-5))
 

@@ -12,6 +12,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # bench/ is not
 
 from bench import (
     checkpoint,
+    decoding,
     diagnose,
     dispatch,
     memory,
@@ -34,6 +35,7 @@ GROUPS = {
     "sharded": sharded,
     "streaming": streaming,
     "quantized": quantized,
+    "decoding": decoding,
 }
 
 

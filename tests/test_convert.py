@@ -29,14 +29,16 @@ def torch_mlp() -> torch.nn.Sequential:
 
 def mlp() -> nn.Sequential:
     rngs = nn.Rngs(0)
-    return nn.Sequential(nn.Linear(4, 8, rngs=rngs), jax.nn.relu, nn.Linear(8, 3, rngs=rngs))
+    exact = {"precision": "highest", "rngs": rngs}  # compared with torch's float32
+    return nn.Sequential(nn.Linear(4, 8, **exact), jax.nn.relu, nn.Linear(8, 3, **exact))
 
 
 class QKV(nn.Module):
     def __init__(self, features: int, *, rngs: nn.Rngs):
-        self.query = nn.Linear(features, features, rngs=rngs)
-        self.key = nn.Linear(features, features, rngs=rngs)
-        self.value = nn.Linear(features, features, rngs=rngs)
+        exact = {"precision": "highest", "rngs": rngs}  # compared with torch's float32
+        self.query = nn.Linear(features, features, **exact)
+        self.key = nn.Linear(features, features, **exact)
+        self.value = nn.Linear(features, features, **exact)
 
 
 QKV_RULES = [
@@ -277,7 +279,7 @@ def test_permutes_a_torch_conv_kernel_and_back():
         ),  # [out, in, h, w] -> [h, w, in, out]
         cv.Rule("bias", "bias"),
     ]
-    model = nn.Conv(2, 5, (3, 4), padding="VALID", rngs=nn.Rngs(0))
+    model = nn.Conv(2, 5, (3, 4), padding="VALID", precision="highest", rngs=nn.Rngs(0))
     model = model.load_flat_state_dict(cv.convert(rules, theirs.state_dict(), target=model))
     x = np.random.default_rng(4).standard_normal((1, 2, 6, 7), dtype=np.float32)
     ours = model(jnp.asarray(np.moveaxis(x, 1, -1)))

@@ -17,6 +17,14 @@ from taktiny import nn
 RNG = np.random.default_rng(0)
 
 
+@pytest.fixture(autouse=True)
+def _full_float32_products():
+    """The comparisons with torch hold at full float32 precision, which a GPU's default
+    (TF32 matmuls) does not give: pinned for every test here."""
+    with jax.default_matmul_precision("highest"):
+        yield
+
+
 def randn(*shape):
     return RNG.standard_normal(shape, dtype=np.float32)
 
@@ -81,6 +89,8 @@ LAYERS = {
                  cv.layer_norm("", "", bias=False), randn(2, 6)),
     "embedding": (torch.nn.Embedding(11, 4), lambda: nn.Embed(11, 4, rngs=nn.Rngs(0)),
                   cv.embedding("", ""), RNG.integers(0, 11, (2, 5))),
+    "group_norm": (torch.nn.GroupNorm(3, 6), lambda: nn.GroupNorm(3, 6),
+                   cv.group_norm("", ""), randn(4, 6)),  # [batch, channels]: either layout
 }  # fmt: skip
 
 
@@ -125,6 +135,27 @@ def test_a_grouped_conv_transpose_needs_its_features():
         ValueError, match=r"dims is the number of spatial axes of the kernel, got 0"
     ):
         cv.conv("c", "c", dims=0)
+
+
+def test_group_norm_and_pools_take_their_places_in_a_sequential():
+    """A GroupNorm on channels-last images gets its preset; pools have no state but count
+    in the numbering, as in torch."""
+    theirs = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 6, 3, padding=1), torch.nn.GroupNorm(3, 6), torch.nn.ReLU(),
+        torch.nn.MaxPool2d(2),
+        torch.nn.Sequential(torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten()),
+        torch.nn.Linear(6, 2),
+    )  # fmt: skip
+    factory = lambda: nn.Sequential(
+        nn.Conv(3, 6, (3, 3), padding=1, rngs=nn.Rngs(0)), nn.GroupNorm(3, 6), jax.nn.relu,
+        nn.MaxPool((2, 2)), nn.GlobalAvgPool(), nn.Linear(6, 2, rngs=nn.Rngs(1)),
+    )  # fmt: skip
+    rules = cv.pytorch(jax.eval_shape(factory))
+    assert [repr(r) for r in rules[2:4]] == [repr(r) for r in cv.group_norm("1", "layers.1")]
+    assert isinstance(last := rules[-1], cv.Rule) and last.sources == ("5.bias",)
+    x = randn(2, 6, 5, 3)
+    model = convert_and_back(rules, randomize_(theirs), factory, call, channels, x)
+    cv.round_trip_check(rules, model)
 
 
 def test_batch_norm_converts_the_running_statistics_and_ignores_the_count():

@@ -103,7 +103,7 @@ def test_a_jitted_train_step_with_optax_learns_and_tracks_statistics(optax_promo
 
 
 def test_parameters_and_dtype():
-    bn = nn.BatchNorm(3, dtype=jnp.bfloat16)
+    bn = nn.BatchNorm(3, param_dtype=jnp.bfloat16)
     assert {v.dtype for v in bn.flat_state_dict().values()} == {jnp.dtype(jnp.bfloat16)}
     assert bn(jnp.ones((2, 3))).dtype == jnp.bfloat16
     y, new = bn(jnp.ones((2, 3)) * jnp.arange(3.0), train=True)
@@ -176,7 +176,7 @@ def test_batch_norm_stays_in_float32_when_x64_is_on(dtype, train):
     x64 = np.random.default_rng(0).normal(size=(6, 4)) * 2 + 1
     with jax.enable_x64(True):
         state = {name: values.astype(dtype) for name in ("scale", "bias", "mean", "var")}
-        bn = nn.BatchNorm(4, dtype=dtype).load_flat_state_dict(state, strict=True)
+        bn = nn.BatchNorm(4, param_dtype=dtype).load_flat_state_dict(state, strict=True)
         x = jnp.asarray(x64, jnp.float32)
         jaxpr = jax.make_jaxpr(lambda bn, x: bn(x, train=train))(bn, x).jaxpr
         assert [e for e in jaxpr.eqns if any(v.aval.dtype == np.float64 for v in e.outvars)] == []

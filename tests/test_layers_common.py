@@ -1,6 +1,7 @@
 """What every layer shares: named scopes, the dtype rule, jit/grad, init draws, reprs."""
 
 import math
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -15,37 +16,192 @@ def rngs():
     return nn.Rngs(0)
 
 
-# name -> (factory taking a dtype, input shape, call keyword arguments)
+# name -> (factory taking the dtype keywords, input shape, call keyword arguments)
 LAYERS = {
-    "Linear": (lambda dtype: nn.Linear(4, 3, dtype=dtype, rngs=rngs()), (2, 4), {}),
-    "LayerNorm": (lambda dtype: nn.LayerNorm(4, dtype=dtype), (2, 4), {}),
-    "RMSNorm": (lambda dtype: nn.RMSNorm(4, dtype=dtype), (2, 4), {}),
-    "Conv": (lambda dtype: nn.Conv(4, 3, (3,), dtype=dtype, rngs=rngs()), (2, 5, 4), {}),
+    "Linear": (lambda **kw: nn.Linear(4, 3, **kw, rngs=rngs()), (2, 4), {}),
+    "LayerNorm": (lambda **kw: nn.LayerNorm(4, **kw), (2, 4), {}),
+    "RMSNorm": (lambda **kw: nn.RMSNorm(4, **kw), (2, 4), {}),
+    "Conv": (lambda **kw: nn.Conv(4, 3, (3,), **kw, rngs=rngs()), (2, 5, 4), {}),
     "ConvTranspose": (
-        lambda dtype: nn.ConvTranspose(4, 3, (3,), strides=2, dtype=dtype, rngs=rngs()),
+        lambda **kw: nn.ConvTranspose(4, 3, (3,), strides=2, **kw, rngs=rngs()),
         (2, 5, 4),
         {},
     ),
-    "BatchNorm": (lambda dtype: nn.BatchNorm(4, dtype=dtype), (2, 4), {}),
+    "BatchNorm": (lambda **kw: nn.BatchNorm(4, **kw), (2, 4), {}),
+    "GroupNorm": (lambda **kw: nn.GroupNorm(2, 4, **kw), (2, 3, 4), {}),
     "MultiHeadAttention": (
-        lambda dtype: nn.MultiHeadAttention(2, 4, dtype=dtype, rngs=rngs()),
+        lambda **kw: nn.MultiHeadAttention(2, 4, **kw, rngs=rngs()),
         (2, 5, 4),
         {"causal": True},
     ),
 }
 
 
-@pytest.mark.parametrize("name", LAYERS)
-def test_layers_compute_in_their_parameters_dtype(name):
-    factory, shape, kwargs = LAYERS[name]
-    layer = factory(jnp.bfloat16)
-    assert {leaf.dtype for leaf in jax.tree.leaves(layer)} == {jnp.dtype(jnp.bfloat16)}
-    assert layer(jnp.ones(shape, jnp.float32), **kwargs).dtype == jnp.bfloat16
-    layer = factory(jnp.float32)
-    assert layer(jnp.ones(shape, jnp.bfloat16), **kwargs).dtype == jnp.float32
+def plain(layer, x):
+    return layer(x)
 
 
-@pytest.mark.parametrize("name", [*LAYERS, "Embed", "Dropout", "Sequential"])
+# The dtype rule covers every layer with parameters, each of its calls:
+# name -> (factory taking the dtype keywords, the input (made in the test), the call)
+CALLS = {
+    **{
+        name: (factory, lambda shape=shape: jnp.ones(shape), lambda f, x, kw=kwargs: f(x, **kw))
+        for name, (factory, shape, kwargs) in LAYERS.items()
+    },
+    "BatchNorm(train=True)": (
+        LAYERS["BatchNorm"][0],
+        lambda: jnp.arange(8.0).reshape(2, 4),
+        lambda bn, x: bn(x, train=True)[0],
+    ),
+    "Embed": (lambda **kw: nn.Embed(5, 4, **kw, rngs=rngs()), lambda: jnp.arange(3), plain),
+    "Embed.attend": (
+        lambda **kw: nn.Embed(5, 4, **kw, rngs=rngs()),
+        lambda: jnp.ones((2, 4)),
+        lambda embed, x: embed.attend(x),
+    ),
+    "QuantizedLinear": (lambda **kw: nn.QuantizedLinear(4, 3, **kw, rngs=rngs()), lambda: jnp.ones((2, 4)), plain),
+    "QuantizedEmbed": (lambda **kw: nn.QuantizedEmbed(5, 4, **kw, rngs=rngs()), lambda: jnp.arange(3), plain),
+    "QuantizedEmbed.attend": (
+        lambda **kw: nn.QuantizedEmbed(5, 4, **kw, rngs=rngs()),
+        lambda: jnp.ones((2, 4)),
+        lambda embed, x: embed.attend(x),
+    ),
+}  # fmt: skip
+
+# the calls that multiply matrices or convolve, and so take a precision
+PRECISE = ["Linear", "Conv", "ConvTranspose", "MultiHeadAttention", "Embed.attend",
+           "QuantizedLinear", "QuantizedEmbed.attend"]  # fmt: skip
+
+BF16, F32 = jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)
+HIGHEST = (jax.lax.Precision.HIGHEST, jax.lax.Precision.HIGHEST)
+
+
+def _call(name, **dtypes):
+    """The layer `name` built with `dtypes`, and the output of its call on its input."""
+    factory, x, call = CALLS[name]
+    layer = factory(**dtypes)
+    return layer, call(layer, x())
+
+
+def _floats(tree):
+    """The dtypes of the float leaves of `tree` (a quantized weight's scale; not its ints)."""
+    return {x.dtype for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.floating)}
+
+
+# Quantized layers compute in their input's dtype when ``dtype=None`` (their parameters
+# are ints): one int8 kernel serves float32 and bfloat16 callers alike.
+FOLLOW_THE_INPUT = {"QuantizedLinear", "QuantizedEmbed.attend"}
+
+
+@pytest.mark.parametrize("name", CALLS)
+def test_parameters_are_stored_in_param_dtype_and_computed_in_it_by_default(name):
+    """``dtype=None`` (the default) computes in the parameters' dtype, whatever the input's
+    (the quantized layers: in the input's)."""
+    layer, y = _call(name, param_dtype=jnp.bfloat16)
+    assert _floats(layer) == {BF16} and y.dtype == (F32 if name in FOLLOW_THE_INPUT else BF16)
+    layer, y = _call(name)  # float32 parameters by default
+    assert _floats(layer) == {F32} and y.dtype == F32
+    _, x, call = CALLS[name]
+    if x().dtype == F32:  # a bfloat16 input to a float32 layer: float32 out
+        y = call(layer, x().astype(jnp.bfloat16))
+        assert y.dtype == (BF16 if name in FOLLOW_THE_INPUT else F32)
+
+
+@pytest.mark.parametrize("name", CALLS)
+def test_dtype_is_the_compute_and_output_dtype_and_the_state_keeps_param_dtype(name):
+    """A float32 layer computing in bfloat16 returns bfloat16, and its state (BatchNorm's
+    updated running statistics too) stays float32; and the other way round."""
+    layer, y = _call(name, dtype=jnp.bfloat16)
+    assert y.dtype == BF16 and _floats(layer) == {F32} and layer.dtype == BF16
+    # and the gradients are float32, as the parameters (not MultiHeadAttention: the backward
+    # pass of jax.nn.dot_product_attention in bfloat16 fails under strict promotion)
+    if name in LAYERS and name != "MultiHeadAttention":
+        _, x, call = CALLS[name]
+        grads = jax.grad(lambda layer: jnp.sum(call(layer, x()).astype(F32)))(layer)
+        assert _floats(grads) == {F32}
+    layer, y = _call(name, dtype=jnp.float32, param_dtype=jnp.bfloat16)
+    assert y.dtype == F32 and _floats(layer) == {BF16}
+
+
+def test_a_float32_batch_norm_training_in_bfloat16_keeps_float32_statistics():
+    bn = nn.BatchNorm(4, dtype=jnp.bfloat16)
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(8, 4)) * 3 + 1, jnp.float32)
+    y, new = bn(x, train=True)
+    assert y.dtype == BF16 and _floats(new) == {F32}
+    np.testing.assert_allclose(new.mean, 0.01 * np.asarray(x).mean(0), rtol=1e-6)
+    y, new = nn.train_forward(nn.Sequential(bn), x)
+    assert y.dtype == BF16 and _floats(new) == {F32}
+
+
+def _products(fn, *args):
+    """Every dot_general and conv_general_dilated in `fn`'s jaxpr, nested ones too."""
+    found, todo = [], [jax.make_jaxpr(fn)(*args).jaxpr]
+    while todo:
+        jaxpr = todo.pop()
+        found += [
+            e for e in jaxpr.eqns if e.primitive.name in ("dot_general", "conv_general_dilated")
+        ]
+        todo += jax.extend.core.subjaxprs(jaxpr)
+    return found
+
+
+@pytest.mark.parametrize("name", PRECISE)
+def test_products_run_in_the_compute_dtype(name):
+    """``dtype=bfloat16`` on float32 parameters casts both operands of every product."""
+    factory, x, call = CALLS[name]
+    layer = factory(dtype=jnp.bfloat16)
+    products = _products(lambda x: call(layer, x), x())
+    assert products and all(v.aval.dtype == BF16 for e in products for v in e.invars)
+
+
+@pytest.mark.parametrize("name", PRECISE)
+def test_precision_reaches_every_product(name):
+    """``precision="highest"`` sets ``Precision.HIGHEST`` on every matrix product and
+    convolution the call makes; without it none has a precision (JAX's default)."""
+    factory, x, call = CALLS[name]
+    for precision, expected in (("highest", HIGHEST), (None, None)):
+        products = _products(partial(call, factory(precision=precision)), x())
+        assert products and all(e.params["precision"] == expected for e in products), [
+            e.params["precision"] for e in products
+        ]
+
+
+@pytest.mark.parametrize("name", PRECISE)
+def test_a_bad_precision_is_refused_when_the_layer_is_built(name):
+    layer = name.split(".")[0]
+    with pytest.raises(ValueError) as raised:
+        CALLS[name][0](precision="best")
+    assert str(raised.value) == (
+        f"{layer}'s precision must be None, a jax.lax.Precision or one of the names 'default', "
+        f"'high', 'highest' (or a pair of them, one per operand), or a "
+        f"jax.lax.DotAlgorithmPreset; got 'best'. Use precision='highest' for full float32 "
+        f"products on GPUs and TPUs."
+    )
+
+
+def test_precision_takes_names_in_any_case_pairs_and_precisions(without_type_checks):
+    """Names become ``jax.lax.Precision`` when the layer is built; anything else that is
+    not a precision is refused then (type checks off: the layer's own check)."""
+    make = lambda precision: nn.Linear(2, 2, precision=precision, rngs=rngs()).precision
+    assert make("HIGH") == jax.lax.Precision.HIGH
+    assert make(("highest", "Default")) == (HIGHEST[0], jax.lax.Precision.DEFAULT)
+    assert make(jax.lax.Precision.HIGH) == jax.lax.Precision.HIGH
+    preset = jax.lax.DotAlgorithmPreset.F32_F32_F32
+    assert make(preset) is preset
+    assert make(None) is None
+    for bad in [3, ("highest",), ("highest", 3), ["highest", "highest"]]:
+        with pytest.raises(ValueError, match=r"Linear's precision must be None.*got "):
+            make(bad)
+
+
+POOLS = {
+    "MaxPool": lambda: nn.MaxPool((2,)),
+    "AvgPool": lambda: nn.AvgPool((3,), 2, 1),
+    "GlobalAvgPool": lambda: nn.GlobalAvgPool(),
+}
+
+
+@pytest.mark.parametrize("name", [*LAYERS, "Embed", "Dropout", "Sequential", *POOLS])
 def test_every_call_runs_in_a_named_scope(name):
     if name == "Embed":
         layer, x, kwargs = nn.Embed(5, 4, rngs=rngs()), jnp.arange(3), {}
@@ -53,9 +209,11 @@ def test_every_call_runs_in_a_named_scope(name):
         layer, x, kwargs = nn.Dropout(0.5), jnp.ones((2, 4)), {"key": jax.random.key(0)}
     elif name == "Sequential":
         layer, x, kwargs = nn.Sequential(nn.LayerNorm(4), jax.nn.relu), jnp.ones((2, 4)), {}
+    elif name in POOLS:  # no parameters, so not in LAYERS
+        layer, x, kwargs = POOLS[name](), jnp.ones((2, 5, 4)), {}
     else:
         factory, shape, kwargs = LAYERS[name]
-        layer, x = factory(jnp.float32), jnp.ones(shape)
+        layer, x = factory(), jnp.ones(shape)
     jaxpr = jax.make_jaxpr(lambda layer, x: layer(x, **kwargs))(layer, x).jaxpr
     stacks = {str(eqn.source_info.name_stack) for eqn in jaxpr.eqns}
     assert stacks and all(stack.startswith(name) for stack in stacks), stacks
@@ -78,7 +236,7 @@ def test_attend_has_its_own_scope():
 @pytest.mark.parametrize("name", LAYERS)
 def test_layers_jit_and_differentiate(name):
     factory, shape, kwargs = LAYERS[name]
-    layer = factory(jnp.float32)
+    layer = factory()
     x = jnp.asarray(np.random.default_rng(0).normal(size=shape), jnp.float32)
     eager = layer(x, **kwargs)
     jitted = jax.jit(lambda layer, x: layer(x, **kwargs))(layer, x)
@@ -170,7 +328,7 @@ def test_a_bad_input_is_rejected_with_the_layer_and_both_shapes(
 @pytest.mark.parametrize("batch", [(), (3,), (3, 2), (2, 3, 5)])
 def test_linear_maps_the_last_axis_of_any_batch_shape(batch):
     """Only the last axis must match ``in_features``; any leading axes are batch axes."""
-    layer = nn.Linear(4, 3, rngs=rngs())
+    layer = nn.Linear(4, 3, precision="highest", rngs=rngs())
     layer = layer.load_flat_state_dict({"bias": np.arange(3.0, dtype=np.float32)})
     x = np.random.default_rng(0).normal(size=(*batch, 4))
     expected = x @ np.asarray(layer.kernel, np.float64) + np.arange(3.0)

@@ -10,7 +10,7 @@ import torch
 from _torch import assert_close, build, channels_last, numpy, randomize_
 
 from taktiny import nn
-from taktiny.nn._conv import _spatial
+from taktiny.nn._conv_args import window_of
 
 
 def convert_conv(reference):
@@ -92,6 +92,7 @@ def test_conv_matches_torch(kernel_size, strides, padding, dilation, groups, siz
             padding=padding,
             kernel_dilation=dilation,
             feature_group_count=groups,
+            precision="highest",
             rngs=nn.Rngs(0),
         ),
         convert_conv(reference),
@@ -102,7 +103,7 @@ def test_conv_matches_torch(kernel_size, strides, padding, dilation, groups, siz
 
 def test_conv_without_bias_and_with_any_batch_axes():
     reference = randomize_(torch.nn.Conv2d(3, 4, (3, 3), padding=1, bias=False))
-    conv = nn.Conv(3, 4, (3, 3), padding=1, use_bias=False, rngs=nn.Rngs(0))
+    conv = nn.Conv(3, 4, (3, 3), padding=1, use_bias=False, precision="highest", rngs=nn.Rngs(0))
     assert list(conv.flat_state_dict()) == ["kernel"]
     conv = conv.load_flat_state_dict(convert_conv(reference), strict=True)
     x = torch.randn(6, 3, 5, 5, generator=torch.Generator().manual_seed(0))
@@ -124,6 +125,7 @@ def test_input_dilation_is_a_conv_of_the_zero_dilated_input(input_dilation, stri
             strides=strides,
             padding=padding,
             input_dilation=input_dilation,
+            precision="highest",
             rngs=nn.Rngs(0),
         ),
         convert_conv(reference),
@@ -180,6 +182,7 @@ def test_conv_transpose_matches_torch(
             padding=[(p, p - e) for p, e in zip(pads, extra, strict=True)],
             kernel_dilation=dilation,
             feature_group_count=groups,
+            precision="highest",
             rngs=nn.Rngs(0),
         ),
         convert_conv_transpose(reference),
@@ -207,7 +210,13 @@ def test_conv_transpose_same_and_int_padding_agree_with_torch(
     state = convert_conv_transpose(reference)
     same = build(
         lambda: nn.ConvTranspose(
-            4, 5, kernel_size, strides=strides, padding="SAME", rngs=nn.Rngs(0)
+            4,
+            5,
+            kernel_size,
+            strides=strides,
+            padding="SAME",
+            precision="highest",
+            rngs=nn.Rngs(0),
         ),
         state,
     )
@@ -215,7 +224,13 @@ def test_conv_transpose_same_and_int_padding_agree_with_torch(
     if output_padding == 0:
         as_int = build(
             lambda: nn.ConvTranspose(
-                4, 5, kernel_size, strides=strides, padding=torch_padding, rngs=nn.Rngs(0)
+                4,
+                5,
+                kernel_size,
+                strides=strides,
+                padding=torch_padding,
+                precision="highest",
+                rngs=nn.Rngs(0),
             ),
             state,
         )
@@ -241,7 +256,7 @@ def test_init_is_lecun_normal_over_the_window_and_grouped_inputs():
 
 
 def test_convs_work_under_jit_and_grad_and_keep_their_dtype():
-    conv = nn.Conv(3, 4, (3, 3), dtype=jnp.bfloat16, rngs=nn.Rngs(0))
+    conv = nn.Conv(3, 4, (3, 3), param_dtype=jnp.bfloat16, rngs=nn.Rngs(0))
     x = jnp.ones((2, 5, 5, 3), jnp.float32)
     assert jax.jit(conv.__call__)(x).dtype == jnp.bfloat16
     grads = jax.grad(lambda c: jnp.sum(c(x).astype(jnp.float32)))(conv)
@@ -281,16 +296,16 @@ def test_convs_reject_inputs_without_spatial_axes(layer_type):
 def test_convs_reject_bad_arguments(layer_type):
     name = layer_type.__name__
     with pytest.raises(TypeError, match="kernel_size"):  # beartype's check, in the tests
-        layer_type(4, 8, 3, rngs=nn.Rngs(0))
+        layer_type(4, 8, "3", rngs=nn.Rngs(0))
     with pytest.raises(
-        TypeError, match=rf"{name}'s kernel_size must be a tuple.*\(3, 3\) for 2D.*got 3"
+        TypeError, match=rf"{name}'s kernel_size must be an int or a tuple of ints.*got '3'"
     ):
-        _spatial(name, 3)  # the layer's own check, which users without beartype see
+        window_of(name, "3", None)  # the layer's own check, which users without beartype see
     with pytest.raises(
-        TypeError,
-        match=rf"{name}'s kernel_size must be a tuple with one positive size.*got \(3, 0\)",
+        ValueError,
+        match=rf"{name}'s kernel_size must have 1 to 22 entries, each at least 1; got \(3, 0\)",
     ):
-        layer_type(4, 8, (3, 0), rngs=nn.Rngs(0))  # a tuple, so past beartype, but a 0 size
+        layer_type(4, 8, (3, 0), rngs=nn.Rngs(0))
     with pytest.raises(
         ValueError, match=rf"{name}'s feature_group_count \(3\) must divide both in_features \(4\)"
     ):
@@ -323,7 +338,9 @@ def test_convs_take_up_to_22_spatial_axes_and_whole_padding_pairs(layer_type, wi
     assert layer_type(1, 1, (1,) * 22, rngs=nn.Rngs(0)).kernel.shape == (1,) * 24
     with pytest.raises(ValueError) as raised:
         layer_type(1, 1, (1,) * 23, rngs=nn.Rngs(0))
-    assert str(raised.value) == f"{name}'s kernel_size must have 1 to 22 entries, got {(1,) * 23}."
+    assert str(raised.value) == (
+        f"{name}'s kernel_size must have 1 to 22 entries, each at least 1; got {(1,) * 23}."
+    )
     for padding in [((1, 2, 3), 1), ((1, 2.5), 1), (1, (2,))]:
         with pytest.raises(ValueError) as raised:
             layer_type(4, 8, (3, 3), padding=padding, rngs=nn.Rngs(0))
@@ -343,7 +360,7 @@ def test_convs_take_up_to_22_spatial_axes_and_whole_padding_pairs(layer_type, wi
 def test_conv_transpose_rejects_padding_that_crops_everything():
     """Cropping may leave as little as one element (here the kernel's centre tap on a
     one-element input), but not less."""
-    layer = nn.ConvTranspose(2, 2, (3,), padding=1, rngs=nn.Rngs(0))
+    layer = nn.ConvTranspose(2, 2, (3,), padding=1, precision="highest", rngs=nn.Rngs(0))
     x = np.random.default_rng(0).normal(size=(1, 1, 2))
     expected = x @ np.asarray(layer.kernel[1], np.float64) + np.asarray(layer.bias)
     np.testing.assert_allclose(layer(jnp.asarray(x, jnp.float32)), expected, atol=1e-6)
@@ -361,3 +378,109 @@ def test_convs_default_to_same_padding(layer_type):
     """The documented default padding is "SAME", in the signature and on the layer."""
     assert inspect.signature(layer_type.__init__).parameters["padding"].default == "SAME"
     assert layer_type(2, 3, (3,), rngs=nn.Rngs(0)).padding == "SAME"
+    doc = " ".join(layer_type.__doc__.split())  # and documented as differing from PyTorch's
+    assert '``"SAME"`` (the default; PyTorch\'s default is ``0``, which is ``"VALID"`` here)' in doc
+
+
+# --- PyTorch-style arguments: an int kernel_size, int and tuple padding ---------------------
+
+
+@pytest.mark.parametrize(
+    "torch_kwargs, ours",
+    [
+        ({"kernel_size": 3, "padding": 1}, {"kernel_size": 3, "dims": 2, "padding": 1}),
+        ({"kernel_size": 3}, {"kernel_size": 3, "dims": 2, "padding": 0}),  # torch's default
+        ({"kernel_size": 3, "stride": 2, "padding": 2, "dilation": 2},
+         {"kernel_size": 3, "dims": 2, "strides": 2, "padding": 2, "kernel_dilation": 2}),
+        ({"kernel_size": 3, "padding": (1, 2)}, {"kernel_size": 3, "padding": (1, 2)}),
+        ({"kernel_size": 3, "stride": (2, 1)}, {"kernel_size": 3, "strides": (2, 1), "padding": 0}),
+        ({"kernel_size": (3, 1), "padding": 1}, {"kernel_size": (3, 1), "padding": 1}),
+    ],
+)  # fmt: skip
+def test_pytorch_style_conv_arguments_match_torch(torch_kwargs, ours):
+    """An int kernel_size with dims= (or with a tuple among the other arguments), and an int
+    or a tuple of ints as padding: the zeros PyTorch's padding=p puts on both sides."""
+    reference = randomize_(torch.nn.Conv2d(3, 5, **torch_kwargs))
+    conv = build(lambda: nn.Conv(3, 5, **ours, precision="highest", rngs=nn.Rngs(0)),
+                 convert_conv(reference))  # fmt: skip
+    x = torch.randn(2, 3, 9, 8, generator=torch.Generator().manual_seed(0))
+    assert conv.kernel.shape[:2] == reference.weight.shape[2:]
+    assert_close(conv(jnp.asarray(channels_last(x))), channels_last(reference(x)))
+
+
+def test_pytorch_style_conv_transpose_arguments_match_torch():
+    reference = randomize_(torch.nn.ConvTranspose2d(3, 5, 4, stride=2, padding=1))
+    ours = build(
+        lambda: nn.ConvTranspose(3, 5, 4, dims=2, strides=2, padding=1, precision="highest",
+                                 rngs=nn.Rngs(0)),
+        convert_conv_transpose(reference),
+    )  # fmt: skip
+    x = torch.randn(2, 3, 5, 6, generator=torch.Generator().manual_seed(0))
+    assert_close(ours(jnp.asarray(channels_last(x))), channels_last(reference(x)))
+    reference = randomize_(torch.nn.ConvTranspose1d(3, 5, 3, stride=2, padding=1))
+    ours = build(
+        lambda: nn.ConvTranspose(3, 5, 3, strides=(2,), padding=1, precision="highest",
+                                 rngs=nn.Rngs(0)),
+        convert_conv_transpose(reference),
+    )  # fmt: skip
+    x = torch.randn(2, 3, 7, generator=torch.Generator().manual_seed(0))
+    assert_close(ours(jnp.asarray(channels_last(x))), channels_last(reference(x)))
+
+
+@pytest.mark.parametrize("layer_type", [nn.Conv, nn.ConvTranspose])
+@pytest.mark.parametrize(
+    "arguments, window",
+    [
+        ({"dims": 1}, (3,)),
+        ({"dims": 3}, (3, 3, 3)),
+        ({"strides": (1, 2)}, (3, 3)),
+        ({"padding": (1, 0, 1)}, (3, 3, 3)),
+        ({"padding": [(1, 1), (0, 2)]}, (3, 3)),
+        ({"kernel_dilation": (2,)}, (3,)),
+        ({"dims": 2, "strides": (1, 2)}, (3, 3)),
+    ],
+)
+def test_an_int_kernel_size_takes_its_axes_from_dims_or_a_tuple_argument(
+    layer_type, arguments, window
+):
+    layer = layer_type(4, 8, 3, **arguments, rngs=nn.Rngs(0))
+    assert layer.kernel.shape == (*window, 4, 8)
+    assert len(layer.strides) == len(window)
+
+
+def test_an_int_input_dilation_tuple_fixes_the_axes_of_conv():
+    assert nn.Conv(4, 8, 3, input_dilation=(1, 2), rngs=nn.Rngs(0)).kernel.shape == (3, 3, 4, 8)
+
+
+@pytest.mark.parametrize("layer_type", [nn.Conv, nn.ConvTranspose])
+def test_an_int_kernel_size_without_its_axes_is_refused(layer_type, without_type_checks):
+    name = layer_type.__name__
+    for padding in ("SAME", 1):  # neither a string nor an int says how many axes
+        with pytest.raises(ValueError) as raised:
+            layer_type(4, 8, 3, padding=padding, rngs=nn.Rngs(0))
+        assert str(raised.value) == (
+            f"{name}'s kernel_size=3 does not say how many spatial axes the convolution has: "
+            f"pass kernel_size=(3, 3) or dims=2 for a 2D one ((3,) or dims=1 for 1D, "
+            f"(3, 3, 3) or dims=3 for 3D)."
+        )
+    with pytest.raises(ValueError) as raised:
+        layer_type(4, 8, (3, 3), dims=3, rngs=nn.Rngs(0))
+    assert str(raised.value) == (
+        f"{name}'s kernel_size (3, 3) has 2 spatial axes but dims=3; make them agree (or "
+        f"leave dims out)."
+    )
+    for dims in (0, 23, 2.0, True):
+        with pytest.raises(ValueError) as raised:
+            layer_type(4, 8, 3, dims=dims, rngs=nn.Rngs(0))
+        assert str(raised.value) == (
+            f"{name}'s dims is the number of spatial axes, an int from 1 to 22; got {dims!r}."
+        )
+    with pytest.raises(
+        ValueError,
+        match=rf"{name}'s strides must be a positive int or 2 positive ints.*got \(1, 2, 3\)",
+    ):
+        layer_type(4, 8, 3, dims=2, strides=(1, 2, 3), rngs=nn.Rngs(0))
+    with pytest.raises(
+        ValueError, match=rf"{name}'s kernel_size must have 1 to 22 entries.*got \(0, 0\)"
+    ):
+        layer_type(4, 8, 0, dims=2, rngs=nn.Rngs(0))

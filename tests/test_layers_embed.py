@@ -28,7 +28,8 @@ def test_lookup_matches_torch(ids_shape):
 def test_attend_matches_a_tied_torch_projection(batch):
     reference = randomize_(torch.nn.Embedding(11, 6))
     x = torch.randn(*batch, 6, generator=torch.Generator().manual_seed(2))
-    embed = nn.Embed(11, 6, rngs=nn.Rngs(0)).load_flat_state_dict(convert(reference))
+    embed = nn.Embed(11, 6, precision="highest", rngs=nn.Rngs(0))
+    embed = embed.load_flat_state_dict(convert(reference))
     expected = torch.nn.functional.linear(x, reference.weight)  # x @ weight.T
     assert_close(embed.attend(jnp.asarray(numpy(x))), numpy(expected))
 
@@ -42,12 +43,24 @@ def test_init_is_standard_normal_and_the_state_is_the_table():
     assert not np.array_equal(embed.embedding, nn.Embed(1000, 64, rngs=nn.Rngs(1)).embedding)
 
 
-def test_dtype_is_the_parameters_and_the_outputs():
-    embed = nn.Embed(5, 4, dtype=jnp.bfloat16, rngs=nn.Rngs(0))
+def test_param_dtype_is_the_tables_and_dtype_the_outputs():
+    embed = nn.Embed(5, 4, param_dtype=jnp.bfloat16, rngs=nn.Rngs(0))
     assert embed.embedding.dtype == jnp.bfloat16
     assert embed(jnp.arange(3)).dtype == jnp.bfloat16
     assert embed.attend(jnp.ones((2, 4), jnp.float32)).dtype == jnp.bfloat16
     assert nn.Embed(5, 4, rngs=nn.Rngs(0))(jnp.arange(3, dtype=jnp.uint8)).shape == (3, 4)
+    # a float32 table looked up in bfloat16: the rows rounded, the table kept
+    embed = nn.Embed(5, 4, dtype=jnp.bfloat16, rngs=nn.Rngs(0))
+    rows = embed(jnp.array([4, -1, 5]))
+    assert rows.dtype == jnp.bfloat16 and embed.embedding.dtype == jnp.float32
+    np.testing.assert_array_equal(rows[0], embed.embedding[4].astype(jnp.bfloat16))
+    assert np.isnan(np.asarray(rows[2], np.float32)).all()  # past the end: NaNs still
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(2, 4)), jnp.float32)
+    scores = embed.attend(x)
+    assert scores.dtype == jnp.bfloat16
+    table = np.asarray(embed.embedding.astype(jnp.bfloat16), np.float64)
+    expected = np.asarray(x.astype(jnp.bfloat16), np.float64) @ table.T
+    np.testing.assert_allclose(np.asarray(scores, np.float64), expected, rtol=2**-7, atol=1e-2)
 
 
 def test_ids_out_of_range_give_nan_rows_and_negative_ids_count_from_the_end():

@@ -64,10 +64,12 @@ def test_norms_compute_in_their_parameters_dtype():
     x = jnp.ones((2, 4), jnp.bfloat16) * jnp.arange(4, dtype=jnp.bfloat16)
     assert nn.LayerNorm(4)(x).dtype == jnp.float32
     assert nn.RMSNorm(4)(x).dtype == jnp.float32
-    assert nn.LayerNorm(4, dtype=jnp.bfloat16)(x.astype(jnp.float32)).dtype == jnp.bfloat16
-    assert nn.RMSNorm(4, dtype=jnp.bfloat16)(x.astype(jnp.float32)).dtype == jnp.bfloat16
+    assert nn.LayerNorm(4, param_dtype=jnp.bfloat16)(x.astype(jnp.float32)).dtype == jnp.bfloat16
+    assert nn.RMSNorm(4, param_dtype=jnp.bfloat16)(x.astype(jnp.float32)).dtype == jnp.bfloat16
     bare = nn.LayerNorm(4, use_scale=False, use_bias=False)
     assert bare(x).dtype == jnp.bfloat16  # no parameters: the input's dtype
+    bare = nn.LayerNorm(4, use_scale=False, use_bias=False, dtype=jnp.float32)
+    assert bare(x).dtype == jnp.float32  # unless it is told one
     assert jax.jit(bare.__call__)(jnp.ones((3, 7))).shape == (3, 7)  # and any size
 
 
@@ -95,21 +97,24 @@ def _close_to(y, expected):
     ).max()
 
 
-def test_low_precision_norms_compute_their_statistics_in_float32():
+@pytest.mark.parametrize("stored", [jnp.bfloat16, jnp.float32])
+def test_low_precision_norms_compute_their_statistics_in_float32(stored):
     # Once: a bfloat16 LayerNorm(4096) took the mean of a mean-50 input in bfloat16, and was
-    # off by 0.03 everywhere, also where the output is near zero.
+    # off by 0.03 everywhere, also where the output is near zero. Computing in bfloat16,
+    # parameters stored in bfloat16 or float32, the statistics are float32.
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.standard_normal((8, 4096)) + 50, jnp.bfloat16)
     x64 = np.asarray(x, np.float64)
     mean, var = x64.mean(-1, keepdims=True), x64.var(-1, keepdims=True)
-    layer = nn.LayerNorm(4096, dtype=jnp.bfloat16)(x)
+    dtypes = {"dtype": jnp.bfloat16, "param_dtype": stored}
+    layer = nn.LayerNorm(4096, **dtypes)(x)
     assert layer.dtype == jnp.bfloat16
     _close_to(layer, (x64 - mean) / np.sqrt(var + 1e-6))
-    rms = nn.RMSNorm(4096, dtype=jnp.bfloat16)(x)
+    rms = nn.RMSNorm(4096, **dtypes)(x)
     assert rms.dtype == jnp.bfloat16
     _close_to(rms, x64 / np.sqrt(np.mean(x64**2, -1, keepdims=True) + 1e-6))
-    y, new = nn.BatchNorm(4096, dtype=jnp.bfloat16)(x, train=True)
-    assert y.dtype == jnp.bfloat16 and new.mean.dtype == jnp.bfloat16
+    y, new = nn.BatchNorm(4096, **dtypes)(x, train=True)
+    assert y.dtype == jnp.bfloat16 and new.mean.dtype == new.var.dtype == stored
     _close_to(y, (x64 - x64.mean(0)) / np.sqrt(x64.var(0) + 1e-5))
     np.testing.assert_allclose(np.asarray(new.mean, np.float64), 0.01 * x64.mean(0), rtol=2**-7)
 
@@ -139,11 +144,11 @@ def _float64_results(fn, *args):
 @pytest.mark.parametrize(
     "make",
     [
-        lambda dtype: nn.LayerNorm(8, epsilon=np.float64(1e-2), dtype=dtype),
-        lambda dtype: nn.LayerNorm(8, epsilon=np.float64(1e-2), use_bias=False, dtype=dtype),
-        lambda dtype: nn.LayerNorm(8, epsilon=np.float64(1e-2), use_scale=False, dtype=dtype),
+        lambda dtype: nn.LayerNorm(8, epsilon=np.float64(1e-2), param_dtype=dtype),
+        lambda dtype: nn.LayerNorm(8, epsilon=np.float64(1e-2), use_bias=False, param_dtype=dtype),
+        lambda dtype: nn.LayerNorm(8, epsilon=np.float64(1e-2), use_scale=False, param_dtype=dtype),
         lambda dtype: nn.LayerNorm(8, epsilon=np.float64(1e-2), use_scale=False, use_bias=False),
-        lambda dtype: nn.RMSNorm(8, epsilon=np.float64(1e-2), dtype=dtype),
+        lambda dtype: nn.RMSNorm(8, epsilon=np.float64(1e-2), param_dtype=dtype),
     ],
     ids=["LayerNorm", "LayerNorm-scale-only", "LayerNorm-bias-only", "LayerNorm-bare", "RMSNorm"],
 )
@@ -175,9 +180,9 @@ def test_float64_norms_compute_in_float64():
     x = np.random.default_rng(0).normal(size=(6, 16)) + 1e3
     mean, var = x.mean(-1, keepdims=True), x.var(-1, keepdims=True)
     with jax.enable_x64(True):
-        layer = nn.LayerNorm(16, dtype=jnp.float64)(jnp.asarray(x))
-        rms = nn.RMSNorm(16, dtype=jnp.float64)(jnp.asarray(x))
-        batch, _ = nn.BatchNorm(16, dtype=jnp.float64)(jnp.asarray(x), train=True)
+        layer = nn.LayerNorm(16, param_dtype=jnp.float64)(jnp.asarray(x))
+        rms = nn.RMSNorm(16, param_dtype=jnp.float64)(jnp.asarray(x))
+        batch, _ = nn.BatchNorm(16, param_dtype=jnp.float64)(jnp.asarray(x), train=True)
     assert layer.dtype == rms.dtype == batch.dtype == np.float64
     np.testing.assert_allclose(layer, (x - mean) / np.sqrt(var + 1e-6), rtol=0, atol=1e-10)
     expected_rms = x / np.sqrt(np.mean(x**2, -1, keepdims=True) + 1e-6)

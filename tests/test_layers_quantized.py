@@ -41,7 +41,9 @@ class Net(nn.Module):
 @pytest.mark.parametrize("bits, group_size", [(8, None), (4, 16), (4, None)])
 @pytest.mark.parametrize("batch", [(), (3,), (2, 5)])
 def test_linear_computes_with_the_dequantized_kernel(bits, group_size, batch):
-    layer = nn.QuantizedLinear(64, 16, bits=bits, group_size=group_size, rngs=nn.Rngs(0))
+    layer = nn.QuantizedLinear(
+        64, 16, bits=bits, group_size=group_size, precision="highest", rngs=nn.Rngs(0)
+    )
     layer = layer.load_state_dict({"bias": data(16, seed=1)})
     x = data(*batch, 64, seed=2)
     expected = x @ np.asarray(layer.kernel.dequantize()) + np.asarray(layer.bias)
@@ -56,18 +58,25 @@ def test_linear_computes_with_the_dequantized_kernel(bits, group_size, batch):
     ]
 
 
-def test_linear_computes_in_the_inputs_dtype():
-    layer = nn.QuantizedLinear(8, 4, dtype=jnp.bfloat16, rngs=nn.Rngs(0))
+def test_linear_stores_scales_in_param_dtype_and_computes_in_dtype_or_the_inputs():
+    layer = nn.QuantizedLinear(8, 4, param_dtype=jnp.bfloat16, rngs=nn.Rngs(0))
     assert layer.kernel.scale.dtype == jnp.bfloat16 and layer.bias is not None
-    assert layer.bias.dtype == jnp.bfloat16
-    assert layer(jnp.ones((2, 8), jnp.float32)).dtype == jnp.float32
-    assert (
-        nn.QuantizedLinear(8, 4, rngs=nn.Rngs(0))(jnp.ones(8, jnp.bfloat16)).dtype == jnp.bfloat16
-    )
+    assert layer.bias.dtype == jnp.bfloat16 and layer.kernel.value.dtype == jnp.int8
+    assert layer(jnp.ones((2, 8), jnp.float32)).dtype == jnp.float32  # the input's dtype
+    float32 = nn.QuantizedLinear(8, 4, rngs=nn.Rngs(0))
+    assert float32(jnp.ones(8, jnp.bfloat16)).dtype == jnp.bfloat16  # the input's dtype
+    # a float32 layer computing in bfloat16: the kernel dequantized into bfloat16
+    half = nn.QuantizedLinear(8, 4, dtype=jnp.bfloat16, rngs=nn.Rngs(0))
+    x = jnp.asarray(data(3, 8, seed=2))
+    y = half(x)
+    assert y.dtype == jnp.bfloat16 and half.kernel.scale.dtype == jnp.float32
+    kernel = half.kernel.value.astype(jnp.bfloat16) * half.kernel.scale.astype(jnp.bfloat16)
+    expected = np.asarray(x.astype(jnp.bfloat16), np.float64) @ np.asarray(kernel, np.float64)
+    np.testing.assert_allclose(np.asarray(y, np.float64), expected, rtol=2**-7, atol=2e-2)
 
 
 def test_embed_looks_up_dequantized_rows_and_attends_to_the_table():
-    embed = nn.QuantizedEmbed(11, 16, bits=4, group_size=8, rngs=nn.Rngs(0))
+    embed = nn.QuantizedEmbed(11, 16, bits=4, group_size=8, precision="highest", rngs=nn.Rngs(0))
     table = np.asarray(embed.embedding.dequantize())
     ids = jnp.array([[0, 3, 10], [-1, 11, 4]])
     y = jax.jit(embed.__call__)(ids)
@@ -77,7 +86,11 @@ def test_embed_looks_up_dequantized_rows_and_attends_to_the_table():
     assert np.isnan(y[1, 1]).all()  # past the end: a row of NaNs
     x = data(4, 16, seed=1)
     np.testing.assert_allclose(embed.attend(jnp.asarray(x)), x @ table.T, rtol=1e-5, atol=1e-5)
-    assert embed.attend(jnp.ones(16, jnp.bfloat16)).dtype == jnp.bfloat16
+    assert embed.attend(jnp.ones(16, jnp.bfloat16)).dtype == jnp.bfloat16  # the input's
+    half = embed.replace(dtype=jnp.dtype(jnp.bfloat16))  # looked up and attending in bfloat16
+    assert half(ids).dtype == half.attend(jnp.ones(16)).dtype == jnp.bfloat16
+    half_table = embed.embedding.dequantize(jnp.bfloat16)  # dequantized in bfloat16
+    np.testing.assert_array_equal(half(ids)[0], half_table[np.array([0, 3, 10])])
     float_embed = nn.Embed(11, 16, rngs=nn.Rngs(0))
     assert bitwise_equal(embed.embedding, tt.quantize(float_embed, bits=4, group_size=8).embedding)
     assert embed.embedding.scale.shape == (11, 2)  # per row, in groups of 8 features
@@ -194,6 +207,27 @@ def test_dequantize_gives_float_layers_back():
     for a, b in zip(jax.tree.leaves(again), jax.tree.leaves(q), strict=True):
         assert a.dtype == b.dtype
         np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=1e-6)
+
+
+def test_quantize_and_dequantize_keep_each_layers_dtype_and_precision():
+    class Pair(nn.Module):
+        def __init__(self, **config):
+            self.dense = nn.Linear(8, 4, **config, rngs=nn.Rngs(0))
+            self.embed = nn.Embed(5, 8, **config, rngs=nn.Rngs(1))
+
+    config = {"dtype": jnp.bfloat16, "precision": "highest"}
+    q = tt.quantize(Pair(**config))
+    for layer in (q.dense, q.embed):
+        assert layer.dtype == jnp.bfloat16 and layer.precision == jax.lax.Precision.HIGHEST
+    built = (nn.QuantizedLinear(8, 4, **config, rngs=nn.Rngs(0)),
+             nn.QuantizedEmbed(5, 8, **config, rngs=nn.Rngs(1)))  # fmt: skip
+    assert jax.tree.structure((q.dense, q.embed)) == jax.tree.structure(built)
+    assert q.dense(jnp.ones(8)).dtype == jnp.bfloat16
+    back = tt.dequantize(q)
+    assert jax.tree.structure(back) == jax.tree.structure(Pair(**config))
+    assert back.dense.dtype == back.embed.dtype == jnp.bfloat16
+    assert back.embed.precision == jax.lax.Precision.HIGHEST
+    assert tt.quantize(Pair()).dense.dtype is None  # the default stays the default
 
 
 def test_abstract_models_quantize_without_computing():

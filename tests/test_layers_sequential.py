@@ -7,6 +7,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import torch
+from _torch import assert_close, build, channels_last, numpy, randomize_
 
 from taktiny import nn
 
@@ -113,3 +115,111 @@ def test_slicing_indexing_and_iteration():
     ]
     with pytest.raises(IndexError, match="out of range"):
         seq[3]
+
+
+# --- train=: handed on to the layers that take it -----------------------------------------
+
+
+def _torch_stack():
+    """torch's Sequential(Conv2d, BatchNorm2d, ReLU) with random weights and statistics, and
+    ours with the same state (a torch momentum of 0.1 is 0.9 here)."""
+    reference = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 4, 3, padding=1), torch.nn.BatchNorm2d(4, momentum=0.1), torch.nn.ReLU()
+    )
+    randomize_(reference)
+    conv, bn = reference[0], reference[1]
+    state = {
+        "layers.0.kernel": numpy(conv.weight.permute(2, 3, 1, 0)),
+        "layers.0.bias": numpy(conv.bias),
+        "layers.1.scale": numpy(bn.weight),
+        "layers.1.bias": numpy(bn.bias),
+        "layers.1.mean": numpy(bn.running_mean),
+        "layers.1.var": numpy(bn.running_var),
+    }
+    ours = build(
+        lambda: nn.Sequential(
+            nn.Conv(3, 4, 3, dims=2, padding=1, precision="highest", rngs=nn.Rngs(0)),
+            nn.BatchNorm(4, momentum=0.9),
+            jax.nn.relu,
+        ),
+        state,
+    )
+    return reference, ours
+
+
+def test_train_steps_of_a_sequential_match_torch_train_mode():
+    """``seq(x, train=True)`` returns ``(y, new_seq)``: the BatchNorm inside trained on the
+    batch's statistics and moved its running statistics, three steps as torch does."""
+    reference, seq = _torch_stack()
+    reference.train()
+    step = jax.jit(lambda seq, x: seq(x, train=True))
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        x = torch.randn(4, 3, 6, 5, generator=generator) * 2 + 1
+        y, new = step(seq, jnp.asarray(channels_last(x)))
+        assert_close(y, channels_last(reference(x)))
+        assert isinstance(new, nn.Sequential) and new[0] is not seq[0]
+        assert_close(new[1].mean, numpy(reference[1].running_mean))
+        assert_close(new[1].var, numpy(reference[1].running_var))
+        np.testing.assert_array_equal(new[0].kernel, seq[0].kernel)  # the rest unchanged
+        seq = new
+    reference.eval()  # and then evaluation with the statistics both have tracked
+    x = torch.randn(2, 3, 6, 5, generator=generator)
+    assert_close(seq(jnp.asarray(channels_last(x)), train=False), channels_last(reference(x)))
+    assert_close(seq(jnp.asarray(channels_last(x))), channels_last(reference(x)))
+
+
+def test_train_false_makes_batch_norm_infer_even_under_train_forward():
+    reference, seq = _torch_stack()
+    x = torch.randn(4, 3, 6, 5, generator=torch.Generator().manual_seed(1))
+    ours = jnp.asarray(channels_last(x))
+    y, new = nn.train_forward(seq, ours, train=False)  # train=False wins over the context
+    assert_close(y, channels_last(reference.eval()(x)))
+    assert new is seq
+    y, new = nn.train_forward(seq, ours)  # without train=, the context trains it
+    assert_close(y, channels_last(reference.train()(x)))
+    assert_close(new[1].mean, numpy(reference[1].running_mean))
+
+
+def test_train_true_reaches_nested_sequentials_and_goes_with_the_key():
+    """A Sequential inside a Sequential takes train= too and hands back its new layers; the
+    key is split as without train=."""
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(16, 4)) * 2 + 3, jnp.float32)
+    inner = nn.Sequential(nn.Dropout(0.5), nn.BatchNorm(4))
+    seq = nn.Sequential(jnp.negative, inner)
+    key = jax.random.key(0)
+    y, new = seq(x, key=key, train=True)
+    dropped = inner[0](-x, key=jax.random.split(jax.random.split(key, 2)[1], 2)[0])
+    expected, bn = inner[1](dropped, train=True)
+    np.testing.assert_allclose(y, expected, rtol=1e-6)
+    assert isinstance(new[1], nn.Sequential)
+    np.testing.assert_array_equal(new[1][1].mean, bn.mean)
+    assert jax.tree.structure(new) == jax.tree.structure(seq)
+
+
+def test_train_true_without_stateful_layers_returns_the_sequential_itself():
+    seq = nn.Sequential(nn.Linear(2, 3, rngs=nn.Rngs(0)), jax.nn.relu)
+    y, new = seq(jnp.ones((1, 2)), train=True)
+    assert new.layers == seq.layers
+    np.testing.assert_array_equal(y, seq(jnp.ones((1, 2))))
+    np.testing.assert_array_equal(seq(jnp.ones((1, 2)), train=False), y)
+
+
+class TrainEcho(nn.Module):
+    """A layer of one's own that takes train= and returns it."""
+
+    def __call__(self, x, *, train=None):
+        return train
+
+
+def test_train_is_given_only_when_set_and_a_layer_that_returns_no_pair_is_refused():
+    assert nn.Sequential(TrainEcho())(jnp.ones(2)) is None  # its own default
+    assert nn.Sequential(TrainEcho())(jnp.ones(2), train=False) is False
+    with pytest.raises(TypeError) as raised:
+        nn.Sequential(jnp.negative, TrainEcho())(jnp.ones(2), train=True)
+    assert str(raised.value) == (
+        "Sequential(train=True) calls layers.1 (TrainEcho) with train=True and expects the "
+        "pair (y, new_layer) back, as BatchNorm returns; got bool. Return (y, self) from a "
+        "layer with no state to update, or call the Sequential without train= "
+        "(nn.train_forward collects updates instead)."
+    )

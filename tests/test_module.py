@@ -349,20 +349,26 @@ def test_public_surface_is_short_and_documented():
         "trainable",
     ]
     assert _public(nn) == [
+        "AvgPool",
         "BatchNorm",
         "Conv",
         "ConvTranspose",
         "Dropout",
         "Embed",
+        "GlobalAvgPool",
+        "GroupNorm",
+        "KVCache",
         "Lambda",
         "LayerNorm",
         "Linear",
+        "MaxPool",
         "Module",
         "MultiHeadAttention",
         "QuantizedEmbed",
         "QuantizedLinear",
         "RMSNorm",
         "Rngs",
+        "RotaryEmbedding",
         "Sequential",
         "field",
         "train_forward",
@@ -378,7 +384,7 @@ def test_public_surface_is_short_and_documented():
         "quantize", "dequantize",
         "flip", "Parity", "ParityOutput", "parity",
         "linear", "conv", "conv_transpose", "layer_norm", "embedding", "batch_norm",
-        "multihead_attention", "pytorch",
+        "multihead_attention", "pytorch", "group_norm",
     ])  # fmt: skip
     for owner in (tt, tt.io, tt.convert, nn):
         for name in _public(owner):

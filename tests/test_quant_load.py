@@ -25,11 +25,11 @@ def view(request, monkeypatch):
 
 
 class Net(nn.Module):
-    def __init__(self, *, dtype=jnp.float32, rngs):
-        self.embed = nn.Embed(50, 32, dtype=dtype, rngs=rngs)
-        self.encoder = [nn.Linear(32, 64, dtype=dtype, rngs=rngs),
-                        nn.Linear(64, 32, dtype=dtype, rngs=rngs)]  # fmt: skip
-        self.head = nn.Linear(32, 8, dtype=dtype, rngs=rngs)
+    def __init__(self, *, param_dtype=jnp.float32, rngs):
+        self.embed = nn.Embed(50, 32, param_dtype=param_dtype, rngs=rngs)
+        self.encoder = [nn.Linear(32, 64, param_dtype=param_dtype, rngs=rngs),
+                        nn.Linear(64, 32, param_dtype=param_dtype, rngs=rngs)]  # fmt: skip
+        self.head = nn.Linear(32, 8, param_dtype=param_dtype, rngs=rngs)
 
 
 def quantized(model, **kw):
@@ -84,7 +84,7 @@ def test_only_the_parameters_named_are_quantized():
 
 def test_quantizing_on_load_keeps_the_layout_and_scale_dtype_of_each_leaf():
     source = Net(rngs=nn.Rngs(0))
-    model = tt.quantize(Net(dtype=jnp.bfloat16, rngs=nn.Rngs(1)), bits=8, filter="encoder.**")
+    model = tt.quantize(Net(param_dtype=jnp.bfloat16, rngs=nn.Rngs(1)), bits=8, filter="encoder.**")
     loaded = model.load_state_dict(source.state_dict(), **MATCH)
     kernel = loaded.encoder[1].kernel
     assert (kernel.bits, kernel.axis, kernel.group_size) == (8, 0, None)
@@ -215,7 +215,7 @@ def quantized_states(q):
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_a_quantized_state_dequantizes_on_load_into_the_float_leaves(dtype):
     q = quantized(Net(rngs=nn.Rngs(0)))
-    model = Net(dtype=dtype, rngs=nn.Rngs(1))
+    model = Net(param_dtype=dtype, rngs=nn.Rngs(1))
     for state, flat in quantized_states(q):
         load = model.load_flat_state_dict if flat else model.load_state_dict
         loaded = load(state, **MATCH)

@@ -111,7 +111,7 @@ def test_inputs_may_be_numpy_lists_and_other_array_likes():
 
 
 def test_float_casts_follow_the_model_dtype():
-    lin = nn.Linear(2, 2, dtype=jnp.bfloat16, rngs=nn.Rngs(0))
+    lin = nn.Linear(2, 2, param_dtype=jnp.bfloat16, rngs=nn.Rngs(0))
     new = lin.load_state_dict({"kernel": jnp.ones((2, 2), jnp.float32)})
     assert new.kernel.dtype == jnp.bfloat16
     back = nn.Linear(2, 2, rngs=nn.Rngs(0)).load_state_dict({"bias": jnp.ones(2, jnp.bfloat16)})
@@ -739,7 +739,7 @@ def test_tensors_of_other_frameworks_and_python_numbers_load():
     np.testing.assert_allclose(loaded.kernel, reference.weight.detach().numpy().T)
     bias = torch.tensor([1.0, 2.0, 3.0], requires_grad=True)
     assert loaded.load_flat_state_dict({"bias": bias}).bias.tolist() == [1.0, 2.0, 3.0]
-    half = nn.Linear(2, 3, dtype=jnp.bfloat16, rngs=nn.Rngs(0))
+    half = nn.Linear(2, 3, param_dtype=jnp.bfloat16, rngs=nn.Rngs(0))
     from_bf16 = half.load_flat_state_dict({"bias": torch.ones(3, dtype=torch.bfloat16)})
     assert from_bf16.bias.dtype == jnp.bfloat16 and from_bf16.bias.tolist() == [1, 1, 1]
     source = torch.zeros(3)

@@ -26,7 +26,7 @@ def on_default():
 class Net(nn.Module):
     def __init__(self, *, rngs):
         self.mlp = MLP(rngs=rngs)
-        self.norm = nn.BatchNorm(4, dtype=jnp.bfloat16)
+        self.norm = nn.BatchNorm(4, param_dtype=jnp.bfloat16)
 
 
 def test_summary_lists_every_parameter_with_totals():

@@ -18,6 +18,7 @@ from ._presets import batch_norm as batch_norm
 from ._presets import conv as conv
 from ._presets import conv_transpose as conv_transpose
 from ._presets import embedding as embedding
+from ._presets import group_norm as group_norm
 from ._presets import layer_norm as layer_norm
 from ._presets import linear as linear
 from ._presets import multihead_attention as multihead_attention

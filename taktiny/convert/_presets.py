@@ -92,6 +92,12 @@ def layer_norm(source: str, target: str, *, scale: bool = True, bias: bool = Tru
     return _pair(source, target, names) + _bias(source, target, bias)
 
 
+def group_norm(source: str, target: str, *, scale: bool = True, bias: bool = True) -> list[AnyRule]:
+    """``nn.GroupNorm``: ``weight`` ``[features]`` -> :class:`~taktiny.nn.GroupNorm`'s
+    ``scale``; ``bias`` ``[features]`` as it is (``affine=False``: neither)."""
+    return layer_norm(source, target, scale=scale, bias=bias)
+
+
 def embedding(source: str, target: str) -> list[AnyRule]:
     """``nn.Embedding``: ``weight`` ``[num_embeddings, features]`` ->
     :class:`~taktiny.nn.Embed`'s ``embedding``, the same layout."""
@@ -154,6 +160,8 @@ def _layer(layer: Any, source: str, target: str) -> list[AnyRule] | None:
         )  # fmt: skip
     if isinstance(layer, nn.LayerNorm):
         return layer_norm(source, target, scale=layer.scale is not None, bias=has_bias)
+    if isinstance(layer, nn.GroupNorm):
+        return group_norm(source, target, scale=layer.scale is not None, bias=has_bias)
     if isinstance(layer, nn.RMSNorm):
         return layer_norm(source, target, bias=False)
     if isinstance(layer, nn.Embed):
@@ -170,8 +178,8 @@ def pytorch(model: Any, source: str = "", target: str = "") -> list[AnyRule]:
     """The rules that convert the state dict of a torch module whose structure mirrors
     `model` (the same attribute names, lists as ``nn.ModuleList``, dicts as
     ``nn.ModuleDict``): the layer preset of every :class:`~taktiny.nn.Linear`, ``Conv``,
-    ``ConvTranspose``, ``LayerNorm``, ``RMSNorm``, ``Embed``, ``BatchNorm`` and
-    ``MultiHeadAttention`` in `model`, at its name. A :class:`~taktiny.nn.Sequential`
+    ``ConvTranspose``, ``LayerNorm``, ``GroupNorm``, ``RMSNorm``, ``Embed``, ``BatchNorm``
+    and ``MultiHeadAttention`` in `model`, at its name. A :class:`~taktiny.nn.Sequential`
     is ``nn.Sequential``: its ``layers.0``, ``layers.1``, ... are torch's ``0``, ``1``,
     ... (a function among the layers takes a position, as ``nn.ReLU()`` does).
 

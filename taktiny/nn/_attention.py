@@ -1,64 +1,85 @@
-"""`MultiHeadAttention`: scaled dot-product attention with learned projections."""
+"""`MultiHeadAttention`: scaled dot-product attention with learned projections, grouped
+key/value heads, rotary position embeddings and a decoding cache."""
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 from jax.typing import DTypeLike
-from jaxtyping import Array, Bool, Float
+from jaxtyping import Array, Bool, Float, Int
 
 from .._module import Module
 from .._rngs import Rngs
 from .._sharding import Spec, placement
-from ._checks import check_features
-from ._explicit import explicit_axes, merged, typed_spec
+from ._attend import attend, check_inputs, fold_mask, split_heads
+from ._cache import KVCache, check_cache, empty_cache, visible, write
+from ._explicit import explicit_axes, typed_spec
 from ._linear import Linear
-from ._random import keep_mask
+from ._precision import DTYPE, PRECISION, compute_dtype, static_dtype, static_precision
+from ._rotary import RotaryEmbedding, fold_positions
 
-# Compiled as one unit, so that calls outside jax.jit compile once per shape instead of
-# once per operation inside it; inside jax.jit it is simply inlined.
-_dot_product_attention = jax.jit(jax.nn.dot_product_attention, static_argnames=("is_causal",))
+_NAME = "MultiHeadAttention"
+Output = Float[Array, "*batch q_length out_features"]
 
 
 class MultiHeadAttention(Module):
     """Multi-head attention: project, attend per head, concatenate the heads, project.
 
-    With ``num_heads`` heads of ``head_dim = qkv_features // num_heads``, the query,
-    key and value projections produce ``qkv_features`` features that are split into
-    heads as consecutive blocks of ``head_dim`` (head ``h`` uses features
-    ``h * head_dim`` to ``(h + 1) * head_dim``), as PyTorch and Hugging Face models do, so
-    converting their weights needs no reordering. Attention weights are
-    ``softmax(q @ k.T / sqrt(head_dim))`` per head.
+    With ``num_heads`` heads of ``head_dim = qkv_features // num_heads``, the query
+    projection produces ``qkv_features`` features and the key and value projections
+    ``num_kv_heads * head_dim``, split into heads as consecutive blocks of ``head_dim``
+    (head ``h`` uses features ``h * head_dim`` to ``(h + 1) * head_dim``), as PyTorch and
+    Hugging Face models do, so converting their weights needs no reordering. With fewer
+    key/value heads than query heads (grouped-query attention; multi-query with one),
+    query head ``h`` attends with key/value head ``h // (num_heads // num_kv_heads)``, as
+    Hugging Face's ``repeat_kv`` pairs them; no repeated weights are stored. Attention
+    weights are ``softmax(q @ k.T / sqrt(head_dim))`` per head, logits and softmax in
+    float32 (at least).
 
-    Submodules (state names; all plain :class:`Linear` layers):
-        query: ``kernel [in_features, qkv_features]``, ``bias [qkv_features]``.
-        key: ``kernel [kv_features, qkv_features]``, ``bias [qkv_features]``.
-        value: ``kernel [kv_features, qkv_features]``, ``bias [qkv_features]``.
-        out: ``kernel [qkv_features, out_features]``, ``bias [out_features]``.
-        Kernels are LeCun-normal, biases zeros (absent with ``use_bias=False``).
-        PyTorch's ``nn.MultiheadAttention`` stores ``in_proj_weight [3 * E, E]``: split it
-        in three along its first axis and transpose each part for query, key and value;
-        ``out_proj.weight`` transposed is ``out.kernel``.
+    Submodules (state names; all plain :class:`Linear` layers), with the names they
+    convert from in PyTorch's ``nn.MultiheadAttention`` and in Hugging Face's Llama
+    (``model.layers.{i}.self_attn``); every PyTorch weight ``[out, in]`` is transposed:
+        query: ``kernel [in_features, qkv_features]``, ``bias [qkv_features]``; torch
+            ``in_proj_weight`` / ``in_proj_bias`` rows ``0:E``; Llama ``q_proj``.
+        key: ``kernel [kv_features, num_kv_heads * head_dim]``, ``bias``; torch rows
+            ``E:2E``; Llama ``k_proj``.
+        value: ``kernel [kv_features, num_kv_heads * head_dim]``, ``bias``; torch rows
+            ``2E:3E``; Llama ``v_proj``.
+        out: ``kernel [qkv_features, out_features]``, ``bias [out_features]``; torch
+            ``out_proj``; Llama ``o_proj``.
+        Kernels are LeCun-normal, biases zeros (absent with ``use_bias=False``, as Llama's
+        ``attention_bias=False``). ``rotary``, a :class:`RotaryEmbedding` when
+        ``rope_theta`` is given, has no parameters (Hugging Face keeps its rotary
+        ``inv_freq`` out of checkpoints too).
 
     Args:
-        num_heads: the number of heads; must divide ``qkv_features``.
+        num_heads: the number of query heads; must divide ``qkv_features``.
         in_features: features of the queries' input (and, by default, of the keys').
-        qkv_features: total features of queries, keys and values across heads
-            (default ``in_features``).
+        qkv_features: total features of the queries across heads (default
+            ``in_features``; Llama's ``num_attention_heads * head_dim``).
         out_features: features of the output (default ``in_features``).
         kv_features: features of the key/value input in cross-attention (default
             ``in_features``; PyTorch's ``kdim``/``vdim`` when they are equal).
+        num_kv_heads: the number of key/value heads (default ``num_heads``); must divide
+            ``num_heads``. Llama's ``num_key_value_heads``.
+        rope_theta: rotary position embeddings with this base (Llama's ``rope_theta``)
+            on queries and keys; None (the default) for none.
         use_bias: whether the four projections have biases.
         dropout_rate: the dropout applied to attention weights when a ``key`` is given.
-        dtype: the parameters' dtype, which is also the dtype the layer computes in.
+        dtype: the dtype the layer computes in and returns; None (the default) computes
+            in the parameters' dtype.
+        param_dtype: the dtype the parameters are created and stored in.
+        precision: the precision of the four projections and of the attention's
+            products (``"highest"`` for full float32 on GPUs and TPUs); None uses JAX's
+            default, which is TF32 for float32 on recent NVIDIA GPUs.
         query_kernel_sharding: how ``query.kernel`` is split over the mesh of an
             enclosing ``jax.set_mesh``, as :class:`Linear`'s ``kernel_sharding``:
-            ``(None, "model")`` splits the heads (with a number of heads the mesh axis
-            divides, each device holds whole heads). Ignored without a mesh.
+            ``(None, "model")`` splits the heads (with numbers of query and key/value
+            heads the mesh axis divides, each device holds whole heads). Ignored without
+            a mesh.
         query_bias_sharding: the same for ``query.bias`` (``("model",)``).
         key_kernel_sharding, key_bias_sharding, value_kernel_sharding,
         value_bias_sharding: the same for ``key`` and ``value``.
@@ -72,8 +93,12 @@ class MultiHeadAttention(Module):
     key: Linear
     value: Linear
     out: Linear
+    rotary: RotaryEmbedding | None
     num_heads: int
+    num_kv_heads: int
     dropout_rate: float
+    dtype: jnp.dtype | None = DTYPE
+    precision: jax.lax.PrecisionLike = PRECISION
 
     def __init__(
         self,
@@ -83,9 +108,13 @@ class MultiHeadAttention(Module):
         qkv_features: int | None = None,
         out_features: int | None = None,
         kv_features: int | None = None,
+        num_kv_heads: int | None = None,
+        rope_theta: float | None = None,
         use_bias: bool = True,
         dropout_rate: float = 0.0,
-        dtype: DTypeLike = jnp.float32,
+        dtype: DTypeLike | None = None,
+        param_dtype: DTypeLike = jnp.float32,
+        precision: jax.lax.PrecisionLike = None,
         query_kernel_sharding: Spec | None = None,
         query_bias_sharding: Spec | None = None,
         key_kernel_sharding: Spec | None = None,
@@ -96,35 +125,65 @@ class MultiHeadAttention(Module):
         out_bias_sharding: Spec | None = None,
         rngs: Rngs,
     ):
+        precision = static_precision(precision, _NAME)  # checked first: the error names us
         qkv = in_features if qkv_features is None else qkv_features
         if num_heads < 1 or qkv % num_heads:
             raise ValueError(
-                f"MultiHeadAttention's num_heads ({num_heads}) must divide qkv_features "
-                f"({qkv}) into heads of equal size; change one of them."
+                f"{_NAME}'s num_heads ({num_heads}) must divide qkv_features ({qkv}) into "
+                f"heads of equal size; change one of them."
+            )
+        kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        if kv_heads < 1 or num_heads % kv_heads:
+            divisors = [d for d in range(1, num_heads + 1) if num_heads % d == 0]
+            raise ValueError(
+                f"{_NAME}'s num_kv_heads ({kv_heads}) must be at least 1 and divide num_heads "
+                f"({num_heads}), so that each key/value head serves the same number of query "
+                f"heads; pass one of {divisors}."
             )
         if not 0.0 <= dropout_rate < 1.0:
-            raise ValueError(
-                f"MultiHeadAttention's dropout_rate must be in [0, 1), got {dropout_rate!r}."
-            )
-        kv = in_features if kv_features is None else kv_features
+            raise ValueError(f"{_NAME}'s dropout_rate must be in [0, 1), got {dropout_rate!r}.")
+        head_dim = qkv // num_heads
+        kv, kv_out = in_features if kv_features is None else kv_features, kv_heads * head_dim
         out = in_features if out_features is None else out_features
         shardings = {
             "query": (in_features, qkv, query_kernel_sharding, query_bias_sharding),
-            "key": (kv, qkv, key_kernel_sharding, key_bias_sharding),
-            "value": (kv, qkv, value_kernel_sharding, value_bias_sharding),
+            "key": (kv, kv_out, key_kernel_sharding, key_bias_sharding),
+            "value": (kv, kv_out, value_kernel_sharding, value_bias_sharding),
             "out": (qkv, out, out_kernel_sharding, out_bias_sharding),
         }
         for name, (n_in, n_out, kernel, bias) in shardings.items():
             # checked here first, so that an error names the projection
-            placement(kernel, (n_in, n_out), f"MultiHeadAttention.{name}.kernel")
-            placement(bias if use_bias else None, (n_out,), f"MultiHeadAttention.{name}.bias")
+            placement(kernel, (n_in, n_out), f"{_NAME}.{name}.kernel")
+            placement(bias if use_bias else None, (n_out,), f"{_NAME}.{name}.bias")
         self.query, self.key, self.value, self.out = (
-            Linear(n_in, n_out, use_bias=use_bias, dtype=dtype, kernel_sharding=kernel,
-                   bias_sharding=bias, rngs=rngs)
+            Linear(n_in, n_out, use_bias=use_bias, dtype=dtype, param_dtype=param_dtype,
+                   precision=precision, kernel_sharding=kernel, bias_sharding=bias, rngs=rngs)
             for n_in, n_out, kernel, bias in shardings.values()
         )  # fmt: skip
-        self.num_heads = num_heads
+        self.rotary = None if rope_theta is None else RotaryEmbedding(head_dim, theta=rope_theta)
+        self.num_heads, self.num_kv_heads = num_heads, kv_heads
         self.dropout_rate = dropout_rate
+        self.dtype, self.precision = static_dtype(dtype), precision
+
+    @property
+    def head_dim(self) -> int:
+        return self.query.kernel.shape[1] // self.num_heads
+
+    def init_cache(
+        self, batch: int, max_length: int, *, dtype: DTypeLike | None = None,
+        sharding: Spec | None = None,
+    ) -> KVCache:  # fmt: skip
+        """An empty :class:`KVCache` for `batch` sequences of up to `max_length` tokens
+        (prompt and generated tokens together): keys and values ``[batch, max_length,
+        num_kv_heads, head_dim]`` of zeros in `dtype` (default: the dtype the layer
+        computes in), length 0. For inputs with several batch axes, `batch` is their
+        product; for an unbatched input, 1. Under ``jax.set_mesh``, `sharding` splits the
+        keys and values as a parameter's sharding argument does (``("data", None,
+        "model", None)``: sequences and heads); the new keys are written split so."""
+        dtype = compute_dtype(self.dtype, self.query.kernel) if dtype is None else dtype
+        kv_heads, head_dim = self.num_kv_heads, self.head_dim
+        return empty_cache(_NAME, batch, max_length, kv_heads, head_dim, jnp.dtype(dtype),
+                           sharding)  # fmt: skip
 
     def __call__(
         self,
@@ -133,115 +192,82 @@ class MultiHeadAttention(Module):
         *,
         mask: Bool[Array, "..."] | None = None,
         causal: bool = False,
+        positions: Int[Array, "*#batch q_length"] | None = None,
+        cache: KVCache | None = None,
         key: Any = None,
-    ) -> Float[Array, "*batch q_length out_features"]:
+    ) -> Output | tuple[Output, KVCache]:
         """Attends from ``inputs_q`` to ``inputs_kv`` (to ``inputs_q`` itself when None).
 
         Args:
             inputs_q: ``[*batch, q_length, in_features]``.
-            inputs_kv: ``[*batch, kv_length, kv_features]``, or None for self-attention.
-            mask: booleans broadcastable to ``[*batch, num_heads, q_length, kv_length]``;
-                True lets a query attend to a key (the opposite of PyTorch's boolean
-                ``attn_mask``). A padding mask over keys is ``valid[..., None, None, :]``.
-                A query that may attend to nothing gets the mean of the values rather
-                than NaN.
-            causal: also forbid query ``i`` to attend to keys after position ``i``.
+            inputs_kv: ``[*batch, kv_length, kv_features]``, or None for self-attention
+                (which rotary embeddings and a cache require).
+            mask: booleans broadcastable to ``[*batch, num_heads, q_length, kv_length]``
+                (with a cache, ``kv_length`` is its ``max_length``: the mask covers every
+                position of the cache, the filled ones and those to come); True lets a
+                query attend to a key (the opposite of PyTorch's boolean ``attn_mask``).
+                A padding mask over keys is ``valid[..., None, None, :]``, ``valid``
+                ``[*batch, kv_length]``; it combines with ``causal``. A query that may
+                attend to nothing gets the mean of the values rather than NaN.
+            causal: also forbid a query to attend to keys after its own position.
+            positions: integer position ids of the queries (and keys) for the rotary
+                embeddings, ``[*batch, q_length]`` or broadcastable to it (``[q_length]``);
+                default ``arange(q_length)``, plus the cache's length with a cache. Only
+                for a layer built with ``rope_theta``.
+            cache: a :class:`KVCache` from :meth:`init_cache` (self-attention only). The
+                new keys and values are written at its ``length``, and the queries, at
+                positions ``length`` to ``length + q_length - 1``, attend to the filled
+                positions: causally up to their own with ``causal=True``, all
+                ``length + q_length`` of them without. Shapes never change, so a prompt
+                and then one token at a time compile once each under ``jax.jit``.
             key: a PRNG key for dropout on the attention weights; without one (or with
                 ``dropout_rate=0``) there is no dropout.
 
         Returns:
-            ``[*batch, q_length, out_features]``.
+            ``y`` ``[*batch, q_length, out_features]``; with a cache, ``(y, cache)``,
+            the cache holding the new keys and values and its length advanced.
         """
-        with jax.named_scope("MultiHeadAttention"):
+        with jax.named_scope(_NAME):
+            self_attention = inputs_kv is None
             inputs_kv = inputs_q if inputs_kv is None else inputs_kv
-            q_in, kv_in = self.query.kernel.shape[0], self.key.kernel.shape[0]
-            why = "its {} kernel is {}"
-            check_features(
-                "MultiHeadAttention",
-                inputs_q,
-                q_in,
-                why=why.format("query", tuple(self.query.kernel.shape)),
-                argument="in_features",
-            )
-            check_features(
-                "MultiHeadAttention",
-                inputs_kv,
-                kv_in,
-                why=why.format("key", tuple(self.key.kernel.shape)),
-                argument="kv_features",
-            )
-            if inputs_q.ndim < 2 or inputs_kv.shape[:-2] != inputs_q.shape[:-2]:
+            check_inputs(_NAME, self.query.kernel, self.key.kernel, inputs_q, inputs_kv)
+            if not self_attention and (cache is not None or self.rotary is not None):
+                what = "a cache" if cache is not None else "rotary embeddings (rope_theta)"
                 raise ValueError(
-                    f"MultiHeadAttention expects inputs_q [*batch, q_length, features] and "
-                    f"inputs_kv [*batch, kv_length, features] with the same batch axes, got "
-                    f"shapes {tuple(inputs_q.shape)} and {tuple(inputs_kv.shape)}."
+                    f"{_NAME} with {what} attends from inputs_q to itself, but inputs_kv was "
+                    f"given; leave inputs_kv out, or use a layer without {what}."
                 )
-            batch = inputs_q.shape[:-2]
-            q = self._split(self.query(inputs_q))
-            k, v = self._split(self.key(inputs_kv)), self._split(self.value(inputs_kv))
+            batch, q_length = inputs_q.shape[:-2], inputs_q.shape[-2]
+            heads, kv_heads = self.num_heads, self.num_kv_heads
+            if cache is not None:
+                check_cache(_NAME, cache, batch, q_length, kv_heads, self.head_dim)
+            if self.rotary is None and positions is not None:
+                raise ValueError(
+                    f"{_NAME} got positions, but it has no rotary embeddings to use them "
+                    f"(rope_theta=None); build it with rope_theta=10000.0 (say), or leave "
+                    f"positions out."
+                )
+            q = split_heads(self.query(inputs_q), heads, kv_heads)
+            k = split_heads(self.key(inputs_kv), kv_heads, kv_heads)
+            v = split_heads(self.value(inputs_kv), kv_heads, kv_heads)
+            if self.rotary is not None:
+                offset = None if cache is None else cache.length
+                at = fold_positions(_NAME, positions, batch, q_length, offset)
+                q, k = self.rotary(q, at), self.rotary(k, at)
+            kv_length = k.shape[1] if cache is None else cache.max_length
             if mask is not None:
-                mask = self._fold_mask(mask, batch, q.shape[1], k.shape[1])
-            if key is None or self.dropout_rate == 0.0:
-                # it promotes low-precision inputs against float32 internally, which
-                # jax_numpy_dtype_promotion="strict" would reject
-                with jax.numpy_dtype_promotion("standard"):
-                    y = _dot_product_attention(q, k, v, mask=mask, is_causal=causal)
-            else:
-                y = self._attend_with_dropout(q, k, v, mask, causal, key)
-            merged_heads = (*batch, q.shape[1], -1)
+                mask = fold_mask(_NAME, mask, batch, heads, q_length, kv_length)
+            if cache is not None:
+                length, cache = cache.length, write(_NAME, cache, k, v)
+                k, v = cache.keys.astype(q.dtype), cache.values.astype(q.dtype)
+                seen = visible(length, q_length, kv_length, causal)
+                mask, causal = seen if mask is None else mask & seen, False
+            y = attend(q, k, v, mask, causal, precision=self.precision,
+                       dropout_rate=self.dropout_rate, key=key)  # fmt: skip
+            merged_heads = (*batch, q_length, -1)
             if not explicit_axes():
-                return self.out(y.reshape(merged_heads))
-            # the batch and time axes split as the queries', the features as the heads were
-            split = P(*typed_spec(inputs_q)[:-1], typed_spec(y)[2])
-            return self.out(y.reshape(merged_heads, out_sharding=split))
-
-    def _split(self, x: jax.Array) -> jax.Array:
-        """``[*batch, t, f]`` to ``[B, t, heads, f / heads]``. Under Explicit axes the batch
-        axes' splits are merged, and the heads are split as the features were when the mesh
-        axes divide the number of heads (unsplit otherwise)."""
-        heads = self.num_heads
-        shape = (-1, x.shape[-2], heads, x.shape[-1] // heads)
-        if not explicit_axes():
-            return x.reshape(shape)
-        *batch, time, features = typed_spec(x)
-        names = features if isinstance(features, tuple) else (features,)
-        parts = math.prod(jax.sharding.get_abstract_mesh().shape[n] for n in names if n)
-        split = features if heads % parts == 0 else None
-        return x.reshape(shape, out_sharding=P(merged(batch), time, split, None))
-
-    def _fold_mask(self, mask: Any, batch: tuple[int, ...], q: int, k: int) -> jax.Array:
-        """Checks `mask` against [*batch, heads, q, k] and folds its batch axes into one."""
-        target = (*batch, self.num_heads, q, k)
-        ok = mask.dtype == jnp.bool_ and mask.ndim <= len(target)
-        ok = ok and all(m in (1, t) for m, t in zip(mask.shape[::-1], target[::-1], strict=False))
-        if not ok:
-            raise ValueError(
-                f"MultiHeadAttention's mask must be booleans broadcastable to [*batch, "
-                f"num_heads, q_length, kv_length] = {list(target)}, got {mask.dtype}"
-                f"{list(mask.shape)}. True means 'may attend'; for a padding mask `valid` "
-                f"[*batch, kv_length] pass valid[..., None, None, :]."
-            )
-        mask = mask.reshape((1,) * (len(target) - mask.ndim) + mask.shape)
-        if len(batch) != 1:
-            mask = jnp.broadcast_to(mask, (*batch, *mask.shape[len(batch) :]))
-            mask = mask.reshape(-1, *mask.shape[len(batch) :])
-        return mask
-
-    def _attend_with_dropout(
-        self, q: jax.Array, k: jax.Array, v: jax.Array, mask: Any, causal: bool, key: Any
-    ) -> jax.Array:
-        """Attention with dropout on the weights ([B, t, heads, d] layouts), which
-        ``jax.nn.dot_product_attention`` does not offer; masked as it masks."""
-        # logits and softmax in float32 (at least), as jax.nn.dot_product_attention does
-        logits = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32)
-        logits = logits / jnp.sqrt(jnp.float32(q.shape[-1]))
-        allowed = jnp.ones((1, 1, q.shape[1], k.shape[1]), jnp.bool_)
-        if mask is not None:
-            allowed = allowed & mask
-        if causal:
-            allowed = allowed & jnp.tril(jnp.ones((q.shape[1], k.shape[1]), jnp.bool_))
-        logits = jnp.where(allowed, logits, jnp.finfo(logits.dtype).min)
-        weights = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
-        keep = keep_mask(key, self.dropout_rate, weights.shape)
-        weights = jnp.where(keep, weights / jnp.asarray(1.0 - self.dropout_rate, weights.dtype), 0)
-        return jnp.einsum("bhqk,bkhd->bqhd", weights, v)
+                y = self.out(y.reshape(merged_heads))
+            else:  # the batch and time axes split as the queries', the features as the heads
+                split = P(*typed_spec(inputs_q)[:-1], typed_spec(y)[2])
+                y = self.out(y.reshape(merged_heads, out_sharding=split))
+            return y if cache is None else (y, cache)

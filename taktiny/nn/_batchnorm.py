@@ -16,6 +16,7 @@ from .._sharding import Spec
 from ._checks import check_features
 from ._explicit import explicit_axes, follow, typed_spec
 from ._norm import statistics_dtype
+from ._precision import DTYPE, compute_dtype, static_dtype
 from ._random import constant
 from ._training import latest, record, training
 
@@ -35,14 +36,17 @@ class BatchNorm(Module):
 
     - in a model, however deep the BatchNorm sits, :func:`train_forward` runs the model
       in training mode and returns ``(output, model_with_new_statistics)``;
-    - called directly, ``bn(x, train=True)`` returns ``(y, new_bn)``.
+    - called directly, ``bn(x, train=True)`` returns ``(y, new_bn)``, and a
+      :class:`Sequential` called with ``train=True`` hands the flag on and returns
+      ``(y, new_sequential)``.
 
     The running statistics are state, not parameters: they are declared
     ``field(trainable=False)``, so :func:`taktiny.trainable` marks them ``False`` (for
     optax's masks and labels), and no gradient flows into them.
 
-    Statistics are computed in the parameters' dtype but at least float32; the output
-    and the stored statistics keep the parameters' dtype.
+    The layer computes in ``dtype`` (by default the parameters' dtype), and its
+    statistics in that dtype but at least float32; the output has ``dtype``, and the
+    running statistics stay in ``param_dtype``, whatever ``dtype`` is.
 
     Parameters (state names; PyTorch's ``nn.BatchNorm{1,2,3}d`` names in brackets):
         scale: ``[num_features]``, ones (``weight``).
@@ -56,7 +60,11 @@ class BatchNorm(Module):
         num_features: the size of the last (channel) axis.
         momentum: the weight of the old running statistics in each update.
         epsilon: added to the variance for stability (PyTorch's ``eps``).
-        dtype: the parameters' dtype, which is also the dtype of the output.
+        dtype: the dtype the layer computes in and returns; None (the default) is the
+            parameters' dtype.
+        param_dtype: the dtype ``scale``, ``bias`` and the running ``mean`` and ``var``
+            are created and stored in (a float32 BatchNorm computing in bfloat16 keeps
+            float32 statistics).
         scale_sharding: how ``scale`` is split over the mesh of an enclosing
             ``jax.set_mesh``: a tuple with one mesh axis name (or None), such as
             ``("model",)``, or a ``PartitionSpec``. Ignored without a mesh. The running
@@ -73,6 +81,7 @@ class BatchNorm(Module):
     var: Float[Array, " num_features"] = field(trainable=False)
     momentum: float
     epsilon: float
+    dtype: jnp.dtype | None = DTYPE
 
     def __init__(
         self,
@@ -80,7 +89,8 @@ class BatchNorm(Module):
         *,
         momentum: float = 0.99,
         epsilon: float = 1e-5,
-        dtype: DTypeLike = jnp.float32,
+        dtype: DTypeLike | None = None,
+        param_dtype: DTypeLike = jnp.float32,
         scale_sharding: Spec | None = None,
         bias_sharding: Spec | None = None,
         rngs: Rngs | None = None,
@@ -90,13 +100,14 @@ class BatchNorm(Module):
                 f"BatchNorm's momentum is the weight of the old running statistics, in [0, 1]; "
                 f"got {momentum!r} (a PyTorch momentum m is 1 - m here)."
             )
-        shape = (num_features,)
-        self.scale = constant(1, shape, dtype, scale_sharding, "BatchNorm.scale")
-        self.bias = constant(0, shape, dtype, bias_sharding, "BatchNorm.bias")
-        self.mean = constant(0, shape, dtype, scale_sharding, "BatchNorm.mean")
-        self.var = constant(1, shape, dtype, scale_sharding, "BatchNorm.var")
+        shape, stored = (num_features,), param_dtype
+        self.scale = constant(1, shape, stored, scale_sharding, "BatchNorm.scale")
+        self.bias = constant(0, shape, stored, bias_sharding, "BatchNorm.bias")
+        self.mean = constant(0, shape, stored, scale_sharding, "BatchNorm.mean")
+        self.var = constant(1, shape, stored, scale_sharding, "BatchNorm.var")
         self.momentum = float(momentum)  # a NumPy scalar would be an array: a parameter
         self.epsilon = float(epsilon)  # a NumPy scalar would be an array: a parameter
+        self.dtype = static_dtype(dtype)
 
     @overload
     def __call__(
@@ -124,7 +135,7 @@ class BatchNorm(Module):
             check_features(
                 "BatchNorm", x, size, why=f"its scale is ({size},)", argument="num_features"
             )
-            dtype = self.scale.dtype
+            dtype = compute_dtype(self.dtype, self.scale)
             x = x.astype(statistics_dtype(dtype))
             if not (training() if train is None else train):
                 return self._normalise(x, self.mean, self.var).astype(dtype)
@@ -145,9 +156,9 @@ class BatchNorm(Module):
                 splits = P(*typed_spec(base.mean)), P(*typed_spec(base.var))
                 mean, unbiased = jax.sharding.reshard((mean, unbiased), splits)
             m = base.momentum
-            new = base.replace(
-                mean=(m * base.mean.astype(mean.dtype) + (1 - m) * mean).astype(dtype),
-                var=(m * base.var.astype(mean.dtype) + (1 - m) * unbiased).astype(dtype),
+            new = base.replace(  # the running statistics keep their own dtype
+                mean=(m * base.mean.astype(mean.dtype) + (1 - m) * mean).astype(base.mean.dtype),
+                var=(m * base.var.astype(mean.dtype) + (1 - m) * unbiased).astype(base.var.dtype),
             )
             if train is None:
                 record(self, new)

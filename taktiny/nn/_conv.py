@@ -1,5 +1,5 @@
-"""`Conv`: channels-last convolutions in 1, 2 or 3 (or more) dimensions, and the argument
-checks it shares with `ConvTranspose`."""
+"""`Conv`: channels-last convolutions in 1, 2 or 3 (or more) dimensions, and the
+convolution it shares with `ConvTranspose`."""
 
 from __future__ import annotations
 
@@ -16,81 +16,18 @@ from .._module import Module
 from .._rngs import Rngs
 from .._sharding import Spec
 from ._checks import check_features
+from ._conv_args import (
+    SPATIAL_LETTERS,
+    Padding,
+    check_groups,
+    dilate,
+    each_axis,
+    make_parameters,
+    padding_of,
+    window_of,
+)
 from ._explicit import explicit_axes, follow, free, merged, typed_spec
-from ._random import constant, lecun_normal
-
-Padding = str | int | Sequence[int | tuple[int, int]]
-_LETTERS = "ABDEFGHJKLMPQRSTUVWXYZ"  # spatial axis names for dimension numbers (no N, C, I, O)
-
-
-def _spatial(layer: str, kernel_size: object) -> tuple[int, ...]:
-    """`kernel_size` as a tuple; an int is refused (is 3 a 1D or a 2D window?)."""
-    if not isinstance(kernel_size, Sequence) or not all(
-        isinstance(k, int) and k >= 1 for k in kernel_size
-    ):
-        raise TypeError(
-            f"{layer}'s kernel_size must be a tuple with one positive size per spatial axis, "
-            f"which also sets the number of spatial axes: (3,) for 1D, (3, 3) for 2D, "
-            f"(3, 3, 3) for 3D; got {kernel_size!r}."
-        )
-    if not 1 <= len(kernel_size) <= len(_LETTERS):
-        raise ValueError(
-            f"{layer}'s kernel_size must have 1 to {len(_LETTERS)} entries, got {kernel_size!r}."
-        )
-    return tuple(kernel_size)
-
-
-def _per_axis(layer: str, name: str, value: int | Sequence[int], n: int) -> tuple[int, ...]:
-    values = (value,) * n if isinstance(value, int) else tuple(value)
-    if len(values) != n or not all(isinstance(v, int) and v >= 1 for v in values):
-        raise ValueError(
-            f"{layer}'s {name} must be a positive int or {n} positive ints (one per spatial "
-            f"axis of its {n}D kernel_size), got {value!r}."
-        )
-    return values
-
-
-def _padding(layer: str, padding: Padding, n: int) -> str | tuple[tuple[int, int], ...]:
-    if isinstance(padding, str):
-        if padding.upper() not in ("SAME", "VALID"):
-            raise ValueError(
-                f"{layer}'s padding must be 'SAME', 'VALID', an int, or one int or (low, high) "
-                f"pair per spatial axis; got {padding!r}."
-            )
-        return padding.upper()
-    pads = [padding] * n if isinstance(padding, int) else list(padding)
-    pairs = [(p, p) if isinstance(p, int) else tuple(p) for p in pads]
-    if len(pairs) != n or not all(
-        len(p) == 2 and all(isinstance(v, int) for v in p) for p in pairs
-    ):
-        raise ValueError(
-            f"{layer}'s padding must be 'SAME', 'VALID', an int, or {n} ints or (low, high) "
-            f"pairs (one per spatial axis of its {n}D kernel_size); got {padding!r}."
-        )
-    return tuple((int(lo), int(hi)) for lo, hi in pairs)
-
-
-def _dilated(sizes: Sequence[int], dilation: Sequence[int]) -> list[int]:
-    """The extent of each axis of `sizes` with ``d - 1`` gaps between neighbours: a dilated
-    kernel's window, or a dilated input."""
-    return [(size - 1) * d + 1 for size, d in zip(sizes, dilation, strict=True)]
-
-
-def _groups(layer: str, in_features: int, out_features: int, groups: int) -> None:
-    if groups < 1 or in_features % groups or out_features % groups:
-        raise ValueError(
-            f"{layer}'s feature_group_count ({groups}) must divide both in_features "
-            f"({in_features}) and out_features ({out_features})."
-        )
-
-
-def _parameters(
-    layer: str, rngs: Rngs, window: tuple[int, ...], fan_in: int, out: int, use_bias: bool,
-    dtype: DTypeLike, kernel_sharding: Spec | None, bias_sharding: Spec | None,
-) -> tuple[jax.Array, jax.Array | None]:  # fmt: skip
-    kernel = lecun_normal(rngs(), (*window, fan_in, out), dtype, kernel_sharding, f"{layer}.kernel")
-    bias = constant(0, (out,), dtype, bias_sharding, f"{layer}.bias") if use_bias else None
-    return kernel, bias
+from ._precision import DTYPE, PRECISION, compute_dtype, static_dtype, static_precision
 
 
 def _convolve(
@@ -100,10 +37,12 @@ def _convolve(
     bias: jax.Array | None,
     groups: int,
     pads_for: Callable[[tuple[int, ...]], Sequence[tuple[int, int]]],
+    dtype: jnp.dtype | None,
     **conv: Any,
 ) -> jax.Array:
-    """Checks `x` [*batch, *spatial, in], folds its batch axes into one, convolves, adds bias.
-    `pads_for(spatial_shape)` gives the explicit padding for the input's spatial shape."""
+    """Checks `x` [*batch, *spatial, in], folds its batch axes into one, convolves, adds bias,
+    all in `dtype` (None: the kernel's). `pads_for(spatial_shape)` gives the explicit padding
+    for the input's spatial shape; `conv` holds the strides, dilations and precision."""
     n = kernel.ndim - 2
     in_features = kernel.shape[-2] * groups
     why = f"its kernel is {tuple(kernel.shape)}" + (f" with {groups} groups" if groups > 1 else "")
@@ -115,8 +54,10 @@ def _convolve(
         )
     check_features(layer, x, in_features, why=why, argument="in_features")
     batch, spatial = x.shape[: -n - 1], x.shape[-n - 1 : -1]
-    letters = _LETTERS[:n]
-    x = x.astype(kernel.dtype)
+    letters = SPATIAL_LETTERS[:n]
+    dtype = compute_dtype(dtype, kernel)
+    x, kernel = x.astype(dtype), kernel.astype(dtype)
+    bias = None if bias is None else bias.astype(dtype)
     # under Explicit axes the reshapes and the convolution are told their output's split:
     # the batch axes' split, none on the spatial axes, the kernel's on the output channels
     explicit = bool(explicit_axes())
@@ -143,8 +84,10 @@ class Conv(Module):
 
     The number of spatial axes is the length of ``kernel_size``: ``(5,)`` makes a 1D
     convolution over ``[batch, length, in]``, ``(3, 3)`` a 2D one over
-    ``[batch, height, width, in]``, ``(3, 3, 3)`` a 3D one. Any number of leading batch
-    axes (including none) is accepted.
+    ``[batch, height, width, in]``, ``(3, 3, 3)`` a 3D one. An int ``kernel_size`` is
+    the same size on every axis, as in PyTorch; the number of axes then comes from
+    ``dims`` (``Conv(3, 8, 3, dims=2)``) or from a tuple among ``strides``, ``padding``
+    and the dilations. Any number of leading batch axes (including none) is accepted.
 
     Parameters (state names):
         kernel: ``[*kernel_size, in_features // feature_group_count, out_features]``,
@@ -157,20 +100,32 @@ class Conv(Module):
     Args:
         in_features: channels of the input (its last axis).
         out_features: channels of the output.
-        kernel_size: the window, one size per spatial axis (a tuple, even in 1D).
+        kernel_size: the window: one size per spatial axis, or an int for the same
+            size on every axis.
+        dims: the number of spatial axes (1, 2, 3, ...), needed only when
+            ``kernel_size`` is an int and no other argument is a tuple that fixes it
+            (the same keyword as ``convert.conv(..., dims=)``).
         strides: the step between windows, an int or one per spatial axis.
-        padding: ``"SAME"`` (output size ``ceil(size / stride)``, any odd padding at the
-            end, as PyTorch's ``padding="same"``), ``"VALID"`` (no padding), an int (that
-            many zeros on both sides of every spatial axis, as PyTorch's ``padding=p``), or
-            one int or ``(low, high)`` pair per spatial axis.
+        padding: ``"SAME"`` (the default; PyTorch's default is ``0``, which is
+            ``"VALID"`` here) gives output size ``ceil(size / stride)``, with any odd
+            padding at the end, as PyTorch's ``padding="same"``; ``"VALID"`` pads
+            nothing; an int ``p`` pads ``p`` zeros on both sides of every spatial axis
+            (PyTorch's ``padding=p``); or one int (both sides, as PyTorch's tuple) or
+            ``(low, high)`` pair per spatial axis.
         input_dilation: spacing between input elements (``d - 1`` zeros inserted
             between neighbours; a fractionally strided convolution). PyTorch has no
             equivalent argument.
-        kernel_dilation: spacing between kernel taps (PyTorch's ``dilation``).
+        kernel_dilation: spacing between kernel taps (PyTorch's ``dilation``), an int or
+            one per spatial axis.
         feature_group_count: split input and output channels into this many groups
             convolved separately (PyTorch's ``groups``; ``in_features`` for depthwise).
         use_bias: whether to add a bias.
-        dtype: the parameters' dtype, which is also the dtype the layer computes in.
+        dtype: the dtype the layer computes in and returns (inputs and parameters are
+            cast to it); None (the default) computes in the parameters' dtype.
+        param_dtype: the dtype the parameters are created and stored in.
+        precision: the precision of the convolution (``jax.lax.Precision`` or its name,
+            ``"highest"`` for full float32 on GPUs and TPUs); None uses JAX's default,
+            which is TF32 for float32 on recent NVIDIA GPUs.
         kernel_sharding: how ``kernel`` is split over the mesh of an enclosing
             ``jax.set_mesh``: a tuple of mesh axis names, one per axis (``(None, None,
             None, "model")`` splits a 2D kernel's output channels), or a
@@ -186,43 +141,52 @@ class Conv(Module):
     input_dilation: tuple[int, ...]
     kernel_dilation: tuple[int, ...]
     feature_group_count: int
+    dtype: jnp.dtype | None = DTYPE
+    precision: jax.lax.PrecisionLike = PRECISION
 
     def __init__(
         self,
         in_features: int,
         out_features: int,
-        kernel_size: Sequence[int],
+        kernel_size: int | Sequence[int],
         *,
+        dims: int | None = None,
         strides: int | Sequence[int] = 1,
         padding: Padding = "SAME",
         input_dilation: int | Sequence[int] = 1,
         kernel_dilation: int | Sequence[int] = 1,
         feature_group_count: int = 1,
         use_bias: bool = True,
-        dtype: DTypeLike = jnp.float32,
+        dtype: DTypeLike | None = None,
+        param_dtype: DTypeLike = jnp.float32,
+        precision: jax.lax.PrecisionLike = None,
         kernel_sharding: Spec | None = None,
         bias_sharding: Spec | None = None,
         rngs: Rngs,
     ):
-        window = _spatial("Conv", kernel_size)
+        per_axis = {"strides": strides, "padding": padding, "input_dilation": input_dilation,
+                    "kernel_dilation": kernel_dilation}  # fmt: skip
+        window = window_of("Conv", kernel_size, dims, **per_axis)
         n = len(window)
-        _groups("Conv", in_features, out_features, feature_group_count)
+        check_groups("Conv", in_features, out_features, feature_group_count)
         fan_in = in_features // feature_group_count
-        self.kernel, self.bias = _parameters(
-            "Conv", rngs, window, fan_in, out_features, use_bias, dtype, kernel_sharding,
-            bias_sharding,
+        self.kernel, self.bias = make_parameters(
+            "Conv", rngs, window, fan_in, out_features, use_bias, param_dtype,
+            kernel_sharding, bias_sharding,
         )  # fmt: skip
-        self.strides = _per_axis("Conv", "strides", strides, n)
-        self.padding = _padding("Conv", padding, n)
-        self.input_dilation = _per_axis("Conv", "input_dilation", input_dilation, n)
-        self.kernel_dilation = _per_axis("Conv", "kernel_dilation", kernel_dilation, n)
+        self.strides = each_axis("Conv", "strides", strides, n)
+        self.padding = padding_of("Conv", padding, n)
+        self.input_dilation = each_axis("Conv", "input_dilation", input_dilation, n)
+        self.kernel_dilation = each_axis("Conv", "kernel_dilation", kernel_dilation, n)
         self.feature_group_count = feature_group_count
+        self.dtype = static_dtype(dtype)
+        self.precision = static_precision(precision, "Conv")
 
     def _pads(self, spatial: tuple[int, ...]) -> Sequence[tuple[int, int]]:
         if not isinstance(self.padding, str):
             return self.padding
-        dilated = _dilated(spatial, self.input_dilation)
-        window = _dilated(self.kernel.shape[:-2], self.kernel_dilation)
+        dilated = dilate(spatial, self.input_dilation)
+        window = dilate(self.kernel.shape[:-2], self.kernel_dilation)
         return jax.lax.padtype_to_pads(dilated, window, self.strides, self.padding)
 
     def __call__(
@@ -238,7 +202,9 @@ class Conv(Module):
                 self.bias,
                 self.feature_group_count,
                 self._pads,
+                self.dtype,
                 window_strides=self.strides,
                 lhs_dilation=self.input_dilation,
                 rhs_dilation=self.kernel_dilation,
+                precision=self.precision,
             )

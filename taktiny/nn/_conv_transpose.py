@@ -12,16 +12,17 @@ from jaxtyping import Array, Float
 from .._module import Module
 from .._rngs import Rngs
 from .._sharding import Spec
-from ._conv import (
+from ._conv import _convolve
+from ._conv_args import (
     Padding,
-    _convolve,
-    _dilated,
-    _groups,
-    _padding,
-    _parameters,
-    _per_axis,
-    _spatial,
+    check_groups,
+    dilate,
+    each_axis,
+    make_parameters,
+    padding_of,
+    window_of,
 )
+from ._precision import DTYPE, PRECISION, static_dtype, static_precision
 
 
 class ConvTranspose(Module):
@@ -46,19 +47,31 @@ class ConvTranspose(Module):
     Args:
         in_features: channels of the input (its last axis).
         out_features: channels of the output.
-        kernel_size: the window, one size per spatial axis (a tuple, even in 1D).
+        kernel_size: the window: one size per spatial axis, or an int for the same
+            size on every axis.
+        dims: the number of spatial axes (1, 2, 3, ...), needed only when
+            ``kernel_size`` is an int and no other argument is a tuple that fixes it
+            (the same keyword as ``convert.conv_transpose(..., dims=)``).
         strides: the upsampling factor, an int or one per spatial axis.
-        padding: how much of the full output to crop: ``"VALID"`` (nothing: PyTorch's
-            ``padding=0``), ``"SAME"`` (output size ``size * stride``, cropping as evenly
-            as possible with any odd element cropped at the start, as PyTorch's
-            ``padding=p, output_padding=op`` do when they give that size), an int ``p``
-            (``p`` from both ends: PyTorch's ``padding=p``), or one int or
-            ``(low, high)`` pair per spatial axis (PyTorch's ``padding=p,
-            output_padding=op`` is ``(p, p - op)``; a negative value pads instead).
-        kernel_dilation: spacing between kernel taps (PyTorch's ``dilation``).
+        padding: how much of the full output to crop: ``"SAME"`` (the default;
+            PyTorch's default is ``0``, which is ``"VALID"`` here) gives output size
+            ``size * stride``, cropping as evenly as possible with any odd element
+            cropped at the start, as PyTorch's ``padding=p, output_padding=op`` do when
+            they give that size; ``"VALID"`` crops nothing; an int ``p`` crops ``p``
+            from both ends (PyTorch's ``padding=p``); or one int (both ends, as
+            PyTorch's tuple) or ``(low, high)`` pair per spatial axis (PyTorch's
+            ``padding=p, output_padding=op`` is ``(p, p - op)``; a negative value pads
+            instead).
+        kernel_dilation: spacing between kernel taps (PyTorch's ``dilation``), an int or
+            one per spatial axis.
         feature_group_count: channel groups (PyTorch's ``groups``).
         use_bias: whether to add a bias.
-        dtype: the parameters' dtype, which is also the dtype the layer computes in.
+        dtype: the dtype the layer computes in and returns (inputs and parameters are
+            cast to it); None (the default) computes in the parameters' dtype.
+        param_dtype: the dtype the parameters are created and stored in.
+        precision: the precision of the convolution (``jax.lax.Precision`` or its name,
+            ``"highest"`` for full float32 on GPUs and TPUs); None uses JAX's default,
+            which is TF32 for float32 on recent NVIDIA GPUs.
         kernel_sharding: how ``kernel`` is split over the mesh of an enclosing
             ``jax.set_mesh``: a tuple of mesh axis names, one per axis (``(None, None,
             None, "model")`` splits a 2D kernel's output channels), or a
@@ -73,47 +86,55 @@ class ConvTranspose(Module):
     padding: str | tuple[tuple[int, int], ...]
     kernel_dilation: tuple[int, ...]
     feature_group_count: int
+    dtype: jnp.dtype | None = DTYPE
+    precision: jax.lax.PrecisionLike = PRECISION
 
     def __init__(
         self,
         in_features: int,
         out_features: int,
-        kernel_size: Sequence[int],
+        kernel_size: int | Sequence[int],
         *,
+        dims: int | None = None,
         strides: int | Sequence[int] = 1,
         padding: Padding = "SAME",
         kernel_dilation: int | Sequence[int] = 1,
         feature_group_count: int = 1,
         use_bias: bool = True,
-        dtype: DTypeLike = jnp.float32,
+        dtype: DTypeLike | None = None,
+        param_dtype: DTypeLike = jnp.float32,
+        precision: jax.lax.PrecisionLike = None,
         kernel_sharding: Spec | None = None,
         bias_sharding: Spec | None = None,
         rngs: Rngs,
     ):
-        window = _spatial("ConvTranspose", kernel_size)
+        window = window_of("ConvTranspose", kernel_size, dims, strides=strides, padding=padding,
+                         kernel_dilation=kernel_dilation)  # fmt: skip
         n = len(window)
-        _groups("ConvTranspose", in_features, out_features, feature_group_count)
+        check_groups("ConvTranspose", in_features, out_features, feature_group_count)
         fan_in = in_features // feature_group_count
-        self.kernel, self.bias = _parameters(
-            "ConvTranspose", rngs, window, fan_in, out_features, use_bias, dtype,
+        self.kernel, self.bias = make_parameters(
+            "ConvTranspose", rngs, window, fan_in, out_features, use_bias, param_dtype,
             kernel_sharding, bias_sharding,
         )  # fmt: skip
-        self.strides = _per_axis("ConvTranspose", "strides", strides, n)
-        self.padding = _padding("ConvTranspose", padding, n)
-        self.kernel_dilation = _per_axis("ConvTranspose", "kernel_dilation", kernel_dilation, n)
+        self.strides = each_axis("ConvTranspose", "strides", strides, n)
+        self.padding = padding_of("ConvTranspose", padding, n)
+        self.kernel_dilation = each_axis("ConvTranspose", "kernel_dilation", kernel_dilation, n)
         self.feature_group_count = feature_group_count
+        self.dtype = static_dtype(dtype)
+        self.precision = static_precision(precision, "ConvTranspose")
 
     def _crops(self) -> Sequence[tuple[int, int]]:
         if not isinstance(self.padding, str):
             return self.padding
         if self.padding == "VALID":
             return [(0, 0)] * len(self.strides)
-        spans = _dilated(self.kernel.shape[:-2], self.kernel_dilation)
+        spans = dilate(self.kernel.shape[:-2], self.kernel_dilation)
         excess = [span - s for span, s in zip(spans, self.strides, strict=True)]  # full - size * s
         return [(e - e // 2, e // 2) for e in excess]
 
     def _pads(self, spatial: tuple[int, ...]) -> Sequence[tuple[int, int]]:
-        spans = _dilated(self.kernel.shape[:-2], self.kernel_dilation)
+        spans = dilate(self.kernel.shape[:-2], self.kernel_dilation)
         crops = self._crops()
         return [(span - 1 - lo, span - 1 - hi) for span, (lo, hi) in zip(spans, crops, strict=True)]
 
@@ -123,7 +144,7 @@ class ConvTranspose(Module):
         """Upsamples ``x`` ``[*batch, *spatial, in_features]`` to
         ``[*batch, *out_spatial, out_features]``."""
         with jax.named_scope("ConvTranspose"):
-            spans = _dilated(self.kernel.shape[:-2], self.kernel_dilation)
+            spans = dilate(self.kernel.shape[:-2], self.kernel_dilation)
             if x.ndim > len(spans):
                 spatial = x.shape[-len(spans) - 1 : -1]
                 full = [
@@ -144,7 +165,9 @@ class ConvTranspose(Module):
                 self.bias,
                 self.feature_group_count,
                 self._pads,
+                self.dtype,
                 window_strides=(1,) * len(self.strides),
                 lhs_dilation=self.strides,
                 rhs_dilation=self.kernel_dilation,
+                precision=self.precision,
             )

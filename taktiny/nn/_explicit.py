@@ -55,17 +55,23 @@ def follow(vector: jax.Array, x: jax.Array) -> jax.Array:
     return vector if typed_spec(vector)[0] == entry else jax.sharding.reshard(vector, P(entry))
 
 
-def project(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None) -> jax.Array:
-    """``x @ kernel + bias`` on the last axis of `x` (already in the kernel's dtype).
+def project(
+    x: jax.Array,
+    kernel: jax.Array,
+    bias: jax.Array | None = None,
+    precision: jax.lax.PrecisionLike = None,
+) -> jax.Array:
+    """``x @ kernel + bias`` on the last axis of `x` (already in the kernel's dtype), the
+    product at `precision`.
 
     Under Explicit mesh axes the output is split as the input on its batch axes and as the
     kernel's output axis on its last axis (unsplit where that would split two axes over one
     mesh axis); a contraction over split features is summed across the devices.
     """
     if not explicit_axes():
-        y = x @ kernel
+        y = jnp.matmul(x, kernel, precision=precision)
         return y if bias is None else y + bias
     batch = typed_spec(x)[:-1]
     out = free(typed_spec(kernel)[-1], *batch)
-    y = jnp.matmul(x, kernel, out_sharding=P(*batch, out))
+    y = jnp.matmul(x, kernel, precision=precision, out_sharding=P(*batch, out))
     return y if bias is None else y + follow(bias, y)

@@ -11,6 +11,7 @@ from .._module import Module
 from .._rngs import Rngs
 from .._sharding import Spec
 from ._explicit import project
+from ._precision import DTYPE, PRECISION, compute_dtype, static_dtype, static_precision
 from ._random import constant, lecun_normal
 
 
@@ -28,7 +29,12 @@ class Linear(Module):
         in_features: size of the input's last axis.
         out_features: size of the output's last axis.
         use_bias: whether to add a bias.
-        dtype: the parameters' dtype, which is also the dtype the layer computes in.
+        dtype: the dtype the layer computes in and returns (inputs and parameters are
+            cast to it); None (the default) computes in the parameters' dtype.
+        param_dtype: the dtype the parameters are created and stored in.
+        precision: the precision of the matrix product (``jax.lax.Precision`` or its
+            name, ``"highest"`` for full float32 on GPUs and TPUs); None uses JAX's
+            default, which is TF32 for float32 on recent NVIDIA GPUs.
         kernel_sharding: how ``kernel`` is split over the mesh of an enclosing
             ``jax.set_mesh``: a tuple of mesh axis names, one per axis (``(None, "model")``
             splits the outputs), or a ``PartitionSpec``. Ignored without a mesh.
@@ -38,6 +44,8 @@ class Linear(Module):
 
     kernel: Float[Array, "in_features out_features"]
     bias: Float[Array, " out_features"] | None
+    dtype: jnp.dtype | None = DTYPE
+    precision: jax.lax.PrecisionLike = PRECISION
 
     def __init__(
         self,
@@ -45,16 +53,22 @@ class Linear(Module):
         out_features: int,
         *,
         use_bias: bool = True,
-        dtype: DTypeLike = jnp.float32,
+        dtype: DTypeLike | None = None,
+        param_dtype: DTypeLike = jnp.float32,
+        precision: jax.lax.PrecisionLike = None,
         kernel_sharding: Spec | None = None,
         bias_sharding: Spec | None = None,
         rngs: Rngs,
     ):
         shape = (in_features, out_features)
-        self.kernel = lecun_normal(rngs(), shape, dtype, kernel_sharding, "Linear.kernel")
+        self.kernel = lecun_normal(rngs(), shape, param_dtype, kernel_sharding, "Linear.kernel")
         self.bias = (
-            constant(0, (out_features,), dtype, bias_sharding, "Linear.bias") if use_bias else None
+            constant(0, (out_features,), param_dtype, bias_sharding, "Linear.bias")
+            if use_bias
+            else None
         )
+        self.dtype = static_dtype(dtype)
+        self.precision = static_precision(precision, "Linear")
 
     def __call__(
         self, x: Float[Array, "*batch in_features"]
@@ -68,4 +82,6 @@ class Linear(Module):
                     f"kernel is {tuple(self.kernel.shape)}), got an input of shape "
                     f"{tuple(x.shape)}."
                 )
-            return project(x.astype(self.kernel.dtype), self.kernel, self.bias)
+            dtype = compute_dtype(self.dtype, self.kernel)
+            bias = None if self.bias is None else self.bias.astype(dtype)
+            return project(x.astype(dtype), self.kernel.astype(dtype), bias, self.precision)

@@ -12,6 +12,7 @@ from .._rngs import Rngs
 from .._sharding import Spec
 from ._checks import check_features
 from ._explicit import follow
+from ._precision import DTYPE, compute_dtype, static_dtype
 from ._random import constant
 
 
@@ -40,10 +41,11 @@ class LayerNorm(Module):
             is ``1e-5``; BERT uses ``1e-12``).
         use_scale: whether to multiply by a learned ``scale``.
         use_bias: whether to add a learned ``bias``.
-        dtype: the parameters' dtype, which is also the dtype of the output. The mean
-            and variance are computed in this dtype but at least float32, and the result
-            cast back. A LayerNorm with neither scale nor bias has no parameters and
-            returns the input's dtype.
+        dtype: the dtype the layer computes in and returns; None (the default) is the
+            parameters' dtype (the input's for a LayerNorm with neither scale nor bias,
+            which has no parameters). The mean and variance are computed in this dtype
+            but at least float32, and the result cast back.
+        param_dtype: the dtype ``scale`` and ``bias`` are created and stored in.
         scale_sharding: how ``scale`` is split over the mesh of an enclosing
             ``jax.set_mesh``: a tuple with one mesh axis name (or None), such as
             ``("model",)``, or a ``PartitionSpec``. Ignored without a mesh. On Explicit
@@ -56,6 +58,7 @@ class LayerNorm(Module):
     scale: Float[Array, " num_features"] | None
     bias: Float[Array, " num_features"] | None
     epsilon: float
+    dtype: jnp.dtype | None = DTYPE
 
     def __init__(
         self,
@@ -64,17 +67,21 @@ class LayerNorm(Module):
         epsilon: float = 1e-6,
         use_scale: bool = True,
         use_bias: bool = True,
-        dtype: DTypeLike = jnp.float32,
+        dtype: DTypeLike | None = None,
+        param_dtype: DTypeLike = jnp.float32,
         scale_sharding: Spec | None = None,
         bias_sharding: Spec | None = None,
         rngs: Rngs | None = None,
     ):
-        shape = (num_features,)
+        shape, stored = (num_features,), param_dtype
         self.scale = (
-            constant(1, shape, dtype, scale_sharding, "LayerNorm.scale") if use_scale else None
+            constant(1, shape, stored, scale_sharding, "LayerNorm.scale") if use_scale else None
         )
-        self.bias = constant(0, shape, dtype, bias_sharding, "LayerNorm.bias") if use_bias else None
+        self.bias = (
+            constant(0, shape, stored, bias_sharding, "LayerNorm.bias") if use_bias else None
+        )
         self.epsilon = float(epsilon)  # a NumPy scalar would be an array: a parameter
+        self.dtype = static_dtype(dtype)
 
     def __call__(
         self, x: Float[Array, "*batch num_features"]
@@ -82,12 +89,11 @@ class LayerNorm(Module):
         """Normalises ``x`` ``[*batch, num_features]`` over its last axis; same shape out."""
         with jax.named_scope("LayerNorm"):
             param = self.scale if self.scale is not None else self.bias
-            out = x.dtype
             if param is not None:
                 size = param.shape[0]
                 why = f"its {'scale' if self.scale is not None else 'bias'} is ({size},)"
                 check_features("LayerNorm", x, size, why=why, argument="num_features")
-                out = param.dtype
+            out = compute_dtype(self.dtype, x if param is None else param)
             x = x.astype(statistics_dtype(out))
             mean = jnp.mean(x, axis=-1, keepdims=True)
             var = jnp.mean(jnp.square(x - mean), axis=-1, keepdims=True)
@@ -110,9 +116,10 @@ class RMSNorm(Module):
         num_features: the size of the normalised last axis.
         epsilon: added to the mean square for stability (PyTorch's ``eps``; give it
             explicitly there, as its default depends on the dtype).
-        dtype: the parameter's dtype, which is also the dtype of the output. The mean
-            square is computed in this dtype but at least float32, and the result cast
-            back.
+        dtype: the dtype the layer computes in and returns; None (the default) is the
+            parameter's dtype. The mean square is computed in this dtype but at least
+            float32, and the result cast back.
+        param_dtype: the dtype ``scale`` is created and stored in.
         scale_sharding: how ``scale`` is split over the mesh of an enclosing
             ``jax.set_mesh`` (``("model",)``, or a ``PartitionSpec``); ignored without a
             mesh. On Explicit mesh axes the output is split as the input is.
@@ -121,18 +128,21 @@ class RMSNorm(Module):
 
     scale: Float[Array, " num_features"]
     epsilon: float
+    dtype: jnp.dtype | None = DTYPE
 
     def __init__(
         self,
         num_features: int,
         *,
         epsilon: float = 1e-6,
-        dtype: DTypeLike = jnp.float32,
+        dtype: DTypeLike | None = None,
+        param_dtype: DTypeLike = jnp.float32,
         scale_sharding: Spec | None = None,
         rngs: Rngs | None = None,
     ):
-        self.scale = constant(1, (num_features,), dtype, scale_sharding, "RMSNorm.scale")
+        self.scale = constant(1, (num_features,), param_dtype, scale_sharding, "RMSNorm.scale")
         self.epsilon = float(epsilon)  # a NumPy scalar would be an array: a parameter
+        self.dtype = static_dtype(dtype)
 
     def __call__(
         self, x: Float[Array, "*batch num_features"]
@@ -143,8 +153,9 @@ class RMSNorm(Module):
             check_features(
                 "RMSNorm", x, size, why=f"its scale is ({size},)", argument="num_features"
             )
-            x = x.astype(statistics_dtype(self.scale.dtype))
+            out = compute_dtype(self.dtype, self.scale)
+            x = x.astype(statistics_dtype(out))
             mean_square = jnp.mean(jnp.square(x), axis=-1, keepdims=True)
             y = x * jax.lax.rsqrt(mean_square + jnp.asarray(self.epsilon, x.dtype))
             scale = follow(self.scale, x)  # under Explicit axes, split as x is
-            return (y * scale.astype(x.dtype)).astype(self.scale.dtype)
+            return (y * scale.astype(x.dtype)).astype(out)

@@ -23,13 +23,16 @@ from ._checks import check_features
 from ._embed import Embed
 from ._explicit import explicit_axes, free, project, typed_spec
 from ._linear import Linear
+from ._precision import DTYPE, PRECISION, compute_dtype, static_dtype, static_precision
 from ._random import constant, lecun_normal, normal
 
 
-def _dequantized(weight: QArray, x: Any) -> tuple[Any, jax.Array]:
-    """The dtype a quantized layer computes in (the input's when it is float, else the
-    weight's), and the weight dequantized into it."""
-    dtype = jnp.dtype(x.dtype if jnp.issubdtype(x.dtype, jnp.floating) else weight.dtype)
+def _dequantized(weight: QArray, dtype: jnp.dtype | None, x: Any) -> tuple[jnp.dtype, jax.Array]:
+    """The dtype a quantized layer computes in on input `x` (its `dtype`; when that is None,
+    the input's if it is float, else the scales'), and the weight dequantized into it."""
+    if dtype is None and jnp.issubdtype(x.dtype, jnp.floating):
+        dtype = jnp.dtype(x.dtype)
+    dtype = compute_dtype(dtype, weight)
     meta = {"axis": weight.axis, "group_size": weight.group_size, "dtype": dtype}
     return dtype, dequantize_array(weight.value, weight.scale, **meta)
 
@@ -45,8 +48,9 @@ class QuantizedLinear(Module):
             quantized.
         bias: ``[out_features]``, float, zeros; ``None`` when ``use_bias=False``.
 
-    The layer computes in the input's dtype (a float input; any other is cast to
-    `dtype`): the kernel is dequantized into it, and the output has it.
+    The layer computes in ``dtype``: the input is cast to it, the kernel dequantized into
+    it, and the output has it. By default (``dtype=None``) that is the input's dtype, so
+    the int weights serve a float32 and a bfloat16 caller alike.
 
     Args:
         in_features: size of the input's last axis.
@@ -55,7 +59,13 @@ class QuantizedLinear(Module):
         group_size: input rows per scale; None for one scale per output channel. Must
             divide `in_features`.
         use_bias: whether to add a bias.
-        dtype: the float dtype of the scales and the bias.
+        dtype: the dtype the layer computes in and returns; None (the default) is the
+            input's dtype.
+        param_dtype: the float dtype the kernel is drawn in before it is quantized, and
+            that its scales and the bias are stored in (the values are int8 or int4).
+        precision: the precision of the matrix product (``jax.lax.Precision`` or its
+            name, ``"highest"`` for full float32 on GPUs and TPUs); None uses JAX's
+            default, which is TF32 for float32 on recent NVIDIA GPUs.
         kernel_sharding: how ``kernel.value`` is split under ``jax.set_mesh``, as for
             :class:`Linear`; ``kernel.scale`` is split likewise on its output axis.
         bias_sharding: the same for ``bias``.
@@ -64,20 +74,25 @@ class QuantizedLinear(Module):
 
     kernel: QArray
     bias: Float[Array, " out_features"] | None
+    dtype: jnp.dtype | None = DTYPE
+    precision: jax.lax.PrecisionLike = PRECISION
 
     def __init__(
         self, in_features: int, out_features: int, *, bits: int = 8,
-        group_size: int | None = None, use_bias: bool = True, dtype: DTypeLike = jnp.float32,
+        group_size: int | None = None, use_bias: bool = True, dtype: DTypeLike | None = None,
+        param_dtype: DTypeLike = jnp.float32, precision: jax.lax.PrecisionLike = None,
         kernel_sharding: Spec | None = None, bias_sharding: Spec | None = None, rngs: Rngs,
     ):  # fmt: skip
-        where = "QuantizedLinear.kernel"
-        w = lecun_normal(rngs(), (in_features, out_features), dtype, kernel_sharding, where)
+        where, stored = "QuantizedLinear.kernel", param_dtype
+        w = lecun_normal(rngs(), (in_features, out_features), stored, kernel_sharding, where)
         self.kernel = quantized(w, bits=bits, axis=0, group_size=group_size, name=where)
         self.bias = (
-            constant(0, (out_features,), dtype, bias_sharding, "QuantizedLinear.bias")
+            constant(0, (out_features,), stored, bias_sharding, "QuantizedLinear.bias")
             if use_bias
             else None
         )
+        self.dtype = static_dtype(dtype)
+        self.precision = static_precision(precision, "QuantizedLinear")
 
     def __call__(
         self, x: Float[Array, "*batch in_features"]
@@ -87,9 +102,9 @@ class QuantizedLinear(Module):
             shape = self.kernel.shape
             check_features("QuantizedLinear", x, shape[0], why=f"its kernel is {shape}",
                            argument="in_features")  # fmt: skip
-            dtype, kernel = _dequantized(self.kernel, x)
+            dtype, kernel = _dequantized(self.kernel, self.dtype, x)
             bias = None if self.bias is None else self.bias.astype(dtype)
-            return project(x.astype(dtype), kernel, bias)
+            return project(x.astype(dtype), kernel, bias, self.precision)
 
 
 class QuantizedEmbed(Module):
@@ -102,34 +117,46 @@ class QuantizedEmbed(Module):
             (one per row) or ``[num_embeddings, features // group_size]``. Initialised as
             :class:`Embed`'s table, then quantized.
 
-    Lookups dequantize only the rows they read and return the scales' dtype, as
-    :class:`Embed` returns its table's; :meth:`attend` computes in its input's dtype.
+    Lookups dequantize only the rows they read, into ``dtype`` (by default the scales'
+    dtype, ``param_dtype``); :meth:`attend` computes in ``dtype``, by default its input's
+    dtype, as :class:`QuantizedLinear` does.
 
     Args:
         num_embeddings: the number of ids (the vocabulary size).
         features: the size of each vector.
         bits: 8 or 4.
         group_size: features per scale; None for one scale per row. Must divide `features`.
-        dtype: the float dtype of the scales (and of the vectors looked up).
+        dtype: the dtype of the vectors looked up and the dtype :meth:`attend` computes
+            in and returns; None (the default): the scales' dtype for lookups and the
+            input's for :meth:`attend`.
+        param_dtype: the float dtype the table is drawn in before it is quantized, and
+            that its scales are stored in (the values are int8 or int4).
+        precision: the precision of :meth:`attend`'s matrix product, as for
+            :class:`Embed`.
         embedding_sharding: how ``embedding.value`` is split under ``jax.set_mesh``, as for
             :class:`Embed`; ``embedding.scale`` is split likewise on the vocabulary axis.
         rngs: the key stream for the initialisation.
     """
 
     embedding: QArray
+    dtype: jnp.dtype | None = DTYPE
+    precision: jax.lax.PrecisionLike = PRECISION
 
     def __init__(
         self, num_embeddings: int, features: int, *, bits: int = 8,
-        group_size: int | None = None, dtype: DTypeLike = jnp.float32,
+        group_size: int | None = None, dtype: DTypeLike | None = None,
+        param_dtype: DTypeLike = jnp.float32, precision: jax.lax.PrecisionLike = None,
         embedding_sharding: Spec | None = None, rngs: Rngs,
     ):  # fmt: skip
-        where = "QuantizedEmbed.embedding"
-        table = normal(rngs(), (num_embeddings, features), dtype, 1.0, embedding_sharding, where)
+        where, shape = "QuantizedEmbed.embedding", (num_embeddings, features)
+        table = normal(rngs(), shape, param_dtype, 1.0, embedding_sharding, where)
         self.embedding = quantized(table, bits=bits, axis=1, group_size=group_size, name=where)
+        self.dtype = static_dtype(dtype)
+        self.precision = static_precision(precision, "QuantizedEmbed")
 
     def __call__(self, ids: Integer[Array, "*batch"]) -> Float[Array, "*batch features"]:
-        """The rows of the table for ``ids`` ``[*batch]``, dequantized: ``[*batch,
-        features]``. Ids index as in :class:`Embed` (negative ids count from the end, ids
+        """The rows of the table for ``ids`` ``[*batch]``, dequantized into ``dtype``:
+        ``[*batch, features]``. Ids index as in :class:`Embed` (negative ids count from the end, ids
         past the end give rows of NaNs)."""
         with jax.named_scope("QuantizedEmbed"):
             if not jnp.issubdtype(ids.dtype, jnp.integer):
@@ -148,17 +175,17 @@ class QuantizedEmbed(Module):
                 out = P(*batch, None)
                 scale = table.scale.at[ids].get(mode="fill", fill_value=jnp.nan, out_sharding=out)
             return dequantize_array(value, scale, axis=ids.ndim, group_size=table.group_size,
-                                    dtype=jnp.dtype(table.dtype))  # fmt: skip
+                                    dtype=compute_dtype(self.dtype, table))  # fmt: skip
 
     def attend(self, x: Float[Array, "*batch features"]) -> Float[Array, "*batch num_embeddings"]:
         """Scores ``x`` ``[*batch, features]`` against every row: ``x @ dequantize(table).T``,
-        ``[*batch, num_embeddings]``, in ``x``'s dtype (the tied output projection)."""
+        ``[*batch, num_embeddings]``, in ``dtype`` (the tied output projection)."""
         with jax.named_scope("QuantizedEmbed.attend"):
             shape = self.embedding.shape
             check_features("QuantizedEmbed.attend", x, shape[1], why=f"its embedding is {shape}",
                            argument="features")  # fmt: skip
-            dtype, table = _dequantized(self.embedding, x)
-            return project(x.astype(dtype), table.T)
+            dtype, table = _dequantized(self.embedding, self.dtype, x)
+            return project(x.astype(dtype), table.T, None, self.precision)
 
 
 def _build(cls: type[Module], **fields: Any) -> Any:
@@ -228,10 +255,12 @@ def quantize(
         if isinstance(layer, Linear):
             kernel = quantized(layer.kernel, bits=bits, axis=0, group_size=group_size,
                                name=f"{prefix}kernel")  # fmt: skip
-            return _build(QuantizedLinear, kernel=kernel, bias=layer.bias)
+            return _build(QuantizedLinear, kernel=kernel, bias=layer.bias,
+                          dtype=layer.dtype, precision=layer.precision)  # fmt: skip
         table = quantized(layer.embedding, bits=bits, axis=1, group_size=group_size,
                           name=f"{prefix}embedding")  # fmt: skip
-        return _build(QuantizedEmbed, embedding=table)
+        return _build(QuantizedEmbed, embedding=table, dtype=layer.dtype,
+                      precision=layer.precision)  # fmt: skip
 
     return jax.tree_util.tree_map_with_path(swap, model, is_leaf=_is_float_layer)
 
@@ -246,10 +275,11 @@ def dequantize(model: Any) -> Any:
 
     def swap(layer: Any) -> Any:
         base = type(layer)._taktiny_base if is_layer(layer) else None
+        config = {"dtype": layer.dtype, "precision": layer.precision} if base else {}
         if base is QuantizedLinear:
-            return _build(Linear, kernel=layer.kernel.dequantize(), bias=layer.bias)
+            return _build(Linear, kernel=layer.kernel.dequantize(), bias=layer.bias, **config)
         if base is QuantizedEmbed:
-            return _build(Embed, embedding=layer.embedding.dequantize())
+            return _build(Embed, embedding=layer.embedding.dequantize(), **config)
         return layer
 
     return jax.tree.map(swap, model, is_leaf=is_layer)

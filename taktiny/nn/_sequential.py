@@ -42,14 +42,28 @@ class Lambda(Module):
 
 
 @functools.cache
-def _takes_key(layer_type: type) -> bool:
-    """Whether `layer_type.__call__` accepts a ``key=`` keyword (Dropout, attention)."""
+def _takes(layer_type: type, keyword: str) -> bool:
+    """Whether `layer_type.__call__` accepts `keyword` (``key``: Dropout, attention;
+    ``train``: BatchNorm, Sequential)."""
     try:
         parameters = inspect.signature(layer_type.__call__).parameters
     except (TypeError, ValueError):
         return False
-    key = parameters.get("key")
-    return key is not None and key.kind in (key.KEYWORD_ONLY, key.POSITIONAL_OR_KEYWORD)
+    found = parameters.get(keyword)
+    return found is not None and found.kind in (found.KEYWORD_ONLY, found.POSITIONAL_OR_KEYWORD)
+
+
+def _trained(index: int, layer: Module, out: Any) -> tuple[Any, Module]:
+    """The ``(y, new_layer)`` that `layer`, called with ``train=True``, returned."""
+    if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], Module)):
+        got = f"a tuple of {len(out)}" if isinstance(out, tuple) else type(out).__name__
+        raise TypeError(
+            f"Sequential(train=True) calls layers.{index} ({type(layer).__name__}) with "
+            f"train=True and expects the pair (y, new_layer) back, as BatchNorm returns; "
+            f"got {got}. Return (y, self) from a layer with no state to update, or call the "
+            f"Sequential without train= (nn.train_forward collects updates instead)."
+        )
+    return out
 
 
 class Sequential(Module):
@@ -64,6 +78,14 @@ class Sequential(Module):
     and every layer whose ``__call__`` takes a ``key=`` keyword (:class:`Dropout`,
     :class:`MultiHeadAttention`, a module of your own) gets its own; without a key,
     no layer gets one (evaluation).
+
+    ``seq(x, train=...)`` hands the mode on to every layer whose ``__call__`` takes a
+    ``train=`` keyword (:class:`BatchNorm`, a nested ``Sequential``, a module of your
+    own). ``train=True`` returns ``(y, new_seq)``: each such layer is called with
+    ``train=True``, must return ``(y, new_layer)``, and ``new_seq`` holds the new
+    layers (BatchNorm's updated running statistics). ``train=False`` returns ``y``,
+    every such layer using its running statistics. Without ``train=`` no layer gets
+    one, so that under :func:`train_forward` they train.
     """
 
     layers: tuple[Module, ...]
@@ -71,19 +93,25 @@ class Sequential(Module):
     def __init__(self, *layers: Module | Callable[..., Any]):
         self.layers = tuple(x if isinstance(x, Module) else Lambda(x) for x in layers)
 
-    def __call__(self, x: Any, *, key: Any = None) -> Any:
+    def __call__(self, x: Any, *, key: Any = None, train: bool | None = None) -> Any:
         """Returns ``layers[-1](...layers[1](layers[0](x)))``, with ``key`` split among
-        the layers that take one."""
+        the layers that take one and ``train`` given to those that take it; with
+        ``train=True``, the pair ``(y, new_seq)``."""
         with jax.named_scope("Sequential"):
             keys = [None] * len(self.layers)
             if key is not None and self.layers:
                 keys = list(jax.random.split(key, len(self.layers)))
-            for layer, layer_key in zip(self.layers, keys, strict=True):
-                if layer_key is not None and _takes_key(type(layer)):
-                    x = layer(x, key=layer_key)  # pyright: ignore[reportCallIssue]
-                else:
-                    x = layer(x)  # pyright: ignore[reportCallIssue]
-            return x
+            layers = list(self.layers)
+            for i, (layer, layer_key) in enumerate(zip(self.layers, keys, strict=True)):
+                kwargs: dict[str, Any] = {}
+                if layer_key is not None and _takes(type(layer), "key"):
+                    kwargs["key"] = layer_key
+                if train is not None and _takes(type(layer), "train"):
+                    kwargs["train"] = train
+                x = layer(x, **kwargs)  # pyright: ignore[reportCallIssue]
+                if train and "train" in kwargs:
+                    x, layers[i] = _trained(i, layer, x)
+            return (x, self.replace(layers=tuple(layers))) if train else x
 
     @overload
     def __getitem__(self, index: int) -> Module: ...

@@ -1,0 +1,219 @@
+"""A Llama causal decoder built from Taktiny layers, loaded from Hugging Face's `LlamaForCausalLM`.
+
+The reference is a small random `transformers.LlamaForCausalLM` (nothing is downloaded):
+RMSNorm, rotary position embeddings, grouped-query attention without biases (2 key/value
+heads for 4 query heads) and a SwiGLU MLP. It runs twice: with the output projection tied
+to the token embedding (`Embed.attend`, a `convert.Tie`) and with its own `lm_head`.
+`RULES` converts the state dict (checked name by name, loaded strictly into a model built
+without initialising it) and exports the model back into a fresh `LlamaForCausalLM`
+(strict=True); `convert.parity` compares the logits both times, at full float32 matmul
+precision. Then it decodes greedily with a `KVCache` per layer: the prompt in one jitted
+call, each new token through one jitted step that compiles once, and compares the tokens
+with `generate`. Run `python examples/llama.py`: it prints the largest differences in the
+logits and both models' tokens.
+"""
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from taktiny import convert, nn
+
+
+def rope_theta(config: LlamaConfig) -> float:
+    """The base of Llama's rotary embeddings: plain ones ("default"), no scaling."""
+    rope: dict[str, Any] = {**(config.rope_parameters or {})}
+    if rope.get("rope_type") != "default":
+        raise ValueError(f"This example builds plain rotary embeddings, not {rope}.")
+    return rope["rope_theta"]
+
+
+class MLP(nn.Module):
+    """SwiGLU: ``down(silu(gate(x)) * up(x))``, no biases."""
+
+    def __init__(self, config: LlamaConfig, *, rngs: nn.Rngs):
+        hidden, inner = config.hidden_size, config.intermediate_size
+        self.gate = nn.Linear(hidden, inner, use_bias=False, rngs=rngs)
+        self.up = nn.Linear(hidden, inner, use_bias=False, rngs=rngs)
+        self.down = nn.Linear(inner, hidden, use_bias=False, rngs=rngs)
+
+    def __call__(self, x):
+        return self.down(jax.nn.silu(self.gate(x)) * self.up(x))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm: each block normalises its input and adds its output to the residual."""
+
+    def __init__(self, config: LlamaConfig, *, rngs: nn.Rngs):
+        hidden, eps = config.hidden_size, config.rms_norm_eps
+        self.attention_norm = nn.RMSNorm(hidden, epsilon=eps)
+        self.attention = nn.MultiHeadAttention(
+            config.num_attention_heads, hidden, num_kv_heads=config.num_key_value_heads,
+            rope_theta=rope_theta(config), use_bias=False, rngs=rngs,
+        )  # fmt: skip
+        self.mlp_norm = nn.RMSNorm(hidden, epsilon=eps)
+        self.mlp = MLP(config, rngs=rngs)
+
+    def __call__(self, x, cache=None):
+        if cache is None:
+            y = self.attention(self.attention_norm(x), causal=True)
+        else:  # the new keys and values are written into the cache, which comes back
+            y, cache = self.attention(self.attention_norm(x), causal=True, cache=cache)
+        x = x + y
+        return x + self.mlp(self.mlp_norm(x)), cache
+
+
+class Llama(nn.Module):
+    """Token ids [batch, length] -> next-token logits [batch, length, vocab]; with
+    `caches` (one KVCache per layer, from `init_caches`), (logits, the caches advanced)."""
+
+    def __init__(self, config: LlamaConfig, *, rngs: nn.Rngs):
+        hidden, vocab = config.hidden_size, config.vocab_size
+        self.embed = nn.Embed(vocab, hidden, rngs=rngs)
+        self.layers = [DecoderLayer(config, rngs=rngs) for _ in range(config.num_hidden_layers)]
+        self.norm = nn.RMSNorm(hidden, epsilon=config.rms_norm_eps)
+        tied = config.tie_word_embeddings  # tied: the output projection is the embedding
+        self.lm_head = None if tied else nn.Linear(hidden, vocab, use_bias=False, rngs=rngs)
+
+    def init_caches(self, batch: int, max_length: int) -> list[nn.KVCache]:
+        """Empty caches for `batch` sequences of up to `max_length` tokens in all."""
+        return [layer.attention.init_cache(batch, max_length) for layer in self.layers]
+
+    def __call__(self, ids, *, caches=None):
+        x = self.embed(ids)
+        advanced = []
+        for i, layer in enumerate(self.layers):
+            x, cache = layer(x, None if caches is None else caches[i])
+            advanced.append(cache)
+        x = self.norm(x)
+        logits = self.embed.attend(x) if self.lm_head is None else self.lm_head(x)
+        return logits if caches is None else (logits, advanced)
+
+
+# Hugging Face name -> Taktiny name, written with the presets; {i} carries the layer number
+# across. Every projection is a bias-free `nn.Linear` (weight [out, in], transposed); the
+# RMSNorms have a weight only. The key/value heads need no reordering: both sides split
+# features into heads as consecutive blocks and pair query head h with key/value head
+# h // (heads // kv_heads). Rotary embeddings have no parameters (HF's `inv_freq` is a
+# buffer kept out of the state dict).
+HF, OURS = "model.layers.{i}.", "layers.{i}."
+RULES = [
+    *convert.embedding("model.embed_tokens", "embed"),
+    *convert.layer_norm(HF + "input_layernorm", OURS + "attention_norm", bias=False),
+    *convert.linear(HF + "self_attn.q_proj", OURS + "attention.query", bias=False),
+    *convert.linear(HF + "self_attn.k_proj", OURS + "attention.key", bias=False),
+    *convert.linear(HF + "self_attn.v_proj", OURS + "attention.value", bias=False),
+    *convert.linear(HF + "self_attn.o_proj", OURS + "attention.out", bias=False),
+    *convert.layer_norm(HF + "post_attention_layernorm", OURS + "mlp_norm", bias=False),
+    *convert.linear(HF + "mlp.gate_proj", OURS + "mlp.gate", bias=False),
+    *convert.linear(HF + "mlp.up_proj", OURS + "mlp.up", bias=False),
+    *convert.linear(HF + "mlp.down_proj", OURS + "mlp.down", bias=False),
+    *convert.layer_norm("model.norm", "norm", bias=False),
+]
+# tied, `lm_head.weight` is the token embedding itself: a Tie checks that on the way in and
+# writes both names on the way out
+TIED_RULES = [*RULES, convert.Tie("lm_head.weight", same_as="model.embed_tokens.weight")]
+UNTIED_RULES = [*RULES, *convert.linear("lm_head", "lm_head", bias=False)]
+
+
+def llama_config(tied: bool) -> LlamaConfig:
+    """The small random model: 2 layers, 4 query heads sharing 2 key/value heads."""
+    return LlamaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        max_position_embeddings=128, tie_word_embeddings=tied,
+        bos_token_id=None, eos_token_id=None, pad_token_id=None,  # generate never stops early
+    )  # fmt: skip
+
+
+def hugging_face(config: LlamaConfig) -> LlamaForCausalLM:
+    """The reference, for inference, its attention written out: the plainest reference."""
+    model = LlamaForCausalLM(config).eval()
+    model.set_attn_implementation("eager")
+    return model
+
+
+def greedy(model: Llama, prompt: np.ndarray, new_tokens: int) -> tuple[np.ndarray, int]:
+    """`new_tokens` tokens decoded greedily after `prompt` [batch, length], and how many
+    times the one-token step was traced (compiled)."""
+    traces = 0
+
+    @jax.jit
+    def step(model, token, caches):  # token [batch, 1] -> the next one, and the caches
+        nonlocal traces
+        traces += 1  # runs only when jax.jit traces: once per input shape
+        logits, caches = model(token, caches=caches)
+        return jnp.argmax(logits[:, -1], axis=-1, keepdims=True), caches
+
+    batch, length = prompt.shape
+    caches = model.init_caches(batch, length + new_tokens)
+    prefill = jax.jit(lambda model, ids, caches: model(ids, caches=caches))
+    logits, caches = prefill(model, prompt, caches)  # the whole prompt in one call
+    tokens = [jnp.argmax(logits[:, -1], axis=-1, keepdims=True)]
+    for _ in range(new_tokens - 1):  # the last token is never fed back
+        token, caches = step(model, tokens[-1], caches)
+        tokens.append(token)
+    return np.asarray(jnp.concatenate(tokens, axis=1)), traces
+
+
+def compare(tied: bool):
+    """Converts, checks and exports the model with a tied or an untied head, then decodes."""
+    head, rules = ("tied", TIED_RULES) if tied else ("untied", UNTIED_RULES)
+    config = llama_config(tied)
+    torch.manual_seed(0)
+    reference = hugging_face(config)
+    with torch.no_grad():  # move every parameter off its init (RMSNorm weights are ones)
+        for parameter in reference.parameters():  # (a tied embedding appears once)
+            parameter.add_(torch.randn_like(parameter) * 0.1)
+
+    abstract = jax.eval_shape(lambda: Llama(config, rngs=nn.Rngs(0)))  # no initialisation
+    # every name checked (used once, every leaf made, shapes right) before anything converts
+    flat = convert.convert(rules, reference.state_dict(), target=abstract)
+    model = abstract.load_flat_state_dict(flat, strict=True)
+
+    ids = np.random.default_rng(0).integers(0, config.vocab_size, (2, 11))
+    forward = jax.jit(lambda model, ids: model(ids))
+    ours = lambda ids: forward(model, ids)
+    # without the cache, a LlamaForCausalLM's output holds the logits only: named "logits"
+    theirs = lambda torch_model: lambda ids: torch_model(torch.from_numpy(ids), use_cache=False)
+    # full float32 matmuls: a GPU would otherwise default to TF32
+    with torch.no_grad(), jax.default_matmul_precision("highest"):
+        print(f"Taktiny against transformers ({head}):")
+        print(convert.parity(ours, theirs(reference), ids, tolerance=1e-4))
+
+        # and back: torch's [out, in] weights, lm_head written from the embedding if tied
+        exported = {
+            k: torch.from_numpy(np.array(v)) for k, v in convert.export(rules, model).items()
+        }
+        fresh = hugging_face(config)
+        fresh.load_state_dict(exported, strict=True)
+        print(f"exported back into a fresh LlamaForCausalLM ({head}, strict=True):")
+        print(convert.parity(ours, theirs(fresh), ids, tolerance=1e-4))
+
+        prompt, new = ids[:, :7], 20
+        tokens, traces = greedy(model, prompt, new)
+        generated = reference.generate(  # pyright: ignore[reportAttributeAccessIssue]
+            torch.from_numpy(prompt),
+            attention_mask=torch.ones(prompt.shape, dtype=torch.long),
+            max_new_tokens=new,
+            do_sample=False,
+        )[:, prompt.shape[1] :].numpy()
+    print(f"greedy decoding ({head}), {new} tokens after a prompt of {prompt.shape[1]}:")
+    print(f"  Taktiny:  {tokens.tolist()}")
+    print(f"  generate: {generated.tolist()}")
+    print(f"  equal: {np.array_equal(tokens, generated)}")
+    print(f"  one-token step traced {traces} time(s) for {new - 1} steps")
+
+
+def main():
+    compare(tied=True)
+    compare(tied=False)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,115 @@
+"""The constructor arguments `Conv` and `ConvTranspose` share, read and checked: the window
+(an int ``kernel_size`` repeated over ``dims`` axes), per-axis strides and dilations,
+padding in JAX's and PyTorch's forms, feature groups, and the parameters."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+from jax.typing import DTypeLike
+
+from .._rngs import Rngs
+from .._sharding import Spec
+from ._random import constant, lecun_normal
+
+Padding = str | int | Sequence[int | tuple[int, int]]
+SPATIAL_LETTERS = (
+    "ABDEFGHJKLMPQRSTUVWXYZ"  # spatial axis names for dimension numbers (no N, C, I, O)
+)
+
+
+def window_of(layer: str, kernel_size: object, dims: object, **per_axis: object) -> tuple[int, ...]:
+    """`kernel_size` as one size per spatial axis. An int is repeated over `dims` axes, or
+    over as many as a tuple among `per_axis` (strides, padding, dilations) has entries."""
+    if dims is not None and (
+        isinstance(dims, bool) or not isinstance(dims, int) or not 1 <= dims <= len(SPATIAL_LETTERS)
+    ):
+        raise ValueError(
+            f"{layer}'s dims is the number of spatial axes, an int from 1 to "
+            f"{len(SPATIAL_LETTERS)}; got {dims!r}."
+        )
+    if isinstance(kernel_size, int) and not isinstance(kernel_size, bool):
+        k = kernel_size
+        tuples = [len(v) for v in per_axis.values() if isinstance(v, Sequence)
+                  and not isinstance(v, str)]  # fmt: skip
+        n = dims if dims is not None else tuples[0] if tuples else None
+        if n is None:
+            raise ValueError(
+                f"{layer}'s kernel_size={k} does not say how many spatial axes the "
+                f"convolution has: pass kernel_size=({k}, {k}) or dims=2 for a 2D one "
+                f"(({k},) or dims=1 for 1D, ({k}, {k}, {k}) or dims=3 for 3D)."
+            )
+        kernel_size = (k,) * n
+    if not isinstance(kernel_size, Sequence) or not all(
+        isinstance(k, int) and not isinstance(k, bool) for k in kernel_size
+    ):
+        raise TypeError(
+            f"{layer}'s kernel_size must be an int or a tuple of ints, one size per spatial "
+            f"axis: (3,) for 1D, (3, 3) for 2D, (3, 3, 3) for 3D; got {kernel_size!r}."
+        )
+    if not 1 <= len(kernel_size) <= len(SPATIAL_LETTERS) or min(kernel_size) < 1:
+        raise ValueError(
+            f"{layer}'s kernel_size must have 1 to {len(SPATIAL_LETTERS)} entries, each at "
+            f"least 1; got {kernel_size!r}."
+        )
+    if dims is not None and len(kernel_size) != dims:
+        raise ValueError(
+            f"{layer}'s kernel_size {tuple(kernel_size)} has {len(kernel_size)} spatial axes "
+            f"but dims={dims}; make them agree (or leave dims out)."
+        )
+    return tuple(kernel_size)
+
+
+def each_axis(layer: str, name: str, value: int | Sequence[int], n: int) -> tuple[int, ...]:
+    values = (value,) * n if isinstance(value, int) else tuple(value)
+    if len(values) != n or not all(isinstance(v, int) and v >= 1 for v in values):
+        raise ValueError(
+            f"{layer}'s {name} must be a positive int or {n} positive ints (one per spatial "
+            f"axis of its {n}D kernel_size), got {value!r}."
+        )
+    return values
+
+
+def padding_of(layer: str, padding: Padding, n: int) -> str | tuple[tuple[int, int], ...]:
+    if isinstance(padding, str):
+        if padding.upper() not in ("SAME", "VALID"):
+            raise ValueError(
+                f"{layer}'s padding must be 'SAME', 'VALID', an int, or one int or (low, high) "
+                f"pair per spatial axis; got {padding!r}."
+            )
+        return padding.upper()
+    pads = [padding] * n if isinstance(padding, int) else list(padding)
+    pairs = [(p, p) if isinstance(p, int) else tuple(p) for p in pads]
+    if len(pairs) != n or not all(
+        len(p) == 2 and all(isinstance(v, int) for v in p) for p in pairs
+    ):
+        raise ValueError(
+            f"{layer}'s padding must be 'SAME', 'VALID', an int, or {n} ints or (low, high) "
+            f"pairs (one per spatial axis of its {n}D kernel_size); got {padding!r}."
+        )
+    return tuple((int(lo), int(hi)) for lo, hi in pairs)
+
+
+def dilate(sizes: Sequence[int], dilation: Sequence[int]) -> list[int]:
+    """The extent of each axis of `sizes` with ``d - 1`` gaps between neighbours: a dilated
+    kernel's window, or a dilated input."""
+    return [(size - 1) * d + 1 for size, d in zip(sizes, dilation, strict=True)]
+
+
+def check_groups(layer: str, in_features: int, out_features: int, groups: int) -> None:
+    if groups < 1 or in_features % groups or out_features % groups:
+        raise ValueError(
+            f"{layer}'s feature_group_count ({groups}) must divide both in_features "
+            f"({in_features}) and out_features ({out_features})."
+        )
+
+
+def make_parameters(
+    layer: str, rngs: Rngs, window: tuple[int, ...], fan_in: int, out: int, use_bias: bool,
+    param_dtype: DTypeLike, kernel_sharding: Spec | None, bias_sharding: Spec | None,
+) -> tuple[jax.Array, jax.Array | None]:  # fmt: skip
+    shape, where = (*window, fan_in, out), f"{layer}.kernel"
+    kernel = lecun_normal(rngs(), shape, param_dtype, kernel_sharding, where)
+    bias = constant(0, (out,), param_dtype, bias_sharding, f"{layer}.bias") if use_bias else None
+    return kernel, bias

@@ -1,0 +1,151 @@
+"""`GroupNorm`: normalisation over groups of channels and the spatial axes of each example."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+from jax.typing import DTypeLike
+from jaxtyping import Array, Float
+
+from .._module import Module
+from .._rngs import Rngs
+from .._sharding import Spec
+from ._checks import check_features
+from ._explicit import explicit_axes, follow, typed_spec
+from ._norm import statistics_dtype
+from ._precision import DTYPE, compute_dtype, static_dtype
+from ._random import constant
+
+
+def _grouped(x: jax.Array, groups: int) -> jax.Array:
+    """``[..., features]`` to ``[..., groups, features // groups]``; under Explicit axes the
+    groups are split as the features were when the mesh axes divide their number (each
+    device then holds whole groups), unsplit otherwise."""
+    shape = (*x.shape[:-1], groups, x.shape[-1] // groups)
+    if not explicit_axes():
+        return x.reshape(shape)
+    *batch, features = typed_spec(x)
+    names = features if isinstance(features, tuple) else (features,)
+    parts = math.prod(jax.sharding.get_abstract_mesh().shape[n] for n in names if n)
+    split = features if groups % parts == 0 else None
+    return x.reshape(shape, out_sharding=P(*batch, split, None))
+
+
+class GroupNorm(Module):
+    """Group normalisation, as PyTorch's ``nn.GroupNorm`` on channels-last inputs: the
+    ``num_features`` channels are split into ``num_groups`` groups of consecutive channels,
+    and each example's group, over all its spatial positions, is normalised to zero mean
+    and unit variance, then scaled and shifted per channel:
+    ``(x - mean) / sqrt(var + epsilon) * scale + bias``.
+
+    Inputs are ``[batch, *spatial, num_features]``: the first axis is the batch (each
+    example is normalised on its own), the last the channels, and any axes between them
+    (none too) are spatial. The variance is the biased one, as in PyTorch.
+    ``num_groups=1`` normalises each example over all its axes; ``num_groups=num_features``
+    is instance normalisation.
+
+    Parameters (state names):
+        scale: ``[num_features]``, ones; ``None`` when ``use_scale=False`` (PyTorch's
+            ``nn.GroupNorm.weight``).
+        bias: ``[num_features]``, zeros; ``None`` when ``use_bias=False`` (PyTorch's
+            ``nn.GroupNorm.bias``).
+
+    Args:
+        num_groups: the number of groups; must divide ``num_features``.
+        num_features: the number of channels, the input's last axis.
+        epsilon: added to the variance for stability (PyTorch's ``eps``).
+        use_scale: whether to multiply by a learned ``scale``.
+        use_bias: whether to add a learned ``bias`` (PyTorch's ``affine=False`` is neither).
+        dtype: the dtype of the output; None (the default) is the parameters' dtype, or
+            the input's when there are none. The mean and variance are computed in this
+            dtype but at least float32, and the result cast back.
+        param_dtype: the dtype ``scale`` and ``bias`` are created and stored in.
+        scale_sharding: how ``scale`` is split over the mesh of an enclosing
+            ``jax.set_mesh``: a tuple with one mesh axis name (or None), such as
+            ``("model",)``, or a ``PartitionSpec``. Ignored without a mesh. On Explicit
+            mesh axes the output is split as the input is.
+        bias_sharding: the same for ``bias``.
+        rngs: unused (the initialisation is deterministic); accepted so that every
+            layer can be built the same way.
+    """
+
+    scale: Float[Array, " num_features"] | None
+    bias: Float[Array, " num_features"] | None
+    num_groups: int
+    epsilon: float
+    dtype: jnp.dtype | None = DTYPE
+
+    def __init__(
+        self,
+        num_groups: int,
+        num_features: int,
+        *,
+        epsilon: float = 1e-5,
+        use_scale: bool = True,
+        use_bias: bool = True,
+        dtype: DTypeLike | None = None,
+        param_dtype: DTypeLike = jnp.float32,
+        scale_sharding: Spec | None = None,
+        bias_sharding: Spec | None = None,
+        rngs: Rngs | None = None,
+    ):
+        if num_groups < 1 or num_features % num_groups:
+            divisors = [g for g in range(1, num_features + 1) if num_features % g == 0]
+            raise ValueError(
+                f"GroupNorm's num_groups ({num_groups}) must divide num_features "
+                f"({num_features}) into groups of equal size; pass one of {divisors} as "
+                f"num_groups, or change num_features."
+            )
+        shape = (num_features,)
+        self.scale = (
+            constant(1, shape, param_dtype, scale_sharding, "GroupNorm.scale")
+            if use_scale
+            else None
+        )
+        self.bias = (
+            constant(0, shape, param_dtype, bias_sharding, "GroupNorm.bias") if use_bias else None
+        )
+        self.num_groups = int(num_groups)
+        self.epsilon = float(epsilon)  # a NumPy scalar would be an array: a parameter
+        self.dtype = static_dtype(dtype)
+
+    def __call__(
+        self, x: Float[Array, "batch *spatial num_features"]
+    ) -> Float[Array, "batch *spatial num_features"]:
+        """Normalises ``x`` ``[batch, *spatial, num_features]``; same shape out."""
+        with jax.named_scope("GroupNorm"):
+            groups = self.num_groups
+            if x.ndim < 2:
+                raise ValueError(
+                    f"GroupNorm expects inputs [batch, *spatial, num_features] (channels last, "
+                    f"the first axis the batch), got an input of shape {tuple(x.shape)}. Add a "
+                    f"batch axis: x[None]."
+                )
+            param = self.scale if self.scale is not None else self.bias
+            if param is not None:
+                size = param.shape[0]
+                why = f"its {'scale' if self.scale is not None else 'bias'} is ({size},)"
+                check_features("GroupNorm", x, size, why=why, argument="num_features")
+            elif x.shape[-1] % groups:
+                raise ValueError(
+                    f"GroupNorm's num_groups ({groups}) must divide the input's features, got "
+                    f"an input of shape {tuple(x.shape)}. Pass inputs whose last axis is a "
+                    f"multiple of {groups}, or build the layer with another num_groups."
+                )
+            out = compute_dtype(self.dtype, x if param is None else param)
+            dtype = statistics_dtype(out)
+            h = _grouped(x.astype(dtype), groups)  # [batch, *spatial, groups, per_group]
+            axes = (*range(1, h.ndim - 2), h.ndim - 1)
+            mean = jnp.mean(h, axis=axes, keepdims=True)
+            var = jnp.mean(jnp.square(h - mean), axis=axes, keepdims=True)
+            h = (h - mean) * jax.lax.rsqrt(var + jnp.asarray(self.epsilon, dtype))
+            unsplit = P(*typed_spec(x)) if explicit_axes() else None
+            y = h.reshape(x.shape, out_sharding=unsplit)  # x's split again
+            if self.scale is not None:
+                y = y * follow(self.scale, y).astype(dtype)
+            if self.bias is not None:
+                y = y + follow(self.bias, y).astype(dtype)
+            return y.astype(out)

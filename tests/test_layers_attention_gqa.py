@@ -1,0 +1,203 @@
+"""MultiHeadAttention with grouped key/value heads against torch's scaled_dot_product_attention;
+its precision and dtypes read in the jaxpr; position ids' errors; grouped heads on meshes."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from _torch import assert_close, build, numpy, randomize_
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
+from test_layers_attention import _eqns
+
+from taktiny import nn
+
+B, T, E, D = 2, 6, 16, 4  # batch, length, features, head_dim
+HIGHEST = (jax.lax.Precision.HIGHEST, jax.lax.Precision.HIGHEST)
+
+
+def randn(*shape, seed=0):
+    return jnp.asarray(np.random.default_rng(seed).normal(size=shape), jnp.float32)
+
+
+def dot_generals(fn, *args):
+    return [e for e in _eqns(jax.make_jaxpr(fn)(*args).jaxpr) if e.primitive.name == "dot_general"]
+
+
+@pytest.mark.parametrize(("heads", "kv_heads"), [(4, 2), (4, 1), (6, 3), (2, 2)])
+@pytest.mark.parametrize("masks", ["causal", "padding", "causal_and_padding"])
+def test_grouped_heads_match_torch_sdpa(heads, kv_heads, masks):
+    projections = {
+        "query": torch.nn.Linear(E, heads * D),
+        "key": torch.nn.Linear(E, kv_heads * D),
+        "value": torch.nn.Linear(E, kv_heads * D),
+        "out": torch.nn.Linear(heads * D, E),
+    }
+    state = {}
+    for name, linear in projections.items():
+        randomize_(linear)
+        state[f"{name}.kernel"], state[f"{name}.bias"] = numpy(linear.weight.T), numpy(linear.bias)
+    mha = build(
+        lambda: nn.MultiHeadAttention(
+            heads, E, qkv_features=heads * D, num_kv_heads=kv_heads, precision="highest",
+            rngs=nn.Rngs(0),
+        ),
+        state,
+    )  # fmt: skip
+    x = torch.randn(B, T, E, generator=torch.Generator().manual_seed(0))
+    valid = np.ones((B, T), bool)
+    valid[1, 4:] = False
+    allowed = np.ones((B, 1, T, T), bool)  # torch's boolean attn_mask: True takes part
+    kwargs = {}
+    if "causal" in masks:
+        allowed &= np.tril(np.ones((T, T), bool))
+        kwargs["causal"] = True
+    if "padding" in masks:
+        allowed &= valid[:, None, None, :]
+        kwargs["mask"] = jnp.asarray(valid[:, None, None, :])
+
+    def heads_first(t, n):
+        return t.reshape(B, T, n, D).transpose(1, 2)
+
+    q = heads_first(projections["query"](x), heads)
+    k, v = (heads_first(projections[n](x), kv_heads) for n in ("key", "value"))
+    attended = torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=torch.from_numpy(allowed), enable_gqa=True
+    )
+    expected = projections["out"](attended.transpose(1, 2).reshape(B, T, heads * D))
+    assert_close(mha(jnp.asarray(numpy(x)), **kwargs), numpy(expected))
+
+
+@pytest.mark.parametrize("kv_heads", [1, 2, 4])
+def test_written_out_attention_groups_and_masks_as_the_fused_one(kv_heads):
+    """Dropout (at a vanishing rate) and a pair of precisions take the written-out path; a
+    mask per query head must reach the same heads there."""
+    mha = nn.MultiHeadAttention(4, E, num_kv_heads=kv_heads, dropout_rate=1e-12, rngs=nn.Rngs(0))
+    x = randn(B, T, E)
+    mask = np.random.default_rng(1).random((B, 4, T, T)) < 0.5
+    mask[..., 0] = True
+    fused = mha(x, mask=jnp.asarray(mask), causal=True)
+    assert_close(mha(x, mask=jnp.asarray(mask), causal=True, key=jax.random.key(0)), fused)
+    pair = mha.replace(precision=("highest", "highest"))
+    assert_close(pair(x, mask=jnp.asarray(mask), causal=True), fused)
+
+
+def test_state_names_and_shapes_with_fewer_key_value_heads():
+    mha = nn.MultiHeadAttention(8, 32, num_kv_heads=2, rope_theta=1e4, rngs=nn.Rngs(0))
+    shapes = {k: v.shape for k, v in mha.flat_state_dict().items()}
+    assert shapes == {
+        "query.kernel": (32, 32),
+        "query.bias": (32,),
+        "key.kernel": (32, 8),  # 2 heads of 4
+        "key.bias": (8,),
+        "value.kernel": (32, 8),
+        "value.bias": (8,),
+        "out.kernel": (32, 32),
+        "out.bias": (32,),
+    }
+    assert mha.head_dim == 4 and mha.num_kv_heads == 2 and mha.rotary.theta == 1e4
+    assert nn.MultiHeadAttention(8, 32, rngs=nn.Rngs(0)).num_kv_heads == 8
+
+
+@pytest.mark.parametrize("kv_heads", [3, 0, -2])
+def test_key_value_heads_must_divide_the_heads(kv_heads):
+    expected = (
+        f"MultiHeadAttention's num_kv_heads ({kv_heads}) must be at least 1 and divide "
+        f"num_heads (8), so that each key/value head serves the same number of query heads; "
+        f"pass one of [1, 2, 4, 8]."
+    )
+    with pytest.raises(ValueError, match=f"^{re.escape(expected)}$"):
+        nn.MultiHeadAttention(8, 32, num_kv_heads=kv_heads, rngs=nn.Rngs(0))
+
+
+@pytest.mark.parametrize("call", ["plain", "dropout", "cache"])
+def test_highest_precision_reaches_every_product(call):
+    """The four projections and the two products of the attention, on every path."""
+    kw = {"num_kv_heads": 2, "rope_theta": 1e4, "dropout_rate": 0.1}
+    mha = nn.MultiHeadAttention(4, E, precision="highest", rngs=nn.Rngs(0), **kw)
+    x = randn(B, T, E)
+    if call == "plain":
+        fn, args = (lambda m, x: m(x, causal=True)), (mha, x)
+    elif call == "dropout":
+        fn, args = (lambda m, x: m(x, key=jax.random.key(0))), (mha, x)
+    else:
+        fn, args = (lambda m, x, c: m(x, causal=True, cache=c)), (mha, x, mha.init_cache(B, 8))
+    dots = dot_generals(fn, *args)
+    assert len(dots) == 6 and all(e.params["precision"] == HIGHEST for e in dots)
+    default = dot_generals(fn, mha.replace(precision=None), *args[1:])  # the projections'
+    assert sum(e.params["precision"] == HIGHEST for e in default) == 4  # stay: 4, not 6
+
+
+def test_dtype_computes_in_it_and_param_dtype_stores():
+    mha = nn.MultiHeadAttention(2, 8, dtype=jnp.bfloat16, rngs=nn.Rngs(0))
+    assert {leaf.dtype for leaf in jax.tree.leaves(mha)} == {jnp.dtype(jnp.float32)}
+    x = randn(B, T, 8)
+    assert mha(x).dtype == jnp.bfloat16
+    dots = dot_generals(lambda m, x: m(x, key=jax.random.key(0)), mha.replace(dropout_rate=0.1), x)
+    assert all(v.aval.dtype == jnp.bfloat16 for e in dots for v in e.invars)
+    logits = next(e.outvars[0].aval.dtype for e in dots if e.outvars[0].aval.ndim == 5)
+    assert logits == jnp.float32  # logits and softmax in float32
+    reference = mha.replace(dtype=None)(x)
+    np.testing.assert_allclose(np.asarray(mha(x), np.float32), reference, atol=5e-2)
+
+
+@pytest.mark.parametrize(
+    ("positions", "got"),
+    [
+        (np.arange(5, dtype=np.int32), "int32[5]"),
+        (np.zeros((3, T), np.int32), "int32[3, 6]"),
+        (np.arange(T, dtype=np.float32), "float32[6]"),
+    ],
+)
+def test_rejects_positions_of_the_wrong_shape_or_dtype(positions, got, without_type_checks):
+    mha = nn.MultiHeadAttention(4, E, rope_theta=1e4, rngs=nn.Rngs(0))
+    expected = (
+        f"MultiHeadAttention's positions must be integer position ids of shape "
+        f"[*batch, q_length] = [2, 6] (or broadcastable to it, such as [6]), got {got}. Pass "
+        f"one integer position per token, such as jnp.arange(6) + offset."
+    )
+    with pytest.raises(ValueError, match=f"^{re.escape(expected)}$"):
+        mha(randn(B, T, E), positions=jnp.asarray(positions))
+
+
+def test_positions_need_rotary_embeddings_and_rotary_needs_self_attention():
+    plain = nn.MultiHeadAttention(4, E, rngs=nn.Rngs(0))
+    with pytest.raises(
+        ValueError,
+        match=r"^MultiHeadAttention got positions, but it has no rotary embeddings to use them "
+        r"\(rope_theta=None\); build it with rope_theta=10000\.0 \(say\), or leave positions "
+        r"out\.$",
+    ):
+        plain(randn(B, T, E), positions=jnp.arange(T))
+    rotary = nn.MultiHeadAttention(4, E, rope_theta=1e4, rngs=nn.Rngs(0))
+    with pytest.raises(
+        ValueError,
+        match=r"^MultiHeadAttention with rotary embeddings \(rope_theta\) attends from inputs_q "
+        r"to itself, but inputs_kv was given; leave inputs_kv out, or use a layer without "
+        r"rotary embeddings \(rope_theta\)\.$",
+    ):
+        rotary(randn(B, T, E), randn(B, 3, E))
+
+
+@pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit], ids=str)
+@pytest.mark.parametrize(("kv_heads", "precision"), [(4, None), (2, None), (4, "highest")])
+def test_grouped_heads_split_over_a_mesh_compute_as_unsplit(axis_type, kv_heads, precision):
+    """With 4 key/value heads on a 4-way "model" axis each device holds whole groups; with
+    2 the heads stay whole (the projections' features are still split)."""
+    mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(axis_type,) * 2,
+                         devices=jax.devices("cpu"))  # fmt: skip
+    shardings: dict = {f"{p}_kernel_sharding": (None, "model") for p in ("query", "key", "value")}
+    shardings["out_kernel_sharding"] = ("model", None)
+    kw = {"num_kv_heads": kv_heads, "rope_theta": 100.0, "precision": precision}
+    reference = nn.MultiHeadAttention(8, 32, rngs=nn.Rngs(0), **kw)
+    x, valid = randn(4, T, 32), jnp.arange(T) < 5
+    with jax.set_mesh(mesh):
+        mha = nn.MultiHeadAttention(8, 32, rngs=nn.Rngs(0), **kw, **shardings)
+        forward = jax.jit(lambda m, x: m(x, mask=valid, causal=True))
+        got = forward(mha, jax.device_put(x, P("data")))
+    np.testing.assert_allclose(got, reference(x, mask=valid, causal=True), rtol=1e-5, atol=1e-5)
+    if axis_type == AxisType.Explicit:
+        assert tuple(got.sharding.spec) == ("data", None, None)

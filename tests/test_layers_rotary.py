@@ -1,0 +1,177 @@
+"""RotaryEmbedding against Hugging Face's Llama rotary embedding, and MultiHeadAttention with
+rotary embeddings and grouped key/value heads against Hugging Face's LlamaAttention."""
+
+import re
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from _torch import assert_close, build, numpy, randomize_
+from transformers import LlamaConfig
+from transformers.models.llama.modeling_llama import (
+    LlamaAttention,
+    LlamaRotaryEmbedding,
+    apply_rotary_pos_emb,
+)
+
+from taktiny import nn
+
+
+def llama_config(theta, *, hidden=32, heads=4, kv_heads=2, head_dim=8, bias=False):
+    config = LlamaConfig(
+        hidden_size=hidden,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        attention_bias=bias,
+        max_position_embeddings=4096,
+        rope_parameters={"rope_type": "default", "rope_theta": theta},
+    )
+    config._attn_implementation = "eager"
+    return config
+
+
+def randn(*shape, seed):
+    return np.random.default_rng(seed).normal(size=shape).astype(np.float32)
+
+
+@pytest.mark.parametrize(("theta", "head_dim"), [(10000.0, 8), (500000.0, 64), (100.0, 2)])
+def test_rotation_matches_hugging_face_llama(theta, head_dim):
+    config = llama_config(theta, heads=3, kv_heads=3, head_dim=head_dim, hidden=3 * head_dim)
+    q, k = randn(2, 6, 3, head_dim, seed=0), randn(2, 6, 3, head_dim, seed=1)
+    positions = np.random.default_rng(2).integers(0, 2000, size=(2, 6))
+    ids = torch.from_numpy(positions)
+    cos, sin = LlamaRotaryEmbedding(config)(torch.from_numpy(q), ids)
+    # Hugging Face's layout is [batch, heads, length, head_dim]; ours [batch, length, heads, ...]
+    theirs = apply_rotary_pos_emb(
+        torch.from_numpy(q), torch.from_numpy(k), cos, sin, unsqueeze_dim=2
+    )
+    rotary = nn.RotaryEmbedding(head_dim, theta=theta)
+    ids = jnp.asarray(positions, jnp.int32)
+    assert_close(rotary(jnp.asarray(q), ids), numpy(theirs[0]))
+    assert_close(rotary(jnp.asarray(k), ids), numpy(theirs[1]))
+    assert rotary.state_dict() == {}  # no parameters
+
+
+def test_scores_depend_on_the_relative_position_only():
+    """The point of rotary embeddings: q at position m against k at n scores as at m + s
+    against n + s, and not as at other distances."""
+    rotary = nn.RotaryEmbedding(16)
+    q, k = jnp.asarray(randn(1, 1, 1, 16, seed=0)), jnp.asarray(randn(1, 1, 1, 16, seed=1))
+
+    def score(m, n):
+        at = lambda x, p: rotary(x, jnp.array([[p]]))
+        return float(jnp.sum(at(q, m) * at(k, n)))
+
+    assert score(3, 1) == pytest.approx(score(40, 38), abs=1e-4)
+    assert score(3, 1) != pytest.approx(score(3, 2), abs=1e-2)
+    assert score(0, 0) == pytest.approx(float(jnp.sum(q * k)), abs=1e-5)  # position 0: as is
+
+
+def test_shared_positions_broadcast_over_the_batch_and_low_precision_keeps_its_dtype():
+    rotary = nn.RotaryEmbedding(8)
+    x = jnp.asarray(randn(3, 5, 2, 8, seed=0))
+    tiled = jnp.broadcast_to(jnp.arange(5) + 7, (3, 5))
+    assert_close(rotary(x, jnp.arange(5) + 7), rotary(x, tiled))
+    half = rotary(x.astype(jnp.bfloat16), tiled)
+    assert half.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(half, np.float32), rotary(x, tiled), atol=3e-2)
+    assert not np.allclose(rotary(x, tiled), x, atol=1e-2)  # it does rotate
+
+
+@pytest.mark.parametrize("head_dim", [0, 7])
+def test_head_dim_must_be_even(head_dim):
+    expected = "RotaryEmbedding's head_dim must be even and at least 2 (the features of a "
+    with pytest.raises(ValueError, match=f"^{re.escape(expected)}.*got {head_dim}; "):
+        nn.RotaryEmbedding(head_dim)
+    with pytest.raises(ValueError, match=r"^RotaryEmbedding's theta must be positive, got 0\.0"):
+        nn.RotaryEmbedding(8, theta=0.0)
+
+
+@pytest.mark.parametrize(
+    ("positions", "got"),
+    [
+        (np.arange(4, dtype=np.int32), "int32[4]"),  # one position short
+        (np.zeros((3, 5), np.int32), "int32[3, 5]"),  # another batch
+        (np.arange(5, dtype=np.float32), "float32[5]"),  # not integers
+        (np.zeros((1, 2, 5), np.int32), "int32[1, 2, 5]"),  # more axes than [*batch, length]
+    ],
+)
+def test_rejects_positions_of_the_wrong_shape_or_dtype(positions, got, without_type_checks):
+    x = jnp.ones((2, 5, 1, 8))
+    expected = (
+        f"RotaryEmbedding's positions must be integer position ids of shape [*batch, length] = "
+        f"[2, 5] (or broadcastable to it, such as [5]), got {got}. Pass one integer position "
+        f"per token, such as jnp.arange(5) + offset."
+    )
+    with pytest.raises(ValueError, match=f"^{re.escape(expected)}$"):
+        nn.RotaryEmbedding(8)(x, jnp.asarray(positions))
+
+
+def test_rejects_heads_of_another_size():
+    with pytest.raises(
+        ValueError,
+        match=r"^RotaryEmbedding expects x of shape \[\*batch, length, heads, head_dim\] with "
+        r"head_dim=8, got \(2, 5, 1, 6\); build it with RotaryEmbedding\(6\) for these heads\.$",
+    ):
+        nn.RotaryEmbedding(8)(jnp.ones((2, 5, 1, 6)), jnp.arange(5))
+
+
+def convert_llama(reference):
+    """Hugging Face's q/k/v/o_proj weights [out, in] -> query/key/value/out kernels [in, out]."""
+    names = {"q_proj": "query", "k_proj": "key", "v_proj": "value", "o_proj": "out"}
+    return {
+        f"{names[module]}.{'kernel' if kind == 'weight' else 'bias'}": (
+            numpy(p.T) if kind == "weight" else numpy(p)
+        )
+        for module, kind, p in ((*name.split("."), p) for name, p in reference.named_parameters())
+    }
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "bias"), [(4, 2, False), (4, 1, True), (2, 2, False)]
+)
+def test_rotary_grouped_attention_matches_hugging_face_llama_with_left_padding(
+    heads, kv_heads, bias
+):
+    """A left-padded batch, as generation pads prompts: positions count the valid tokens
+    only, keys are masked causally and by the padding; the valid queries' outputs match."""
+    config = llama_config(500.0, heads=heads, kv_heads=kv_heads, bias=bias)
+    reference = randomize_(LlamaAttention(config, layer_idx=0))
+    mha = build(
+        lambda: nn.MultiHeadAttention(
+            heads, 32, qkv_features=heads * 8, num_kv_heads=kv_heads, rope_theta=500.0,
+            use_bias=bias, precision="highest", rngs=nn.Rngs(0),
+        ),
+        convert_llama(reference),
+    )  # fmt: skip
+    batch, length = 2, 7
+    x = randn(batch, length, 32, seed=3)
+    valid = np.ones((batch, length), bool)
+    valid[1, :3] = False  # the second prompt is 3 tokens shorter
+    positions = np.maximum(np.cumsum(valid, axis=1) - 1, 0)
+    allowed = np.tril(np.ones((length, length), bool)) & valid[:, None, None, :]
+    additive = np.where(allowed, 0.0, np.finfo(np.float32).min).astype(np.float32)
+    ids = torch.from_numpy(positions)
+    embeddings = LlamaRotaryEmbedding(config)(torch.from_numpy(x), ids)
+    expected, _ = reference(
+        torch.from_numpy(x),
+        position_embeddings=embeddings,
+        attention_mask=torch.from_numpy(additive),
+    )
+    ours = mha(
+        jnp.asarray(x),
+        mask=jnp.asarray(valid[:, None, None, :]),
+        causal=True,
+        positions=jnp.asarray(positions, jnp.int32),
+    )
+    assert_close(np.asarray(ours)[valid], numpy(expected)[valid])
+    # the positions reach the rotation (shifting them all would not change a thing)
+    spread = mha(
+        jnp.asarray(x),
+        mask=jnp.asarray(valid[:, None, None, :]),
+        causal=True,
+        positions=jnp.asarray(2 * positions, jnp.int32),
+    )
+    assert not np.allclose(np.asarray(spread)[valid], numpy(expected)[valid], atol=1e-3)
