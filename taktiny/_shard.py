@@ -60,7 +60,9 @@ def sharding_plan(
     (the names of :meth:`~taktiny.nn.Module.flat_state_dict`, such as
     ``"encoder.layers.*.kernel"``; ``*`` matches within one part, a ``**`` part any number
     of parts) gives its spec, a ``PartitionSpec`` or a tuple of mesh axis names. A leaf
-    no rule matches is replicated.
+    no rule matches is replicated. A rule may also name a quantized weight
+    (:class:`~taktiny.QArray`) whole: its value takes the spec, its scale the spec's
+    entries on the axes it shares with the value (the output axis).
 
     Args:
         tree: a module or any PyTree of arrays (or of ``jax.ShapeDtypeStruct``).
@@ -100,6 +102,7 @@ def _plan(
     mesh = _concrete_mesh(mesh, caller)
     leaves, treedef, names = _names.flatten(tree, NODES)
     found = _patterns.match(checked, names.names, PartitionSpec())
+    found = _whole_parameters(checked, names, leaves, found)
     # models repeat a few shapes and specs: each pair is checked, and each spec made into a
     # sharding, once (PartitionSpecs are hashable; the rules hold the same few objects)
     checks: dict[tuple[Any, ...], list[str]] = {}
@@ -130,6 +133,62 @@ def _plan(
         unused=tuple(found.unused),
     )
     return plan, leaves, treedef, shardings
+
+
+def _whole_parameters(
+    rules: list[tuple[str, PartitionSpec]], names: _names.Spec, leaves: list[Any],
+    found: _patterns.Match,
+) -> _patterns.Match:  # fmt: skip
+    """`found` with the rules that name a custom parameter whole (``"*.kernel"`` for a
+    QArray's ``kernel.value`` and ``kernel.scale``) applied to its leaves. For each leaf the
+    first rule naming either the leaf or its parameter wins; a parameter's spec splits a
+    leaf's axes that have the parameter's size (a QArray's value wholly; its scale on the
+    axes it shares with the value, such as the output axis), and the others not at all."""
+    params = list(_customs(names.template, ()))
+    if not params:
+        return found
+    compiled = [_patterns.compile_pattern(pattern) for pattern, _ in rules]
+    values, unmatched = list(found.values), set(found.unmatched)
+    used = {pattern for pattern, _ in rules} - set(found.unused)
+    for name, node in params:
+        shape = tuple(np.shape(node.treedef.unflatten(leaves[node.start : node.stop])))
+        for i in range(node.start, node.stop):
+            for regex, (pattern, spec) in zip(compiled, rules, strict=True):
+                if regex.fullmatch("." + names.names[i]):
+                    break  # a rule for the leaf itself came first: as matched
+                if regex.fullmatch("." + name):
+                    values[i] = _follow(spec, tuple(np.shape(leaves[i])), shape)
+                    unmatched.discard(names.names[i])
+                    used.add(pattern)
+                    break
+    return _patterns.Match(
+        values,
+        [n for n in found.unmatched if n in unmatched],
+        [p for p in found.unused if p not in used],
+    )
+
+
+def _customs(template: dict[str, Any], path: tuple[str, ...]) -> Any:
+    """The (name, `_names.Custom`) of every custom parameter in a names template."""
+    for key, child in template.items():
+        if isinstance(child, _names.Custom):
+            yield ".".join((*path, key)), child
+        elif isinstance(child, dict):
+            yield from _customs(child, (*path, key))
+
+
+def _follow(spec: PartitionSpec, shape: tuple[int, ...], whole: tuple[int, ...]) -> PartitionSpec:
+    """The spec of a parameter of shape `whole` for one of its leaves, of `shape`: its
+    entries on the axes of the same size, none elsewhere (or on a leaf of another rank)."""
+    if shape == whole:
+        return spec  # as given, so that a spec the leaf cannot take is reported
+    if len(shape) != len(whole) or len(spec) > len(whole):
+        return PartitionSpec()
+    entries = (*spec, *(None,) * (len(whole) - len(spec)))
+    kept = [
+        e if size == full else None for e, size, full in zip(entries, shape, whole, strict=False)
+    ]
+    return PartitionSpec(*kept)
 
 
 def _listing(caller: str, tree: Any, problems: list[str]) -> str:

@@ -395,3 +395,28 @@ def test_a_load_inside_jit_with_problems_reports_them_before_any_resharding():
         jax.jit(lambda m, a: m.load_state_dict({"up": {"kernel": a}, "down": {"kernel": a}}))(
             model, elsewhere
         )
+
+
+def test_a_rule_naming_a_quantized_weight_places_its_value_and_its_scale():
+    """`*.kernel` names a QArray whole: its value takes the spec and its scale follows on
+    the axes they share (the output axis), not on the grouped input axis; a rule for a part
+    itself, or an earlier catch-all, still comes first; the rule counts as used."""
+    mesh = mesh_of()
+    model = tt.quantize(Net(rngs=nn.Rngs(0)), bits=4, group_size=4)
+    rules = [("encoder.*.up.kernel", (None, "model")), ("encoder.1.down.kernel.scale", ()),
+             ("encoder.*.down.kernel", ("model", None)), ("embed.embedding", ("model", None))]  # fmt: skip
+    plan = tt.sharding_plan(model, rules, mesh)
+    assert plan.unused == ()
+    assert "encoder.0.up.kernel.value" not in plan.unmatched
+    got = specs(tt.shard(model, rules, mesh))
+    assert got["encoder.0.up.kernel.value"] == P(None, "model")
+    assert got["encoder.0.up.kernel.scale"] == P(None, "model")  # [8 / 4, 16]: the outputs
+    assert got["encoder.0.down.kernel.value"] == P("model", None)
+    assert got["encoder.0.down.kernel.scale"] == P(None, None)  # [16 / 4, 8]: grouped rows
+    assert got["encoder.1.down.kernel.scale"] == P()  # its own rule came first
+    assert got["embed.embedding.value"] == got["embed.embedding.scale"] == P("model", None)
+    first = [("**.value", ()), ("encoder.*.up.kernel", (None, "model"))]
+    assert tt.sharding_plan(model, first, mesh).specs["encoder.0.up.kernel.value"] == P()
+    with pytest.raises(ValueError, match=r"encoder\.0\.up\.kernel\.value of shape \(8, 16\) by "
+                       r"P\(None, None, 'model'\)"):  # fmt: skip
+        tt.shard(model, [("encoder.*.up.kernel", (None, None, "model"))], mesh)

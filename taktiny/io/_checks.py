@@ -1,0 +1,154 @@
+"""The problems a load finds from the checkpoint's headers, before any data is read: a
+quantized parameter's float array or parts that do not fit it, a float leaf whose
+checkpoint holds quantized parts, a packed tensor its file does not list, leaves not
+loaded that must be."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import numpy as np
+
+from .. import _errors as err
+from .. import _values
+from .._quant import QArray
+from . import _quantized as qz
+from ._checkpoint import Checkpoint
+from ._read import SafetensorsError, Tensor
+
+
+def _both(name: str, parts: list[str]) -> err.StateProblem:
+    return err.StateProblem(
+        "structure",
+        name,
+        "a float array or its quantized parts",
+        "both",
+        f"the checkpoint holds both the float array {name!r} and the quantized parts "
+        f"{parts} of this quantized parameter; keep one of them.",
+    )
+
+
+def _quantizable(name: str, tensor: Tensor, like: QArray) -> err.StateProblem | None:
+    """What stops a float tensor from being quantized into the QArray `like` (None: nothing)."""
+    layout = qz.describe(like.bits, like.axis, like.group_size)
+    if _values.kind(tensor.dtype) != "floating":
+        have = f"{tensor.dtype.name}{list(tensor.shape)}"
+        return err.StateProblem(
+            "dtype",
+            name,
+            "a float array",
+            tensor.dtype.name,
+            f"the model quantizes {name!r} as {layout}, and the checkpoint holds {have} "
+            f"under its name, which is not a float array to quantize. Give the float array, "
+            f"or the quantized parts {name}.value and {name}.scale.",
+        )
+    if tuple(tensor.shape) != like.shape:
+        return err.StateProblem(
+            "shape",
+            name,
+            like.shape,
+            tuple(tensor.shape),
+            f"shape mismatch: the model quantizes {name!r} ({layout}) from a float array of "
+            f"shape {like.shape}, got {tuple(tensor.shape)}.",
+        )
+    return None
+
+
+def _representation(name: str, like: QArray, checkpoint: Checkpoint) -> err.StateProblem | None:
+    """A problem when the checkpoint's parts of `name` are quantized otherwise than `like`
+    (by its recorded layout, or else by its values' dtype)."""
+    want = (like.bits, like.axis, like.group_size)
+    record = checkpoint.quantized.get(name)
+    value = checkpoint.get(f"{name}.value")
+    if record is not None:
+        have: tuple[Any, ...] = _meta(record)
+        if have == want:
+            return None
+        got = qz.describe(*have)
+    elif value is None or value.dtype in (np.dtype(like.value.dtype), np.uint8):
+        return None  # (uint8: a 4-bit array packed, unless its packing is unlisted: checked)
+    else:
+        bits = {"int8": 8, "int4": 4}.get(value.dtype.name)
+        have, got = (bits, *want[1:]), f"{value.dtype.name} values"
+    group = "" if have[2] is None else f", group_size={have[2]}"
+    fix = (
+        f"Quantize the model as the checkpoint was (tt.quantize(float_model, bits={have[0]}"
+        f"{group})), or load a float checkpoint, which is quantized on load."
+        if have[0]
+        else "Load a float checkpoint, which is quantized on load."
+    )
+    return err.StateProblem(
+        "dtype" if have[0] != want[0] else "shape",
+        name,
+        qz.describe(*want),
+        got,
+        f"the model quantizes {name!r} as {qz.describe(*want)}, the checkpoint holds it as "
+        f"{got}. {fix}",
+    )
+
+
+def _quantized_into_float(
+    checkpoint: Checkpoint, leaves: Mapping[str, Any], unknown: list[str]
+) -> dict[str, err.StateProblem]:
+    """A problem for each float leaf whose checkpoint holds quantized parts instead."""
+    out: dict[str, err.StateProblem] = {}
+    for name in unknown:
+        base, _, part = name.rpartition(".")
+        if part not in ("value", "scale") or base not in leaves or base in out:
+            continue
+        record = checkpoint.quantized.get(base)
+        if record is None and not {f"{base}.value", f"{base}.scale"} <= set(checkpoint):
+            continue
+        shape, dtype = _spec(leaves[base])
+        layout = "" if record is None else f" as {qz.describe(*_meta(record))}"
+        bits = "bits=..." if record is None else f"bits={record['bits']}"
+        group = "" if record is None or record["group_size"] is None else (
+            f", group_size={record['group_size']}"
+        )  # fmt: skip
+        axis = "..." if record is None else record["axis"]
+        out[base] = err.StateProblem(
+            "structure",
+            base,
+            f"a float array {dtype.name}{list(shape)}",
+            "quantized parts",
+            f"the checkpoint holds it quantized{layout}, as {base}.value and {base}.scale; the "
+            f"model holds a float array {dtype.name}{list(shape)}. Load it into the quantized "
+            f"model, tt.quantize(model, {bits}{group}) (then tt.dequantize it for floats), or "
+            f"pass rules that dequantize: convert.Rule(['{base}.value', '{base}.scale'], "
+            f"'{base}', convert.dequantize(axis={axis}{group})).",
+        )
+    return out
+
+
+def _meta(record: Mapping[str, Any]) -> tuple[int, int, int | None]:
+    return record["bits"], record["axis"], record["group_size"]
+
+
+def _packed_unlisted(tensor: Tensor, shape: tuple[int, ...], dtype: np.dtype) -> None:
+    """Raises when a uint8 tensor stands where the model holds a 4-bit array of which it
+    could be the packed bytes, but its file does not list it as packed."""
+    if dtype.name in qz.FOUR_BIT and tensor.dtype == np.uint8 and not tensor.packed:
+        if tuple(tensor.shape) == qz.packed_shape(shape):
+            raise SafetensorsError(
+                f"{tensor.file}: {tensor.name!r} is stored as uint8{list(tensor.shape)}, where "
+                f"the model holds {dtype.name}{list(shape)}: 4-bit tensors are stored packed "
+                f"two per byte, but the header metadata {qz.PACKED!r}, which lists each packed "
+                f"tensor with its dtype and shape, does not list it, so it cannot be unpacked. "
+                f"Write the checkpoint with taktiny.io.save_safetensors, which records it."
+            )
+
+
+def _absent(leaves: Mapping[str, Any], loaded: set[str], strict: bool) -> list[err.StateProblem]:
+    """The leaves not loaded that must be: all of them under strict=True, and those of an
+    abstract model (they have no value to keep); checked before anything is read."""
+    absent = [name for name in leaves if name not in loaded]
+    if strict:
+        return [err.missing(name) for name in absent]
+    return [err.abstract(n) for n in absent if isinstance(leaves[n], jax.ShapeDtypeStruct)]
+
+
+def _spec(leaf: Any) -> tuple[tuple[int, ...], np.dtype]:
+    dtype = getattr(leaf, "dtype", None)
+    return tuple(np.shape(leaf)), np.dtype(dtype) if dtype is not None else np.result_type(leaf)

@@ -1,0 +1,143 @@
+"""The steps of a load, planned from the checkpoint's headers before any data is read: one
+renaming step per tensor when the checkpoint uses the model's own names, or the steps of
+the conversion rules; every problem with the names found at once."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+
+from .. import _errors as err
+from .. import _values
+from .._quant import QArray
+from ..convert._convert import check_ties
+from ..convert._coverage import ConversionError, ConversionProblem, Step, check_allow, plan
+from ..convert._coverage import _allowed as allowed_by
+from ..convert._rules import AnyRule, Rule
+from ._checkpoint import Checkpoint
+from ._checks import (
+    _absent,
+    _both,
+    _packed_unlisted,
+    _quantizable,
+    _quantized_into_float,
+    _representation,
+    _spec,
+)
+
+
+def _parts(name: str, quantized: Mapping[str, QArray]) -> tuple[str, ...]:
+    """The leaves a step's target fills: a quantized parameter's two parts, or itself."""
+    return (f"{name}.value", f"{name}.scale") if name in quantized else (name,)
+
+
+def _plain(
+    checkpoint: Checkpoint,
+    leaves: Mapping[str, Any],
+    quantized: Mapping[str, QArray],
+    strict: bool,
+    where: str,
+) -> list[Step]:
+    """One renaming step per tensor, when the checkpoint uses the model's own names (or a
+    quantized parameter's own name for its float array); every problem with the names,
+    shapes and dtype kinds in one StateDictError."""
+    problems: list[err.StateProblem] = []
+    steps = []
+    done: set[str] = set()  # checkpoint names checked here, as quantized parameters
+    covered: set[str] = set()  # the parts of those (loaded, or refused with a problem)
+    for name, like in quantized.items():
+        parts = [p for p in (f"{name}.value", f"{name}.scale") if p in checkpoint]
+        tensor = checkpoint.get(name)
+        if tensor is not None:  # a float array, quantized as it is loaded
+            done.update([name, *parts])
+            covered.update(_parts(name, quantized))
+            problem = _both(name, parts) if parts else _quantizable(name, tensor, like)
+            if problem is not None:
+                problems.append(problem)
+            else:
+                steps.append(Step(_IDENTITY, (name,), (name,)))
+        elif parts:
+            problem = _representation(name, like, checkpoint)
+            if problem is not None:
+                problems.append(problem)
+                done.update(parts)
+                covered.update(_parts(name, quantized))
+    unknown = [(n, checkpoint[n]) for n in checkpoint if n not in leaves and n not in done]
+    floats = _quantized_into_float(checkpoint, leaves, [n for n, _ in unknown])
+    problems += floats.values()
+    unknown = [(n, t) for n, t in unknown if n.rpartition(".")[0] not in floats]
+    problems += err.unknown(unknown, list(leaves), True, set(checkpoint))
+    for name, tensor in checkpoint.items():
+        leaf = leaves.get(name)
+        if leaf is None or name in done:
+            continue
+        shape, dtype = _spec(leaf)
+        _packed_unlisted(tensor, shape, dtype)
+        if tuple(tensor.shape) != shape:
+            problems.append(err.shape(name, shape, tuple(tensor.shape)))
+        elif _values.kind(tensor.dtype) != _values.kind(dtype):
+            want, have = _values.kind(dtype), _values.kind(tensor.dtype)
+            problems.append(err.dtype_kind(name, dtype, tensor.dtype, str(want), str(have)))
+        else:
+            steps.append(Step(_IDENTITY, (name,), (name,)))
+    made = {p for s in steps for t in s.targets for p in _parts(t, quantized)}
+    problems += _absent(leaves, set(checkpoint) | made | covered | set(floats), strict)
+    if problems:
+        raise err.StateDictError(where, problems)
+    return steps
+
+
+def _ruled(
+    rules: Sequence[AnyRule],
+    allow: Mapping[str, Sequence[str]] | None,
+    checkpoint: Checkpoint,
+    leaves: Mapping[str, Any],
+    quantized: Mapping[str, QArray],
+    where: str,
+) -> list[Step]:
+    """The steps of the rules, checked from the headers. A quantized parameter may be made
+    from its parts or from a float array (quantized on load): the plan sees both names,
+    lets either be missing, and the pair is checked here."""
+    allowed = check_allow(allow)
+    if not quantized:
+        report, ties = plan(rules, checkpoint, leaves, allowed, where)
+        check_ties(ties, checkpoint, where)
+        return list(report.steps)
+    logical = {n: jax.ShapeDtypeStruct(q.shape, q.dtype) for n, q in quantized.items()}
+    either = [p for n in quantized for p in (n, *_parts(n, quantized))]
+    lenient = {**allowed, "missing": [*allowed.get("missing", ()), *either]}
+    report, ties = plan(rules, checkpoint, {**leaves, **logical}, lenient, where)
+    check_ties(ties, checkpoint, where)
+    made = {t for s in report.steps for t in s.targets}
+    problems = []
+    for name in quantized:
+        parts = [p for p in _parts(name, quantized) if p in made]
+        if name in made and parts:
+            problems.append(
+                ConversionProblem(
+                    "duplicate",
+                    name,
+                    f"made both as a float array (quantized on load) and as its quantized "
+                    f"parts {parts}; make the rules produce one of them.",
+                )
+            )
+        elif name not in made:
+            problems += [
+                ConversionProblem(
+                    "missing",
+                    part,
+                    f"no rule produces this target leaf, nor the float array {name!r} its "
+                    f"quantized parameter is made from on load; add a Rule, or allow it "
+                    f"(allow={{'missing': [...]}}) and load with strict=False.",
+                )
+                for part in _parts(name, quantized)
+                if part not in made and not allowed_by("missing", part, allowed)
+            ]
+    if problems:
+        raise ConversionError(where, problems)
+    return list(report.steps)
+
+
+_IDENTITY = Rule("{name}", "{name}")
