@@ -231,6 +231,7 @@ def test_the_state_of_a_sharded_model_is_its_own_arrays():
 def test_host_data_lands_on_each_leafs_sharding_in_one_transfer(monkeypatch):
     model = tt.shard(Net(rngs=nn.Rngs(0)), RULES, mesh_of())
     host = {k: np.asarray(v) + 1 for k, v in model.flat_state_dict().items()}
+    model.load_flat_state_dict(host)  # a first load in the process also probes JAX's array type
     calls = []
     put = jax.device_put
     monkeypatch.setattr(jax, "device_put", lambda *a, **k: calls.append(1) or put(*a, **k))
