@@ -13,10 +13,9 @@ from jaxtyping import Array, Float
 from .._module import Module
 from .._rngs import Rngs
 from .._sharding import Spec
-from ._checks import check_features
-from ._explicit import explicit_axes, follow, typed_spec
-from ._norm import statistics_dtype
-from ._precision import DTYPE, compute_dtype, static_dtype
+from ._explicit import explicit_axes, typed_spec
+from ._norm import output_dtype, scale_and_shift, statistics_dtype
+from ._precision import DTYPE, static_dtype
 from ._random import constant
 
 
@@ -124,18 +123,13 @@ class GroupNorm(Module):
                     f"the first axis the batch), got an input of shape {tuple(x.shape)}. Add a "
                     f"batch axis: x[None]."
                 )
-            param = self.scale if self.scale is not None else self.bias
-            if param is not None:
-                size = param.shape[0]
-                why = f"its {'scale' if self.scale is not None else 'bias'} is ({size},)"
-                check_features("GroupNorm", x, size, why=why, argument="num_features")
-            elif x.shape[-1] % groups:
+            out = output_dtype("GroupNorm", x, self.scale, self.bias, self.dtype)
+            if self.scale is None and self.bias is None and x.shape[-1] % groups:
                 raise ValueError(
                     f"GroupNorm's num_groups ({groups}) must divide the input's features, got "
                     f"an input of shape {tuple(x.shape)}. Pass inputs whose last axis is a "
                     f"multiple of {groups}, or build the layer with another num_groups."
                 )
-            out = compute_dtype(self.dtype, x if param is None else param)
             dtype = statistics_dtype(out)
             h = _grouped(x.astype(dtype), groups)  # [batch, *spatial, groups, per_group]
             axes = (*range(1, h.ndim - 2), h.ndim - 1)
@@ -144,8 +138,4 @@ class GroupNorm(Module):
             h = (h - mean) * jax.lax.rsqrt(var + jnp.asarray(self.epsilon, dtype))
             unsplit = P(*typed_spec(x)) if explicit_axes() else None
             y = h.reshape(x.shape, out_sharding=unsplit)  # x's split again
-            if self.scale is not None:
-                y = y * follow(self.scale, y).astype(dtype)
-            if self.bias is not None:
-                y = y + follow(self.bias, y).astype(dtype)
-            return y.astype(out)
+            return scale_and_shift(y, self.scale, self.bias).astype(out)

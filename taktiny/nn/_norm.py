@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 from jax.typing import DTypeLike
@@ -21,6 +23,27 @@ def statistics_dtype(dtype: DTypeLike) -> jnp.dtype:
     bfloat16 or float16 layer does not lose the mean of large inputs to rounding."""
     dtype = jnp.dtype(dtype)
     return jnp.dtype(jnp.float32) if jnp.finfo(dtype).bits < 32 else dtype
+
+
+def output_dtype(layer: str, x: jax.Array, scale: Any, bias: Any, dtype: Any) -> jnp.dtype:
+    """Checks `x`'s features against a norm's `scale` or `bias` (either may be None) and
+    returns the dtype it outputs: its `dtype`, else its parameters', else the input's."""
+    param = scale if scale is not None else bias
+    if param is not None:
+        size = param.shape[0]
+        why = f"its {'scale' if scale is not None else 'bias'} is ({size},)"
+        check_features(layer, x, size, why=why, argument="num_features")
+    return compute_dtype(dtype, x if param is None else param)
+
+
+def scale_and_shift(y: jax.Array, scale: Any, bias: Any) -> jax.Array:
+    """`y` (normalised) times `scale` plus `bias` (either may be None), both in `y`'s dtype
+    and, under Explicit axes, split as its last axis is."""
+    if scale is not None:
+        y = y * follow(scale, y).astype(y.dtype)
+    if bias is not None:
+        y = y + follow(bias, y).astype(y.dtype)
+    return y
 
 
 class LayerNorm(Module):
@@ -88,21 +111,12 @@ class LayerNorm(Module):
     ) -> Float[Array, "*batch num_features"]:
         """Normalises ``x`` ``[*batch, num_features]`` over its last axis; same shape out."""
         with jax.named_scope("LayerNorm"):
-            param = self.scale if self.scale is not None else self.bias
-            if param is not None:
-                size = param.shape[0]
-                why = f"its {'scale' if self.scale is not None else 'bias'} is ({size},)"
-                check_features("LayerNorm", x, size, why=why, argument="num_features")
-            out = compute_dtype(self.dtype, x if param is None else param)
+            out = output_dtype("LayerNorm", x, self.scale, self.bias, self.dtype)
             x = x.astype(statistics_dtype(out))
             mean = jnp.mean(x, axis=-1, keepdims=True)
             var = jnp.mean(jnp.square(x - mean), axis=-1, keepdims=True)
             y = (x - mean) * jax.lax.rsqrt(var + jnp.asarray(self.epsilon, x.dtype))
-            if self.scale is not None:
-                y = y * follow(self.scale, x).astype(x.dtype)
-            if self.bias is not None:
-                y = y + follow(self.bias, x).astype(x.dtype)
-            return y.astype(out)
+            return scale_and_shift(y, self.scale, self.bias).astype(out)
 
 
 class RMSNorm(Module):
