@@ -44,13 +44,13 @@ def reads(monkeypatch):
     log = []
     read, read_into = Tensor.read, Tensor.read_into
 
-    def logged(self, index=None):
-        out = read(self, index)
+    def logged(self, index=None, *, verify=True):
+        out = read(self, index, verify=verify)
         log.append((self.name, out.shape))
         return out
 
-    def logged_into(self, memory):
-        out = read_into(self, memory)
+    def logged_into(self, memory, *, verify=True):
+        out = read_into(self, memory, verify=verify)
         log.append((self.name, out.shape))
         return out
 

@@ -72,13 +72,13 @@ def reads(monkeypatch):
     log = []
     read, read_into = Tensor.read, Tensor.read_into
 
-    def logged(self, index=None):
+    def logged(self, index=None, *, verify=True):
         log.append(self.name)
-        return read(self, index)
+        return read(self, index, verify=verify)
 
-    def logged_into(self, memory):
+    def logged_into(self, memory, *, verify=True):
         log.append(self.name)
-        return read_into(self, memory)
+        return read_into(self, memory, verify=verify)
 
     monkeypatch.setattr(Tensor, "read", logged)
     monkeypatch.setattr(Tensor, "read_into", logged_into)

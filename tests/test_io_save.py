@@ -11,6 +11,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 import safetensors.numpy
+import xxhash
 from _models import MLP
 from jax.sharding import NamedSharding, PartitionSpec
 
@@ -76,8 +77,14 @@ def test_a_model_round_trips_bitwise_with_metadata_in_the_header(tmp_path):
     assert written == [path]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model.safetensors"]
     metadata, tensors = read(path)
+    checksums = json.loads(metadata.pop("taktiny_checksums"))
     assert metadata == {"format": "taktiny", "taktiny_version": tt.__version__, "step": "12"}
     expected = model.flat_state_dict()
+    # every tensor's XXH3-128 digest, computed here from the bytes the file holds
+    assert checksums == {
+        "algorithm": "xxh3_128",
+        "tensors": {n: xxhash.xxh3_128_hexdigest(t.tobytes()) for n, t in tensors.items()},
+    }
     assert list(tensors) == sorted(expected)  # safetensors orders its header by name
     for name, value in expected.items():
         assert_bitwise(tensors[name], value)
@@ -212,10 +219,11 @@ def test_a_failed_rename_removes_the_shards_already_in_place(tmp_path, monkeypat
     assert list(tmp_path.iterdir()) == []
 
 
-def test_a_save_over_an_earlier_one_never_leaves_its_index_naming_new_shards(tmp_path, monkeypatch):
+def test_a_failed_save_over_an_earlier_one_leaves_it_as_it_was(tmp_path, monkeypatch):
+    # (tests/test_io_crash.py fails and kills every step of every kind of save)
     path, index = tmp_path / "model.safetensors", tmp_path / "model.safetensors.index.json"
     save_safetensors(path, MLP(rngs=nn.Rngs(0)), max_shard_size=1200)
-    assert index.exists()
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
     real, renamed = os.replace, []
 
     def fail_on_the_second_shard(src, dst):
@@ -227,11 +235,15 @@ def test_a_save_over_an_earlier_one_never_leaves_its_index_naming_new_shards(tmp
     monkeypatch.setattr(os, "replace", fail_on_the_second_shard)
     with pytest.raises(OSError, match="rename refused"):
         save_safetensors(path, MLP(rngs=nn.Rngs(1)), max_shard_size=1200)
-    assert not index.exists()  # the old index would now name one new and two old shards
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
     monkeypatch.setattr(os, "replace", real)
-    save_safetensors(path, MLP(rngs=nn.Rngs(0)), max_shard_size=1200)
-    save_safetensors(path, MLP(rngs=nn.Rngs(2)))  # one file: the old index would shadow it
-    assert not index.exists() and path.exists()
+    # the earlier shards keep their names: the new ones take a suffix of their own
+    written = save_safetensors(path, MLP(rngs=nn.Rngs(0)), max_shard_size=1200)
+    assert [p.name for p in written[:1]] != ["model-00001-of-00003.safetensors"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(p.name for p in written)
+    save_safetensors(path, MLP(rngs=nn.Rngs(2)))  # one file, and the index goes
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.safetensors"]
+    assert not index.exists()
 
 
 def test_none_in_a_mapping_is_an_empty_subtree_as_in_flat_state_dict(tmp_path):

@@ -4,14 +4,14 @@ name to a `Tensor` read on demand."""
 
 from __future__ import annotations
 
-import json
 import os
+import re
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 from . import _quantized as qz
-from ._header import _header, _unique
+from ._header import _HEADER_LIMIT, _header, _short, parse_json
 from ._read import SafetensorsError, Tensor
 
 
@@ -58,8 +58,13 @@ def open_safetensors(path: str | os.PathLike[str]) -> Checkpoint:
 
     Args:
         path: a ``.safetensors`` file; a Hugging Face index (``*.safetensors.index.json``,
-            whose ``weight_map`` names each tensor's shard); or a folder holding one index,
-            or exactly one ``.safetensors`` file.
+            whose ``weight_map`` names each tensor's shard); the path a sharded checkpoint
+            was saved to (``out/model.safetensors``, when only its index
+            ``out/model.safetensors.index.json`` exists); or a folder holding one
+            checkpoint: one index, one ``.safetensors`` file, or both (a file and an index
+            of the same name: the file is read, as Hugging Face's loaders read it). Shard
+            files (``*-00001-of-00003.safetensors``) and the hidden temporaries of a killed
+            save are not checkpoints of their own: name a lone shard to read it.
 
     Returns:
         A :class:`Checkpoint`: ``{name: Tensor}``, read tensor by tensor on demand.
@@ -71,23 +76,41 @@ def open_safetensors(path: str | os.PathLike[str]) -> Checkpoint:
             shard, the same shard twice or a shard outside its folder, or a tensor the
             index and its shard disagree on.
     """
-    path = Path(path)
-    if path.is_dir():
-        indexes = sorted(path.glob("*.safetensors.index.json"))
-        files = sorted(path.glob("*.safetensors"))
-        if len(indexes) > 1 or (not indexes and len(files) != 1):
-            raise SafetensorsError(
-                f"{path}: a folder holding exactly one *.safetensors.index.json, or one "
-                f"*.safetensors file and no index, was expected; it has {len(indexes)} "
-                f"indexes and {len(files)} files. Name the file or index to read."
-            )
-        path = indexes[0] if indexes else files[0]
-    if not path.is_file():
-        raise SafetensorsError(f"{path}: no such file.")
+    path = _resolve(Path(path))
     if path.name.endswith(".json"):
         return _open_index(path)
     tensors, metadata = _header(path)
     return Checkpoint(path, tensors, metadata, _layouts(path, [(path, metadata)], tensors))
+
+
+_SHARD = re.compile(r".+-\d{5}-of-\d{5}(-[0-9a-f]{8})?\.safetensors")
+_INDEX = ".index.json"
+
+
+def _resolve(path: Path) -> Path:
+    """The file to read for `path`: the file itself; for the path of a sharded save, its
+    index; for a folder, its one checkpoint (see :func:`open_safetensors`)."""
+    if path.is_dir():
+        files = [p for p in path.iterdir() if not p.name.startswith(".")]
+        singles = {p.name for p in files if p.name.endswith(".safetensors")}
+        stems = {p.name[: -len(_INDEX)] for p in files if p.name.endswith(f".safetensors{_INDEX}")}
+        stems |= {name for name in singles if not _SHARD.fullmatch(name)}
+        if len(stems) == 1:
+            (stem,) = stems
+            single = path / stem
+            return single if single.is_file() else path / f"{stem}{_INDEX}"
+        raise SafetensorsError(
+            f"{path}: a folder holding one checkpoint (one *.safetensors.index.json, one "
+            f"*.safetensors file, or a file and an index of the same name) was expected; it "
+            f"holds {len(stems)}: {sorted(stems)[:5]}. Name the file or index to read."
+        )
+    if not path.is_file() and path.name.endswith(".safetensors"):
+        index = path.with_name(f"{path.name}{_INDEX}")
+        if index.is_file():
+            return index  # the path a sharded checkpoint was saved to
+    if not path.is_file():
+        raise SafetensorsError(f"{path}: no such file.")
+    return path
 
 
 def _layouts(
@@ -115,31 +138,19 @@ def _layouts(
 
 
 def _open_index(index: Path) -> Checkpoint:
-    try:
-        weight_map = json.loads(index.read_bytes(), object_pairs_hook=_unique)["weight_map"]
-        if not isinstance(weight_map, dict):
-            raise TypeError
-    except (ValueError, KeyError, TypeError) as error:
-        raise SafetensorsError(
-            f"{index}: not a safetensors index ({error or 'no weight_map'}); an index is JSON "
-            f'with "weight_map": {{tensor name: shard file}}.'
-        ) from None
+    weight_map = _weight_map(index)
     folder = index.parent.resolve()
+    files: dict[str, Path] = {}  # each shard's name, as the index gives it, and its file
     shards: dict[Path, str] = {}
     for name, shard in weight_map.items():
-        file = (folder / str(shard)).resolve()
-        if not isinstance(shard, str) or folder not in file.parents:
-            raise SafetensorsError(
-                f"{index}: the shard {shard!r} of {name!r} is outside the index's folder "
-                f"{folder}; an index may name only files beside it."
-            )
+        if shard in files:
+            continue
+        file = files[shard] = _shard(index, folder, name, shard)
         if shards.setdefault(file, shard) != shard:
             raise SafetensorsError(
                 f"{index}: names one shard twice, as {shards[file]!r} and {shard!r}; give "
                 f"each shard one name."
             )
-        if not file.is_file():
-            raise SafetensorsError(f"{index}: the shard {shard!r} (of {name!r}) is missing.")
     tensors: dict[str, Tensor] = {}
     metas: list[tuple[Path, dict[str, str]]] = []
     for file, shard in sorted(shards.items(), key=lambda item: item[1]):
@@ -147,7 +158,7 @@ def _open_index(index: Path) -> Checkpoint:
         metas.append((file, meta))
         for name, tensor in found.items():
             listed = weight_map.get(name)
-            if listed is None or (folder / listed).resolve() != file:
+            if listed is None or files[listed] != file:
                 where = "does not list it" if listed is None else f"puts it in {listed!r}"
                 raise SafetensorsError(
                     f"{index}: the shard {shard!r} holds {name!r}, but the index {where}; "
@@ -161,3 +172,66 @@ def _open_index(index: Path) -> Checkpoint:
         )
     metadata = metas[0][1] if metas else {}
     return Checkpoint(index, tensors, metadata, _layouts(index, metas, tensors))
+
+
+def _weight_map(index: Path) -> dict[str, str]:
+    """The index's ``weight_map``, checked: JSON of no more bytes than a header may have,
+    a ``weight_map`` of names to strings, and ``metadata`` (when given) an object."""
+    size = index.stat().st_size
+    try:
+        if size > _HEADER_LIMIT:
+            raise ValueError(f"{size} bytes, more than the {_HEADER_LIMIT} a header may have")
+        content = parse_json(index.read_bytes(), "its JSON")
+        if type(content) is not dict:
+            raise ValueError(f"a JSON {type(content).__name__}, not an object")
+        if "weight_map" not in content:
+            raise ValueError("no weight_map")
+        weight_map, metadata = content["weight_map"], content.get("metadata")
+        if type(weight_map) is not dict:
+            raise ValueError(f"the weight_map is {_short(weight_map)}, not an object")
+        if metadata is not None and type(metadata) is not dict:
+            raise ValueError(f"the metadata is {_short(metadata)}, not an object")
+    except ValueError as error:
+        raise SafetensorsError(
+            f"{index}: not a safetensors index ({error}); an index is JSON with "
+            f'"weight_map": {{tensor name: shard file}}.'
+        ) from None
+    for name, shard in weight_map.items():
+        if type(shard) is not str:
+            raise SafetensorsError(
+                f"{index}: the weight_map gives {name!r} the shard {_short(shard)}, which is no "
+                f"file name; it maps each tensor name to the file beside the index holding it."
+            )
+    return weight_map
+
+
+def _shard(index: Path, folder: Path, name: str, shard: str) -> Path:
+    """The file of the shard `shard` (the first tensor it holds: `name`), resolved and
+    checked to be a file inside `folder`, before anything opens it."""
+    if not shard or "\x00" in shard:
+        raise SafetensorsError(
+            f"{index}: the weight_map gives {name!r} the shard {shard!r}, which is no file "
+            f"name; it maps each tensor name to the file beside the index holding it."
+        )
+    try:
+        file = (folder / shard).resolve()
+    except (OSError, RuntimeError) as error:  # a symlink loop is a RuntimeError
+        raise SafetensorsError(
+            f"{index}: the shard {_short(shard)} of {name!r} cannot be resolved ({error}); an "
+            f"index may name only files beside it."
+        ) from None
+    if folder not in file.parents:
+        raise SafetensorsError(
+            f"{index}: the shard {_short(shard)} of {name!r} is outside the index's folder "
+            f"{folder}; an index may name only files beside it."
+        )
+    try:
+        present = file.is_file()
+    except OSError as error:  # a name too long for the file system, say
+        raise SafetensorsError(
+            f"{index}: the shard {_short(shard)} of {name!r} cannot be opened ({error}); an "
+            f"index may name only files beside it."
+        ) from None
+    if not present:
+        raise SafetensorsError(f"{index}: the shard {_short(shard)} (of {name!r}) is missing.")
+    return file

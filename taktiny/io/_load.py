@@ -41,6 +41,7 @@ def load_safetensors(
     allow: Mapping[str, Sequence[str]] | None = None,
     strict: bool = True,
     progress: bool | None = None,
+    verify: bool = True,
 ) -> Any:
     """Returns `model` with its parameters read from a safetensors checkpoint, streamed
     tensor by tensor straight onto each leaf's devices.
@@ -72,6 +73,9 @@ def load_safetensors(
             not in the checkpoint keep their values (an abstract model cannot: it has none).
         progress: show a progress bar (tqdm, installed with ``taktiny[safetensors]``);
             ``None`` shows one for checkpoints over 256 MiB.
+        verify: check every tensor's bytes against the checksum Taktiny wrote into the
+            header when it saved the file (files without checksums, such as Hugging
+            Face's, load unchecked). Hashing one tensor overlaps reading the next.
 
     Returns:
         A new model of the same structure, holding the checkpoint's values cast to each
@@ -82,7 +86,8 @@ def load_safetensors(
             or mistyped name (unknown names are errors even with ``strict=False``: add a
             rule that ignores them).
         taktiny.convert.ConversionError: with `rules`, as :func:`taktiny.convert.check`.
-        SafetensorsError: for a corrupt checkpoint, naming the file and tensor.
+        SafetensorsError: for a corrupt checkpoint, naming the file and tensor; for
+            damaged bytes, also both checksums. Nothing is returned then.
     """
     where = f"taktiny.io.load_safetensors({type(model).__name__})"
     if rules is None and allow is not None:
@@ -116,8 +121,9 @@ def load_safetensors(
         sources = _tensors(checkpoint, step)
         leaf = direct[k]
         if leaf is not None:  # renamed only: read and placed block by block, here
-            return {step.targets[0]: _by_device(sources[0], _sharding(leaf))}
-        return scratch[k % len(scratch)].read(sources)
+            array, checks = _by_device(sources[0], _sharding(leaf), verify)
+            return {step.targets[0]: array}, checks
+        return scratch[k % len(scratch)].read(sources, verify)
 
     with (
         _bar(progress, total, checkpoint) as bar,
@@ -127,12 +133,14 @@ def load_safetensors(
         pending = reader.submit(read, 0) if steps else None
         for k, step in enumerate(steps):
             assert pending is not None
-            data = pending.result()
+            data, checks = pending.result()
             more = k + 1 < len(steps)
             # with one buffer, the next step reads into it once this one is done with it
             wait = more and len(scratch) == 1 and direct[k] is None and direct[k + 1] is None
             if more and not wait:
                 pending = reader.submit(read, k + 1)
+            for tensor, raw in checks:  # hashed while the reader reads the next step
+                tensor.check(raw)
             if isinstance(data, dict):
                 placed.update(data)
             else:

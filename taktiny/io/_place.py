@@ -85,17 +85,27 @@ class _Scratch:
         self.memory: Any = None
         self.start = self.size = 0
 
-    def read(self, tensors: Sequence[Tensor]) -> list[np.ndarray]:
+    def read(
+        self, tensors: Sequence[Tensor], verify: bool
+    ) -> tuple[list[np.ndarray], list[tuple[Tensor, Any]]]:
+        """The tensors read into the buffer, and with `verify` the checks still to make:
+        each tensor with its bytes, for :meth:`Tensor.check` (made by the caller, so that
+        hashing one step overlaps reading the next)."""
         sizes = [-(-t.nbytes // 64) * 64 for t in tensors]  # each at a multiple of 64
         if sum(sizes) > self.size:
             self.size = sum(sizes)
             self.memory = mmap.mmap(-1, self.size, flags=_read.MAP_FLAGS)
             self.start = np.frombuffer(self.memory, np.uint8).ctypes.data
-        view, at, out = memoryview(self.memory), 0, []
+        view, at, out, checks = memoryview(self.memory), 0, [], []
         for tensor, size in zip(tensors, sizes, strict=True):
-            out.append(tensor.read_into(view[at : at + size]) if size else tensor.read())
+            if size:
+                out.append(tensor.read_into(view[at : at + size], verify=False))
+                if verify:
+                    checks.append((tensor, view[at : at + tensor.nbytes]))
+            else:
+                out.append(tensor.read(verify=False))
             at += size
-        return out
+        return out, checks
 
     def holds(self, array: jax.Array) -> bool:
         """Whether `array` uses the buffer's memory (a result that is one of its sources)."""
@@ -112,17 +122,26 @@ def _sharding(leaf: Any) -> Any:
     return sharding or jax.sharding.SingleDeviceSharding(default_device())
 
 
-def _by_device(tensor: Tensor, sharding: Any) -> jax.Array:
-    """`tensor` placed on `sharding`, each distinct block read once into its own buffer."""
+def _by_device(
+    tensor: Tensor, sharding: Any, verify: bool
+) -> tuple[jax.Array, list[tuple[Tensor, Any]]]:
+    """`tensor` placed on `sharding`, each distinct block read once into its own buffer;
+    and with `verify`, the check still to make of a tensor read whole (see
+    `_Scratch.read`). A block read verifies the whole tensor first, streaming it."""
     if tensor.nbytes == 0:
-        return jax.device_put(np.zeros(tensor.shape, tensor.dtype), sharding)
+        return jax.device_put(np.zeros(tensor.shape, tensor.dtype), sharding), []
     if sharding.is_fully_replicated:
-        return jax.device_put(tensor.read(), sharding)
+        if tensor.packed:  # the bytes to check are the packed ones: checked as it unpacks
+            return jax.device_put(tensor.read(verify=verify), sharding), []
+        whole = tensor.read(verify=False)
+        return jax.device_put(whole, sharding), [(tensor, whole)] if verify else []
+    if verify:
+        tensor.verify()
     blocks: dict[tuple[tuple[int, int], ...], np.ndarray] = {}
     arrays = []
     for device, index in sharding.addressable_devices_indices_map(tensor.shape).items():
         bounds = tuple(s.indices(n)[:2] for s, n in zip(index, tensor.shape, strict=True))
         if bounds not in blocks:
-            blocks[bounds] = tensor.read([slice(*b) for b in bounds])
+            blocks[bounds] = tensor.read([slice(*b) for b in bounds], verify=False)
         arrays.append(jax.device_put(blocks[bounds], device))
-    return jax.make_array_from_single_device_arrays(tensor.shape, sharding, arrays)
+    return jax.make_array_from_single_device_arrays(tensor.shape, sharding, arrays), []

@@ -20,10 +20,12 @@ from typing import Any
 
 import numpy as np
 
+from . import _checksum
 from . import _quantized as qz
 
 MAP_FLAGS = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
 _CHUNK = 1 << 30  # bytes per preadv call (Linux moves at most ~2 GiB per call)
+_VERIFY_CHUNK = 8 << 20  # bytes hashed per read when a block read verifies its whole tensor
 
 
 class SafetensorsError(ValueError):
@@ -40,13 +42,26 @@ class Tensor:
     the whole tensor or one block of it. A 4-bit tensor that Taktiny stored packed two per
     byte (:func:`~taktiny.io.save_safetensors`) has ``packed`` set: its ``dtype`` and
     ``shape`` are the 4-bit ones, its ``nbytes`` the bytes stored, and reads unpack it.
+
+    ``checksum`` is the XXH3-128 digest of its stored bytes that Taktiny wrote into the
+    header when it saved the file (32 hex digits), or None (files written by other
+    programs). Reads verify it unless told not to (``verify=False``): damaged bytes raise
+    :class:`SafetensorsError` before anything is returned.
     """
 
-    __slots__ = ("dtype", "file", "name", "nbytes", "offset", "shape")
+    __slots__ = ("checksum", "dtype", "file", "name", "nbytes", "offset", "shape")
 
-    def __init__(self, name: str, shape: tuple[int, ...], dtype: Any, file: Path, offset: int):
+    def __init__(
+        self,
+        name: str,
+        shape: tuple[int, ...],
+        dtype: Any,
+        file: Path,
+        offset: int,
+        checksum: str | None = None,
+    ):
         self.name, self.shape, self.dtype = name, shape, np.dtype(dtype)
-        self.file, self.offset = file, offset
+        self.file, self.offset, self.checksum = file, offset, checksum
         self.nbytes = math.prod(shape) * self.dtype.itemsize
 
     @property
@@ -59,24 +74,89 @@ class Tensor:
         """Whether the file stores this 4-bit tensor packed two per byte (as uint8)."""
         return False
 
-    def read(self, index: Sequence[slice] | None = None) -> np.ndarray:
+    def read(self, index: Sequence[slice] | None = None, *, verify: bool = True) -> np.ndarray:
         """The tensor, or the block ``index`` of it (one ``slice`` per axis, steps of 1),
         read from disk into a fresh read-only aligned buffer; only the block's bytes are
-        read."""
-        if index is None:
-            index = [slice(None)] * self.ndim
-        bounds = [s.indices(n)[:2] for s, n in zip(index, self.shape, strict=True)]
+        kept. With `verify` (and a ``checksum``), the bytes are checked against it first:
+        those read, for the whole tensor; the whole tensor's, streamed through the hash
+        in 8 MiB pieces, for a block."""
+        bounds = self._bounds(index)
+        whole = all(b == (0, n) for b, n in zip(bounds, self.shape, strict=True))
+        if verify and not whole:
+            self.verify()
         shape = tuple(stop - start for start, stop in bounds)
         out, raw = _buffer(shape, self.dtype)
-        return self._into(out, raw, bounds)
+        out = self._into(out, raw, bounds)
+        if verify and whole:
+            self.check(raw)
+        return out
 
-    def read_into(self, memory: Any) -> np.ndarray:
+    def read_into(self, memory: Any, *, verify: bool = True) -> np.ndarray:
         """The whole tensor read into the start of `memory` (a writable buffer of at least
-        ``nbytes``), as a read-only array viewing it. The caller owns `memory`, and must
-        not reuse it while anything still uses the array (JAX on CPU may adopt it)."""
+        ``nbytes``), as a read-only array viewing it, its bytes checked against
+        ``checksum`` with `verify`. The caller owns `memory`, and must not reuse it while
+        anything still uses the array (JAX on CPU may adopt it)."""
         out = np.frombuffer(memory, self.dtype, math.prod(self.shape)).reshape(self.shape)
         raw = memoryview(memory).cast("B")[: self.nbytes]
-        return self._into(out, raw, [(0, n) for n in self.shape])
+        out = self._into(out, raw, [(0, n) for n in self.shape])
+        if verify:
+            self.check(raw)
+        return out
+
+    def check(self, raw: Any) -> None:
+        """Raises :class:`SafetensorsError` when `raw` (this tensor's stored bytes, as
+        read) does not match ``checksum``; does nothing without one."""
+        if self.checksum is not None:
+            got = _checksum.digest(raw)
+            if got != self.checksum:
+                raise self.damaged(got)
+
+    def verify(self) -> None:
+        """Reads this tensor's stored bytes through the hash, 8 MiB at a time, and raises
+        :class:`SafetensorsError` when they do not match ``checksum`` (no-op without one)."""
+        if self.checksum is None:
+            return
+        stream = _checksum.streaming()
+        piece = memoryview(bytearray(min(self.nbytes, _VERIFY_CHUNK)))
+        with open(self.file, "rb", buffering=0) as f:
+            for at in range(0, self.nbytes, _VERIFY_CHUNK):
+                part = piece[: min(_VERIFY_CHUNK, self.nbytes - at)]
+                _pread(f.fileno(), part, self.offset + at, self)
+                stream.update(part)
+        got = stream.hexdigest()
+        if got != self.checksum:
+            raise self.damaged(got)
+
+    def damaged(self, got: str) -> SafetensorsError:
+        """The error for bytes whose checksum is `got`, not ``checksum``."""
+        return SafetensorsError(
+            f"{self.file}: the bytes of {self.name!r} are damaged: their checksum is {got}, "
+            f"and the header records {self.checksum} ({_checksum.ALGORITHM}). The file "
+            f"changed after it was written (a bad disk, an interrupted copy); copy it again "
+            f"or write it again."
+        )
+
+    def _bounds(self, index: Sequence[slice] | None) -> list[tuple[int, int]]:
+        """`index` as (start, stop) per axis, checked: one slice per axis, steps of 1."""
+        if index is None:
+            return [(0, n) for n in self.shape]
+        index = tuple(index)
+        if len(index) != self.ndim or not all(isinstance(s, slice) for s in index):
+            raise ValueError(
+                f"Tensor.read of {self.name!r} (shape {list(self.shape)}): the index must be "
+                f"one slice per axis ({self.ndim}), got {index!r}"
+            )
+        bounds = []
+        for s, n in zip(index, self.shape, strict=True):
+            start, stop, step = s.indices(n)
+            if step != 1:
+                raise ValueError(
+                    f"Tensor.read of {self.name!r} (shape {list(self.shape)}): reads take "
+                    f"contiguous blocks, slices with a step of 1, got {s!r}; read the block "
+                    f"and slice the array it returns (array[::{step}])"
+                )
+            bounds.append((start, max(start, stop)))
+        return bounds
 
     def _into(self, out: np.ndarray, raw: Any, bounds: list[tuple[int, int]]) -> np.ndarray:
         if out.size:
@@ -128,20 +208,24 @@ class _Packed(Tensor):
     def packed(self) -> bool:
         return True
 
-    def read(self, index: Sequence[slice] | None = None) -> np.ndarray:
-        if index is None:
-            index = [slice(None)] * self.ndim
-        bounds = [s.indices(n)[:2] for s, n in zip(index, self.shape, strict=True)]
+    def check(self, raw: Any) -> None:
+        self.stored.check(raw)
+
+    def verify(self) -> None:
+        self.stored.verify()
+
+    def read(self, index: Sequence[slice] | None = None, *, verify: bool = True) -> np.ndarray:
+        bounds = self._bounds(index)
         if not bounds:  # 0-d: one byte
-            return qz.unpack(self.stored.read(), self.dtype, 0, 1).reshape(())
+            return qz.unpack(self.stored.read(verify=verify), self.dtype, 0, 1).reshape(())
         start, stop = bounds[-1]
         first = start - start % 2  # the bytes holding elements start to stop of each row
         rows = [slice(*b) for b in bounds[:-1]]
-        raw = self.stored.read([*rows, slice(first // 2, (stop + 1) // 2)])
+        raw = self.stored.read([*rows, slice(first // 2, (stop + 1) // 2)], verify=verify)
         return qz.unpack(raw, self.dtype, start - first, stop - first)
 
-    def read_into(self, memory: Any) -> np.ndarray:
-        raw = self.stored.read_into(memory)
+    def read_into(self, memory: Any, *, verify: bool = True) -> np.ndarray:
+        raw = self.stored.read_into(memory, verify=verify)
         if not self.shape:
             return qz.unpack(raw, self.dtype, 0, 1).reshape(())
         return qz.unpack(raw, self.dtype, 0, self.shape[-1])

@@ -8,10 +8,13 @@ tensors packed two per byte, with their layout in the header (see `_quantized`).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
+import shutil
 import uuid
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -20,10 +23,11 @@ import jax
 import numpy as np
 
 from .. import _tree
+from . import _checksum
 from . import _quantized as qz
 
 _SUFFIX = ".safetensors"
-_RESERVED = ("format", "taktiny_version", qz.PACKED, qz.QUANTIZED)
+_RESERVED = ("format", "taktiny_version", qz.PACKED, qz.QUANTIZED, _checksum.KEY)
 # numpy dtype names safetensors stores (its own names: F32, BF16, F8_E4M3, ...)
 _STORED = frozenset(
     "bool int8 uint8 int16 uint16 int32 uint32 int64 uint64 float16 float32 float64 "
@@ -80,7 +84,7 @@ def save_safetensors(
             array spread over several processes.
     """
     try:
-        import safetensors.numpy  # imported here: it is an extra, and only saving needs it
+        import safetensors.numpy  # noqa: F401  (imported here: an extra, only saving needs it)
     except ImportError:  # pragma: no cover - installed wherever the tests run
         raise ImportError(
             "taktiny.io.save_safetensors needs the safetensors package: "
@@ -108,47 +112,216 @@ def save_safetensors(
             array = qz.pack(array)
         tensors[name] = array
     shards = _split(tensors, _size(max_shard_size))
-    stem = target.name[: -len(_SUFFIX)]
-    if len(shards) == 1:
-        names = [target.name]
-    else:
-        names = [f"{stem}-{i:05d}-of-{len(shards):05d}{_SUFFIX}" for i in range(1, len(shards) + 1)]
-    done: list[Path] = []
-    temps: list[Path] = []
-    try:
-        for name, shard in zip(names, shards, strict=True):
-            temp = _temp(target.parent / name)
-            temps.append(temp)
-            records = {n: packed[n] for n in shard if n in packed}
-            own = {**header, qz.PACKED: json.dumps(records)} if records else header
+    files: list[tuple[dict[str, np.ndarray], dict[str, str]]] = []
+    for shard in shards:
+        own = dict(header)
+        records = {n: packed[n] for n in shard if n in packed}
+        if records:
+            own[qz.PACKED] = json.dumps(records)
+        own[_checksum.KEY] = _checksum.record({n: _checksum.digest(a) for n, a in shard.items()})
+        files.append((shard, own))
+    return _Commit(target).save(files)
+
+
+class _Commit:
+    """One save of the checkpoint at `target`, committed in one atomic step.
+
+    What `target` holds is decided as Hugging Face's loaders decide it: the file itself
+    when it exists, else its index (``<target>.index.json``) and the shards the index
+    names. Every new file is written under a temporary name (``.<name>.<hex>.tmp``),
+    flushed with ``fsync``, then renamed to a name no file of the committed checkpoint
+    has: the one file renames its temporary over `target`; shards take Hugging Face's
+    names (``model-00001-of-00003.safetensors``) when no file has them, or those names
+    with a suffix unique to the save (``model-00001-of-00003-1a2b3c4d.safetensors``) while
+    the checkpoint being replaced uses them. The directory is flushed, and then one atomic
+    step commits the save: the rename of the one file over `target`; for shards, the rename
+    of the index over the old one, or, when `target` was one file, that file's removal
+    (the new index is in place by then). Only after it are the previous checkpoint's files
+    removed.
+
+    Before it writes anything, a save removes what earlier saves to `target` left when
+    they were killed: temporaries, shard files that no committed index names, an index
+    that a committed single file shadows. Nothing else in the directory is touched.
+    """
+
+    def __init__(self, target: Path):
+        self.target, self.folder = target, target.parent
+        self.index = target.with_name(f"{target.name}.index.json")
+        self.stem = target.name[: -len(_SUFFIX)]
+        # new files are written into a hidden folder beside `target`, which safetensors'
+        # own temporary files go into too, and renamed out of it
+        self.staging = self.folder / f".{target.name}.{uuid.uuid4().hex[:12]}.tmp"
+        self.created: list[Path] = []  # new files renamed into place, before the commit
+        self.shards: list[str] = []  # the new shards' names
+
+    def save(self, files: list[tuple[dict[str, np.ndarray], dict[str, str]]]) -> list[Path]:
+        old = self._tidy()
+        names = self._names(len(files))
+        try:
+            self.staging.mkdir()
+            temps = [self._write(name, *file) for name, file in zip(names, files, strict=True)]
+            self._sync(self.staging)
+            if len(files) == 1:
+                os.replace(temps[0], self.target)  # the commit
+                stale = [self.index] if self.index.exists() else []
+                return self._finish([self.target], stale + old)
+            self.shards = names
+            for temp, name in zip(temps, names, strict=True):
+                self.created.append(self.folder / name)  # (before: an interrupt may follow it)
+                os.replace(temp, self.folder / name)
+            weight_map = {k: n for n, (shard, _) in zip(names, files, strict=True) for k in shard}
+            total = sum(a.nbytes for shard, _ in files for a in shard.values())
+            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+            text = json.dumps(index, indent=2)
+            temp = self.staging / self.index.name
+            fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
             try:
-                safetensors.numpy.save_file(shard, temp, metadata=own)
-            except Exception as error:
-                raise OSError(
-                    f"save_safetensors: writing {target.parent / name}: {error}"
-                ) from error
-        if len(shards) > 1:
-            index = {
-                "metadata": {"total_size": sum(t.nbytes for t in tensors.values())},
-                "weight_map": {
-                    k: name for name, shard in zip(names, shards, strict=True) for k in shard
-                },
-            }
-            temp = _temp(target.parent / f"{target.name}.index.json")
-            temps.append(temp)
-            temp.write_text(json.dumps(index, indent=2) + "\n")
-            names.append(f"{target.name}.index.json")
-        # an index of an earlier save would name the shards as they are replaced one by one
-        # (and a single file as it shadows it): it goes before any file is renamed
-        (target.parent / f"{target.name}.index.json").unlink(missing_ok=True)
-        for temp, name in zip(temps, names, strict=True):  # the index, if any, last
-            os.replace(temp, target.parent / name)
-            done.append(target.parent / name)
-    except BaseException:
-        for leftover in temps[len(done) :] + done:
-            leftover.unlink(missing_ok=True)
-        raise
-    return done
+                data = memoryview((text + "\n").encode())
+                while data:
+                    data = data[os.write(fd, data) :]
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            self._sync(self.folder)  # the shards' new names, before an index names them
+            os.replace(temp, self.index)  # the commit, unless `target` is one file
+            if self.target.exists():
+                self._sync(self.folder)
+                os.unlink(self.target)  # the commit: the one file no longer shadows the index
+            written = [self.folder / n for n in names] + [self.index]
+            return self._finish(written, old)
+        except BaseException:
+            self._undo()
+            raise
+
+    def _tidy(self) -> list[Path]:
+        """Removes what killed saves left behind; returns the files of the committed
+        checkpoint (the one file, or the shards its index names)."""
+        entries = _entries(self.folder)
+        leftovers = [p for p in entries if self._temporary(p.name)]
+        entries = [p for p in entries if p.is_symlink() or p.is_file()]
+        if self.target.exists():  # the committed checkpoint: an index beside it is stale
+            old = [self.target]
+            stale = [self.index] if self.index.exists() else []
+            leftovers += stale + [p for p in entries if self._shard(p.name)]
+        elif self.index.exists():
+            named = _weight_map(self.index)
+            old = [p for p in entries if named is not None and p.name in named]
+            if named is not None:  # (an unreadable index: the shards are left as they are)
+                leftovers += [p for p in entries if self._shard(p.name) and p.name not in named]
+        else:
+            old = []
+            leftovers += [p for p in entries if self._shard(p.name)]
+        for path in leftovers:
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)  # a killed save's staging folder
+            else:
+                path.unlink(missing_ok=True)
+        return old
+
+    def _names(self, count: int) -> list[str]:
+        if count == 1:
+            return [self.target.name]
+        plain = [f"{self.stem}-{i:05d}-of-{count:05d}{_SUFFIX}" for i in range(1, count + 1)]
+        if not any((self.folder / n).exists() for n in plain):
+            return plain
+        token = uuid.uuid4().hex[:8]
+        return [f"{n[: -len(_SUFFIX)]}-{token}{_SUFFIX}" for n in plain]
+
+    def _write(self, name: str, shard: dict[str, np.ndarray], metadata: dict[str, str]) -> Path:
+        import safetensors.numpy
+
+        temp = self.staging / name
+        try:
+            safetensors.numpy.save_file(shard, temp, metadata=metadata)
+        except Exception as error:
+            raise OSError(f"save_safetensors: writing {self.folder / name}: {error}") from error
+        _fsync(temp)
+        return temp
+
+    def _finish(self, written: list[Path], old: list[Path]) -> list[Path]:
+        """After the commit: flushes it, then removes the previous checkpoint's files. A
+        failure here leaves the new checkpoint in place and is a warning: what is left,
+        the next save removes."""
+        try:
+            self._sync(self.folder)
+        except OSError as error:
+            self._warn(
+                f"flushing its directory to disk failed ({error}): it may not survive a power loss"
+            )
+        try:
+            shutil.rmtree(self.staging)
+            for path in old:
+                if path not in written:
+                    path.unlink(missing_ok=True)
+            self._sync(self.folder)
+        except OSError as error:
+            self._warn(
+                f"removing the previous checkpoint's files failed ({error}); the next save "
+                f"to it removes them"
+            )
+        return written
+
+    def _warn(self, what: str) -> None:
+        warnings.warn(f"save_safetensors: {self.target} is saved, but {what}.", stacklevel=4)
+
+    def _undo(self) -> None:
+        """After a failure, unless the commit has happened: removes every new file,
+        leaving the previous checkpoint as it was. Whether the commit happened is read from
+        the folder, not from a flag set after it, since an interrupt may fall in between."""
+        named = _weight_map(self.index) if self.shards else None
+        if named is not None and set(self.shards) <= named:  # the new index is in place
+            if not self.target.exists():
+                return  # committed: the new checkpoint stays, the old files stay behind
+            self.created.insert(0, self.index)  # the one file still shadows it
+        for path in self.created:
+            with contextlib.suppress(OSError):
+                path.unlink(missing_ok=True)
+        shutil.rmtree(self.staging, ignore_errors=True)
+
+    def _temporary(self, name: str) -> bool:
+        return _TEMPORARY.fullmatch(name) is not None and self._ours(name[1:].rsplit(".", 2)[0])
+
+    def _shard(self, name: str) -> bool:
+        return name.startswith(self.stem) and _SHARD.fullmatch(name[len(self.stem) :]) is not None
+
+    def _ours(self, final: str) -> bool:
+        return final in (self.target.name, self.index.name) or self._shard(final)
+
+    @staticmethod
+    def _sync(folder: Path) -> None:
+        """Flushes `folder`'s entries (the renames and removals in it) to disk."""
+        if os.name == "posix":  # (Windows cannot open a directory)
+            _fsync(folder)
+
+
+_SHARD = re.compile(r"-\d{5}-of-\d{5}(-[0-9a-f]{8})?\.safetensors")
+_TEMPORARY = re.compile(r"\..+\.[0-9a-f]{12}\.tmp")
+
+
+def _fsync(path: Path) -> None:
+    """Flushes a file's bytes, or a directory's entries, to disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _entries(folder: Path) -> list[Path]:
+    """The entries of `folder`."""
+    try:
+        return list(folder.iterdir())
+    except OSError:
+        return []
+
+
+def _weight_map(index: Path) -> set[str] | None:
+    """The shard files an index names, or None when it is missing or unreadable."""
+    try:
+        weight_map = json.loads(index.read_bytes())["weight_map"]
+        return {str(v) for v in weight_map.values()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError):
+        return None
 
 
 def _metadata(metadata: Mapping[str, str] | None) -> dict[str, str]:
@@ -236,8 +409,3 @@ def _split(tensors: dict[str, np.ndarray], limit: int | None) -> list[dict[str, 
         shards[-1][name] = array
         used += array.nbytes
     return shards
-
-
-def _temp(final: Path) -> Path:
-    """A temporary name next to `final`, which no finished file has."""
-    return final.with_name(f".{final.name}.{uuid.uuid4().hex[:12]}.tmp")

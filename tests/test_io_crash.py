@@ -1,0 +1,151 @@
+"""Crash-safe saves: a save over a checkpoint, failed at each of its file operations (each
+write, fsync, rename and removal raising an OSError, or a KeyboardInterrupt arriving), or
+killed right after each of them, leaves exactly the previous checkpoint or exactly the new
+one, bitwise, whether it is loaded by its path or its folder; a failed save raises the
+original error and leaves the previous checkpoint byte for byte; the next save removes what
+a killed one left, and nothing else. The harness is tests/_crash.py; random kills are in
+property_tests/test_crash.py."""
+
+import json
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+from _crash import (
+    SCENARIOS,
+    as_loaded,
+    count_steps,
+    outcome,
+    prepare,
+    save,
+    steps,
+    tidied,
+    version,
+)
+
+HERE = Path(__file__).parent
+
+
+class Injected(OSError):
+    """The fault a test raises from a file operation."""
+
+
+def _faults():
+    for scenario in SCENARIOS:
+        for kind in (Injected, KeyboardInterrupt):
+            yield pytest.param(scenario, kind, id=f"{scenario}-{kind.__name__}")
+
+
+@pytest.mark.parametrize(("scenario", "kind"), list(_faults()))
+def test_a_save_failing_at_any_step_leaves_one_whole_version(tmp_path, scenario, kind):
+    old_layout, limit = SCENARIOS[scenario]
+    made = count_steps(tmp_path, scenario)
+    assert len(made) >= 4 and {"save_file", "fsync", "replace"} <= set(made)
+    old = None if old_layout == "none" else as_loaded(version(1))
+    new = as_loaded(version(2))
+    seen = {"old": 0, "new": 0}
+    for k in range(1, len(made) + 1):
+        prepare(tmp_path, old_layout)
+        before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+        fault = kind(f"fault injected after step {k}")
+
+        def hook(name, count, k=k, fault=fault):
+            if count == k:
+                raise fault
+
+        raised = None
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                with steps(hook):
+                    save(tmp_path, version(2), limit)
+            except (OSError, KeyboardInterrupt) as error:
+                raised = error
+        got = outcome(tmp_path, old, new)
+        where = f"{scenario}: {kind.__name__} after {made[k - 1]} (step {k} of {len(made)})"
+        assert got in ("old", "new"), where  # ("old" when there was none: still nothing)
+        if raised is not None and got != "new":
+            # a failed save raises the original error and leaves the old files byte for byte
+            assert raised is fault or raised.__cause__ is fault, where
+            assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before, where
+        if raised is None:  # a fault after the commit: the new checkpoint, and a warning
+            assert got == "new", where
+            assert [str(w.message) for w in caught if "is saved, but" in str(w.message)], where
+        seen["new" if got == "new" else "old"] += 1
+        assert tidied(tmp_path) is None, where
+    assert seen["old"] and seen["new"]  # faults fell both before and after the commit
+
+
+def test_a_write_that_fails_is_named_and_chained(tmp_path, monkeypatch):
+    import safetensors.numpy
+
+    prepare(tmp_path, None)
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+
+    def full(tensors, filename, metadata=None):
+        Path(filename).write_bytes(b"partial")
+        raise RuntimeError("No space left on device")
+
+    monkeypatch.setattr(safetensors.numpy, "save_file", full)
+    with pytest.raises(OSError, match=r"writing .*model\.safetensors: No space left") as info:
+        save(tmp_path, version(2), None)
+    assert isinstance(info.value.__cause__, RuntimeError)
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+
+
+def test_a_killed_saves_leftovers_are_ignored_by_loads_and_removed_by_the_next_save(tmp_path):
+    prepare(tmp_path, 25_000)
+    committed = sorted(p.name for p in tmp_path.iterdir())
+    # what a save killed before its commit leaves: temporaries, and renamed shards that no
+    # index names; and a user's files that look alike but are not this checkpoint's
+    leftovers = [
+        ".model-00001-of-00002.safetensors.0123456789ab.tmp",
+        ".model.safetensors.index.json.ba9876543210.tmp",
+        "model-00001-of-00002-1a2b3c4d.safetensors",
+        "model-00002-of-00002-1a2b3c4d.safetensors",
+    ]
+    theirs = ["model-ema.safetensors.bak", ".model.tmp", "model-00001-of-00002.txt"]
+    for name in leftovers + theirs:
+        (tmp_path / name).write_bytes(b"\0" * 100)
+    assert outcome(tmp_path, as_loaded(version(1)), None) == "old"
+    save(tmp_path, version(2), 40_000)
+    left = sorted(p.name for p in tmp_path.iterdir())
+    assert not set(leftovers) & set(left) and set(theirs) <= set(left)
+    assert not set(committed) - {"notes.txt", "model.safetensors.index.json"} & set(left)
+    assert outcome(tmp_path, None, as_loaded(version(2))) == "new"
+
+
+def test_an_index_shadowed_by_a_committed_file_is_stale(tmp_path):
+    # a save of one file over shards, killed after its commit (the rename of the file):
+    # the file is the checkpoint, as Hugging Face's loaders read it; the next save removes
+    # the index and its shards
+    prepare(tmp_path, 25_000)
+    shards = [p.name for p in tmp_path.iterdir() if p.name.startswith("model-")]
+    single = tmp_path / "single"
+    single.mkdir()
+    save(single, version(2), None)
+    os.replace(single / "model.safetensors", tmp_path / "model.safetensors")
+    single.rmdir()
+    assert outcome(tmp_path, None, as_loaded(version(2))) == "new"
+    save(tmp_path, version(3), None)
+    left = {p.name for p in tmp_path.iterdir()}
+    assert left == {"model.safetensors", "notes.txt"} and not set(shards) & left
+
+
+@pytest.mark.program
+def test_a_save_killed_right_after_any_step_leaves_one_whole_version(tmp_path):
+    run = subprocess.run(
+        [sys.executable, str(HERE / "_crash.py"), "steps", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    )
+    assert run.returncode == 0, run.stderr
+    results = json.loads(run.stdout)
+    assert results["failures"] == []
+    assert results["kills"] >= 60 and results["old"] and results["new"]
+    print(f"killed after each step: {results}")
