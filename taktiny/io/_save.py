@@ -1,9 +1,10 @@
-"""Writing safetensors files: one file, or Hugging Face style shards with an index.
+"""Writing safetensors files: one file, or Hugging Face style shards with an index, each
+with a checksum of every tensor's bytes in its header (see `_checksum`).
 
-Every file is written under a temporary name in its own directory and renamed into place
-only when all of them are written (the index last), so a failed save leaves nothing that
-looks like a finished checkpoint. Quantized parameters are saved as their parts, 4-bit
-tensors packed two per byte, with their layout in the header (see `_quantized`).
+A save over an existing checkpoint commits in one atomic step (`_Commit`), so that at every
+instant the path holds the previous checkpoint or the new one, whole. Quantized parameters
+are saved as their parts, 4-bit tensors packed two per byte, with their layout in the
+header (see `_quantized`).
 """
 
 from __future__ import annotations
@@ -74,6 +75,14 @@ def save_safetensors(
         metadata: strings to add to each file's header, besides ``"format": "taktiny"`` and
             ``"taktiny_version"``.
 
+    Each file's header also records a checksum (XXH3-128) of every tensor's bytes, which
+    every read verifies. A save over an existing checkpoint is all or nothing: whenever it
+    is stopped, `path` holds exactly the previous checkpoint or exactly the new one; once
+    this returns, the new one is on disk (files and directory flushed). Shards take names
+    that the checkpoint being replaced does not use (Hugging Face's, or those with a suffix
+    of the save's own), and the files of the previous checkpoint, or of a killed save, are
+    removed. docs/safetensors.md describes the steps.
+
     Returns:
         The files written: the shards, then the index; or the one file.
 
@@ -82,6 +91,8 @@ def save_safetensors(
             safetensors cannot store (PRNG keys, say), named in the message.
         ValueError: a path not ending in ``.safetensors``, a bad `max_shard_size`, an
             array spread over several processes.
+        OSError: a file operation that failed (the previous checkpoint is left as it was);
+            a failed write names the file.
     """
     try:
         import safetensors.numpy  # noqa: F401  (imported here: an extra, only saving needs it)

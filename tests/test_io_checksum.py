@@ -1,0 +1,213 @@
+"""Checksums of the data: save_safetensors writes an XXH3-128 digest of every tensor's bytes
+into each file's header; every read verifies it (load_safetensors into concrete, abstract
+and sharded models, with and without rules; Tensor reads of a whole tensor or a block;
+4-bit packed tensors), a damaged byte is a SafetensorsError naming the file, the tensor and
+both checksums before anything is returned, ``verify=False`` turns it off, and files
+without checksums load as before. The property over every bit is in
+property_tests/test_checksum.py; ``taktiny verify`` is in tests/test_cli.py."""
+
+import json
+import struct
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import safetensors.numpy
+import xxhash
+from _models import MLP
+from jax.sharding import PartitionSpec as P
+
+import taktiny as tt
+from taktiny import convert as cv
+from taktiny import nn
+from taktiny.io import (
+    SafetensorsError,
+    load_safetensors,
+    open_safetensors,
+    save_safetensors,
+)
+from taktiny.io._verify import verify
+
+
+def abstract_mlp():
+    return jax.eval_shape(lambda: MLP(rngs=nn.Rngs(0)))
+
+
+def flip(path, name, byte=0, bit=0):
+    """Flips one bit of tensor `name`'s bytes in the file at `path`; returns the tensor's
+    digest as the header records it."""
+    data = bytearray(path.read_bytes())
+    (length,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8 : 8 + length])
+    begin, _ = header[name]["data_offsets"]
+    data[8 + length + begin + byte] ^= 1 << bit
+    path.write_bytes(bytes(data))
+    return json.loads(header["__metadata__"]["taktiny_checksums"])["tensors"][name]
+
+
+@pytest.fixture
+def saved(tmp_path):
+    model = MLP(rngs=nn.Rngs(1))
+    path = tmp_path / "mlp.safetensors"
+    save_safetensors(path, model)
+    return model, path
+
+
+def damaged(path, name, expected):
+    """The message a damaged tensor gives: its file, its name, both checksums."""
+    return rf"{path}: the bytes of '{name}' are damaged: their checksum is [0-9a-f]{{32}}, and the header records {expected} \(xxh3_128\)"
+
+
+def test_the_header_records_each_tensors_digest_of_its_stored_bytes(saved):
+    _, path = saved
+    checkpoint = open_safetensors(path)
+    for tensor in checkpoint.values():
+        stored = np.asarray(tensor, dtype=None).tobytes()
+        assert tensor.checksum == xxhash.xxh3_128_hexdigest(stored)
+
+
+@pytest.mark.parametrize("abstract", [True, False], ids=["abstract", "concrete"])
+def test_a_flipped_bit_fails_the_load_naming_file_tensor_and_both_checksums(saved, abstract):
+    model, path = saved
+    expected = flip(path, "output.kernel", byte=37, bit=5)
+    target = abstract_mlp() if abstract else MLP(rngs=nn.Rngs(2))
+    with pytest.raises(SafetensorsError, match=damaged(path, "output.kernel", expected)):
+        load_safetensors(target, path)
+    # turned off, the damaged value loads: the check is what refused it
+    loaded = load_safetensors(target, path, verify=False)
+    got, want = np.asarray(loaded.output.kernel), np.asarray(model.output.kernel)
+    assert (got != want).sum() == 1
+
+
+def test_damage_is_found_on_every_path_of_the_loader(saved):
+    _, path = saved
+    expected = flip(path, "input.kernel", byte=1000)
+    mesh = jax.make_mesh((2, 4), ("rows", "cols"))
+    match = damaged(path, "input.kernel", expected)
+    # read block by block onto a sharded leaf
+    sharded = tt.shard(abstract_mlp(), [("input.kernel", P(None, "cols"))], mesh)
+    with pytest.raises(SafetensorsError, match=match):
+        load_safetensors(sharded, path)
+    # replicated on a mesh
+    replicated = tt.shard(abstract_mlp(), [("input.kernel", P())], mesh)
+    with pytest.raises(SafetensorsError, match=match):
+        load_safetensors(replicated, path)
+    # through a transforming rule (the scratch buffers)
+    rules = [
+        cv.Rule("{layer}.kernel", "{layer}.kernel", cv.cast(jnp.float32)),
+        cv.Rule("{layer}.bias", "{layer}.bias"),
+    ]
+    with pytest.raises(SafetensorsError, match=match):
+        load_safetensors(abstract_mlp(), path, rules=rules)
+
+
+def test_tensor_reads_verify_whole_tensors_and_blocks(saved):
+    _, path = saved
+    expected = flip(path, "input.kernel", byte=4 * 64 * 31 + 3)  # in the last row
+    tensor = open_safetensors(path)["input.kernel"]
+    assert tensor.checksum == expected
+    match = damaged(path, "input.kernel", expected)
+    with pytest.raises(SafetensorsError, match=match):
+        tensor.read()
+    with pytest.raises(SafetensorsError, match=match):
+        np.asarray(tensor)
+    with pytest.raises(SafetensorsError, match=match):  # a block elsewhere: the whole is checked
+        tensor.read([slice(0, 2), slice(None)])
+    with pytest.raises(SafetensorsError, match=match):
+        tensor.read_into(bytearray(tensor.nbytes))
+    with pytest.raises(SafetensorsError, match=match):
+        tensor.verify()
+    assert tensor.read([slice(0, 2), slice(None)], verify=False).shape == (2, 64)
+    assert tensor.read(verify=False).shape == (32, 64)
+    # the other tensors are intact
+    open_safetensors(path)["input.bias"].verify()
+
+
+def test_packed_4_bit_tensors_are_verified_over_their_packed_bytes(tmp_path):
+    path = tmp_path / "q.safetensors"
+    values = jnp.array([[-8, 7, -1], [3, 0, 5]], jnp.int4)
+    save_safetensors(path, {"q": values, "w": jnp.ones(3)})
+    tensor = open_safetensors(path)["q"]
+    assert tensor.packed and np.array_equal(tensor.read(), np.asarray(values))
+    expected = flip(path, "q", byte=1, bit=7)  # the padding nibble of the first row
+    tensor = open_safetensors(path)["q"]
+    match = damaged(path, "q", expected)
+    for read in (lambda: tensor.read(), lambda: tensor.read([slice(1, 2), slice(None)])):
+        with pytest.raises(SafetensorsError, match=match):
+            read()
+    with pytest.raises(SafetensorsError, match=match):
+        load_safetensors({"q": jax.ShapeDtypeStruct((2, 3), jnp.int4), "w": jnp.zeros(3)}, path)
+
+
+def test_each_shard_records_its_own_tensors_and_verify_lists_every_damaged_one(tmp_path):
+    path = tmp_path / "model.safetensors"
+    written = save_safetensors(path, MLP(rngs=nn.Rngs(0)), max_shard_size=1200)
+    assert len(written) == 4  # three shards and the index
+    for shard in written[:-1]:
+        checkpoint = open_safetensors(shard)
+        assert all(t.checksum for t in checkpoint.values())
+    assert verify(path) == (4, 0, [])
+    shards = {t.name: t.file for t in open_safetensors(path).values()}
+    flip(shards["input.kernel"], "input.kernel")
+    flip(shards["output.bias"], "output.bias", byte=3, bit=7)
+    report = verify(tmp_path)
+    assert report.checked == 2 and report.unchecked == 0
+    assert [line.split(": the bytes of ")[1][:15] for line in report.damaged] == [
+        "'input.kernel' ",
+        "'output.bias' a",
+    ]
+    with pytest.raises(SafetensorsError, match="'input.kernel' are damaged"):
+        load_safetensors(abstract_mlp(), path)
+
+
+def test_files_without_checksums_load_as_before(tmp_path):
+    model = MLP(rngs=nn.Rngs(3))
+    path = tmp_path / "hf.safetensors"
+    safetensors.numpy.save_file(
+        {k: np.asarray(v) for k, v in tt.flat_state_dict(model).items()}, path, {"format": "pt"}
+    )
+    checkpoint = open_safetensors(path)
+    assert all(t.checksum is None for t in checkpoint.values())
+    loaded = load_safetensors(abstract_mlp(), path)
+    assert np.array_equal(loaded.input.kernel, model.input.kernel)
+    assert verify(path) == (0, 4, [])
+
+
+@pytest.mark.parametrize(
+    ("record", "message"),
+    [
+        ("not json", r"'taktiny_checksums' is not valid JSON"),
+        ('{"algorithm": "md5", "tensors": {}}', r"names the algorithm 'md5'"),
+        ('{"algorithm": "xxh3_128", "tensors": []}', r"'tensors' must map tensor names"),
+        ('{"algorithm": "xxh3_128", "tensors": {"w": 7}}', r"gives 'w' the digest 7, not 32"),
+        ('{"algorithm": "xxh3_128", "tensors": {"x": "' + "0" * 32 + '"}}', r"for 'x', which"),
+        ('["xxh3_128"]', r"must be a JSON object with 'algorithm' and 'tensors'"),
+    ],
+)
+def test_a_malformed_checksum_record_is_refused_when_the_file_is_opened(tmp_path, record, message):
+    path = tmp_path / "m.safetensors"
+    safetensors.numpy.save_file({"w": np.ones(2, np.float32)}, path, {"taktiny_checksums": record})
+    with pytest.raises(SafetensorsError, match=rf"m\.safetensors: .*{message}.*header is corrupt"):
+        open_safetensors(path)
+
+
+def test_the_checksum_key_is_taktinys_own(tmp_path):
+    with pytest.raises(ValueError, match=r"metadata key 'taktiny_checksums' is Taktiny's own"):
+        save_safetensors(
+            tmp_path / "m.safetensors", {"w": jnp.ones(2)}, metadata={"taktiny_checksums": "{}"}
+        )
+
+
+def test_a_read_refuses_a_slice_step_other_than_one(saved):
+    _, path = saved
+    tensor = open_safetensors(path)["input.kernel"]
+    with pytest.raises(
+        ValueError, match=r"slices with a step of 1, got slice\(None, None, 2\).*array\[::2\]"
+    ):
+        tensor.read([slice(None), slice(None, None, 2)])
+    with pytest.raises(
+        ValueError, match=r"one slice per axis \(2\), got \(slice\(None, None, None\),\)"
+    ):
+        tensor.read([slice(None)])
+    assert tensor.read([slice(5, 2), slice(None)]).shape == (0, 64)  # empty, as NumPy slices
