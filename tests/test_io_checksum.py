@@ -157,7 +157,7 @@ def test_each_shard_records_its_own_tensors_and_verify_lists_every_damaged_one(t
         "'input.kernel' ",
         "'output.bias' a",
     ]
-    with pytest.raises(SafetensorsError, match="'input.kernel' are damaged"):
+    with pytest.raises(SafetensorsError, match=r"'input\.kernel' are damaged"):
         load_safetensors(abstract_mlp(), path)
 
 

@@ -8,11 +8,13 @@ property_tests/test_crash.py."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 import warnings
 from pathlib import Path
 
+import numpy as np
 import pytest
 from _crash import (
     SCENARIOS,
@@ -25,6 +27,8 @@ from _crash import (
     tidied,
     version,
 )
+
+from taktiny.io import save_safetensors
 
 HERE = Path(__file__).parent
 
@@ -149,3 +153,25 @@ def test_a_save_killed_right_after_any_step_leaves_one_whole_version(tmp_path):
     assert results["failures"] == []
     assert results["kills"] >= 60 and results["old"] and results["new"]
     print(f"killed after each step: {results}")
+
+
+def test_hugging_face_reads_what_each_kind_of_save_leaves(tmp_path):
+    # transformers' own loader, on the folder after saves that replace one another: shards
+    # under Hugging Face's names, shards under a save's own suffix, then one file
+    import torch
+    import transformers
+
+    config = transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50, n_positions=8)
+    config.save_pretrained(tmp_path)
+    path = tmp_path / "model.safetensors"
+    for seed, limit in [(0, 4000), (1, 4000), (2, None)]:
+        torch.manual_seed(seed)
+        state = {k: v.numpy() for k, v in transformers.GPT2Model(config).state_dict().items()}
+        written = save_safetensors(path, state, max_shard_size=limit)
+        assert (len(written) > 2) == (limit is not None)
+        suffixed = [re.search(r"-[0-9a-f]{8}\.safetensors$", p.name) for p in written[:-1]]
+        assert limit is None or all(suffixed) == (seed == 1)  # the second save's suffix
+        loaded = transformers.GPT2Model.from_pretrained(tmp_path).state_dict()
+        for name, value in state.items():
+            assert np.array_equal(loaded[name].numpy(), value), (seed, name)
+        assert torch.equal(loaded["wte.weight"], torch.from_numpy(state["wte.weight"]))
