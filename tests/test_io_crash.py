@@ -11,6 +11,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 import warnings
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from _crash import (
     SCENARIOS,
     as_loaded,
     count_steps,
+    loaded,
     outcome,
     prepare,
     save,
@@ -175,3 +177,32 @@ def test_hugging_face_reads_what_each_kind_of_save_leaves(tmp_path):
         for name, value in state.items():
             assert np.array_equal(loaded[name].numpy(), value), (seed, name)
         assert torch.equal(loaded["wte.weight"], torch.from_numpy(state["wte.weight"]))
+
+
+def test_saves_running_at_once_in_one_folder_take_turns(tmp_path):
+    # without the folder's lock, each save would take the other's new files for leftovers
+    # of a killed save and remove them, leaving an index that names missing shards
+    prepare(tmp_path, None)
+    versions = {seed: as_loaded(version(seed)) for seed in range(4, 12)}
+    errors = []
+
+    def saves(seeds):
+        try:
+            for seed in seeds:
+                save(tmp_path, version(seed), [None, 25_000, 40_000][seed % 3])
+        except Exception as error:  # noqa: BLE001 - reported below
+            errors.append(error)
+
+    threads = [threading.Thread(target=saves, args=(range(k, 12, 2),)) for k in (4, 5)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == []
+    assert loaded(tmp_path / "model.safetensors") in versions.values()
+    assert tidied(tmp_path) is None
+
+
+def test_the_folder_must_exist(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"the folder .*missing does not exist; create it"):
+        save(tmp_path / "missing", version(1), None)

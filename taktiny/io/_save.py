@@ -16,7 +16,7 @@ import re
 import shutil
 import uuid
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -107,6 +107,11 @@ def save_safetensors(
     target = Path(path)
     if target.name == _SUFFIX or not target.name.endswith(_SUFFIX):
         raise ValueError(f"save_safetensors: the path must name a '*.safetensors' file: {path}")
+    if not target.parent.is_dir():
+        raise FileNotFoundError(
+            f"save_safetensors: the folder {target.parent} does not exist; create it first "
+            f"(os.makedirs(..., exist_ok=True))"
+        )
     header = {"format": "taktiny", "taktiny_version": __version__, **_metadata(metadata)}
     flat = _flat(tree)
     layouts = (
@@ -166,6 +171,10 @@ class _Commit:
         self.shards: list[str] = []  # the new shards' names
 
     def save(self, files: list[tuple[dict[str, np.ndarray], dict[str, str]]]) -> list[Path]:
+        with _locked(self.folder):  # one save at a time in a folder, from any process
+            return self._save(files)
+
+    def _save(self, files: list[tuple[dict[str, np.ndarray], dict[str, str]]]) -> list[Path]:
         old = self._tidy()
         names = self._names(len(files))
         try:
@@ -307,6 +316,24 @@ class _Commit:
 
 _SHARD = re.compile(r"-\d{5}-of-\d{5}(-[0-9a-f]{8})?\.safetensors")
 _TEMPORARY = re.compile(r"\..+\.[0-9a-f]{12}\.tmp")
+
+
+@contextlib.contextmanager
+def _locked(folder: Path) -> Iterator[None]:
+    """Holds an exclusive ``flock`` on `folder` itself (no lock file is made): a save that
+    started while another was under way in the same folder would take the other's new
+    files for a killed save's leftovers. The kernel releases it when a process dies."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - not on Windows
+        yield
+        return
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # (closing releases the lock)
 
 
 def _fsync(path: Path) -> None:
