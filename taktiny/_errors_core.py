@@ -20,10 +20,13 @@ class StateProblem:
     Attributes:
         kind: ``"unknown"`` (no such name), ``"key"`` (a nested key that is not a
             string, or contains ``"."``), ``"structure"`` (a dict where one array
-            belongs, or the reverse), ``"shape"``, ``"dtype"`` (a change of dtype
-            kind, or a cast to a narrower dtype that would change values: an integer
-            out of range, a finite float that would become infinite), ``"value"`` (not
-            an array), ``"representation"`` (a float array where the model holds a
+            belongs, or the reverse; a state that contains itself, or nests too deeply),
+            ``"shape"``, ``"dtype"`` (a change of dtype kind, or a cast to a narrower
+            dtype that would change values: an integer out of range, a float too large
+            that would become inf, or NaN or its largest value in a dtype without inf),
+            ``"value"`` (not an array, or one that holds no values: a deleted array, a
+            tracer leaked out of a finished transformation; or a NumPy masked array),
+            ``"representation"`` (a float array where the model holds a
             :class:`~taktiny.QArray`, or the reverse, or a QArray quantized another
             way), ``"sharding"`` (an array on devices outside the mesh of the leaf it
             replaces), ``"missing"`` (not supplied under ``strict=True``) or

@@ -63,18 +63,75 @@ def narrowing(name: str, expected: Any, got: Any, traced: bool) -> StateProblem:
     return StateProblem("dtype", name, want, have, hint)
 
 
-def overflow(name: str, expected: Any, got: Any, count: int, largest: float) -> StateProblem:
+def overflow(
+    name: str, expected: Any, got: Any, count: int, largest: float, into: str = "inf"
+) -> StateProblem:
+    """Values too large for a narrower float dtype, which the cast would turn `into`
+    ``"inf"``, ``"nan"`` (a dtype without inf) or ``"max"`` (clipped to its largest)."""
     want, have = np.dtype(expected).name, np.dtype(got).name
     limit = float(jnp.finfo(expected).max)
     values = "a value" if count == 1 else f"{count} values"
+    if into == "inf":
+        change, holds = "turn {} into inf", ""
+    elif into == "nan":
+        change, holds = "turn {} into nan", " and has no inf"
+    else:
+        change, holds = f"clip {{}} to its largest, {limit:.4g}", " and has no inf"
     return StateProblem(
         "dtype",
         name,
         want,
         have,
-        f"casting {have} to {want} would turn {values} into inf: the largest is {largest:.4g}, "
-        f"and {want} holds at most {limit:.4g}. Scale or clip the value, or keep this "
-        f"parameter in a wider dtype.",
+        f"casting {have} to {want} would {change.format(values)}: the largest is "
+        f"{largest:.4g}, and {want} holds at most {limit:.4g}{holds}. Scale or clip the value, "
+        f"or keep this parameter in a wider dtype.",
+    )
+
+
+def _array(value: Any, noun: str = "array") -> str:
+    """An array as a message names it: ``array float32[2, 3]``."""
+    return f"{noun} {np.dtype(value.dtype).name}{list(value.shape)}"
+
+
+def masked(name: str, value: Any) -> StateProblem:
+    """A NumPy masked array, whose mask a load would drop."""
+    hidden = int(np.ma.count_masked(value))
+    return StateProblem(
+        "value",
+        name,
+        "an array",
+        f"a masked {_array(value)}",
+        f"expected a plain array, got a NumPy masked {_array(value)} with {hidden} "
+        f"masked of {value.size}: a load would drop the mask. Pass value.filled(fill) to "
+        f"choose what the masked entries hold, or value.data to load the data under the mask.",
+    )
+
+
+def leaked(name: str, value: Any) -> StateProblem:
+    """A tracer that belongs to no transformation being traced now."""
+    return StateProblem(
+        "value",
+        name,
+        "an array",
+        f"a leaked {type(value).__name__}",
+        f"expected an array, got a {_array(value, 'tracer')} ({type(value).__name__}) that "
+        f"belongs to no transformation being traced now: it leaked out of a jax.jit, vmap, grad or "
+        f"make_jaxpr that has finished, so it holds no value. Load what the transformed "
+        f"function returns, or load inside the transformation that made it.",
+    )
+
+
+def deleted(name: str, value: Any) -> StateProblem:
+    """A JAX array whose buffers are deleted."""
+    return StateProblem(
+        "value",
+        name,
+        "an array",
+        f"a deleted {_array(value)}",
+        f"expected an array, got a deleted {_array(value)}: its buffers were freed, by "
+        f"value.delete() or by donating it to a jitted function (donate_argnums), so it holds "
+        f"no values. Load the array before it is deleted, or the result of the call it was "
+        f"donated to.",
     )
 
 

@@ -405,9 +405,11 @@ class Module(types.SimpleNamespace, metaclass=_ModuleMeta):
         """Returns a new module with the parameters in the nested `state` loaded.
 
         Leaves that `state` does not mention keep their values; with ``strict=True``
-        every leaf must be supplied. Values may be JAX or NumPy arrays or array-likes;
-        each is checked against the leaf it replaces (shape, dtype kind, range), cast to
-        its dtype and placed with its sharding. Any problem raises one
+        every leaf must be supplied. Values may be JAX or NumPy arrays or array-likes
+        (not deleted arrays, tracers leaked out of finished transformations, or NumPy
+        masked arrays); each is checked against the leaf it replaces (shape, dtype kind,
+        range: a cast must not overflow), cast to its dtype and placed with its sharding.
+        A nested state that contains itself is refused too. Any problem raises one
         :class:`~taktiny.StateDictError` listing every offending name, and nothing is
         loaded. This module is never changed. Works inside ``jax.jit``.
 

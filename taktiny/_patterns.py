@@ -59,7 +59,7 @@ def compile_pattern(pattern: Any) -> re.Pattern[str]:
     if not isinstance(pattern, str) or not pattern:
         raise ValueError(f"a name pattern is a non-empty string, got {pattern!r}.")
     regex = "".join(
-        r"(?:\.[^.]+)*" if part == "**" else r"\." + part_regex(pattern, part)
+        r"(?:\.[^.]*)*" if part == "**" else r"\." + part_regex(pattern, part)
         for part in pattern.split(".")
     )
     try:
@@ -133,8 +133,29 @@ def unused_hint(pattern: str, names: Sequence[str], patterns: Sequence[str] = ()
     fixed = next((i for i, p in enumerate(parts) if any(c in p for c in "*?[")), len(parts))
     prefix = ".".join(parts[:fixed])
     close = err.closest(prefix, names)  # None when the first part is wild
+    if close is not None and close != prefix:
+        return f"did you mean {'.'.join([close, *parts[fixed:]])!r}?"
+    respelt = _respelt(parts, names)  # a wild pattern: its misspelt parts, respelt
+    if respelt is not None:
+        return f"did you mean {respelt!r}?"
     if close is None:
         return "no name is close to it"
-    if close == prefix:  # (then a wild part follows: a name or group would have matched)
-        return f"the names in {prefix!r} do not match the rest, {'.'.join(parts[fixed:])!r}"
-    return f"did you mean {'.'.join([close, *parts[fixed:]])!r}?"
+    # (a wild part follows the prefix: a name or group would have matched)
+    return f"the names in {prefix!r} do not match the rest, {'.'.join(parts[fixed:])!r}"
+
+
+def _respelt(parts: Sequence[str], names: Sequence[str]) -> str | None:
+    """The pattern of `parts` with each plain part that no name has replaced by the
+    closest part that one has (``*.dwon.bias``: ``*.down.bias``), if that matches a name;
+    None otherwise."""
+    known = sorted({part for name in names for part in name.split(".")})
+    have = set(known)
+    respelt = [
+        p if p == "**" or any(c in p for c in "*?[") or p in have else err.closest(p, known)
+        for p in parts
+    ]
+    if respelt == list(parts) or None in respelt:
+        return None
+    pattern = ".".join(str(p) for p in respelt)
+    regex = compile_pattern(pattern)
+    return pattern if any(regex.fullmatch("." + name) for name in names) else None

@@ -44,7 +44,7 @@ def resolve(view: Any, state: Mapping[Any, Any], flat: bool, match: bool = False
                 unknown.append((str(name), value))
                 found.problems.append(_UNKNOWN)
     else:
-        _resolve_nested(view, view.root, state, (), found, unknown)
+        _resolve_nested(view, view.root, state, (), found, unknown, {})
     if unknown:
         given = {view.name(w) for w in found.supplied}
         named = iter(err.unknown(unknown, view.names(), flat, given))
@@ -92,7 +92,13 @@ def _resolve_nested(
     path: tuple[str, ...],
     found: Resolved,
     unknown: list[tuple[str, Any]],
+    above: dict[int, tuple[str, ...]],
 ) -> None:
+    """Resolves a nested state (a dict of `node`'s children). It follows the tree, so it
+    goes no deeper than the tree does; `above` holds the path of each dict on the way to
+    `state` by its id (they are alive: each holds the next), to tell a state that contains
+    itself."""
+    above[id(state)] = path
     for key, value in state.items():
         if type(key) is not str:
             name = ".".join((*path, repr(key)))
@@ -113,12 +119,17 @@ def _resolve_nested(
             found.supplied[view.leaf(child, where)] = value
         elif kind is GROUP:
             if type(value) is dict or isinstance(value, Mapping):
-                _resolve_nested(view, child, value, where, found, unknown)
+                outer = above.get(id(value))
+                if outer is None:
+                    _resolve_nested(view, child, value, where, found, unknown, above)
+                else:
+                    found.problems.append(err.contains_itself(".".join(where), ".".join(outer)))
             else:
                 name = ".".join(where)
                 found.problems.append(err.group_expected(name, view.keys(child), value))
         else:
             _resolve_param(view, child, where, value, found)
+    del above[id(state)]
 
 
 def _resolve_param(
@@ -137,7 +148,11 @@ def _resolve_param(
                 parts = [n for n, _ in inner]
                 found.problems.append(err.unknown_part(f"{name}.{part}", parts))
         return
-    leaves, given = jax.tree_util.tree_flatten(value)
+    try:
+        leaves, given = jax.tree_util.tree_flatten(value)
+    except (RecursionError, SystemError):  # a list that contains itself, say (SystemError:
+        found.problems.append(err.too_deep(".".join(where), value))  # from C++'s recursion)
+        return
     if given != treedef:
         wheres = tuple(w for _, w in inner)
         found.other[wheres[0]] = Other(".".join(where), view.param(node, where), wheres, value)
@@ -157,13 +172,19 @@ def _other_part(view: Any, where: Any, part: str, value: Any, found: Resolved) -
 
 
 def _parts(
-    state: Mapping[Any, Any], prefix: tuple[str, ...], leaves: Mapping[str, Any]
+    state: Mapping[Any, Any],
+    prefix: tuple[str, ...],
+    leaves: Mapping[str, Any],
+    depth: int | None = None,
 ) -> Iterator[tuple[str, Any]]:
     """The (dotted name, value) pairs of a dict of a custom parameter's parts; a name of one
-    of its `leaves` takes its value as it is (a dict there is reported as one)."""
+    of its `leaves` takes its value as it is (a dict there is reported as one), and so does
+    a dict as deep as the deepest leaf (`depth` dots: a name past it is no part's)."""
+    if depth is None:
+        depth = max((name.count(".") for name in leaves), default=0)
     for key, value in state.items():
         name = ".".join((*prefix, str(key)))
-        if isinstance(value, Mapping) and name not in leaves:
-            yield from _parts(value, (*prefix, str(key)), leaves)
+        if isinstance(value, Mapping) and name not in leaves and len(prefix) < depth:
+            yield from _parts(value, (*prefix, str(key)), leaves, depth)
         else:
             yield name, value

@@ -24,20 +24,15 @@ class ShardingPlan(NamedTuple):
             ``out_shardings`` or ``jax.device_put``.
         specs: each flat state name with its PartitionSpec, in leaf order.
         unmatched: the names no rule matched (replicated).
-        unused: the patterns that matched no name.
     """
 
     shardings: Any
     specs: dict[str, PartitionSpec]
     unmatched: tuple[str, ...]
-    unused: tuple[str, ...]
 
     def __repr__(self) -> str:
         rows = "".join(f"\n  {name}: {spec}" for name, spec in self.specs.items())
-        return (
-            f"ShardingPlan({len(self.specs)} leaves, {len(self.unmatched)} unmatched, "
-            f"unused rules {list(self.unused)}){rows}"
-        )
+        return f"ShardingPlan({len(self.specs)} leaves, {len(self.unmatched)} unmatched){rows}"
 
 
 def _concrete_mesh(mesh: Mesh | None, caller: str) -> Mesh:
@@ -60,7 +55,9 @@ def sharding_plan(
     (the names of :meth:`~taktiny.nn.Module.flat_state_dict`, such as
     ``"encoder.layers.*.kernel"``; ``*`` matches within one part, a ``**`` part any number
     of parts) gives its spec, a ``PartitionSpec`` or a tuple of mesh axis names. A leaf
-    no rule matches is replicated. A rule may also name a quantized weight
+    no rule matches is replicated (with ``strict=True``, an error). A rule that matches no
+    leaf is an error: it is usually a typo, or a group named without ``.**``, and the
+    error suggests the closest name. A rule may also name a quantized weight
     (:class:`~taktiny.QArray`) whole: its value takes the spec, its scale the spec's
     entries on the axes it shares with the value (the output axis).
 
@@ -68,8 +65,8 @@ def sharding_plan(
         tree: a module or any PyTree of arrays (or of ``jax.ShapeDtypeStruct``).
         rules: a dict ``{pattern: spec}`` or a list of ``(pattern, spec)`` pairs.
         mesh: the mesh; by default the one of the enclosing ``jax.set_mesh``.
-        strict: also raise when some leaf is matched by no rule, or some rule matches no
-            leaf (both are reported in the plan otherwise).
+        strict: also raise when some leaf is matched by no rule (otherwise it is
+            replicated, and listed in the plan's ``unmatched``).
 
     Returns:
         A :class:`ShardingPlan`.
@@ -77,8 +74,9 @@ def sharding_plan(
     Raises:
         ValueError: listing every leaf whose spec names an axis the mesh lacks, has more
             entries than the leaf has axes, or splits an axis that does not divide evenly,
-            with the leaf's shape, the spec and the mesh; and every pattern that is not
-            valid.
+            with the leaf's shape, the spec and the mesh; every pattern that is not
+            valid; every rule that matches no leaf, with the closest name; and, with
+            `strict`, the leaves no rule matches.
     """
     return _plan(tree, rules, mesh, strict)[0]
 
@@ -115,12 +113,14 @@ def _plan(
             problems.append(
                 f"{name} of shape {shape} by {spec} on the mesh {mesh_text(mesh)}: {problem}"
             )
-    if strict:
-        if found.unmatched:
-            problems.append(f"no rule matches {', '.join(map(repr, found.unmatched))}")
-        for pattern in found.unused:
-            hint = _patterns.unused_hint(pattern, names.names, [p for p, _ in checked])
-            problems.append(f"the rule {pattern!r} matches no name; {hint}")
+    if strict and found.unmatched:
+        problems.append(
+            f"no rule matches {', '.join(map(repr, found.unmatched))}; add a rule for them (a "
+            f"last rule '**' matches everything), or pass strict=False to replicate them"
+        )
+    for pattern in found.unused:  # a typo, most often: never silently left out
+        hint = _patterns.unused_hint(pattern, names.names, [p for p, _ in checked])
+        problems.append(f"the rule {pattern!r} matches no name; {hint}")
     if problems:
         raise ValueError(_listing(caller, tree, problems))
     made: dict[PartitionSpec, NamedSharding] = {}
@@ -130,7 +130,6 @@ def _plan(
         shardings=treedef.unflatten(shardings),
         specs=dict(zip(names.names, found.values, strict=True)),
         unmatched=tuple(found.unmatched),
-        unused=tuple(found.unused),
     )
     return plan, leaves, treedef, shardings
 
@@ -149,7 +148,7 @@ def _whole_parameters(
         return found
     compiled = [_patterns.compile_pattern(pattern) for pattern, _ in rules]
     values, unmatched = list(found.values), set(found.unmatched)
-    used = {pattern for pattern, _ in rules} - set(found.unused)
+    used: set[str] = set()  # patterns whose first rule names a parameter whole
     for name, node in params:
         shape = tuple(np.shape(node.treedef.unflatten(leaves[node.start : node.stop])))
         for i in range(node.start, node.stop):
@@ -161,11 +160,14 @@ def _whole_parameters(
                     unmatched.discard(names.names[i])
                     used.add(pattern)
                     break
-    return _patterns.Match(
-        values,
-        [n for n in found.unmatched if n in unmatched],
-        [p for p in found.unused if p not in used],
-    )
+    # A pattern's first rule is the one that names a parameter (a later rule of the same
+    # pattern never matches first); it is in `found.unused` when all of them are.
+    unused = list(found.unused)
+    patterns = [pattern for pattern, _ in rules]
+    for pattern in used:
+        if unused.count(pattern) == patterns.count(pattern):
+            unused.remove(pattern)  # (its first: unused is in rule order)
+    return _patterns.Match(values, [n for n in found.unmatched if n in unmatched], unused)
 
 
 def _customs(template: dict[str, Any], path: tuple[str, ...]) -> Any:
@@ -201,7 +203,8 @@ def shard(
 ) -> Any:
     """Returns `tree` with every leaf placed by ordered rules over its flat state names.
 
-    The rules are those of :func:`sharding_plan`; leaves no rule matches are replicated.
+    The rules are those of :func:`sharding_plan`: leaves no rule matches are replicated
+    (with ``strict=True``, an error), and a rule that matches no leaf is an error.
     Arrays move in one batched ``jax.device_put``; ``jax.ShapeDtypeStruct`` leaves (an
     abstract model) come back as ``ShapeDtypeStruct`` carrying their sharding, ready as
     an Orbax restore target. Any problem raises before anything moves; `tree` is never
@@ -211,10 +214,13 @@ def shard(
         tree: a module or any PyTree of arrays.
         rules: a dict ``{pattern: spec}`` or a list of ``(pattern, spec)`` pairs.
         mesh: the mesh; by default the one of the enclosing ``jax.set_mesh``.
-        strict: raise when some leaf is matched by no rule, or some rule matches no leaf.
+        strict: also raise when some leaf is matched by no rule.
 
     Returns:
         A new tree of the same structure.
+
+    Raises:
+        ValueError: as :func:`sharding_plan` does, before anything moves.
     """
     _, leaves, treedef, shardings = _plan(tree, rules, mesh, strict)
     moving = [i for i, leaf in enumerate(leaves) if not isinstance(leaf, jax.ShapeDtypeStruct)]

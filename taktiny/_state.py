@@ -29,6 +29,9 @@ from ._views import Flat, Walk
 # of the whole tree, so up to this many the walk is as fast on small models and far faster
 # on large ones.
 WALK_LIMIT = 64
+# A nested state deeper than this is not counted to the end (it may contain itself): it is
+# loaded by flattening the tree, whose resolution follows the tree, and tells what's wrong.
+_DEEPEST = 100
 
 
 def state_dict(tree: Any, nodes: Nodes) -> dict[str, Any]:
@@ -74,6 +77,9 @@ def _check(
     # id: the arrays hold them, so they live (and keep their ids) for the whole loop. Two
     # shardings that place alike (P("x") and P("x", None)) count as the same: no copy.
     same: dict[tuple[int, int], bool] = {}
+    # Each array taken as it is is asked whether it was deleted (by .delete(), or donated)
+    # at once after the loop, in one pass in C: asking in the loop costs twice as much.
+    kept: list[Any] = []
     for where, value in supplied:
         old = olds[where]
         if type(value) is array and type(old) is array and value.aval == old.aval:
@@ -82,6 +88,7 @@ def _check(
             placed = same.get(pair)
             if placed is None:
                 placed = same[pair] = have is want or have == want
+            kept.append(value)
             if placed or have.is_equivalent_to(want, value.ndim):
                 new[where] = value
             elif _outside(value, want):
@@ -105,7 +112,21 @@ def _check(
         else:
             copy = _values.shares_memory(value, given, target)
             moves.append(_Move(where, value.copy() if copy else value, target))
+    if any(map(array.is_deleted, kept)):
+        _deleted(view, new, moves, problems)
     return into
+
+
+def _deleted(view: Flat | Walk, new: Any, moves: list[_Move], problems: list[StateProblem]) -> None:
+    """Tells the deleted arrays among the supplied values kept as they are (in `new` where
+    the tree's own leaf is not that array, or in `moves`); none of them is loaded."""
+    olds: Any = view.olds  # (a list or a dict, as `new` is)
+    pairs: Iterable[tuple[Any, Any]] = enumerate(new) if isinstance(new, list) else new.items()
+    found: list[tuple[Any, Any]] = [(w, v) for w, v in pairs if v is not olds[w]]
+    found += [(m.where, m.value) for m in moves]
+    for where, value in found:
+        if isinstance(value, jax.Array) and not isinstance(value, Tracer) and value.is_deleted():
+            problems.append(err.deleted(view.name(where), value))
 
 
 def _outside(value: jax.Array, target: Any) -> bool:
@@ -156,10 +177,12 @@ def _few(state: Mapping[Any, Any], flat: bool) -> bool:
         return len(state) <= WALK_LIMIT
     budget = [WALK_LIMIT]
 
-    def count(node: Mapping[Any, Any]) -> bool:
+    def count(node: Mapping[Any, Any], depth: int) -> bool:
+        if depth > _DEEPEST:  # (or it contains itself): left to the resolution to tell
+            return False
         for value in node.values():
             if type(value) is dict or isinstance(value, Mapping):
-                if not count(value):
+                if not count(value, depth + 1):
                     return False
             else:
                 budget[0] -= 1
@@ -167,7 +190,7 @@ def _few(state: Mapping[Any, Any], flat: bool) -> bool:
                     return False
         return True
 
-    return count(state)
+    return count(state, 0)
 
 
 def _in_order(view: Flat, state: Mapping[Any, Any], flat: bool) -> list[Any] | None:

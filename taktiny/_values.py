@@ -56,6 +56,11 @@ def _as_array(name: str, value: Any, problems: list[StateProblem]) -> tuple[Any,
     whether it was made of Python numbers (a list, a scalar), which take the leaf's dtype
     as JAX's weakly typed numbers do."""
     if isinstance(value, (jax.Array, np.ndarray)):
+        if type(value) is not np.ndarray:
+            problem = _unusable(name, value)
+            if problem is not None:
+                problems.append(problem)
+                return None, False
         return value, False
     if isinstance(value, Mapping):
         problems.append(err.array_expected(name, value, "this name is one array"))
@@ -77,6 +82,34 @@ def _as_array(name: str, value: Any, problems: list[StateProblem]) -> tuple[Any,
     return array, isinstance(value, (list, tuple, *_SCALARS))
 
 
+def _unusable(name: str, value: Any) -> StateProblem | None:
+    """A problem when an array cannot be loaded as it is: a NumPy masked array (a load
+    would drop its mask), a tracer leaked out of a transformation that has finished, or a
+    JAX array whose buffers are deleted (by ``.delete()``, or donated to a jitted call)."""
+    if isinstance(value, np.ma.MaskedArray):
+        return err.masked(name, value)
+    if isinstance(value, Tracer):
+        return None if _live(value) else err.leaked(name, value)
+    if isinstance(value, jax.Array) and value.is_deleted():
+        return err.deleted(name, value)
+    return None
+
+
+def _live(tracer: Tracer) -> bool:
+    """Whether `tracer` belongs to a transformation being traced now (the current one, or
+    one enclosing it), asked with a broadcast: JAX refuses any operation on a tracer leaked
+    out of a finished ``jit``, ``vmap``, ``grad`` or ``make_jaxpr`` outside of every
+    transformation, and on one leaked out of a ``vmap`` or ``grad`` anywhere. Inside a
+    trace the broadcast is one equation that nothing uses, which jit drops before
+    compiling. (A tracer of a finished ``jit`` given inside another ``jit`` passes: JAX
+    refuses it itself when that ``jit`` ends.)"""
+    try:
+        jax.lax.broadcast(tracer, (1,))
+    except jax.errors.UnexpectedTracerError:
+        return False
+    return True
+
+
 def _narrowing(name: str, value: Any, old_dtype: Any, traced: bool) -> StateProblem | None:
     """A problem when the integer `value` does not fit the narrower `old_dtype`."""
     if traced:
@@ -87,15 +120,42 @@ def _narrowing(name: str, value: Any, old_dtype: Any, traced: bool) -> StateProb
     return None
 
 
+@functools.cache
+def _beyond(dtype: Any) -> str:
+    """What a float dtype makes of values beyond its largest: ``"inf"`` (float16, bfloat16,
+    float8_e5m2), ``"nan"`` (the float8 kinds without inf: float8_e4m3fn, ...) or
+    ``"max"`` (kinds with neither, such as float4_e2m1fn, which clip to their largest)."""
+    with np.errstate(all="ignore"):
+        made = np.array(np.inf, np.float32).astype(dtype).astype(np.float32)
+    return "inf" if np.isinf(made) else "nan" if np.isnan(made) else "max"
+
+
+def _clip_limit(dtype: Any) -> float:
+    """The magnitude past which a value of a clipping float dtype (`_beyond` is "max") is
+    not its largest rounded but clipped: its largest plus half the step below it."""
+    info = jnp.finfo(dtype)
+    largest = float(info.max)
+    step = 2.0 ** (np.floor(np.log2(largest)) - info.nmant)
+    return largest + step / 2
+
+
 def _overflow(name: str, value: Any, cast: Any) -> StateProblem | None:
-    """A problem when finite values of `value` became infinite in `cast` (a narrower float).
-    Checked on concrete values only: inside jit the cast happens as written."""
+    """A problem when values of `value` too large for `cast`'s narrower float dtype lost
+    their value in it: finite ones that became inf, or, in a dtype without inf, any but
+    NaN that became NaN or were clipped to its largest. Checked on concrete values only:
+    inside jit the cast happens as written."""
     xp = np if isinstance(value, np.ndarray) else jnp
-    bad = xp.isinf(cast) & xp.isfinite(value)
+    into = _beyond(cast.dtype)
+    if into == "inf":
+        bad = xp.isinf(cast) & xp.isfinite(value)
+    elif into == "nan":
+        bad = xp.isnan(cast) & ~xp.isnan(value)
+    else:
+        bad = (xp.abs(value) > _clip_limit(cast.dtype)) & ~xp.isnan(value)
     if not bool(bad.any()):
         return None
     largest = float(np.max(np.abs(np.asarray(value)[np.asarray(bad)])))
-    return err.overflow(name, cast.dtype, value.dtype, int(bad.sum()), largest)
+    return err.overflow(name, cast.dtype, value.dtype, int(bad.sum()), largest, into)
 
 
 # The kinds Python numbers may load into besides their own: an int list into a float or an

@@ -39,6 +39,12 @@ class Dense(nn.Module):  # a custom parameter
         self.kernel = Scaled(jnp.ones((2, 3), jnp.int8), jnp.full((3,), 0.5))
 
 
+class Low(nn.Module):  # floats without inf: one that makes NaN, one that clips
+    def __init__(self):
+        self.fn = jnp.zeros(3, jnp.float8_e4m3fn)
+        self.fp4 = jnp.zeros(3, jnp.float4_e2m1fn)
+
+
 SDS = jax.ShapeDtypeStruct((64, 4), jnp.float32)
 
 
@@ -54,6 +60,32 @@ def stack():
 
 def abstract():
     return jax.eval_shape(lambda: MLP(rngs=nn.Rngs(0)))
+
+
+def leaked():
+    """A tracer left over from a finished jit."""
+    out = []
+    jax.jit(lambda x: out.append(x) or x)(jnp.zeros(4))
+    return out[0]
+
+
+def deleted():
+    x = jnp.zeros(4)
+    x.delete()
+    return x
+
+
+def contains_itself():
+    state = {"layers": {}}
+    state["layers"]["1"] = state["layers"]
+    state["layers"]["2"] = state
+    return state
+
+
+def list_in_itself():
+    inside = []
+    inside.append(inside)
+    return inside
 
 
 MISSING_HINT = (
@@ -201,6 +233,68 @@ CASES = {
           "float16 holds at most 6.55e+04. Scale or clip the value, or keep this parameter in "
           "a wider dtype.")],
     ),
+    "a value too large for a float without inf": (
+        lambda: Low().load_flat_state_dict({"fn": np.array([1e4, 464, np.nan], np.float32)}),
+        [("dtype", "fn", "float8_e4m3fn", "float32",
+          "casting float32 to float8_e4m3fn would turn a value into nan: the largest is 1e+04, "
+          "and float8_e4m3fn holds at most 448 and has no inf. Scale or clip the value, or keep "
+          "this parameter in a wider dtype.")],
+    ),
+    "infinities into a float without inf": (
+        lambda: Low().load_flat_state_dict({"fn": np.array([np.inf, -np.inf, 1], np.float32)}),
+        [("dtype", "fn", "float8_e4m3fn", "float32",
+          "casting float32 to float8_e4m3fn would turn 2 values into nan: the largest is inf, "
+          "and float8_e4m3fn holds at most 448 and has no inf. Scale or clip the value, or keep "
+          "this parameter in a wider dtype.")],
+    ),
+    "values too large for a float that clips": (
+        lambda: Low().load_flat_state_dict({"fp4": np.array([100, -8, 6.5], np.float32)}),
+        [("dtype", "fp4", "float4_e2m1fn", "float32",
+          "casting float32 to float4_e2m1fn would clip 2 values to its largest, 6: the largest "
+          "is 100, and float4_e2m1fn holds at most 6 and has no inf. Scale or clip the value, "
+          "or keep this parameter in a wider dtype.")],
+    ),
+    "a masked array": (
+        lambda: stack().load_flat_state_dict(
+            {"half": np.ma.masked_array(np.zeros(2, np.float16), mask=[True, False])}
+        ),
+        [("value", "half", "an array", "a masked array float16[2]",
+          "expected a plain array, got a NumPy masked array float16[2] with 1 masked of 2: a "
+          "load would drop the mask. Pass value.filled(fill) to choose what the masked entries "
+          "hold, or value.data to load the data under the mask.")],
+    ),
+    "a tracer leaked out of a finished jit": (
+        lambda: mlp().load_flat_state_dict({"output.bias": leaked()}),
+        [("value", "output.bias", "an array", "a leaked DynamicJaxprTracer",
+          "expected an array, got a tracer float32[4] (DynamicJaxprTracer) that belongs to no "
+          "transformation being traced now: it leaked out of a jax.jit, vmap, grad or "
+          "make_jaxpr that has finished, so it holds no value. Load what the transformed "
+          "function returns, or load inside the transformation that made it.")],
+    ),
+    "a deleted array": (
+        lambda: mlp().load_flat_state_dict({"output.bias": deleted()}),
+        [("value", "output.bias", "an array", "a deleted array float32[4]",
+          "expected an array, got a deleted array float32[4]: its buffers were freed, by "
+          "value.delete() or by donating it to a jitted function (donate_argnums), so it holds "
+          "no values. Load the array before it is deleted, or the result of the call it was "
+          "donated to.")],
+    ),
+    "a state that contains itself": (
+        lambda: stack().load_state_dict(contains_itself()),
+        [("structure", "layers.1", "a dict of this submodule's parameters",
+          "the dict at 'layers'",
+          "its value is the dict at 'layers', which contains it: a state that contains itself "
+          "never ends. Give this name a dict of its own parameters."),
+         ("structure", "layers.2", "a dict of this submodule's parameters", "the whole state",
+          "its value is the whole state, which contains it: a state that contains itself never "
+          "ends. Give this name a dict of its own parameters.")],
+    ),
+    "a custom parameter given a list that contains itself": (
+        lambda: Dense().load_state_dict({"kernel": list_in_itself()}),
+        [("structure", "kernel", "a value of this parameter's structure", "a value of type list",
+          "got a value of type list nested too deeply to be read (it may contain itself); give "
+          "this parameter as the model holds it, or a dict of its parts.")],
+    ),
     "names left out under strict": (
         lambda: mlp().load_flat_state_dict({"input.bias": np.zeros(64, np.float32)}, strict=True),
         [("missing", name, "a value", None, MISSING_HINT)
@@ -276,6 +370,31 @@ def test_describe_names_what_it_was_given():
 )
 def test_suggestions(name, candidates, expected):
     assert _errors.closest(name, candidates) == expected
+
+
+BLOCKS = [f"blocks.{i}.{part}.{leaf}" for i in range(2500) for part in ("attn", "mlp")
+          for leaf in ("kernel", "bias")]  # fmt: skip
+LAYERS = [f"encoder.layer_{i}.scale" for i in range(10_000)]
+
+
+@pytest.mark.parametrize(
+    "name, names, expected",
+    [
+        ("blocks.1234.attn.kernal", BLOCKS, "blocks.1234.attn.kernel"),
+        ("blocks.1234.atnn.kernel", BLOCKS, "blocks.1234.attn.kernel"),
+        ("blokcs.2499.mlp.bias", BLOCKS, "blocks.2499.mlp.bias"),
+        ("blocks.2499.mlp.bais", BLOCKS, "blocks.2499.mlp.bias"),
+        ("blocks.17.mpl", BLOCKS, "blocks.17.mlp"),  # a group
+        ("blocks.17.mlp.layers.bias", BLOCKS, "blocks.17.mlp.bias"),
+        # the same last part and the same first part in all 10,000: the middle one decides
+        ("encoder.layer_9876.sacle", LAYERS, "encoder.layer_9876.scale"),
+        ("encoder.lyaer_9876.scale", LAYERS, "encoder.layer_9876.scale"),
+        ("encoder.layer_98760.scale", LAYERS, "encoder.layer_9876.scale"),
+    ],
+)
+def test_a_misspelling_among_ten_thousand_names_gets_the_name_meant(name, names, expected):
+    assert len(names) == 10_000
+    assert _errors.closest(name, names) == expected
 
 
 def test_unknown_names_past_the_hundredth_are_listed_without_suggestions():

@@ -132,6 +132,16 @@ def test_match_gives_the_first_rule_and_reports_what_went_unmatched_and_unused()
     assert _patterns.match([], names, default=None) == ([None] * 4, names, [])
 
 
+def test_a_double_star_matches_empty_parts_too():
+    # a dict key may be "" (names like "scale.b." or "scale.a..x"): '**' stands for any
+    # parts, empty ones included, as '*' matches an empty part
+    names = ["scale.b.", "scale.a..x", "scale", "scalex.y"]
+    found = _patterns.match([("scale.**", 1), ("**.x", 2)], names, default=0)
+    assert found.values == [1, 1, 1, 0] and found.unmatched == ["scalex.y"]
+    assert _patterns.match([("**.x", 2)], names, default=0).values == [0, 2, 0, 0]
+    assert _patterns.match([("*.b.*", 1)], names, default=0).values == [1, 0, 0, 0]
+
+
 @pytest.mark.parametrize(
     ("pattern", "hint"),
     [
@@ -147,6 +157,12 @@ def test_match_gives_the_first_rule_and_reports_what_went_unmatched_and_unused()
         ("Xporj.k?", "did you mean 'Xproj.k?'?"),
         ("hd.[ab]", "did you mean 'head.[ab]'?"),
         ("enc.inp.*.w", "the names in 'enc.inp' do not match the rest, '*.w'"),
+        # after a wildcard, a part that no name has is respelt as the closest one that does
+        ("enc.*.kernal", "did you mean 'enc.*.kernel'?"),
+        ("**.biass", "did you mean '**.bias'?"),
+        ("**.Xporj.*", "did you mean '**.Xproj.*'?"),
+        ("*.inp.kernal", "did you mean '*.inp.kernel'?"),
+        ("*.head.bias", "no name is close to it"),  # each part is a name's: none to respell
         ("enc.*.w", "the names in 'enc' do not match the rest, '*.w'"),
         ("*.nothing", "no name is close to it"),  # nothing fixed to compare
         ("zzzzzz.*", "no name is close to it"),

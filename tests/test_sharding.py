@@ -105,11 +105,10 @@ def test_shard_of_an_abstract_model_gives_a_sharded_restore_target():
     assert target.up.bias.sharding == NamedSharding(mesh, PartitionSpec())
 
 
-def test_sharding_plan_reports_unmatched_names_and_unused_rules():
+def test_sharding_plan_reports_unmatched_names():
     mesh = mesh_of()
     model = Net(rngs=nn.Rngs(0))
-    plan = tt.sharding_plan(model, [*RULES, ("head.kernel", (None, "model"))], mesh)
-    assert plan.unused == ("head.kernel",)
+    plan = tt.sharding_plan(model, RULES, mesh)
     assert plan.unmatched == (
         "encoder.0.down.bias",
         "encoder.1.down.bias",
@@ -118,16 +117,39 @@ def test_sharding_plan_reports_unmatched_names_and_unused_rules():
     )
     assert list(plan.specs) == list(model.flat_state_dict())
     assert plan.specs["encoder.1.down.kernel"] == PartitionSpec("model", None)
-    assert repr(plan).startswith(
-        "ShardingPlan(11 leaves, 4 unmatched, unused rules ['head.kernel'])"
-    )
+    assert repr(plan).startswith("ShardingPlan(11 leaves, 4 unmatched)\n")
     assert "\n  encoder.0.up.kernel: P(None, 'model')\n" in repr(plan)
-    with pytest.raises(ValueError, match=r"(?s)no rule matches 'encoder.0.down.bias'.*"
-                       r"the rule 'head.kernel' matches no name; did you mean 'encoder.1.up.kernel'\?"):  # fmt: skip
-        tt.sharding_plan(model, [*RULES, ("head.kernel", (None, "model"))], mesh, strict=True)
-    with pytest.raises(ValueError, match=r"the rule 'encoder.\*.up' matches no name; it "
-                       r"matches the group 'encoder.0.up'"):  # fmt: skip
-        tt.shard(model, [("encoder.*.up", ()), ("**", ())], mesh, strict=True)
+    with pytest.raises(ValueError, match=r"^taktiny.sharding_plan\(strict=True\) on Net: 1 "
+                       r"problem\(s\):\n  - no rule matches 'encoder.0.down.bias', "
+                       r"'encoder.1.down.bias', 'norm.scale', 'norm.bias'; add a rule for them "
+                       r"\(a last rule '\*\*' matches everything\), or pass strict=False to "
+                       r"replicate them$"):  # fmt: skip
+        tt.sharding_plan(model, RULES, mesh, strict=True)
+
+
+@pytest.mark.parametrize("strict", [False, True])
+@pytest.mark.parametrize("place", [tt.shard, tt.sharding_plan])
+def test_a_rule_that_matches_no_leaf_is_an_error_naming_the_closest(place, strict):
+    """A typo in a rule never leaves its leaves silently replicated: by default too, the
+    rule is named with the name it was probably meant for; with strict, unmatched leaves
+    are listed as well."""
+    mesh = mesh_of()
+    model = Net(rngs=nn.Rngs(0))
+    rules = [*RULES, ("encoder.*.dwon.bias", ("model",)), ("head.kernel", (None, "model")),
+             ("encoder.*.up", ())]  # fmt: skip
+    unmatched = "no rule matches 'encoder.0.down.bias'"
+    lines = [
+        "the rule 'encoder.*.dwon.bias' matches no name; did you mean 'encoder.*.down.bias'?",
+        "the rule 'head.kernel' matches no name; did you mean 'encoder.1.up.kernel'?",
+        "the rule 'encoder.*.up' matches no name; it matches the group 'encoder.0.up', not a "
+        "parameter: 'encoder.*.up.**' matches everything in it",
+    ]
+    with pytest.raises(ValueError, match=r"on Net: (3|4) problem") as info:
+        place(model, rules, mesh, strict=strict)
+    problems = str(info.value).splitlines()[1:]
+    assert problems[-3:] == [f"  - {line}" for line in lines]
+    assert (unmatched in problems[0]) == strict and len(problems) == 3 + strict
+    assert tt.shard(model, RULES, mesh).norm.scale.sharding.spec == P()  # without the typos
 
 
 def test_the_plan_shards_a_jitted_step_in_and_out():
@@ -406,9 +428,12 @@ def test_a_rule_naming_a_quantized_weight_places_its_value_and_its_scale():
     model = tt.quantize(Net(rngs=nn.Rngs(0)), bits=4, group_size=4)
     rules = [("encoder.*.up.kernel", (None, "model")), ("encoder.1.down.kernel.scale", ()),
              ("encoder.*.down.kernel", ("model", None)), ("embed.embedding", ("model", None))]  # fmt: skip
-    plan = tt.sharding_plan(model, rules, mesh)
-    assert plan.unused == ()
+    plan = tt.sharding_plan(model, rules, mesh)  # every rule matches: no error
     assert "encoder.0.up.kernel.value" not in plan.unmatched
+    # a second rule of the same pattern is never a leaf's first: an error, as any unused rule
+    with pytest.raises(ValueError, match=r"1 problem.*\n  - the rule 'encoder\.\*\.up\.kernel' "
+                       r"matches no name"):  # fmt: skip
+        tt.sharding_plan(model, [*rules, ("encoder.*.up.kernel", ())], mesh)
     got = specs(tt.shard(model, rules, mesh))
     assert got["encoder.0.up.kernel.value"] == P(None, "model")
     assert got["encoder.0.up.kernel.scale"] == P(None, "model")  # [8 / 4, 16]: the outputs
