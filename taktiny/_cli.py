@@ -1,11 +1,17 @@
-"""`taktiny inspect` and `taktiny diff`: what a checkpoint holds, read from its headers.
+"""`taktiny inspect`, `taktiny diff` and `taktiny verify`: what a checkpoint holds, read
+from its headers, and whether its bytes are whole.
 
 A safetensors file starts with a JSON header naming every tensor's dtype, shape and byte
 range, so listing one reads kilobytes however large it is; a Hugging Face index names the
 shard of each tensor; an Orbax checkpoint keeps a tree of array metadata. `diff` compares
 two checkpoints of either kind tensor by tensor, holding two tensors at a time: a tensor of
 a safetensors file is read from its byte range, an array of an Orbax checkpoint by a partial
-restore of that one array.
+restore of that one array. `verify` reads every tensor of a safetensors checkpoint through
+the checksum its header records.
+
+A checkpoint that cannot be read (a corrupt or truncated file, a bad index, a damaged Orbax
+checkpoint) is one line on stderr, ``taktiny: <file>: <what is wrong>``, and exit status 1;
+never a traceback.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import logging
 import math
 import sys
 from collections.abc import Iterator, Mapping, Sequence
@@ -35,13 +42,14 @@ class Entry(NamedTuple):
     source: Any  # its :class:`taktiny.io.Tensor`, or its path in an Orbax checkpoint's tree
 
 
-def _safetensors_entries(path: Path) -> Iterator[Entry]:
-    from .io import SafetensorsError, open_safetensors
+class Unreadable(Exception):
+    """A checkpoint the command cannot read; the message names it and says why."""
 
-    try:
-        checkpoint = open_safetensors(path)
-    except SafetensorsError as error:  # names the file and tensor, says why
-        raise SystemExit(f"taktiny: {error}") from None
+
+def _safetensors_entries(path: Path) -> Iterator[Entry]:
+    from .io import open_safetensors
+
+    checkpoint = open_safetensors(path)  # a SafetensorsError names the file and tensor
     for t in sorted(checkpoint.values(), key=lambda t: t.name):  # as safetensors lists them
         yield Entry(t.name, t.shape, t.dtype.name, t.nbytes, t.file, t)
 
@@ -55,10 +63,18 @@ class _Orbax:
 
         self.path = path.absolute()  # Orbax takes absolute paths only
         self.checkpointer = ocp.PyTreeCheckpointer()
-        metadata = self.checkpointer.metadata(self.path).item_metadata
+        try:
+            with _quiet():
+                metadata = self.checkpointer.metadata(self.path).item_metadata
+        except Exception as error:  # noqa: BLE001 - whatever Orbax raises for a damaged one
+            self.checkpointer.close()
+            raise Unreadable(f"{path}: not a readable Orbax checkpoint ({_why(error)}).") from None
         if metadata is None:
             self.checkpointer.close()
-            raise SystemExit(f"taktiny: {path} is an Orbax checkpoint without a tree of arrays.")
+            raise Unreadable(
+                f"{path}: an Orbax checkpoint without a readable tree of arrays (its metadata "
+                f"is missing or damaged)."
+            )
         self.tree = metadata.tree
 
     def __enter__(self) -> _Orbax:
@@ -86,10 +102,34 @@ class _Orbax:
             restore_args=alone(self.tree, keys, ocp.RestoreArgs(restore_type=np.ndarray)),
             partial_restore=True,
         )
-        value = self.checkpointer.restore(self.path, args=args)
-        for key in keys:
-            value = value[key]
-        return np.asarray(value)
+        try:
+            with _quiet():
+                value = self.checkpointer.restore(self.path, args=args)
+            for key in keys:
+                value = value[key]
+            return np.asarray(value)
+        except Exception as error:  # noqa: BLE001 - whatever Orbax raises for a damaged one
+            name = ".".join(map(str, keys))
+            raise Unreadable(
+                f"{self.path}: the array {name!r} cannot be restored ({_why(error)})."
+            ) from None
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """Orbax's log lines off: a damaged checkpoint is the command's one line of its own."""
+    logger = logging.getLogger("absl")
+    disabled, logger.disabled = logger.disabled, True
+    try:
+        yield
+    finally:
+        logger.disabled = disabled
+
+
+def _why(error: BaseException) -> str:
+    """An exception in one line: its type and the first line of its message."""
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
 
 
 def _orbax_entries(path: Path) -> Iterator[Entry]:
@@ -102,8 +142,14 @@ def _orbax_entries(path: Path) -> Iterator[Entry]:
             for key, value in pairs:
                 yield from walk(value, (*keys, key))
             return
-        shape, dtype = tuple(node.shape), np.dtype(node.dtype)
         name = ".".join(map(str, keys))
+        try:
+            shape, dtype = tuple(map(int, node.shape)), np.dtype(node.dtype)
+        except (AttributeError, TypeError, ValueError) as error:
+            raise Unreadable(
+                f"{path}: the Orbax metadata of {name!r} gives no array shape and dtype "
+                f"({_why(error)}); the checkpoint is damaged."
+            ) from None
         yield Entry(name, shape, dtype.name, math.prod(shape) * dtype.itemsize, path, keys)
 
     yield from walk(tree, ())
@@ -123,12 +169,12 @@ def entries(path: str | Path) -> list[Entry]:
         elif (path / "_CHECKPOINT_METADATA").exists() or (path / "_METADATA").exists():
             return list(_orbax_entries(path))
         else:
-            raise SystemExit(
-                f"taktiny: {path} holds no Orbax checkpoint and not exactly one safetensors "
+            raise Unreadable(
+                f"{path} holds no Orbax checkpoint and not exactly one safetensors "
                 f"file or index ({len(files)} files, {len(indexes)} indexes); name one."
             )
     if not path.exists():
-        raise SystemExit(f"taktiny: {path} does not exist.")
+        raise Unreadable(f"{path} does not exist.")
     return list(_safetensors_entries(path))
 
 
@@ -203,8 +249,23 @@ def diff(a: str, b: str) -> tuple[str, bool]:
     return (f"{body}\n{summary}" if body else summary), same
 
 
+def verify(path: str) -> tuple[str, bool]:
+    """The report `taktiny verify` prints, and whether no tensor is damaged: one line per
+    damaged tensor, then the counts."""
+    from .io._verify import verify as check
+
+    result = check(path)
+    summary = (
+        f"{result.checked} tensors match their checksums, {len(result.damaged)} damaged, "
+        f"{result.unchecked} without a checksum (their headers checked only)"
+    )
+    return "\n".join([*result.damaged, summary]), not result.damaged
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """The ``taktiny`` command (also ``python -m taktiny``)."""
+    from .io import SafetensorsError
+
     parser = argparse.ArgumentParser(prog="taktiny", description=(__doc__ or "").split("\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
     shown = commands.add_parser("inspect", help="list the tensors of a checkpoint")
@@ -216,12 +277,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     compared.add_argument("a")
     compared.add_argument("b")
+    verified = commands.add_parser(
+        "verify",
+        help="read every tensor of a safetensors checkpoint through the checksum its header "
+        "records; exits with 1 if any is damaged",
+    )
+    verified.add_argument("path", help="a .safetensors file, an index .json, or a folder")
     args = parser.parse_args(argv)
     try:
         if args.command == "inspect":
             print(inspect(args.path, args.filter, args.json))
             return 0
-        report, same = diff(args.a, args.b)
+        if args.command == "verify":
+            report, same = verify(args.path)
+        else:
+            report, same = diff(args.a, args.b)
+    except (SafetensorsError, Unreadable, OSError) as error:  # names the file, says why
+        print(f"taktiny: {' '.join(str(error).splitlines())}", file=sys.stderr)
+        return 1
     except ValueError as error:  # a bad --filter pattern
         print(f"taktiny: {error}", file=sys.stderr)
         return 2

@@ -12,9 +12,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # bench/ is not
 
 from bench import (
     checkpoint,
+    checksums,
     decoding,
     diagnose,
     dispatch,
+    errors,
+    headers,
     memory,
     quantized,
     report,
@@ -36,6 +39,9 @@ GROUPS = {
     "streaming": streaming,
     "quantized": quantized,
     "decoding": decoding,
+    "errors": errors,
+    "checksums": checksums,
+    "headers": headers,
 }
 
 

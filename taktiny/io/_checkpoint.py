@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from . import _quantized as qz
-from ._header import _HEADER_LIMIT, _header, _short, parse_json
+from ._header import _HEADER_LIMIT, _header, _short, parse_json, unpaired_surrogate
 from ._read import SafetensorsError, Tensor
 
 
@@ -202,6 +202,11 @@ def _weight_map(index: Path) -> dict[str, str]:
                 f"{index}: the weight_map gives {name!r} the shard {_short(shard)}, which is no "
                 f"file name; it maps each tensor name to the file beside the index holding it."
             )
+    if (unpaired := unpaired_surrogate([*weight_map, *weight_map.values()])) is not None:
+        raise SafetensorsError(
+            f"{index}: the weight_map holds the string {unpaired!r}, which has a lone surrogate "
+            f"(a \\u escape of half a UTF-16 pair): it is no Unicode text."
+        )
     return weight_map
 
 

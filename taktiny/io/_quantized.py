@@ -20,6 +20,7 @@ are the tensors ``<name>.value`` and ``<name>.scale``::
 from __future__ import annotations
 
 import json
+import reprlib
 from collections.abc import Mapping
 from typing import Any, TypeGuard
 
@@ -74,10 +75,16 @@ def packed_record(key: str, text: str) -> dict[str, tuple[np.dtype, tuple[int, .
     out = {}
     for name, record in records.items():
         dtype, shape = record.get("dtype"), record.get("shape")
-        if dtype not in FOUR_BIT or not _shape(shape) or set(record) != {"dtype", "shape"}:
+        if (
+            not isinstance(dtype, str)
+            or dtype not in FOUR_BIT
+            or not _shape(shape)
+            or set(record) != {"dtype", "shape"}
+        ):
             raise ValueError(
-                f"the metadata {key!r} gives {name!r} the record {record!r}; a packed tensor's "
-                f"record is {{'dtype': one of {sorted(FOUR_BIT)}, 'shape': its logical shape}}"
+                f"the metadata {key!r} gives {name!r} the record {_short(record)}; a packed "
+                f"tensor's record is {{'dtype': one of {sorted(FOUR_BIT)}, 'shape': its logical "
+                f"shape}}"
             )
         out[name] = (FOUR_BIT[dtype], tuple(shape))
     return out
@@ -87,11 +94,18 @@ def quantized_record(key: str, text: str) -> dict[str, dict[str, Any]]:
     """The `QUANTIZED` metadata of one file, checked for form: {name: layout}."""
     records = _records(key, text)
     for name, record in records.items():
-        shape = record.get("shape")
-        if set(record) != {"bits", "axis", "group_size", "shape"} or not _shape(shape):
+        shape, group = record.get("shape"), record.get("group_size")
+        ints = all(type(record.get(k)) is int for k in ("bits", "axis"))
+        if (
+            set(record) != {"bits", "axis", "group_size", "shape"}
+            or not _shape(shape)
+            or not ints
+            or (group is not None and type(group) is not int)
+        ):
             raise ValueError(
-                f"the metadata {key!r} gives {name!r} the record {record!r}; a quantized "
-                f"parameter's record is {{'bits', 'axis', 'group_size', 'shape'}}"
+                f"the metadata {key!r} gives {name!r} the record {_short(record)}; a quantized "
+                f"parameter's record is {{'bits': int, 'axis': int, 'group_size': int or null, "
+                f"'shape': a list of ints}}"
             )
         problem = check_layout(tuple(shape), record["bits"], record["axis"], record["group_size"])
         if problem:
@@ -102,6 +116,8 @@ def quantized_record(key: str, text: str) -> dict[str, dict[str, Any]]:
 def _records(key: str, text: str) -> dict[str, dict[str, Any]]:
     try:
         records = json.loads(text)
+    except RecursionError:
+        raise ValueError(f"the metadata {key!r} nests deeper than the JSON parser goes") from None
     except ValueError as error:
         raise ValueError(f"the metadata {key!r} is not valid JSON ({error})") from None
     if not isinstance(records, dict) or not all(isinstance(r, dict) for r in records.values()):
@@ -110,7 +126,23 @@ def _records(key: str, text: str) -> dict[str, dict[str, Any]]:
 
 
 def _shape(shape: Any) -> TypeGuard[list[int]]:
-    return isinstance(shape, list) and all(type(n) is int and n >= 0 for n in shape)
+    """A shape as a header may hold one: at most 64 axes (NumPy's most), each an int from 0
+    to 2**63 - 1 (bools, JSON's true and false, are not ints here)."""
+    return (
+        type(shape) is list
+        and len(shape) <= 64
+        and all(type(n) is int and 0 <= n < 2**63 for n in shape)
+    )
+
+
+def _short(value: Any) -> str:
+    """`value` in a message: its repr, shortened to a few items of each container."""
+    return _REPR.repr(value)
+
+
+_REPR = reprlib.Repr()  # as taktiny.io._header shows header values
+_REPR.maxlevel, _REPR.maxstring, _REPR.maxother = 3, 80, 80
+_REPR.maxlist = _REPR.maxtuple = _REPR.maxdict = 8
 
 
 def check_quantized(name: str, record: Mapping[str, Any], tensors: Mapping[str, Any]) -> str | None:

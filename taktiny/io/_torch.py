@@ -10,17 +10,20 @@ views of the mapped file, read from disk as they are touched.
 
 from __future__ import annotations
 
-import json
 import os
 import zipfile
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
 
+from ._header import parse_json
+
 _INDEX = ".bin.index.json"  # Hugging Face names it pytorch_model.bin.index.json
+_INDEX_LIMIT = 100 * 2**20  # as for a safetensors header; an index is a few kilobytes
+_MAX_TENSORS = 2**20  # tensors a checkpoint may name (a repeated container once per path)
 _SAFETENSORS = (
     "save the tensors as safetensors where PyTorch is installed, for example with "
     "safetensors.torch.save_file(model.state_dict(), 'model.safetensors'), and read that"
@@ -60,10 +63,13 @@ def read_torch(path: str | os.PathLike[str]) -> dict[str, np.ndarray]:
         ImportError: PyTorch is not installed.
         FileNotFoundError: `path`, a folder's checkpoint, or a shard the index names does
             not exist.
-        ValueError: a file that ``weights_only`` loading refuses or cannot read, one that
-            holds no dict, two values flattening to one name, an index without a
-            ``weight_map`` or naming a shard outside its folder, or a shard that lacks a
-            tensor the index puts in it.
+        ValueError: naming the file, for one that ``weights_only`` loading refuses or
+            cannot read (truncated, members missing, impossible shapes, strides or
+            offsets), one that holds no dict, a container inside itself, a shape NumPy
+            cannot hold, or two values flattening to one name; an index that is no JSON
+            object or has no ``weight_map``, naming a shard outside its folder or one that
+            is no file name (a NUL byte, a symlink loop); or a shard that lacks a tensor
+            the index puts in it.
         TypeError: a tensor NumPy cannot hold (sparse, quantized, complex32), named.
     """
     try:
@@ -123,7 +129,9 @@ def _load(torch: Any, file: Path) -> Any:
 def _read_index(torch: Any, index: Path) -> dict[str, np.ndarray]:
     """The tensors of the shards `index` names, each shard checked before any is read."""
     try:
-        weight_map = json.loads(index.read_text()).get("weight_map")
+        if index.stat().st_size > _INDEX_LIMIT:
+            raise ValueError(f"it has more than {_INDEX_LIMIT} bytes")
+        weight_map = parse_json(index.read_bytes(), "its JSON").get("weight_map")
     except (ValueError, AttributeError) as error:
         raise ValueError(f"read_torch: {index} is not a JSON object: {error}") from None
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
@@ -133,6 +141,13 @@ def _read_index(torch: Any, index: Path) -> dict[str, np.ndarray]:
         )
     folder = index.parent.resolve()
     shards = list(dict.fromkeys(weight_map.values()))
+    unnamed = [s for s in shards if _unresolved(folder, s)]
+    if unnamed:
+        raise ValueError(
+            f"read_torch: {index} names shards that are no file names or cannot be resolved: "
+            f"{', '.join(_unresolved(folder, s) or '' for s in unnamed[:3])}; an index may name "
+            f"only files next to it"
+        )
     outside = [s for s in shards if folder not in (folder / s).resolve().parents]
     if outside:
         raise ValueError(
@@ -166,26 +181,87 @@ def _flatten(torch: Any, file: Path, loaded: Any) -> dict[str, np.ndarray]:
             f"read_torch: {file} holds a {type(loaded).__name__}, not a dict; expected a "
             f"state dict ({{name: tensor}}) or a checkpoint dict holding one"
         )
+    counts = _counts(torch, file, loaded)
     flat: dict[str, np.ndarray] = {}
-
-    def walk(node: Any, name: str) -> None:
-        if isinstance(node, torch.Tensor):
-            if name in flat:
-                raise ValueError(
-                    f"read_torch: {file} holds two tensors named {name!r} once nested names "
-                    f"are joined with dots; rename one of them"
-                )
-            flat[name] = _numpy(torch, file, name, node)
-        elif isinstance(node, Mapping):
-            for key, value in node.items():
-                walk(value, f"{name}.{key}" if name else str(key))
-        elif isinstance(node, (list, tuple)):
-            for i, value in enumerate(node):
-                walk(value, f"{name}.{i}" if name else str(i))
-        # anything else (a step, a learning rate, a string) is not a weight: left out
-
-    walk(loaded, "")
+    # depth first, in the file's order, with a stack of the containers being walked (no
+    # recursion: a pickle may nest containers a million deep); containers holding no
+    # tensor are skipped (a pickle may repeat one inside another, 2**30 paths to it)
+    stack = [("", _items(loaded))]
+    while stack:
+        prefix, items = stack[-1]
+        for key, node in items:
+            if isinstance(node, torch.Tensor):
+                name = f"{prefix}.{key}" if prefix else str(key)
+                if name in flat:
+                    raise ValueError(
+                        f"read_torch: {file} holds two tensors named {name!r} once nested "
+                        f"names are joined with dots; rename one of them"
+                    )
+                flat[name] = _numpy(torch, file, name, node)
+            elif isinstance(node, (Mapping, list, tuple)) and counts[id(node)]:
+                stack.append((f"{prefix}.{key}" if prefix else str(key), _items(node)))
+                break
+            # anything else (a step, a learning rate, a string) is not a weight: left out
+        else:
+            stack.pop()
     return flat
+
+
+def _counts(torch: Any, file: Path, loaded: Any) -> dict[int, int]:
+    """How many tensors (names) each container in `loaded` holds, by its id: one walk that
+    visits each container once, refusing a container inside itself and more than
+    `_MAX_TENSORS` names (a pickle that repeats a container inside another names it once
+    per path: 2**30 times in a few hundred bytes)."""
+    counts: dict[int, int] = {}
+    stack, walking, totals = [(id(loaded), _items(loaded))], {id(loaded)}, [0]
+    while stack:
+        ident, items = stack[-1]
+        for key, node in items:
+            if isinstance(node, torch.Tensor):
+                totals[-1] += 1
+            elif isinstance(node, (Mapping, list, tuple)):
+                inner = id(node)
+                if inner in counts:
+                    totals[-1] += counts[inner]
+                    continue
+                if inner in walking:
+                    raise ValueError(
+                        f"read_torch: {file} holds a container inside itself (at {key!r}, "
+                        f"{len(stack)} deep); it is no checkpoint"
+                    )
+                walking.add(inner)
+                stack.append((inner, _items(node)))
+                totals.append(0)
+                break
+        else:
+            stack.pop()
+            walking.discard(ident)
+            counts[ident] = total = totals.pop()
+            if totals:
+                totals[-1] += total
+            if total > _MAX_TENSORS:
+                raise ValueError(
+                    f"read_torch: {file} names more than {_MAX_TENSORS:,} tensors (it repeats "
+                    f"containers inside each other); it is no checkpoint"
+                )
+    return counts
+
+
+def _items(node: Any) -> Iterator[tuple[Any, Any]]:
+    return iter(node.items()) if isinstance(node, Mapping) else enumerate(node)
+
+
+def _unresolved(folder: Path, shard: str) -> str | None:
+    """Why `shard` names no file beside the index (a NUL byte, a symlink loop, a name too
+    long), or None."""
+    try:
+        if not shard or "\x00" in shard:
+            raise ValueError("no file name")
+        (folder / shard).resolve().is_file()
+    except (OSError, RuntimeError, ValueError) as error:  # RuntimeError: a symlink loop
+        text = repr(shard) if len(shard) <= 80 else f"{shard[:80]!r}..."
+        return f"{text} ({error})"
+    return None
 
 
 def _numpy(torch: Any, file: Path, name: str, tensor: Any) -> np.ndarray:
@@ -197,11 +273,16 @@ def _numpy(torch: Any, file: Path, name: str, tensor: Any) -> np.ndarray:
         torch.float8_e4m3fn: (torch.uint8, jnp.float8_e4m3fn),
         torch.float8_e5m2: (torch.uint8, jnp.float8_e5m2),
     }
-    if tensor.layout == torch.strided and not tensor.is_quantized and tensor.dtype in bits:
-        integer, dtype = bits[tensor.dtype]
-        return tensor.view(integer).numpy().view(np.dtype(dtype))
     try:
+        if tensor.layout == torch.strided and not tensor.is_quantized and tensor.dtype in bits:
+            integer, dtype = bits[tensor.dtype]
+            return tensor.view(integer).numpy().view(np.dtype(dtype))
         return tensor.numpy()
+    except ValueError as error:  # NumPy's limits: 64 axes, 2**63 bytes
+        raise ValueError(
+            f"read_torch: {name!r} in {file} has the shape {list(tensor.shape)}, which NumPy "
+            f"cannot hold ({error}); the file is corrupt"
+        ) from None
     except (TypeError, RuntimeError) as error:
         raise TypeError(
             f"read_torch: {name!r} in {file} is a {tensor.dtype} tensor with layout "

@@ -1,0 +1,550 @@
+"""Hostile files: whatever the bytes, opening, loading and reading a safetensors checkpoint,
+`read_torch` and the `taktiny` command either work or refuse with one error that names the
+file and says what is wrong; the command prints that one line and exits with 1.
+
+Each case of the tables is a crafted file (or folder); its message is pinned. The files a
+valid header may hold however odd (no tensors, zero-size tensors, names of any text) are
+the last table, read back byte for byte.
+"""
+
+import json
+import os
+import re
+import struct
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from taktiny import _cli
+from taktiny.io import SafetensorsError, load_safetensors, open_safetensors, read_torch
+from taktiny.io import _checkpoint as checkpoint_module
+
+LIMIT = 100 * 2**20  # the most bytes a header may have
+A = {"dtype": "F32", "shape": [4, 4], "data_offsets": [0, 64]}
+B = {"dtype": "I32", "shape": [3], "data_offsets": [64, 76]}
+VALUES = {"a": np.arange(16, dtype=np.float32).reshape(4, 4), "b": np.arange(3, dtype=np.int32)}
+DATA = VALUES["a"].tobytes() + VALUES["b"].tobytes()
+
+
+def js(value):
+    return json.dumps(value).encode()
+
+
+def framed(text, data=DATA):
+    """A safetensors file: the header's length, the header, the data."""
+    return struct.pack("<Q", len(text)) + text + data
+
+
+def header(a=A, b=B, **more):
+    """The good header of VALUES, with `a`, `b` or more entries changed."""
+    return framed(js({"a": a, "b": b, **more}))
+
+
+def meta(metadata, **entries):
+    return framed(js({"__metadata__": metadata, "a": A, "b": B, **entries}))
+
+
+def entry(**changes):
+    return {**A, **changes}
+
+
+def deep(n=100_000):
+    return b"[" * n + b"]" * n
+
+
+def packed(record):
+    """A file whose 'taktiny_packed' metadata gives 'a' the JSON `record`."""
+    return meta({"taktiny_packed": json.dumps({"a": record})})
+
+
+def quantized(**record):
+    layout = {"bits": 8, "axis": 0, "group_size": None, "shape": [4, 4], **record}
+    return meta({"taktiny_quantized": json.dumps({"q": layout})})
+
+
+def sparse(length, size):
+    """A file of `size` bytes (a hole: nothing written) whose first 8 give `length`."""
+
+    def make(path):
+        with open(path, "wb") as f:
+            f.write(struct.pack("<Q", length))
+            f.truncate(size)
+
+    return make
+
+
+ENTRY = r"the header entry of 'a' is .*; an entry is \{\"dtype\""
+COVER = r"that no tensor's data_offsets cover; the tensors' ranges must cover the data exactly"
+
+# (id, the file's bytes (or a function making it), what the error says after the file's name)
+FILES = [
+    # the frame and the JSON
+    ("empty file", b"", r"not a safetensors file: its first 8 bytes give a header of -1 bytes"),
+    ("zero length", framed(b""), r"not a safetensors file: its first 8 bytes give a header of 0 bytes"),
+    ("length past the end", struct.pack("<Q", 2**64 - 1) + b"{}", r"not a safetensors file: its first 8 bytes give a header of 18446744073709551615 bytes, and the file has 10"),
+    ("length over the limit", sparse(LIMIT + 1, LIMIT + 16), rf"not a safetensors file: .* bytes, and the file has {LIMIT + 16}; a header may have at most {LIMIT} bytes"),
+    ("not JSON", framed(b"{oops"), r"the header is not valid: Expecting property name"),
+    ("not UTF-8", framed(b'{"\xff": 1}'), r"the header is not valid: 'utf-8' codec can't decode"),
+    ("UTF-16", framed('{"a": 1}'.encode("utf-16")), r"the header is not valid: 'utf-8' codec"),
+    ("deep lists", framed(deep()), r"the header is not valid: it nests lists or objects deeper"),
+    ("deep objects", framed(b'{"a":' * 50_000 + b"1" + b"}" * 50_000), r"nests lists or objects deeper"),
+    ("deep in an entry", framed(b'{"a": {"dtype": ' + deep() + b"}}"), r"nests lists or objects deeper"),
+    ("a list", framed(b"[]"), r"the header is a JSON list, not an object\. The file is corrupt\."),
+    ("a number", framed(b"7"), r"the header is a JSON int, not an object"),
+    ("a name twice", framed(b'{"a": {}, "a": ' + js(A) + b', "b": ' + js(B) + b"}"), r"the header is not valid: the name 'a' appears twice"),
+    ("a name twice, escaped", framed(b'{"a": ' + js(A) + b', "\\u0061": ' + js(A) + b', "b": ' + js(B) + b"}"), r"the name 'a' appears twice"),
+    ("a field twice", framed(b'{"a": {"dtype": "I8", ' + js(A)[1:] + b', "b": ' + js(B) + b"}"), r"the name 'dtype' appears twice"),
+    ("lone surrogate", framed(b'{"\\ud800": ' + js(A) + b', "b": ' + js(B) + b"}"), r"the string '\\ud800', which has a lone surrogate"),
+    # entries of the wrong JSON types
+    ("entry a list", header(a=[A]), r"the header entry of 'a' is \[\{.*\}\], not an object"),
+    ("entry a string", header(a="F32"), r"the header entry of 'a' is 'F32', not an object"),
+    ("entry null", header(a=None), r"the header entry of 'a' is None, not an object"),
+    ("entry without dtype", header(a={"shape": [4, 4], "data_offsets": [0, 64]}), ENTRY),
+    ("dtype a list", header(a=entry(dtype=["F32"])), ENTRY),
+    ("dtype null", header(a=entry(dtype=None)), ENTRY),
+    ("dtype unknown", header(a=entry(dtype="f32")), r"'a' has the dtype 'f32', which Taktiny cannot read; it reads \['BF16'"),
+    ("shape a number", header(a=entry(shape=16)), ENTRY),
+    ("shape an object", header(a=entry(shape={"0": 4})), ENTRY),
+    ("shape of bools", header(a=entry(shape=[True, 16])), ENTRY),
+    ("shape of floats", header(a=entry(shape=[4.0, 4])), ENTRY),
+    ("shape of strings", header(a=entry(shape=["4", "4"])), ENTRY),
+    ("shape negative", header(a=entry(shape=[-4, -4])), ENTRY),
+    ("offsets a number", header(a=entry(data_offsets=64)), ENTRY),
+    ("offsets of one", header(a=entry(data_offsets=[64])), ENTRY),
+    ("offsets of three", header(a=entry(data_offsets=[0, 64, 64])), ENTRY),
+    ("offsets of bools", header(b=dict(B, dtype="U8", shape=[1], data_offsets=[False, True])), r"the header entry of 'b' is"),
+    ("offsets of strings", header(a=entry(data_offsets=["0", "64"])), ENTRY),
+    ("offsets of floats", header(a=entry(data_offsets=[0.0, 64.0])), ENTRY),
+    ("offsets backwards", header(a=entry(data_offsets=[64, 0])), r"'a' has data_offsets \[64, 0\], which end before they begin"),
+    ("offsets past 2**63", header(a=entry(data_offsets=[2**63, 2**63 + 64])), ENTRY),
+    # counts and ranks
+    ("a dim of 2**63", header(a=entry(shape=[2**63])), ENTRY),
+    ("a zero and 2**64", header(a=entry(shape=[0, 2**64], data_offsets=[0, 0]), b=dict(B, data_offsets=[0, 12])), ENTRY),
+    ("a count of 2**64", header(a=entry(shape=[2**32, 2**32])), r"'a' has the shape \[4294967296, 4294967296\], whose element count reaches 2\*\*63"),
+    ("a zero hiding 2**124", header(a=entry(shape=[0, 2**62, 2**62], data_offsets=[0, 0]), b=dict(B, data_offsets=[0, 12])), r"'a' has the shape \[0, 4611686018427387904, 4611686018427387904\], whose element count"),
+    ("65 axes", header(a=entry(shape=[1] * 65)), r"'a' has 65 axes, more than the 64 NumPy allows"),
+    ("10,000 axes", header(a=entry(shape=[1] * 10_000)), r"'a' has 10000 axes, more than the 64"),
+    ("10,000 axes and a zero", header(a=entry(shape=[0] * 10_000, data_offsets=[0, 0])), r"'a' has 10000 axes"),
+    ("wrong byte count", header(a=entry(shape=[4, 5])), r"gives 'a' the shape \[4, 5\] of F32 \(80 bytes\) but 64 bytes \[0, 64\)"),
+    # byte ranges that do not cover the data exactly
+    ("a gap between", framed(js({"a": A, "b": dict(B, data_offsets=[72, 84])}), DATA + bytes(8)), rf"the data holds 8 bytes \[64, 72\) after 'a' {COVER}"),
+    ("a gap at the start", framed(js({"a": entry(data_offsets=[8, 72]), "b": dict(B, data_offsets=[72, 84])}), bytes(8) + DATA), rf"the data holds 8 bytes \[0, 8\) at its start {COVER}"),
+    ("bytes after the last", framed(js({"a": A, "b": B}), DATA + b"extra"), r"the data holds 5 bytes \[76, 81\) after the last tensor that no tensor's"),
+    ("no tensors, some data", framed(b"{}", b"\0" * 8), r"the header lists no tensors, but the data holds 8 bytes"),
+    ("overlapping", header(b=dict(B, data_offsets=[60, 72])), r"the bytes of 'a' and 'b' overlap"),
+    ("past the end", header(b=dict(B, data_offsets=[76, 88])), r"the bytes of 'b' run to 88, past the end of the data \(76 bytes\)"),
+    ("truncated", header()[:-4], r"the bytes of 'b' run to 76, past the end of the data \(72 bytes\)"),
+    # __metadata__
+    ("metadata a list", meta(["pt"]), r"the header's __metadata__ is \['pt'\], not an object; the metadata maps strings to strings"),
+    ("metadata a string", meta("pt"), r"the header's __metadata__ is 'pt', not an object"),
+    ("metadata a number", meta(1), r"the header's __metadata__ is 1, not an object"),
+    ("metadata value a number", meta({"format": 1}), r"__metadata__ gives 'format' the value 1, which is no string"),
+    ("metadata value null", meta({"format": None}), r"__metadata__ gives 'format' the value None, which is no string"),
+    ("metadata value a bool", meta({"format": True}), r"gives 'format' the value True, which is no string"),
+    ("metadata value an object", meta({"format": {"pt": "1"}}), r"gives 'format' the value \{'pt': '1'\}, which is no string"),
+    ("metadata deep", framed(b'{"__metadata__": ' + deep() + b"}"), r"nests lists or objects deeper"),
+    ("metadata key twice", framed(b'{"__metadata__": {"k": "1", "k": "2"}}'), r"the name 'k' appears twice"),
+    # Taktiny's packed 4-bit tensors
+    ("packed not JSON", meta({"taktiny_packed": "{"}), r"the metadata 'taktiny_packed' is not valid JSON"),
+    ("packed deep", meta({"taktiny_packed": deep().decode()}), r"the metadata 'taktiny_packed' nests deeper than the JSON parser goes"),
+    ("packed a list", meta({"taktiny_packed": "[]"}), r"the metadata 'taktiny_packed' is not a JSON object of records: '\[\]'"),
+    ("packed record a number", packed(4), r"'taktiny_packed' is not a JSON object of records"),
+    ("packed dtype a list", packed({"dtype": ["int4"], "shape": [4, 8]}), r"the metadata 'taktiny_packed' gives 'a' the record \{.*\}; a packed tensor's record is"),
+    ("packed dtype unknown", packed({"dtype": "int3", "shape": [4, 8]}), r"gives 'a' the record .*; a packed tensor's record is"),
+    ("packed shape of bools", packed({"dtype": "int4", "shape": [True, 8]}), r"gives 'a' the record .*; a packed tensor's record is"),
+    ("packed shape a string", packed({"dtype": "int4", "shape": "4, 8"}), r"gives 'a' the record .*; a packed tensor's record is"),
+    ("packed shape of 65 axes", packed({"dtype": "int4", "shape": [1] * 65}), r"gives 'a' the record .*; a packed tensor's record is"),
+    ("packed shape of 2**64", packed({"dtype": "int4", "shape": [2**64]}), r"gives 'a' the record .*; a packed tensor's record is"),
+    ("packed extra field", packed({"dtype": "int4", "shape": [4, 8], "axis": 0}), r"a packed tensor's record is"),
+    ("packed, stored otherwise", packed({"dtype": "int4", "shape": [4, 8]}), r"lists 'a' as int4\[4, 8\] packed two per byte, which is stored as uint8\[4, 4\], but the file holds float32\[4, 4\]"),
+    # Taktiny's quantized layouts
+    ("quantized not JSON", meta({"taktiny_quantized": "nope"}), r"the metadata 'taktiny_quantized' is not valid JSON"),
+    ("quantized a list", meta({"taktiny_quantized": "[1]"}), r"'taktiny_quantized' is not a JSON object of records"),
+    ("bits a list", quantized(bits=[8]), r"the metadata 'taktiny_quantized' gives 'q' the record .*; a quantized parameter's record is"),
+    ("bits a bool", quantized(bits=True), r"gives 'q' the record .*; a quantized parameter's record is"),
+    ("bits a float", quantized(bits=8.0), r"gives 'q' the record .*; a quantized parameter's record is"),
+    ("bits 3", quantized(bits=3), r"gives 'q' an impossible layout: bits must be 8 or 4, got 3"),
+    ("axis a string", quantized(axis="0"), r"gives 'q' the record .*; a quantized parameter's record is"),
+    ("axis a bool", quantized(axis=False), r"gives 'q' the record .*; a quantized parameter's record is"),
+    ("axis out of range", quantized(axis=5), r"gives 'q' an impossible layout: axis must be an axis of the array, 0 to 1, got 5"),
+    ("group_size a bool", quantized(group_size=True), r"gives 'q' the record .*; a quantized parameter's record is"),
+    ("group_size a string", quantized(group_size="2"), r"a quantized parameter's record is"),
+    ("shape an object", quantized(shape={"a": 1}), r"a quantized parameter's record is"),
+    ("quantized, no parts", quantized(), r"records 'q' as quantized int8 \(one scale per channel along axis 0\) of shape \[4, 4\], but its parts must be tensors"),
+]  # fmt: skip
+
+
+def shards(tmp_path):
+    """A folder with two good shards, and the index of them."""
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    (folder / "one.safetensors").write_bytes(framed(js({"a": A}), DATA[:64]))
+    (folder / "two.safetensors").write_bytes(
+        framed(js({"b": dict(B, data_offsets=[0, 12])}), DATA[64:])
+    )
+    return folder  # fmt: skip
+
+
+def index(weight_map=None, **content):
+    """An index of the two shards of `shards`, with its weight_map or content changed."""
+    if weight_map is None:
+        weight_map = {"a": "one.safetensors", "b": "two.safetensors"}
+    return js({"metadata": {"total_size": 76}, "weight_map": weight_map, **content})
+
+
+def weight_map(b):
+    return index({"a": "one.safetensors", "b": b})
+
+
+def linked(target, shard="link.safetensors"):
+    """An index whose shard of 'b' is a symlink to `target` (relative to the folder)."""
+
+    def link(folder):
+        os.symlink(target, folder / shard)
+        return weight_map(shard)
+
+    return link
+
+
+def loop(folder):
+    os.symlink("loop2.safetensors", folder / "loop1.safetensors")
+    os.symlink("loop1.safetensors", folder / "loop2.safetensors")
+    return weight_map("loop1.safetensors")
+
+
+def outside(folder):
+    (folder.parent / "outside.safetensors").write_bytes(
+        framed(js({"b": dict(B, data_offsets=[0, 12])}), DATA[64:])
+    )
+    return weight_map("../outside.safetensors")  # fmt: skip
+
+
+NO_NAME = r"the weight_map gives 'b' the shard .*, which is no file name"
+NOT_INDEX = r"not a safetensors index \("
+
+# (id, the index's bytes, or a function of the folder making them; the error after its name)
+INDEXES = [
+    ("index not JSON", b"{", NOT_INDEX + r"its JSON is not valid: Expecting property name"),
+    ("index not UTF-8", b'{"\xfe": 1}', NOT_INDEX + r"its JSON is not valid: 'utf-8' codec"),
+    ("index deep", deep(), NOT_INDEX + r"its JSON is not valid: it nests lists or objects deeper"),
+    ("index a list", b"[]", NOT_INDEX + r"a JSON list, not an object\)"),
+    ("index without weight_map", b'{"metadata": {}}', NOT_INDEX + r"no weight_map\)"),
+    ("weight_map a list", index(["one.safetensors"]), NOT_INDEX + r"the weight_map is \['one.safetensors'\], not an object"),
+    ("weight_map null", js({"weight_map": None}), NOT_INDEX + r"the weight_map is None, not an object"),
+    ("metadata a list", index(metadata=[76]), NOT_INDEX + r"the metadata is \[76\], not an object"),
+    ("metadata a string", index(metadata="76"), NOT_INDEX + r"the metadata is '76', not an object"),
+    ("a name twice", b'{"weight_map": {"a": "one.safetensors", "a": "two.safetensors"}}', NOT_INDEX + r"its JSON is not valid: the name 'a' appears twice"),
+    ("shard a number", weight_map(2), r"the weight_map gives 'b' the shard 2, which is no file name"),
+    ("shard a list", weight_map(["two.safetensors"]), r"the weight_map gives 'b' the shard \['two.safetensors'\], which is no file name"),
+    ("shard null", weight_map(None), r"the weight_map gives 'b' the shard None, which is no file name"),
+    ("shard a bool", weight_map(True), r"the weight_map gives 'b' the shard True, which is no file name"),
+    ("shard empty", weight_map(""), r"the weight_map gives 'b' the shard '', which is no file name"),
+    ("shard with NUL", weight_map("two\0.safetensors"), r"the weight_map gives 'b' the shard 'two\\x00.safetensors', which is no file name"),
+    ("shard name too long", weight_map("x" * 300 + ".safetensors"), r"the shard 'xxxx.*' of 'b' cannot be opened \(\[Errno 36\] File name too long"),
+    ("shard lone surrogate", b'{"weight_map": {"a": "one.safetensors", "b": "\\udc00.safetensors"}}', r"the weight_map holds the string '\\udc00.safetensors', which has a lone surrogate"),
+    ("shard a symlink loop", loop, r"the shard 'loop1.safetensors' of 'b' cannot be resolved \(Symlink loop from"),
+    ("shard outside", outside, r"the shard '\.\./outside\.safetensors' of 'b' is outside the index's folder"),
+    ("shard absolute", weight_map("/etc/passwd"), r"the shard '/etc/passwd' of 'b' is outside the index's folder"),
+    ("shard links outside", linked("../outside.safetensors"), r"the shard 'link.safetensors' of 'b' is outside the index's folder"),
+    ("shard links to /dev/zero", linked("/dev/zero"), r"the shard 'link.safetensors' of 'b' is outside the index's folder"),
+    ("shard a folder", weight_map("."), r"the shard '\.' of 'b' is outside the index's folder"),
+    ("shard missing", weight_map("three.safetensors"), r"the shard 'three.safetensors' \(of 'b'\) is missing"),
+    ("index too large", sparse(0, LIMIT + 1), NOT_INDEX + rf"{LIMIT + 1} bytes, more than the {LIMIT} a header may have"),
+]  # fmt: skip
+
+
+def make_file(tmp_path, content):
+    path = tmp_path / "bad.safetensors"
+    if callable(content):
+        content(path)
+    else:
+        path.write_bytes(content)
+    return path
+
+
+def make_index(tmp_path, content):
+    folder = shards(tmp_path)
+    path = folder / "model.safetensors.index.json"
+    if callable(content) and content.__name__ == "make":  # a sparse file
+        content(path)
+    else:
+        path.write_bytes(content(folder) if callable(content) else content)
+    return path
+
+
+CASES = [pytest.param(make_file, content, message, id=name) for name, content, message in FILES]
+CASES += [pytest.param(make_index, c, m, id=f"index: {n}") for n, c, m in INDEXES]
+
+
+@pytest.fixture
+def opened(monkeypatch):
+    """The files `_header` opens, each checked to be inside the folder of the index."""
+    seen = []
+    header = checkpoint_module._header
+
+    def recorded(file):
+        seen.append(file)
+        return header(file)
+
+    monkeypatch.setattr(checkpoint_module, "_header", recorded)
+    return seen
+
+
+@pytest.mark.parametrize(("make", "content", "message"), CASES)
+def test_open_refuses_naming_the_file(tmp_path, make, content, message, opened):
+    path = make(tmp_path, content)
+    with pytest.raises(SafetensorsError, match=f"^{re.escape(str(path))}: .*{message}"):
+        open_safetensors(path)
+    folder = path.parent.resolve()
+    assert all(folder in Path(file).resolve().parents for file in opened), opened
+
+
+def model():
+    return {"a": jnp.zeros((4, 4), jnp.float32), "b": jnp.zeros(3, jnp.int32)}
+
+
+@pytest.mark.parametrize("abstract", [False, True], ids=["concrete", "abstract"])
+@pytest.mark.parametrize(("make", "content", "message"), CASES)
+def test_load_refuses_naming_the_file(tmp_path, make, content, message, abstract):
+    path = make(tmp_path, content)
+    target = jax.eval_shape(model) if abstract else model()
+    with pytest.raises(SafetensorsError, match=f"^{re.escape(str(path))}: .*{message}"):
+        load_safetensors(target, path, progress=False)
+
+
+def refused(capsys, argv, message):
+    """`taktiny *argv` exits with 1 after one line on stderr matching `message`."""
+    assert _cli.main(argv) == 1
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and "Traceback" not in err, err
+    assert re.fullmatch(message, err.rstrip("\n")), err
+
+
+@pytest.mark.parametrize(("make", "content", "message"), CASES)
+def test_the_command_prints_one_line_and_exits_with_1(tmp_path, capsys, make, content, message):
+    path = make(tmp_path, content)
+    good = tmp_path / "good.safetensors"
+    good.write_bytes(header())
+    line = f"taktiny: {re.escape(str(path))}: .*{message}.*"
+    refused(capsys, ["inspect", str(path)], line)
+    refused(capsys, ["inspect", str(path), "--json"], line)
+    refused(capsys, ["diff", str(good), str(path)], line)
+    refused(capsys, ["diff", str(path), str(good)], line)
+
+
+def test_the_command_runs_as_a_program_without_a_traceback(tmp_path):
+    import subprocess
+    import sys
+
+    path = make_file(tmp_path, header(a=entry(shape=[0, 2**64], data_offsets=[0, 0])))
+    run = subprocess.run([sys.executable, "-m", "taktiny", "inspect", str(path)],
+                         capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "JAX_PLATFORMS": "cpu"})  # fmt: skip
+    assert run.returncode == 1 and run.stdout == ""
+    assert run.stderr.splitlines() == [
+        f"taktiny: {path}: the header entry of 'a' is {{'data_offsets': [0, 0], 'dtype': 'F32', "
+        f"'shape': [0, 18446744073709551616]}}; an entry is {{\"dtype\": a safetensors dtype, "
+        f'"shape": a list of at most 64 ints from 0 to 2**63 - 1, "data_offsets": [begin, end], '
+        f"two such ints}}."
+    ]
+
+
+def test_a_damaged_orbax_checkpoint_is_one_line(tmp_path, capsys, monkeypatch):
+    import orbax.checkpoint as ocp
+
+    path = (tmp_path / "orbax").absolute()
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(path, {"w": np.ones((2, 3), np.float32)})
+    good = tmp_path / "good.safetensors"
+    good.write_bytes(framed(js({"w": {"dtype": "F32", "shape": [2, 3], "data_offsets": [0, 24]}}),
+                            np.ones(6, np.float32).tobytes()))  # fmt: skip
+
+    def fail(*args, **kwargs):
+        raise OSError("the array's chunk is gone\nand a second line")
+
+    monkeypatch.setattr(ocp.PyTreeCheckpointer, "restore", fail)  # its data damaged
+    refused(capsys, ["diff", str(path), str(good)], rf"taktiny: {re.escape(str(path))}: the "
+            r"array 'w' cannot be restored \(OSError: the array's chunk is gone\)\.")  # fmt: skip
+    monkeypatch.undo()
+    (path / "_METADATA").write_bytes(b"{not json")  # its tree of arrays damaged
+    message = rf"taktiny: {re.escape(str(path))}: an Orbax checkpoint without a readable tree"
+    refused(capsys, ["inspect", str(path)], message + ".*")
+    refused(capsys, ["diff", str(good), str(path)], message + ".*")
+
+
+def odd(tmp_path, tensors, order=None, pad=b""):
+    """A valid file holding `tensors` ({name: array}), in the header's `order` of names."""
+    entries, data = {}, b""
+    for name, array in tensors.items():
+        dtype = {"float32": "F32", "int32": "I32", "uint8": "U8"}[array.dtype.name]
+        entries[name] = {"dtype": dtype, "shape": list(array.shape),
+                         "data_offsets": [len(data), len(data) + array.nbytes]}  # fmt: skip
+        data += array.tobytes()
+    names = order or list(entries)
+    path = tmp_path / "odd.safetensors"
+    path.write_bytes(framed(js({n: entries[n] for n in names}) + pad, data))
+    return path
+
+
+ZEROS = {"z0": np.zeros((0,), np.float32), "z1": np.zeros((3, 0, 2), np.int32)}
+# (id, its tensors, the header's order of them or None, bytes after the JSON)
+WORKING = [
+    ("no tensors", {}, None, b""),
+    ("no tensors, padded", {}, None, b" " * 7),
+    ("zero-size tensors only", ZEROS, None, b""),
+    ("zero-size between", {"a": VALUES["a"], **ZEROS, "b": VALUES["b"]}, None, b""),
+    ("zero-size first and last", {**ZEROS, **VALUES, "z2": np.zeros((0, 2**40), np.uint8)}, None, b""),
+    ("listed out of order", VALUES, ["b", "a"], b""),
+    ("64 axes", {"a": np.zeros((1,) * 64, np.float32)}, None, b""),
+    ("names of any text", {"": VALUES["b"], "\0": VALUES["a"], "é.日本": VALUES["b"], 'a"b\\': VALUES["b"]}, None, b""),
+    ("names holding colons", {"a:b": VALUES["a"], "::": VALUES["b"]}, None, b""),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("tensors", "order", "pad"), [w[1:] for w in WORKING],
+                         ids=[w[0] for w in WORKING])  # fmt: skip
+def test_odd_but_valid_files_read_back(tmp_path, capsys, tensors, order, pad):
+    path = odd(tmp_path, tensors, order, pad)
+    checkpoint = open_safetensors(path)
+    assert sorted(checkpoint) == sorted(tensors)
+    for name, array in tensors.items():
+        got = np.asarray(checkpoint[name])
+        assert got.dtype == array.dtype and got.shape == array.shape, name
+        assert got.tobytes() == array.tobytes(), name
+    assert _cli.main(["inspect", str(path), "--json"]) == 0
+    listed = json.loads(capsys.readouterr().out)["tensors"]
+    assert sorted(t["name"] for t in listed) == sorted(tensors)
+    assert _cli.main(["diff", str(path), str(path)]) == 0
+    capsys.readouterr()
+
+
+def test_an_empty_header_loads_into_an_empty_model(tmp_path):
+    path = odd(tmp_path, {})
+    assert load_safetensors({}, path, progress=False) == {}
+    assert load_safetensors(jax.eval_shape(dict), path, progress=False) == {}
+
+
+def test_a_header_at_the_limit_opens(tmp_path):
+    text = b'{"__metadata__": {"x": "' + b"a" * (LIMIT - 30) + b'"}}'
+    path = tmp_path / "large.safetensors"
+    path.write_bytes(framed(text + b" " * (LIMIT - len(text)), b""))
+    checkpoint = open_safetensors(path)
+    assert len(checkpoint) == 0 and len(checkpoint.metadata["x"]) == LIMIT - 30
+
+
+# read_torch: PyTorch files whose zip, members or pickled tensor records are wrong
+
+
+def pickled(offset=0, size=(2, 3), stride=(3, 1), repeat=0):
+    """The data.pkl of a zip-format torch file holding {'w': a float32 tensor on the
+    storage '0' of 6 elements}, with the tensor's offset, size and stride as given, or
+    with 'w' a pair of pairs of ... of it, `repeat` deep."""
+
+    def int_(n):
+        return torch.serialization.pickle.dumps(n, protocol=2)[2:-1]
+
+    def tuple_(ns):
+        return b"(" + b"".join(map(int_, ns)) + b"t"
+
+    return (b"\x80\x02}X\x01\x00\x00\x00wctorch._utils\n_rebuild_tensor_v2\n((X\x07\x00\x00\x00"
+            b"storagectorch\nFloatStorage\nX\x01\x00\x00\x000X\x03\x00\x00\x00cpu" + int_(6)
+            + b"tQ" + int_(offset) + tuple_(size) + tuple_(stride)
+            + b"\x89ccollections\nOrderedDict\n)RtRq\x00" + b"h\x00\x86q\x00" * repeat
+            + b"s.")  # fmt: skip
+
+
+def torch_file(tmp_path, pkl=None, drop=None, cut=None):
+    """A torch.save zip of {'w': [2, 3] float32}, its data.pkl replaced by `pkl`, its
+    member ending in `drop` left out, or its bytes cut to `cut`."""
+    import zipfile
+
+    good = tmp_path / "good.pt"
+    torch.save({"w": torch.arange(6, dtype=torch.float32).reshape(2, 3)}, good)
+    path = tmp_path / "bad.pt"
+    if cut is not None:
+        path.write_bytes(good.read_bytes()[:cut])
+        return path
+    with zipfile.ZipFile(good) as source, zipfile.ZipFile(path, "w") as out:
+        for info in source.infolist():
+            if drop is not None and info.filename.endswith(drop):
+                continue
+            replace = pkl is not None and info.filename.endswith("data.pkl")
+            out.writestr(info.filename, pkl if replace else source.read(info.filename))
+    return path
+
+
+NOT_TORCH = r"is not a readable PyTorch file \(RuntimeError: "
+TORCH = [
+    ("as written", {}, None),
+    ("truncated to 10 bytes", {"cut": 10}, NOT_TORCH + r"PytorchStreamReader failed reading zip archive"),
+    ("truncated to half", {"cut": 700}, NOT_TORCH + r"PytorchStreamReader failed reading zip archive"),
+    ("no data.pkl", {"drop": "data.pkl"}, NOT_TORCH + r"PytorchStreamReader failed locating file data.pkl"),
+    ("no storage", {"drop": "data/0"}, NOT_TORCH + r"PytorchStreamReader failed locating file data/0"),
+    ("no version", {"drop": "/version"}, NOT_TORCH + r"Expected hasRecord\(\"version\"\)"),
+    ("shape of 2**80 elements", {"pkl": pickled(size=(2**40, 2**40))}, NOT_TORCH + r"numel: integer multiplication overflow"),
+    ("negative shape", {"pkl": pickled(size=(-1, 3))}, NOT_TORCH + r"numel: integer multiplication overflow"),
+    ("stride past the storage", {"pkl": pickled(stride=(2**62, 1))}, NOT_TORCH + r"Storage size calculation overflowed"),
+    ("offset past the storage", {"pkl": pickled(offset=2**60)}, NOT_TORCH + r"Trying to resize storage that is not resizable"),
+    ("offset a little past", {"pkl": pickled(offset=4)}, NOT_TORCH + r"Trying to resize storage that is not resizable"),
+    ("100 axes", {"pkl": pickled(size=(1,) * 100, stride=(1,) * 100)}, r"has the shape \[1, 1, .*, which NumPy cannot hold \(number of dimensions must be within \[0, 64\]\)"),
+    ("a zero and 2**62", {"pkl": pickled(size=(0, 2**62), stride=(1, 1))}, r"has the shape \[0, 4611686018427387904\], which NumPy cannot hold \(array is too big"),
+    ("a list inside itself", {"pkl": b"\x80\x02}X\x01\x00\x00\x00a]q\x00h\x00as."}, r" holds a container inside itself \(at 0, 2 deep\); it is no checkpoint"),
+    ("lists 100,000 deep", {"pkl": b"\x80\x02}X\x01\x00\x00\x00a" + b"]" * 100_000 + b"a" * 99_999 + b"s."}, None),
+    ("a list repeated 2**30 times", {"pkl": b"\x80\x02}X\x01\x00\x00\x00a]q\x00" + b"h\x00\x86q\x00" * 30 + b"s."}, None),
+    ("a tensor repeated 2**30 times", {"pkl": pickled(repeat=30)}, r" names more than 1,048,576 tensors \(it repeats containers inside each other\)"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("change", "message"), [t[1:] for t in TORCH], ids=[t[0] for t in TORCH])
+def test_read_torch_refuses_a_damaged_file_by_name(tmp_path, change, message):
+    path = torch_file(tmp_path, **change)
+    if message is None:  # it reads, or holds no tensor
+        expected = {} if "pkl" in change else {"w": np.arange(6, dtype=np.float32).reshape(2, 3)}
+        got = read_torch(path)
+        assert list(got) == list(expected)
+        assert all(np.array_equal(got[k], v) for k, v in expected.items())
+        return
+    with pytest.raises(ValueError, match=f"^read_torch: .*{re.escape(path.name)}.*{message}"):
+        read_torch(path)
+
+
+def torch_index(tmp_path, shard):
+    folder = tmp_path / "torch"
+    folder.mkdir()
+    torch.save({"w": torch.ones(2)}, folder / "one.bin")
+    path = folder / "pytorch_model.bin.index.json"
+    if callable(shard):
+        shard = shard(folder)
+    path.write_bytes(shard if isinstance(shard, bytes) else js({"weight_map": {"w": shard}}))
+    return path
+
+
+def torch_loop(folder):
+    os.symlink("loop2.bin", folder / "loop1.bin")
+    os.symlink("loop1.bin", folder / "loop2.bin")
+    return "loop1.bin"
+
+
+UNNAMED = r"names shards that are no file names or cannot be resolved: "
+TORCH_INDEXES = [
+    ("NUL", "one\0.bin", UNNAMED + r"'one\\x00.bin' \(no file name\)"),
+    ("empty", "", UNNAMED + r"'' \(no file name\)"),
+    ("too long", "x" * 300 + ".bin", UNNAMED + r"'xxxx.*\.\.\. \(\[Errno 36\] File name too long"),
+    ("a symlink loop", torch_loop, UNNAMED + r"'loop1.bin' \(Symlink loop from"),
+    ("outside", "../one.bin", r"names shards outside its folder"),
+    ("a number", 3, r"has no 'weight_map' of tensor names to shard files"),
+    ("deep", deep(), r"is not a JSON object: its JSON is not valid: it nests lists or objects deeper"),
+    ("a list", b"[]", r"is not a JSON object: 'list' object has no attribute 'get'"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("shard", "message"), [t[1:] for t in TORCH_INDEXES],
+                         ids=[t[0] for t in TORCH_INDEXES])  # fmt: skip
+def test_read_torch_refuses_a_bad_index_by_name(tmp_path, shard, message):
+    path = torch_index(tmp_path, shard)
+    with pytest.raises(ValueError, match=f"^read_torch: {re.escape(str(path))} {message}"):
+        read_torch(path)
