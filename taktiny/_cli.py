@@ -155,25 +155,24 @@ def _orbax_entries(path: Path) -> Iterator[Entry]:
     yield from walk(tree, ())
 
 
+def _is_orbax(path: Path) -> bool:
+    return path.is_dir() and any((path / n).exists() for n in ("_CHECKPOINT_METADATA", "_METADATA"))
+
+
 def entries(path: str | Path) -> list[Entry]:
     """The tensors of a safetensors file, a safetensors index (or a folder holding one), or
-    an Orbax checkpoint folder, from their headers and metadata only."""
+    an Orbax checkpoint folder, from their headers and metadata only. A folder's checkpoint
+    is found as the loaders find it (:func:`taktiny.io.open_safetensors`)."""
     path = Path(path)
-    if path.is_dir():
-        indexes = sorted(path.glob("*.safetensors.index.json"))
-        files = sorted(path.glob("*.safetensors"))
-        if len(indexes) == 1:
-            path = indexes[0]
-        elif len(files) == 1 and not indexes:
-            path = files[0]
-        elif (path / "_CHECKPOINT_METADATA").exists() or (path / "_METADATA").exists():
-            return list(_orbax_entries(path))
-        else:
-            raise Unreadable(
-                f"{path} holds no Orbax checkpoint and not exactly one safetensors "
-                f"file or index ({len(files)} files, {len(indexes)} indexes); name one."
-            )
-    if not path.exists():
+    if _is_orbax(path):
+        return list(_orbax_entries(path))
+    if path.is_dir() and not any(
+        p.name.endswith(".safetensors") or p.name.endswith(".json") for p in path.iterdir()
+    ):
+        raise Unreadable(
+            f"{path} holds no Orbax checkpoint and no safetensors file or index; name one."
+        )
+    if not path.exists() and not path.with_name(f"{path.name}.index.json").is_file():
         raise Unreadable(f"{path} does not exist.")
     return list(_safetensors_entries(path))
 
@@ -250,16 +249,36 @@ def diff(a: str, b: str) -> tuple[str, bool]:
 
 
 def verify(path: str) -> tuple[str, bool]:
-    """The report `taktiny verify` prints, and whether no tensor is damaged: one line per
-    damaged tensor, then the counts."""
+    """The report `taktiny verify` prints, and whether nothing is damaged: one line per
+    damaged tensor (or Orbax array that does not restore), then the counts. A safetensors
+    checkpoint's tensors are read through the checksums in its headers; an Orbax
+    checkpoint's arrays are each restored."""
     from .io._verify import verify as check
 
+    if _is_orbax(Path(path)):
+        return _verify_orbax(Path(path))
+    if not Path(path).exists() and not Path(f"{path}.index.json").is_file():
+        raise Unreadable(f"{path} does not exist.")
     result = check(path)
     summary = (
         f"{result.checked} tensors match their checksums, {len(result.damaged)} damaged, "
         f"{result.unchecked} without a checksum (their headers checked only)"
     )
     return "\n".join([*result.damaged, summary]), not result.damaged
+
+
+def _verify_orbax(path: Path) -> tuple[str, bool]:
+    """Restores each array of an Orbax checkpoint on its own (holding one at a time)."""
+    found = list(_orbax_entries(path))
+    damaged = []
+    with _Orbax(path) as opened:
+        for entry in found:
+            try:
+                opened.array(entry.source)
+            except Unreadable as error:
+                damaged.append(str(error))
+    summary = f"{len(found) - len(damaged)} arrays restore, {len(damaged)} do not"
+    return "\n".join([*damaged, summary]), not damaged
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -112,7 +112,7 @@ def test_bad_checkpoints_are_clear_errors(tmp_path, capsys):
     refused(capsys, ["diff", str(broken), str(broken)], r"broken.safetensors: not a safetensors")
     (tmp_path / "empty").mkdir()
     refused(capsys, ["inspect", str(tmp_path / "empty")],
-            r"holds no Orbax checkpoint and not exactly one")  # fmt: skip
+            r"holds no Orbax checkpoint and no safetensors file or index")  # fmt: skip
 
 
 def test_diff_reports_names_in_one_only_shape_changes_and_the_largest_difference(two, capsys):
@@ -230,3 +230,103 @@ def test_diff_holds_two_tensors_at_a_time_and_restores_one_orbax_array_per_read(
         "w5    (4, 4)  float32            5", "6 common tensors, 1 differ, 0 in one only"]  # fmt: skip
     assert reads[0] == 12 and restored == [1] * 12  # each restore: one array
     assert most[0] == 2  # one per side at a time
+
+
+def flip_byte(file, name, at):
+    """Flips the low bit of byte `at` of tensor `name` in `file`."""
+    from taktiny.io import open_safetensors
+
+    offset = open_safetensors(file)[name].offset
+    data = bytearray(file.read_bytes())
+    data[offset + at] ^= 1
+    file.write_bytes(bytes(data))
+
+
+def test_verify_reports_every_damaged_tensor_and_exits_with_1(tmp_path, capsys):
+    from taktiny.io import save_safetensors
+
+    path = tmp_path / "model.safetensors"
+    save_safetensors(
+        path, {"a": np.arange(64, dtype=np.float32), "b": np.ones(8, np.int8), "c": np.zeros(3)}
+    )
+    assert main(["verify", str(path)]) == 0
+    assert (
+        capsys.readouterr().out
+        == "3 tensors match their checksums, 0 damaged, 0 without a checksum (their headers checked only)\n"
+    )
+    flip_byte(path, "a", 5)
+    flip_byte(path, "b", 2)
+    assert main(["verify", str(tmp_path)]) == 1  # the folder's checkpoint
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 3 and lines[-1].startswith("1 tensors match their checksums, 2 damaged")
+    for line, name in zip(lines[:2], "ab", strict=True):
+        assert re.fullmatch(
+            rf"{re.escape(str(path))}: the bytes of '{name}' are damaged: their checksum is [0-9a-f]{{32}}, and the header records [0-9a-f]{{32}} \(xxh3_128\)\..*",
+            line,
+        ), line
+
+
+def test_verify_reads_shards_and_files_without_checksums(tmp_path, capsys):
+    from taktiny.io import save_safetensors
+
+    save_safetensors(
+        tmp_path / "model.safetensors",
+        {f"t{i}": np.full(100, i, np.float32) for i in range(4)},
+        max_shard_size=800,
+    )
+    assert main(["verify", str(tmp_path / "model.safetensors")]) == 0  # the path of a sharded save
+    assert capsys.readouterr().out.startswith("4 tensors match their checksums, 0 damaged")
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    save(hf / "model.safetensors", {"w": np.ones(2, np.float32)})
+    assert main(["verify", str(hf)]) == 0
+    assert (
+        capsys.readouterr().out
+        == "0 tensors match their checksums, 0 damaged, 1 without a checksum (their headers checked only)\n"
+    )
+    refused(
+        capsys, ["verify", str(tmp_path / "none.safetensors")], r"none\.safetensors does not exist"
+    )
+    (hf / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json")
+    refused(capsys, ["verify", str(hf)], r"hf/model\.safetensors: ")
+
+
+def test_verify_restores_every_array_of_an_orbax_checkpoint(tmp_path, capsys):
+    import orbax.checkpoint as ocp
+
+    path = (tmp_path / "orbax").absolute()
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(
+            path, {"a": np.arange(1000, dtype=np.float32), "b": np.ones(10, np.float32)}
+        )
+    assert main(["verify", str(path)]) == 0
+    assert capsys.readouterr().out == "2 arrays restore, 0 do not\n"
+    data = [f for f in (path / "ocdbt.process_0" / "d").iterdir()]
+    largest = max(data, key=lambda f: f.stat().st_size)  # the chunk holding "a"
+    largest.write_bytes(largest.read_bytes()[: largest.stat().st_size // 2])
+    assert main(["verify", str(path)]) == 1
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[-1] == "1 arrays restore, 1 do not"
+    assert re.fullmatch(
+        rf"{re.escape(str(path))}: the array 'a' cannot be restored \(.*\)\.", lines[0]
+    )
+
+
+def test_a_folder_is_read_as_the_loaders_read_it(tmp_path, capsys):
+    # a save of one file over shards, killed after its commit: the stale index is not data
+    from taktiny.io import save_safetensors
+
+    save_safetensors(
+        tmp_path / "model.safetensors",
+        {f"old{i}": np.ones(100, np.float32) for i in range(3)},
+        max_shard_size=800,
+    )
+    single = tmp_path / "single"
+    single.mkdir()
+    save_safetensors(single / "model.safetensors", {"new": np.ones(2, np.float32)})
+    (single / "model.safetensors").rename(tmp_path / "model.safetensors")
+    assert main(["inspect", str(tmp_path)]) == 0
+    assert capsys.readouterr().out.splitlines()[1:] == [
+        "new   (2,)   float32      8",
+        "1 tensors, 2 parameters, 8 bytes",
+    ]

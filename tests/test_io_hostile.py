@@ -548,3 +548,17 @@ def test_read_torch_refuses_a_bad_index_by_name(tmp_path, shard, message):
     path = torch_index(tmp_path, shard)
     with pytest.raises(ValueError, match=f"^read_torch: {re.escape(str(path))} {message}"):
         read_torch(path)
+
+
+def test_a_header_made_of_little_but_lists_is_refused_before_it_is_parsed(tmp_path):
+    bomb = tmp_path / "bomb.safetensors"
+    bomb.write_bytes(framed(b'{"__metadata__": [' + b"[]," * 1_000_000 + b"[]]}", b""))
+    with pytest.raises(
+        SafetensorsError,
+        match=r"bomb\.safetensors: the header holds 1,000,003 JSON lists and objects for 0 tensor entries; a safetensors header holds a few per entry",
+    ):
+        open_safetensors(bomb)
+    # brackets in metadata strings, up to the spare allowance, are fine
+    fine = tmp_path / "fine.safetensors"
+    fine.write_bytes(header(__metadata__={"config": "[" * 900_000}))
+    assert sorted(open_safetensors(fine)) == ["a", "b"]

@@ -203,3 +203,29 @@ def test_a_folder_must_hold_one_checkpoint(tmp_path):
         open_safetensors(tmp_path)
     with pytest.raises(SafetensorsError, match=r"missing.safetensors: no such file"):
         open_safetensors(tmp_path / "missing.safetensors")
+
+
+def test_paths_that_cannot_name_a_file_are_refused_by_name(tmp_path):
+    with pytest.raises(
+        SafetensorsError,
+        match=r"^'x{100}\.\.\.\(5000 characters\)': cannot be opened \(OSError: .*File name too long",
+    ):
+        open_safetensors("x" * 5000)
+    with pytest.raises(SafetensorsError, match=r"^'a\\x00b': no such file\.$"):
+        open_safetensors("a\0b")
+    loop = tmp_path / "loop.safetensors"
+    loop.symlink_to(loop)
+    with pytest.raises(
+        SafetensorsError, match=r"loop\.safetensors.*(no such file|cannot be opened)"
+    ):
+        open_safetensors(loop)
+
+
+def test_the_path_of_a_sharded_save_opens_its_index(tmp_path):
+    from taktiny.io import save_safetensors
+
+    save_safetensors(tmp_path / "model.safetensors", TENSORS, max_shard_size=8)
+    assert not (tmp_path / "model.safetensors").exists()
+    checkpoint = open_safetensors(tmp_path / "model.safetensors")
+    assert checkpoint.path == tmp_path / "model.safetensors.index.json"
+    assert sorted(checkpoint) == sorted(TENSORS)

@@ -90,6 +90,23 @@ _INDEX = ".index.json"
 def _resolve(path: Path) -> Path:
     """The file to read for `path`: the file itself; for the path of a sharded save, its
     index; for a folder, its one checkpoint (see :func:`open_safetensors`)."""
+    try:
+        return _find(path)
+    except (OSError, ValueError) as error:  # a name too long, a NUL byte, a loop of links
+        if isinstance(error, SafetensorsError):
+            raise
+        shown = (
+            str(path)
+            if len(str(path)) <= 200
+            else f"{str(path)[:100]}...({len(str(path))} characters)"
+        )
+        raise SafetensorsError(
+            f"{shown!r}: cannot be opened ({type(error).__name__}: {str(error)[:200]}); name an "
+            f"existing .safetensors file, index or folder."
+        ) from None
+
+
+def _find(path: Path) -> Path:
     if path.is_dir():
         files = [p for p in path.iterdir() if not p.name.startswith(".")]
         singles = {p.name for p in files if p.name.endswith(".safetensors")}
@@ -109,7 +126,9 @@ def _resolve(path: Path) -> Path:
         if index.is_file():
             return index  # the path a sharded checkpoint was saved to
     if not path.is_file():
-        raise SafetensorsError(f"{path}: no such file.")
+        raise SafetensorsError(
+            f"{str(path)!r}: no such file." if "\0" in str(path) else f"{path}: no such file."
+        )
     return path
 
 

@@ -47,6 +47,7 @@ _FIRST, _SECOND = operator.itemgetter(0), operator.itemgetter(1)
 _NBYTES = operator.attrgetter("nbytes")
 _HEADER_LIMIT = 100 * 2**20  # the safetensors library's own limit on a header
 MAX_RANK = 64  # NumPy's most axes
+_CONTAINERS_PER_ENTRY, _SPARE_CONTAINERS = 8, 1_000_000  # JSON lists and objects a header may hold
 LIMIT = 2**63  # dims, element counts and byte offsets stay below it (int64, as NumPy)
 _ENTRY = (
     'an entry is {"dtype": a safetensors dtype, "shape": a list of at most 64 ints from 0 '
@@ -249,6 +250,16 @@ _Fields = tuple[list[str], Sequence[str], Sequence[list[int]], Sequence[list[int
 def _fields(text: bytes, bad: Any) -> _Fields:
     """The header's names, dtypes, shapes, byte ranges and metadata, each entry checked on
     its own; raises for the first that is wrong, in the header's order."""
+    # Before parsing: a header's lists and objects are its entries' (three each) and a few
+    # in metadata strings (Taktiny's own: two per tensor at most). One made of little else
+    # (``[[],[],...]``: 100 MB of it parses into 2.5 GB of Python lists) is refused at once.
+    containers, entries = text.count(b"[") + text.count(b"{"), text.count(b'"data_offsets"')
+    if containers > _CONTAINERS_PER_ENTRY * entries + _SPARE_CONTAINERS:
+        raise bad(
+            f"the header holds {containers:,} JSON lists and objects for {entries:,} tensor "
+            f"entries; a safetensors header holds a few per entry. The file is corrupt, or "
+            f"not a checkpoint."
+        )
     if b"\\" not in text and (fields := _unhooked(text)) is not None:
         return fields
     try:
