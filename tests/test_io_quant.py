@@ -80,6 +80,13 @@ def reads(monkeypatch):
         log.append(self.name)
         return read_into(self, memory, verify=verify)
 
+    def logged_piecewise(self, send, memory=None):  # the loader's reads of whole tensors
+        log.append(self.name)
+        return piecewise(self, send, memory)
+
+    piecewise = Tensor._piecewise
+    monkeypatch.setattr(Tensor, "_piecewise", logged_piecewise)
+
     monkeypatch.setattr(Tensor, "read", logged)
     monkeypatch.setattr(Tensor, "read_into", logged_into)
     return log

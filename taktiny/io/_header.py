@@ -253,7 +253,12 @@ def _fields(text: bytes, bad: Any) -> _Fields:
     # Before parsing: a header's lists and objects are its entries' (three each) and a few
     # in metadata strings (Taktiny's own: two per tensor at most). One made of little else
     # (``[[],[],...]``: 100 MB of it parses into 2.5 GB of Python lists) is refused at once.
-    containers, entries = text.count(b"[") + text.count(b"{"), text.count(b'"data_offsets"')
+    # (Counted only where the bytes per entry are many more than an entry takes, ~100.)
+    entries = text.count(b'"data_offsets"')
+    if len(text) < _SPARE_CONTAINERS or len(text) < 400 * entries:
+        containers = 0
+    else:
+        containers = text.count(b"[") + text.count(b"{")
     if containers > _CONTAINERS_PER_ENTRY * entries + _SPARE_CONTAINERS:
         raise bad(
             f"the header holds {containers:,} JSON lists and objects for {entries:,} tensor "

@@ -26,7 +26,7 @@ from ..convert._rules import AnyRule
 from . import _quantized as qz
 from ._checkpoint import Checkpoint, open_safetensors
 from ._checks import _absent
-from ._place import _by_device, _direct, _Scratch, _sharding, _transform
+from ._place import _by_device, _Checks, _direct, _Scratch, _sharding, _transform
 from ._plan import _parts, _plain, _ruled
 from ._read import Readahead, Tensor
 
@@ -75,7 +75,8 @@ def load_safetensors(
             ``None`` shows one for checkpoints over 256 MiB.
         verify: check every tensor's bytes against the checksum Taktiny wrote into the
             header when it saved the file (files without checksums, such as Hugging
-            Face's, load unchecked). Hashing one tensor overlaps reading the next.
+            Face's, load unchecked). The bytes are hashed on this thread as the reader
+            thread reads them, piece by piece.
 
     Returns:
         A new model of the same structure, holding the checkpoint's values cast to each
@@ -114,16 +115,20 @@ def load_safetensors(
     shrinks = any(t in quantized for s in steps for t in s.targets)
     scratch = (_Scratch(),) if shrinks else (_Scratch(), _Scratch())
     placed: dict[str, Any] = {}
+    checks = _Checks() if verify else None
 
     def read(k: int) -> Any:  # in the reader thread: preadv, mmap and XLA release the GIL
         ahead.reached(starts[k])  # the disk reads on while this step is read and placed
         step = steps[k]
         sources = _tensors(checkpoint, step)
         leaf = direct[k]
-        if leaf is not None:  # renamed only: read and placed block by block, here
-            array, checks = _by_device(sources[0], _sharding(leaf), verify)
-            return {step.targets[0]: array}, checks
-        return scratch[k % len(scratch)].read(sources, verify)
+        try:
+            if leaf is not None:  # renamed only: read and placed block by block, here
+                return {step.targets[0]: _by_device(sources[0], _sharding(leaf), checks)}
+            return scratch[k % len(scratch)].read(sources, checks)
+        finally:
+            if checks is not None:
+                checks.end()
 
     with (
         _bar(progress, total, checkpoint) as bar,
@@ -133,14 +138,14 @@ def load_safetensors(
         pending = reader.submit(read, 0) if steps else None
         for k, step in enumerate(steps):
             assert pending is not None
-            data, checks = pending.result()
+            if checks is not None:  # hashed here while the reader reads them
+                checks.drain()
+            data = pending.result()
             more = k + 1 < len(steps)
             # with one buffer, the next step reads into it once this one is done with it
             wait = more and len(scratch) == 1 and direct[k] is None and direct[k + 1] is None
             if more and not wait:
                 pending = reader.submit(read, k + 1)
-            for tensor, raw in checks:  # hashed while the reader reads the next step
-                tensor.check(raw)
             if isinstance(data, dict):
                 placed.update(data)
             else:

@@ -6,7 +6,8 @@ placed)."""
 from __future__ import annotations
 
 import mmap
-from collections.abc import Mapping, Sequence
+import queue
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -19,7 +20,7 @@ from .._abstract import default_device
 from .._quant import QArray, quantize_like
 from ..convert._coverage import Step
 from ..convert._transforms import identity
-from . import _read
+from . import _checksum, _read
 from ._checks import _spec
 from ._read import Tensor
 
@@ -85,27 +86,23 @@ class _Scratch:
         self.memory: Any = None
         self.start = self.size = 0
 
-    def read(
-        self, tensors: Sequence[Tensor], verify: bool
-    ) -> tuple[list[np.ndarray], list[tuple[Tensor, Any]]]:
-        """The tensors read into the buffer, and with `verify` the checks still to make:
-        each tensor with its bytes, for :meth:`Tensor.check` (made by the caller, so that
-        hashing one step overlaps reading the next)."""
+    def read(self, tensors: Sequence[Tensor], checks: _Checks | None) -> list[np.ndarray]:
+        """The tensors read into the buffer; with `checks`, each one's bytes handed to it
+        piece by piece as they are read (hashed by the thread that drains it)."""
         sizes = [-(-t.nbytes // 64) * 64 for t in tensors]  # each at a multiple of 64
         if sum(sizes) > self.size:
             self.size = sum(sizes)
             self.memory = mmap.mmap(-1, self.size, flags=_read.MAP_FLAGS)
             self.start = np.frombuffer(self.memory, np.uint8).ctypes.data
-        view, at, out, checks = memoryview(self.memory), 0, [], []
+        view, at, out = memoryview(self.memory), 0, []
         for tensor, size in zip(tensors, sizes, strict=True):
             if size:
-                out.append(tensor.read_into(view[at : at + size], verify=False))
-                if verify:
-                    checks.append((tensor, view[at : at + tensor.nbytes]))
+                send = checks.sender(tensor) if checks is not None else None
+                out.append(tensor._piecewise(send, view[at : at + size]))
             else:
                 out.append(tensor.read(verify=False))
             at += size
-        return out, checks
+        return out
 
     def holds(self, array: jax.Array) -> bool:
         """Whether `array` uses the buffer's memory (a result that is one of its sources)."""
@@ -122,20 +119,16 @@ def _sharding(leaf: Any) -> Any:
     return sharding or jax.sharding.SingleDeviceSharding(default_device())
 
 
-def _by_device(
-    tensor: Tensor, sharding: Any, verify: bool
-) -> tuple[jax.Array, list[tuple[Tensor, Any]]]:
-    """`tensor` placed on `sharding`, each distinct block read once into its own buffer;
-    and with `verify`, the check still to make of a tensor read whole (see
-    `_Scratch.read`). A block read verifies the whole tensor first, streaming it."""
+def _by_device(tensor: Tensor, sharding: Any, checks: _Checks | None) -> jax.Array:
+    """`tensor` placed on `sharding`, each distinct block read once into its own buffer.
+    With `checks`, a tensor read whole hands it its bytes as they are read; a block read
+    verifies the whole tensor first, streaming it through the hash."""
     if tensor.nbytes == 0:
-        return jax.device_put(np.zeros(tensor.shape, tensor.dtype), sharding), []
+        return jax.device_put(np.zeros(tensor.shape, tensor.dtype), sharding)
     if sharding.is_fully_replicated:
-        if tensor.packed:  # the bytes to check are the packed ones: checked as it unpacks
-            return jax.device_put(tensor.read(verify=verify), sharding), []
-        whole = tensor.read(verify=False)
-        return jax.device_put(whole, sharding), [(tensor, whole)] if verify else []
-    if verify:
+        send = checks.sender(tensor) if checks is not None else None
+        return jax.device_put(tensor._piecewise(send), sharding)
+    if checks is not None:
         tensor.verify()
     blocks: dict[tuple[tuple[int, int], ...], np.ndarray] = {}
     arrays = []
@@ -144,4 +137,42 @@ def _by_device(
         if bounds not in blocks:
             blocks[bounds] = tensor.read([slice(*b) for b in bounds], verify=False)
         arrays.append(jax.device_put(blocks[bounds], device))
-    return jax.make_array_from_single_device_arrays(tensor.shape, sharding, arrays), []
+    return jax.make_array_from_single_device_arrays(tensor.shape, sharding, arrays)
+
+
+class _Checks:
+    """The checksums of what a load's reader thread reads, computed on the thread that
+    drains them: the reader hands over each checked tensor, then the pieces of its bytes
+    as each is read (still in the CPU's cache), then None at the end of its step; the
+    drainer hashes them meanwhile and raises for a tensor whose digest differs."""
+
+    def __init__(self) -> None:
+        self.queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+
+    def sender(self, tensor: Tensor) -> Callable[[Any], Any] | None:
+        """Where the reader hands `tensor`'s pieces, or None when it has no checksum."""
+        if tensor.checksum is None or not tensor.nbytes:
+            return None
+        self.queue.put(tensor)
+        return self.queue.put
+
+    def end(self) -> None:
+        """The reader's step is read (or failed): the drainer stops there."""
+        self.queue.put(None)
+
+    def drain(self) -> None:
+        """Hashes one step's pieces, to its end; raises for a damaged tensor."""
+        tensor, stream = None, None
+        while (item := self.queue.get()) is not None:
+            if isinstance(item, Tensor):
+                _compare(tensor, stream)
+                tensor, stream = item, _checksum.streaming()
+            else:
+                assert stream is not None
+                stream.update(item)
+        _compare(tensor, stream)
+
+
+def _compare(tensor: Tensor | None, stream: Any) -> None:
+    if tensor is not None and (got := stream.hexdigest()) != tensor.checksum:
+        raise tensor.damaged(got)

@@ -14,7 +14,7 @@ import itertools
 import math
 import mmap
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +25,7 @@ from . import _quantized as qz
 
 MAP_FLAGS = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
 _CHUNK = 1 << 30  # bytes per preadv call (Linux moves at most ~2 GiB per call)
+_PIECE = 4 << 20  # bytes per read when each piece is handed on as it is read
 _VERIFY_CHUNK = 8 << 20  # bytes hashed per read when a block read verifies its whole tensor
 
 
@@ -60,9 +61,10 @@ class Tensor:
         offset: int,
         checksum: str | None = None,
     ):
-        self.name, self.shape, self.dtype = name, shape, np.dtype(dtype)
+        dtype = dtype if isinstance(dtype, np.dtype) else np.dtype(dtype)
+        self.name, self.shape, self.dtype = name, shape, dtype
         self.file, self.offset, self.checksum = file, offset, checksum
-        self.nbytes = math.prod(shape) * self.dtype.itemsize
+        self.nbytes = math.prod(shape) * dtype.itemsize
 
     @property
     def ndim(self) -> int:
@@ -158,6 +160,22 @@ class Tensor:
             bounds.append((start, max(start, stop)))
         return bounds
 
+    def _piecewise(self, send: Callable[[Any], Any] | None, memory: Any = None) -> np.ndarray:
+        """The whole tensor read, into `memory` (as :meth:`read_into`) or a fresh buffer,
+        4 MiB at a time, each piece of its stored bytes handed to `send` as soon as it is
+        read, in order: the loader hashes them on its main thread while this one reads on,
+        each piece still in the CPU's cache. Nothing is verified here."""
+        if memory is None:
+            out, raw = _buffer(self.shape, self.dtype)
+        else:
+            out = np.frombuffer(memory, self.dtype, math.prod(self.shape)).reshape(self.shape)
+            raw = memoryview(memory).cast("B")[: self.nbytes]
+        if self.nbytes:
+            with open(self.file, "rb", buffering=0) as f:
+                _pread(f.fileno(), raw, self.offset, self, send)
+        out.flags.writeable = False
+        return out
+
     def _into(self, out: np.ndarray, raw: Any, bounds: list[tuple[int, int]]) -> np.ndarray:
         if out.size:
             with open(self.file, "rb", buffering=0) as f:
@@ -225,7 +243,12 @@ class _Packed(Tensor):
         return qz.unpack(raw, self.dtype, start - first, stop - first)
 
     def read_into(self, memory: Any, *, verify: bool = True) -> np.ndarray:
-        raw = self.stored.read_into(memory, verify=verify)
+        return self._unpacked(self.stored.read_into(memory, verify=verify))
+
+    def _piecewise(self, send: Callable[[Any], Any] | None, memory: Any = None) -> np.ndarray:
+        return self._unpacked(self.stored._piecewise(send, memory))
+
+    def _unpacked(self, raw: np.ndarray) -> np.ndarray:
         if not self.shape:
             return qz.unpack(raw, self.dtype, 0, 1).reshape(())
         return qz.unpack(raw, self.dtype, 0, self.shape[-1])
@@ -239,16 +262,24 @@ def _buffer(shape: tuple[int, ...], dtype: np.dtype) -> tuple[np.ndarray, memory
     return np.frombuffer(memory, dtype, math.prod(shape)).reshape(shape), memoryview(memory)
 
 
-def _pread(fd: int, into: memoryview, offset: int, tensor: Tensor) -> None:
-    done = 0
-    while done < len(into):
-        got = os.preadv(fd, [into[done : done + _CHUNK]], offset + done)
-        if got == 0:
-            raise SafetensorsError(
-                f"{tensor.file}: the file ends inside the bytes of {tensor.name!r}; it was "
-                f"truncated after it was opened. Write it again."
-            )
-        done += got
+def _pread(
+    fd: int, into: memoryview, offset: int, tensor: Tensor, send: Callable[[Any], Any] | None = None
+) -> None:
+    """Fills `into` from the file at `offset`; with `send`, 4 MiB at a time, each piece
+    handed to `send` once it is read."""
+    piece = _CHUNK if send is None else _PIECE
+    for start in range(0, len(into), piece):
+        end, done = min(start + piece, len(into)), start
+        while done < end:
+            got = os.preadv(fd, [into[done:end]], offset + done)
+            if got == 0:
+                raise SafetensorsError(
+                    f"{tensor.file}: the file ends inside the bytes of {tensor.name!r}; it "
+                    f"was truncated after it was opened. Write it again."
+                )
+            done += got
+        if send is not None:
+            send(into[start:end])
 
 
 class Readahead:
