@@ -167,8 +167,10 @@ def test_hugging_face_reads_what_each_kind_of_save_leaves(tmp_path):
     config.save_pretrained(tmp_path)
     path = tmp_path / "model.safetensors"
     for seed, limit in [(0, 4000), (1, 4000), (2, None)]:
-        torch.manual_seed(seed)
-        state = {k: v.numpy() for k, v in transformers.GPT2Model(config).state_dict().items()}
+        with torch.random.fork_rng():  # (the process's own generator left as it was)
+            torch.manual_seed(seed)
+            model = transformers.GPT2Model(config)
+        state = {k: v.numpy() for k, v in model.state_dict().items()}
         written = save_safetensors(path, state, max_shard_size=limit)
         assert (len(written) > 2) == (limit is not None)
         suffixed = [re.search(r"-[0-9a-f]{8}\.safetensors$", p.name) for p in written[:-1]]

@@ -22,6 +22,7 @@ def test_without_a_key_it_is_the_identity_as_torch_in_eval_mode():
 def test_with_a_key_it_drops_and_rescales_as_torch_in_train_mode(rate):
     x = np.random.default_rng(0).uniform(1, 2, size=(200, 100)).astype(np.float32)
     ours = np.asarray(nn.Dropout(rate)(jnp.asarray(x), key=jax.random.key(0)))
+    torch.manual_seed(0)  # torch's mask comes from its global generator: seeded, not inherited
     theirs = numpy(torch.nn.Dropout(rate).train()(torch.from_numpy(x)))
     for y in (ours, theirs):  # both zero some elements and scale the rest by 1 / (1 - rate)
         kept = y != 0
