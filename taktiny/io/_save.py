@@ -330,7 +330,8 @@ def _locked(folder: Path) -> Iterator[None]:
         return
     fd = os.open(folder, os.O_RDONLY)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        with contextlib.suppress(OSError):  # a filesystem without locks: saves as before
+            fcntl.flock(fd, fcntl.LOCK_EX)
         yield
     finally:
         os.close(fd)  # (closing releases the lock)
