@@ -166,6 +166,12 @@ def entries(path: str | Path) -> list[Entry]:
     path = Path(path)
     if _is_orbax(path):
         return list(_orbax_entries(path))
+    _present(path)
+    return list(_safetensors_entries(path))
+
+
+def _present(path: Path) -> None:
+    """Raises Unreadable when `path` names nothing a safetensors reader could open."""
     if path.is_dir() and not any(
         p.name.endswith(".safetensors") or p.name.endswith(".json") for p in path.iterdir()
     ):
@@ -174,7 +180,6 @@ def entries(path: str | Path) -> list[Entry]:
         )
     if not path.exists() and not path.with_name(f"{path.name}.index.json").is_file():
         raise Unreadable(f"{path} does not exist.")
-    return list(_safetensors_entries(path))
 
 
 def _table(rows: list[list[str]]) -> str:
@@ -257,8 +262,7 @@ def verify(path: str) -> tuple[str, bool]:
 
     if _is_orbax(Path(path)):
         return _verify_orbax(Path(path))
-    if not Path(path).exists() and not Path(f"{path}.index.json").is_file():
-        raise Unreadable(f"{path} does not exist.")
+    _present(Path(path))
     result = check(path)
     summary = (
         f"{result.checked} tensors match their checksums, {len(result.damaged)} damaged, "

@@ -1,8 +1,19 @@
 """Models shared by the unit tests."""
 
+import dataclasses
+
 import jax
 
 from taktiny import nn
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Scaled:
+    """A custom PyTree parameter: an integer value and its scale (a quantized weight)."""
+
+    value: jax.Array
+    scale: jax.Array
 
 
 class MLP(nn.Module):

@@ -1,22 +1,13 @@
 """Custom PyTree parameter values (a quantized weight, say): whole in the nested state,
 flattened to arrays in the flat state, and loadable in both forms."""
 
-import dataclasses
-
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _models import Scaled
 
 import taktiny as tt
 from taktiny import nn
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class Scaled:
-    value: jax.Array
-    scale: jax.Array
 
 
 class Dense(nn.Module):

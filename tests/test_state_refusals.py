@@ -3,14 +3,13 @@ inf, tracers leaked out of finished transformations, deleted arrays, NumPy maske
 and states that contain themselves or nest deeper than the tree. Each is one
 `StateDictError` problem naming the key (its exact message is in test_errors.py)."""
 
-import dataclasses
 import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _models import MLP
+from _models import MLP, Scaled
 
 import taktiny as tt
 from taktiny import _state, nn
@@ -239,13 +238,6 @@ def test_a_masked_array_is_refused_with_how_to_unmask_it(mask):
 class Deep(nn.Module):
     def __init__(self):
         self.encoder = {"block": MLP(rngs=nn.Rngs(0))}
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class Scaled:
-    value: jax.Array
-    scale: jax.Array
 
 
 class Dense(nn.Module):

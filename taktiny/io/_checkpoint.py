@@ -83,7 +83,8 @@ def open_safetensors(path: str | os.PathLike[str]) -> Checkpoint:
     return Checkpoint(path, tensors, metadata, _layouts(path, [(path, metadata)], tensors))
 
 
-_SHARD = re.compile(r".+-\d{5}-of-\d{5}(-[0-9a-f]{8})?\.safetensors")
+# a shard's file name, Hugging Face's or with a save's own suffix (see `_save`): its stem
+SHARD = re.compile(r"(.+)-\d{5}-of-\d{5}(?:-[0-9a-f]{8})?\.safetensors")
 _INDEX = ".index.json"
 
 
@@ -111,7 +112,7 @@ def _find(path: Path) -> Path:
         files = [p for p in path.iterdir() if not p.name.startswith(".")]
         singles = {p.name for p in files if p.name.endswith(".safetensors")}
         stems = {p.name[: -len(_INDEX)] for p in files if p.name.endswith(f".safetensors{_INDEX}")}
-        stems |= {name for name in singles if not _SHARD.fullmatch(name)}
+        stems |= {name for name in singles if not SHARD.fullmatch(name)}
         if len(stems) == 1:
             (stem,) = stems
             single = path / stem

@@ -25,8 +25,7 @@ from . import _quantized as qz
 
 MAP_FLAGS = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
 _CHUNK = 1 << 30  # bytes per preadv call (Linux moves at most ~2 GiB per call)
-_PIECE = 4 << 20  # bytes per read when each piece is handed on as it is read
-_VERIFY_CHUNK = 8 << 20  # bytes hashed per read when a block read verifies its whole tensor
+_PIECE = 4 << 20  # bytes per read when each piece is hashed (or handed on to be) as it is read
 
 
 class SafetensorsError(ValueError):
@@ -81,7 +80,7 @@ class Tensor:
         read from disk into a fresh read-only aligned buffer; only the block's bytes are
         kept. With `verify` (and a ``checksum``), the bytes are checked against it first:
         those read, for the whole tensor; the whole tensor's, streamed through the hash
-        in 8 MiB pieces, for a block."""
+        in 4 MiB pieces, for a block."""
         bounds = self._bounds(index)
         whole = all(b == (0, n) for b, n in zip(bounds, self.shape, strict=True))
         if verify and not whole:
@@ -114,15 +113,15 @@ class Tensor:
                 raise self.damaged(got)
 
     def verify(self) -> None:
-        """Reads this tensor's stored bytes through the hash, 8 MiB at a time, and raises
+        """Reads this tensor's stored bytes through the hash, 4 MiB at a time, and raises
         :class:`SafetensorsError` when they do not match ``checksum`` (no-op without one)."""
         if self.checksum is None:
             return
         stream = _checksum.streaming()
-        piece = memoryview(bytearray(min(self.nbytes, _VERIFY_CHUNK)))
+        piece = memoryview(bytearray(min(self.nbytes, _PIECE)))
         with open(self.file, "rb", buffering=0) as f:
-            for at in range(0, self.nbytes, _VERIFY_CHUNK):
-                part = piece[: min(_VERIFY_CHUNK, self.nbytes - at)]
+            for at in range(0, self.nbytes, _PIECE):
+                part = piece[: min(_PIECE, self.nbytes - at)]
                 _pread(f.fileno(), part, self.offset + at, self)
                 stream.update(part)
         got = stream.hexdigest()

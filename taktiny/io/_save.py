@@ -26,6 +26,9 @@ import numpy as np
 from .. import _tree
 from . import _checksum
 from . import _quantized as qz
+from ._checkpoint import SHARD
+from ._checkpoint import _weight_map as read_weight_map
+from ._read import SafetensorsError
 
 _SUFFIX = ".safetensors"
 _RESERVED = ("format", "taktiny_version", qz.PACKED, qz.QUANTIZED, _checksum.KEY)
@@ -302,7 +305,7 @@ class _Commit:
         return _TEMPORARY.fullmatch(name) is not None and self._ours(name[1:].rsplit(".", 2)[0])
 
     def _shard(self, name: str) -> bool:
-        return name.startswith(self.stem) and _SHARD.fullmatch(name[len(self.stem) :]) is not None
+        return (found := SHARD.fullmatch(name)) is not None and found.group(1) == self.stem
 
     def _ours(self, final: str) -> bool:
         return final in (self.target.name, self.index.name) or self._shard(final)
@@ -314,7 +317,6 @@ class _Commit:
             _fsync(folder)
 
 
-_SHARD = re.compile(r"-\d{5}-of-\d{5}(-[0-9a-f]{8})?\.safetensors")
 _TEMPORARY = re.compile(r"\..+\.[0-9a-f]{12}\.tmp")
 
 
@@ -357,9 +359,8 @@ def _entries(folder: Path) -> list[Path]:
 def _weight_map(index: Path) -> set[str] | None:
     """The shard files an index names, or None when it is missing or unreadable."""
     try:
-        weight_map = json.loads(index.read_bytes())["weight_map"]
-        return {str(v) for v in weight_map.values()}
-    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError):
+        return set(read_weight_map(index).values())
+    except (OSError, SafetensorsError):
         return None
 
 

@@ -22,7 +22,7 @@ class Verified(NamedTuple):
 
 def verify(path: str | os.PathLike[str]) -> Verified:
     """Reads every tensor of the checkpoint at `path` (a file, an index or a folder, as
-    :func:`~taktiny.io.open_safetensors` takes them) through its checksum, 8 MiB at a time.
+    :func:`~taktiny.io.open_safetensors` takes them) through its checksum, 4 MiB at a time.
 
     Raises:
         SafetensorsError: for a checkpoint whose headers or index cannot be read.
