@@ -28,13 +28,23 @@ property: $(STAMP)
 # first time; then those of changed functions), the survivors again against today's tests,
 # then the report (mutants/report.md); fails when a kill rate misses its target. The map of
 # which tests reach which function is rebuilt each time (mutmut updates it only for tests
-# with new names, so a changed test would keep its old reach). `rm -rf mutants` first for a
-# run from scratch.
+# with new names, so a changed test would keep its old reach). `rm -rf mutants` and an
+# empty tests/mutation_results.json (`{}`) first for a run from scratch.
+# `make mutate MUTANTS='taktiny.io.*'` judges only the not-yet-judged mutants whose names
+# match (mutmut's names: module path, function, number). Results are kept in
+# tests/mutation_results.json (commit it), which the next run, on any machine, starts from.
 MUTMUT := TAKTINY_TEST_COMPILATION_CACHE=$(CURDIR)/.jax-cache $(VENV)/bin/mutmut run --max-children 2
+MUTANTS ?=
 mutate: $(STAMP)
 	rm -f mutants/mutmut-stats.json
-	$(MUTMUT)
-	$(MUTMUT) $$($(PY) tests/mutation_report.py --survivors)
+	$(PY) tests/mutation_report.py --restore
+	set -f; if [ -z "$(MUTANTS)" ]; then $(MUTMUT); else \
+	names="$$($(PY) tests/mutation_report.py --pending $(MUTANTS))"; \
+	if [ -n "$$names" ]; then $(MUTMUT) $$names; fi; fi; \
+	status=$$?; $(PY) tests/mutation_report.py --record; exit $$status
+	survivors="$$($(PY) tests/mutation_report.py --survivors)"; \
+	if [ -n "$$survivors" ]; then $(MUTMUT) $$survivors; fi; \
+	status=$$?; $(PY) tests/mutation_report.py --record; exit $$status
 	$(PY) tests/mutation_report.py
 
 bench: $(STAMP)

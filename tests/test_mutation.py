@@ -32,6 +32,17 @@ def test_patterns():
         compile_pattern("")
 """
 
+SEES_NOTHING = """
+from taktiny._patterns import compile_pattern
+
+def test_patterns():  # reaches the function, so that mutmut runs it, and checks nothing
+    try:
+        compile_pattern("a.*.c")
+    except Exception as error:
+        if type(error).__module__.startswith("mutmut"):  # its check that a failure is seen
+            raise
+"""
+
 
 def test_mutmut_runs_the_configured_pipeline_on_one_function(tmp_path):
     config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["mutmut"]
@@ -55,6 +66,21 @@ def test_mutmut_runs_the_configured_pipeline_on_one_function(tmp_path):
     assert mutation_report.main(["--mutants", str(tmp_path / "mutants"), "--no-targets"]) == 0
     report = (tmp_path / "mutants" / "report.md").read_text()
     assert re.search(r"\| taktiny/_patterns\.py \| \d+ \| \d+ \|", report)
+
+    # kept, removed, restored: mutmut keeps the results of functions whose hash is the same
+    kept = tmp_path / "kept.json"
+    mutation_report.record(tmp_path / "mutants", kept)
+    shutil.rmtree(tmp_path / "mutants")
+    assert mutation_report.restore(tmp_path / "mutants", kept) == 1
+    rerun = "taktiny._patterns.x_compile_pattern__mutmut_1"
+    (tmp_path / "tests" / "test_smoke.py").write_text(SEES_NOTHING)
+    run = subprocess.run([sys.executable, "-m", "mutmut", "run", "--max-children", "2", rerun],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    again = mutation_report.read(tmp_path / "mutants")["taktiny/_patterns.py"]
+    assert again[rerun] == 0  # judged again, against a test that checks nothing
+    assert {n: c for n, c in again.items() if n in codes and n != rerun} == {
+        n: c for n, c in codes.items() if n != rerun}  # fmt: skip
 
 
 def _toml(value):
@@ -109,3 +135,47 @@ def test_the_report_counts_equivalents_apart_and_refuses_stale_ones(tmp_path, ca
     meta.write_text(json.dumps({"exit_code_by_key": codes}))
     assert mutation_report.main(args) == 1
     assert "lists m.gone__mutmut_1, which is no longer a mutant" in capsys.readouterr().out
+
+
+def test_the_last_waves_files_are_held_to_their_own_target(tmp_path, capsys):
+    root = tmp_path / "mutants" / "taktiny"
+    (root / "io").mkdir(parents=True)
+
+    def write(path: str, killed: int, survived: int) -> None:
+        codes = {f"m.{path}__mutmut_{i}": 1 if i < killed else 0 for i in range(killed + survived)}
+        (root / path).write_text(json.dumps({"exit_code_by_key": codes}))
+
+    write("_x.py.meta", 100, 0)
+    write("io/_save.py.meta", 96, 4)  # the core group: 98% killed, over its 90%
+    equivalents = tmp_path / "eq.toml"
+    equivalents.write_text("[mutants]\n")
+    args = ["--mutants", str(tmp_path / "mutants"), "--equivalents", str(equivalents)]
+    assert mutation_report.main(args) == 1
+    assert "taktiny/io/_save.py 96.0% killed, 0 not run (target 97%" in capsys.readouterr().out
+    write("io/_save.py.meta", 97, 3)
+    assert mutation_report.main(args) == 0
+    write("_x.py.meta", 90, 10)  # a file outside the list only counts in its group
+    assert mutation_report.main(args) == 0
+
+
+def test_results_are_kept_and_restored_and_pending_ones_named(tmp_path):
+    meta = tmp_path / "mutants" / "taktiny" / "io" / "_x.py.meta"
+    meta.parent.mkdir(parents=True)
+    codes = {"taktiny.io._x.x_f__mutmut_1": 1, "taktiny.io._x.x_f__mutmut_2": None,
+             "taktiny.io._x.xǁCǁm__mutmut_1": 0}  # fmt: skip
+    meta.write_text(json.dumps({"exit_code_by_key": codes, "hash_by_function_name": {
+        "x_f": "ab", "xǁCǁm": "cd"}, "type_check_error_by_key": {}, "durations_by_key": {},
+        "estimated_durations_by_key": {}}))  # fmt: skip
+    kept = tmp_path / "kept.json"
+    assert mutation_report.record(tmp_path / "mutants", kept) == 3
+    assert mutation_report.restore(tmp_path / "mutants", kept) == 0  # never over newer results
+    meta.unlink()
+    assert mutation_report.restore(tmp_path / "mutants", kept) == 1
+    back = json.loads(meta.read_text())
+    assert back["exit_code_by_key"] == codes
+    assert back["hash_by_function_name"] == {"x_f": "ab", "xǁCǁm": "cd"}
+    results = mutation_report.read(tmp_path / "mutants")
+    assert mutation_report.pending(results, ["taktiny.io.*"]) == ["taktiny.io._x.x_f__mutmut_2"]
+    assert mutation_report.pending(results, ["taktiny.nn.*"]) == []
+    assert mutation_report.pending({}, ["taktiny.io.*"]) == ["taktiny.io.*"]  # from scratch
+    assert mutation_report.restore(tmp_path / "elsewhere", tmp_path / "none.json") == 0
