@@ -68,13 +68,24 @@ def record(mutants: Path, results: Path) -> int:
     for meta in sorted(mutants.rglob("*.py.meta")):
         source = str(meta.relative_to(mutants))[: -len(".meta")]
         data = json.loads(meta.read_text())
-        codes: dict[str, dict[str, int | None]] = {}
+        numbered: dict[str, dict[int, int | None]] = {}
         for key, code in data["exit_code_by_key"].items():
             function, _, number = key.rpartition(".")[2].rpartition("__mutmut_")
-            codes.setdefault(function, {})[number] = code
+            numbered.setdefault(function, {})[int(number)] = code
+        # a function's mutants are numbered 1 to n: their codes as a list, in that order
+        codes = {f: [c[n] for n in range(1, len(c) + 1)] for f, c in numbered.items()}
         kept[source] = {"hashes": data["hash_by_function_name"], "codes": codes}
-    results.write_text(json.dumps(kept, indent=0, sort_keys=True, ensure_ascii=False) + "\n")
+    lines = []  # one line per function, so that a diff shows which functions changed
+    for source, entry in sorted(kept.items()):
+        rows = [f"  {_json(f)}: {_json(c)}" for f, c in sorted(entry["codes"].items())]
+        lines.append(f"{_json(source)}: {{\"hashes\": {_json(entry['hashes'])}, \"codes\": {{\n"
+                     + ",\n".join(rows) + "}}")  # fmt: skip
+    results.write_text("{\n" + ",\n".join(lines) + "\n}\n")
     return sum(len(c) for f in kept.values() for c in f["codes"].values())
+
+
+def _json(value: object) -> str:
+    return json.dumps(value, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
 
 
 def restore(mutants: Path, results: Path) -> int:
@@ -89,8 +100,8 @@ def restore(mutants: Path, results: Path) -> int:
             continue
         module = source.removesuffix(".py").replace("/", ".")
         codes = {f"{module}.{function}__mutmut_{number}": code
-                 for function, numbers in kept["codes"].items()
-                 for number, code in numbers.items()}  # fmt: skip
+                 for function, listed in kept["codes"].items()
+                 for number, code in enumerate(listed, 1)}  # fmt: skip
         meta.parent.mkdir(parents=True, exist_ok=True)
         meta.write_text(json.dumps({
             "exit_code_by_key": codes, "hash_by_function_name": kept["hashes"],
