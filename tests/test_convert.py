@@ -230,6 +230,131 @@ def test_rule_errors_name_the_rule():
         cv.Rule("a.*", "b.*")
 
 
+def test_a_rule_that_matches_nothing_is_told_what_to_check():
+    source = {"encoder.0.bias": np.zeros(3, np.float32), "w": np.zeros(3, np.float32)}
+    rules = [
+        cv.Rule("w", "b"),
+        cv.Rule("encodr.{i}.bias", "x.{i}"),  # its captures read as '*'
+        cv.Rule(r"enc\.(?P<i>\d+)\.bias", "y.{i}", regex=True),
+        cv.Rule("a.*{i}*", "z.{i}"),  # 'a.***' is no pattern
+        cv.Ignore("encoder.**"),
+        cv.Tie("lm_head", same_as="w"),
+    ]
+    target = {"b": jax.ShapeDtypeStruct((3,), jnp.float32)}
+    with pytest.raises(cv.ConversionError) as info:
+        cv.check(rules, source, target=target)
+    assert str(info.value).splitlines()[0] == "convert.check: 4 problems; nothing was converted."
+    assert [str(p) for p in info.value.problems] == [
+        "[unmatched] 'encodr.{i}.bias': Rule('encodr.{i}.bias' -> 'x.{i}', identity()) matched "
+        "no source name; did you mean 'encoder.*.bias'?.",
+        r"[unmatched] 'enc\\.(?P<i>\\d+)\\.bias': Rule('enc\\.(?P<i>\\d+)\\.bias' -> 'y.{i}', "
+        "identity()) matched no source name; check the regular expression against the names.",
+        "[unmatched] 'a.*{i}*': Rule('a.*{i}*' -> 'z.{i}', identity()) matched no source name; "
+        "check the pattern against the names.",
+        "[unmatched] 'lm_head': Tie('lm_head', same_as='w') matched no source name; no name is "
+        "close to it.",
+    ]
+
+
+RULE_ERRORS = [  # (make the rule, its whole message)
+    (lambda: cv.Rule("", "b"),
+     "Rule('' -> 'b', identity()): a name template is a non-empty string, got ''."),
+    (lambda: cv.Rule("a..b", "b"),
+     "Rule('a..b' -> 'b', identity()): the template 'a..b' has an empty part."),
+    (lambda: cv.Rule("a.[x", "b"),
+     "Rule('a.[x' -> 'b', identity()): the pattern 'a.[x' has a '[' without its ']'."),
+    (lambda: cv.Rule([], "b"),
+     "Rule('?' -> 'b', identity()): a rule needs at least one source and one target."),
+    (lambda: cv.Rule("a", []),
+     "Rule('a' -> [], identity()): a rule needs at least one source and one target."),
+    (lambda: cv.Rule("a(", "b", regex=True),
+     "Rule('a(' -> 'b', identity()): the source is not a valid regular expression: missing ), "
+     "unterminated subpattern at position 2. Escape the dots in names (r'layers\\.0'), or pass "
+     "a template without regex=True."),
+    (lambda: cv.Rule("a.*", ["b", "c?"]),
+     "Rule('a.*' -> ['b', 'c?'], identity()): the target 'c?' has a wildcard; a target names "
+     "one parameter, with {name} captures from the source only."),
+    (lambda: cv.Rule(["a.{i}", "c"], "b.{i}"),
+     "Rule(['a.{i}', 'c'] -> 'b.{i}', identity()): the target uses ['i'], which the source "
+     "'c' does not capture."),
+    (lambda: cv.Rule(r"a\.(?P<i>\d+)", "b.{j}.{i}.{k}", regex=True),
+     "Rule('a\\\\.(?P<i>\\\\d+)' -> 'b.{j}.{i}.{k}', identity()): the target uses ['j', 'k'], "
+     "which the source 'a\\\\.(?P<i>\\\\d+)' does not capture."),
+    (lambda: cv.Rule("a.{j}.{i}", "b"),
+     "Rule('a.{j}.{i}' -> 'b', identity()): the captures ['i', 'j'] are not in the target; a "
+     "rule gathers over at most one capture, from a single source template."),
+    (lambda: cv.Rule(["a.{i}", "c.{i}"], "b"),
+     "Rule(['a.{i}', 'c.{i}'] -> 'b', identity()): the captures ['i'] are not in the target; "
+     "a rule gathers over at most one capture, from a single source template."),
+    (lambda: cv.Ignore(), "Ignore() needs at least one name pattern."),
+    (lambda: cv.Tie("a.*", same_as="b"),
+     "Tie('a.*', same_as='b'): both names must be templates with the same captures and no "
+     "wildcards, so each tied name has exactly one partner."),
+    (lambda: cv.Tie("a", same_as="b.[c]"),
+     "Tie('a', same_as='b.[c]'): both names must be templates with the same captures and no "
+     "wildcards, so each tied name has exactly one partner."),
+    (lambda: cv.Tie("a.{i}", same_as="b.{j}"),
+     "Tie('a.{i}', same_as='b.{j}'): both names must be templates with the same captures and "
+     "no wildcards, so each tied name has exactly one partner."),
+    (lambda: cv.Tie("a", same_as="b..c"), "Tie('a', same_as='b..c'): the template 'b..c' has "
+     "an empty part."),
+    (lambda: cv.Tie("a.[b", same_as="c"), "Tie('a.[b', same_as='c'): the pattern 'a.[b' has a "
+     "'[' without its ']'."),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("make, message", RULE_ERRORS)
+def test_rule_errors_are_whole_sentences_that_name_the_rule(make, message):
+    with pytest.raises(ValueError) as info:
+        make()
+    assert str(info.value) == message
+
+
+def test_an_ignore_names_its_patterns_in_its_errors():
+    with pytest.raises(ValueError, match=r"^Ignore\('x', 'a..b'\): the template 'a..b' has an "):
+        cv.Ignore("x", "a..b")
+    assert repr(cv.Ignore("a", "b.*")) == "Ignore('a', 'b.*')"
+
+
+def test_a_regex_rule_may_anchor_its_expression():
+    anchored = cv.Rule(r"^layers\.(?P<i>\d+)\.weight$", "k.{i}", regex=True)
+    assert anchored.patterns[0].fullmatch(".layers.3.weight").groupdict() == {"i": "3"}
+    assert not anchored.patterns[0].fullmatch(".layers.3.weight.x")
+
+
+def test_a_regex_rule_matches_an_escaped_dollar_as_a_character():
+    dollar = cv.Rule(r"cost\$", "cost", regex=True)  # an escaped '$' is a character
+    assert dollar.patterns[0].fullmatch(".cost$") and not dollar.patterns[0].fullmatch(".cost")
+
+
+def test_rules_know_their_captures_and_whether_they_export():
+    rule = cv.Rule(["a.{j}.{i}", "c.{i}.{j}"], "b.{i}.{j}")
+    assert (rule.kept, rule.gathered) == (("i", "j"), None)
+    assert rule.target_names({"i": "1", "j": "x"}) == ("b.1.x",)
+    assert (cv.Rule("a.{i}", "b").kept, cv.Rule("a.{i}", "b").gathered) == ((), "i")
+    matches = lambda rule, name: rule.patterns[0].fullmatch("." + name)
+    deep = cv.Rule("enc.**.bias", "bias")
+    assert matches(deep, "enc.bias") and matches(deep, "enc.a.b.bias")
+    assert not matches(deep, "enc.a.weight")
+    within = cv.Rule("h.layer_{i}x.w", "l.{i}")  # a capture inside a part
+    assert within.patterns[0].fullmatch(".h.layer_3x.w").groupdict() == {"i": "3"}
+    assert not matches(within, "h.layer_3.w")
+    assert cv.Rule("X.Y", "Z.X").targets == ("Z.X",)  # capital letters are no wildcards
+    twice = cv.Rule("a.{i}.b.{i}", "c.{i}")  # a capture used twice must capture alike
+    assert twice.patterns[0].fullmatch(".a.1.b.1") and not twice.patterns[0].fullmatch(".a.1.b.2")
+    assert cv.Rule("x", "y").irreversible() is None
+    assert cv.Rule(r"x\.(?P<i>\d+)", "y.{i}", regex=True).irreversible() == (
+        "its source is a regular expression, not a template that names one source"
+    )
+    assert cv.Rule("x.*", "y").irreversible() == (
+        "its source has a wildcard, so it does not name one source"
+    )
+    assert cv.Rule("x", "y", cv.cast("float32")).irreversible() == (
+        "its transform cast('float32') has no inverse"
+    )
+    assert repr(cv.Tie("a", same_as="b")) == "Tie('a', same_as='b')"  # fmt: skip
+
+
 def test_regex_rules_convert_but_do_not_export():
     rules = [
         cv.Rule(r"(?P<i>\d+)\.weight", "layers.{i}.kernel", cv.transpose(), regex=True),
@@ -344,3 +469,164 @@ def test_convert_quantize_and_dequantize_invert_each_other():
     assert cv.quantize(4, 0, 8) == rule.transform.inverse.inverse
     with pytest.raises(ValueError, match=r"dequantize\(axis=0\) takes two arrays, the values and the scales, got 1"):  # fmt: skip
         cv.dequantize()((w,))
+
+
+def test_the_converted_mapping_makes_each_value_on_lookup_from_its_own_sources():
+    rules = [cv.Rule("fused", ["a", "b"], cv.split(0)), cv.Rule("c", "c")]
+    f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
+    source = Lazy({"fused": [1.0, 2.0, 3.0, 4.0], "c": np.zeros(3, np.float32)})  # a list too
+    flat = cv.convert(rules, source, target={"c": f32(3), "b": f32(2), "a": f32(2)})
+    assert repr(flat) == "Converted(3 names from 2 steps)" and len(flat) == 3
+    assert list(flat) == ["c", "b", "a"]  # the target's order
+    source.read.clear()  # (the check read the shapes)
+    assert "a" in flat and "fused" not in flat and source.read == []  # nothing read to know
+    assert [s.targets for s in flat.steps] == [("a", "b"), ("c",)]
+    np.testing.assert_array_equal(flat["b"], [3.0, 4.0])
+    assert source.read == ["fused"]
+    np.testing.assert_array_equal(flat["a"], [1.0, 2.0])  # kept from the split: not read
+    assert source.read == ["fused"]
+    np.testing.assert_array_equal(flat["a"], [1.0, 2.0])  # looked up again: made again
+    assert source.read == ["fused", "fused"]
+    abstract = cv.convert(rules, {"fused": f32(4), "c": f32(3)}, target={"a": f32(2), "b": f32(2), "c": f32(3)})  # fmt: skip
+    assert abstract["b"] == f32(2) and abstract["c"] == f32(3)
+
+
+def test_export_and_round_trip_errors_name_every_leaf_and_why():
+    rules = [
+        cv.Rule("fused", ["a", "b"], cv.split(0)),
+        cv.Rule("c", "c", cv.cast("float32")),
+        cv.Rule("{i}.w", "layers.{i}.w", cv.transpose()),
+    ]
+    model = {"a": np.zeros(2, np.float32), "c": np.zeros(2, np.float32), "d": np.zeros(1),
+             "layers.0.w": np.ones((2, 3), np.float32)}  # fmt: skip
+    with pytest.raises(cv.ConversionError) as info:
+        cv.export(rules, model)
+    assert str(info.value) == (
+        "convert.export: 3 problems; nothing was converted.\n"
+        "  - [missing] 'd': no rule produces this leaf, so export cannot name it; add a Rule.\n"
+        "  - [irreversible] 'a': Rule('fused' -> ['a', 'b'], split(axis=0)) cannot export it: "
+        "the model lacks ['b'].\n"
+        "  - [irreversible] 'c': Rule('c' -> 'c', cast('float32')) cannot export it: its "
+        "transform cast('float32') has no inverse."
+    )
+    with pytest.raises(ValueError) as info:  # a target no name can have, met on export
+        cv.export([cv.Rule("x", "a..b")], {"a..b": np.zeros(2)})
+    assert str(info.value) == "Rule('x' -> 'a..b', identity()): the template 'a..b' has an empty part."  # fmt: skip
+    halves = [cv.Rule("x", "x", cv.cast("float16", source_dtype="float32"))]
+    with pytest.raises(cv.ConversionError) as info:
+        cv.round_trip_check(halves, {"x": np.ones(2, np.float32)})
+    assert str(info.value) == (
+        "convert.round_trip_check: 1 problem; nothing was converted.\n"
+        "  - [round_trip] 'x': export then convert gives float16[2] with other values than the "
+        "model's float32[2]; a transform and its inverse disagree."
+    )
+    tied = [cv.Rule("e", "e"), cv.Tie("h", same_as="e")]
+    target = {"e": jax.ShapeDtypeStruct((2,), jnp.float32)}
+    with pytest.raises(cv.ConversionError) as info:
+        cv.convert(tied, {"e": np.ones(2, np.float32), "h": np.ones(3, np.float32)}, target=target)
+    assert str(info.value) == (
+        "convert.convert: 1 problem; nothing was converted.\n"
+        "  - [tie] 'h': is tied to 'e' but holds float32[3], not float32[2]."
+    )
+    with pytest.raises(cv.ConversionError) as info:
+        cv.convert(tied, {"e": np.ones(2, np.float32), "h": np.zeros(2, np.float32)}, target=target)
+    assert (
+        str(info.value).splitlines()[1] == "  - [tie] 'h': is tied to 'e', but their values differ."
+    )
+
+
+def test_coverage_problems_read_in_full():
+    source = {
+        "0.weight": np.zeros((8, 4), np.float32),
+        "0.bias": np.zeros(8, np.int32),
+        "zero.weight": np.zeros((8, 4), np.float32),
+        "2.bias": np.zeros(4, np.float32),
+        "extra.scale": np.zeros(1, np.float32),
+        "3.weight": np.zeros((3, 8), np.float32),
+    }
+    rules = [
+        cv.Rule("zero.weight", "layers.0.kernel", cv.transpose()),
+        cv.Rule("{i}.weight", "layers.{i}.kernel", cv.transpose()),
+        cv.Rule("0.bias", "layers.0.bias"),
+        cv.Rule("2.bias", "layers.2.bias"),
+        cv.Rule("encoder.{i}.bias", "layers.{i}.bias"),
+    ]
+    with pytest.raises(cv.ConversionError) as info:
+        cv.convert(rules, source, target=tt.eval_shape(mlp))
+    missing = ("no rule produces this target leaf; add a Rule, or allow it (allow={'missing': "
+               "[...]}) and load with strict=False.")  # fmt: skip
+    assert str(info.value).splitlines() == [
+        "convert.convert: 7 problems; nothing was converted.",
+        "  - [unused] 'extra.scale': no rule consumes or ignores this source name; add a Rule "
+        "for it, or an Ignore.",
+        "  - [unmatched] 'encoder.{i}.bias': Rule('encoder.{i}.bias' -> 'layers.{i}.bias', "
+        "identity()) matched no source name; no name is close to it.",
+        "  - [duplicate] 'layers.0.kernel': produced 2 times, from [['0.weight'], "
+        "['zero.weight']]; make the patterns disjoint.",
+        "  - [dtype] 'layers.0.bias': dtype kind changes: the target holds float32[8], the rule "
+        "makes int32[8]; add a cast, or fix the rule.",
+        "  - [shape] 'layers.2.bias': shape mismatch: the target holds float32[3], the rule makes "
+        "float32[4] from ['2.bias']; fix its transform.",
+        "  - [unknown] 'layers.3.kernel': produced from ['3.weight'], but the target has no such "
+        "leaf; did you mean 'layers.2.kernel'?",
+        f"  - [missing] 'layers.2.kernel': {missing}",
+    ]
+    f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
+    with pytest.raises(cv.ConversionError) as info:  # one problem, the others allowed
+        cv.check([cv.Rule("a", "zzzzzz_qqq")], {"a": np.zeros(2, np.float32)},
+                 target={"b": f32(2)}, allow={"missing": ["b"]})  # fmt: skip
+    assert str(info.value).splitlines() == [
+        "convert.check: 1 problem; nothing was converted.",
+        "  - [unknown] 'zzzzzz_qqq': produced from ['a'], but the target has no such leaf; fix "
+        "the rule's target template.",
+    ]
+    targets = {n: f32(1) for n in "abc"}
+    with pytest.raises(cv.ConversionError) as info:
+        cv.check([cv.Rule("f", ["a", "b", "c"], cv.split(0, [1, 1]))], {"f": np.zeros(2)},
+                 target=targets, allow={"missing": ["*"]})  # fmt: skip
+    assert str(info.value).splitlines()[1] == (
+        "  - [transform] 'f': Rule('f' -> ['a', 'b', 'c'], split(axis=0, sizes=(1, 1))) failed "
+        "on ['f']: it made 2 arrays for 3 targets"
+    )
+    with pytest.raises(cv.ConversionError) as info:
+        cv.check([cv.Rule("layers.{i}.w", "w", cv.stack())], {"layers.1.w": np.zeros(2)},
+                 target={"w": f32(1, 2)}, allow={"missing": ["w"]})  # fmt: skip
+    assert str(info.value).splitlines()[1] == (
+        "  - [gather] 'layers.1.w': Rule('layers.{i}.w' -> 'w', stack(axis=0)) gathers {i} over "
+        "['1'], which must be 0, 1, ..., n-1."
+    )
+    for allow in [{"missing": "b"}, {"shape": ["b"]}]:
+        kind, patterns = next(iter(allow.items()))
+        with pytest.raises(ValueError) as info:
+            cv.check([], {}, target={}, allow=allow)
+        assert str(info.value) == (
+            "allow takes {kind: [patterns]} with kinds ['unused', 'missing', 'unknown', "
+            f"'unmatched'], got {kind!r}: {patterns!r}. Shapes, dtypes and duplicates are never "
+            "allowed: fix the rule."
+        )
+    report = cv.check(
+        [cv.Rule("a", "b"), cv.Rule("x.{i}", "y.{i}")],
+        {"a": np.zeros(2, np.float32), "q": np.zeros(1)},
+        target={"b": f32(2), "m.n": f32(1)},
+        allow={"unused": ["q"], "missing": ["m.*"], "unmatched": ["x.{i}"]},  # a rule by name
+    )
+    assert [(p.kind, p.name) for p in report.allowed] == [
+        ("unused", "q"), ("unmatched", "x.{i}"), ("missing", "m.n")]  # fmt: skip
+    assert [(s.sources, s.targets) for s in report.steps] == [(("a",), ("b",))]
+
+
+def test_coverage_reads_shapes_and_dtypes_without_the_data_where_it_can():
+    from taktiny.convert._coverage import spec
+
+    class Handle:  # a lazy tensor: shape and dtype, and data it must not read
+        shape, dtype = [4, 2], "float16"
+
+        def __array__(self, *args: Any, **kwargs: Any) -> Any:
+            raise AssertionError("read")
+
+    f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
+    assert spec(Handle()) == jax.ShapeDtypeStruct((4, 2), jnp.float16)
+    assert spec(np.zeros((2, 3), np.float64)) == f32(2, 3)  # as JAX would hold it
+    assert spec(jax.ShapeDtypeStruct((2,), jnp.float64)) == f32(2)
+    assert spec([1, 2]) == jax.ShapeDtypeStruct((2,), jnp.int32)  # read: no shape
+    assert spec(torch.zeros(2, 3)) == f32(2, 3)  # read: a torch dtype is not NumPy's

@@ -3,6 +3,7 @@ torch model, matches its outputs, exports back into a fresh torch model loaded w
 strict=True and matches again; and the parity helper that proves it."""
 
 import copy
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -128,9 +129,58 @@ def test_conv_presets_permute_and_mirror_the_kernel(kernel_size, groups, transpo
     assert [repr(r) for r in cv.pytorch(model)] == [repr(r) for r in rules]
 
 
+def test_presets_put_their_rules_under_the_prefixes_given():
+    """Each preset at a source and a target prefix, with its defaults and its options."""
+    shown = lambda rules: [repr(r) for r in rules]
+    K, B, ID = "'e.{i}.weight' -> 'b.{i}.kernel'", "'e.{i}.bias' -> 'b.{i}.bias'", "identity()"
+    assert shown(cv.linear("e.{i}", "b.{i}")) == [f"Rule({K}, transpose())", f"Rule({B}, {ID})"]
+    assert shown(cv.linear("e.{i}", "b.{i}", bias=False)) == [f"Rule({K}, transpose())"]
+    assert shown(cv.conv("e.{i}", "b.{i}", dims=2)) == [
+        f"Rule({K}, transpose((2, 3, 1, 0)))", f"Rule({B}, {ID})"]  # fmt: skip
+    assert shown(cv.conv("e.{i}", "b.{i}", dims=1, bias=False)) == [f"Rule({K}, transpose((2, 1, 0)))"]  # fmt: skip
+    assert shown(cv.conv_transpose("e.{i}", "b.{i}", dims=1)) == [  # one group by default
+        f"Rule({K}, chain(transpose((2, 0, 1)), flip((0,))))", f"Rule({B}, {ID})"]  # fmt: skip
+    grouped = cv.conv_transpose("e.{i}", "b.{i}", dims=2, groups=3, in_features=6, out_features=9)
+    assert shown(grouped) == [
+        f"Rule({K}, chain(split(axis=0, sizes=(2, 2, 2)), concatenate(axis=1, sizes=(3, 3, 3)), "
+        "transpose((2, 3, 0, 1)), flip((0, 1))))",
+        f"Rule({B}, {ID})",
+    ]
+    assert shown(cv.layer_norm("e.{i}", "b.{i}")) == [
+        f"Rule('e.{{i}}.weight' -> 'b.{{i}}.scale', {ID})", f"Rule({B}, {ID})"]  # fmt: skip
+    assert shown(cv.layer_norm("e.{i}", "b.{i}", scale=False)) == [f"Rule({B}, {ID})"]
+    assert shown(cv.group_norm("e.{i}", "b.{i}", bias=False)) == [
+        f"Rule('e.{{i}}.weight' -> 'b.{{i}}.scale', {ID})"]  # fmt: skip
+    assert shown(cv.group_norm("e.{i}", "b.{i}", scale=False)) == [f"Rule({B}, {ID})"]
+    assert shown(cv.embedding("e.{i}", "b.{i}")) == [
+        f"Rule('e.{{i}}.weight' -> 'b.{{i}}.embedding', {ID})"]  # fmt: skip
+    assert shown(cv.batch_norm("e.{i}", "b.{i}")) == [
+        f"Rule('e.{{i}}.{s}' -> 'b.{{i}}.{t}', {ID})"
+        for s, t in [("weight", "scale"), ("bias", "bias"), ("running_mean", "mean"),
+                     ("running_var", "var")]
+    ] + ["Ignore('e.{i}.num_batches_tracked')"]  # fmt: skip
+    qkv = lambda part: [f"'b.{{i}}.{p}.{part}'" for p in ("query", "key", "value")]
+    assert shown(cv.multihead_attention("e.{i}", "b.{i}")) == [  # fused, with biases
+        f"Rule('e.{{i}}.in_proj_weight' -> [{', '.join(qkv('kernel'))}], chain(split(axis=0), "
+        "transpose()))",
+        f"Rule('e.{{i}}.in_proj_bias' -> [{', '.join(qkv('bias'))}], split(axis=0))",
+        "Rule('e.{i}.out_proj.weight' -> 'b.{i}.out.kernel', transpose())",
+        f"Rule('e.{{i}}.out_proj.bias' -> 'b.{{i}}.out.bias', {ID})",
+    ]
+    assert shown(cv.multihead_attention("e.{i}", "b.{i}", fused=False, bias=False)) == [
+        *(f"Rule('e.{{i}}.{p}_proj_weight' -> {k}, transpose())"
+          for p, k in zip("qkv", qkv("kernel"), strict=True)),
+        "Rule('e.{i}.out_proj.weight' -> 'b.{i}.out.kernel', transpose())",
+    ]  # fmt: skip
+
+
 def test_a_grouped_conv_transpose_needs_its_features():
     with pytest.raises(ValueError, match=r"conv_transpose\('up', 'up'\) with groups=2 needs in_f"):
         cv.conv_transpose("up", "up", dims=2, groups=2)
+    with pytest.raises(ValueError, match=r"with groups=2 needs in_features and out_features"):
+        cv.conv_transpose("up", "up", dims=2, groups=2, in_features=4)
+    with pytest.raises(ValueError, match=r"with groups=3 needs in_features and out_features"):
+        cv.conv_transpose("up", "up", dims=2, groups=3, out_features=6)
     with pytest.raises(
         ValueError, match=r"dims is the number of spatial axes of the kernel, got 0"
     ):
@@ -339,7 +389,12 @@ def test_parity_pairs_nested_outputs_in_order_and_names_them():
     # positions only on their side: our names; a lone array is "output"; None is dropped
     report = cv.parity(lambda x: {"hidden": x}, lambda x: (torch.from_numpy(x), None), x)
     assert [o.name for o in report.outputs] == ["hidden"]
-    assert [o.name for o in cv.parity(lambda x: x, lambda x: x, x).outputs] == ["output"]
+    lone = cv.parity(lambda x: x, lambda x: x, x)
+    assert [o.name for o in lone.outputs] == ["output"]
+    assert repr(lone) == "Parity of 1 output:\n  output  [2, 3]  max abs error 0.00e+00"
+    assert str(lone.outputs[0]) == "output  [2, 3]  max abs error 0.00e+00"
+    nothing = cv.parity(lambda x: None, lambda x: {"past": None}, x)
+    assert repr(nothing) == "Parity of 0 outputs:" and nothing.max_error == 0.0
     half = torch.from_numpy(x).to(torch.bfloat16)
     report = cv.parity(lambda x: jnp.asarray(x, jnp.bfloat16), lambda x: half, x, tolerance=0.0)
     assert report.max_error == 0.0
@@ -352,12 +407,14 @@ def test_parity_with_a_tolerance_names_every_output_over_it():
     report = cv.parity(ours, theirs, x)
     assert np.isnan(report.max_error) and np.isnan(report.outputs[2].max_error)
     assert "  2  ours [2, 3], theirs [1, 3]  shapes differ" in repr(report)
+    assert str(report.outputs[2]) == "2  ours [2, 3], theirs [1, 3]  shapes differ"
     message = (
         r"convert.parity: 3 of 4 outputs are not within the tolerance 1e-05:\n"
         r"  - '1': max abs error 1\n"
         r"  - '2': ours \[2, 3\], theirs \[1, 3\]: shapes differ\n"
         r"  - '3': an output holds NaN\n"
-        r"A missing transpose"
+        r"A missing transpose, a split in the wrong order or a wrong epsilon in the layers behind "
+        r"these outputs is the usual cause; compare layer by layer\.$"
     )
     with pytest.raises(AssertionError, match=message):
         cv.parity(ours, theirs, x, tolerance=1e-5)
@@ -377,3 +434,37 @@ def test_parity_catches_what_coverage_cannot_see():
     with pytest.raises(AssertionError, match=r"1 of 1 outputs .*\n  - 'output': max abs error"):
         cv.parity(lambda x: call(model, x), lambda x: call_torch(theirs, x), randn(3, 4),
                   tolerance=1e-5)  # fmt: skip
+
+
+def test_parity_names_nested_outputs_by_their_paths_and_positions():
+    class Pair(NamedTuple):
+        logits: Any
+        hidden: Any
+
+    x = randn(2, 3)
+    report = cv.parity(lambda x: {"a": {"b": x}, "c": [x]}, lambda x: ((x,), [x]), x)
+    assert [o.name for o in report.outputs] == ["a.b", "c.0"]  # theirs are positions only
+    report = cv.parity(lambda x: [[x, x]], lambda x: [x, x], x)  # positions on both sides
+    assert [o.name for o in report.outputs] == ["0", "1"]
+    report = cv.parity(lambda x: (x, x), lambda x: Pair(x, x + 1), x)
+    assert [o.name for o in report.outputs] == ["logits", "hidden"]
+    assert [o.max_error for o in report.outputs] == [0.0, pytest.approx(1.0, abs=1e-6)]
+
+    class OnDevice:  # an array with a `cpu` method that is no torch tensor
+        def cpu(self):
+            raise AssertionError("not a tensor")
+
+        def __array__(self, dtype=None, copy=None):
+            return np.zeros((2, 3), np.float32)
+
+    report = cv.parity(lambda x: np.zeros((2, 3), np.float32), lambda x: OnDevice(), x)
+    assert report.max_error == 0.0
+
+
+def test_parity_errors_of_empty_and_single_outputs():
+    empty, one = np.zeros((0, 3), np.float32), np.ones(1, np.float32)
+    report = cv.parity(lambda: (empty, one), lambda: (empty, one + 0.5))
+    assert [o.max_error for o in report.outputs] == [0.0, 0.5]
+    assert [(o.ours, o.theirs) for o in report.outputs] == [((0, 3), (0, 3)), ((1,), (1,))]
+    float16 = np.full(2, 1 + 2**-10, np.float16)  # the difference is taken in float64
+    assert cv.parity(lambda: float16, lambda: np.ones(2, np.float32)).max_error == 2**-10

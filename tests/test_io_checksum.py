@@ -124,6 +124,74 @@ def test_tensor_reads_verify_whole_tensors_and_blocks(saved):
     open_safetensors(path)["input.bias"].verify()
 
 
+def test_verify_false_reads_no_checksum_even_of_an_empty_source(tmp_path):
+    path = tmp_path / "wrong.safetensors"
+    save_safetensors(path, {"e": np.zeros(0, np.float32), "w": np.arange(4, dtype=np.float32)})
+    data = path.read_bytes()
+    (length,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8 : 8 + length])
+    record = json.loads(header["__metadata__"]["taktiny_checksums"])
+    record["tensors"] = {name: "0" * 32 for name in record["tensors"]}  # every digest wrong
+    header["__metadata__"]["taktiny_checksums"] = json.dumps(record)
+    text = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(text)) + text + data[8 + length :])
+    rules = [cv.Rule(["e", "w"], "w", cv.concatenate())]
+    target = {"w": jax.ShapeDtypeStruct((4,), jnp.float32)}
+    with pytest.raises(SafetensorsError, match=damaged(path, "w", "0" * 32)):
+        load_safetensors(target, path, rules=rules)
+    loaded = load_safetensors(target, path, rules=rules, verify=False)
+    assert np.array_equal(loaded["w"], np.arange(4, dtype=np.float32))
+
+
+def test_a_tensor_of_several_pieces_is_verified_piece_by_piece(tmp_path):
+    path = tmp_path / "big.safetensors"
+    big = np.arange(2**20 + 3, dtype=np.float32)  # 4 MiB and 12 bytes: two pieces of the hash
+    save_safetensors(path, {"big": big, "after": np.ones(5, np.float32)})
+    tensor = open_safetensors(path)["big"]
+    tensor.verify()  # both pieces, each where it is
+    assert np.array_equal(tensor.read([slice(1, 3)]), big[1:3])  # verified whole first
+    expected = flip(path, "big", byte=big.nbytes - 1)  # in the last, short piece
+    with pytest.raises(SafetensorsError, match=damaged(path, "big", expected)):
+        open_safetensors(path)["big"].verify()
+    flip(path, "big", byte=big.nbytes - 1)  # intact again
+    tensor = open_safetensors(path)["big"]
+    path.write_bytes(path.read_bytes()[:-30])  # cut after it was opened
+    with pytest.raises(
+        SafetensorsError,
+        match=rf"^{path}: the file ends inside the bytes of 'big'; it was truncated after it "
+        r"was opened\. Write it again\.$",
+    ):
+        tensor.verify()
+
+
+def test_packed_4_bit_tensors_check_and_read_into_their_packed_bytes(tmp_path):
+    path = tmp_path / "q.safetensors"
+    values = jnp.array([[-8, 7, -1], [3, 0, 5]], jnp.int4)
+    save_safetensors(path, {"q": values, "s": jnp.array(-3, jnp.int4), "w": jnp.ones(3)})
+    checkpoint = open_safetensors(path)
+    tensor, scalar = checkpoint["q"], checkpoint["s"]
+    assert tensor.packed and scalar.packed and scalar.shape == ()
+    memory = bytearray(tensor.nbytes)
+    got = tensor.read_into(memory)
+    assert got.dtype == jnp.int4 and np.array_equal(got, np.asarray(values))
+    assert scalar.read().shape == () and scalar.read() == -3
+    tensor.check(memory)  # its packed bytes, as stored
+    with pytest.raises(SafetensorsError, match=damaged(path, "q", tensor.checksum)):
+        tensor.check(bytes(tensor.nbytes))
+    flip(path, "q", byte=1, bit=7)  # the padding nibble of the first row
+    expected = flip(path, "s", bit=7)  # the padding nibble of the scalar's byte
+    checkpoint = open_safetensors(path)
+    with pytest.raises(SafetensorsError, match=damaged(path, "q", tensor.checksum)):
+        checkpoint["q"].read_into(bytearray(tensor.nbytes))
+    with pytest.raises(SafetensorsError, match=damaged(path, "s", expected)):
+        checkpoint["s"].read()
+    got = checkpoint["q"].read_into(bytearray(tensor.nbytes), verify=False)
+    assert np.array_equal(got, np.asarray(values))
+    block = checkpoint["q"].read([slice(0, 1), slice(1, 3)], verify=False)
+    assert np.array_equal(block, np.asarray(values)[:1, 1:])
+    assert checkpoint["s"].read(verify=False) == -3
+
+
 def test_packed_4_bit_tensors_are_verified_over_their_packed_bytes(tmp_path):
     path = tmp_path / "q.safetensors"
     values = jnp.array([[-8, 7, -1], [3, 0, 5]], jnp.int4)
@@ -183,6 +251,15 @@ def test_files_without_checksums_load_as_before(tmp_path):
         ('{"algorithm": "xxh3_128", "tensors": {"w": 7}}', r"gives 'w' the digest 7, not 32"),
         ('{"algorithm": "xxh3_128", "tensors": {"x": "' + "0" * 32 + '"}}', r"for 'x', which"),
         ('["xxh3_128"]', r"must be a JSON object with 'algorithm' and 'tensors'"),
+        ('{"algorithm": "xxh3_128", "tensors": {}, "more": 1}', r"must be a JSON object with"),
+        (
+            '{"algorithm": "xxh3_128", "tensors": {"w": "' + "A" * 32 + '"}}',
+            r"gives 'w' the digest 'A{32}', not 32 hex digits",
+        ),
+        (
+            "[" * 100_000,
+            r"'taktiny_checksums' is not valid JSON \(maximum recursion depth exceeded",
+        ),
     ],
 )
 def test_a_malformed_checksum_record_is_refused_when_the_file_is_opened(tmp_path, record, message):

@@ -66,6 +66,16 @@ def quantized(**record):
     return meta({"taktiny_quantized": json.dumps({"q": layout})})
 
 
+def parts(value=None, scale=None):
+    """A file of the int8 parts of 'q' ([4, 4], one scale per channel along axis 0), its
+    layout recorded, with the entry of its value or scale changed."""
+    value = {"dtype": "I8", "shape": [4, 4], "data_offsets": [0, 16], **(value or {})}
+    scale = {"dtype": "F32", "shape": [1, 4], "data_offsets": [16, 32], **(scale or {})}
+    layout = {"bits": 8, "axis": 0, "group_size": None, "shape": [4, 4]}
+    metadata = {"taktiny_quantized": json.dumps({"q": layout})}
+    return framed(js({"__metadata__": metadata, "q.value": value, "q.scale": scale}), bytes(32))
+
+
 def sparse(length, size):
     """A file of `size` bytes (a hole: nothing written) whose first 8 give `length`."""
 
@@ -83,10 +93,10 @@ COVER = r"that no tensor's data_offsets cover; the tensors' ranges must cover th
 # (id, the file's bytes (or a function making it), what the error says after the file's name)
 FILES = [
     # the frame and the JSON
-    ("empty file", b"", r"not a safetensors file: its first 8 bytes give a header of -1 bytes"),
-    ("zero length", framed(b""), r"not a safetensors file: its first 8 bytes give a header of 0 bytes"),
+    ("empty file", b"", r"not a safetensors file: its first 8 bytes give a header of -1 bytes, and the file has 0\. It is truncated or of another format\.$"),
+    ("zero length", framed(b""), r"not a safetensors file: its first 8 bytes give a header of 0 bytes, and the file has 84\. It is truncated or of another format\.$"),
     ("length past the end", struct.pack("<Q", 2**64 - 1) + b"{}", r"not a safetensors file: its first 8 bytes give a header of 18446744073709551615 bytes, and the file has 10"),
-    ("length over the limit", sparse(LIMIT + 1, LIMIT + 16), rf"not a safetensors file: .* bytes, and the file has {LIMIT + 16}; a header may have at most {LIMIT} bytes"),
+    ("length over the limit", sparse(LIMIT + 1, LIMIT + 16), rf"not a safetensors file: .* bytes, and the file has {LIMIT + 16}; a header may have at most {LIMIT} bytes \(the safetensors library's limit\)\. The file is corrupt\.$"),
     ("not JSON", framed(b"{oops"), r"the header is not valid: Expecting property name"),
     ("not UTF-8", framed(b'{"\xff": 1}'), r"the header is not valid: 'utf-8' codec can't decode"),
     ("UTF-16", framed('{"a": 1}'.encode("utf-16")), r"the header is not valid: 'utf-8' codec"),
@@ -99,11 +109,12 @@ FILES = [
     ("a name twice, escaped", framed(b'{"a": ' + js(A) + b', "\\u0061": ' + js(A) + b', "b": ' + js(B) + b"}"), r"the name 'a' appears twice"),
     ("a field twice", framed(b'{"a": {"dtype": "I8", ' + js(A)[1:] + b', "b": ' + js(B) + b"}"), r"the name 'dtype' appears twice"),
     ("lone surrogate", framed(b'{"\\ud800": ' + js(A) + b', "b": ' + js(B) + b"}"), r"the string '\\ud800', which has a lone surrogate"),
+    ("lone surrogate after other text", framed(b'{"\\u00e9": ' + js(A) + b', "\\ud800": ' + js(B) + b"}"), r"the string '\\ud800', which has a lone surrogate"),
     # entries of the wrong JSON types
     ("entry a list", header(a=[A]), r"the header entry of 'a' is \[\{.*\}\], not an object"),
     ("entry a string", header(a="F32"), r"the header entry of 'a' is 'F32', not an object"),
     ("entry null", header(a=None), r"the header entry of 'a' is None, not an object"),
-    ("entry without dtype", header(a={"shape": [4, 4], "data_offsets": [0, 64]}), ENTRY),
+    ("entry without dtype", header(a={"shape": [4, 4], "data_offsets": [0, 64]}), r"the header entry of 'a' is \{'data_offsets': \[0, 64\], 'shape': \[4, 4\]\}; an entry is \{\"dtype\""),
     ("dtype a list", header(a=entry(dtype=["F32"])), ENTRY),
     ("dtype null", header(a=entry(dtype=None)), ENTRY),
     ("dtype unknown", header(a=entry(dtype="f32")), r"'a' has the dtype 'f32', which Taktiny cannot read; it reads \['BF16'"),
@@ -114,22 +125,27 @@ FILES = [
     ("shape of strings", header(a=entry(shape=["4", "4"])), ENTRY),
     ("shape negative", header(a=entry(shape=[-4, -4])), ENTRY),
     ("offsets a number", header(a=entry(data_offsets=64)), ENTRY),
-    ("offsets of one", header(a=entry(data_offsets=[64])), ENTRY),
+    ("offsets of one", header(a=entry(data_offsets=[64])), r"the header entry of 'a' is \{'data_offsets': \[64\], 'dtype': 'F32', 'shape': \[4, 4\]\}; an entry is \{\"dtype\""),
     ("offsets of three", header(a=entry(data_offsets=[0, 64, 64])), ENTRY),
     ("offsets of bools", header(b=dict(B, dtype="U8", shape=[1], data_offsets=[False, True])), r"the header entry of 'b' is"),
     ("offsets of strings", header(a=entry(data_offsets=["0", "64"])), ENTRY),
     ("offsets of floats", header(a=entry(data_offsets=[0.0, 64.0])), ENTRY),
     ("offsets backwards", header(a=entry(data_offsets=[64, 0])), r"'a' has data_offsets \[64, 0\], which end before they begin"),
+    ("64 axes and no bytes, before a bad entry", header(a=entry(shape=[1] * 64, data_offsets=[64, 64]), b=dict(B, dtype="f32")), r"'b' has the dtype 'f32', which Taktiny cannot read"),
     ("offsets past 2**63", header(a=entry(data_offsets=[2**63, 2**63 + 64])), ENTRY),
     # counts and ranks
     ("a dim of 2**63", header(a=entry(shape=[2**63])), ENTRY),
     ("a zero and 2**64", header(a=entry(shape=[0, 2**64], data_offsets=[0, 0]), b=dict(B, data_offsets=[0, 12])), ENTRY),
     ("a count of 2**64", header(a=entry(shape=[2**32, 2**32])), r"'a' has the shape \[4294967296, 4294967296\], whose element count reaches 2\*\*63"),
+    ("a count of 2**64, before a bad entry", header(a=entry(shape=[2**32, 2**32]), b=dict(B, dtype="f32")), r"'a' has the shape \[4294967296, 4294967296\], whose element count reaches 2\*\*63; the header is corrupt\.$"),
+    ("a count of 2**63", header(a=entry(shape=[2**62, 2])), r"'a' has the shape \[4611686018427387904, 2\], whose element count reaches 2\*\*63; the header is corrupt\.$"),
+    ("a count of 2**63 - 1", header(a=entry(dtype="U8", shape=[2**63 - 1])), r"the header gives 'a' the shape \[9223372036854775807\] of U8 \(9223372036854775807 bytes\) but 64 bytes \[0, 64\); the header disagrees with its bytes\.$"),
     ("a zero hiding 2**124", header(a=entry(shape=[0, 2**62, 2**62], data_offsets=[0, 0]), b=dict(B, data_offsets=[0, 12])), r"'a' has the shape \[0, 4611686018427387904, 4611686018427387904\], whose element count"),
     ("65 axes", header(a=entry(shape=[1] * 65)), r"'a' has 65 axes, more than the 64 NumPy allows"),
     ("10,000 axes", header(a=entry(shape=[1] * 10_000)), r"'a' has 10000 axes, more than the 64"),
     ("10,000 axes and a zero", header(a=entry(shape=[0] * 10_000, data_offsets=[0, 0])), r"'a' has 10000 axes"),
     ("wrong byte count", header(a=entry(shape=[4, 5])), r"gives 'a' the shape \[4, 5\] of F32 \(80 bytes\) but 64 bytes \[0, 64\)"),
+    ("no bytes for a shape", header(a=entry(data_offsets=[64, 64])), r"the header gives 'a' the shape \[4, 4\] of F32 \(64 bytes\) but 0 bytes \[64, 64\); the header disagrees with its bytes\.$"),
     # byte ranges that do not cover the data exactly
     ("a gap between", framed(js({"a": A, "b": dict(B, data_offsets=[72, 84])}), DATA + bytes(8)), rf"the data holds 8 bytes \[64, 72\) after 'a' {COVER}"),
     ("a gap at the start", framed(js({"a": entry(data_offsets=[8, 72]), "b": dict(B, data_offsets=[72, 84])}), bytes(8) + DATA), rf"the data holds 8 bytes \[0, 8\) at its start {COVER}"),
@@ -153,18 +169,19 @@ FILES = [
     ("packed deep", meta({"taktiny_packed": deep().decode()}), r"the metadata 'taktiny_packed' nests deeper than the JSON parser goes"),
     ("packed a list", meta({"taktiny_packed": "[]"}), r"the metadata 'taktiny_packed' is not a JSON object of records: '\[\]'"),
     ("packed record a number", packed(4), r"'taktiny_packed' is not a JSON object of records"),
-    ("packed dtype a list", packed({"dtype": ["int4"], "shape": [4, 8]}), r"the metadata 'taktiny_packed' gives 'a' the record \{.*\}; a packed tensor's record is"),
+    ("packed dtype a list", packed({"dtype": ["int4"], "shape": [4, 8]}), r"the metadata 'taktiny_packed' gives 'a' the record \{'dtype': \['int4'\], 'shape': \[4, 8\]\}; a packed tensor's record is \{'dtype': one of \['float4_e2m1fn', 'int4', 'uint4'\], 'shape': its logical shape\}; the header is corrupt\.$"),
     ("packed dtype unknown", packed({"dtype": "int3", "shape": [4, 8]}), r"gives 'a' the record .*; a packed tensor's record is"),
     ("packed shape of bools", packed({"dtype": "int4", "shape": [True, 8]}), r"gives 'a' the record .*; a packed tensor's record is"),
     ("packed shape a string", packed({"dtype": "int4", "shape": "4, 8"}), r"gives 'a' the record .*; a packed tensor's record is"),
     ("packed shape of 65 axes", packed({"dtype": "int4", "shape": [1] * 65}), r"gives 'a' the record .*; a packed tensor's record is"),
     ("packed shape of 2**64", packed({"dtype": "int4", "shape": [2**64]}), r"gives 'a' the record .*; a packed tensor's record is"),
+    ("packed shape of 2**63", packed({"dtype": "int4", "shape": [4, 2**63]}), r"the metadata 'taktiny_packed' gives 'a' the record \{'dtype': 'int4', 'shape': \[4, 9223372036854775808\]\}; a packed tensor's record is"),
     ("packed extra field", packed({"dtype": "int4", "shape": [4, 8], "axis": 0}), r"a packed tensor's record is"),
     ("packed, stored otherwise", packed({"dtype": "int4", "shape": [4, 8]}), r"lists 'a' as int4\[4, 8\] packed two per byte, which is stored as uint8\[4, 4\], but the file holds float32\[4, 4\]"),
     # Taktiny's quantized layouts
     ("quantized not JSON", meta({"taktiny_quantized": "nope"}), r"the metadata 'taktiny_quantized' is not valid JSON"),
     ("quantized a list", meta({"taktiny_quantized": "[1]"}), r"'taktiny_quantized' is not a JSON object of records"),
-    ("bits a list", quantized(bits=[8]), r"the metadata 'taktiny_quantized' gives 'q' the record .*; a quantized parameter's record is"),
+    ("bits a list", quantized(bits=[8]), r"the metadata 'taktiny_quantized' gives 'q' the record \{'axis': 0, 'bits': \[8\], 'group_size': None, 'shape': \[4, 4\]\}; a quantized parameter's record is \{'bits': int, 'axis': int, 'group_size': int or null, 'shape': a list of ints\}; the header is corrupt\.$"),
     ("bits a bool", quantized(bits=True), r"gives 'q' the record .*; a quantized parameter's record is"),
     ("bits a float", quantized(bits=8.0), r"gives 'q' the record .*; a quantized parameter's record is"),
     ("bits 3", quantized(bits=3), r"gives 'q' an impossible layout: bits must be 8 or 4, got 3"),
@@ -174,7 +191,10 @@ FILES = [
     ("group_size a bool", quantized(group_size=True), r"gives 'q' the record .*; a quantized parameter's record is"),
     ("group_size a string", quantized(group_size="2"), r"a quantized parameter's record is"),
     ("shape an object", quantized(shape={"a": 1}), r"a quantized parameter's record is"),
-    ("quantized, no parts", quantized(), r"records 'q' as quantized int8 \(one scale per channel along axis 0\) of shape \[4, 4\], but its parts must be tensors"),
+    ("8-bit values of floats", framed(js({"__metadata__": {"taktiny_quantized": json.dumps({"q": {"bits": 8, "axis": 0, "group_size": None, "shape": [4, 4]}})}, "q.value": A, "q.scale": B})), r"records 'q' as quantized int8 \(one scale per channel along axis 0\) of shape \[4, 4\], but its 8-bit values q\.value must be int8, and the checkpoint holds float32\[4, 4\]\. The checkpoint is inconsistent"),
+    ("values of another shape", parts(value={"shape": [2, 8]}), r"records 'q' as quantized int8 \(one scale per channel along axis 0\) of shape \[4, 4\], but its values q\.value have the shape \[2, 8\], not \[4, 4\]\. The checkpoint is inconsistent"),
+    ("scales of ints", parts(scale={"dtype": "I32"}), r"but its scales q\.scale must be floats of shape \[1, 4\], and the checkpoint holds int32\[1, 4\]\. The checkpoint is inconsistent; write it again with taktiny\.io\.save_safetensors\.$"),
+    ("quantized, no parts", quantized(), r"records 'q' as quantized int8 \(one scale per channel along axis 0\) of shape \[4, 4\], but its parts must be tensors, and the checkpoint has no q\.value or q\.scale\. The checkpoint is inconsistent"),
 ]  # fmt: skip
 
 
@@ -422,6 +442,16 @@ def test_odd_but_valid_files_read_back(tmp_path, capsys, tensors, order, pad):
     capsys.readouterr()
 
 
+def test_count_is_the_element_count_of_a_shape_below_2_63():
+    from taktiny.io._header import count
+
+    assert count([]) == 1 and count([3, 4]) == 12 and count([1, 3]) == 3
+    assert count([0]) == 0 and count([3, 0, 2**61]) == 0 and count([1, 2**63 - 1]) == 2**63 - 1
+    for shape in ([2**62, 2], [0, 2**62, 2], [2**32, 2**32]):  # a zero axis counts as one
+        with pytest.raises(OverflowError):
+            count(shape)
+
+
 def test_an_empty_header_loads_into_an_empty_model(tmp_path):
     path = odd(tmp_path, {})
     assert load_safetensors({}, path, progress=False) == {}
@@ -493,6 +523,7 @@ TORCH = [
     ("100 axes", {"pkl": pickled(size=(1,) * 100, stride=(1,) * 100)}, r"has the shape \[1, 1, .*, which NumPy cannot hold \(number of dimensions must be within \[0, 64\]\)"),
     ("a zero and 2**62", {"pkl": pickled(size=(0, 2**62), stride=(1, 1))}, r"has the shape \[0, 4611686018427387904\], which NumPy cannot hold \(array is too big"),
     ("a list inside itself", {"pkl": b"\x80\x02}X\x01\x00\x00\x00a]q\x00h\x00as."}, r" holds a container inside itself \(at 0, 2 deep\); it is no checkpoint"),
+    ("a dict inside itself", {"pkl": b"\x80\x02}q\x00X\x01\x00\x00\x00ah\x00s."}, r" holds a container inside itself \(at 'a', 1 deep\); it is no checkpoint$"),
     ("lists 100,000 deep", {"pkl": b"\x80\x02}X\x01\x00\x00\x00a" + b"]" * 100_000 + b"a" * 99_999 + b"s."}, None),
     ("a list repeated 2**30 times", {"pkl": b"\x80\x02}X\x01\x00\x00\x00a]q\x00" + b"h\x00\x86q\x00" * 30 + b"s."}, None),
     ("a tensor repeated 2**30 times", {"pkl": pickled(repeat=30)}, r" names more than 1,048,576 tensors \(it repeats containers inside each other\)"),

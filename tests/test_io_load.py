@@ -156,6 +156,132 @@ def test_rules_apply_tensor_by_tensor_and_place_on_the_target_sharding(tmp_path,
     assert_same(loaded, {k: np.asarray(v) for k, v in expected.items()})
 
 
+def torch_mlp(tmp_path, **more):
+    """An MLP's tensors under PyTorch's names, with `more`, in a file; the rules to load it."""
+    rng = np.random.default_rng(1)
+    tensors = {
+        "fc1.weight": rng.normal(size=(64, 32)).astype(np.float32),
+        "fc1.bias": rng.normal(size=(64,)).astype(np.float32),
+        "fc2.weight": rng.normal(size=(4, 64)).astype(np.float32),
+        "fc2.bias": rng.normal(size=(4,)).astype(np.float32),
+        **more,
+    }
+    path = tmp_path / "torch.safetensors"
+    safetensors.numpy.save_file(tensors, str(path))
+    rules = [
+        cv.Rule("fc1.weight", "input.kernel", cv.transpose()),
+        cv.Rule("fc2.weight", "output.kernel", cv.transpose()),
+        cv.Rule("fc1.bias", "input.bias"),
+        cv.Rule("fc2.bias", "output.bias"),
+    ]
+    return tensors, path, rules
+
+
+def test_rules_take_allow_and_ties_and_their_errors_name_the_load(tmp_path):
+    tensors, path, rules = torch_mlp(tmp_path, steps=np.array(3, np.int64))
+    tensors["fc1.copy"] = tensors["fc1.weight"]
+    tensors["fc2.copy"] = tensors["fc2.weight"] + 1
+    safetensors.numpy.save_file(tensors, str(path))
+    rules.append(cv.Tie("fc1.copy", same_as="fc1.weight"))
+    ignore = cv.Ignore("fc2.copy")
+    with pytest.raises(
+        cv.ConversionError,
+        match=r"^taktiny\.io\.load_safetensors\(MLP\): 1 problem; nothing was converted\.\n"
+        r"  - \[unused\] 'steps': no rule consumes or ignores this source name",
+    ):
+        load_safetensors(abstract_mlp(), path, rules=[*rules, ignore])
+    loaded = load_safetensors(abstract_mlp(), path, rules=[*rules, ignore],
+                              allow={"unused": ["steps"]})  # fmt: skip
+    assert np.array_equal(loaded.input.kernel, tensors["fc1.weight"].T)
+    assert np.array_equal(loaded.output.bias, tensors["fc2.bias"])
+    with pytest.raises(
+        cv.ConversionError,
+        match=r"^taktiny\.io\.load_safetensors\(MLP\): 1 problem; nothing was converted\.\n"
+        r"  - \[tie\] 'fc2\.copy': is tied to 'fc2\.weight', but their values differ\.$",
+    ):
+        load_safetensors(abstract_mlp(), path, rules=[*rules, cv.Tie("fc2.copy", "fc2.weight")],
+                         allow={"unused": ["steps"]})  # fmt: skip
+
+
+def test_a_transformed_tensor_goes_to_its_leaf_s_devices_not_the_default_one(tmp_path):
+    tensors, path, rules = torch_mlp(tmp_path)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[4:8]), ("x",))  # without the default device
+    target = tt.shard(abstract_mlp(), [("input.kernel", P(None, "x"))], mesh)
+    loaded = load_safetensors(target, path, rules=rules)
+    assert loaded.input.kernel.sharding == NamedSharding(mesh, P(None, "x"))
+    assert np.array_equal(loaded.input.kernel, tensors["fc1.weight"].T)
+    assert np.array_equal(loaded.output.kernel, tensors["fc2.weight"].T)
+
+
+class Counted(cv.Transform):
+    """`transform`, recording the count of arrays each call is asked to make."""
+
+    def __init__(self, transform):
+        self.transform, self.counts = transform, []
+
+    def __call__(self, arrays, count=None):
+        self.counts.append(count)
+        return self.transform(arrays, count)
+
+
+def test_transforms_are_told_how_many_arrays_to_make_as_convert_tells_them(tmp_path):
+    rows = {f"l.{i}.w": np.full((4,), i, np.float32) for i in range(3)}
+    fused = np.arange(8, dtype=np.float32)
+    path = tmp_path / "parts.safetensors"
+    save_safetensors(path, {**rows, "fused": fused})
+    gather, split = Counted(cv.stack()), Counted(cv.split())
+    rules = [cv.Rule("l.{i}.w", "w", gather), cv.Rule("fused", ["a", "b"], split)]
+    target = {n: jax.ShapeDtypeStruct(s, jnp.float32) for n, s in [("w", (3, 4)), ("a", (4,)), ("b", (4,))]}  # fmt: skip
+    loaded = load_safetensors(target, path, rules=rules)
+    assert np.array_equal(loaded["w"], np.stack(list(rows.values())))
+    assert np.array_equal(loaded["a"], fused[:4]) and np.array_equal(loaded["b"], fused[4:])
+    # a gathering rule makes one array of all it reads: no count; a split, one per target
+    assert gather.counts and set(gather.counts) == {None}
+    assert split.counts and set(split.counts) == {2}
+
+
+def test_transforming_steps_read_aligned_into_buffers_they_reuse(tmp_path, monkeypatch):
+    import taktiny.io._place as place
+
+    parts = {f"{n}.{i}": np.arange(5 + 2 * i, dtype=np.float32) + k for k, n in enumerate("pqr")
+             for i in range(3)}  # fmt: skip
+    parts |= {"s.0": np.zeros(0, np.float32), "s.1": np.arange(4, dtype=np.float32)}  # no bytes
+    path = tmp_path / "parts.safetensors"
+    save_safetensors(path, parts)
+    rules = [cv.Rule([f"{n}.0", f"{n}.1", f"{n}.2"], n, cv.concatenate()) for n in "pqr"]
+    rules.append(cv.Rule(["s.0", "s.1"], "s", cv.concatenate()))
+    target = {n: jax.ShapeDtypeStruct((21,), jnp.float32) for n in "pqr"}
+    target["s"] = jax.ShapeDtypeStruct((4,), jnp.float32)
+    reads, read = [], place._Scratch.read
+
+    def logged(self, tensors, checks):
+        out = read(self, tensors, checks)
+        reads.append((self, self.memory, [a.ctypes.data - self.start for a in out]))
+        return out
+
+    waited, block = [], jax.block_until_ready
+
+    def blocking(tree):  # each step waits for its results before its buffer is read into again
+        waited.append(sorted(tree) if isinstance(tree, dict) else tree)
+        return block(tree)
+
+    monkeypatch.setattr(place._Scratch, "read", logged)
+    monkeypatch.setattr(jax, "block_until_ready", blocking)
+    for verify in (True, False):
+        reads.clear()
+        waited.clear()
+        loaded = load_safetensors(target, path, rules=rules, verify=verify)
+        for n in "pqrs":
+            own = [v for k, v in parts.items() if k.startswith(f"{n}.")]
+            assert np.array_equal(loaded[n], np.concatenate(own)), n
+        # each source at a multiple of 64 bytes (JAX adopts it uncopied); the third step
+        # reads into the first one's buffer, as large as it needs: the same memory
+        assert [offsets for _, _, offsets in reads[:3]] == [[0, 64, 128]] * 3
+        assert reads[2][0] is reads[0][0] and reads[2][1] is reads[0][1]
+        assert reads[1][0] is not reads[0][0]
+        assert waited == [["p"], ["q"], ["r"], ["s"]]
+
+
 def test_a_rule_that_returns_its_source_gets_a_copy_not_the_reused_read_buffer(tmp_path):
     # cast to the dtype it has, transpose by the identity: the transform hands back the very
     # array it was given, which on CPU is the read buffer the next step reads into
@@ -261,13 +387,42 @@ def test_allow_needs_rules():
         load_safetensors(abstract_mlp(), "unused.safetensors", allow={"missing": ["**"]})
 
 
-def test_progress_bar_names_the_file_and_is_off_when_asked(saved, capsys):
+def test_progress_bar_names_the_file_and_is_off_when_asked(saved, capsys, monkeypatch):
     _, path = saved
     load_safetensors(abstract_mlp(), path, progress=True)
     shown = capsys.readouterr().err
     assert "mlp.safetensors" in shown and "100%" in shown
     load_safetensors(abstract_mlp(), path, progress=False)
     load_safetensors(abstract_mlp(), path)  # small: no bar by default
+    assert capsys.readouterr().err == ""
+    from taktiny.io import _load
+
+    total = open_safetensors(path).nbytes
+    monkeypatch.setattr(_load, "PROGRESS_BYTES", total)  # a bar for more bytes than this
+    load_safetensors(abstract_mlp(), path)
+    assert capsys.readouterr().err == ""
+    monkeypatch.setattr(_load, "PROGRESS_BYTES", total - 1)
+    load_safetensors(abstract_mlp(), path)
+    assert "mlp.safetensors" in capsys.readouterr().err
+
+
+def test_without_tqdm_a_bar_asked_for_is_an_error_and_a_default_one_is_left_out(
+    saved, capsys, monkeypatch
+):
+    import sys
+
+    from taktiny.io import _load
+
+    model, path = saved
+    monkeypatch.setitem(sys.modules, "tqdm.auto", None)  # `from tqdm.auto import ...` fails
+    with pytest.raises(
+        ImportError,
+        match=r"^taktiny\.io\.load_safetensors\(progress=True\) shows its bar with tqdm: pip "
+        r"install 'taktiny\[safetensors\]' \(or tqdm\), or pass progress=False\.$",
+    ):
+        load_safetensors(abstract_mlp(), path, progress=True)
+    monkeypatch.setattr(_load, "PROGRESS_BYTES", 0)  # every checkpoint is large
+    assert_same(load_safetensors(abstract_mlp(), path), flat_numpy(model))
     assert capsys.readouterr().err == ""
 
 

@@ -149,7 +149,7 @@ def test_the_header_records_the_layout_and_the_packing(tmp_path):
     assert json.loads(metadata["taktiny_quantized"])["hidden.kernel"]["bits"] == 8
 
 
-def test_open_presents_packed_tensors_as_what_they_are(tmp_path):
+def test_open_presents_packed_tensors_as_what_they_are(tmp_path, monkeypatch):
     model = tt.quantize(net(), bits=4)
     path = tmp_path / "q.safetensors"
     save_safetensors(path, model)
@@ -172,9 +172,28 @@ def test_open_presents_packed_tensors_as_what_they_are(tmp_path):
     full = np.asarray(model.head.kernel.value)
     assert np.array_equal(np.asarray(tensor), full) and np.asarray(tensor).dtype == full.dtype
     # a block starting on an odd element, across rows, reads only its bytes and unpacks
-    for rows, cols in [(slice(1, 3), slice(3, 5)), (slice(0, 64), slice(1, 4)), (slice(5, 6), slice(0, 1))]:  # fmt: skip
+    stored, read = [], Tensor.read
+
+    def logged(self, index=None, *, verify=True):  # the packed bytes' reads: their shapes
+        out = read(self, index, verify=verify)
+        stored.append(out.shape)
+        return out
+
+    monkeypatch.setattr(Tensor, "read", logged)
+    blocks = [(slice(1, 3), slice(3, 5)), (slice(0, 64), slice(1, 4)), (slice(5, 6), slice(0, 1))]
+    for (rows, cols), nbytes in zip(blocks, [(2, 2), (64, 2), (1, 1)], strict=True):
+        stored.clear()
         block = tensor.read([rows, cols])
         assert np.array_equal(block, full[rows, cols]) and not block.flags.writeable
+        assert stored == [nbytes]  # the bytes holding the block's elements, no more
+
+
+def test_the_packing_record_of_a_4_bit_tensor_of_64_axes_is_read(tmp_path):
+    path = tmp_path / "deep.safetensors"
+    save_safetensors(path, {"deep": jnp.zeros((1,) * 63 + (3,), jnp.int4)})
+    tensor = open_safetensors(path)["deep"]
+    assert tensor.packed and tensor.dtype == jnp.int4 and tensor.shape == (1,) * 63 + (3,)
+    assert tensor.stored.shape == (1,) * 63 + (2,)
 
 
 @pytest.mark.parametrize("dtype", [jnp.int4, jnp.uint4, jnp.float4_e2m1fn])
@@ -182,7 +201,7 @@ def test_a_bare_4_bit_array_is_packed_too(tmp_path, dtype):
     rng = np.random.default_rng(0)
     arrays = {
         f"{n}": jnp.asarray(rng.integers(0, 16, shape, np.uint8).view(np.dtype(dtype)))
-        for n, shape in enumerate([(7,), (3, 4), (), (2, 0), (2, 3, 1)])
+        for n, shape in enumerate([(7,), (3, 4), (), (2, 0), (2, 3, 1), (2, 131)])
     }
     path = tmp_path / "b.safetensors"
     save_safetensors(path, {**arrays, "f": jnp.ones(3)})
@@ -348,7 +367,120 @@ def test_rules_can_make_the_float_array_of_a_quantized_parameter(tmp_path):
         load_safetensors(target, path, rules=[*lacking, cv.Ignore("fc2.weight")])
 
 
-def test_a_quantized_checkpoint_dequantizes_into_a_float_model_by_rule(tmp_path):
+def test_rules_into_a_quantized_model_take_allow_and_ties_and_name_the_load(tmp_path):
+    rng = np.random.default_rng(1)
+    torch_names = {
+        "fc1.weight": rng.normal(size=(64, 32)).astype(np.float32),
+        "fc1.bias": rng.normal(size=(64,)).astype(np.float32),
+        "fc2.weight": rng.normal(size=(5, 64)).astype(np.float32),
+        "fc2.bias": rng.normal(size=(5,)).astype(np.float32),
+        "emb.weight": rng.normal(size=(10, 32)).astype(np.float32),
+        "steps": np.array(3, np.int64),
+    }
+    torch_names["fc1.copy"] = torch_names["fc1.weight"]
+    torch_names["fc2.copy"] = torch_names["fc2.weight"] + 1
+    path = tmp_path / "torch.safetensors"
+    safetensors.numpy.save_file(torch_names, str(path))
+    fc1 = [
+        cv.Rule("fc1.weight", "hidden.kernel", cv.transpose()),
+        cv.Rule("fc1.bias", "hidden.bias"),
+    ]
+    fc2 = [cv.Rule("fc2.weight", "head.kernel", cv.transpose()), cv.Rule("fc2.bias", "head.bias")]
+    rest = [cv.Rule("emb.weight", "embed.embedding"), cv.Tie("fc1.copy", same_as="fc1.weight")]
+    rules = [*fc1, *fc2, *rest, cv.Ignore("fc2.copy")]
+    target = tt.quantize(net(1), bits=4, group_size=16)  # concrete: a partial load keeps the rest
+    where = r"^taktiny\.io\.load_safetensors\(Net\): "
+    with pytest.raises(
+        cv.ConversionError,
+        match=where + r"1 problem; nothing was converted\.\n  - \[unused\] 'steps': no rule",
+    ):
+        load_safetensors(target, path, rules=rules)
+    unused = {"unused": ["steps"]}
+    loaded = load_safetensors(target, path, rules=rules, allow=unused)
+    assert np.array_equal(loaded.head.bias, torch_names["fc2.bias"])
+    assert not np.array_equal(loaded.hidden.kernel.value, target.hidden.kernel.value)
+    with pytest.raises(
+        cv.ConversionError,
+        match=where + r"1 problem; nothing was converted\.\n  - \[tie\] 'fc2\.copy': is tied "
+        r"to 'fc2\.weight', but their values differ\.$",
+    ):
+        load_safetensors(target, path, rules=[*rules[:-1], cv.Tie("fc2.copy", "fc2.weight")],
+                         allow=unused)  # fmt: skip
+    # what the rules leave out, allowed missing, keeps its value: a float leaf, a quantized one
+    head = ["head.bias", "head.kernel.value", "head.kernel.scale"]
+    partial = [*fc1, *rest, cv.Ignore("fc2.*")]
+    loaded = load_safetensors(target, path, rules=partial, allow={**unused, "missing": head},
+                              strict=False)  # fmt: skip
+    assert_bitwise(loaded.head, target.head)
+    assert np.array_equal(loaded.hidden.bias, torch_names["fc1.bias"])
+    # every part of every quantized parameter left out is named
+    lacking = [fc1[1], fc2[1], rest[0], cv.Ignore("fc1.*"), cv.Ignore("fc2.*"), cv.Ignore("steps")]
+    with pytest.raises(
+        cv.ConversionError, match=where + r"4 problems; nothing was converted\.\n"
+    ) as caught:
+        load_safetensors(target, path, rules=lacking)
+    assert [(p.kind, p.name) for p in caught.value.problems] == [
+        ("missing", "hidden.kernel.value"), ("missing", "hidden.kernel.scale"),
+        ("missing", "head.kernel.value"), ("missing", "head.kernel.scale"),
+    ]  # fmt: skip
+
+
+class Halves(nn.Module):
+    """Two float16 layers, which rules make from one fused tensor each."""
+
+    def __init__(self, *, rngs: nn.Rngs):
+        self.a = nn.Linear(8, 4, param_dtype=jnp.float16, rngs=rngs)
+        self.b = nn.Linear(8, 4, param_dtype=jnp.float16, rngs=rngs)
+
+
+def test_a_split_into_quantized_parameters_checks_and_quantizes_each_part(tmp_path):
+    abstract = jax.eval_shape(lambda: Halves(rngs=nn.Rngs(0)))
+    target = tt.quantize(abstract)
+    fused = np.arange(64, dtype=np.float32).reshape(8, 8) / 8
+    biases = np.arange(12, dtype=np.float32)
+    path = tmp_path / "fused.safetensors"
+    save_safetensors(path, {"fused": fused, "biases": biases})
+    rules = [
+        cv.Rule("fused", ["a.kernel", "b.kernel"], cv.split(axis=1)),
+        cv.Rule("biases", ["a.bias", "b.bias", "extra"], cv.split()),
+    ]
+    loaded = load_safetensors(target, path, rules=rules, allow={"unknown": ["extra"]})
+    floats = {"a.kernel": fused[:, :4], "b.kernel": fused[:, 4:], "a.bias": biases[:4],
+              "b.bias": biases[4:8]}  # fmt: skip
+    float_model = abstract.load_flat_state_dict(
+        {k: v.astype(np.float16) for k, v in floats.items()}
+    )
+    assert_bitwise(loaded, tt.quantize(float_model))
+    assert "extra" not in tt.flat_state_dict(loaded)
+    # values float16 cannot hold, in both halves: each named, before anything is loaded
+    fused[0, 0] = fused[0, 4] = 1e6
+    save_safetensors(path, {"fused": fused, "biases": biases})
+    inf = (
+        "casting float32 to float16 would turn a value into inf: the largest is 1e+06, and "
+        "float16 holds at most 6.55e+04. Scale or clip the value, or keep this parameter in a "
+        "wider dtype."
+    )
+    with pytest.raises(tt.StateDictError) as caught:
+        load_safetensors(target, path, rules=rules, allow={"unknown": ["extra"]})
+    assert str(caught.value) == (
+        f"taktiny.io.load_safetensors(Halves): 2 problems; nothing was loaded.\n"
+        f"  - 'a.kernel': {inf}\n  - 'b.kernel': {inf}"
+    )
+    # and so are the float leaves' values
+    fused[0, 0] = fused[0, 4] = 0
+    biases[[0, 4]] = 1e6
+    save_safetensors(path, {"fused": fused, "biases": biases})
+    with pytest.raises(tt.StateDictError) as caught:
+        load_safetensors(target, path, rules=rules, allow={"unknown": ["extra"]})
+    assert str(caught.value) == (
+        f"taktiny.io.load_safetensors(Halves): 2 problems; nothing was loaded.\n"
+        f"  - 'a.bias': {inf}\n  - 'b.bias': {inf}"
+    )
+
+
+def test_a_quantized_checkpoint_dequantizes_into_a_float_model_by_rule(tmp_path, monkeypatch):
+    import taktiny.io._read as read_module
+
     model = tt.quantize(net(), bits=4, group_size=16)
     path = tmp_path / "q.safetensors"
     save_safetensors(path, model)
@@ -361,8 +493,16 @@ def test_a_quantized_checkpoint_dequantizes_into_a_float_model_by_rule(tmp_path)
                 cv.dequantize(axis=1, group_size=16)),
         cv.Rule("{layer}.bias", "{layer}.bias"),
     ]  # fmt: skip
+    fresh, buffer = [], read_module._buffer
+
+    def counted(shape, dtype):
+        fresh.append(np.dtype(dtype))
+        return buffer(shape, dtype)
+
+    monkeypatch.setattr(read_module, "_buffer", counted)
     loaded = load_safetensors(abstract_net(), path, rules=rules)
     assert_bitwise(loaded, tt.dequantize(model))
+    assert np.dtype(np.uint8) not in fresh  # the packed bytes are read into the scratch buffer
 
 
 # --- problems -------------------------------------------------------------------------
@@ -386,6 +526,14 @@ def test_a_float_tensor_of_the_wrong_shape_or_kind_is_refused_before_any_read(tm
     )
     assert "holds int32[64, 5] under its name, which is not a float array to quantize" in message
     assert problems["head.kernel"].kind == "dtype" and problems["hidden.kernel"].kind == "shape"
+    head, hidden = problems["head.kernel"], problems["hidden.kernel"]
+    assert (head.expected, head.got) == ("a float array", "int32")
+    assert (hidden.expected, hidden.got) == ((32, 64), (32, 63))
+    assert head.hint == (
+        "the model quantizes 'head.kernel' as int4 (groups of 16 along axis 0), and the "
+        "checkpoint holds int32[64, 5] under its name, which is not a float array to quantize. "
+        "Give the float array, or the quantized parts head.kernel.value and head.kernel.scale."
+    )
     assert not reads
 
 
@@ -393,31 +541,81 @@ def test_a_float_array_and_its_quantized_parts_together_are_refused(tmp_path):
     parts = flat_numpy(tt.quantize(net()))
     path = tmp_path / "both.safetensors"
     save_safetensors(path, {**parts, "hidden.kernel": np.zeros((32, 64), np.float32)})
-    with pytest.raises(tt.StateDictError, match=r"'hidden\.kernel': the checkpoint holds both"):
+    with pytest.raises(
+        tt.StateDictError, match=r"'hidden\.kernel': the checkpoint holds both"
+    ) as caught:
         load_safetensors(tt.quantize(abstract_net()), path)
+    (problem,) = caught.value.problems
+    assert (problem.kind, problem.key) == ("structure", "hidden.kernel")
+    assert (problem.expected, problem.got) == ("a float array or its quantized parts", "both")
+    assert problem.hint == (
+        "the checkpoint holds both the float array 'hidden.kernel' and the quantized parts "
+        "['hidden.kernel.value', 'hidden.kernel.scale'] of this quantized parameter; keep one "
+        "of them."
+    )
+
+
+def refused(target, path):
+    """The problem a load of `path` into `target` finds with 'hidden.kernel'."""
+    with pytest.raises(tt.StateDictError) as caught:
+        load_safetensors(target, path)
+    problems = {p.key: p for p in caught.value.problems}
+    assert sorted(problems) == ["embed.embedding", "head.kernel", "hidden.kernel"]
+    problem = problems["hidden.kernel"]
+    assert problem.hint in str(caught.value)
+    return problem.kind, problem.expected, problem.got, problem.hint
 
 
 def test_a_checkpoint_quantized_otherwise_is_refused_by_name(tmp_path, reads):
     path = tmp_path / "int8.safetensors"
     save_safetensors(path, tt.quantize(net()))
-    with pytest.raises(tt.StateDictError) as caught:
-        load_safetensors(tt.quantize(abstract_net(), bits=4, group_size=16), path)
-    message = str(caught.value)
-    assert (
-        "'hidden.kernel': the model quantizes 'hidden.kernel' as int4 (groups of 16 along axis "
-        "0), the checkpoint holds it as int8 (one scale per channel along axis 0). Quantize the "
-        "model as the checkpoint was (tt.quantize(float_model, bits=8))" in message
-    )
-    assert {p.kind for p in caught.value.problems} == {"dtype"}
+    fix = "or load a float checkpoint, which is quantized on load."
+    int4_g16, int8 = "int4 (groups of 16 along axis 0)", "int8 (one scale per channel along axis 0)"
+    assert refused(tt.quantize(abstract_net(), bits=4, group_size=16), path) == (
+        "dtype", int4_g16, int8,
+        f"the model quantizes 'hidden.kernel' as {int4_g16}, the checkpoint holds it as {int8}. "
+        f"Quantize the model as the checkpoint was (tt.quantize(float_model, bits=8)), {fix}",
+    )  # fmt: skip
     # without the layout record, by the values' dtype
     save_safetensors(path, flat_numpy(tt.quantize(net())))
     assert open_safetensors(path).quantized == {}
-    with pytest.raises(tt.StateDictError, match=r"holds it as int8 values\. Quantize the model"):
-        load_safetensors(tt.quantize(abstract_net(), bits=4), path)
+    int4 = "int4 (one scale per channel along axis 0)"
+    assert refused(tt.quantize(abstract_net(), bits=4), path) == (
+        "dtype", int4, "int8 values",
+        f"the model quantizes 'hidden.kernel' as {int4}, the checkpoint holds it as int8 values. "
+        f"Quantize the model as the checkpoint was (tt.quantize(float_model, bits=8)), {fix}",
+    )  # fmt: skip
+    assert not reads  # each refused from the headers alone
+    assert_bitwise(load_safetensors(tt.quantize(abstract_net()), path), tt.quantize(net()))
+    reads.clear()
+    save_safetensors(path, flat_numpy(tt.quantize(net(), bits=4)))  # packed, unrecorded
+    assert open_safetensors(path).quantized == {}
+    assert refused(tt.quantize(abstract_net()), path) == (
+        "dtype", int8, "int4 values",
+        f"the model quantizes 'hidden.kernel' as {int8}, the checkpoint holds it as int4 values. "
+        f"Quantize the model as the checkpoint was (tt.quantize(float_model, bits=4)), {fix}",
+    )  # fmt: skip
+    state = flat_numpy(tt.quantize(net()))
+    state["hidden.kernel.value"] = state["hidden.kernel.value"].astype(np.int16)
+    save_safetensors(path, state)
+    with pytest.raises(tt.StateDictError) as caught:
+        load_safetensors(tt.quantize(abstract_net()), path)
+    ((kind, key, expected, got, hint),) = [
+        (p.kind, p.key, p.expected, p.got, p.hint) for p in caught.value.problems
+    ]
+    assert (kind, key, expected, got) == ("dtype", "hidden.kernel", int8, "int16 values")
+    assert hint == (
+        f"the model quantizes 'hidden.kernel' as {int8}, the checkpoint holds it as int16 "
+        f"values. Load a float checkpoint, which is quantized on load."
+    )
     # the same bits, another group size
     save_safetensors(path, tt.quantize(net(), bits=4, group_size=16))
-    with pytest.raises(tt.StateDictError, match=r"as int4 \(one scale per channel along axis 0\), the checkpoint holds it as int4 \(groups of 16"):  # fmt: skip
-        load_safetensors(tt.quantize(abstract_net(), bits=4), path)
+    assert refused(tt.quantize(abstract_net(), bits=4), path) == (
+        "shape", int4, int4_g16,
+        f"the model quantizes 'hidden.kernel' as {int4}, the checkpoint holds it as {int4_g16}. "
+        f"Quantize the model as the checkpoint was (tt.quantize(float_model, bits=4, "
+        f"group_size=16)), {fix}",
+    )  # fmt: skip
     assert not reads
 
 
@@ -439,6 +637,37 @@ def test_a_quantized_checkpoint_into_a_float_model_says_how_to_convert(tmp_path)
         "convert.Rule(['hidden.kernel.value', 'hidden.kernel.scale'], 'hidden.kernel', "
         "convert.dequantize(axis=0, group_size=16))." in str(caught.value)
     )
+    problem = next(p for p in caught.value.problems if p.key == "hidden.kernel")
+    assert (problem.expected, problem.got) == ("a float array float32[32, 64]", "quantized parts")
+    rule = (
+        "convert.Rule(['hidden.kernel.value', 'hidden.kernel.scale'], 'hidden.kernel', "
+        "convert.dequantize(axis={}))."
+    )
+    # one scale per channel; and without the layout record, only the parts' names
+    for state, layout, bits, axis in [
+        (tt.quantize(net()), " as int8 (one scale per channel along axis 0)", "8", "0"),
+        (flat_numpy(tt.quantize(net())), "", "...", "..."),
+    ]:
+        save_safetensors(path, state)
+        with pytest.raises(tt.StateDictError) as caught:
+            load_safetensors(abstract_net(), path)
+        hints = {p.key: p.hint for p in caught.value.problems}
+        assert sorted(hints) == ["embed.embedding", "head.kernel", "hidden.kernel"]
+        assert hints["hidden.kernel"] == (
+            f"the checkpoint holds it quantized{layout}, as hidden.kernel.value and "
+            f"hidden.kernel.scale; the model holds a float array float32[32, 64]. Load it into "
+            f"the quantized model, tt.quantize(model, bits={bits}) (then tt.dequantize it for "
+            f"floats), or pass rules that dequantize: " + rule.format(axis)
+        )
+    # one part alone, unrecorded, is no quantized parameter: an entry the float array lacks
+    state = flat_numpy(tt.quantize(net()))
+    del state["hidden.kernel.scale"]
+    save_safetensors(path, state)
+    with pytest.raises(tt.StateDictError) as caught:
+        load_safetensors(abstract_net(), path)
+    kinds = {p.key: p.kind for p in caught.value.problems}
+    assert kinds["hidden.kernel.value"] == "structure" and kinds["hidden.kernel"] == "missing"
+    assert "'hidden.kernel' is an array, so it has no entry 'value'" in str(caught.value)
 
 
 def test_packed_bytes_without_their_record_are_refused_by_name(tmp_path, reads):
@@ -452,9 +681,11 @@ def test_packed_bytes_without_their_record_are_refused_by_name(tmp_path, reads):
     message = (
         r"'hidden\.kernel\.value' is stored as uint8\[32, 32\], where the model holds "
         r"int4\[32, 64\]: 4-bit tensors are stored packed two per byte, but the header "
-        r"metadata 'taktiny_packed'.*does not list it"
+        r"metadata 'taktiny_packed', which lists each packed tensor with its dtype and shape, "
+        r"does not list it, so it cannot be unpacked\. Write the checkpoint with "
+        r"taktiny\.io\.save_safetensors, which records it\.$"
     )
-    with pytest.raises(SafetensorsError, match=message):
+    with pytest.raises(SafetensorsError, match=rf"^{path}: {message}"):
         load_safetensors(tt.quantize(abstract_net(), bits=4), path, strict=False)
     # with its layout recorded, the file itself is found inconsistent when opened
     layout = {"hidden.kernel": {"bits": 4, "axis": 0, "group_size": None, "shape": [32, 64]}}

@@ -66,6 +66,89 @@ def test_blocks_read_only_their_bytes(good):
     assert np.array_equal(tensor.read(block), cube[block])
 
 
+def test_read_into_fills_the_start_of_a_buffer_it_views(tmp_path):
+    cube = np.arange(60, dtype=np.int16).reshape(3, 4, 5)
+    path = tmp_path / "cube.safetensors"
+    save_safetensors(path, {"a": TENSORS["a"], "cube": cube})
+    tensor = open_safetensors(path)["cube"]
+    assert tensor.checksum is not None
+    memory = bytearray(b"\xff" * (tensor.nbytes + 16))  # more than it needs
+    got = tensor.read_into(memory)
+    assert got.dtype == np.int16 and got.shape == (3, 4, 5)
+    assert got.tobytes() == cube.tobytes()
+    assert not got.flags.writeable
+    assert np.shares_memory(got, np.frombuffer(memory, np.uint8))
+    assert memory[tensor.nbytes :] == b"\xff" * 16  # only its bytes are written
+    assert memory[: tensor.nbytes] == cube.tobytes()
+
+
+def test_the_array_protocol_reads_in_the_dtype_asked(good):
+    tensor = open_safetensors(good)["a"]
+    for dtype in (np.int32, np.float16, np.float64):
+        got = tensor.__array__(dtype)
+        assert got.dtype == dtype and np.array_equal(got, TENSORS["a"].astype(dtype))
+        assert np.asarray(tensor, dtype).dtype == dtype
+    assert tensor.__array__().dtype == np.float32
+
+
+def test_reads_take_one_contiguous_slice_per_axis(good):
+    tensor = open_safetensors(good)["a"]
+    with pytest.raises(
+        ValueError,
+        match=r"^Tensor\.read of 'a' \(shape \[4, 4\]\): reads take contiguous blocks, slices "
+        r"with a step of 1, got slice\(None, None, 2\); read the block and slice the array it "
+        r"returns \(array\[::2\]\)$",
+    ):
+        tensor.read([slice(None, None, 2), slice(None)])
+    with pytest.raises(
+        ValueError,
+        match=r"^Tensor\.read of 'a' \(shape \[4, 4\]\): the index must be one slice per axis "
+        r"\(2\), got \(slice\(0, 1, None\), slice\(0, 1, None\), slice\(0, 1, None\)\)$",
+    ):
+        tensor.read([slice(0, 1)] * 3)
+    assert tensor.read([slice(3, 1), slice(None)]).shape == (0, 4)  # an empty block
+    assert np.array_equal(tensor.read([slice(-2, None), slice(1, -1)]), TENSORS["a"][-2:, 1:-1])
+
+
+def test_readahead_asks_for_the_bytes_ahead_of_the_reader_once_each(tmp_path, monkeypatch):
+    import os
+
+    from taktiny.io._read import Readahead
+
+    path = tmp_path / "four.safetensors"
+    arrays = {"x": np.ones(25, np.float32), "empty": np.zeros(0, np.float32),
+              "y": np.ones(10, np.float32), "z": np.ones(25, np.float32)}  # fmt: skip
+    save_safetensors(path, arrays)
+    checkpoint = open_safetensors(path)
+    tensors = [checkpoint[n] for n in arrays]  # the reader's order
+    assert [t.nbytes for t in tensors] == [100, 0, 40, 100]
+    x, _, y, z = (t.offset for t in tensors)
+    asked = []
+
+    def advise(fd, offset, length, advice):
+        assert advice == os.POSIX_FADV_WILLNEED
+        asked.append((fd, offset, length))
+
+    monkeypatch.setattr(os, "posix_fadvise", advise)
+    with Readahead(tensors, window=150, chunk=64) as ahead:
+        ahead.reached(0)  # 150 bytes ahead of x's start, in requests of 64 at most
+        assert [a[1:] for a in asked] == [(x, 64), (x + 64, 36), (y, 40), (z, 64)]
+        ahead.reached(1)  # 150 bytes past x's end: z's last bytes
+        assert [a[1:] for a in asked[4:]] == [(z + 64, 36)]
+        ahead.reached(2)
+        ahead.reached(3)
+        assert len(asked) == 5  # each byte asked for once
+        (fd,) = {a[0] for a in asked}  # the file opened once
+        assert os.path.samefile(f"/proc/self/fd/{fd}", path)
+    with pytest.raises(OSError):
+        os.fstat(fd)  # closed
+    asked.clear()
+    with Readahead(tensors, window=64, chunk=64) as ahead:
+        ahead.reached(3)  # a reader that overtook the requests: they start at its tensor
+        ahead.reached(3)  # and go on from where they were
+        assert [a[1:] for a in asked] == [(z, 64)]
+
+
 def test_a_truncated_file(good):
     raw = good.read_bytes()
     good.write_bytes(raw[:-10])

@@ -70,6 +70,45 @@ def random_array(dtype, shape, seed=0):
     return jnp.asarray(np.frombuffer(rng.bytes(size), dtype=dtype).reshape(shape))
 
 
+def test_a_failure_after_the_commit_is_a_warning_and_the_checkpoint_stays(tmp_path, monkeypatch):
+    import warnings
+
+    from taktiny.io import _save
+
+    sync = _save._Commit._sync
+
+    def failing(folder):  # the folder's own flushes fail, after the commit
+        if folder == tmp_path:
+            raise OSError("the disk is gone")
+        sync(folder)
+
+    monkeypatch.setattr(_save._Commit, "_sync", staticmethod(failing))
+    path = tmp_path / "w.safetensors"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        save_safetensors(path, {"w": np.ones(2, np.float32)})
+    assert [str(w.message) for w in caught] == [
+        f"save_safetensors: {path} is saved, but flushing its directory to disk failed (the "
+        f"disk is gone): it may not survive a power loss.",
+        f"save_safetensors: {path} is saved, but removing the previous checkpoint's files "
+        f"failed (the disk is gone); the next save to it removes them.",
+    ]
+    assert safetensors.numpy.load_file(str(path))["w"].tolist() == [1.0, 1.0]
+
+
+def test_without_the_safetensors_package_saving_says_to_install_it(tmp_path, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "safetensors.numpy", None)  # the import fails
+    with pytest.raises(
+        ImportError,
+        match=r"^taktiny\.io\.save_safetensors needs the safetensors package: pip install "
+        r"'taktiny\[safetensors\]'\.$",
+    ):
+        save_safetensors(tmp_path / "w.safetensors", {"w": np.ones(2, np.float32)})
+    assert not list(tmp_path.iterdir())
+
+
 def test_a_model_round_trips_bitwise_with_metadata_in_the_header(tmp_path):
     model = MLP(rngs=nn.Rngs(0))
     path = tmp_path / "model.safetensors"

@@ -119,6 +119,13 @@ def test_files_that_are_not_state_dicts_are_clear_errors(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"empty must hold one '\*\.bin\.index\.json' "
                        r"index or a 'pytorch_model\.bin' \(found: none"):  # fmt: skip
         read_torch(tmp_path / "empty")
+    (tmp_path / "two").mkdir()
+    for name in ("a", "b"):
+        (tmp_path / "two" / f"{name}.bin.index.json").write_text('{"weight_map": {}}')
+    with pytest.raises(FileNotFoundError, match=r"two must hold one '\*\.bin\.index\.json' index "
+                       r"or a 'pytorch_model\.bin' \(found: a\.bin\.index\.json, "
+                       r"b\.bin\.index\.json\); pass the file to read$"):  # fmt: skip
+        read_torch(tmp_path / "two")
 
 
 def sharded(folder, weight_map=None):
@@ -169,6 +176,74 @@ def test_an_index_naming_missing_shards_or_tensors_is_refused(tmp_path):
     (tmp_path / "pytorch_model.bin.index.json").write_text(json.dumps({"weight_map": ["a"]}))
     with pytest.raises(ValueError, match=r"index\.json has no 'weight_map' of tensor names"):
         read_torch(tmp_path)
+
+
+def test_an_index_lists_every_shard_and_tensor_it_names_wrongly(tmp_path):
+    index = re.escape(str(tmp_path / "pytorch_model.bin.index.json"))
+    folder, first = re.escape(str(tmp_path.resolve())), "pytorch_model-00001-of-00002.bin"
+    _, weight_map = sharded(tmp_path)
+    sharded(tmp_path, {**weight_map, "x": "../x.bin", "y": "../y.bin"})
+    with pytest.raises(ValueError, match=rf"^read_torch: {index} names shards outside its "
+                       rf"folder {folder}: '\.\./x\.bin', '\.\./y\.bin'; an index may name "
+                       r"only files next to it$"):  # fmt: skip
+        read_torch(tmp_path)
+    sharded(tmp_path, {**weight_map, "x": "x.bin", "y": "y.bin"})
+    with pytest.raises(FileNotFoundError, match=rf"^read_torch: {index} names shards missing "
+                       rf"from {folder}: 'x\.bin', 'y\.bin'$"):  # fmt: skip
+        read_torch(tmp_path)
+    sharded(tmp_path, {**weight_map, "x": first, "y": first})
+    with pytest.raises(ValueError, match=rf"^read_torch: {index} puts 'x', 'y' in the shard "
+                       rf"'{re.escape(first)}', which does not hold them \(it holds 2 "
+                       r"tensors\)$"):  # fmt: skip
+        read_torch(tmp_path)
+    sharded(tmp_path)
+    torch.save(torch.ones(2), tmp_path / first)
+    with pytest.raises(ValueError, match=rf"^read_torch: {folder}/{re.escape(first)} holds a "
+                       r"Tensor, not a dict"):  # fmt: skip
+        read_torch(tmp_path)
+
+
+def test_an_index_names_at_most_three_unnamed_shards_each_shortened(tmp_path):
+    _, weight_map = sharded(tmp_path)
+    unnamed = ["a" * 79 + "\0", "b" * 80 + "\0", "", "d\0", "e\0"]  # 80 and 81 characters
+    sharded(tmp_path, {**weight_map, **{f"w{i}": s for i, s in enumerate(unnamed)}})
+    shown = f"{unnamed[0]!r} (no file name), {'b' * 80!r}... (no file name), '' (no file name)"
+    with pytest.raises(
+        ValueError,
+        match=rf"^read_torch: .* names shards that are no file names or cannot be resolved: "
+        rf"{re.escape(shown)}; an index may name only files next to it$",
+    ):
+        read_torch(tmp_path)
+
+
+def test_an_index_of_up_to_its_byte_limit_is_read(tmp_path, monkeypatch):
+    from taktiny.io import _torch
+
+    torch.save({"w": torch.ones(2)}, tmp_path / "one.bin")
+    text = json.dumps({"weight_map": {"w": "one.bin"}})
+    monkeypatch.setattr(_torch, "_INDEX_LIMIT", len(text) + 4)
+    index = tmp_path / "pytorch_model.bin.index.json"
+    index.write_text(text + " " * 4)  # at the limit
+    assert list(read_torch(index)) == ["w"]
+    index.write_text(text + " " * 5)
+    with pytest.raises(ValueError, match=rf"^read_torch: {re.escape(str(index))} is not a JSON "
+                       rf"object: it has more than {len(text) + 4} bytes$"):  # fmt: skip
+        read_torch(index)
+
+
+def test_a_checkpoint_may_name_up_to_its_limit_of_tensors(tmp_path, monkeypatch):
+    from taktiny.io import _torch
+
+    monkeypatch.setattr(_torch, "_MAX_TENSORS", 4)
+    weight = torch.ones(1)
+    four = {"a": weight, "b": [weight, {"c": weight}], "d": weight, "step": 3}
+    torch.save(four, tmp_path / "four.pt")
+    assert list(read_torch(tmp_path / "four.pt")) == ["a", "b.0", "b.1.c", "d"]
+    torch.save({**four, "e": weight}, tmp_path / "five.pt")
+    with pytest.raises(ValueError, match=rf"^read_torch: {re.escape(str(tmp_path / 'five.pt'))} "
+                       r"names more than 4 tensors \(it repeats containers inside each other\); "
+                       r"it is no checkpoint$"):  # fmt: skip
+        read_torch(tmp_path / "five.pt")
 
 
 def test_without_torch_the_error_says_to_install_it_or_convert(tmp_path, monkeypatch):

@@ -153,18 +153,22 @@ def test_dropout_only_with_a_key_and_the_key_decides():
 
 
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize(("batch", "heads", "masked"), [(2, 2, True), (1, 4, False), (3, 1, True)])
+@pytest.mark.parametrize(
+    ("batch", "heads", "masked"),
+    [(2, 2, "per_head"), (1, 4, None), (3, 1, "per_head"), (2, 4, "shared"), (2, 2, "padding")],
+)
 def test_the_dropout_path_masks_like_the_fused_path(causal, batch, heads, masked):
     """With a vanishing rate nothing is dropped, so the hand-written attention that
     supports dropout must equal jax.nn.dot_product_attention, for any batch size and number
-    of heads, masks included (and a query that may attend to nothing gets the mean of the
-    values in both)."""
+    of heads, masks per head or shared by the heads included (and a query that may attend
+    to nothing gets the mean of the values in both)."""
     mha = nn.MultiHeadAttention(heads, E, dropout_rate=1e-12, rngs=nn.Rngs(0))
     x = randn(batch, T, E, seed=0)
     kwargs = {"causal": causal}
     if masked:
-        mask = random_mask((batch, heads, T, T), 5)
-        mask[-1, 0, 2] = False  # a query with nothing to attend to
+        shape = {"per_head": (batch, heads, T, T), "shared": (batch, 1, T, T)}.get(masked)
+        mask = random_mask(shape or (batch, 1, 1, T), 5)
+        mask[-1, 0, -1 if masked == "padding" else 2] = False  # a query with nothing to attend to
         kwargs["mask"] = jnp.asarray(mask)
     assert_close(mha(x, key=jax.random.key(3), **kwargs), mha(x, **kwargs))
 
@@ -212,6 +216,28 @@ def test_a_zero_dropout_rate_draws_no_random_numbers_even_with_a_key():
 
     assert "random_bits" in program(mha)
     assert "random_bits" not in program(mha.replace(dropout_rate=0.0))
+    # nor on the written-out path that a pair of precisions takes
+    pair = mha.replace(precision=("highest", "highest"))
+    assert "random_bits" in program(pair)
+    assert "random_bits" not in program(pair.replace(dropout_rate=0.0))
+
+
+def test_the_fused_attention_runs_unless_dropout_or_a_pair_of_precisions_needs_another():
+    """jax.nn.dot_product_attention (compiled as one unit) does the attention, except when
+    dropout is on (a key and a rate) or the precision is a pair, which it cannot take."""
+    mha = nn.MultiHeadAttention(2, E, dropout_rate=0.5, rngs=nn.Rngs(0))
+    x = randn(B, T, E, seed=0)
+
+    def fused(m, **kwargs):
+        jaxpr = jax.make_jaxpr(lambda m, x: m(x, **kwargs))(m, x).jaxpr
+        return any(e.params.get("name") == "dot_product_attention" for e in _eqns(jaxpr))
+
+    key = jax.random.key(0)
+    assert fused(mha)  # a rate but no key: no dropout
+    assert not fused(mha, key=key)
+    assert fused(mha.replace(dropout_rate=0.0), key=key)  # a key but no rate
+    assert fused(mha.replace(precision=jax.lax.Precision.HIGHEST))
+    assert not fused(mha.replace(precision=("highest", "highest")))
 
 
 @pytest.mark.parametrize("rate", [-0.1, 1.0, 1.5])

@@ -113,14 +113,17 @@ def test_key_value_heads_must_divide_the_heads(kv_heads):
         nn.MultiHeadAttention(8, 32, num_kv_heads=kv_heads, rngs=nn.Rngs(0))
 
 
-@pytest.mark.parametrize("call", ["plain", "dropout", "cache"])
+@pytest.mark.parametrize("call", ["plain", "dropout", "cache", "pair"])
 def test_highest_precision_reaches_every_product(call):
-    """The four projections and the two products of the attention, on every path."""
+    """The four projections and the two products of the attention, on every path (a pair
+    of precisions, one per operand, takes the written-out attention)."""
     kw = {"num_kv_heads": 2, "rope_theta": 1e4, "dropout_rate": 0.1}
     mha = nn.MultiHeadAttention(4, E, precision="highest", rngs=nn.Rngs(0), **kw)
     x = randn(B, T, E)
     if call == "plain":
         fn, args = (lambda m, x: m(x, causal=True)), (mha, x)
+    elif call == "pair":
+        fn, args = (lambda m, x: m(x, causal=True)), (mha.replace(precision=HIGHEST), x)
     elif call == "dropout":
         fn, args = (lambda m, x: m(x, key=jax.random.key(0))), (mha, x)
     else:
@@ -201,3 +204,113 @@ def test_grouped_heads_split_over_a_mesh_compute_as_unsplit(axis_type, kv_heads,
     np.testing.assert_allclose(got, reference(x, mask=valid, causal=True), rtol=1e-5, atol=1e-5)
     if axis_type == AxisType.Explicit:
         assert tuple(got.sharding.spec) == ("data", None, None)
+
+
+@pytest.mark.parametrize("precision", [None, ("highest", "highest")], ids=["fused", "written-out"])
+@pytest.mark.parametrize(
+    ("kv_heads", "features", "x_spec", "heads_split"),
+    [
+        (4, "model", P("data"), "model"),  # 4 key/value heads on 4 devices: whole groups
+        (2, "model", P("data"), None),  # 2 on 4: the heads are gathered
+        (8, ("data", "model"), P(), ("data", "model")),  # over both mesh axes
+        (4, None, P("data"), None),  # unsplit projections
+    ],
+)
+def test_on_explicit_axes_the_heads_are_split_as_their_projections_features(
+    kv_heads, features, x_spec, heads_split, precision
+):
+    mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Explicit,) * 2,
+                         devices=jax.devices("cpu"))  # fmt: skip
+    splits: dict = {}
+    if features is not None:
+        for p in ("query", "key", "value"):
+            splits[f"{p}_kernel_sharding"] = (None, features)
+            splits[f"{p}_bias_sharding"] = (features,)
+    kw = {"num_kv_heads": kv_heads, "precision": precision}
+    reference = nn.MultiHeadAttention(8, 32, rngs=nn.Rngs(0), **kw)
+    x = randn(4, T, 32)
+    forward = lambda m, x: m(x, causal=True)
+    with jax.set_mesh(mesh):
+        mha = nn.MultiHeadAttention(8, 32, rngs=nn.Rngs(0), **kw, **splits)
+        split_x = jax.device_put(x, x_spec)
+        jaxpr = jax.make_jaxpr(forward)(mha, split_x).jaxpr
+        y = jax.jit(forward)(mha, split_x)
+    if features is not None:
+        assert mha.key.kernel.sharding.spec == P(None, features)
+        assert mha.value.bias is not None and mha.value.bias.sharding.spec == P(features)
+    reshaped = [e.outvars[0].aval for e in _eqns(jaxpr) if e.primitive.name == "reshape"]
+    # queries [4, 6, 8, 4], keys and values [4, 6, kv_heads, 4], the written-out attention's
+    # grouped views, and the heads merged again [4, 6, 32]: the batch split as the input's,
+    # the heads' axis alike
+    heads = [a for a in reshaped if a.ndim >= 4] + [a for a in reshaped if a.shape == (4, T, 32)]
+    assert len(heads) >= 4
+    batch = x_spec[0] if len(x_spec) else None
+    assert [tuple(a.sharding.spec)[:3] for a in heads] == [(batch, None, heads_split)] * len(heads)
+    np.testing.assert_allclose(y, reference(x, causal=True), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("projection", ["query", "key", "value", "out"])
+def test_sharding_errors_name_the_projection(projection, without_type_checks):
+    for kind in ("kernel", "bias"):
+        with pytest.raises(
+            TypeError, match=rf"^MultiHeadAttention\.{projection}\.{kind}: a sharding is a "
+        ):
+            nn.MultiHeadAttention(
+                4, E, **{f"{projection}_{kind}_sharding": "model"}, rngs=nn.Rngs(0)
+            )
+    # without biases a bias sharding has nothing to place
+    bare = nn.MultiHeadAttention(
+        4, E, use_bias=False, **{f"{projection}_bias_sharding": "model"}, rngs=nn.Rngs(0)
+    )
+    assert getattr(bare, projection).bias is None
+
+
+def test_shardings_that_do_not_fit_the_mesh_name_the_projection_and_its_shape():
+    mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Explicit,) * 2,
+                         devices=jax.devices("cpu"))  # fmt: skip
+    with jax.set_mesh(mesh):
+        with pytest.raises(
+            ValueError, match=r"^MultiHeadAttention\.query\.kernel of shape \(16, 6\) cannot be "
+        ):
+            nn.MultiHeadAttention(2, E, qkv_features=6, query_kernel_sharding=(None, "model"),
+                                  rngs=nn.Rngs(0))  # fmt: skip
+        with pytest.raises(
+            ValueError, match=r"^MultiHeadAttention\.key\.bias of shape \(6,\) cannot be placed"
+        ):
+            nn.MultiHeadAttention(2, E, qkv_features=6, key_bias_sharding=("model",),
+                                  rngs=nn.Rngs(0))  # fmt: skip
+
+
+def test_a_bad_precision_is_refused_by_name():
+    with pytest.raises(ValueError, match=r"^MultiHeadAttention's precision must be None, a "):
+        nn.MultiHeadAttention(2, E, precision="bogus", rngs=nn.Rngs(0))
+
+
+def test_on_explicit_axes_several_batch_axes_come_back_split_as_they_came():
+    """Batch axes [3, 2] with the second split: folded into one for the attention, and
+    unfolded again into the input's splits (which JAX could not infer for this reshape)."""
+    mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Explicit,) * 2,
+                         devices=jax.devices("cpu"))  # fmt: skip
+    heads = {f"{p}_kernel_sharding": (None, "model") for p in ("query", "key", "value")}
+    reference = nn.MultiHeadAttention(8, 32, num_kv_heads=4, rngs=nn.Rngs(0))
+    x = randn(3, 2, T, 32)
+    with jax.set_mesh(mesh):
+        mha = nn.MultiHeadAttention(8, 32, num_kv_heads=4, rngs=nn.Rngs(0), **heads)
+        y = jax.jit(lambda m, x: m(x, causal=True))(mha, jax.device_put(x, P(None, "data")))
+    assert y.sharding.spec == P(None, "data", None, None)
+    np.testing.assert_allclose(y, reference(x, causal=True), rtol=1e-5, atol=1e-5)
+
+
+def test_positions_of_several_batch_axes_fold_with_them():
+    """Batch axes [3, 2]: positions [3, 2, q_length] (or any shape broadcastable to it) are
+    folded with the batch, as if the batch were one axis of 6."""
+    mha = nn.MultiHeadAttention(4, E, rope_theta=1e4, rngs=nn.Rngs(0))
+    x = randn(3, 2, T, E)
+    at = np.random.default_rng(0).integers(0, 50, size=(3, 2, T)).astype(np.int32)
+    flat = mha(x.reshape(6, T, E), causal=True, positions=jnp.asarray(at.reshape(6, T)))
+    assert_close(mha(x, causal=True, positions=jnp.asarray(at)), flat.reshape(3, 2, T, E))
+    for shared in (at[0], at[:1]):  # [2, q_length] and [1, 2, q_length]
+        tiled = jnp.asarray(np.broadcast_to(shared, (3, 2, T)))
+        assert_close(
+            mha(x, causal=True, positions=jnp.asarray(shared)), mha(x, causal=True, positions=tiled)
+        )

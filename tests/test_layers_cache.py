@@ -10,6 +10,7 @@ import pytest
 from _torch import assert_close
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
+from test_layers_attention import _eqns
 
 from taktiny import nn
 
@@ -217,3 +218,82 @@ def test_a_cache_needs_self_attention_and_a_positive_size(without_type_checks):
         ValueError, match=r"^MultiHeadAttention.init_cache's max_length must be a positive int, "
     ):
         mha.init_cache(2, 0)
+
+
+@pytest.mark.parametrize(
+    ("change", "got"),
+    [
+        (
+            lambda c: c.replace(values=jnp.zeros((2, MAX, 2, 3))),
+            "keys [2, 12, 2, 4], values [2, 12, 2, 3] and length []",
+        ),
+        (
+            lambda c: c.replace(length=jnp.zeros((1,), jnp.int32)),
+            "keys [2, 12, 2, 4], values [2, 12, 2, 4] and length [1]",
+        ),
+    ],
+    ids=["values", "length"],
+)
+def test_rejects_a_cache_whose_values_or_length_do_not_fit_its_keys(
+    change, got, without_type_checks
+):
+    mha = layer()
+    expected = (
+        "MultiHeadAttention's cache must hold keys and values of shape [batch, max_length, "
+        "num_kv_heads, head_dim] = [2, 'max_length', 2, 4] (batch: the product of the input's "
+        f"batch axes [2]) and a scalar length, got {got}. Make the cache with this layer's "
+        "init_cache(2, max_length)."
+    )
+    with pytest.raises(ValueError, match=f"^{re.escape(expected)}$"):
+        mha(randn(2, 3, E), cache=change(mha.init_cache(2, MAX)))
+
+
+def test_the_cache_errors_name_what_was_given(without_type_checks):
+    mha = layer()
+    with pytest.raises(
+        ValueError,
+        match=r"^MultiHeadAttention's cache must be a KVCache made by "
+        r"layer\.init_cache\(batch, max_length\), got dict\.$",
+    ):
+        mha(randn(2, 3, E), cache={"keys": jnp.zeros((2, MAX, 2, 4))})
+    for batch, max_length, name, value in [(0, MAX, "batch", "0"), (2, 2.5, "max_length", "2.5")]:
+        with pytest.raises(
+            ValueError,
+            match=f"^MultiHeadAttention.init_cache's {name} must be a positive int, got "
+            f"{re.escape(value)}\\.$",
+        ):
+            mha.init_cache(batch, max_length)
+    # the keys and values are placed as parameters are, and named so in the errors
+    with pytest.raises(TypeError, match=r"^KVCache\.keys: a sharding is a PartitionSpec "):
+        mha.init_cache(2, MAX, sharding="data")  # pyright: ignore[reportArgumentType]
+
+
+def test_a_prompt_may_fill_the_whole_cache():
+    mha, x = layer(), randn(2, 5, E)
+    y, cache = mha(x, causal=True, cache=mha.init_cache(2, 5))
+    assert_close(y, mha(x, causal=True))
+    assert int(cache.length) == 5
+
+
+def test_a_low_precision_layer_attends_to_its_cache_in_its_dtype():
+    """The cache's keys and values are read in the dtype the queries have (bfloat16 here,
+    the layer's), so the attention's products take bfloat16 operands only."""
+    mha, x = layer(dtype=jnp.bfloat16), randn(2, 3, E)
+    cache = mha.init_cache(2, MAX, dtype=jnp.float32)  # stored wider than the queries
+    jaxpr = jax.make_jaxpr(lambda m, x, c: m(x, causal=True, cache=c))(mha, x, cache).jaxpr
+    dots = [e for e in _eqns(jaxpr) if e.primitive.name == "dot_general"]
+    assert len(dots) == 6
+    assert all(v.aval.dtype == jnp.bfloat16 for e in dots for v in e.invars)
+
+
+def test_decoding_with_x64_on_keeps_int32_positions():
+    """With ``jax_enable_x64`` decoding works as without: the cache's length, the write's
+    indices and the positions stay int32 (a Python 0 or JAX's default integers would be
+    int64, which dynamic_update_slice and strict promotion refuse to mix with them)."""
+    x = randn(2, 6, E)
+    with jax.enable_x64(True):
+        mha = layer()
+        ys, cache, _ = decode(mha, x, prompt=3)
+        full = mha(x, causal=True)
+    assert cache.length.dtype == jnp.int32
+    assert_close(ys, full)

@@ -55,6 +55,12 @@ def test_group_norm_without_affine_parameters_matches_torch():
     assert list(norm.flat_state_dict()) == ["scale"]
     expected = channels_last(reference(x) - reference.bias[:, None, None])
     assert_close(norm(jnp.asarray(channels_last(x))), expected)
+    # a bias alone: torch's output with a scale of ones
+    with torch.no_grad():
+        reference.weight.fill_(1.0)
+    norm = build(lambda: nn.GroupNorm(3, 6, use_scale=False), {"bias": numpy(reference.bias)})
+    assert list(norm.flat_state_dict()) == ["bias"]
+    assert_close(norm(jnp.asarray(channels_last(x))), channels_last(reference(x)))
 
 
 def test_group_norm_gradients_match_torch():
@@ -148,6 +154,8 @@ def test_group_norm_under_a_mesh_equals_the_unsharded_result(axis_type, num_grou
     with jax.set_mesh(mesh):
         norm = nn.GroupNorm(num_groups, 8, scale_sharding=("model",), bias_sharding=(None,))
         assert norm.scale is not None and norm.scale.sharding.spec == P("model")
+        split_bias = nn.GroupNorm(num_groups, 8, bias_sharding=("model",)).bias
+        assert split_bias is not None and split_bias.sharding.spec == P("model")
         norm = norm.load_flat_state_dict(convert(reference))
         y = jax.jit(lambda n, x: n(x))(norm, jax.device_put(x, x_spec))
     assert_close(y, expected, 1e-6)
@@ -164,6 +172,10 @@ def test_num_groups_must_divide_num_features():
         nn.GroupNorm(4, 6)
     with pytest.raises(ValueError, match=r"GroupNorm's num_groups \(0\) must divide"):
         nn.GroupNorm(0, 6)
+    with pytest.raises(
+        ValueError, match=r"num_features \(0\) into groups of equal size; pass one of \[\] as"
+    ):
+        nn.GroupNorm(0, 0)  # no features: no number of groups to suggest
 
 
 def test_group_norm_rejects_the_wrong_inputs(without_type_checks):
@@ -190,3 +202,41 @@ def test_group_norm_rejects_the_wrong_inputs(without_type_checks):
         r"layer with another num_groups\.",
     ):
         bare(jnp.ones((2, 3, 5)))
+
+
+def test_sharding_errors_name_the_parameter(without_type_checks):
+    for name in ("scale", "bias"):
+        with pytest.raises(TypeError, match=rf"^GroupNorm\.{name}: a sharding is a PartitionSpec "):
+            nn.GroupNorm(2, 4, **{f"{name}_sharding": "model"})  # pyright: ignore[reportArgumentType]
+
+
+@pytest.mark.parametrize(
+    "num_groups, channels, split",
+    [(4, "model", "model"), (8, ("data", "model"), ("data", "model")), (2, "model", None)],
+)
+def test_whole_groups_are_normalised_where_their_channels_are(num_groups, channels, split):
+    """On Explicit axes the grouped view [batch, *spatial, groups, per_group] keeps the
+    channels' split when the devices hold whole groups (4 or 8 groups of 8 channels split 4
+    or 8 ways), and is gathered otherwise (2 groups on 4 devices)."""
+    mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Explicit,) * 2,
+                         devices=jax.devices("cpu"))  # fmt: skip
+    x = channels_last(torch_input(2, 8, 4, 3))
+    norm = nn.GroupNorm(num_groups, 8)
+    with jax.set_mesh(mesh):
+        split_x = jax.device_put(x, P(None, None, None, channels))
+        jaxpr = jax.make_jaxpr(lambda n, x: n(x))(norm, split_x).jaxpr
+        y = jax.jit(lambda n, x: n(x))(norm, split_x)
+    grouped = next(e.outvars[0].aval for e in jaxpr.eqns if e.primitive.name == "reshape")
+    assert grouped.shape == (2, 4, 3, num_groups, 8 // num_groups)
+    assert grouped.sharding.spec == P(None, None, None, split, None)
+    assert y.sharding.spec == P(None, None, None, channels)
+    assert_close(y, norm(jnp.asarray(x)), 1e-6)
+
+
+def test_with_x64_a_float32_group_norm_stays_in_float32():
+    x = channels_last(torch_input(2, 4, 6))
+    expected = nn.GroupNorm(2, 4)(jnp.asarray(x))
+    with jax.enable_x64(True):
+        y = nn.GroupNorm(2, 4)(jnp.asarray(x))
+    assert y.dtype == jnp.float32
+    np.testing.assert_array_equal(y, expected)  # the same float32 arithmetic

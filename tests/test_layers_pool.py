@@ -23,6 +23,7 @@ CASES = [
     ((2, 2), None, 0, False, (6, 7)),  # an odd width: the last column is left out
     ((3, 3), 2, 1, False, (7, 8)),
     ((3, 2), (1, 2), (1, 0), False, (5, 5)),
+    ((3, 1), (2, 1), (1, 0), False, (7, 4)),  # a window of 1 on the second axis
     ((3, 3), 2, 1, True, (6, 5)),
     ((2, 3, 2), (1, 2, 2), (1, 1, 0), False, (4, 5, 3)),
     ((2, 2, 2), None, 0, True, (3, 5, 4)),
@@ -145,6 +146,10 @@ def test_reprs_show_the_configuration():
     assert repr(nn.MaxPool(2, dims=2)) == (
         "MaxPool(kernel_size=(2, 2), strides=(2, 2), padding=(0, 0), ceil_mode=False)"
     )
+    pool = nn.AvgPool((3,))  # PyTorch's defaults
+    assert (pool.strides, pool.padding, pool.ceil_mode, pool.count_include_pad) == (
+        (3,), (0,), False, True
+    )  # fmt: skip
     assert "count_include_pad=False" in repr(nn.AvgPool((3,), 1, 1, count_include_pad=False))
     assert repr(nn.GlobalAvgPool(keepdims=True)) == "GlobalAvgPool(keepdims=True)"
 
@@ -227,3 +232,50 @@ def test_inputs_with_too_few_axes_are_refused(without_type_checks):
         r"or leave the pooling out\.",
     ):
         nn.GlobalAvgPool()(jnp.ones((4, 3)))
+
+
+def test_sizes_that_are_not_ints_are_refused(without_type_checks):
+    with pytest.raises(
+        ValueError,
+        match=r"^MaxPool's kernel_size must be a positive int or 1 positive ints \(one per "
+        r"spatial axis\), got \(2\.5,\)\.$",
+    ):
+        nn.MaxPool((2.5,))  # pyright: ignore[reportArgumentType]
+
+
+@pytest.mark.parametrize("dtype", [jnp.int32, jnp.int8])
+def test_max_pool_of_integers_pads_with_their_lowest_value(dtype, without_type_checks):
+    """Integer inputs (no -inf) are padded with the dtype's minimum: negative values next
+    to the padding are still the maxima of their windows. (The signature says Float, so
+    the test-time type checks are off.)"""
+    x = np.random.default_rng(0).integers(-100, -1, size=(2, 7, 3))
+    pool = nn.MaxPool((3,), 2, 1)
+    y = pool(jnp.asarray(x, dtype))
+    assert y.dtype == dtype
+    expected = pool(jnp.asarray(x, jnp.float32))
+    np.testing.assert_array_equal(y, np.asarray(expected).astype(np.int64))
+
+
+def test_pools_gather_only_the_split_spatial_axes():
+    """On Explicit axes, a split last spatial axis is gathered before the windows are taken,
+    and the features stay split as they came."""
+    mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Explicit,) * 2,
+                         devices=jax.devices("cpu"))  # fmt: skip
+    x = np.random.default_rng(0).normal(size=(2, 6, 8, 4)).astype(np.float32)
+    pools = [nn.MaxPool((3, 3), 2, 1), nn.AvgPool((3, 3), 2, 1, ceil_mode=True)]
+    with jax.set_mesh(mesh):
+        split = jax.device_put(x, P(None, None, "data", "model"))
+        outs = [jax.jit(lambda p, x: p(x))(pool, split) for pool in pools]
+    for pool, out in zip(pools, outs, strict=True):
+        assert out.sharding.spec == P(None, None, None, "model")
+        assert_close(out, pool(jnp.asarray(x)), 1e-6)
+
+
+def test_with_x64_a_float32_average_stays_in_float32():
+    x = channels_last(torch_input((7,)))
+    pool = nn.AvgPool((3,), 2, 1, ceil_mode=True)
+    expected = pool(jnp.asarray(x))
+    with jax.enable_x64(True):
+        y = pool(jnp.asarray(x))
+    assert y.dtype == jnp.float32
+    np.testing.assert_array_equal(y, expected)  # the same float32 arithmetic

@@ -3,6 +3,7 @@ rotary embeddings and grouped key/value heads against Hugging Face's LlamaAttent
 
 import re
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -175,3 +176,77 @@ def test_rotary_grouped_attention_matches_hugging_face_llama_with_left_padding(
         positions=jnp.asarray(2 * positions, jnp.int32),
     )
     assert not np.allclose(np.asarray(spread)[valid], numpy(expected)[valid], atol=1e-3)
+
+
+def test_positions_broadcast_over_several_batch_axes_or_none():
+    """x [3, 2, 5, heads, 8]: any positions broadcastable to [3, 2, 5] rotate as the tiled
+    ones do; an unbatched x [5, heads, 8] takes its [5] positions."""
+    rotary = nn.RotaryEmbedding(8)
+    x = jnp.asarray(randn(3, 2, 5, 2, 8, seed=0))
+    at = np.random.default_rng(1).integers(0, 50, size=(3, 2, 5)).astype(np.int32)
+    full = rotary(x, jnp.asarray(at))
+    for i, j in [(0, 0), (2, 1)]:
+        assert_close(rotary(x[i, j], jnp.asarray(at[i, j])), full[i, j])
+    for shared in (at[:1], at[:, :1], at[0], at[0, 0], at[:1, :1]):
+        tiled = np.broadcast_to(shared, (3, 2, 5))
+        assert_close(rotary(x, jnp.asarray(shared)), rotary(x, jnp.asarray(tiled)))
+
+
+def test_rejects_positions_that_do_not_broadcast_over_several_batch_axes(without_type_checks):
+    expected = (
+        "RotaryEmbedding's positions must be integer position ids of shape [*batch, length] = "
+        "[3, 2, 5] (or broadcastable to it, such as [5]), got int32[4, 2, 5]. Pass one integer "
+        "position per token, such as jnp.arange(5) + offset."
+    )
+    with pytest.raises(ValueError, match=f"^{re.escape(expected)}$"):
+        nn.RotaryEmbedding(8)(jnp.ones((3, 2, 5, 1, 8)), jnp.zeros((4, 2, 5), jnp.int32))
+
+
+@pytest.mark.parametrize(("shape", "hint"), [((), "..."), ((5, 8), "8")])
+def test_rejects_inputs_without_heads(shape, hint, without_type_checks):
+    expected = (
+        f"RotaryEmbedding expects x of shape [*batch, length, heads, head_dim] with head_dim=8, "
+        f"got {shape}; build it with RotaryEmbedding({hint}) for these heads."
+    )
+    with pytest.raises(ValueError, match=f"^{re.escape(expected)}$"):
+        nn.RotaryEmbedding(8)(jnp.ones(shape), jnp.arange(5))
+
+
+def test_theta_defaults_to_llama_2s_and_may_be_any_positive_number():
+    assert nn.RotaryEmbedding(8).theta == 10000.0
+    fast = nn.RotaryEmbedding(8, theta=0.5)  # below 1 the frequencies grow along the head
+    np.testing.assert_allclose(fast.inv_freq(), 0.5 ** -(np.arange(0, 8, 2) / 8), rtol=1e-6)
+    with pytest.raises(ValueError, match=r"^RotaryEmbedding's theta must be positive, got -1\.0"):
+        nn.RotaryEmbedding(8, theta=-1.0)
+
+
+def test_rotation_runs_in_a_named_scope():
+    x = jnp.asarray(randn(2, 5, 1, 8, seed=0))
+    rotate = lambda x, at: nn.RotaryEmbedding(8)(x, at)
+    jaxpr = jax.make_jaxpr(rotate)(x, jnp.arange(5)).jaxpr
+    stacks = {str(eqn.source_info.name_stack) for eqn in jaxpr.eqns}
+    assert stacks and all(stack.startswith("RotaryEmbedding") for stack in stacks), stacks
+
+
+def test_low_precision_inputs_are_rotated_in_float32_and_rounded_once():
+    rotary = nn.RotaryEmbedding(8)
+    x = jnp.asarray(randn(2, 5, 2, 8, seed=0), jnp.bfloat16)
+    at = jnp.arange(5) * 37
+    expected = rotary(x.astype(jnp.float32), at).astype(jnp.bfloat16)
+    np.testing.assert_array_equal(np.asarray(rotary(x, at), np.float32), expected)
+
+
+def test_with_x64_float64_inputs_rotate_in_float64_and_float32_ones_in_float32():
+    x32 = randn(2, 5, 2, 8, seed=0)
+    at = np.arange(5, dtype=np.int32)
+    expected = nn.RotaryEmbedding(8)(jnp.asarray(x32), jnp.asarray(at))
+    with jax.enable_x64(True):
+        rotary = nn.RotaryEmbedding(8)
+        y = rotary(jnp.asarray(x32), jnp.asarray(at))
+        assert y.dtype == jnp.float32
+        np.testing.assert_array_equal(y, expected)  # the same float32 arithmetic
+        # at position 0 nothing turns: a float64 input comes back exactly, not rounded
+        x64 = jnp.asarray(1 + np.random.default_rng(1).random((1, 3, 2, 8)) * 1e-9, jnp.float64)
+        y64 = rotary(x64, jnp.zeros(3, jnp.int32))
+        assert y64.dtype == jnp.float64
+        np.testing.assert_array_equal(y64, x64)

@@ -4,6 +4,7 @@ array-like properties and repr, PyTree behaviour, and the plain functions loader
 import dataclasses
 import pickle
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,7 +13,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import taktiny as tt
-from taktiny import _quant
+from taktiny import _quant, nn
 
 
 def weights(*shape, seed=0, dtype=np.float32):
@@ -98,6 +99,15 @@ def test_repr_reads_like_an_array():
     assert repr(q) == "QArray(i4[64,8], scale=f32[64,2], axis=1, group_size=4)"
     abstract = jax.eval_shape(lambda: q)
     assert repr(abstract) == repr(q)
+    # other leaves (of a tree map) as they are, even one with a shape but no dtype
+    assert repr(jax.tree.map(lambda x: None, q)) == "QArray(None, scale=None, axis=1, group_size=4)"
+    shaped = type("Shaped", (), {"shape": (2,), "__repr__": lambda self: "<shaped>"})()
+    only_shape = dataclasses.replace(q, value=shaped)  # (not checked: not an array)
+    assert repr(only_shape) == "QArray(<shaped>, scale=f32[64,2], axis=1, group_size=4)"
+    # inside a tree, as equinox (and so a module's repr) prints it
+    assert eqx.tree_pformat({"w": q}) == f"{{'w': {q!r}}}"
+    model = tt.quantize(nn.Linear(4, 2, rngs=nn.Rngs(0)))
+    assert "(kernel=QArray(i8[4,2], scale=f32[1,2], axis=0), bias=f32[2])" in repr(model)
 
 
 def test_parts_are_named_children_and_the_layout_is_static():
@@ -216,3 +226,30 @@ def test_split_arrays_give_parts_split_alike(axis_type):
         r"2 groups of 32: a group would straddle two devices",
     ):
         tt.QArray.quantize(rows, group_size=32)
+
+
+def test_parts_layout_reads_bits_axis_and_group_size_from_the_parts_shapes():
+    value = lambda *shape, dtype=jnp.int8: jax.ShapeDtypeStruct(shape, dtype)
+    scale = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
+    layouts = [
+        (value(4, 3), scale(1, 3), (8, 0, None)),  # one scale per channel along axis 0
+        (value(4, 3, dtype=jnp.int4), scale(4, 1), (4, 1, None)),
+        (value(4, 6), scale(4, 2), (8, 1, 3)),  # groups of 3 along axis 1
+        (value(4, 3), scale(4, 3), (8, 0, 1)),  # one scale per entry: groups of 1
+        (value(2, 3), scale(2, 3), (8, 0, 1)),
+        (value(3, 1), scale(3, 1), (8, 0, 1)),
+        (value(1, 3), scale(1, 3), (8, 0, None)),  # (axis 0 has one entry: a channel)
+    ]
+    assert [_quant.parts_layout(v, s) for v, s, _ in layouts] == [want for _, _, want in layouts]
+    ranks = "the scale must have as many axes as the value (at least one), got a value of shape"
+    misfit = "does not fit a value of shape {}: it must be the value's shape with one axis " \
+        "reduced to 1 (one scale per channel) or to a number of groups that divides it"  # fmt: skip
+    refused = [
+        (value(4, 3, dtype=jnp.float32), scale(1, 3), "the value must be int8 or int4, got float32"),
+        (value(), scale(), f"{ranks} () and a scale of shape ()"),
+        (value(4, 2), scale(2), f"{ranks} (4, 2) and a scale of shape (2,)"),
+        (value(4, 6), scale(2, 3), "a scale of shape (2, 3) " + misfit.format((4, 6))),
+        (value(4, 3), scale(0, 3), "a scale of shape (0, 3) " + misfit.format((4, 3))),
+        (value(4, 3), scale(3, 3), "a scale of shape (3, 3) " + misfit.format((4, 3))),
+    ]  # fmt: skip
+    assert [_quant.parts_layout(v, s) for v, s, _ in refused] == [want for _, _, want in refused]

@@ -2,6 +2,8 @@
 (`tt.eval_shape`), and the state of sharded models: read as they are, loaded onto the
 leaves' shardings, outside and inside `jax.jit`."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -93,6 +95,17 @@ def test_shard_takes_the_mesh_of_set_mesh_and_needs_one():
     assert sharded.up.kernel.sharding == NamedSharding(mesh, PartitionSpec(None, "model"))
     with pytest.raises(ValueError, match=r"taktiny.sharding_plan needs a mesh: pass mesh="):
         tt.shard(Block(rngs=nn.Rngs(0)), {"up.kernel": (None, "model")})
+    with pytest.warns(DeprecationWarning, match="with mesh"), mesh:  # (JAX 0.10 still takes it)
+        sharded = tt.shard({"w": np.ones((4, 8), np.float32)}, {"w": (None, "model")})
+    assert sharded["w"].sharding == NamedSharding(mesh, PartitionSpec(None, "model"))
+
+
+def test_rules_that_are_no_pairs_are_refused_naming_the_entry(without_type_checks):
+    mesh = mesh_of()
+    with pytest.raises(TypeError, match=r"^taktiny\.sharding_plan takes its rules as a dict "
+                       r"\{pattern: value\} or a list of \(pattern, value\) pairs, got the "
+                       r"entry 'up'\.$"):  # fmt: skip
+        tt.shard(Block(rngs=nn.Rngs(0)), [("down.*", ()), "up"], mesh)
 
 
 def test_shard_of_an_abstract_model_gives_a_sharded_restore_target():
@@ -192,8 +205,9 @@ def test_bad_specs_are_one_error_naming_every_leaf_shape_spec_and_mesh():
                        r"'model'\) on the mesh \{'data': 2, 'model': 4\}: axis 1 of size 6 "
                        r"does not divide into 4 parts"):  # fmt: skip
         tt.shard(odd, {"kernel": (None, "model")}, mesh)
-    with pytest.raises(ValueError, match=r"the pattern 'up\.\[k' has a '\[' without its '\]'"):
-        tt.shard(model, {"up.[k": ()}, mesh)
+    with pytest.raises(ValueError, match=r"^taktiny\.sharding_plan\(strict=True\) on Block: 1 "
+                       r"problem\(s\):\n  - the pattern 'up\.\[k' has a '\[' without its '\]'"):  # fmt: skip
+        tt.shard(model, {"up.[k": ()}, mesh, strict=True)
     with pytest.raises(ValueError, match=r"the rule 'up.kernel': a sharding is a PartitionSpec "
                        r"or a tuple of mesh axis names .* got 'model'; for example \('model',\)"):  # fmt: skip
         tt.shard(model, {"up.kernel": "model"}, mesh)
@@ -446,3 +460,32 @@ def test_a_rule_naming_a_quantized_weight_places_its_value_and_its_scale():
     with pytest.raises(ValueError, match=r"encoder\.0\.up\.kernel\.value of shape \(8, 16\) by "
                        r"P\(None, None, 'model'\)"):  # fmt: skip
         tt.shard(model, [("encoder.*.up.kernel", (None, None, "model"))], mesh)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class LowRank:
+    """A custom parameter of shape [rows, columns] stored as factors and a 1-D row scale."""
+
+    left: jax.Array  # [rows, rank]
+    right: jax.Array  # [rank, columns]
+    rows: jax.Array  # [rows]
+
+    @property
+    def shape(self):
+        return (self.left.shape[0], self.right.shape[1])
+
+
+def test_a_rule_naming_a_custom_parameter_splits_only_the_leaves_axes_of_its_size():
+    """Each leaf of the parameter takes the spec's entries on its axes of the parameter's
+    size; a leaf of another rank is replicated, even where its axis has that size."""
+    tree = {"w": LowRank(jnp.ones((8, 2)), jnp.ones((2, 16)), jnp.ones(8)), "b": jnp.ones(16)}
+    plan = tt.sharding_plan(tree, {"w": ("data", "model"), "b": ("model",)}, mesh_of())
+    assert plan.specs == {
+        "b": P("model"),
+        "w.left": P("data", None),
+        "w.right": P(None, "model"),
+        "w.rows": P(),
+    }
+    plan = tt.sharding_plan(tree, {"w": ("data",)}, mesh_of())  # the spec's last entries: None
+    assert [plan.specs[f"w.{n}"] for n in ("left", "right", "rows")] == [P("data", None), P(None, None), P()]  # fmt: skip

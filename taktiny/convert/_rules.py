@@ -90,7 +90,9 @@ class Rule:
         if regex:
             try:
                 self.patterns = [
-                    re.compile(r"\.(?:" + s.removeprefix("^").removesuffix("$") + ")")
+                    # a leading '^' would never match after the '.'; a trailing '$' (or a
+                    # literal '\$') is kept: the whole name is matched anyway
+                    re.compile(r"\.(?:" + s.removeprefix("^") + ")")
                     for s in self.sources
                 ]
             except re.error as error:
@@ -141,8 +143,7 @@ class Rule:
         def show(names: tuple[str, ...]) -> str:
             return repr(names[0]) if len(names) == 1 else repr(list(names))
 
-        sources = show(getattr(self, "sources", ()) or ("?",))
-        return f"Rule({sources} -> {show(self.targets)}, {getattr(self, 'transform', '')!r})"
+        return f"Rule({show(self.sources or ('?',))} -> {show(self.targets)}, {self.transform!r})"
 
 
 class Ignore:
@@ -150,13 +151,13 @@ class Ignore:
     cannot make them."""
 
     def __init__(self, *patterns: str):
-        self.patterns = [_compile(p, repr(self)) for p in patterns] if patterns else []
-        self.sources = patterns
+        self.sources = patterns  # (first: the errors of _compile name the Ignore by them)
+        self.patterns = [_compile(p, repr(self)) for p in patterns]
         if not patterns:
             raise ValueError("Ignore() needs at least one name pattern.")
 
     def __repr__(self) -> str:
-        return f"Ignore({', '.join(map(repr, getattr(self, 'sources', ())))})"
+        return f"Ignore({', '.join(map(repr, self.sources))})"
 
 
 class Tie:

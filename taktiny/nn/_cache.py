@@ -111,12 +111,13 @@ def write(layer: str, cache: KVCache, keys: jax.Array, values: jax.Array) -> KVC
         f"its max_length={cache.max_length}. Make a longer cache with init_cache(batch, "
         f"max_length), or start the sequences again from an empty one.",
     )
+    zero = jnp.zeros((), length.dtype)  # a Python 0 is int64 under x64: the indices must match
     new = []
     for old, update in ((cache.keys, keys), (cache.values, values)):
         update = update.astype(old.dtype)
         if explicit_axes():  # written split as the cache is
             update = jax.sharding.reshard(update, P(*typed_spec(old)))
-        new.append(jax.lax.dynamic_update_slice(old, update, (0, length, 0, 0)))
+        new.append(jax.lax.dynamic_update_slice(old, update, (zero, length, zero, zero)))
     return KVCache(keys=new[0], values=new[1], length=length + q_length)
 
 
