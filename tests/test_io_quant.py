@@ -315,15 +315,20 @@ def test_a_quantizing_load_keeps_one_float_tensor_at_a_time(tmp_path, monkeypatc
     assert len(buffers) == 2
 
 
-def test_rules_can_make_the_float_array_of_a_quantized_parameter(tmp_path):
-    rng = np.random.default_rng(0)
-    torch_names = {
+def _torch_net(seed: int) -> dict[str, np.ndarray]:
+    """The state dict of a PyTorch twin of `net`: fc1 (hidden), fc2 (head), emb (embed)."""
+    rng = np.random.default_rng(seed)
+    return {
         "fc1.weight": rng.normal(size=(64, 32)).astype(np.float32),
         "fc1.bias": rng.normal(size=(64,)).astype(np.float32),
         "fc2.weight": rng.normal(size=(5, 64)).astype(np.float32),
         "fc2.bias": rng.normal(size=(5,)).astype(np.float32),
         "emb.weight": rng.normal(size=(10, 32)).astype(np.float32),
     }
+
+
+def test_rules_can_make_the_float_array_of_a_quantized_parameter(tmp_path):
+    torch_names = _torch_net(0)
     torch_names["fc1.again"] = torch_names["fc1.weight"]
     path = tmp_path / "torch.safetensors"
     safetensors.numpy.save_file(torch_names, str(path))
@@ -368,15 +373,7 @@ def test_rules_can_make_the_float_array_of_a_quantized_parameter(tmp_path):
 
 
 def test_rules_into_a_quantized_model_take_allow_and_ties_and_name_the_load(tmp_path):
-    rng = np.random.default_rng(1)
-    torch_names = {
-        "fc1.weight": rng.normal(size=(64, 32)).astype(np.float32),
-        "fc1.bias": rng.normal(size=(64,)).astype(np.float32),
-        "fc2.weight": rng.normal(size=(5, 64)).astype(np.float32),
-        "fc2.bias": rng.normal(size=(5,)).astype(np.float32),
-        "emb.weight": rng.normal(size=(10, 32)).astype(np.float32),
-        "steps": np.array(3, np.int64),
-    }
+    torch_names = {**_torch_net(1), "steps": np.array(3, np.int64)}
     torch_names["fc1.copy"] = torch_names["fc1.weight"]
     torch_names["fc2.copy"] = torch_names["fc2.weight"] + 1
     path = tmp_path / "torch.safetensors"
