@@ -186,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--survivors",
         action="store_true",
-        help="only print the survivors' names (equivalent ones left out)",
+        help="only print the names of survivors and of mutants no test reached (not equivalent ones)",
     )
     parser.add_argument("--pending", nargs="*", metavar="GLOB",
                         help="only print the names matching a GLOB that have not run")  # fmt: skip
@@ -205,8 +205,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.pending:  # mutmut runs again every mutant named, judged or not: name only these
         print(" ".join(pending(results, args.pending)))
         return 0
-    if args.survivors:  # for `make mutate` to judge again (against today's tests) what may die
-        found = [n for codes in results.values() for n, c in codes.items() if c == 0]
+    if args.survivors:  # survived or reached by no test: judged again against today's tests
+        found = [n for codes in results.values() for n, c in codes.items() if c in (0, 33)]
         print(" ".join(n for n in found if n not in equivalent))
         return 0
     if not results:
