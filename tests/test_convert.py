@@ -125,7 +125,8 @@ def test_concatenates_separate_projections_and_splits_them_back():
     cv.round_trip_check(rules, model)
 
 
-def test_coverage_lists_every_problem_in_one_error_before_converting():
+def flawed_conversion() -> tuple[dict[str, np.ndarray], list[cv.Rule]]:
+    """Source tensors and rules for `mlp` with seven coverage problems, one of each kind."""
     source = {
         "0.weight": np.zeros((8, 4), np.float32),
         "0.bias": np.zeros(8, np.int32),  # dtype kind
@@ -141,6 +142,11 @@ def test_coverage_lists_every_problem_in_one_error_before_converting():
         cv.Rule("2.bias", "layers.2.bias"),
         cv.Rule("encoder.{i}.bias", "layers.{i}.bias"),
     ]
+    return source, rules
+
+
+def test_coverage_lists_every_problem_in_one_error_before_converting():
+    source, rules = flawed_conversion()
     model = tt.eval_shape(mlp)
     with pytest.raises(cv.ConversionError, match=r"7 problems") as info:
         cv.convert(rules, source, target=model)
@@ -536,21 +542,7 @@ def test_export_and_round_trip_errors_name_every_leaf_and_why():
 
 
 def test_coverage_problems_read_in_full():
-    source = {
-        "0.weight": np.zeros((8, 4), np.float32),
-        "0.bias": np.zeros(8, np.int32),
-        "zero.weight": np.zeros((8, 4), np.float32),
-        "2.bias": np.zeros(4, np.float32),
-        "extra.scale": np.zeros(1, np.float32),
-        "3.weight": np.zeros((3, 8), np.float32),
-    }
-    rules = [
-        cv.Rule("zero.weight", "layers.0.kernel", cv.transpose()),
-        cv.Rule("{i}.weight", "layers.{i}.kernel", cv.transpose()),
-        cv.Rule("0.bias", "layers.0.bias"),
-        cv.Rule("2.bias", "layers.2.bias"),
-        cv.Rule("encoder.{i}.bias", "layers.{i}.bias"),
-    ]
+    source, rules = flawed_conversion()
     with pytest.raises(cv.ConversionError) as info:
         cv.convert(rules, source, target=tt.eval_shape(mlp))
     missing = ("no rule produces this target leaf; add a Rule, or allow it (allow={'missing': "

@@ -120,16 +120,7 @@ def test_each_device_reads_only_its_own_block_of_an_inner_split(saved, reads):
 
 
 def test_rules_apply_tensor_by_tensor_and_place_on_the_target_sharding(tmp_path, reads):
-    rng = np.random.default_rng(0)
-    torch_names = {
-        "fc1.weight": rng.normal(size=(64, 32)).astype(np.float32),
-        "fc1.bias": rng.normal(size=(64,)).astype(np.float32),
-        "fc2.weight": rng.normal(size=(4, 64)).astype(np.float32),
-        "fc2.bias": rng.normal(size=(4,)).astype(np.float32),
-        "steps": np.array(3, np.int64),
-    }
-    path = tmp_path / "torch.safetensors"
-    safetensors.numpy.save_file(torch_names, str(path))
+    torch_names, path, _ = torch_mlp(tmp_path, steps=np.array(3, np.int64))
     rules = [
         cv.Rule("fc1.{p}", "input.{p}"),
         cv.Rule("fc2.{p}", "output.{p}"),
