@@ -11,6 +11,7 @@ flattens it in C++ (see ``_module.md`` beside this file).
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import types
 from collections.abc import Mapping
 from typing import Any, ClassVar, dataclass_transform
@@ -265,6 +266,14 @@ class _ModuleMeta(type):
                 f"fields. Move its body to the end of __init__, or drop the custom __init__."
             )
         return cls
+
+    @property
+    def __signature__(cls) -> inspect.Signature:
+        """The constructor's parameters, without ``self``: what ``inspect.signature``,
+        ``help()``, IDEs and notebooks show for the class (without this they would show
+        this metaclass's ``__call__``, ``(*args, **kwargs)``)."""
+        init = inspect.signature(cls.__init__)
+        return init.replace(parameters=list(init.parameters.values())[1:])
 
     def __call__(cls, *args: Any, **kwargs: Any) -> Any:
         obj: Any = types.SimpleNamespace.__new__(cls)

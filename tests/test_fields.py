@@ -168,3 +168,52 @@ def test_string_annotations_of_a_class_from_an_unimported_module_are_read_with_t
     assert cls.__module__ == "not_imported_anywhere"
     assert list(cls._taktiny_fields) == ["w"] and cls.n == 1
     assert isinstance(cls(), types.SimpleNamespace) and cls().w is None
+
+
+LAYER_CLASSES = sorted(
+    (
+        value
+        for value in vars(nn).values()
+        if isinstance(value, type) and issubclass(value, nn.Module)
+    ),
+    key=lambda cls: cls.__name__,
+)
+
+
+@pytest.mark.parametrize("layer", LAYER_CLASSES, ids=lambda cls: cls.__name__)
+def test_every_layer_shows_its_constructor_in_its_signature_and_help(layer):
+    """`inspect.signature` (which IDEs, notebooks and `help()` use) shows the constructor's
+    parameters, not the metaclass's `(*args, **kwargs)`."""
+    import pydoc
+
+    init = list(inspect.signature(layer.__init__).parameters.values())
+    assert init[0].name == "self"
+    signature = inspect.signature(layer)
+    assert list(signature.parameters.values()) == init[1:]
+    if layer is not nn.Module:
+        assert signature.parameters and "args" not in signature.parameters
+    page = pydoc.render_doc(layer, renderer=pydoc.plaintext)
+    assert f"{layer.__name__}{signature}" in page
+
+
+def test_a_users_module_shows_its_constructor_in_its_signature():
+    class Declared(nn.Module):
+        weight: jax.Array
+        scale: float = 2.0
+
+    class Written(nn.Module):
+        def __init__(self, features: int, *, bias: bool = True):
+            self.features, self.bias = features, bias
+
+    class Sub(Declared):
+        tag: str = "t"
+
+    assert str(inspect.signature(Declared)) == "(weight, scale=2.0)"
+    assert str(inspect.signature(Written)) == "(features: int, *, bias: bool = True)"
+    assert str(inspect.signature(Sub)) == "(weight, scale=2.0, tag='t')"
+    assert inspect.signature(Written).bind(3, bias=False).arguments == {
+        "features": 3,
+        "bias": False,
+    }
+    # a built module is called as its __call__ says, as before
+    assert list(inspect.signature(nn.Lambda(abs)).parameters) == ["x"]

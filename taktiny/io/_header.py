@@ -167,6 +167,17 @@ def _short(value: Any) -> str:
     return _REPR.repr(value)
 
 
+def _torch_kind(prefix: bytes) -> str:
+    """What a file whose first bytes are `prefix` is, when they are those of a PyTorch
+    checkpoint: a zip archive (what ``torch.save`` writes) or a pickle (its legacy
+    format); "" for any other file."""
+    if prefix[:4] == b"PK\x03\x04":
+        return "a zip archive, as torch.save writes"
+    if prefix[:1] == b"\x80" and prefix[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05"):
+        return "a pickle, torch.save's legacy format"
+    return ""
+
+
 def _header(file: Path) -> tuple[dict[str, Tensor], dict[str, str]]:
     """The tensors a safetensors file's header describes, in the order of their bytes,
     and its metadata; every entry checked against the file's size."""
@@ -179,6 +190,14 @@ def _header(file: Path) -> tuple[dict[str, Tensor], dict[str, str]]:
         prefix = f.read(8)
         length = int.from_bytes(prefix, "little") if len(prefix) == 8 else -1
         if not 0 < length <= min(size - 8, _HEADER_LIMIT):
+            kind = _torch_kind(prefix)
+            if kind:
+                raise bad(
+                    f"not a safetensors file but, by its first bytes, a PyTorch file ({kind}): "
+                    f"read it with taktiny.io.read_torch(path), which loads its tensors "
+                    f"without running code, and load the result with load_state_dict or "
+                    f"taktiny.convert."
+                )
             raise bad(
                 f"not a safetensors file: its first 8 bytes give a header of {length} bytes, "
                 f"and the file has {size}"
