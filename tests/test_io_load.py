@@ -15,7 +15,14 @@ from jax.sharding import PartitionSpec as P
 import taktiny as tt
 from taktiny import convert as cv
 from taktiny import nn
-from taktiny.io import Tensor, load_safetensors, open_safetensors, save_safetensors
+from taktiny.io import (
+    SafetensorsError,
+    Tensor,
+    load_safetensors,
+    open_safetensors,
+    read_torch,
+    save_safetensors,
+)
 
 
 def flat_numpy(tree):
@@ -440,3 +447,24 @@ def test_checkpoint_and_tensor_reprs(saved):
         == "Tensor('input.kernel', float32[32, 64], mlp.safetensors)"
     )
     assert checkpoint.metadata["format"] == "taktiny"
+
+
+@pytest.mark.parametrize("zipped", [True, False], ids=["zip", "legacy"])
+def test_a_pytorch_file_given_to_load_safetensors_is_sent_to_read_torch(tmp_path, zipped):
+    import torch
+
+    path = tmp_path / "pytorch_model.bin"
+    torch.save({"input.kernel": torch.ones(2)}, path, _use_new_zipfile_serialization=zipped)
+    kind = (
+        "a zip archive, as torch.save writes" if zipped else "a pickle, torch.save's legacy format"
+    )
+    message = (
+        f"{path}: not a safetensors file but, by its first bytes, a PyTorch file ({kind}): "
+        f"read it with taktiny.io.read_torch(path), which loads its tensors without running "
+        f"code, and load the result with load_state_dict or taktiny.convert."
+    )
+    for load in (lambda: load_safetensors(abstract_mlp(), path), lambda: open_safetensors(path)):
+        with pytest.raises(SafetensorsError) as error:
+            load()
+        assert str(error.value) == message
+    assert read_torch(path)["input.kernel"].tolist() == [1.0, 1.0]  # as the message says
