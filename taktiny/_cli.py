@@ -9,9 +9,10 @@ a safetensors file is read from its byte range, an array of an Orbax checkpoint 
 restore of that one array. `verify` reads every tensor of a safetensors checkpoint through
 the checksum its header records.
 
-A checkpoint that cannot be read (a corrupt or truncated file, a bad index, a damaged Orbax
-checkpoint) is one line on stderr, ``taktiny: <file>: <what is wrong>``, and exit status 1;
-never a traceback.
+A checkpoint that cannot be read (a missing path, a corrupt or truncated file, a bad index,
+a damaged Orbax checkpoint) is one line on stderr, ``taktiny: <file>: <what is wrong>``, and
+exit status 2, never a traceback; as for ``diff(1)``, status 1 means that the checkpoints
+differ (``diff``) or that a tensor is damaged (``verify``).
 """
 
 from __future__ import annotations
@@ -159,13 +160,46 @@ def _is_orbax(path: Path) -> bool:
     return path.is_dir() and any((path / n).exists() for n in ("_CHECKPOINT_METADATA", "_METADATA"))
 
 
+def _orbax_items(path: Path) -> dict[str, Path]:
+    """The trees of arrays an Orbax folder holds, by the prefix their names take: ``{"":
+    path}`` for a checkpoint of one tree; for a step folder of a ``CheckpointManager``, each
+    item's folder under its item name (``""`` for a manager's one unnamed item,
+    ``default``, so that its names are those of a plain checkpoint)."""
+    if (path / "_METADATA").exists() or not (path / "_CHECKPOINT_METADATA").exists():
+        return {"": path}
+    items = {p.name: p for p in sorted(path.iterdir()) if p.is_dir() and _is_orbax(p)}
+    if not items:
+        raise Unreadable(
+            f"{path}: an Orbax step folder without an item holding a tree of arrays; its "
+            f"save is incomplete or damaged."
+        )
+    return {"": items["default"]} if list(items) == ["default"] else items
+
+
+def _orbax_steps(path: Path) -> list[str]:
+    """The step folders of a ``CheckpointManager``'s folder, in step order."""
+    steps = [p.name for p in path.iterdir() if p.name.isdigit() and _is_orbax(p)]
+    return sorted(steps, key=int)
+
+
 def entries(path: str | Path) -> list[Entry]:
     """The tensors of a safetensors file, a safetensors index (or a folder holding one), or
-    an Orbax checkpoint folder, from their headers and metadata only. A folder's checkpoint
-    is found as the loaders find it (:func:`taktiny.io.open_safetensors`)."""
+    an Orbax checkpoint: a checkpoint's folder, a ``CheckpointManager``'s step folder (every
+    item, each name prefixed by its item's: ``state.encoder.kernel``) or one item's folder
+    in it; from their headers and metadata only. A folder's safetensors checkpoint is found
+    as the loaders find it (:func:`taktiny.io.open_safetensors`)."""
     path = Path(path)
     if _is_orbax(path):
-        return list(_orbax_entries(path))
+        return [
+            entry._replace(name=f"{item}.{entry.name}" if item else entry.name)
+            for item, folder in _orbax_items(path).items()
+            for entry in _orbax_entries(folder)
+        ]
+    if path.is_dir() and (steps := _orbax_steps(path)):
+        raise Unreadable(
+            f"{path} holds the steps of an Orbax CheckpointManager ({', '.join(steps)}): name "
+            f"one, as in {path / steps[-1]}."
+        )
     _present(path)
     return list(_safetensors_entries(path))
 
@@ -182,10 +216,11 @@ def _present(path: Path) -> None:
         raise Unreadable(f"{path} does not exist.")
 
 
-def _table(rows: list[list[str]]) -> str:
+def _table(rows: list[list[str]], numbers: int = 1) -> str:
+    """`rows` as aligned columns, the last `numbers` of them (numbers) to the right."""
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     return "\n".join(
-        "  ".join(c.rjust(w) if i == len(row) - 1 else c.ljust(w)
+        "  ".join(c.rjust(w) if i >= len(row) - numbers else c.ljust(w)
                   for i, (c, w) in enumerate(zip(row, widths, strict=True)))
         .rstrip()
         for row in rows
@@ -210,29 +245,69 @@ def inspect(path: str, pattern: str | None, as_json: bool) -> str:
 
 
 def _read(entry: Entry, opened: Mapping[Path, Any]) -> np.ndarray:
-    """The values of one tensor, as float64, from its open file or checkpoint."""
+    """The values of one tensor, in its own dtype, from its open file or checkpoint."""
     if isinstance(entry.source, tuple):  # a path in an Orbax checkpoint
-        return np.asarray(opened[entry.file].array(entry.source), np.float64)
-    return np.asarray(entry.source, np.float64)  # a safetensors Tensor: reads its bytes
+        return np.asarray(opened[entry.file].array(entry.source))
+    return np.asarray(entry.source)  # a safetensors Tensor: reads its bytes
 
 
-def _gap(u: np.ndarray, v: np.ndarray) -> float | None:
-    """max |u - v| (nan where one side is nan), or None when the values are equal."""
-    gap = float(np.max(np.abs(u - v), initial=0.0)) if u.size else 0.0
-    return gap if gap or np.isnan(u).any() != np.isnan(v).any() else None
+class Gap(NamedTuple):
+    """How far one tensor of `a` is from the same tensor of `b`."""
+
+    absolute: float  # max |a - b|
+    relative: float  # max |a - b| / |b|: inf where b is 0 and a is not
+    within: bool  # |a - b| <= atol + rtol * |b| everywhere, NaN where the other is NaN
 
 
-def diff(a: str, b: str) -> tuple[str, bool]:
-    """The report `taktiny diff` prints, and whether the checkpoints hold equal tensors.
+def _gap(u: np.ndarray, v: np.ndarray, atol: float, rtol: float) -> Gap | None:
+    """How far `u` is from `v` (of one shape, any dtypes), compared after casting both to
+    float64 (complex128 for complex values); None when they are equal, value for value."""
+    if u.dtype == v.dtype and np.array_equal(u, v, equal_nan=u.dtype.kind in "fc"):
+        return None  # (exact: integers beyond 2**53 are not compared as floats)
+    common = np.complex128 if "c" in (u.dtype.kind, v.dtype.kind) else np.float64
+    x, y = u.astype(common), v.astype(common)
+    nan = np.isnan(x) | np.isnan(y)
+    # equal values, compared in their own dtype when both have it (float64 cannot tell
+    # 2**62 from 2**62 + 1); inf == inf, so no inf - inf is counted
+    equal = ((u == v) if u.dtype == v.dtype else (x == y)) | (np.isnan(x) & np.isnan(y))
+    scale = np.abs(y)
+    with np.errstate(divide="ignore", invalid="ignore"):  # inf - inf, x / 0: masked out
+        error = np.where(equal, 0.0, np.abs(x - y))
+        if u.dtype == v.dtype and u.dtype.kind in "iub":  # unequal integers: 1 apart at least
+            error = np.where(equal, 0.0, np.maximum(error, 1.0))
+        relative = np.where(equal, 0.0, error / scale)
+        within = bool(np.all(equal | (~nan & (error <= atol + rtol * scale))))
+    return Gap(float(np.nanmax(error, initial=0.0)), float(np.nanmax(relative, initial=0.0)),
+               within)  # fmt: skip
 
-    Either checkpoint may be safetensors (a file, an index, or a folder holding one) or an
-    Orbax checkpoint folder, whose names are its dotted tree paths. Tensors of equal shape
-    and dtype are read two at a time, one from each side, and compared in float64."""
+
+def _number(value: float) -> str:
+    return f"{value:.6g}"
+
+
+def diff(
+    a: str, b: str, *, atol: float = 0.0, rtol: float = 0.0, pattern: str | None = None
+) -> tuple[str, bool]:
+    """The report `taktiny diff` prints, and whether the checkpoints agree.
+
+    Either checkpoint may be safetensors (a file, an index, or a folder holding one) or
+    Orbax (see :func:`entries`), whose names are its dotted tree paths. Tensors of equal
+    shape are read two at a time, one from each side, and compared value for value; those
+    of different dtypes after casting both to float64. The checkpoints agree when they name
+    the same tensors (those matching `pattern`, when given), of the same shapes, and every
+    value of `a` is within ``atol + rtol * |b|`` of `b`'s (NaN where `b` has NaN); the
+    defaults ask for equal values. The report lists the tensors only one side has, those of
+    other shapes, and those that differ beyond the tolerance, with the largest absolute and
+    relative difference of each."""
     left = {e.name: e for e in entries(a)}
     right = {e.name: e for e in entries(b)}
+    if pattern is not None:
+        regex = _patterns.compile_pattern(pattern)
+        left = {n: e for n, e in left.items() if regex.fullmatch("." + n)}
+        right = {n: e for n, e in right.items() if regex.fullmatch("." + n)}
     lines = [f"only in {a}: {name}" for name in left if name not in right]
     lines += [f"only in {b}: {name}" for name in right if name not in left]
-    rows = [["name", "shape", "dtype", "max |a - b|"]]
+    rows = [["name", "shape", "dtype", "max |a - b|", "max |a - b| / |b|"]]
     with contextlib.ExitStack() as stack:
         opened: dict[Path, Any] = {}  # each Orbax checkpoint opened once
         for entry in {e.file: e for e in [*left.values(), *right.values()]}.values():
@@ -240,16 +315,19 @@ def diff(a: str, b: str) -> tuple[str, bool]:
                 opened[entry.file] = stack.enter_context(_Orbax(entry.file))
         for name in (n for n in left if n in right):
             x, y = left[name], right[name]
-            if (x.shape, x.dtype) != (y.shape, y.dtype):
-                rows.append([name, f"{x.shape} vs {y.shape}", f"{x.dtype} vs {y.dtype}", "-"])
+            dtype = x.dtype if x.dtype == y.dtype else f"{x.dtype} vs {y.dtype}"
+            if x.shape != y.shape:
+                rows.append([name, f"{x.shape} vs {y.shape}", dtype, "-", "-"])
                 continue
-            gap = _gap(_read(x, opened), _read(y, opened))  # two tensors held at a time
-            if gap is not None:
-                rows.append([name, str(x.shape), x.dtype, f"{gap:.6g}"])
+            gap = _gap(_read(x, opened), _read(y, opened), atol, rtol)  # two at a time
+            if gap is not None and not gap.within:
+                rows.append([name, str(x.shape), dtype, _number(gap.absolute),
+                             _number(gap.relative)])  # fmt: skip
     same = not lines and len(rows) == 1
-    body = "\n".join(lines + ([_table(rows)] if len(rows) > 1 else []))
+    body = "\n".join(lines + ([_table(rows, numbers=2)] if len(rows) > 1 else []))
     common = sum(1 for n in left if n in right)
-    summary = f"{common} common tensors, {len(rows) - 1} differ, {len(lines)} in one only"
+    beyond = f" beyond atol={atol:g}, rtol={rtol:g}" if atol or rtol else ""
+    summary = f"{common} common tensors, {len(rows) - 1} differ{beyond}, {len(lines)} in one only"
     return (f"{body}\n{summary}" if body else summary), same
 
 
@@ -272,15 +350,17 @@ def verify(path: str) -> tuple[str, bool]:
 
 
 def _verify_orbax(path: Path) -> tuple[str, bool]:
-    """Restores each array of an Orbax checkpoint on its own (holding one at a time)."""
-    found = list(_orbax_entries(path))
+    """Restores each array of an Orbax checkpoint (each item of a step folder) on its own,
+    holding one at a time."""
+    found = entries(path)
     damaged = []
-    with _Orbax(path) as opened:
-        for entry in found:
-            try:
-                opened.array(entry.source)
-            except Unreadable as error:
-                damaged.append(str(error))
+    for folder in dict.fromkeys(entry.file for entry in found):
+        with _Orbax(folder) as opened:
+            for entry in (e for e in found if e.file == folder):
+                try:
+                    opened.array(entry.source)
+                except Unreadable as error:
+                    damaged.append(str(error))
     summary = f"{len(found) - len(damaged)} arrays restore, {len(damaged)} do not"
     return "\n".join([*damaged, summary]), not damaged
 
@@ -300,6 +380,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     compared.add_argument("a")
     compared.add_argument("b")
+    for name, allowed in (
+        ("--atol", "the absolute difference allowed (default 0)"),
+        ("--rtol", "the difference allowed relative to b's value (default 0)"),
+    ):
+        compared.add_argument(name, type=float, default=0.0, help=allowed)  # fmt: skip
+    compared.add_argument("--filter", help="only names matching this pattern ('encoder.**')")
     verified = commands.add_parser(
         "verify",
         help="read every tensor of a safetensors checkpoint through the checksum its header "
@@ -314,12 +400,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "verify":
             report, same = verify(args.path)
         else:
-            report, same = diff(args.a, args.b)
-    except (SafetensorsError, Unreadable, OSError) as error:  # names the file, says why
+            report, same = diff(args.a, args.b, atol=args.atol, rtol=args.rtol,
+                                pattern=args.filter)  # fmt: skip
+    except (SafetensorsError, Unreadable, OSError, ValueError) as error:
+        # a checkpoint that cannot be read (named, with why) or a bad --filter pattern
         print(f"taktiny: {' '.join(str(error).splitlines())}", file=sys.stderr)
-        return 1
-    except ValueError as error:  # a bad --filter pattern
-        print(f"taktiny: {error}", file=sys.stderr)
         return 2
     print(report)
     return 0 if same else 1

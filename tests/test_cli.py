@@ -22,9 +22,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def refused(capsys, argv, message):
-    """`taktiny *argv` exits with 1 after one line on stderr, ``taktiny: ...`` matching
-    `message`, and prints nothing else."""
-    assert main(argv) == 1
+    """`taktiny *argv` exits with 2 (as diff(1) does on trouble) after one line on stderr,
+    ``taktiny: ...`` matching `message`, and prints nothing else."""
+    assert main(argv) == 2
     out, err = capsys.readouterr()
     assert out == "" and err.count("\n") == 1 and err.startswith("taktiny: "), err
     assert re.search(message, err), err
@@ -119,9 +119,9 @@ def test_diff_reports_names_in_one_only_shape_changes_and_the_largest_difference
     assert main(["diff", two[0], two[1]]) == 1
     assert capsys.readouterr().out == (
         f"only in {two[1]}: extra\n"
-        "name            shape         dtype                 max |a - b|\n"
-        "encoder.bias    (4,) vs (5,)  bfloat16 vs bfloat16            -\n"
-        "encoder.kernel  (2, 3)        float32                       0.5\n"
+        "name            shape         dtype     max |a - b|  max |a - b| / |b|\n"
+        "encoder.bias    (4,) vs (5,)  bfloat16            -                  -\n"
+        "encoder.kernel  (2, 3)        float32           0.5           0.333333\n"
         "3 common tensors, 2 differ, 1 in one only\n"
     )
     assert main(["diff", two[0], two[0]]) == 0
@@ -162,9 +162,9 @@ def test_diff_compares_orbax_checkpoints_by_their_tree_paths(two_orbax, capsys):
     assert main(["diff", a, b]) == 1
     assert capsys.readouterr().out == (
         f"only in {b}: extra\n"
-        "name          shape         dtype                 max |a - b|\n"
-        "encoder.bias  (4,) vs (5,)  bfloat16 vs bfloat16            -\n"
-        "layers.1      (2,)          float32                         2\n"
+        "name          shape         dtype     max |a - b|  max |a - b| / |b|\n"
+        "encoder.bias  (4,) vs (5,)  bfloat16            -                  -\n"
+        "layers.1      (2,)          float32             2            1.14286\n"
         "4 common tensors, 2 differ, 1 in one only\n"
     )
     assert main(["diff", b, b]) == 0
@@ -189,10 +189,9 @@ def test_diff_compares_an_orbax_checkpoint_with_safetensors(tmp_path, two_orbax,
     assert main(["diff", other, a]) == 1
     assert capsys.readouterr().out == (
         f"only in {a}: layers.1\n"
-        "name            shape             dtype               max |a - b|\n"
-        "encoder.kernel  (2, 3) vs (2, 3)  float64 vs float32            -\n"
-        "layers.0        (3,)              int32                         4\n"
-        "3 common tensors, 2 differ, 1 in one only\n"
+        "name      shape  dtype  max |a - b|  max |a - b| / |b|\n"
+        "layers.0  (3,)   int32            4                  2\n"
+        "3 common tensors, 1 differ, 1 in one only\n"
     )
 
 
@@ -227,7 +226,7 @@ def test_diff_holds_two_tensors_at_a_time_and_restores_one_orbax_array_per_read(
     monkeypatch.setattr(_cli, "_read", counting_read)
     assert main(["diff", a, b]) == 1
     assert capsys.readouterr().out.splitlines()[-2:] == [
-        "w5    (4, 4)  float32            5", "6 common tensors, 1 differ, 0 in one only"]  # fmt: skip
+        "w5    (4, 4)  float32            5                inf", "6 common tensors, 1 differ, 0 in one only"]  # fmt: skip
     assert reads[0] == 12 and restored == [1] * 12  # each restore: one array
     assert most[0] == 2  # one per side at a time
 
@@ -330,3 +329,113 @@ def test_a_folder_is_read_as_the_loaders_read_it(tmp_path, capsys):
         "new   (2,)   float32      8",
         "1 tensors, 2 parameters, 8 bytes",
     ]
+
+
+def test_diff_compares_across_dtypes_within_a_tolerance_and_a_filter(tmp_path, capsys):
+    values = np.array([1.0, -2.5, 3.14159, 1e-3], np.float32)
+    full = save(tmp_path / "f32.safetensors", {"encoder.w": values, "head.w": values})
+    half = save(tmp_path / "bf16.safetensors", {
+        "encoder.w": values.astype(ml_dtypes.bfloat16), "head.w": values + 1.0})  # fmt: skip
+    bf16 = values.astype(ml_dtypes.bfloat16).astype(np.float64)
+    gap = np.abs(values.astype(np.float64) - bf16)
+    assert main(["diff", full, half, "--filter", "encoder.**"]) == 1  # bf16 rounds: not equal
+    assert capsys.readouterr().out == (
+        "name       shape  dtype                max |a - b|  max |a - b| / |b|\n"
+        f"encoder.w  (4,)   float32 vs bfloat16  {gap.max():>11.6g}  {(gap / np.abs(bf16)).max():>17.6g}\n"
+        "1 common tensors, 1 differ, 0 in one only\n"
+    )
+    assert main(["diff", full, half, "--filter", "encoder.**", "--rtol", "0.004"]) == 0
+    assert (
+        capsys.readouterr().out
+        == "1 common tensors, 0 differ beyond atol=0, rtol=0.004, 0 in one only\n"
+    )
+    assert gap.max() > 0.0005
+    assert main(["diff", full, half, "--filter", "encoder.**", "--atol", "0.0005"]) == 1
+    capsys.readouterr()
+    assert main(["diff", full, half, "--atol", "0.01"]) == 1  # head.w is 1 away
+    assert capsys.readouterr().out.splitlines()[-2:] == [
+        "head.w  (4,)   float32            1           0.999001",
+        "2 common tensors, 1 differ beyond atol=0.01, rtol=0, 0 in one only",
+    ]
+    assert main(["diff", full, half, "--atol", "1.0001"]) == 0  # (float32 rounds 1e-3 + 1)
+    capsys.readouterr()
+    refused(capsys, ["diff", full, half, "--filter", "a..b"], r"a\.\.b")
+
+
+def test_diff_matches_nans_in_place_and_compares_large_integers_exactly(tmp_path, capsys):
+    a = save(tmp_path / "a.safetensors", {
+        "f": np.array([np.nan, np.inf, 1.0], np.float32),
+        "i": np.array([2**62, 5], np.int64)})  # fmt: skip
+    same = save(tmp_path / "same.safetensors", {
+        "f": np.array([np.nan, np.inf, 1.0], np.float32),
+        "i": np.array([2**62, 5], np.int64)})  # fmt: skip
+    other = save(tmp_path / "other.safetensors", {
+        "f": np.array([1.0, np.inf, 1.0], np.float32),
+        "i": np.array([2**62 + 1, 5], np.int64)})  # fmt: skip
+    assert main(["diff", a, same]) == 0
+    assert capsys.readouterr().out == "2 common tensors, 0 differ, 0 in one only\n"
+    assert main(["diff", a, other, "--atol", "100"]) == 1  # NaN against a number never agrees
+    assert capsys.readouterr().out.splitlines()[1:] == [
+        "f     (3,)   float32            0                  0",  # (NaN is no number to measure)
+        "2 common tensors, 1 differ beyond atol=100, rtol=0, 0 in one only",
+    ]
+    assert main(["diff", a, other]) == 1  # 2**62 and 2**62 + 1: the same float64, not equal
+    assert capsys.readouterr().out.splitlines()[1:] == [
+        "f     (3,)   float32            0                  0",
+        "i     (2,)   int64              1         2.1684e-19",  # 1 / 2**62
+        "2 common tensors, 2 differ, 0 in one only",
+    ]
+
+
+@pytest.fixture
+def managed(tmp_path):
+    """Step folders of two CheckpointManagers: one saving a single unnamed item, one saving
+    two named items."""
+    model = nn.Linear(3, 2, rngs=nn.Rngs(0))
+    run = (tmp_path / "run").absolute()
+    with ocp.CheckpointManager(run) as manager:
+        for step in (100, 200):
+            manager.save(step, args=ocp.args.StandardSave(model.state_dict()))
+        manager.wait_until_finished()
+    multi = (tmp_path / "multi").absolute()
+    with ocp.CheckpointManager(multi, item_names=("state", "extra")) as manager:
+        manager.save(5, args=ocp.args.Composite(
+            state=ocp.args.StandardSave(model.state_dict()),
+            extra=ocp.args.StandardSave({"step": np.array([5], np.int32)})))  # fmt: skip
+        manager.wait_until_finished()
+    return model, run, multi
+
+
+def test_inspect_and_diff_read_the_step_folders_of_a_checkpoint_manager(tmp_path, managed, capsys):
+    model, run, multi = managed
+    assert main(["inspect", str(run / "100")]) == 0  # one unnamed item: a checkpoint's names
+    assert capsys.readouterr().out.splitlines()[1:] == [
+        "bias    (2,)    float32      8",
+        "kernel  (3, 2)  float32     24",
+        "2 tensors, 8 parameters, 32 bytes",
+    ]
+    assert main(["inspect", str(multi / "5")]) == 0  # every item, under its name
+    assert capsys.readouterr().out.splitlines()[1:] == [
+        "extra.step    (1,)    int32        4",
+        "state.bias    (2,)    float32      8",
+        "state.kernel  (3, 2)  float32     24",
+        "3 tensors, 9 parameters, 36 bytes",
+    ]
+    assert main(["inspect", str(multi / "5" / "state"), "--json"]) == 0  # one item by name
+    assert [t["name"] for t in json.loads(capsys.readouterr().out)["tensors"]] == ["bias", "kernel"]
+    from taktiny.io import save_safetensors
+
+    save_safetensors(tmp_path / "model.safetensors", model)
+    assert main(["diff", str(run / "200"), str(tmp_path / "model.safetensors")]) == 0
+    assert capsys.readouterr().out == "2 common tensors, 0 differ, 0 in one only\n"
+    assert main(["diff", str(multi / "5"), str(run / "100"), "--filter", "state.**"]) == 1
+    assert capsys.readouterr().out.splitlines() == [
+        f"only in {multi / '5'}: state.bias",
+        f"only in {multi / '5'}: state.kernel",
+        "0 common tensors, 0 differ, 2 in one only",
+    ]  # the filter applies to both sides
+    assert main(["verify", str(multi / "5")]) == 0
+    assert capsys.readouterr().out == "3 arrays restore, 0 do not\n"
+    refused(capsys, ["inspect", str(run)],
+            rf"^taktiny: {re.escape(str(run))} holds the steps of an Orbax CheckpointManager "
+            rf"\(100, 200\): name one, as in {re.escape(str(run / '200'))}\.$")  # fmt: skip
