@@ -1,5 +1,7 @@
 """A functional training step under plain jax.jit with optax, then a checkpoint round trip."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -244,3 +246,29 @@ def test_a_layer_called_twice_updates_twice_and_strays_are_refused():
         match=r"1 layer\(s\) \(BatchNorm\) ran in training mode but are not part of the Stray",
     ):
         nn.train_forward(Stray(), x)
+
+
+@pytest.mark.parametrize("transform", ["scan", "checkpoint"])
+def test_a_layer_inside_a_transformation_of_its_own_is_refused_saying_why(transform):
+    class Inner(nn.Module):
+        def __init__(self):
+            self.norm = nn.BatchNorm(2, momentum=0.5)
+
+        def __call__(self, x):
+            if transform == "checkpoint":
+                return jax.checkpoint(lambda norm, x: norm(x))(self.norm, x)
+            step = lambda norm, batch: (norm, norm(batch))
+            return jax.lax.scan(step, self.norm, jnp.stack([x, x]))[1]
+
+    x = jnp.array([[0.0, 2.0], [2.0, 6.0]])
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            "train_forward: 1 layer(s) (BatchNorm) ran in training mode on traced copies that "
+            "are not part of the Inner given, so their new statistics have nowhere to go. This "
+            "happens to a layer called inside a transformation of its own within "
+            "Inner.__call__ (jax.lax.scan, jax.checkpoint, jax.vmap, jax.jit), which calls a "
+            "copy of it: call such a layer with train=True"
+        ),
+    ):
+        nn.train_forward(Inner(), x)

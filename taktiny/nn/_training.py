@@ -7,6 +7,7 @@ import contextvars
 from typing import Any
 
 import jax
+from jax.core import Tracer
 
 from .._module import Module
 
@@ -55,10 +56,11 @@ def train_forward(model: Module, *args: Any, **kwargs: Any) -> tuple[Any, Module
         (value, model), grads = jax.value_and_grad(loss_fn, has_aux=True)(model, x, y)
 
     Works inside ``jax.jit`` and ``jax.grad``. The layers must be called directly within
-    the model's ``__call__`` (not inside a ``jax.jit``, ``jax.lax.scan`` or
-    ``jax.checkpoint`` of their own, whose traces the updates could not leave): a layer
-    called so raises JAX's leaked-tracer error rather than dropping its update. Call a
-    layer there with ``train=True`` instead, which returns ``(y, new_layer)``.
+    the model's ``__call__``: inside a ``jax.lax.scan``, ``jax.checkpoint``, ``jax.vmap``
+    or ``jax.jit`` of their own, such a transformation calls a traced copy of the layer,
+    whose update cannot reach the model, and ``train_forward`` raises a ValueError saying
+    so rather than dropping it. Call a layer there with ``train=True`` instead, which
+    returns ``(y, new_layer)``, and carry the new layer out yourself.
 
     Args:
         model: the module to run.
@@ -86,10 +88,24 @@ def train_forward(model: Module, *args: Any, **kwargs: Any) -> tuple[Any, Module
 
     new = jax.tree_util.tree_map(swap, model, is_leaf=lambda node: id(node) in updates)
     if missing := [layer for key, (layer, _) in updates.items() if key not in replaced]:
-        kinds = sorted({type(layer).__name__ for layer in missing})
+        kinds = ", ".join(sorted({type(layer).__name__ for layer in missing}))
+        name = type(model).__name__
+        # (its fields read raw: flattening would read a leaked tracer, which JAX refuses)
+        traced = any(isinstance(v, Tracer) for layer in missing for v in vars(layer).values())
+        if traced:  # copies a transformation inside the call made (or layers made there)
+            raise ValueError(
+                f"train_forward: {len(missing)} layer(s) ({kinds}) ran in training mode on "
+                f"traced copies that are not part of the {name} given, so their new "
+                f"statistics have nowhere to go. This happens to a layer called inside a "
+                f"transformation of its own within {name}.__call__ (jax.lax.scan, "
+                f"jax.checkpoint, jax.vmap, jax.jit), which calls a copy of it: call such a "
+                f"layer with train=True, which returns (y, new_layer), and carry the new layer "
+                f"out of the transformation yourself (in a scan's carry, say). A layer made "
+                f"during the call instead of stored in a field of the model does it too."
+            )
         raise ValueError(
-            f"train_forward: {len(missing)} layer(s) ({', '.join(kinds)}) ran in training mode "
-            f"but are not part of the {type(model).__name__} given, so their new statistics "
-            f"have nowhere to go. Store every layer the model calls in one of its fields."
+            f"train_forward: {len(missing)} layer(s) ({kinds}) ran in training mode but are "
+            f"not part of the {name} given, so their new statistics have nowhere to go. Store "
+            f"every layer the model calls in one of its fields."
         )
     return out, new
