@@ -85,9 +85,9 @@ def eval_shape(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
             raise
         # an operation that Explicit axes find ambiguous: what the compiler would place
         # instead (it places results that depend on no input, such as zeros, replicated)
-        with jax.set_mesh(mesh):
+        with jax.set_mesh(mesh):  # (fn may constrain by bare PartitionSpecs: both see the mesh)
             compiled = jax.jit(fn).lower(*args, **kwargs).compile()
-        shapes = jax.eval_shape(fn, *args, **kwargs)
+            shapes = jax.eval_shape(fn, *args, **kwargs)
         return jax.tree.map(_with, shapes, compiled.output_shardings)
 
     def back(s: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:

@@ -107,6 +107,47 @@ def test_stacks_per_layer_tensors_in_index_order_and_unstacks_them():
     cv.round_trip_check(STACK_RULES, model)
 
 
+def test_a_gathering_rule_exports_under_its_other_captures_and_needs_its_sizes():
+    """Gathered over {i} within each {b}: export names each part with both captures; a
+    gathered concatenate has no count of parts to split back into without its sizes."""
+    rule = cv.Rule("blocks.{b}.layers.{i}.w", "blocks.{b}.w", cv.stack(axis=0))
+    model = {f"blocks.{b}.w": np.arange(6, dtype=np.float32).reshape(3, 2) + b for b in (0, 1)}
+    exported = cv.export([rule], model)
+    assert sorted(exported) == [f"blocks.{b}.layers.{i}.w" for b in (0, 1) for i in range(3)]
+    np.testing.assert_array_equal(exported["blocks.1.layers.2.w"], [5.0, 6.0])
+    joined = cv.Rule("layers.{i}.w", "w", cv.concatenate(0))
+    with pytest.raises(ValueError, match=r"^split\(axis=0\) needs its sizes here: the number "
+                       r"of parts is not known$"):  # fmt: skip
+        cv.export([joined], {"w": np.zeros(4, np.float32)})
+    # an inverse that makes more arrays than the rule has sources never drops one silently
+    three = cv.Rule(["a", "b"], "w", cv.concatenate(0, sizes=(1, 1, 2)))
+    with pytest.raises(ValueError, match=r"zip\(\) argument 2 is longer than argument 1"):
+        cv.export([three], {"w": np.zeros(4, np.float32)})
+    sized = cv.Rule("layers.{i}.w", "w", cv.concatenate(0, sizes=(1, 3)))
+    assert sorted(cv.export([sized], {"w": np.zeros(4, np.float32)})) == [
+        "layers.0.w",
+        "layers.1.w",
+    ]
+
+
+def test_a_transform_is_told_how_many_arrays_its_rule_wants_none_when_gathering():
+    class counted(cv.Transform):  # stacks what it reads, then records the count it was told
+        def __init__(self):
+            self.counts = []
+
+        def __call__(self, arrays: tuple[Any, ...], count: int | None = None) -> tuple[Any, ...]:
+            self.counts.append(count)
+            return (jnp.stack(arrays),)
+
+    gathering, one = counted(), counted()
+    rules = [cv.Rule("layers.{i}.w", "w", gathering), cv.Rule("b", "b", one)]
+    source = {"layers.0.w": np.ones(2, np.float32), "layers.1.w": np.ones(2, np.float32),
+              "b": np.ones(2, np.float32)}  # fmt: skip
+    flat = cv.convert(rules, source, target={"w": np.ones((2, 2)), "b": np.ones((1, 2))})
+    assert flat["w"].shape == (2, 2) and flat["b"].shape == (1, 2)
+    assert gathering.counts == [None, None] and one.counts == [1, 1]  # checked, then made
+
+
 def test_concatenates_separate_projections_and_splits_them_back():
     rules = [
         cv.Rule(["q.{x}", "k.{x}", "v.{x}"], "{x}", cv.concatenate(axis=-1)),
@@ -209,6 +250,20 @@ def test_round_trip_check_fails_clearly_for_what_does_not_invert():
     # bitwise: the zero biases of layer 0 come back as -0.0
     assert [p.name for p in info.value.problems] == ["layers.0.bias", "layers.2.bias"]
 
+    class reinterpret(cv.Transform):  # the same bits read as another float: only the dtype
+        def __call__(self, arrays: tuple[Any, ...], count: int | None = None) -> tuple[Any, ...]:
+            return tuple(jax.lax.bitcast_convert_type(a, jnp.bfloat16) for a in arrays)
+
+        @property
+        def inverse(self) -> cv.Transform:
+            return cv.identity()  # wrong on purpose
+
+    halves = {"w": jnp.arange(3, dtype=jnp.float16)}
+    with pytest.raises(cv.ConversionError, match=r"^convert\.round_trip_check: 1 problem; "
+                       r"nothing was converted\.\n  - \[round_trip\] 'w': export then convert "
+                       r"gives bfloat16\[3\] with other values than the model's float16\[3\]"):  # fmt: skip
+        cv.round_trip_check([cv.Rule("w", "w", reinterpret())], halves)
+
 
 def test_tied_source_names_map_to_one_parameter_both_ways():
     rules = [cv.Rule("embed.weight", "embedding"), cv.Tie("lm_head.weight", same_as="embed.weight")]
@@ -221,7 +276,8 @@ def test_tied_source_names_map_to_one_parameter_both_ways():
     np.testing.assert_array_equal(exported["lm_head.weight"], table)
     cv.round_trip_check(rules, model)
     untied = {"embed.weight": table, "lm_head.weight": table + 1}
-    with pytest.raises(cv.ConversionError, match=r"\[tie\] 'lm_head.weight': is tied to 'embed"):
+    with pytest.raises(cv.ConversionError, match=r"^convert\.convert: 1 problem; nothing was "
+                       r"converted\.\n  - \[tie\] 'lm_head.weight': is tied to 'embed"):  # fmt: skip
         cv.convert(rules, untied, target=model)
     with pytest.raises(cv.ConversionError, match=r"tied to 'embed.weight', which the source lac"):
         cv.convert(rules, {"lm_head.weight": table}, target=model, allow={"missing": ["**"]})
@@ -493,6 +549,9 @@ def test_the_converted_mapping_makes_each_value_on_lookup_from_its_own_sources()
     assert source.read == ["fused"]
     np.testing.assert_array_equal(flat["a"], [1.0, 2.0])  # looked up again: made again
     assert source.read == ["fused", "fused"]
+    np.testing.assert_array_equal(flat["c"], np.zeros(3))
+    np.testing.assert_array_equal(flat["c"], np.zeros(3))  # nothing kept of a lone target
+    assert source.read == ["fused", "fused", "c", "c"]
     abstract = cv.convert(rules, {"fused": f32(4), "c": f32(3)}, target={"a": f32(2), "b": f32(2), "c": f32(3)})  # fmt: skip
     assert abstract["b"] == f32(2) and abstract["c"] == f32(3)
 
@@ -503,7 +562,8 @@ def test_export_and_round_trip_errors_name_every_leaf_and_why():
         cv.Rule("c", "c", cv.cast("float32")),
         cv.Rule("{i}.w", "layers.{i}.w", cv.transpose()),
     ]
-    model = {"a": np.zeros(2, np.float32), "c": np.zeros(2, np.float32), "d": np.zeros(1),
+    # (a leaf no rule makes, first: the leaves after it are looked at still)
+    model = {"d": np.zeros(1), "a": np.zeros(2, np.float32), "c": np.zeros(2, np.float32),
              "layers.0.w": np.ones((2, 3), np.float32)}  # fmt: skip
     with pytest.raises(cv.ConversionError) as info:
         cv.export(rules, model)

@@ -185,6 +185,12 @@ def test_a_grouped_conv_transpose_needs_its_features():
         ValueError, match=r"dims is the number of spatial axes of the kernel, got 0"
     ):
         cv.conv("c", "c", dims=0)
+    # Conv's limit, 22 spatial axes, is the last one taken
+    widest = (*range(2, 24), 1, 0)
+    assert [repr(r) for r in cv.conv("c", "c", dims=22, bias=False)] == [
+        f"Rule('c.weight' -> 'c.kernel', transpose({widest}))"]  # fmt: skip
+    with pytest.raises(ValueError, match=r"spatial axes of the kernel, got 23\.$"):
+        cv.conv("c", "c", dims=23)
 
 
 def test_group_norm_and_pools_take_their_places_in_a_sequential():
@@ -299,6 +305,47 @@ def test_pytorch_walks_attributes_lists_dicts_and_sequentials_under_prefixes():
     x = randn(2, 6, 5, 3)
     model = convert_and_back(rules, theirs, lambda: Net(rngs=nn.Rngs(0)), call, channels, x)
     cv.round_trip_check(rules, model)  # the Ignore has nothing to match on the way back
+
+
+class Mixed(nn.Module):
+    """A layer of each preset kind, each with an option that changes its rules."""
+
+    def __init__(self, *, rngs):
+        self.conv = nn.Conv(3, 4, (3,), use_bias=False, rngs=rngs)
+        self.up = nn.ConvTranspose(4, 6, (3,), feature_group_count=2, use_bias=False, rngs=rngs)
+        self.norms = {
+            "ln": nn.LayerNorm(6, use_scale=False),
+            "gn": nn.GroupNorm(3, 6, use_scale=False),
+            "gn_nobias": nn.GroupNorm(3, 6, use_bias=False),
+            "rms": nn.RMSNorm(6),
+        }
+        # query [6, 8]: not square, and still fused (the key reads the queries' inputs)
+        self.attn = nn.MultiHeadAttention(2, 6, qkv_features=8, use_bias=False, rngs=rngs)
+
+
+def test_pytorch_gives_each_layer_its_preset_with_its_options_under_the_prefixes():
+    model = jax.eval_shape(lambda: Mixed(rngs=nn.Rngs(0)))
+    expected = [
+        *cv.conv("src.conv", "dst.conv", dims=1, bias=False),
+        *cv.conv_transpose("src.up", "dst.up", dims=1, groups=2, in_features=4, out_features=6,
+                           bias=False),
+        *cv.group_norm("src.norms.gn", "dst.norms.gn", scale=False),  # (a dict's keys sorted)
+        *cv.group_norm("src.norms.gn_nobias", "dst.norms.gn_nobias", bias=False),
+        *cv.layer_norm("src.norms.ln", "dst.norms.ln", scale=False),
+        *cv.layer_norm("src.norms.rms", "dst.norms.rms", bias=False),
+        *cv.multihead_attention("src.attn", "dst.attn", fused=True, bias=False),
+    ]  # fmt: skip
+    got = [repr(r) for r in cv.pytorch(model, "src", "dst")]
+    assert got == [repr(r) for r in expected]
+    assert got[1] == (
+        "Rule('src.up.weight' -> 'dst.up.kernel', chain(split(axis=0, sizes=(2, 2)), "
+        "concatenate(axis=1, sizes=(3, 3)), transpose((2, 0, 1)), flip((0,))))"
+    )
+    assert got[2:5] == [
+        "Rule('src.norms.gn.bias' -> 'dst.norms.gn.bias', identity())",
+        "Rule('src.norms.gn_nobias.weight' -> 'dst.norms.gn_nobias.scale', identity())",
+        "Rule('src.norms.ln.bias' -> 'dst.norms.ln.bias', identity())",
+    ]
 
 
 class Custom(nn.Module):

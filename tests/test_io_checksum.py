@@ -89,6 +89,9 @@ def test_damage_is_found_on_every_path_of_the_loader(saved):
     sharded = tt.shard(abstract_mlp(), [("input.kernel", P(None, "cols"))], mesh)
     with pytest.raises(SafetensorsError, match=match):
         load_safetensors(sharded, path)
+    got = load_safetensors(sharded, path, verify=False)  # no check: the bytes as they are
+    stored = open_safetensors(path)["input.kernel"].read(verify=False)
+    assert np.asarray(got.input.kernel).tobytes() == stored.tobytes()
     # replicated on a mesh
     replicated = tt.shard(abstract_mlp(), [("input.kernel", P())], mesh)
     with pytest.raises(SafetensorsError, match=match):
@@ -122,6 +125,29 @@ def test_tensor_reads_verify_whole_tensors_and_blocks(saved):
     assert tensor.read(verify=False).shape == (32, 64)
     # the other tensors are intact
     open_safetensors(path)["input.bias"].verify()
+
+
+def test_a_read_checks_the_bytes_it_returns_and_a_block_reads_only_its_own(saved, monkeypatch):
+    from taktiny.io import _read
+
+    _, path = saved
+    tensor = open_safetensors(path)["input.kernel"]  # float32[32, 64], with a checksum
+    real, read = _read._pread, []
+
+    def counted(fd, to, at, *args, **kwargs):
+        read.append(memoryview(to).nbytes)
+        return real(fd, to, at, *args, **kwargs)
+
+    monkeypatch.setattr(_read, "_pread", counted)
+    whole = tensor.read()
+    assert sum(read) == tensor.nbytes  # read once: the bytes checked are those returned
+    read.clear()
+    block = tensor.read([slice(1, 32), slice(1, 64)])  # the whole streamed through, then it
+    assert sum(read) == tensor.nbytes + 31 * 63 * 4
+    assert np.array_equal(block, np.asarray(whole)[1:, 1:])
+    read.clear()
+    tensor.read([slice(2, 5), slice(8, 16)], verify=False)
+    assert read == [8 * 4] * 3  # each row's run of the block, and nothing else
 
 
 def test_verify_false_reads_no_checksum_even_of_an_empty_source(tmp_path):
@@ -288,3 +314,39 @@ def test_a_read_refuses_a_slice_step_other_than_one(saved):
     ):
         tensor.read([slice(None)])
     assert tensor.read([slice(5, 2), slice(None)]).shape == (0, 64)  # empty, as NumPy slices
+
+
+@pytest.mark.parametrize("step", [0, 2])
+def test_a_read_that_fails_before_its_first_byte_raises_and_does_not_hang_the_load(
+    saved, monkeypatch, step
+):
+    """The reader thread tells the checksum drainer that each step ended, whatever it
+    raises: an error before the step reads anything (here the read-ahead's, as opening a
+    file fails with too many files open) is the load's error, not a load that waits on."""
+    import errno
+    import threading
+
+    from taktiny.io import _read
+
+    _, path = saved
+    reached = _read.Readahead.reached
+
+    def failing(self, index):
+        if index >= step:
+            raise OSError(errno.EMFILE, "Too many open files")
+        reached(self, index)
+
+    monkeypatch.setattr(_read.Readahead, "reached", failing)
+    raised = []
+
+    def load():
+        try:
+            load_safetensors(abstract_mlp(), path, progress=False)
+        except OSError as error:
+            raised.append(error)
+
+    thread = threading.Thread(target=load, daemon=True)
+    thread.start()
+    thread.join(timeout=60)
+    assert not thread.is_alive(), "the load waits forever on a step that failed"
+    assert [str(e) for e in raised] == ["[Errno 24] Too many open files"]

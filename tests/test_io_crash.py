@@ -113,7 +113,8 @@ def test_a_killed_saves_leftovers_are_ignored_by_loads_and_removed_by_the_next_s
         "model-00001-of-00002-1a2b3c4d.safetensors",
         "model-00002-of-00002-1a2b3c4d.safetensors",
     ]
-    theirs = ["model-ema.safetensors.bak", ".model.tmp", "model-00001-of-00002.txt"]
+    theirs = ["model-ema.safetensors.bak", ".model.tmp", "model-00001-of-00002.txt",
+              ".other.safetensors.0123456789ab.tmp", "~model.safetensors.old.bak"]  # fmt: skip
     for name in leftovers + theirs:
         (tmp_path / name).write_bytes(b"\0" * 100)
     assert outcome(tmp_path, as_loaded(version(1)), None) == "old"

@@ -108,6 +108,7 @@ FILES = [
     ("a name twice", framed(b'{"a": {}, "a": ' + js(A) + b', "b": ' + js(B) + b"}"), r"the header is not valid: the name 'a' appears twice"),
     ("a name twice, escaped", framed(b'{"a": ' + js(A) + b', "\\u0061": ' + js(A) + b', "b": ' + js(B) + b"}"), r"the name 'a' appears twice"),
     ("a field twice", framed(b'{"a": {"dtype": "I8", ' + js(A)[1:] + b', "b": ' + js(B) + b"}"), r"the name 'dtype' appears twice"),
+    ("two fields twice, one pair per name", framed(b'{"a": {"dtype": "I8", "shape": [1], ' + js(A)[1:] + b', "b": ' + js(B) + b"}"), r"the name 'dtype' appears twice"),
     ("lone surrogate", framed(b'{"\\ud800": ' + js(A) + b', "b": ' + js(B) + b"}"), r"the string '\\ud800', which has a lone surrogate"),
     ("lone surrogate after other text", framed(b'{"\\u00e9": ' + js(A) + b', "\\ud800": ' + js(B) + b"}"), r"the string '\\ud800', which has a lone surrogate"),
     # entries of the wrong JSON types
@@ -168,6 +169,7 @@ FILES = [
     ("packed not JSON", meta({"taktiny_packed": "{"}), r"the metadata 'taktiny_packed' is not valid JSON"),
     ("packed deep", meta({"taktiny_packed": deep().decode()}), r"the metadata 'taktiny_packed' nests deeper than the JSON parser goes"),
     ("packed a list", meta({"taktiny_packed": "[]"}), r"the metadata 'taktiny_packed' is not a JSON object of records: '\[\]'"),
+    ("packed a long list", meta({"taktiny_packed": json.dumps(list(range(40)))}), r"the metadata 'taktiny_packed' is not a JSON object of records: '\[0, 1, 2, .*, 20, 21, 2'; the header"),
     ("packed record a number", packed(4), r"'taktiny_packed' is not a JSON object of records"),
     ("packed dtype a list", packed({"dtype": ["int4"], "shape": [4, 8]}), r"the metadata 'taktiny_packed' gives 'a' the record \{'dtype': \['int4'\], 'shape': \[4, 8\]\}; a packed tensor's record is \{'dtype': one of \['float4_e2m1fn', 'int4', 'uint4'\], 'shape': its logical shape\}; the header is corrupt\.$"),
     ("packed dtype unknown", packed({"dtype": "int3", "shape": [4, 8]}), r"gives 'a' the record .*; a packed tensor's record is"),
@@ -337,15 +339,15 @@ def test_load_refuses_naming_the_file(tmp_path, make, content, message, abstract
 
 
 def refused(capsys, argv, message):
-    """`taktiny *argv` exits with 1 after one line on stderr matching `message`."""
-    assert _cli.main(argv) == 1
+    """`taktiny *argv` exits with 2 after one line on stderr matching `message`."""
+    assert _cli.main(argv) == 2
     out, err = capsys.readouterr()
     assert out == "" and err.count("\n") == 1 and "Traceback" not in err, err
     assert re.fullmatch(message, err.rstrip("\n")), err
 
 
 @pytest.mark.parametrize(("make", "content", "message"), CASES)
-def test_the_command_prints_one_line_and_exits_with_1(tmp_path, capsys, make, content, message):
+def test_the_command_prints_one_line_and_exits_with_2(tmp_path, capsys, make, content, message):
     path = make(tmp_path, content)
     good = tmp_path / "good.safetensors"
     good.write_bytes(header())
@@ -364,7 +366,7 @@ def test_the_command_runs_as_a_program_without_a_traceback(tmp_path):
     run = subprocess.run([sys.executable, "-m", "taktiny", "inspect", str(path)],
                          capture_output=True, text=True, timeout=120,
                          env={**os.environ, "JAX_PLATFORMS": "cpu"})  # fmt: skip
-    assert run.returncode == 1 and run.stdout == ""
+    assert run.returncode == 2 and run.stdout == ""
     assert run.stderr.splitlines() == [
         f"taktiny: {path}: the header entry of 'a' is {{'data_offsets': [0, 0], 'dtype': 'F32', "
         f"'shape': [0, 18446744073709551616]}}; an entry is {{\"dtype\": a safetensors dtype, "
@@ -527,6 +529,10 @@ TORCH = [
     ("lists 100,000 deep", {"pkl": b"\x80\x02}X\x01\x00\x00\x00a" + b"]" * 100_000 + b"a" * 99_999 + b"s."}, None),
     ("a list repeated 2**30 times", {"pkl": b"\x80\x02}X\x01\x00\x00\x00a]q\x00" + b"h\x00\x86q\x00" * 30 + b"s."}, None),
     ("a tensor repeated 2**30 times", {"pkl": pickled(repeat=30)}, r" names more than 1,048,576 tensors \(it repeats containers inside each other\)"),
+    # torch's reason is quoted whole up to its own advice (". Please use ..."), which is left out
+    ("a global of a blocked module", {"pkl": b"\x80\x02cos\nsystem\n)R."}, r" \(Trying to load unsupported GLOBAL os\.system whose module os is blocked\.\): it holds objects other than tensors"),
+    ("an INST opcode", {"pkl": b"\x80\x02}X\x01\x00\x00\x00ai__builtin__\nobject\ns."}, r" \(Unsupported operand 105\): it holds objects other than tensors"),
+    ("a global named like torch's reason", {"pkl": b"\x80\x02cx WeightsUnpickler error: y. Please z\nThing\n)R."}, r" \(Unsupported global: GLOBAL x WeightsUnpickler error: y\): it holds objects other than tensors"),
 ]  # fmt: skip
 
 

@@ -390,6 +390,10 @@ def test_progress_bar_names_the_file_and_is_off_when_asked(saved, capsys, monkey
     load_safetensors(abstract_mlp(), path, progress=True)
     shown = capsys.readouterr().err
     assert "mlp.safetensors" in shown and "100%" in shown
+    from tqdm import tqdm
+
+    size = tqdm.format_sizeof(open_safetensors(path).nbytes, "", 1024)  # bytes, in KiB: "9.27k"
+    assert f" {size}/{size} " in shown and "B/s]" in shown, (size, shown)
     load_safetensors(abstract_mlp(), path, progress=False)
     load_safetensors(abstract_mlp(), path)  # small: no bar by default
     assert capsys.readouterr().err == ""
@@ -468,3 +472,49 @@ def test_a_pytorch_file_given_to_load_safetensors_is_sent_to_read_torch(tmp_path
             load()
         assert str(error.value) == message
     assert read_torch(path)["input.kernel"].tolist() == [1.0, 1.0]  # as the message says
+
+
+def test_an_empty_tensor_is_placed_on_its_leafs_devices_without_the_default_one(tmp_path):
+    path = tmp_path / "e.safetensors"
+    save_safetensors(
+        path, {"empty": np.zeros((0, 4), np.float32), "w": np.ones((2, 4), np.float32)}
+    )
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[4:8]), ("cols",))  # not device 0
+    sharding = NamedSharding(mesh, P(None, "cols"))
+    tree = {n: jax.ShapeDtypeStruct(s, np.float32, sharding=sharding)
+            for n, s in (("empty", (0, 4)), ("w", (2, 4)))}  # fmt: skip
+    got = load_safetensors(tree, path)
+    assert got["empty"].shape == (0, 4) and got["empty"].sharding == sharding
+    assert got["w"].sharding == sharding and np.array_equal(got["w"], np.ones((2, 4)))
+
+
+def test_python_number_leaves_are_loaded(tmp_path):
+    path = tmp_path / "s.safetensors"
+    save_safetensors(path, {"x": np.array(2.5, np.float32), "n": np.array(7, np.int64)})
+    got = load_safetensors({"x": 1.0, "n": 3}, path)
+    assert float(got["x"]) == 2.5 and int(got["n"]) == 7
+    assert got["x"].shape == got["n"].shape == ()
+
+
+def test_wrong_shapes_kinds_and_names_are_each_told_exactly(tmp_path):
+    path = tmp_path / "bad.safetensors"
+    state = {"w": np.zeros((3, 4), np.float32), "n": np.zeros(2, np.float32)}
+    state.update({"f": np.zeros(2, np.int32), "g": np.ones(1, np.float32)})
+    save_safetensors(path, state)
+    model = {"w": ((4, 4), jnp.float32), "n": ((2,), jnp.int32), "f": ((2,), jnp.float32)}
+    model = {n: jax.ShapeDtypeStruct(*spec) for n, spec in model.items()}
+    model["g"] = {"a": jax.ShapeDtypeStruct((1,), jnp.float32)}
+    with pytest.raises(tt.StateDictError) as caught:
+        load_safetensors(model, path)
+    got = {p.key: (p.kind, p.expected, p.got, p.hint) for p in caught.value.problems}
+    assert got["w"] == ("shape", (4, 4), (3, 4), "shape mismatch: expected (4, 4), got (3, 4).")
+    cast = "Loads only cast within a kind; convert the value yourself if this is really intended."
+    assert got["n"] == (
+        "dtype", "int32", "float32",
+        f"dtype kind changes: the model holds int32 (signed integer), got float32 (floating). {cast}",
+    )  # fmt: skip
+    assert got["f"][1:] == (
+        "float32", "int32",
+        f"dtype kind changes: the model holds float32 (floating), got int32 (signed integer). {cast}",
+    )  # fmt: skip
+    assert "by name (e.g. 'g.a')" in got["g"][3]  # a group of the model's: its leaves by name

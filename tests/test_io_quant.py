@@ -3,6 +3,7 @@ byte, the layout in the header) and loaded back bitwise; float checkpoints quant
 tensor by tensor as they stream into a quantized model; every inconsistency named."""
 
 import json
+import re
 import struct
 
 import jax
@@ -257,6 +258,46 @@ def test_a_quantized_model_in_shards_with_an_index(tmp_path):
             packed[name] = file
     assert len(packed) == 3 and len(set(packed.values())) > 1
     assert_bitwise(load_safetensors(tt.quantize(abstract_net(), bits=4), tmp_path), model)
+    opened = open_safetensors(tmp_path)  # the index: its layouts are the shards' records
+    assert opened.quantized == json.loads(header(files[0])[1]["taktiny_quantized"])
+    assert opened.quantized["hidden.kernel"]["bits"] == 4
+
+
+def test_quantized_parts_alone_or_beside_a_lone_part_are_told_as_quantized(tmp_path):
+    path = tmp_path / "k.safetensors"
+    model = {
+        "j": jax.ShapeDtypeStruct((1,), jnp.float32),
+        "k": jax.ShapeDtypeStruct((4, 4), jnp.float32),
+    }
+    parts = {"k.value": np.ones((4, 4), np.int8), "k.scale": np.ones((1, 4), np.float32)}
+    lone = {"j.value": np.ones(1, np.float32)}  # a part without its scale: no quantized 'j'
+    for state in (parts, {**lone, **parts}):  # only the two parts; a lone part read first
+        safetensors.numpy.save_file(state, str(path))
+        with pytest.raises(tt.StateDictError) as caught:
+            load_safetensors(model, path)
+        problems = {p.key: (p.kind, p.got) for p in caught.value.problems}
+        assert problems["k"] == ("structure", "quantized parts"), state.keys()
+        assert problems["j"][0] == "missing" and "k.value" not in problems
+
+
+def test_an_index_whose_shards_record_an_inconsistent_layout_is_refused_by_name(tmp_path):
+    layout = {"q": {"bits": 8, "axis": 0, "group_size": None, "shape": [4, 4]}}
+    safetensors.numpy.save_file(
+        {"q.value": np.zeros((4, 4), np.float32)},  # 8-bit values must be int8
+        str(tmp_path / "m-1.safetensors"),
+        metadata={"taktiny_quantized": json.dumps(layout)},
+    )
+    safetensors.numpy.save_file(
+        {"q.scale": np.ones((1, 4), np.float32)}, str(tmp_path / "m-2.safetensors")
+    )
+    index = tmp_path / "m.safetensors.index.json"
+    index.write_text(
+        json.dumps({"weight_map": {"q.value": "m-1.safetensors", "q.scale": "m-2.safetensors"}})
+    )
+    with pytest.raises(SafetensorsError, match=rf"^{re.escape(str(index))}: the metadata "
+                       r"'taktiny_quantized' records 'q' as quantized int8 .* but its 8-bit values "
+                       r"q\.value must be int8, and the checkpoint holds float32\[4, 4\]"):  # fmt: skip
+        open_safetensors(index)
 
 
 # --- quantizing a float checkpoint as it streams in -------------------------------------
@@ -657,13 +698,18 @@ def test_a_quantized_checkpoint_into_a_float_model_says_how_to_convert(tmp_path)
             f"floats), or pass rules that dequantize: " + rule.format(axis)
         )
     # one part alone, unrecorded, is no quantized parameter: an entry the float array lacks
+    # and parts of no parameter of the model, and other entries, are unknown entries
     state = flat_numpy(tt.quantize(net()))
     del state["hidden.kernel.scale"]
+    state.update({"a.extra": np.zeros(1, np.float32), "a.value": np.zeros(1, np.int8)})
+    state["a.scale"] = np.ones(1, np.float32)
     save_safetensors(path, state)
     with pytest.raises(tt.StateDictError) as caught:
         load_safetensors(abstract_net(), path)
     kinds = {p.key: p.kind for p in caught.value.problems}
     assert kinds["hidden.kernel.value"] == "structure" and kinds["hidden.kernel"] == "missing"
+    assert kinds["embed.embedding"] == kinds["head.kernel"] == "structure"  # each still told
+    assert {kinds[n] for n in ("a.extra", "a.value", "a.scale")} == {"unknown"}
     assert "'hidden.kernel' is an array, so it has no entry 'value'" in str(caught.value)
 
 

@@ -274,8 +274,40 @@ def test_an_index_that_disagrees_with_its_shards(sharded):
     index.write_text(json.dumps(content))
     with pytest.raises(SafetensorsError, match=r"lists \['t9'\] in shards that do not hold them"):
         open_safetensors(index)
+    content["weight_map"].update({f"t{i}": content["weight_map"]["t1"] for i in range(10, 15)})
+    index.write_text(json.dumps(content))  # six names lacking: the first five are listed
+    with pytest.raises(SafetensorsError, match=r": the index lists \['t9', 't10', 't11', 't12', "
+                       r"'t13'\] in shards that do not hold them\.$"):  # fmt: skip
+        open_safetensors(index)
     index.write_text('{"metadata": {}}')
     with pytest.raises(SafetensorsError, match=r"not a safetensors index"):
+        open_safetensors(index)
+
+
+def test_an_index_takes_its_shards_in_the_order_of_their_names(tmp_path):
+    save = safetensors.numpy.save_file
+    save({"t0": np.zeros(2, np.float32)}, str(tmp_path / "z.safetensors"), metadata={"n": "z"})
+    save({"t1": np.ones(2, np.float32)}, str(tmp_path / "a.safetensors"), metadata={"n": "a"})
+    index = tmp_path / "model.safetensors.index.json"
+    index.write_text(json.dumps({"weight_map": {"t1": "a.safetensors", "t0": "./z.safetensors"}}))
+    checkpoint = open_safetensors(index)  # './z.safetensors' sorts before 'a.safetensors'
+    assert list(checkpoint) == ["t0", "t1"]
+    assert checkpoint.metadata == {"n": "z"}  # the first shard's
+    index.write_text(json.dumps({"weight_map": {}}))
+    empty = open_safetensors(index)
+    assert len(empty) == 0 and empty.metadata == {} and empty.quantized == {}
+
+
+def test_an_index_of_up_to_a_headers_byte_limit_is_read(sharded, monkeypatch):
+    from taktiny.io import _checkpoint
+
+    index, _ = sharded
+    size = index.stat().st_size
+    monkeypatch.setattr(_checkpoint, "_HEADER_LIMIT", size)
+    assert len(open_safetensors(index)) == 4  # at the limit
+    monkeypatch.setattr(_checkpoint, "_HEADER_LIMIT", size - 1)
+    with pytest.raises(SafetensorsError, match=rf": not a safetensors index \({size} bytes, more "
+                       rf"than the {size - 1} a header may have\)"):  # fmt: skip
         open_safetensors(index)
 
 
@@ -312,3 +344,41 @@ def test_the_path_of_a_sharded_save_opens_its_index(tmp_path):
     checkpoint = open_safetensors(tmp_path / "model.safetensors")
     assert checkpoint.path == tmp_path / "model.safetensors.index.json"
     assert sorted(checkpoint) == sorted(TENSORS)
+
+
+def _oracle(text):
+    """A header's names, dtypes, shapes, byte ranges and metadata, by a plain parse."""
+    header = json.loads(text)
+    metadata = header.pop("__metadata__", {})
+    entries = list(header.values())
+    return (list(header), [e["dtype"] for e in entries], [e["shape"] for e in entries],
+            [e["data_offsets"] for e in entries], metadata)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "tensors, metadata",
+    [
+        (TENSORS, None),  # safetensors' own header: no metadata
+        ({"a": np.zeros(0, np.float32)}, {}),
+        (
+            {"x:y": np.ones((2, 1, 3), ml_dtypes.bfloat16), "b": np.ones(1, np.bool_)},
+            {"key: with colons": "a value: with colons", "k": ""},
+        ),
+        ({f"layers.{i}.w": np.full((2, 2), i, np.int8) for i in range(12)}, {"step": "3"}),
+    ],
+)
+def test_a_good_header_takes_the_fast_parse_and_reads_as_a_full_parse_reads_it(
+    tmp_path, tensors, metadata
+):
+    """Headers without a backslash are read by one `json.loads` without a hook (`_unhooked`,
+    a fifth faster on large headers, bench/headers.py); the fields are those of a full
+    parse. (Were the fast path to give up, the full parse would still be right, but slow.)"""
+    from taktiny.io import _header
+
+    path = tmp_path / "w.safetensors"
+    safetensors.numpy.save_file(tensors, str(path), metadata=metadata)
+    length = struct.unpack("<Q", path.read_bytes()[:8])[0]
+    text = path.read_bytes()[8 : 8 + length]
+    fields = _header._unhooked(text)
+    assert fields is not None
+    assert [list(f) if not isinstance(f, dict) else f for f in fields] == list(_oracle(text))

@@ -71,6 +71,7 @@ def random_array(dtype, shape, seed=0):
 
 
 def test_a_failure_after_the_commit_is_a_warning_and_the_checkpoint_stays(tmp_path, monkeypatch):
+    import inspect
     import warnings
 
     from taktiny.io import _save
@@ -86,7 +87,9 @@ def test_a_failure_after_the_commit_is_a_warning_and_the_checkpoint_stays(tmp_pa
     path = tmp_path / "w.safetensors"
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        save_safetensors(path, {"w": np.ones(2, np.float32)})
+        # (unwrapped: the test-time type checks wrap it in frames of their own)
+        inspect.unwrap(save_safetensors)(path, {"w": np.ones(2, np.float32)})
+    assert [w.filename for w in caught] == [__file__, __file__]  # the caller's line
     assert [str(w.message) for w in caught] == [
         f"save_safetensors: {path} is saved, but flushing its directory to disk failed (the "
         f"disk is gone): it may not survive a power loss.",
@@ -256,6 +259,33 @@ def test_a_failed_rename_removes_the_shards_already_in_place(tmp_path, monkeypat
     with pytest.raises(OSError, match="rename refused"):
         save_safetensors(tmp_path / "model.safetensors", MLP(rngs=nn.Rngs(0)), max_shard_size=1200)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_failed_save_whose_cleanup_fails_too_raises_its_own_error(tmp_path, monkeypatch):
+    real_replace, real_unlink = os.replace, os.unlink
+    refused = OSError("rename refused")
+
+    def fail_on_the_index(src, dst):
+        if str(dst).endswith(".index.json"):
+            raise refused
+        real_replace(src, dst)
+
+    def read_only(path, *args, **kwargs):  # the folder went read-only: nothing is removed
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(os, "replace", fail_on_the_index)
+    monkeypatch.setattr(os, "unlink", read_only)
+    with pytest.raises(OSError, match=r"^rename refused$") as info:
+        save_safetensors(tmp_path / "model.safetensors", MLP(rngs=nn.Rngs(0)), max_shard_size=1200)
+    assert info.value is refused  # not the cleanup's error
+    left = sorted(p.name for p in tmp_path.iterdir())
+    assert [n for n in left if not n.startswith(".")] == [
+        f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)
+    ] and len(left) == 4  # the shards and the staging folder, which it could not remove
+    monkeypatch.setattr(os, "replace", real_replace)
+    monkeypatch.setattr(os, "unlink", real_unlink)
+    written = save_safetensors(tmp_path / "model.safetensors", MLP(rngs=nn.Rngs(1)))
+    assert sorted(p.name for p in tmp_path.iterdir()) == [p.name for p in written]
 
 
 def test_a_failed_save_over_an_earlier_one_leaves_it_as_it_was(tmp_path, monkeypatch):

@@ -4,6 +4,7 @@ for bit, flat or nested, sharded with a Hugging Face index; everything else refu
 import json
 import re
 import sys
+from pathlib import Path
 
 import ml_dtypes
 import numpy as np
@@ -12,9 +13,22 @@ import torch
 
 from taktiny.io import read_torch
 
+UNPICKLED = []  # what unpickling a Thing ran
+
 
 class Thing:
-    """An arbitrary object: unpickling it would run its class's code."""
+    """An arbitrary object: unpickling it runs its class's code (here, it says so)."""
+
+    def __init__(self):
+        self.state = "pickled"
+
+    def __setstate__(self, state):
+        UNPICKLED.append(state)
+
+
+def mapped(path):
+    """Whether this process maps `path` (Linux: /proc/self/maps lists it)."""
+    return str(path.resolve()) in Path("/proc/self/maps").read_text()
 
 
 def tensors():
@@ -49,6 +63,8 @@ def test_a_state_dict_round_trips_bit_for_bit(tmp_path, zipped):
     torch.save(expected, path, _use_new_zipfile_serialization=zipped)
     read = read_torch(path)
     assert_bitwise(read, expected)
+    if sys.platform == "linux":  # zip files are mapped, not read; legacy ones are read
+        assert mapped(path) == zipped
     assert read["encoder.weight"].dtype == np.float32
     assert read["encoder.bias"].dtype == ml_dtypes.bfloat16
     assert read["steps"].dtype == np.int64 and read["steps"][0] == -(2**40)
@@ -85,7 +101,11 @@ def test_two_values_with_one_dotted_name_are_refused(tmp_path):
         read_torch(tmp_path / "twice.pt")
 
 
-def test_a_pickled_object_is_refused_and_never_unpickled(tmp_path):
+@pytest.mark.parametrize("forced", [False, True], ids=["default", "unpickling-forced"])
+def test_a_pickled_object_is_refused_and_never_unpickled(tmp_path, monkeypatch, forced):
+    if forced:  # asks torch.load to unpickle anything where weights_only is not passed
+        monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
+    UNPICKLED.clear()
     torch.save({"weight": torch.ones(2), "head": Thing()}, tmp_path / "model.pt")
     with pytest.raises(
         ValueError,
@@ -99,6 +119,7 @@ def test_a_pickled_object_is_refused_and_never_unpickled(tmp_path):
     torch.save(Thing(), tmp_path / "whole.pt", _use_new_zipfile_serialization=False)
     with pytest.raises(ValueError, match=r"refused .*whole\.pt \(Unsupported global"):
         read_torch(tmp_path / "whole.pt")
+    assert UNPICKLED == []
 
 
 def test_files_that_are_not_state_dicts_are_clear_errors(tmp_path):
@@ -244,6 +265,37 @@ def test_a_checkpoint_may_name_up_to_its_limit_of_tensors(tmp_path, monkeypatch)
                        r"names more than 4 tensors \(it repeats containers inside each other\); "
                        r"it is no checkpoint$"):  # fmt: skip
         read_torch(tmp_path / "five.pt")
+
+
+def test_a_container_held_at_several_paths_is_named_and_counted_once_per_path(
+    tmp_path, monkeypatch
+):
+    from taktiny.io import _torch
+
+    monkeypatch.setattr(_torch, "_MAX_TENSORS", 4)
+    shared = {"w": torch.ones(1)}  # pickled once: loaded as one dict, held at three paths
+    torch.save({"a": shared, "b": {"c": shared}, "d": [shared]}, tmp_path / "three.pt")
+    read = read_torch(tmp_path / "three.pt")
+    assert list(read) == ["a.w", "b.c.w", "d.0.w"]
+    assert all(array.tolist() == [1.0] for array in read.values())
+    pair = {"x": torch.ones(1), "y": torch.zeros(1)}  # 2 + 2 * 2 = 6 names, more than 4
+    torch.save({"a": pair, "b": [pair, pair]}, tmp_path / "six.pt")
+    with pytest.raises(ValueError, match=rf"^read_torch: {re.escape(str(tmp_path / 'six.pt'))} "
+                       r"names more than 4 tensors \(it repeats containers"):  # fmt: skip
+        read_torch(tmp_path / "six.pt")
+
+
+def test_a_checkpoint_saved_on_a_gpu_is_read_on_the_cpu(tmp_path, monkeypatch):
+    import zipfile
+
+    # torch.save records each storage's device: here cuda:0, as a save on a GPU does
+    monkeypatch.setattr(torch.serialization, "location_tag", lambda storage: "cuda:0")
+    torch.save({"w": torch.arange(3.0)}, tmp_path / "gpu.pt")
+    monkeypatch.undo()
+    with zipfile.ZipFile(tmp_path / "gpu.pt") as archive:
+        assert b"cuda:0" in archive.read("gpu/data.pkl")
+    read = read_torch(tmp_path / "gpu.pt")  # on this CPU-only machine too
+    assert read["w"].dtype == np.float32 and read["w"].tolist() == [0.0, 1.0, 2.0]
 
 
 def test_without_torch_the_error_says_to_install_it_or_convert(tmp_path, monkeypatch):

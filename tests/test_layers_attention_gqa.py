@@ -249,6 +249,32 @@ def test_on_explicit_axes_the_heads_are_split_as_their_projections_features(
     np.testing.assert_allclose(y, reference(x, causal=True), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("precision", [None, ("highest", "highest")], ids=["fused", "written-out"])
+def test_on_explicit_axes_a_time_split_input_keeps_its_queries_split_and_gathers_the_keys(
+    precision,
+):
+    """Sequence parallelism: an input split along time attends as the unsplit one does. The
+    queries keep their split (each device attends from its own positions), the keys and
+    values are gathered whole (every query reads them all; split as the queries, the
+    products would raise a ShardingTypeError), and the output comes back split as the input."""
+    mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Explicit,) * 2,
+                         devices=jax.devices("cpu"))  # fmt: skip
+    kw = {"num_kv_heads": 2, "rope_theta": 100.0, "precision": precision}
+    reference = nn.MultiHeadAttention(8, 32, rngs=nn.Rngs(0), **kw)
+    x, valid = randn(4, T, 32), jnp.arange(T) < 5
+    forward = lambda m, x: m(x, mask=valid, causal=True)
+    with jax.set_mesh(mesh):
+        mha = nn.MultiHeadAttention(8, 32, rngs=nn.Rngs(0), **kw)
+        split_x = jax.device_put(x, P(None, "data"))
+        jaxpr = jax.make_jaxpr(forward)(mha, split_x).jaxpr
+        y = jax.jit(forward)(mha, split_x)
+    heads = [e.outvars[0].aval for e in _eqns(jaxpr) if e.primitive.name == "reshape"]
+    q, k, v = [tuple(a.sharding.spec)[:2] for a in heads if a.ndim == 4][:3]
+    assert (q, k, v) == ((None, "data"), (None, None), (None, None))
+    assert y.sharding.spec == P(None, "data", None)
+    np.testing.assert_allclose(y, reference(x, mask=valid, causal=True), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("projection", ["query", "key", "value", "out"])
 def test_sharding_errors_name_the_projection(projection, without_type_checks):
     for kind in ("kernel", "bias"):

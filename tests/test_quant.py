@@ -199,6 +199,10 @@ def test_plain_functions_for_loaders_quantize_like_a_leaf_and_dequantize():
         ValueError, match=r"cannot quantize w like QArray\(i4\[32,8\].*its shape is \(8, 32\)"
     ):
         _quant.quantize_like(w.T, like, name="w")
+    with pytest.raises(ValueError, match=r"^cannot quantize the array like QArray\(i4\[32,8\]"):
+        _quant.quantize_like(w.T, like)  # named by default
+    with pytest.raises(TypeError, match=r"^cannot quantize w: expected a float array, got int32"):
+        _quant.quantize_like(w.astype(np.int32), like, name="w")  # the name reaches the checks
 
 
 @pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit])

@@ -255,6 +255,26 @@ def test_eval_shape_without_a_mesh_places_on_the_default_device_and_refuses_two_
     b = jax.ShapeDtypeStruct((8,), jnp.float32, sharding=NamedSharding(other, PartitionSpec()))
     with pytest.raises(ValueError, match=r"the arguments are on 2 different meshes"):
         tt.eval_shape(lambda x, y: x + y, a, b)
+    # leaves without a sharding (host arrays, Python numbers) are no mesh of their own
+    out = tt.eval_shape(lambda x, h, n: x * h * n, a, np.ones(8, np.float32), 2.0)
+    assert same(out.sharding, a.sharding, 1) and out.sharding.mesh == a.sharding.mesh
+    # an argument with a shape but no dtype is no array: JAX's error names it, as without a mesh
+    shaped = type("Shaped", (), {"shape": (8,)})()
+    with pytest.raises(TypeError, match=r"as an abstract array.*of type <class '.*Shaped'>"):
+        tt.eval_shape(lambda x, s: x, a, shaped)
+
+
+def test_eval_shape_under_set_mesh_takes_arguments_on_it_and_refuses_others():
+    mesh, other = mesh_of(), mesh_of((4, 2))
+    on = lambda m, spec: jax.ShapeDtypeStruct((8, 8), jnp.float32, sharding=NamedSharding(m, spec))
+    with jax.set_mesh(mesh):
+        out = tt.eval_shape(lambda x: x * 2, on(mesh, P("model")))
+        assert same(out.sharding, NamedSharding(mesh, P("model")), 2)
+        assert out.sharding.mesh == mesh
+        with pytest.raises(ValueError, match=r"^taktiny\.eval_shape: the arguments are on 2 "
+                           r"different meshes \(\{'data': 2, 'model': 4\}; \{'data': 4, "
+                           r"'model': 2\}\); place them on one first\.$"):  # fmt: skip
+            tt.eval_shape(lambda x: x * 2, on(other, P("model")))
 
 
 def test_the_state_of_a_sharded_model_is_its_own_arrays():
@@ -359,6 +379,10 @@ def test_eval_shape_falls_back_to_the_compilers_shardings_where_explicit_axes_re
     out = tt.eval_shape(lambda x, y: {"product": x @ y, "kept": x * 2}, a, b)
     assert out["product"].shape == (8, 4) and out["product"].sharding.mesh == mesh
     assert same(out["kept"].sharding, a.sharding, 2)
+    # compiled under the mesh (a bare PartitionSpec constraint finds it), keywords passed on
+    placed = lambda x, *, y: jax.lax.with_sharding_constraint(x @ y, P("data"))
+    out = tt.eval_shape(placed, a, y=b)
+    assert same(out.sharding, NamedSharding(mesh, P("data")), 2) and out.sharding.mesh == mesh
 
 
 def test_the_guides_recipe_builds_under_with_mesh_and_restores_with_orbax(tmp_path):
@@ -389,6 +413,22 @@ def test_eval_shape_without_a_mesh_follows_the_default_device():
         out = tt.eval_shape(lambda: jnp.zeros(3))
         assert out.sharding == SingleDeviceSharding(jnp.zeros(3).devices().pop())
     assert out.sharding == SingleDeviceSharding(device)
+    with jax.default_device("cpu"):  # a platform: its first device, as JAX places arrays
+        out = tt.eval_shape(lambda: jnp.zeros(3))
+        assert out.sharding == SingleDeviceSharding(jnp.zeros(3).devices().pop())
+    assert out.sharding == SingleDeviceSharding(jax.devices("cpu")[0])
+    keyword = tt.eval_shape(lambda x, *, to: x.astype(to.dtype), np.ones(3), to=np.ones(1, np.int8))
+    assert (keyword.shape, keyword.dtype) == ((3,), np.int8)  # keyword arguments reach fn
+
+
+def test_eval_shape_keeps_weak_types_as_jax_eval_shape_does():
+    """A Python scalar's weak type survives (it decides how the result promotes), with and
+    without a mesh; a strong type stays strong."""
+    make = lambda: (jnp.asarray(1.0), jnp.ones(2))
+    assert [s.weak_type for s in jax.eval_shape(make)] == [True, False]
+    assert [s.weak_type for s in tt.eval_shape(make)] == [True, False]
+    with jax.set_mesh(mesh_of()):
+        assert [s.weak_type for s in tt.eval_shape(make)] == [True, False]
 
 
 def test_a_rule_shadowed_by_an_earlier_one_is_reported_as_such():

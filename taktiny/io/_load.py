@@ -118,11 +118,11 @@ def load_safetensors(
     checks = _Checks() if verify else None
 
     def read(k: int) -> Any:  # in the reader thread: preadv, mmap and XLA release the GIL
-        ahead.reached(starts[k])  # the disk reads on while this step is read and placed
-        step = steps[k]
-        sources = _tensors(checkpoint, step)
-        leaf = direct[k]
-        try:
+        try:  # (whatever it raises, the drainer must be told the step ended, or it waits on)
+            ahead.reached(starts[k])  # the disk reads on while this step is read and placed
+            step = steps[k]
+            sources = _tensors(checkpoint, step)
+            leaf = direct[k]
             if leaf is not None:  # renamed only: read and placed block by block, here
                 return {step.targets[0]: _by_device(sources[0], _sharding(leaf), checks)}
             return scratch[k % len(scratch)].read(sources, checks)

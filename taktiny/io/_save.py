@@ -139,7 +139,11 @@ def save_safetensors(
             own[qz.PACKED] = json.dumps(records)
         own[_checksum.KEY] = _checksum.record({n: _checksum.digest(a) for n, a in shard.items()})
         files.append((shard, own))
-    return _Commit(target).save(files)
+    commit = _Commit(target)
+    written = commit.save(files)
+    for message in commit.warnings:  # (warned here, so that they point at the caller)
+        warnings.warn(message, stacklevel=2)
+    return written
 
 
 class _Commit:
@@ -172,6 +176,7 @@ class _Commit:
         self.staging = self.folder / f".{target.name}.{uuid.uuid4().hex[:12]}.tmp"
         self.created: list[Path] = []  # new files renamed into place, before the commit
         self.shards: list[str] = []  # the new shards' names
+        self.warnings: list[str] = []  # what went wrong after the commit, for the caller
 
     def save(self, files: list[tuple[dict[str, np.ndarray], dict[str, str]]]) -> list[Path]:
         with _locked(self.folder):  # one save at a time in a folder, from any process
@@ -285,7 +290,7 @@ class _Commit:
         return written
 
     def _warn(self, what: str) -> None:
-        warnings.warn(f"save_safetensors: {self.target} is saved, but {what}.", stacklevel=4)
+        self.warnings.append(f"save_safetensors: {self.target} is saved, but {what}.")
 
     def _undo(self) -> None:
         """After a failure, unless the commit has happened: removes every new file,

@@ -11,6 +11,7 @@ views of the mapped file, read from disk as they are touched.
 from __future__ import annotations
 
 import os
+import re
 import zipfile
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -111,13 +112,20 @@ def _load(torch: Any, file: Path) -> Any:
         return torch.load(file, map_location="cpu", weights_only=True, mmap=mappable)
     except Exception as error:
         reason = str(error)
-        if "WeightsUnpickler error:" not in reason:  # not a refusal: a damaged or other file
+        # a global of a module torch blocks (os, sys: a pickle that runs commands) is refused
+        # in a message of its own, without "WeightsUnpickler error:"
+        blocked = re.search(r"^Trying to load unsupported GLOBAL .* is blocked\.$", reason, re.M)
+        if "WeightsUnpickler error:" not in reason and not blocked:  # a damaged or other file
             raise ValueError(
                 f"read_torch: {file} is not a readable PyTorch file ({type(error).__name__}: "
                 f"{reason}); expected a file written by torch.save"
             ) from error
         # torch's message goes on to explain how to unpickle the file anyway: left out
-        why = reason.split("WeightsUnpickler error:", 1)[1].strip().split("\n")[0]
+        why = (
+            blocked.group(0)
+            if blocked
+            else reason.split("WeightsUnpickler error:", 1)[1].strip().split("\n")[0]
+        )
         raise ValueError(
             f"read_torch: torch.load(weights_only=True) refused {file} "
             f"({why.split('. Please', 1)[0]}): it holds objects other than tensors and plain "

@@ -20,11 +20,13 @@ from ._random import keep_mask
 _dot_product_attention = jax.jit(jax.nn.dot_product_attention, static_argnames=("is_causal",))
 
 
-def split_heads(x: jax.Array, heads: int, kv_heads: int) -> jax.Array:
+def split_heads(x: jax.Array, heads: int, kv_heads: int, *, whole_time: bool) -> jax.Array:
     """``[*batch, t, f]`` to ``[B, t, heads, f / heads]``. Under Explicit axes the batch
     axes' splits are merged, and the heads are split as the features were when the mesh
     axes divide the number of key/value heads `kv_heads` (and so the number of query heads;
-    unsplit otherwise), so that query heads group with their key/value head on a device."""
+    unsplit otherwise), so that query heads group with their key/value head on a device.
+    The time axis keeps its split (queries: each device attends from its own positions),
+    or with `whole_time` (keys and values, which every query reads) is gathered whole."""
     shape = (-1, x.shape[-2], heads, x.shape[-1] // heads)
     if not explicit_axes():
         return x.reshape(shape)
@@ -32,6 +34,7 @@ def split_heads(x: jax.Array, heads: int, kv_heads: int) -> jax.Array:
     names = features if isinstance(features, tuple) else (features,)
     parts = math.prod(jax.sharding.get_abstract_mesh().shape[n] for n in names if n)
     split = features if kv_heads % parts == 0 else None
+    time = None if whole_time else time
     return x.reshape(shape, out_sharding=P(merged(batch), time, split, None))
 
 

@@ -247,9 +247,9 @@ class MultiHeadAttention(Module):
                     f"(rope_theta=None); build it with rope_theta=10000.0 (say), or leave "
                     f"positions out."
                 )
-            q = split_heads(self.query(inputs_q), heads, kv_heads)
-            k = split_heads(self.key(inputs_kv), kv_heads, kv_heads)
-            v = split_heads(self.value(inputs_kv), kv_heads, kv_heads)
+            q = split_heads(self.query(inputs_q), heads, kv_heads, whole_time=False)
+            k = split_heads(self.key(inputs_kv), kv_heads, kv_heads, whole_time=True)
+            v = split_heads(self.value(inputs_kv), kv_heads, kv_heads, whole_time=True)
             if self.rotary is not None:
                 offset = None if cache is None else cache.length
                 at = fold_positions(_NAME, positions, batch, q_length, offset)
