@@ -86,6 +86,7 @@ RULES = [
     *convert.linear(HF + "output.dense", OURS + "output"),
     *convert.layer_norm(HF + "output.LayerNorm", OURS + "output_norm"),
     *convert.linear("pooler.dense", "pooler"),
+    *convert.buffers(),  # `embeddings.position_ids` and the like, in older files: dropped
 ]
 
 

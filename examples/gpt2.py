@@ -2,15 +2,18 @@
 
 The reference is a small random `transformers.GPT2LMHeadModel` (nothing is downloaded).
 GPT-2 stores its projections as `Conv1D` weights [in, out], which is already Taktiny's
-kernel layout; its fused query/key/value projection `c_attn` is split in three. The
-output projection is tied to the token embedding (`Embed.attend`). `RULES` converts the
-state dict and exports the model back into a fresh `GPT2LMHeadModel` (strict=True);
-`convert.parity` compares the logits both times. An inference model: examples/bert.py
-shows how dropout keys thread through a model for training. Run `python examples/gpt2.py`:
-it prints the largest difference in the logits.
+kernel layout; its fused query/key/value projection `c_attn` is split in three. The output
+projection is tied to the token embedding (`Embed.attend`). `RULES` loads the folder
+`save_pretrained` writes (which leaves the tied `lm_head.weight` out) and exports the model
+back into a folder that `GPT2LMHeadModel.from_pretrained` loads with no missing or
+unexpected names; `convert.parity` compares the logits both times. An inference model:
+examples/bert.py shows how dropout keys thread through a model for training. Run `python
+examples/gpt2.py`: it prints the largest difference in the logits.
 """
 
 import functools
+import tempfile
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +22,7 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from taktiny import convert, nn
+from taktiny.io import load_safetensors, save_safetensors
 
 
 class Block(nn.Module):
@@ -65,8 +69,8 @@ def conv1d(source, target):
 
 # Hugging Face name -> Taktiny name, written with the presets; {i} carries the block
 # number across. `c_attn` holds query, key and value side by side on its output axis: split
-# in three. `lm_head.weight` is the token embedding itself: a Tie checks that on the way in
-# and writes both names on the way out.
+# in three. `lm_head.weight` is the token embedding itself: a Tie reads it as that (checking
+# that both are equal where a file holds both) and, as save_pretrained, exports it once.
 HF, OURS = "transformer.h.{i}.", "blocks.{i}."
 QKV = ("query", "key", "value")
 RULES = [
@@ -89,6 +93,7 @@ RULES = [
     *conv1d(HF + "mlp.c_proj", OURS + "mlp.layers.2"),
     *convert.layer_norm("transformer.ln_f", "ln_f"),
     convert.Tie("lm_head.weight", same_as="transformer.wte.weight"),
+    *convert.buffers(),  # the causal masks `attn.bias` of older files: dropped
 ]
 
 
@@ -109,9 +114,10 @@ def main():
         for parameter in reference.parameters():  # (the tied embedding appears once)
             parameter.add_(torch.randn_like(parameter) * 0.1)
 
-    abstract = jax.eval_shape(lambda: GPT2(config, rngs=nn.Rngs(0)))  # no initialisation
-    flat = convert.convert(RULES, reference.state_dict(), target=abstract)  # checked first
-    model = abstract.load_flat_state_dict(flat, strict=True)
+    with tempfile.TemporaryDirectory() as folder:
+        reference.save_pretrained(folder)  # what people download: no lm_head.weight in it
+        abstract = jax.eval_shape(lambda: GPT2(config, rngs=nn.Rngs(0)))  # no initialisation
+        model = load_safetensors(abstract, folder, rules=RULES)  # every name checked first
 
     ids = np.random.default_rng(0).integers(0, config.vocab_size, (2, 11))
     forward = jax.jit(lambda model, ids: model(ids))
@@ -123,14 +129,14 @@ def main():
         print("Taktiny against transformers:")
         print(convert.parity(ours, theirs(reference), ids, tolerance=1e-5))
 
-        # and back: Conv1D layouts, c_attn joined again, lm_head written as the embedding
-        exported = {
-            k: torch.from_numpy(np.array(v)) for k, v in convert.export(RULES, model).items()
-        }
-        fresh = GPT2LMHeadModel(config).eval()
-        fresh.load_state_dict(exported, strict=True)
-        print("exported back into a fresh GPT2LMHeadModel (strict=True):")
-        print(convert.parity(ours, theirs(fresh), ids, tolerance=1e-5))
+        # and back: Conv1D layouts, c_attn joined again, into a folder from_pretrained reads
+        with tempfile.TemporaryDirectory() as folder:
+            save_safetensors(Path(folder) / "model.safetensors", convert.export(RULES, model))
+            config.save_pretrained(folder)
+            fresh, info = GPT2LMHeadModel.from_pretrained(folder, output_loading_info=True)
+        assert not any(info.values()), info  # no missing, unexpected or mis-shaped names
+        print("exported back through save_safetensors into GPT2LMHeadModel.from_pretrained:")
+        print(convert.parity(ours, theirs(fresh.eval()), ids, tolerance=1e-5))
 
     logits = forward(model, jnp.asarray(ids))
     # causal: changing the last token leaves every earlier position's logits as they were

@@ -2,17 +2,20 @@
 
 The reference is a small random `transformers.LlamaForCausalLM` (nothing is downloaded):
 RMSNorm, rotary position embeddings, grouped-query attention without biases (2 key/value
-heads for 4 query heads) and a SwiGLU MLP. It runs twice: with the output projection tied
-to the token embedding (`Embed.attend`, a `convert.Tie`) and with its own `lm_head`.
-`RULES` converts the state dict (checked name by name, loaded strictly into a model built
-without initialising it) and exports the model back into a fresh `LlamaForCausalLM`
-(strict=True); `convert.parity` compares the logits both times, at full float32 matmul
-precision. Then it decodes greedily with a `KVCache` per layer: the prompt in one jitted
-call, each new token through one jitted step that compiles once, and compares the tokens
-with `generate`. Run `python examples/llama.py`: it prints the largest differences in the
-logits and both models' tokens.
+heads for 4 query heads) and a SwiGLU MLP. It runs twice: with the output projection tied to
+the token embedding (`Embed.attend`, a `convert.Tie`) and with its own `lm_head`. `RULES`
+loads the folder `save_pretrained` writes (checked name by name, loaded strictly into a
+model built without initialising it; a tied model's file has no `lm_head.weight`) and
+exports the model back into a folder that `LlamaForCausalLM.from_pretrained` loads with no
+missing or unexpected names; `convert.parity` compares the logits both times, at full
+float32 matmul precision. Then it decodes greedily with a `KVCache` per layer: the prompt in
+one jitted call, each new token through one jitted step that compiles once, and compares the
+tokens with `generate`. Run `python examples/llama.py`: it prints the largest differences in
+the logits and both models' tokens.
 """
 
+import tempfile
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -22,6 +25,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from taktiny import convert, nn
+from taktiny.io import load_safetensors, save_safetensors
 
 
 def rope_theta(config: LlamaConfig) -> float:
@@ -114,10 +118,13 @@ RULES = [
     *convert.linear(HF + "mlp.down_proj", OURS + "mlp.down", bias=False),
     *convert.layer_norm("model.norm", "norm", bias=False),
 ]
-# tied, `lm_head.weight` is the token embedding itself: a Tie checks that on the way in and
-# writes both names on the way out
-TIED_RULES = [*RULES, convert.Tie("lm_head.weight", same_as="model.embed_tokens.weight")]
-UNTIED_RULES = [*RULES, *convert.linear("lm_head", "lm_head", bias=False)]
+# tied, `lm_head.weight` is the token embedding itself: a Tie reads it as that (checking that
+# both are equal where a file holds both, and fine where it leaves the copy out) and
+# exports only the embedding, as save_pretrained writes it; `convert.buffers()` drops the
+# rotary `inv_freq` that older files hold
+TIED_RULES = [*RULES, convert.Tie("lm_head.weight", same_as="model.embed_tokens.weight"),
+              *convert.buffers()]  # fmt: skip
+UNTIED_RULES = [*RULES, *convert.linear("lm_head", "lm_head", bias=False), *convert.buffers()]
 
 
 def llama_config(tied: bool) -> LlamaConfig:
@@ -171,10 +178,11 @@ def compare(tied: bool):
         for parameter in reference.parameters():  # (a tied embedding appears once)
             parameter.add_(torch.randn_like(parameter) * 0.1)
 
-    abstract = jax.eval_shape(lambda: Llama(config, rngs=nn.Rngs(0)))  # no initialisation
-    # every name checked (used once, every leaf made, shapes right) before anything converts
-    flat = convert.convert(rules, reference.state_dict(), target=abstract)
-    model = abstract.load_flat_state_dict(flat, strict=True)
+    with tempfile.TemporaryDirectory() as folder:
+        reference.save_pretrained(folder)  # the files people download
+        abstract = jax.eval_shape(lambda: Llama(config, rngs=nn.Rngs(0)))  # no initialisation
+        # every name checked (used once, every leaf made, shapes right) before anything loads
+        model = load_safetensors(abstract, folder, rules=rules)
 
     ids = np.random.default_rng(0).integers(0, config.vocab_size, (2, 11))
     forward = jax.jit(lambda model, ids: model(ids))
@@ -186,13 +194,14 @@ def compare(tied: bool):
         print(f"Taktiny against transformers ({head}):")
         print(convert.parity(ours, theirs(reference), ids, tolerance=1e-4))
 
-        # and back: torch's [out, in] weights, lm_head written from the embedding if tied
-        exported = {
-            k: torch.from_numpy(np.array(v)) for k, v in convert.export(rules, model).items()
-        }
-        fresh = hugging_face(config)
-        fresh.load_state_dict(exported, strict=True)
-        print(f"exported back into a fresh LlamaForCausalLM ({head}, strict=True):")
+        # and back: torch's [out, in] weights, into a folder from_pretrained reads
+        with tempfile.TemporaryDirectory() as folder:
+            save_safetensors(Path(folder) / "model.safetensors", convert.export(rules, model))
+            config.save_pretrained(folder)
+            fresh, info = LlamaForCausalLM.from_pretrained(folder, output_loading_info=True)
+        assert not any(info.values()), info  # no missing, unexpected or mis-shaped names
+        fresh.eval().set_attn_implementation("eager")
+        print(f"exported back through save_safetensors into from_pretrained ({head}):")
         print(convert.parity(ours, theirs(fresh), ids, tolerance=1e-4))
 
         prompt, new = ids[:, :7], 20

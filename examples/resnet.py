@@ -98,7 +98,7 @@ class ResNet(nn.Module):
 def conv_norm(source: str, target: str):
     """One ConvNorm: `convert.conv` moves the weight [out, in, h, w] to the kernel
     [h, w, in, out]; `convert.batch_norm` renames weight, bias, running_mean and
-    running_var to scale, bias, mean and var (and ignores num_batches_tracked)."""
+    running_var to scale, bias, mean and var (and ignores num_batches_tracked, exporting 0)."""
     return [
         *convert.conv(source + ".convolution", target + ".conv", dims=2, bias=False),
         *convert.batch_norm(source + ".normalization", target + ".norm"),
@@ -157,7 +157,7 @@ def compare(name: str, config: ResNetConfig, pixels: np.ndarray):
         print(f"Taktiny against transformers ({name}):")
         print(convert.parity(ours, theirs(reference), pixels, tolerance=1e-4))
 
-        # and back: torch's layouts and names, num_batches_tracked filled in by torch
+        # and back: torch's layouts and names, num_batches_tracked written as 0
         exported = {
             k: torch.from_numpy(np.array(v)) for k, v in convert.export(RULES, model).items()
         }

@@ -1,19 +1,21 @@
 """A Vision Transformer encoder built from Taktiny layers, loaded from Hugging Face's `ViTModel`.
 
 The reference is a small random `transformers.ViTModel` with its pooler (nothing is
-downloaded). The patch embedding is a `Conv` whose window and stride are the patch size;
-the class token and the position embeddings are plain arrays of the model. Taktiny is
-channels-last, so the NCHW pixel values transpose to NHWC on the way in. `RULES` converts
-the state dict (checked name by name, loaded strictly into a model built without
-initialising it) and exports the model back into a fresh `ViTModel` (strict=True);
-`convert.parity` compares the hidden states and the pooled output both times, at full
-float32 matmul precision. An inference model: examples/bert.py shows how dropout keys
-thread through a model for training. Run `python examples/vit.py`: it prints the largest
-differences.
+downloaded). The patch embedding is a `Conv` whose window and stride are the patch size; the
+class token and the position embeddings are plain arrays of the model. Taktiny is
+channels-last, so the NCHW pixel values transpose to NHWC on the way in. `RULES` loads the
+folder `save_pretrained` writes (checked name by name, loaded strictly into a model built
+without initialising it) and exports the model back into a folder that
+`ViTModel.from_pretrained` loads with no missing or unexpected names; `convert.parity`
+compares the hidden states and the pooled output both times, at full float32 matmul
+precision. An inference model: examples/bert.py shows how dropout keys thread through a
+model for training. Run `python examples/vit.py`: it prints the largest differences.
 """
 
 import functools
+import tempfile
 from collections.abc import Sequence
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +24,7 @@ import torch
 from transformers import ViTConfig, ViTModel
 
 from taktiny import convert, nn
+from taktiny.io import load_safetensors, save_safetensors
 
 
 def pair(size: int | Sequence[int]) -> tuple[int, int]:
@@ -87,24 +90,26 @@ class ViT(nn.Module):
 
 
 # Hugging Face name -> Taktiny name, written with the presets; {i} carries the layer number
-# across. The patch projection is a Conv2d: `convert.conv` moves its weight [out, in, h, w]
-# to the kernel [h, w, in, out]. Torch keeps a leading axis of 1 on the class token
-# [1, 1, hidden] and the position embeddings [1, tokens, hidden] to broadcast over the
-# batch; ours have none, so `unstack(0)` takes the one array that axis holds (and export
-# stacks it back).
-HF, OURS = "layers.{i}.", "layers.{i}."
+# across. The names are those of the files (`save_pretrained` writes them, and every ViT
+# checkpoint holds them): transformers 5 renames the modules in memory (to
+# `layers.{i}.attention.q_proj`) but reads and writes files under these. The patch
+# projection is a Conv2d: `convert.conv` moves its weight [out, in, h, w] to the kernel
+# [h, w, in, out]. Torch keeps a leading axis of 1 on the class token [1, 1, hidden] and the
+# position embeddings [1, tokens, hidden] to broadcast over the batch; ours have none, so
+# `unstack(0)` takes the one array that axis holds (and export stacks it back).
+HF, OURS = "encoder.layer.{i}.", "layers.{i}."
 RULES = [
     *convert.conv("embeddings.patch_embeddings.projection", "patches", dims=2),
     convert.Rule("embeddings.cls_token", "class_token", convert.unstack(0)),
     convert.Rule("embeddings.position_embeddings", "position", convert.unstack(0)),
     *convert.layer_norm(HF + "layernorm_before", OURS + "layernorm_before"),
-    *convert.linear(HF + "attention.q_proj", OURS + "attention.query"),
-    *convert.linear(HF + "attention.k_proj", OURS + "attention.key"),
-    *convert.linear(HF + "attention.v_proj", OURS + "attention.value"),
-    *convert.linear(HF + "attention.o_proj", OURS + "attention.out"),
+    *convert.linear(HF + "attention.attention.query", OURS + "attention.query"),
+    *convert.linear(HF + "attention.attention.key", OURS + "attention.key"),
+    *convert.linear(HF + "attention.attention.value", OURS + "attention.value"),
+    *convert.linear(HF + "attention.output.dense", OURS + "attention.out"),
     *convert.layer_norm(HF + "layernorm_after", OURS + "layernorm_after"),
-    *convert.linear(HF + "mlp.fc1", OURS + "mlp.layers.0"),  # a Sequential: layers.1 is gelu
-    *convert.linear(HF + "mlp.fc2", OURS + "mlp.layers.2"),
+    *convert.linear(HF + "intermediate.dense", OURS + "mlp.layers.0"),  # layers.1: the gelu
+    *convert.linear(HF + "output.dense", OURS + "mlp.layers.2"),
     *convert.layer_norm("layernorm", "layernorm"),
     *convert.linear("pooler.dense", "pooler"),
 ]
@@ -133,10 +138,11 @@ def main():
         for parameter in reference.parameters():
             parameter.add_(torch.randn_like(parameter) * 0.1)
 
-    abstract = jax.eval_shape(lambda: ViT(config, rngs=nn.Rngs(0)))  # no initialisation
-    # every name checked (used once, every leaf made, shapes right) before anything converts
-    flat = convert.convert(RULES, reference.state_dict(), target=abstract)
-    model = abstract.load_flat_state_dict(flat, strict=True)
+    with tempfile.TemporaryDirectory() as folder:
+        reference.save_pretrained(folder)  # the files people download, under their names
+        abstract = jax.eval_shape(lambda: ViT(config, rngs=nn.Rngs(0)))  # no initialisation
+        # every name checked (used once, every leaf made, shapes right) before anything loads
+        model = load_safetensors(abstract, folder, rules=RULES)
 
     pixels = np.random.default_rng(0).standard_normal((2, 3, 32, 32), dtype=np.float32)  # NCHW
     forward = jax.jit(lambda model, images: model(images))
@@ -147,13 +153,15 @@ def main():
         print("Taktiny against transformers:")
         print(convert.parity(ours, theirs(reference), pixels, tolerance=1e-5))
 
-        # and back: torch's layouts and names, the leading axes of 1 stacked back on
-        exported = {
-            k: torch.from_numpy(np.array(v)) for k, v in convert.export(RULES, model).items()
-        }
-        fresh = hugging_face(config)
-        fresh.load_state_dict(exported, strict=True)
-        print("exported back into a fresh ViTModel (strict=True):")
+        # and back: torch's layouts and the files' names, the leading axes of 1 stacked back
+        # on, into a folder from_pretrained reads
+        with tempfile.TemporaryDirectory() as folder:
+            save_safetensors(Path(folder) / "model.safetensors", convert.export(RULES, model))
+            config.save_pretrained(folder)
+            fresh, info = ViTModel.from_pretrained(folder, output_loading_info=True)
+        assert not any(info.values()), info  # no missing, unexpected or mis-shaped names
+        fresh.eval().set_attn_implementation("eager")
+        print("exported back through save_safetensors into ViTModel.from_pretrained:")
         print(convert.parity(ours, theirs(fresh), pixels, tolerance=1e-5))
 
 

@@ -40,7 +40,7 @@ def kind(dtype: Any) -> str | None:
     return next((name for name, kind in _KINDS if jnp.issubdtype(dtype, kind)), None)
 
 
-def _from_dlpack(value: Any) -> Any:
+def from_dlpack(value: Any) -> Any:
     """A JAX copy of a tensor of another framework (a torch tensor, also bfloat16, one that
     requires grad, an ``nn.Parameter``), through DLPack; None when that fails. A copy, so
     that the caller's later writes to its tensor cannot reach the loaded model."""
@@ -49,6 +49,36 @@ def _from_dlpack(value: Any) -> Any:
         return jnp.array(jax.dlpack.from_dlpack(detach() if callable(detach) else value))
     except Exception:  # noqa: BLE001 - not importable this way: try NumPy's conversion
         return None
+
+
+def host_array(value: Any) -> Any:
+    """`value` (a tensor of another framework, a list, a number) as a NumPy array, bit for
+    bit; through DLPack, as a JAX array, for the dtypes NumPy cannot take from it (a torch
+    bfloat16 or float8 tensor). Raises NumPy's error when neither way reads it."""
+    foreign = hasattr(value, "__dlpack__") and not isinstance(value, np.generic)
+    detach = getattr(value, "detach", None) if foreign else None
+    plain = detach() if callable(detach) else value  # (a tensor that requires grad)
+    try:
+        return np.asarray(plain)
+    except (TypeError, RuntimeError):
+        imported = from_dlpack(value) if foreign else None
+        if imported is None:
+            raise
+        return imported
+
+
+def dtype_of(dtype: Any) -> np.dtype[Any]:
+    """A NumPy dtype for `dtype`, which may be another framework's: ``torch.bfloat16`` and
+    the float8 kinds by their names, which are ml_dtypes' names too. Raises TypeError for
+    a dtype that has no NumPy equivalent."""
+    try:
+        return np.dtype(dtype)
+    except TypeError:
+        name = str(dtype).rpartition(".")[2]  # "torch.bfloat16" -> "bfloat16"
+        try:
+            return jnp.dtype(name)
+        except TypeError:
+            raise TypeError(f"{dtype!r} is no dtype NumPy or ml_dtypes knows.") from None
 
 
 def _as_array(name: str, value: Any, problems: list[StateProblem]) -> tuple[Any, bool]:
@@ -69,7 +99,7 @@ def _as_array(name: str, value: Any, problems: list[StateProblem]) -> tuple[Any,
         problems.append(err.not_an_array(name, value))
         return None, False
     if hasattr(value, "__dlpack__") and not isinstance(value, np.generic):
-        imported = _from_dlpack(value)
+        imported = from_dlpack(value)
         if imported is not None:
             return imported, False
     try:

@@ -100,7 +100,7 @@ def test_a_layer_preset_converts_and_exports_back(case):
     theirs, factory, rules, x = LAYERS[case]
     model = convert_and_back(rules, randomize_(theirs), factory, call, call_torch, x)
     cv.round_trip_check(rules, model)
-    assert [repr(r) for r in cv.pytorch(model)] == [repr(r) for r in rules]
+    assert [repr(r) for r in cv.pytorch(model)] == [repr(r) for r in [*rules, *cv.buffers()]]
 
 
 CONVS = [  # (kernel_size, groups, transposed)
@@ -126,7 +126,7 @@ def test_conv_presets_permute_and_mirror_the_kernel(kernel_size, groups, transpo
     x = randn(2, *(5,) * n, 6)
     model = convert_and_back(rules, randomize_(theirs), factory, call, channels, x)
     cv.round_trip_check(rules, model)
-    assert [repr(r) for r in cv.pytorch(model)] == [repr(r) for r in rules]
+    assert [repr(r) for r in cv.pytorch(model)] == [repr(r) for r in [*rules, *cv.buffers()]]
 
 
 def test_presets_put_their_rules_under_the_prefixes_given():
@@ -158,7 +158,7 @@ def test_presets_put_their_rules_under_the_prefixes_given():
         f"Rule('e.{{i}}.{s}' -> 'b.{{i}}.{t}', {ID})"
         for s, t in [("weight", "scale"), ("bias", "bias"), ("running_mean", "mean"),
                      ("running_var", "var")]
-    ] + ["Ignore('e.{i}.num_batches_tracked')"]  # fmt: skip
+    ] + ["Ignore('e.{i}.num_batches_tracked', export=array(0))"]  # fmt: skip
     qkv = lambda part: [f"'b.{{i}}.{p}.{part}'" for p in ("query", "key", "value")]
     assert shown(cv.multihead_attention("e.{i}", "b.{i}")) == [  # fused, with biases
         f"Rule('e.{{i}}.in_proj_weight' -> [{', '.join(qkv('kernel'))}], chain(split(axis=0), "
@@ -208,7 +208,7 @@ def test_group_norm_and_pools_take_their_places_in_a_sequential():
     )  # fmt: skip
     rules = cv.pytorch(jax.eval_shape(factory))
     assert [repr(r) for r in rules[2:4]] == [repr(r) for r in cv.group_norm("1", "layers.1")]
-    assert isinstance(last := rules[-1], cv.Rule) and last.sources == ("5.bias",)
+    assert isinstance(last := rules[-2], cv.Rule) and last.sources == ("5.bias",)
     x = randn(2, 6, 5, 3)
     model = convert_and_back(rules, randomize_(theirs), factory, call, channels, x)
     cv.round_trip_check(rules, model)
@@ -222,8 +222,9 @@ def test_batch_norm_converts_the_running_statistics_and_ignores_the_count():
     model = convert_and_back(rules, theirs, lambda: nn.BatchNorm(5, epsilon=1e-3), call,
                              channels, x)  # fmt: skip
     np.testing.assert_array_equal(model.var, numpy(theirs.get_buffer("running_var")))
-    assert "num_batches_tracked" not in cv.export(rules, model)
-    cv.round_trip_check(rules, model)  # the Ignore has nothing to match on the way back
+    count = cv.export(rules, model)["num_batches_tracked"]  # for strict readers: 0
+    assert count.dtype == np.int64 and count.shape == () and count == 0
+    cv.round_trip_check(rules, model)
 
 
 @pytest.mark.parametrize("kdim, bias", [(None, True), (6, True), (6, False), (None, False)])
@@ -235,7 +236,7 @@ def test_multihead_attention_splits_in_proj_into_query_key_and_value(kdim, bias)
     attend = lambda module, q, kv: module(*map(torch.from_numpy, (q, kv, kv)), need_weights=False)
     model = convert_and_back(rules, randomize_(theirs), factory, call, attend, q, kv)
     cv.round_trip_check(rules, model)
-    assert [repr(r) for r in cv.pytorch(model)] == [repr(r) for r in rules]
+    assert [repr(r) for r in cv.pytorch(model)] == [repr(r) for r in [*rules, *cv.buffers()]]
 
 
 def test_pytorch_numbers_a_sequential_as_torch_does():
@@ -248,7 +249,7 @@ def test_pytorch_numbers_a_sequential_as_torch_does():
         nn.LayerNorm(6, epsilon=1e-5), nn.Linear(6, 3, rngs=nn.Rngs(2)),
     )  # fmt: skip
     rules = cv.pytorch(jax.eval_shape(factory))
-    assert [(r.sources, r.targets) for r in rules[-2:] if isinstance(r, cv.Rule)] == [
+    assert [(r.sources, r.targets) for r in rules[-3:] if isinstance(r, cv.Rule)] == [
         (("4.weight",), ("layers.4.kernel",)),
         (("4.bias",), ("layers.4.bias",)),
     ]
@@ -298,7 +299,8 @@ def test_pytorch_walks_attributes_lists_dicts_and_sequentials_under_prefixes():
     assert named["features.1.num_batches_tracked"] is None  # an Ignore
     assert named["blocks.1.weight"] == ("blocks.1.kernel",)
     assert named["head.norm.weight"] == ("head.norm.scale",)
-    assert len(rules) == len(theirs.state_dict()) == 15
+    assert len(rules) - 1 == len(theirs.state_dict()) == 15  # and last, the buffers' Ignore
+    assert repr(rules[-1]) == repr(cv.buffers()[0])
     prefixed = cv.pytorch(model.blocks, "backbone.{i}", "net.{i}")
     assert [r.sources[0] for r in prefixed][:2] == ["backbone.{i}.0.weight", "backbone.{i}.0.bias"]
     assert isinstance(bias := prefixed[3], cv.Rule) and bias.targets == ("net.{i}.1.bias",)
@@ -336,7 +338,7 @@ def test_pytorch_gives_each_layer_its_preset_with_its_options_under_the_prefixes
         *cv.multihead_attention("src.attn", "dst.attn", fused=True, bias=False),
     ]  # fmt: skip
     got = [repr(r) for r in cv.pytorch(model, "src", "dst")]
-    assert got == [repr(r) for r in expected]
+    assert got == [repr(r) for r in [*expected, *cv.buffers()]]
     assert got[1] == (
         "Rule('src.up.weight' -> 'dst.up.kernel', chain(split(axis=0, sizes=(2, 2)), "
         "concatenate(axis=1, sizes=(3, 3)), transpose((2, 0, 1)), flip((0,))))"
@@ -406,11 +408,16 @@ def test_the_gpt2_example_rules_split_c_attn_tie_lm_head_and_export_it_back():
     ids = RNG.integers(0, 50, (2, 9))
     forward = jax.jit(lambda model, ids: model(ids))
     hf = lambda module, ids: module(torch.from_numpy(ids), use_cache=False)
-    model = convert_and_back(gpt2.RULES, theirs, lambda: gpt2.GPT2(config, rngs=nn.Rngs(0)),
+    # torch's state_dict() holds the tied copy: a Tie with export=True writes it back
+    tie = cv.Tie("lm_head.weight", same_as="transformer.wte.weight", export=True)
+    written = [*gpt2.RULES[:-1], tie]
+    model = convert_and_back(written, theirs, lambda: gpt2.GPT2(config, rngs=nn.Rngs(0)),
                              forward, hf, ids, tolerance=1e-4)  # fmt: skip
-    exported = cv.export(gpt2.RULES, model)
+    exported = cv.export(written, model)
     np.testing.assert_array_equal(exported["lm_head.weight"], exported["transformer.wte.weight"])
+    assert sorted(cv.export(gpt2.RULES, model)) == sorted(set(exported) - {"lm_head.weight"})
     cv.round_trip_check(gpt2.RULES, model)
+    cv.round_trip_check(written, model)
 
 
 def test_parity_pairs_nested_outputs_in_order_and_names_them():

@@ -201,6 +201,29 @@ def test_rules_take_allow_and_ties_and_their_errors_name_the_load(tmp_path):
                          allow={"unused": ["steps"]})  # fmt: skip
 
 
+def test_strict_decides_on_what_the_rules_leave_out_as_it_does_without_rules(tmp_path):
+    tensors, path, rules = torch_mlp(tmp_path)
+    first = [*rules[::2], cv.Ignore("fc2.*")]  # fc1 only: the output layer is left out
+    model = MLP(rngs=nn.Rngs(7))
+    loaded = load_safetensors(model, path, rules=first, strict=False)  # no allow= needed
+    assert np.array_equal(loaded.input.kernel, tensors["fc1.weight"].T)
+    assert loaded.output.kernel is model.output.kernel  # kept, as strict=False promises
+    with pytest.raises(
+        cv.ConversionError,
+        match=r"^taktiny\.io\.load_safetensors\(MLP\): 2 problems; nothing was converted\.\n"
+        r"  - \[missing\] 'output\.kernel': no rule produces this target leaf; add a Rule, "
+        r"or load with strict=False to keep the model's value\.\n",
+    ):
+        load_safetensors(model, path, rules=first)
+    with pytest.raises(tt.StateDictError, match=r"'output\.kernel': not supplied, and the model"):
+        load_safetensors(abstract_mlp(), path, rules=first, strict=False)  # none to keep
+    with pytest.raises(tt.StateDictError, match=r"'output\.bias': missing: strict=True"):
+        load_safetensors(model, path, rules=first, allow={"missing": ["output.*"]})
+    # convert, which loads nothing, lets missing leaves through only by allow=
+    with pytest.raises(cv.ConversionError, match=r"or allow it \(allow=\{'missing': \[\.\.\.\]"):
+        cv.convert(first, safetensors.numpy.load_file(path), target=model)
+
+
 def test_a_transformed_tensor_goes_to_its_leaf_s_devices_not_the_default_one(tmp_path):
     tensors, path, rules = torch_mlp(tmp_path)
     mesh = jax.sharding.Mesh(np.array(jax.devices()[4:8]), ("x",))  # without the default device

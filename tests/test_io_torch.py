@@ -6,12 +6,16 @@ import re
 import sys
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+import safetensors.torch
 import torch
 
-from taktiny.io import read_torch
+import taktiny as tt
+from taktiny.io import load_safetensors, open_safetensors, read_torch
 
 UNPICKLED = []  # what unpickling a Thing ran
 
@@ -52,6 +56,37 @@ def assert_bitwise(read, expected):
         bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[array.itemsize]
         raw = tensor.view(bits) if tensor.dtype != torch.bool else tensor.to(torch.uint8)
         assert array.tobytes() == raw.numpy().tobytes(), name
+
+
+def every_dtype():
+    """A tensor of each dtype torch saves and safetensors stores, with odd bit patterns."""
+    generator = torch.Generator().manual_seed(1)
+    floats = torch.randn(2, 3, generator=generator) * 100
+    return {
+        **{f"f_{str(dtype)[6:]}": floats.to(dtype) for dtype in (torch.float32, torch.float16,
+           torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2, torch.float64)},
+        **{f"i_{str(dtype)[6:]}": torch.randint(-100, 100, (2, 3), generator=generator).to(dtype)
+           for dtype in (torch.int8, torch.int16, torch.int32, torch.int64)},
+        "i_uint8": torch.randint(0, 256, (2, 3), generator=generator).to(torch.uint8),
+        "b_bool": torch.randint(0, 2, (2, 3), generator=generator).to(torch.bool),
+    }  # fmt: skip
+
+
+def test_every_dtype_reads_bit_for_bit_from_torch_and_safetensors_files(tmp_path):
+    expected = every_dtype()
+    torch.save(expected, tmp_path / "model.bin")
+    assert_bitwise(read_torch(tmp_path / "model.bin"), expected)
+    safetensors.torch.save_file(expected, tmp_path / "model.safetensors")
+    opened = open_safetensors(tmp_path / "model.safetensors")
+    assert_bitwise({name: np.asarray(opened[name]) for name in expected}, expected)
+    # loaded into a model of JAX dtypes: all but the 64-bit ones, which JAX keeps as 32-bit
+    kept = {n: t for n, t in expected.items() if t.element_size() < 8}
+    model = {n: jax.ShapeDtypeStruct((2, 3), jnp.dtype(n[2:])) for n in kept}
+    safetensors.torch.save_file(kept, tmp_path / "kept.safetensors")
+    loaded = load_safetensors(model, tmp_path / "kept.safetensors")
+    flat = tt.flat_state_dict(loaded)
+    assert sorted(flat) == sorted(kept)
+    assert_bitwise({n: np.asarray(flat[n]) for n in kept}, kept)
 
 
 @pytest.mark.parametrize("zipped", [True, False], ids=["zip", "legacy"])

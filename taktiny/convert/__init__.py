@@ -15,6 +15,7 @@ from ._parity import Parity as Parity
 from ._parity import ParityOutput as ParityOutput
 from ._parity import parity as parity
 from ._presets import batch_norm as batch_norm
+from ._presets import buffers as buffers
 from ._presets import conv as conv
 from ._presets import conv_transpose as conv_transpose
 from ._presets import embedding as embedding

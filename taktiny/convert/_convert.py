@@ -9,6 +9,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from .. import _values
 from .._tree import flat_state_dict
 from ._coverage import (
     ConversionError,
@@ -20,7 +21,7 @@ from ._coverage import (
     runner,
     spec,
 )
-from ._rules import AnyRule, Ignore, Rule, Tie, _compile
+from ._rules import AnyRule, Ignore, Rule, Tie, _compile, _names
 
 
 def _leaves(target: Any) -> dict[str, Any]:
@@ -62,8 +63,8 @@ def convert(
     nothing is converted unless every problem is allowed. Each value is then made when it
     is looked up, from its own source names, so a lazy source is read tensor by tensor
     (tied names are read once here, to check that they are equal). Values may be NumPy or
-    JAX arrays, or anything ``np.asarray`` takes (PyTorch CPU tensors, safetensors
-    :class:`~taktiny.io.Tensor` handles).
+    JAX arrays, PyTorch CPU tensors of any dtype (bfloat16 and float8 too, bit for bit),
+    safetensors :class:`~taktiny.io.Tensor` handles, or anything ``np.asarray`` takes.
     """
     leaves = _leaves(target)
     report, ties = plan(rules, source, leaves, check_allow(allow), "convert.convert")
@@ -127,15 +128,17 @@ def _read(value: Any) -> Any:
         return value
     if isinstance(value, jax.ShapeDtypeStruct):
         return spec(value)
-    return np.asarray(value)
+    return _values.host_array(value)
 
 
 def export(rules: Sequence[AnyRule], model: Any) -> dict[str, Any]:
     """The parameters of `model` (or of its flat state) in the source's names and
-    layouts: `rules` run backwards, each through its transform's inverse; tied names
-    (:class:`Tie`) get the same array. Raises one :class:`ConversionError` naming every
-    leaf that cannot be exported (a rule that is not invertible, or no rule). Names the
-    rules ignore are not made."""
+    layouts: `rules` run backwards, each through its transform's inverse; a tied name
+    (:class:`Tie`) gets the same array when its Tie says ``export=True``, and an
+    :class:`Ignore` with ``export=value`` writes its value beside the parameters of its
+    prefix. Raises one
+    :class:`ConversionError` naming every leaf that cannot be exported (a rule that is not
+    invertible, or no rule). Names the rules ignore are not made."""
     leaves = _leaves(model)
     inverse = [_compile_targets(r) if isinstance(r, Rule) else [] for r in rules]
     problems: list[ConversionProblem] = []
@@ -184,7 +187,16 @@ def export(rules: Sequence[AnyRule], model: Any) -> dict[str, Any]:
         else:
             made = [s.format(**binding) for s in rule.sources]
         out.update(zip(made, arrays, strict=True))
-    for tie in (r for r in rules if isinstance(r, Tie)):
+    for ignore in (r for r in rules if isinstance(r, Ignore) and r.export is not None):
+        for pattern in ignore.sources:
+            prefix, wanted = pattern.rpartition(".")[0], _names(pattern)
+            for i, key in groups:
+                sources, binding = rules[i].sources, dict(key)
+                if wanted <= binding.keys() and any(
+                    s.rpartition(".")[0] == prefix for s in sources
+                ):
+                    out[pattern.format(**binding)] = ignore.export
+    for tie in (r for r in rules if isinstance(r, Tie) and r.export):
         partner = _compile(tie.same_as, repr(tie))
         for name, value in list(out.items()):
             if (m := partner.fullmatch("." + name)) is not None:
@@ -202,8 +214,7 @@ def round_trip_check(rules: Sequence[AnyRule], model: Any) -> None:
     """Proves that `rules` export `model` and convert it back bit for bit: every leaf
     comes back with its shape, dtype and bits. Raises :class:`ConversionError` otherwise."""
     leaves = _leaves(model)
-    kept = [r for r in rules if not isinstance(r, Ignore)]  # export makes no ignored name
-    back = convert(kept, export(rules, model), target=leaves)
+    back = convert(rules, export(rules, model), target=leaves)
     problems = []
     for name, leaf in leaves.items():
         a, b = np.asarray(leaf), np.asarray(back[name])

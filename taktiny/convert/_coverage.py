@@ -11,7 +11,7 @@ import jax
 import numpy as np
 
 from .. import _errors, _patterns, _values
-from ._rules import _CAPTURE, AnyRule, Rule, Tie, first_match
+from ._rules import _CAPTURE, AnyRule, Ignore, Rule, Tie, first_match
 from ._transforms import Transform
 
 KINDS = ("unused", "missing", "unknown", "unmatched")  # those `allow` may allow; besides:
@@ -54,10 +54,13 @@ class ConversionError(ValueError):
 
 
 class Report(NamedTuple):
-    """What a conversion will do, and the problems `allow` let through."""
+    """What a conversion will do: its steps, the source names an :class:`Ignore` dropped
+    on purpose (buffers such as ``embeddings.position_ids``), and the problems `allow`
+    let through."""
 
     allowed: tuple[ConversionProblem, ...]
     steps: tuple[Step, ...]  # in the order of the source
+    ignored: tuple[str, ...] = ()  # in the order of the source
 
 
 class Step(NamedTuple):
@@ -76,9 +79,9 @@ def spec(value: Any) -> jax.ShapeDtypeStruct:
     try:
         if shape is None or dtype is None:
             raise TypeError
-        shape, dtype = tuple(shape), np.dtype(dtype)
-    except TypeError:  # a torch tensor, a list: read it
-        array = np.asarray(value)
+        shape, dtype = tuple(shape), _values.dtype_of(dtype)
+    except TypeError:  # a list, a number: read it
+        array = _values.host_array(value)
         shape, dtype = array.shape, array.dtype
     return jax.ShapeDtypeStruct(shape, jax.dtypes.canonicalize_dtype(dtype))
 
@@ -116,15 +119,18 @@ def plan(
     leaves: Mapping[str, Any],
     allow: Mapping[str, Sequence[str]],
     where: str,
+    *,
+    loading: bool = False,
 ) -> tuple[Report, list[tuple[str, str]]]:
     """The steps that convert `source` into `leaves` (the target's flat leaves), and the
-    tied (name, same_as) pairs; raises one ConversionError with every problem not allowed."""
+    tied (name, same_as) pairs; raises one ConversionError with every problem not allowed.
+    `loading`: for a load, whose `strict` decides on missing leaves (the hint says so)."""
     problems: list[ConversionProblem] = []
 
     def add(kind: str, name: str, hint: str) -> None:
         problems.append(ConversionProblem(kind, name, hint))
 
-    hits, groups, ties = [0] * len(rules), {}, []
+    hits, groups, ties, ignored = [0] * len(rules), {}, [], []
     for name in source:
         found = first_match(rules, name)
         if found is None:
@@ -139,15 +145,20 @@ def plan(
         rule = rules[i]
         if isinstance(rule, Tie):
             ties.append((name, rule.same_as.format(**captures)))
-        elif isinstance(rule, Rule):
+        elif isinstance(rule, Ignore):
+            ignored.append(name)
+        else:
             key = (i, tuple((k, captures[k]) for k in rule.kept))
             groups.setdefault(key, {}).setdefault(j, []).append((captures, name))
     for rule, hit in zip(rules, hits, strict=True):
-        if not hit:
+        # (an Ignore or a Tie names what a source may hold: a buffer, a tied copy; what one
+        # with a typo fails to take is reported as unused)
+        if not hit and isinstance(rule, Rule):
+            why = _why(rule, source)
             add(
                 "unmatched",
                 ", ".join(rule.sources),
-                f"{rule!r} matched no source name; {_why(rule, source)}.",
+                f"{rule!r} matched no source name; {why}{'' if why.endswith('?') else '.'}",
             )
     produced: dict[str, list[tuple[tuple[str, ...], Any]]] = {}
     steps = []
@@ -171,7 +182,13 @@ def plan(
             produced.setdefault(target, []).append((step.sources, result))
     for name, other in ties:
         if other not in source:
-            add("tie", name, f"is tied to {other!r}, which the source lacks.")
+            add(
+                "tie",
+                name,
+                f"is tied to {other!r}, which the source lacks, so it holds the array under "
+                f"this name alone: replace the Tie by a Rule that reads {name!r} where "
+                f"{other!r} would go.",
+            )
         elif (a := spec(source[name])) != (b := spec(source[other])):
             add("tie", name, f"is tied to {other!r} but holds {_show(a)}, not {_show(b)}.")
     for target, made in produced.items():
@@ -207,19 +224,18 @@ def plan(
                 f"{_show(leaves[target])}, the rule makes {_show(got)}; add "
                 f"a cast, or fix the rule.",
             )
+    keep = (
+        "load with strict=False to keep the model's value"
+        if loading
+        else "allow it (allow={'missing': [...]}) and load with strict=False"
+    )
     for leaf in leaves:
         if leaf not in produced:
-            add(
-                "missing",
-                leaf,
-                "no rule produces this target leaf; add a "
-                "Rule, or allow it (allow={'missing': [...]}) and load with "
-                "strict=False.",
-            )
+            add("missing", leaf, f"no rule produces this target leaf; add a Rule, or {keep}.")
     allowed = [p for p in problems if _allowed(p.kind, p.name, allow)]
     if len(allowed) < len(problems):
         raise ConversionError(where, [p for p in problems if p not in allowed])
-    return Report(tuple(allowed), tuple(steps)), ties
+    return Report(tuple(allowed), tuple(steps), tuple(ignored)), ties
 
 
 def _step(

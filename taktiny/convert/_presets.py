@@ -13,6 +13,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
 from .. import nn
 from .._module import NODES
 from ._rules import AnyRule, Ignore, Rule
@@ -107,14 +109,16 @@ def embedding(source: str, target: str) -> list[AnyRule]:
 def batch_norm(source: str, target: str) -> list[AnyRule]:
     """``nn.BatchNorm{1,2,3}d``: ``weight``, ``bias``, ``running_mean``, ``running_var``
     (each ``[features]``) -> ``scale``, ``bias``, ``mean``, ``var``;
-    ``num_batches_tracked`` is ignored (torch fills it in when it is absent)."""
+    ``num_batches_tracked`` (a step count) is ignored, and exported as 0 so that strict
+    readers (``from_pretrained``) find it; torch reads it only for ``momentum=None``."""
     names = [
         ("weight", "scale"),
         ("bias", "bias"),
         ("running_mean", "mean"),
         ("running_var", "var"),
     ]
-    return [*_pair(source, target, names), Ignore(_at(source, "num_batches_tracked"))]
+    count = Ignore(_at(source, "num_batches_tracked"), export=np.zeros((), np.int64))
+    return [*_pair(source, target, names), count]
 
 
 def multihead_attention(
@@ -142,6 +146,25 @@ def multihead_attention(
     if bias:
         rules.append(Rule(_at(source, "in_proj_bias"), each("bias"), split(0)))
     return rules + linear(_at(source, "out_proj"), _at(target, "out"), bias=bias)
+
+
+# Buffers that Hugging Face and PyTorch checkpoints carry beside the weights, by the names
+# transformers gives them: position and token-type id ranges (BERT and its kin), rotary
+# frequencies (Llama), GPT-2's causal masks and BatchNorm's step count. A model computes
+# them; none is a parameter.
+_BUFFERS = ("**.position_ids", "**.token_type_ids", "**.inv_freq", "**.attn.bias",
+            "**.attn.masked_bias", "**.num_batches_tracked")  # fmt: skip
+
+
+def buffers() -> list[AnyRule]:
+    """An :class:`Ignore` of the buffers checkpoints commonly hold beside the weights:
+    ``position_ids`` and ``token_type_ids`` (BERT and its kin), rotary ``inv_freq``
+    (Llama), GPT-2's causal masks ``attn.bias`` and ``attn.masked_bias``, and BatchNorm's
+    ``num_batches_tracked``, under any prefix. Put it after the model's own rules: a name
+    an earlier rule takes is that rule's. What it drops is listed in the
+    :class:`Report`'s ``ignored``; a checkpoint without them is fine. :func:`pytorch`
+    ends with it."""
+    return [Ignore(*_BUFFERS)]
 
 
 def _layer(layer: Any, source: str, target: str) -> list[AnyRule] | None:
@@ -184,13 +207,15 @@ def pytorch(model: Any, source: str = "", target: str = "") -> list[AnyRule]:
     ... (a function among the layers takes a position, as ``nn.ReLU()`` does).
 
     Arrays set directly on modules of your own get no rule: coverage reports them, and
-    you add their rules to the list. ``source`` and ``target`` are prefixes for both
-    sides (``pytorch(model.encoder, "bert.encoder", "encoder")``). Use the list with
-    :func:`convert` and :func:`export`; `model` may be abstract (``tt.eval_shape``).
+    you add their rules to the list. The list ends with :func:`buffers`, which drops the
+    buffers checkpoints carry (``position_ids``, ``inv_freq``, ...). ``source`` and
+    ``target`` are prefixes for both sides (``pytorch(model.encoder, "bert.encoder",
+    "encoder")``). Use the list with :func:`convert` and :func:`export`; `model` may be
+    abstract (``tt.eval_shape``).
     """
     rules: list[AnyRule] = []
     _walk(model, source, target, rules)
-    return rules
+    return [*rules, *buffers()]
 
 
 def _walk(node: Any, source: str, target: str, rules: list[AnyRule]) -> None:

@@ -13,6 +13,8 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
 from .. import _patterns
 from ._transforms import Transform, identity
 
@@ -147,26 +149,42 @@ class Rule:
 
 
 class Ignore:
-    """Source names that are consumed and dropped (``*.num_batches_tracked``); export
-    cannot make them."""
+    """Source names that are consumed and dropped (``*.num_batches_tracked``).
 
-    def __init__(self, *patterns: str):
+    With ``export=value``, :func:`export` writes `value` (an array, such as BatchNorm's
+    step count ``0``) under each pattern, once per exported group of parameters of the
+    same prefix (``"{p}.num_batches_tracked"`` beside ``"{p}.running_mean"``), so that a
+    strict reader finds every name it expects; the patterns must then be templates
+    without wildcards. Without it, export makes none of these names."""
+
+    def __init__(self, *patterns: str, export: Any = None):
         self.sources = patterns  # (first: the errors of _compile name the Ignore by them)
+        self.export = None if export is None else np.asarray(export)
         self.patterns = [_compile(p, repr(self)) for p in patterns]
         if not patterns:
             raise ValueError("Ignore() needs at least one name pattern.")
+        if export is not None and not all(_literal(p) for p in patterns):
+            raise ValueError(
+                f"{self!r}: with export=, each pattern must be a template without wildcards, "
+                f"so that export can name what it writes."
+            )
 
     def __repr__(self) -> str:
-        return f"Ignore({', '.join(map(repr, self.sources))})"
+        written = "" if self.export is None else f", export={self.export!r}"
+        return f"Ignore({', '.join(map(repr, self.sources))}{written})"
 
 
 class Tie:
     """A source name that holds the same array as another (``lm_head.weight`` tied to
-    ``embed.weight``): converting checks that they are equal and reads one; exporting
-    writes the array under both names. Both templates capture the same names."""
+    ``embed.weight``). Converting reads the array once, from `same_as`; where the source
+    holds both names it checks that they are equal, and a source that leaves the tied copy
+    out (as Hugging Face's ``save_pretrained`` writes a tied model) is fine. Exporting
+    writes the copy too only with ``export=True`` (what a PyTorch ``state_dict()`` holds);
+    by default it leaves it out, as ``save_pretrained`` does. Both templates capture the
+    same names."""
 
-    def __init__(self, source: str, same_as: str):
-        self.sources, self.same_as = (source,), same_as
+    def __init__(self, source: str, same_as: str, *, export: bool = False):
+        self.sources, self.same_as, self.export = (source,), same_as, export
         self.patterns = [_compile(source, repr(self))]
         _compile(same_as, repr(self))
         if not (_literal(source) and _literal(same_as)) or _names(source) != _names(same_as):
@@ -176,7 +194,8 @@ class Tie:
             )
 
     def __repr__(self) -> str:
-        return f"Tie({self.sources[0]!r}, same_as={self.same_as!r})"
+        written = ", export=True" if self.export else ""
+        return f"Tie({self.sources[0]!r}, same_as={self.same_as!r}{written})"
 
 
 AnyRule = Rule | Ignore | Tie

@@ -68,9 +68,12 @@ def load_safetensors(
             model's, applied tensor by tensor. Without rules the names must be the model's
             own flat names (:func:`taktiny.flat_state_dict`).
         allow: with `rules`, problems to let through, as :func:`taktiny.convert.check`
-            takes them (``{"missing": ["head.*"]}``; load those with ``strict=False``).
+            takes them (``{"unused": ["**.inv_freq"]}``). Leaves no rule makes are not
+            `allow`'s but `strict`'s to decide, with rules or without.
         strict: whether every leaf of the model must be loaded. With ``False`` the leaves
-            not in the checkpoint keep their values (an abstract model cannot: it has none).
+            the checkpoint (or the rules) do not make keep their values, with no ``allow``
+            needed; an abstract model cannot, having none. Names the model lacks are errors
+            either way.
         progress: show a progress bar (tqdm, installed with ``taktiny[safetensors]``);
             ``None`` shows one for checkpoints over 256 MiB.
         verify: check every tensor's bytes against the checksum Taktiny wrote into the
@@ -99,7 +102,7 @@ def load_safetensors(
     if rules is None:
         steps = _plain(checkpoint, leaves, quantized, strict, where)
     else:
-        steps = _ruled(rules, allow, checkpoint, leaves, quantized, where)
+        steps = _ruled(rules, allow, checkpoint, leaves, quantized, strict, where)
     made = {p for s in steps for t in s.targets for p in _parts(t, quantized)}
     problems = _absent(leaves, made, strict)
     if problems:

@@ -95,20 +95,24 @@ def _ruled(
     checkpoint: Checkpoint,
     leaves: Mapping[str, Any],
     quantized: Mapping[str, QArray],
+    strict: bool,
     where: str,
 ) -> list[Step]:
-    """The steps of the rules, checked from the headers. A quantized parameter may be made
-    from its parts or from a float array (quantized on load): the plan sees both names,
-    lets either be missing, and the pair is checked here."""
+    """The steps of the rules, checked from the headers. A leaf no rule makes is `strict`'s
+    to decide (the load checks it), not `allow`'s. A quantized parameter may be made from
+    its parts or from a float array (quantized on load): the plan sees both names, lets
+    either be missing, and the pair is checked here."""
     allowed = check_allow(allow)
+    if not strict:
+        allowed = {**allowed, "missing": ["**"]}
     if not quantized:
-        report, ties = plan(rules, checkpoint, leaves, allowed, where)
+        report, ties = plan(rules, checkpoint, leaves, allowed, where, loading=True)
         check_ties(ties, checkpoint, where)
         return list(report.steps)
     logical = {n: jax.ShapeDtypeStruct(q.shape, q.dtype) for n, q in quantized.items()}
     either = [p for n in quantized for p in (n, *_parts(n, quantized))]
     lenient = {**allowed, "missing": [*allowed.get("missing", ()), *either]}
-    report, ties = plan(rules, checkpoint, {**leaves, **logical}, lenient, where)
+    report, ties = plan(rules, checkpoint, {**leaves, **logical}, lenient, where, loading=True)
     check_ties(ties, checkpoint, where)
     made = {t for s in report.steps for t in s.targets}
     problems = []
@@ -129,8 +133,8 @@ def _ruled(
                     "missing",
                     part,
                     f"no rule produces this target leaf, nor the float array {name!r} its "
-                    f"quantized parameter is made from on load; add a Rule, or allow it "
-                    f"(allow={{'missing': [...]}}) and load with strict=False.",
+                    f"quantized parameter is made from on load; add a Rule, or load with "
+                    f"strict=False to keep the model's value.",
                 )
                 for part in _parts(name, quantized)
                 if part not in made and not allowed_by("missing", part, allowed)
