@@ -19,7 +19,7 @@ demo: $(STAMP)
 	$(PY) examples/quickstart.py
 
 test: $(STAMP)
-	$(PY) -m pytest -q -n 2 --dist loadgroup
+	$(PY) -m pytest -q -n 2 --dist worksteal
 
 property: $(STAMP)
 	$(PY) -m pytest -q property_tests --hypothesis-profile=thorough
