@@ -12,7 +12,7 @@ $(PY):
 	$(PY) -m pip install --quiet --upgrade pip
 
 $(STAMP): pyproject.toml | $(PY)
-	$(PY) -m pip install --quiet -e '.[dev,bench]'
+	$(PY) -m pip install --quiet --no-compile -e '.[dev,bench]'  # (Python compiles what it imports)
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -3,6 +3,7 @@ dtype promotion and no key-reuse checks. Warnings are errors and jaxtyping shape
 beartype through pyproject.toml (``filterwarnings`` and ``--jaxtyping-packages``)."""
 
 import os
+from typing import Any
 
 import jax
 import pytest
@@ -19,13 +20,19 @@ if cache := os.environ.get("TAKTINY_TEST_COMPILATION_CACHE"):
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
 
-# Whether collecting the tests started JAX's backend (an array made at a module's import):
-# `make mutate` collects them in a server it forks once per mutant, and the backend's threads
-# would not survive the fork (tests/test_mutation.py reads this)
-BACKEND_STARTED_BY_COLLECTION = pytest.StashKey[bool]()
+# The first collected module, or other node, after which JAX's backend was running (an array
+# made at a module's import starts it): `make mutate` collects tests/ in a server it forks
+# once per mutant, and the backend's threads would not survive the fork
+# (tests/test_mutation.py reads this)
+BACKEND_STARTED_BY = pytest.StashKey[str]()
 
 
-def pytest_collection_finish(session: pytest.Session) -> None:
+@pytest.hookimpl(wrapper=True)
+def pytest_make_collect_report(collector: pytest.Collector) -> Any:
     from jax._src import xla_bridge  # (tests may read JAX's internals; the library may not)
 
-    session.config.stash[BACKEND_STARTED_BY_COLLECTION] = bool(xla_bridge._backends)
+    report = yield
+    stash = collector.config.stash
+    if BACKEND_STARTED_BY not in stash and xla_bridge._backends:
+        stash[BACKEND_STARTED_BY] = collector.nodeid
+    return report

@@ -2,8 +2,9 @@
 
 The reference is a small random `transformers.LlamaForCausalLM` (nothing is downloaded):
 RMSNorm, rotary position embeddings, grouped-query attention without biases (2 key/value
-heads for 4 query heads) and a SwiGLU MLP. It runs twice: with the output projection tied to
-the token embedding (`Embed.attend`, a `convert.Tie`) and with its own `lm_head`. `RULES`
+heads for 4 query heads) and a SwiGLU MLP. It runs twice: as Llama 2, with the output
+projection tied to the token embedding (`Embed.attend`, a `convert.Tie`), and as Llama 3.1,
+with its own `lm_head` and rotary embeddings scaled the "llama3" way (`rope_scaling`). `RULES`
 loads the folder `save_pretrained` writes (checked name by name, loaded strictly into a
 model built without initialising it; a tied model's file has no `lm_head.weight`) and
 exports the model back into a folder that `LlamaForCausalLM.from_pretrained` loads with no
@@ -28,12 +29,17 @@ from taktiny import convert, nn
 from taktiny.io import load_safetensors, save_safetensors
 
 
-def rope_theta(config: LlamaConfig) -> float:
-    """The base of Llama's rotary embeddings: plain ones ("default"), no scaling."""
-    rope: dict[str, Any] = {**(config.rope_parameters or {})}
-    if rope.get("rope_type") != "default":
-        raise ValueError(f"This example builds plain rotary embeddings, not {rope}.")
-    return rope["rope_theta"]
+def rope(config: LlamaConfig) -> tuple[float, dict[str, Any] | None]:
+    """The base of Llama's rotary embeddings and their scaling, from the config's
+    `rope_parameters` (transformers 5; `rope_scaling` in 4): None for plain ones (Llama 2),
+    the dict itself for scaled ones (Llama 3.1's "llama3", "linear", "dynamic", "yarn"),
+    which `MultiHeadAttention(rope_scaling=...)` takes as it is."""
+    parameters: dict[str, Any] = {**(config.rope_parameters or {})}
+    if parameters.get("rope_type", "default") == "default":
+        return parameters["rope_theta"], None
+    if parameters.get("rope_type") == "dynamic":  # the context it stretches from
+        parameters["max_position_embeddings"] = config.max_position_embeddings
+    return parameters["rope_theta"], parameters
 
 
 class MLP(nn.Module):
@@ -55,9 +61,10 @@ class DecoderLayer(nn.Module):
     def __init__(self, config: LlamaConfig, *, rngs: nn.Rngs):
         hidden, eps = config.hidden_size, config.rms_norm_eps
         self.attention_norm = nn.RMSNorm(hidden, epsilon=eps)
+        theta, scaling = rope(config)
         self.attention = nn.MultiHeadAttention(
             config.num_attention_heads, hidden, num_kv_heads=config.num_key_value_heads,
-            rope_theta=rope_theta(config), use_bias=False, rngs=rngs,
+            rope_theta=theta, rope_scaling=scaling, use_bias=False, rngs=rngs,
         )  # fmt: skip
         self.mlp_norm = nn.RMSNorm(hidden, epsilon=eps)
         self.mlp = MLP(config, rngs=rngs)
@@ -128,11 +135,17 @@ UNTIED_RULES = [*RULES, *convert.linear("lm_head", "lm_head", bias=False), *conv
 
 
 def llama_config(tied: bool) -> LlamaConfig:
-    """The small random model: 2 layers, 4 query heads sharing 2 key/value heads."""
+    """The small random model: 2 layers, 4 query heads sharing 2 key/value heads. Tied, as
+    Llama 2 with plain rotary embeddings; untied, as Llama 3.1: theta 500000 and "llama3"
+    scaling (here from a trained context of 32 positions, so that it changes the angles of
+    these short sequences)."""
+    llama3 = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+              "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+              "original_max_position_embeddings": 32}  # fmt: skip
     return LlamaConfig(
         vocab_size=128, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0} if tied else llama3,
         max_position_embeddings=128, tie_word_embeddings=tied,
         bos_token_id=None, eos_token_id=None, pad_token_id=None,  # generate never stops early
     )  # fmt: skip

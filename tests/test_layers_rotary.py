@@ -55,6 +55,99 @@ def test_rotation_matches_hugging_face_llama(theta, head_dim):
     assert rotary.state_dict() == {}  # no parameters
 
 
+SCALINGS = {
+    "linear": {"rope_type": "linear", "factor": 4.0},
+    "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
+    "yarn-mscale": {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 32,
+                    "beta_fast": 16.0, "beta_slow": 2.0, "mscale": 1.0, "mscale_all_dim": 0.5},
+    "yarn-untruncated": {"rope_type": "yarn", "factor": 2.0, "truncate": False,
+                         "original_max_position_embeddings": 100, "attention_factor": 1.5},
+}  # fmt: skip
+
+
+def hugging_face_rotation(scaling, theta, head_dim, positions, q, *, max_positions=4096):
+    config = llama_config(theta, heads=3, kv_heads=3, head_dim=head_dim, hidden=3 * head_dim)
+    config.rope_parameters = {**scaling, "rope_theta": theta}
+    config.max_position_embeddings = max_positions
+    cos, sin = LlamaRotaryEmbedding(config)(torch.from_numpy(q), torch.from_numpy(positions))
+    q = torch.from_numpy(q)
+    return numpy(apply_rotary_pos_emb(q, q, cos, sin, unsqueeze_dim=2)[0])
+
+
+@pytest.mark.parametrize("kind", list(SCALINGS))
+@pytest.mark.parametrize(("theta", "head_dim"), [(10000.0, 16), (500000.0, 64)])
+def test_scaled_rotations_match_hugging_face(kind, theta, head_dim):
+    q = randn(2, 6, 3, head_dim, seed=0)
+    positions = np.random.default_rng(2).integers(0, 2000, size=(2, 6))
+    theirs = hugging_face_rotation(SCALINGS[kind], theta, head_dim, positions, q)
+    rotary = nn.RotaryEmbedding(
+        head_dim, theta=theta, scaling={**SCALINGS[kind], "rope_theta": theta}
+    )
+    assert_close(rotary(jnp.asarray(q), jnp.asarray(positions, jnp.int32)), theirs)
+    plain = nn.RotaryEmbedding(head_dim, theta=theta)(jnp.asarray(q), jnp.asarray(positions))
+    assert np.abs(np.asarray(plain) - theirs).max() > 1e-2  # the scaling changes the rotation
+
+
+@pytest.mark.parametrize("length", [40, 100])  # within, then past the trained 64 positions
+def test_dynamic_scaling_matches_hugging_face_over_a_whole_sequence(length):
+    scaling = {"rope_type": "dynamic", "factor": 2.0}
+    q = randn(1, length, 3, 16, seed=0)
+    positions = np.arange(length)[None]
+    theirs = hugging_face_rotation(scaling, 10000.0, 16, positions, q, max_positions=64)
+    rotary = nn.RotaryEmbedding(16, scaling={**scaling, "max_position_embeddings": 64})
+    assert_close(rotary(jnp.asarray(q), jnp.asarray(positions)), theirs)
+    plain = nn.RotaryEmbedding(16)(jnp.asarray(q), jnp.asarray(positions))
+    assert (np.abs(np.asarray(plain) - theirs).max() > 1e-2) == (length > 64)
+
+
+SCALING_ERRORS = [
+    ({"rope_type": "longrope", "factor": 2.0},
+     "RotaryEmbedding's scaling has rope_type 'longrope'; the kinds it computes are "
+     "['default', 'linear', 'dynamic', 'llama3', 'yarn']."),
+    ({"rope_type": "llama3", "factor": 8.0, "low_freq": 1.0},
+     "RotaryEmbedding's 'llama3' scaling {'rope_type': 'llama3', 'factor': 8.0, 'low_freq': "
+     "1.0}: it lacks ['low_freq_factor', 'high_freq_factor', "
+     "'original_max_position_embeddings']; ['low_freq'] are not among its parameters "
+     "['factor', 'low_freq_factor', 'high_freq_factor', 'original_max_position_embeddings']."),
+    ({"type": "linear", "factor": 0.5, "rope_theta": 500.0},
+     "RotaryEmbedding's 'linear' scaling {'type': 'linear', 'factor': 0.5, 'rope_theta': 500.0}: "
+     "its rope_theta 500.0 is not theta (10000.0); its factor must be at least 1, got 0.5."),
+    ({"rope_type": "default", "partial_rotary_factor": 0.5},
+     "RotaryEmbedding's 'default' scaling {'rope_type': 'default', 'partial_rotary_factor': "
+     "0.5}: a partial_rotary_factor other than 1.0 is not supported."),
+    ([("rope_type", "linear")],
+     "RotaryEmbedding's scaling is a dict as Hugging Face's rope_parameters (or rope_scaling) "
+     "holds it, such as {'rope_type': 'linear', 'factor': 4.0}, got [('rope_type', 'linear')]."),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("scaling, message", SCALING_ERRORS)
+def test_a_scaling_it_cannot_compute_is_refused_naming_what_is_wrong(
+    scaling, message, without_type_checks
+):
+    with pytest.raises(ValueError) as info:
+        nn.RotaryEmbedding(8, scaling=scaling)
+    assert str(info.value) == message
+
+
+def test_a_scaling_is_configuration_shown_in_the_repr_and_taken_by_attention():
+    rotary = nn.RotaryEmbedding(8, scaling={"rope_type": "linear", "factor": 2.0})
+    assert rotary.state_dict() == {} and "('factor', 2.0)" in repr(rotary)
+    assert (
+        nn.RotaryEmbedding(8, scaling={"rope_type": "default", "rope_theta": 10000.0}).scaling == ()
+    )
+    attention = nn.MultiHeadAttention(2, 16, rope_theta=100.0, rope_scaling={"type": "linear", "factor": 2.0},
+                                      rngs=nn.Rngs(0))  # fmt: skip
+    assert attention.rotary is not None and attention.rotary.scaling == (
+        ("rope_type", "linear"), ("factor", 2.0))  # fmt: skip
+    with pytest.raises(ValueError, match=r"got rope_scaling without rope_theta: scaling stretch"):
+        nn.MultiHeadAttention(
+            2, 16, rope_scaling={"type": "linear", "factor": 2.0}, rngs=nn.Rngs(0)
+        )
+
+
 def test_scores_depend_on_the_relative_position_only():
     """The point of rotary embeddings: q at position m against k at n scores as at m + s
     against n + s, and not as at other distances."""

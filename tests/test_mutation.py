@@ -97,10 +97,10 @@ def test_collecting_the_tests_does_not_start_jax(request):
     # the mutation server collects the tests before it forks a process per mutant; a test
     # module that makes an array at import would start JAX's backend there, whose threads
     # do not survive a fork (each mutant would hang until its time limit). This session
-    # collected them (all of them, under `make test`) as the server does: the root
-    # conftest.py noted whether that started the backend.
+    # collected them (all of them, under `make test`), and the root conftest.py noted the
+    # first node after whose collection the backend ran, if any.
     root_conftest = request.config.pluginmanager.get_plugin(str(ROOT / "conftest.py"))
-    assert request.config.stash[root_conftest.BACKEND_STARTED_BY_COLLECTION] is False
+    assert request.config.stash.get(root_conftest.BACKEND_STARTED_BY, None) is None
 
 
 def test_the_report_counts_equivalents_apart_and_refuses_stale_ones(tmp_path, capsys):

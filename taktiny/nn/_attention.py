@@ -3,6 +3,7 @@ key/value heads, rotary position embeddings and a decoding cache."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -67,6 +68,9 @@ class MultiHeadAttention(Module):
             ``num_heads``. Llama's ``num_key_value_heads``.
         rope_theta: rotary position embeddings with this base (Llama's ``rope_theta``)
             on queries and keys; None (the default) for none.
+        rope_scaling: their scaling, as Hugging Face's ``rope_parameters`` (or
+            ``rope_scaling``) dict gives it: "linear", "dynamic", "llama3" or "yarn" (see
+            :class:`RotaryEmbedding`); None for none.
         use_bias: whether the four projections have biases.
         dropout_rate: the dropout applied to attention weights when a ``key`` is given.
         dtype: the dtype the layer computes in and returns; None (the default) computes
@@ -110,6 +114,7 @@ class MultiHeadAttention(Module):
         kv_features: int | None = None,
         num_kv_heads: int | None = None,
         rope_theta: float | None = None,
+        rope_scaling: Mapping[str, Any] | None = None,
         use_bias: bool = True,
         dropout_rate: float = 0.0,
         dtype: DTypeLike | None = None,
@@ -160,7 +165,17 @@ class MultiHeadAttention(Module):
                    precision=precision, kernel_sharding=kernel, bias_sharding=bias, rngs=rngs)
             for n_in, n_out, kernel, bias in shardings.values()
         )  # fmt: skip
-        self.rotary = None if rope_theta is None else RotaryEmbedding(head_dim, theta=rope_theta)
+        if rope_scaling is not None and rope_theta is None:
+            raise ValueError(
+                f"{_NAME} got rope_scaling without rope_theta: scaling stretches rotary "
+                f"embeddings, so pass rope_theta too (Hugging Face's rope_theta, 10000.0 by "
+                f"default)."
+            )
+        self.rotary = (
+            None
+            if rope_theta is None
+            else RotaryEmbedding(head_dim, theta=rope_theta, scaling=rope_scaling)
+        )
         self.num_heads, self.num_kv_heads = num_heads, kv_heads
         self.dropout_rate = dropout_rate
         self.dtype, self.precision = static_dtype(dtype), precision
