@@ -52,7 +52,7 @@ def _safetensors_entries(path: Path) -> Iterator[Entry]:
 
     checkpoint = open_safetensors(path)  # a SafetensorsError names the file and tensor
     for t in sorted(checkpoint.values(), key=lambda t: t.name):  # as safetensors lists them
-        yield Entry(t.name, t.shape, t.dtype.name, t.nbytes, t.file, t)
+        yield Entry(t.name, t.shape, t.dtype_name, t.nbytes, t.file, t)
 
 
 class _Orbax:

@@ -12,8 +12,6 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
-from . import _errors as err
-
 Rules = Mapping[str, Any] | Sequence[tuple[str, Any]]
 
 
@@ -111,6 +109,8 @@ def match(rules: list[tuple[str, Any]], names: Sequence[str], default: Any) -> M
 def unused_hint(pattern: str, names: Sequence[str], patterns: Sequence[str] = ()) -> str:
     """Why `pattern` may have matched nothing, and what might have been meant; `patterns`
     are those of all the rules, in order (an earlier one may have taken its names)."""
+    from . import _errors as err  # (only errors need it: it imports JAX)
+
     regex = compile_pattern(pattern)
     mine = [n for n in names if regex.fullmatch("." + n)]
     if mine:  # every one taken by an earlier rule
@@ -148,6 +148,8 @@ def _respelt(parts: Sequence[str], names: Sequence[str]) -> str | None:
     """The pattern of `parts` with each plain part that no name has replaced by the
     closest part that one has (``*.dwon.bias``: ``*.down.bias``), if that matches a name;
     None otherwise."""
+    from . import _errors as err  # (see unused_hint)
+
     known = sorted({part for name in names for part in name.split(".")})
     have = set(known)
     respelt = [

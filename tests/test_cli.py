@@ -136,6 +136,27 @@ def test_the_command_runs_as_python_dash_m(two):
     assert run.stdout.splitlines()[-1] == "1 tensors, 6 parameters, 6 bytes"
 
 
+def test_listing_a_header_imports_neither_jax_nor_ml_dtypes(tmp_path):
+    # JAX's import takes seconds, ml_dtypes' about one (it registers NumPy loops for every
+    # type it defines): `taktiny inspect` reads a header, which names dtypes and needs
+    # neither, even for bfloat16 and float8 tensors
+    path = tmp_path / "half.safetensors"
+    safetensors.numpy.save_file({"w": np.ones((2, 3), ml_dtypes.bfloat16),
+                                 "f8": np.zeros(4, ml_dtypes.float8_e4m3fn)}, str(path))  # fmt: skip
+    code = (
+        "import sys\n"
+        "from taktiny._cli import main\n"
+        f"assert main(['inspect', {str(path)!r}]) == 0\n"
+        "print(sorted(m for m in ('jax', 'ml_dtypes', 'torch') if m in sys.modules))\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=ROOT, timeout=120, check=False)  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    lines = run.stdout.splitlines()
+    assert lines[-2:] == ["2 tensors, 10 parameters, 16 bytes", "[]"], run.stdout
+    assert "bfloat16" in run.stdout and "float8_e4m3fn" in run.stdout
+
+
 def orbax(path, tree):
     path = path.absolute()  # Orbax takes absolute paths only
     with ocp.StandardCheckpointer() as checkpointer:

@@ -373,6 +373,11 @@ def test_public_surface_is_short_and_documented():
         "field",
         "train_forward",
     ]
+    # imported when first used (the CLI imports no JAX): every name resolves, and * has them
+    assert tt.__all__ == _public(tt) and all(getattr(tt, n) is not None for n in tt.__all__)
+    assert tt.io.__all__ == _public(tt.io)
+    with pytest.raises(AttributeError, match="module 'taktiny' has no attribute 'laod_state_di"):
+        tt.laod_state_dict  # noqa: B018
     assert _public(tt.io) == sorted([
         "Checkpoint", "SafetensorsError", "Tensor", "load_safetensors", "open_safetensors",
         "read_torch", "save_safetensors",

@@ -136,9 +136,9 @@ def export(rules: Sequence[AnyRule], model: Any) -> dict[str, Any]:
     layouts: `rules` run backwards, each through its transform's inverse; a tied name
     (:class:`Tie`) gets the same array when its Tie says ``export=True``, and an
     :class:`Ignore` with ``export=value`` writes its value beside the parameters of its
-    prefix. Raises one
+    prefix; other names the rules ignore are not made. Raises one
     :class:`ConversionError` naming every leaf that cannot be exported (a rule that is not
-    invertible, or no rule). Names the rules ignore are not made."""
+    invertible, or no rule)."""
     leaves = _leaves(model)
     inverse = [_compile_targets(r) if isinstance(r, Rule) else [] for r in rules]
     problems: list[ConversionProblem] = []

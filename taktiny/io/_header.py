@@ -23,21 +23,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import ml_dtypes
-import numpy as np
-
 from . import _checksum
 from . import _quantized as qz
+from ._dtypes import CODES, NUMPY
 from ._read import SafetensorsError, Tensor, _Packed
 
-DTYPES: dict[str, Any] = {
-    "BOOL": np.bool_, "U8": np.uint8, "I8": np.int8, "U16": np.uint16, "I16": np.int16,
-    "U32": np.uint32, "I32": np.int32, "U64": np.uint64, "I64": np.int64,
-    "F16": np.float16, "F32": np.float32, "F64": np.float64, "C64": np.complex64,
-    "BF16": ml_dtypes.bfloat16, "F8_E4M3": ml_dtypes.float8_e4m3fn,
-    "F8_E5M2": ml_dtypes.float8_e5m2,
-}  # fmt: skip
-_NUMPY = {name: np.dtype(t) for name, t in DTYPES.items()}
+DTYPES = CODES  # the codes a header may give (see _dtypes)
 _KNOWN = frozenset(DTYPES)
 _DTYPE, _SHAPE = operator.itemgetter("dtype"), operator.itemgetter("shape")
 _OFFSETS = operator.itemgetter("data_offsets")
@@ -217,7 +208,7 @@ def _header(file: Path) -> tuple[dict[str, Tensor], dict[str, str]]:
             Tensor,
             names,
             map(tuple, shapes),
-            map(_NUMPY.__getitem__, dtypes),
+            map(NUMPY.get, dtypes, dtypes),  # NumPy's dtype, or the code (made when read)
             itertools.repeat(file),
             map(start.__add__, begins),
         )
@@ -426,11 +417,11 @@ def _unpacked(tensors: dict[str, Tensor], packed: str | None, bad: Any) -> dict[
                 f"the metadata {qz.PACKED!r} lists {name!r} as a packed {dtype.name}{list(shape)}, "
                 f"but the file holds no tensor of that name; the header is inconsistent."
             )
-        if stored.dtype != np.uint8 or stored.shape != want:
+        if stored.dtype_name != "uint8" or stored.shape != want:
             raise bad(
                 f"the metadata {qz.PACKED!r} lists {name!r} as {dtype.name}{list(shape)} packed "
                 f"two per byte, which is stored as uint8{list(want)}, but the file holds "
-                f"{stored.dtype.name}{list(stored.shape)}; the header is inconsistent."
+                f"{stored.dtype_name}{list(stored.shape)}; the header is inconsistent."
             )
         tensors[name] = _Packed(name, shape, dtype, stored.file, stored.offset)
     return tensors

@@ -22,22 +22,20 @@ from __future__ import annotations
 import json
 import reprlib
 from collections.abc import Mapping
-from typing import Any, TypeGuard
+from typing import TYPE_CHECKING, Any, TypeGuard
 
-import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 
-from .. import _tree
-from .._quant import INT_DTYPES, QArray, check_layout, scale_shape
+from ._dtypes import numpy_dtype
 
+if TYPE_CHECKING:
+    from .._quant import QArray
+
+# (JAX and the quantized arrays are imported where a load needs them: opening a file, and
+# listing it with `taktiny inspect`, imports neither)
 PACKED = "taktiny_packed"  # the header metadata keys
 QUANTIZED = "taktiny_quantized"
-FOUR_BIT: dict[str, Any] = {
-    "int4": np.dtype(ml_dtypes.int4),
-    "uint4": np.dtype(ml_dtypes.uint4),
-    "float4_e2m1fn": np.dtype(ml_dtypes.float4_e2m1fn),
-}
+FOUR_BIT = ("int4", "uint4", "float4_e2m1fn")  # NumPy's names (ml_dtypes' dtypes)
 
 
 def packed_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -86,7 +84,7 @@ def packed_record(key: str, text: str) -> dict[str, tuple[np.dtype, tuple[int, .
                 f"tensor's record is {{'dtype': one of {sorted(FOUR_BIT)}, 'shape': its logical "
                 f"shape}}"
             )
-        out[name] = (FOUR_BIT[dtype], tuple(shape))
+        out[name] = (numpy_dtype(dtype), tuple(shape))
     return out
 
 
@@ -107,6 +105,8 @@ def quantized_record(key: str, text: str) -> dict[str, dict[str, Any]]:
                 f"parameter's record is {{'bits': int, 'axis': int, 'group_size': int or null, "
                 f"'shape': a list of ints}}"
             )
+        from .._quant import check_layout  # (imports JAX: see the top)
+
         problem = check_layout(tuple(shape), record["bits"], record["axis"], record["group_size"])
         if problem:
             raise ValueError(f"the metadata {key!r} gives {name!r} an impossible layout: {problem}")
@@ -154,6 +154,10 @@ def check_quantized(name: str, record: Mapping[str, Any], tensors: Mapping[str, 
     if lacking:
         return f"its parts must be tensors, and the checkpoint has no {' or '.join(lacking)}"
     assert value is not None and scale is not None
+    import jax.numpy as jnp  # (see the top)
+
+    from .._quant import INT_DTYPES, scale_shape
+
     want = INT_DTYPES[bits]
     if value.dtype != want:
         how = (
@@ -190,6 +194,9 @@ def layout(q: QArray) -> dict[str, Any]:
 def quantized_arrays(tree: Any) -> dict[str, QArray]:
     """The `QArray` parameters of `tree` by flat name (their parts are ``<name>.value`` and
     ``<name>.scale`` in :func:`taktiny.flat_state_dict`)."""
+    from .. import _tree  # (see the top)
+    from .._quant import QArray
+
     out: dict[str, QArray] = {}
 
     def walk(node: Mapping[str, Any], prefix: str) -> None:

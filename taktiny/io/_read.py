@@ -22,6 +22,7 @@ import numpy as np
 
 from . import _checksum
 from . import _quantized as qz
+from ._dtypes import CODES, numpy_dtype
 
 MAP_FLAGS = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
 _CHUNK = 1 << 30  # bytes per preadv call (Linux moves at most ~2 GiB per call)
@@ -49,7 +50,7 @@ class Tensor:
     :class:`SafetensorsError` before anything is returned.
     """
 
-    __slots__ = ("checksum", "dtype", "file", "name", "nbytes", "offset", "shape")
+    __slots__ = ("_dtype", "checksum", "file", "name", "nbytes", "offset", "shape")
 
     def __init__(
         self,
@@ -60,10 +61,27 @@ class Tensor:
         offset: int,
         checksum: str | None = None,
     ):
-        dtype = dtype if isinstance(dtype, np.dtype) else np.dtype(dtype)
-        self.name, self.shape, self.dtype = name, shape, dtype
+        if isinstance(dtype, str) and dtype in CODES:  # a header's code: made when asked for
+            itemsize = CODES[dtype][1]
+        else:
+            dtype = dtype if isinstance(dtype, np.dtype) else np.dtype(dtype)
+            itemsize = dtype.itemsize
+        self.name, self.shape, self._dtype = name, shape, dtype
         self.file, self.offset, self.checksum = file, offset, checksum
-        self.nbytes = math.prod(shape) * dtype.itemsize
+        self.nbytes = math.prod(shape) * itemsize
+
+    @property
+    def dtype(self) -> np.dtype:
+        """The NumPy dtype (bfloat16 and float8 ones are ml_dtypes')."""
+        if isinstance(self._dtype, str):
+            self._dtype = numpy_dtype(CODES[self._dtype][0])
+        return self._dtype
+
+    @property
+    def dtype_name(self) -> str:
+        """NumPy's name of the dtype (``"bfloat16"``), known without making the dtype:
+        listing a header imports nothing that reading a tensor needs."""
+        return CODES[self._dtype][0] if isinstance(self._dtype, str) else self._dtype.name
 
     @property
     def ndim(self) -> int:

@@ -1,0 +1,35 @@
+"""Safetensors' dtype codes: each one's NumPy name and item size, known without importing
+anything, and its NumPy dtype, made when first asked for.
+
+The bfloat16 and float8 dtypes come from ml_dtypes, whose import registers NumPy loops for
+every type it defines and takes about a second here; a header names dtypes, so opening
+one (and `taktiny inspect`) needs only the names and sizes, and ml_dtypes is imported
+when a tensor of such a dtype is first asked for its NumPy dtype (to be read, say).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+
+# code -> (NumPy's name of the dtype, its size in bytes)
+CODES = {
+    "BOOL": ("bool", 1), "U8": ("uint8", 1), "I8": ("int8", 1), "U16": ("uint16", 2),
+    "I16": ("int16", 2), "U32": ("uint32", 4), "I32": ("int32", 4), "U64": ("uint64", 8),
+    "I64": ("int64", 8), "F16": ("float16", 2), "F32": ("float32", 4), "F64": ("float64", 8),
+    "C64": ("complex64", 8), "BF16": ("bfloat16", 2), "F8_E4M3": ("float8_e4m3fn", 1),
+    "F8_E5M2": ("float8_e5m2", 1),
+}  # fmt: skip
+# the NumPy dtypes of the codes NumPy has itself; the others' once made
+NUMPY = {code: np.dtype(name) for code, (name, _) in CODES.items() if name in np.sctypeDict}
+
+
+@functools.cache
+def numpy_dtype(name: str) -> np.dtype:
+    """The NumPy dtype of NumPy's `name` for it (``"bfloat16"``: ml_dtypes', imported now)."""
+    if name in np.sctypeDict:
+        return np.dtype(name)
+    import ml_dtypes  # (slow to import, and needed only here)
+
+    return np.dtype(getattr(ml_dtypes, name))
