@@ -25,11 +25,14 @@ import math
 import sys
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
-import numpy as np
+from . import _lazy, _patterns
 
-from . import _patterns
+if TYPE_CHECKING:
+    import numpy as np
+else:
+    np = _lazy.module("numpy")  # (a header needs no NumPy: imported when a tensor is read)
 
 
 class Entry(NamedTuple):

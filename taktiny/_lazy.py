@@ -5,6 +5,8 @@ JAX."""
 from __future__ import annotations
 
 import importlib
+import importlib.util
+import sys
 from collections.abc import Callable, Mapping, MutableMapping
 from typing import Any
 
@@ -30,3 +32,20 @@ def exports(
         return sorted({*found, *names})
 
     return __getattr__, __dir__
+
+
+def module(name: str) -> Any:
+    """The module `name`, imported now if it is already, else loaded when one of its
+    attributes is first read (``importlib.util.LazyLoader``): for modules, such as NumPy,
+    that a command may not need at all."""
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.find_spec(name)
+    if spec is None or spec.loader is None:
+        return importlib.import_module(name)  # (raises ModuleNotFoundError, naming it)
+    loader = importlib.util.LazyLoader(spec.loader)
+    spec.loader = loader
+    lazy = importlib.util.module_from_spec(spec)
+    sys.modules[name] = lazy
+    loader.exec_module(lazy)
+    return lazy

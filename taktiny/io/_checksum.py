@@ -18,10 +18,16 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import xxhash
+
+from .. import _lazy
+
+if TYPE_CHECKING:
+    import numpy as np
+else:
+    np = _lazy.module("numpy")  # (a header needs no NumPy: imported when a tensor is read)
 
 KEY = "taktiny_checksums"
 ALGORITHM = "xxh3_128"

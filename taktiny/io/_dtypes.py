@@ -2,16 +2,23 @@
 anything, and its NumPy dtype, made when first asked for.
 
 The bfloat16 and float8 dtypes come from ml_dtypes, whose import registers NumPy loops for
-every type it defines and takes about a second here; a header names dtypes, so opening
-one (and `taktiny inspect`) needs only the names and sizes, and ml_dtypes is imported
-when a tensor of such a dtype is first asked for its NumPy dtype (to be read, say).
+every type it defines and takes about a second here, and NumPy's own import takes a
+fifth of one; a header names dtypes, so opening one (and `taktiny inspect`) needs only the
+names and sizes. NumPy, and ml_dtypes for its dtypes, are imported when a tensor is first
+asked for its NumPy dtype (to be read, say).
 """
 
 from __future__ import annotations
 
 import functools
+from typing import TYPE_CHECKING
 
-import numpy as np
+from .. import _lazy
+
+if TYPE_CHECKING:
+    import numpy as np
+else:
+    np = _lazy.module("numpy")  # (a header needs no NumPy: imported when a tensor is read)
 
 # code -> (NumPy's name of the dtype, its size in bytes)
 CODES = {
@@ -21,8 +28,6 @@ CODES = {
     "C64": ("complex64", 8), "BF16": ("bfloat16", 2), "F8_E4M3": ("float8_e4m3fn", 1),
     "F8_E5M2": ("float8_e5m2", 1),
 }  # fmt: skip
-# the NumPy dtypes of the codes NumPy has itself; the others' once made
-NUMPY = {code: np.dtype(name) for code, (name, _) in CODES.items() if name in np.sctypeDict}
 
 
 @functools.cache

@@ -25,7 +25,7 @@ from typing import Any
 
 from . import _checksum
 from . import _quantized as qz
-from ._dtypes import CODES, NUMPY
+from ._dtypes import CODES
 from ._read import SafetensorsError, Tensor, _Packed
 
 DTYPES = CODES  # the codes a header may give (see _dtypes)
@@ -208,7 +208,7 @@ def _header(file: Path) -> tuple[dict[str, Tensor], dict[str, str]]:
             Tensor,
             names,
             map(tuple, shapes),
-            map(NUMPY.get, dtypes, dtypes),  # NumPy's dtype, or the code (made when read)
+            dtypes,  # codes: each NumPy dtype is made when the tensor is first asked for it
             itertools.repeat(file),
             map(start.__add__, begins),
         )

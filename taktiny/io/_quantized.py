@@ -24,9 +24,13 @@ import reprlib
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, TypeGuard
 
-import numpy as np
-
+from .. import _lazy
 from ._dtypes import numpy_dtype
+
+if TYPE_CHECKING:
+    import numpy as np
+else:
+    np = _lazy.module("numpy")  # (a header needs no NumPy: imported when a tensor is read)
 
 if TYPE_CHECKING:
     from .._quant import QArray

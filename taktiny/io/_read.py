@@ -16,13 +16,17 @@ import mmap
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
+from .. import _lazy
 from . import _checksum
 from . import _quantized as qz
 from ._dtypes import CODES, numpy_dtype
+
+if TYPE_CHECKING:
+    import numpy as np
+else:
+    np = _lazy.module("numpy")  # (a header needs no NumPy: imported when a tensor is read)
 
 MAP_FLAGS = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
 _CHUNK = 1 << 30  # bytes per preadv call (Linux moves at most ~2 GiB per call)
