@@ -229,7 +229,7 @@ class Tensor:
     def __repr__(self) -> str:
         packed = ", packed" if self.packed else ""
         return (
-            f"Tensor({self.name!r}, {self.dtype.name}{list(self.shape)}{packed}, {self.file.name})"
+            f"Tensor({self.name!r}, {self.dtype_name}{list(self.shape)}{packed}, {self.file.name})"
         )
 
 
