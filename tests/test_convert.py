@@ -68,7 +68,8 @@ def test_converts_a_torch_mlp_to_the_same_function():
 
 
 TORCH_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn,
-                torch.float8_e5m2, torch.int8, torch.uint8, torch.int16, torch.int32, torch.bool]  # fmt: skip
+                torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz, torch.int8,
+                torch.uint8, torch.int16, torch.int32, torch.bool]  # fmt: skip
 
 
 def bits(t: torch.Tensor) -> np.ndarray:
