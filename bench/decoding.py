@@ -48,7 +48,8 @@ def plain_forward(w: dict[str, jax.Array], ids: jax.Array, config: Any) -> jax.A
     def rms(x: jax.Array, scale: jax.Array) -> jax.Array:
         return x * jax.lax.rsqrt(jnp.mean(jnp.square(x), -1, keepdims=True) + eps) * scale
 
-    inv_freq = 1.0 / llama.rope_theta(config) ** (jnp.arange(0, d, 2) / d)
+    theta, scaling = llama.rope(config)  # (Llama 3.1's scaled frequencies: a constant)
+    inv_freq = llama.nn.RotaryEmbedding(d, theta=theta, scaling=scaling).inv_freq()
     angles = jnp.arange(t, dtype=jnp.float32)[:, None] * inv_freq  # [t, d / 2]
     cos, sin = jnp.cos(angles)[:, None], jnp.sin(angles)[:, None]  # [t, 1, d / 2]
 
