@@ -28,8 +28,7 @@ from . import _quantized as qz
 from ._dtypes import CODES
 from ._read import SafetensorsError, Tensor, _Packed
 
-DTYPES = CODES  # the codes a header may give (see _dtypes)
-_KNOWN = frozenset(DTYPES)
+_KNOWN = frozenset(CODES)  # the dtype codes a header may give (see _dtypes)
 _DTYPE, _SHAPE = operator.itemgetter("dtype"), operator.itemgetter("shape")
 _OFFSETS = operator.itemgetter("data_offsets")
 _FIRST, _SECOND = operator.itemgetter(0), operator.itemgetter(1)
@@ -113,10 +112,10 @@ def _problem(name: str, entry: Any) -> str | None:
         )
     if len(offsets) != 2 or not all(type(n) is int and 0 <= n < LIMIT for n in (*shape, *offsets)):
         return f"the header entry of {name!r} is {_short(entry)}; {_ENTRY}."
-    if dtype not in DTYPES:
+    if dtype not in CODES:
         return (
             f"{name!r} has the dtype {_short(dtype)}, which Taktiny cannot read; it reads "
-            f"{sorted(DTYPES)}."
+            f"{sorted(CODES)}."
         )
     overflow = _overflow(name, shape)
     if overflow:
