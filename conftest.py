@@ -36,3 +36,23 @@ def pytest_make_collect_report(collector: pytest.Collector) -> Any:
     if BACKEND_STARTED_BY not in stash and xla_bridge._backends:
         stash[BACKEND_STARTED_BY] = collector.nodeid
     return report
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Under `make mutate`, run a mutant's test files cheapest first (by the times mutmut
+    measured), each file's tests in pytest's order: the run stops at the first failure, and
+    a mutant most tests kill then dies in the fastest file that reaches it rather than in
+    whichever came first. Files stay whole so their module fixtures are built once."""
+    if "__mutmut_" not in os.environ.get("MUTANT_UNDER_TEST", ""):
+        return
+    from mutmut.state import state  # (mutmut's measured times, loaded before it forks)
+
+    seconds = state().duration_by_test
+    files: dict[str, list[pytest.Item]] = {}
+    for item in items:
+        files.setdefault(item.nodeid.split("::")[0], []).append(item)
+    ordered = sorted(
+        files.values(), key=lambda tests: sum(seconds.get(t.nodeid, 0.0) for t in tests)
+    )
+    items[:] = [item for tests in ordered for item in tests]
