@@ -2,7 +2,9 @@
 dtype promotion and no key-reuse checks. Warnings are errors and jaxtyping shapes are checked by
 beartype through pyproject.toml (``filterwarnings`` and ``--jaxtyping-packages``)."""
 
+import gc
 import os
+import sys
 from typing import Any
 
 import jax
@@ -56,3 +58,13 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         files.values(), key=lambda tests: sum(seconds.get(t.nodeid, 0.0) for t in tests)
     )
     items[:] = [item for tests in ordered for item in tests]
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Under `make mutate`, the server that forks a process per mutant has just collected
+    the tests (a heap of about 700 MB: JAX, torch, transformers): freeze it, so that each
+    mutant's garbage collections (pytest's own at its end among them) skip those objects
+    instead of walking them all and copying every page the fork shared. They took half of
+    each mutant's time."""
+    if session.config.option.collectonly and "mutmut" in sys.modules:
+        gc.freeze()

@@ -795,3 +795,39 @@ def test_dict_keys_are_checked_at_every_depth(value, where):
 
     with pytest.raises(TypeError, match=rf"M\.blocks has the dict key {where}\."):
         M(value)
+
+
+@pytest.mark.program
+def test_in_a_plain_process_bad_arguments_read_the_same_and_a_load_inside_jit_comes_first():
+    # One fresh interpreter (no beartype, no earlier load) for two checks. The tests run
+    # under beartype, which rejects bad calls before Taktiny sees them: a user's process has
+    # no such hook, so the messages users get are read here. And a regression: the concrete
+    # array class was once learnt from a traced array when the process's first load happened
+    # inside jit, and every later load then failed.
+    import subprocess
+    import sys
+
+    code = (
+        "import jax, jax.numpy as jnp, taktiny as tt\n"
+        "from taktiny import nn\n"
+        "m = nn.Linear(2, 2, rngs=nn.Rngs(0))\n"
+        "s = nn.Linear(2, 2, rngs=nn.Rngs(1)).state_dict()\n"
+        "inside = jax.jit(lambda m, s: m.load_state_dict(s))(m, s)\n"
+        "outside = m.load_state_dict(s)\n"
+        "assert (inside.kernel == outside.kernel).all()\n"
+        "print('loaded')\n"
+        "for call in (lambda: m.load_state_dict(m), lambda: tt.load_flat_state_dict([m], [1]),\n"
+        "             lambda: tt.by_name(['head.**'])):\n"
+        "    try:\n"
+        "        call()\n"
+        "    except TypeError as error:\n"
+        "        print(error)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.stdout.splitlines() == [
+        "loaded",
+        "Linear.load_state_dict() expects a dict, got Linear.",
+        "taktiny.load_flat_state_dict(list) expects a dict, got list.",
+        "taktiny.by_name takes its rules as a dict {pattern: value} or a list of (pattern, "
+        "value) pairs, got the entry 'head.**'.",
+    ], result.stderr[-2000:]

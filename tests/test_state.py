@@ -323,33 +323,6 @@ def test_non_dict_state_is_a_type_error():
             _state.load(m, m, strict=False, flat=flat, nodes=NODES)
 
 
-@pytest.mark.program
-def test_bad_arguments_read_the_same_without_the_test_time_type_checks():
-    # the tests run under beartype, which rejects these calls before Taktiny sees them; a
-    # user's process has no such hook, so check the messages users get in a plain process
-    import subprocess
-    import sys
-
-    code = (
-        "import jax.numpy as jnp, taktiny as tt\n"
-        "from taktiny import nn\n"
-        "m = nn.Linear(2, 2, rngs=nn.Rngs(0))\n"
-        "for call in (lambda: m.load_state_dict(m), lambda: tt.load_flat_state_dict([m], [1]),\n"
-        "             lambda: tt.by_name(['head.**'])):\n"
-        "    try:\n"
-        "        call()\n"
-        "    except TypeError as error:\n"
-        "        print(error)\n"
-    )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert result.stdout.splitlines() == [
-        "Linear.load_state_dict() expects a dict, got Linear.",
-        "taktiny.load_flat_state_dict(list) expects a dict, got list.",
-        "taktiny.by_name takes its rules as a dict {pattern: value} or a list of (pattern, "
-        "value) pairs, got the entry 'head.**'.",
-    ], result.stderr[-2000:]
-
-
 def _aligned(values):
     """A float32 copy of `values` in a 64-byte-aligned buffer: the kind jax.device_put
     shares on CPU instead of copying."""
@@ -523,29 +496,6 @@ def test_bool_leaves_load_from_bools():
         tt.StateDictError, match=r"'mask': dtype kind changes: the model holds bool"
     ):
         f.load_state_dict({"mask": [1, 0]})
-
-
-@pytest.mark.program
-def test_a_first_load_inside_jit_does_not_confuse_later_loads():
-    # regression: the concrete array class was once learnt from a traced array when the first
-    # load of the process happened inside jit, and every later load then failed
-    import subprocess
-    import sys
-
-    code = (
-        "import jax, jax.numpy as jnp\n"
-        "from taktiny import nn\n"
-        "m = nn.Linear(2, 2, rngs=nn.Rngs(0))\n"
-        "s = nn.Linear(2, 2, rngs=nn.Rngs(1)).state_dict()\n"
-        "inside = jax.jit(lambda m, s: m.load_state_dict(s))(m, s)\n"
-        "outside = m.load_state_dict(s)\n"
-        "assert (inside.kernel == outside.kernel).all()\n"
-        "print('ok')\n"
-    )
-    result = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, check=False
-    )
-    assert result.stdout.strip() == "ok", result.stderr[-2000:]
 
 
 # --- casts that would change values -----------------------------------------------------
