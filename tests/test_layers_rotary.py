@@ -90,6 +90,57 @@ def test_scaled_rotations_match_hugging_face(kind, theta, head_dim):
     assert np.abs(np.asarray(plain) - theirs).max() > 1e-2  # the scaling changes the rotation
 
 
+# Configurations at the edges of the formulas, each against transformers
+EDGES = {
+    # a trained context of 4096, as real models have: the ramp starts past dimension 0, where
+    # beta_fast and beta_slow place it, and mscale alone (no mscale_all_dim) sets the factor
+    "yarn-4096": (10000.0, 64, {"rope_type": "yarn", "factor": 4.0, "beta_fast": 24.0,
+                                "beta_slow": 2.0, "mscale": 0.8,
+                                "original_max_position_embeddings": 4096}),
+    # the default betas untruncated, and factor 2 with no attention factor given
+    "yarn-defaults": (10000.0, 128, {"rope_type": "yarn", "factor": 2.0, "truncate": False,
+                                     "original_max_position_embeddings": 4096}),
+    # a context so short that both ends of the ramp fall on dimension 0 (transformers then
+    # moves the upper one by 0.001)
+    "yarn-ends-meet": (10000.0, 16, {"rope_type": "yarn", "factor": 4.0,
+                                     "original_max_position_embeddings": 6}),
+    # the upper end past the last dimension, clipped to head_dim - 1
+    "yarn-clipped": (100.0, 16, {"rope_type": "yarn", "factor": 4.0, "beta_fast": 128.0,
+                                 "beta_slow": 1.0, "original_max_position_embeddings": 40000}),
+    "llama3-low-2": (10000.0, 64, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 2.0,
+                                   "high_freq_factor": 4.0,
+                                   "original_max_position_embeddings": 64}),
+    # the first wavelength (2 pi) exactly at context / low_freq_factor: smoothed, not divided
+    "llama3-at-the-edge": (10000.0, 16, {"rope_type": "llama3", "factor": 8.0,
+                                         "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                         "original_max_position_embeddings":
+                                             float(np.float32(2 * np.pi))}),
+    # factor 1: nothing interpolated and an attention factor of 1, the plain rotation
+    "yarn-factor-1": (10000.0, 16, {"rope_type": "yarn", "factor": 1.0,
+                                    "original_max_position_embeddings": 64}),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", list(EDGES))
+def test_scalings_at_the_edges_of_their_formulas_match_hugging_face(kind):
+    theta, head_dim, scaling = EDGES[kind]
+    q = randn(2, 6, 3, head_dim, seed=0)
+    positions = np.random.default_rng(2).integers(0, 2000, size=(2, 6))
+    theirs = hugging_face_rotation(scaling, theta, head_dim, positions, q)
+    rotary = nn.RotaryEmbedding(head_dim, theta=theta, scaling=scaling)
+    ours = rotary(jnp.asarray(q), jnp.asarray(positions, jnp.int32))
+    assert_close(ours, theirs)
+    plain = nn.RotaryEmbedding(head_dim, theta=theta)(jnp.asarray(q), jnp.asarray(positions))
+    if kind == "yarn-factor-1":
+        assert_close(plain, theirs)
+
+
+def test_the_frequencies_are_float32_whatever_the_scaling_even_with_x64():
+    with jax.enable_x64(True):
+        for scaling in [*SCALINGS.values(), *(edge[2] for edge in EDGES.values())]:
+            assert nn.RotaryEmbedding(16, scaling=scaling).inv_freq().dtype == jnp.float32
+
+
 @pytest.mark.parametrize("length", [40, 100])  # within, then past the trained 64 positions
 def test_dynamic_scaling_matches_hugging_face_over_a_whole_sequence(length):
     scaling = {"rope_type": "dynamic", "factor": 2.0}
