@@ -19,7 +19,7 @@ demo: $(STAMP)
 	$(PY) examples/quickstart.py
 
 test: $(STAMP)
-	$(PY) -m pytest -q -n 2 --dist worksteal
+	$(PY) -m pytest -q -n 2 --dist worksteal --durations=25
 
 property: $(STAMP)
 	$(PY) -m pytest -q property_tests --hypothesis-profile=thorough

@@ -374,3 +374,67 @@ def test_bad_paths_names_and_sizes_are_refused(tmp_path):
     with pytest.raises(ValueError, match=r"max_shard_size must be positive, got 0"):
         save_safetensors(tmp_path / "m.safetensors", {"w": jnp.ones(2)}, max_shard_size=0)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_dtype_safetensors_cannot_store_is_refused_with_the_list_of_those_it_can(tmp_path):
+    message = (
+        "save_safetensors: 'w' has dtype complex128, which safetensors cannot store; it stores "
+        "bfloat16, bool, complex64, float16, float32, float64, float8_e4m3fn, float8_e5m2, "
+        "int16, int32, int64, int8, uint16, uint32, uint64, uint8, and int4, uint4, "
+        "float4_e2m1fn packed two per byte"
+    )
+    with pytest.raises(TypeError) as error:
+        save_safetensors(tmp_path / "c.safetensors", {"w": np.ones(2, np.complex128)})
+    assert str(error.value) == message
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_python_numbers_are_saved_as_numpy_reads_them(tmp_path):
+    path = tmp_path / "v.safetensors"
+    save_safetensors(path, {"w": 2.5, "n": 3})  # leaves without a dtype
+    _, tensors = read(path)
+    assert_bitwise(tensors["w"], np.array(2.5))
+    assert_bitwise(tensors["n"], np.array(3))
+
+
+def test_a_limit_of_one_byte_gives_each_tensor_a_shard_of_its_own(tmp_path):
+    written = save_safetensors(
+        tmp_path / "m.safetensors",
+        {"a": np.ones(2, np.float32), "b": np.zeros(3)},
+        max_shard_size=1,
+    )
+    assert [p.name for p in written] == [
+        "m-00001-of-00002.safetensors",
+        "m-00002-of-00002.safetensors",
+        "m.safetensors.index.json",
+    ]
+
+
+def test_files_are_written_as_transformers_writes_them(tmp_path):
+    # the index indented by 2 with a final newline, the files readable by all (0o644 less the
+    # umask), the checksums' record compact (it is repeated in each shard's header)
+    path = tmp_path / "m.safetensors"
+    state = {"a": np.ones(2, np.float32), "b": np.zeros(3, np.float32)}
+    written = save_safetensors(path, state, max_shard_size=1)
+    index = {
+        "metadata": {"total_size": 20},
+        "weight_map": {"a": written[0].name, "b": written[1].name},
+    }
+    assert written[2].read_text() == json.dumps(index, indent=2) + "\n"
+    umask = os.umask(0)
+    os.umask(umask)
+    for file in written:
+        assert os.stat(file).st_mode & 0o777 == 0o644 & ~umask, file
+    metadata, _ = read(written[0])
+    digest = xxhash.xxh3_128_hexdigest(np.ones(2, np.float32).tobytes())
+    compact = '{"algorithm":"xxh3_128","tensors":{"a":"' + digest + '"}}'
+    assert metadata["taktiny_checksums"] == compact
+
+
+def test_a_save_over_a_one_file_checkpoint_removes_what_killed_saves_left(tmp_path):
+    path = tmp_path / "m.safetensors"
+    save_safetensors(path, {"a": np.ones(2, np.float32)})
+    left = tmp_path / ".m.safetensors.0123456789ab.tmp"  # a killed save's temporary file
+    left.write_bytes(b"partial")
+    save_safetensors(path, {"a": np.zeros(2, np.float32)})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.safetensors"]
