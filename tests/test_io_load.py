@@ -222,6 +222,15 @@ def test_strict_decides_on_what_the_rules_leave_out_as_it_does_without_rules(tmp
     # convert, which loads nothing, lets missing leaves through only by allow=
     with pytest.raises(cv.ConversionError, match=r"or allow it \(allow=\{'missing': \[\.\.\.\]"):
         cv.convert(first, safetensors.numpy.load_file(path), target=model)
+    # a quantized model is planned apart (its kernels by their logical names or their
+    # parts, either of which may be missing), with the same hint for a load
+    with pytest.raises(
+        cv.ConversionError,
+        match=r"1 problem; nothing was converted\.\n  - \[missing\] 'output\.bias': no rule "
+        r"produces this target leaf; add a Rule, or load with strict=False to keep the "
+        r"model's value\.$",
+    ):
+        load_safetensors(tt.quantize(model, bits=8), path, rules=first)
 
 
 def test_a_transformed_tensor_goes_to_its_leaf_s_devices_not_the_default_one(tmp_path):
