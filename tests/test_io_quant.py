@@ -646,6 +646,11 @@ def test_a_checkpoint_quantized_otherwise_is_refused_by_name(tmp_path, reads):
         f"the model quantizes 'hidden.kernel' as {int8}, the checkpoint holds it as int16 "
         f"values. Load a float checkpoint, which is quantized on load."
     )
+    del state["hidden.kernel.scale"]  # a part refused is not also missing: one problem
+    save_safetensors(path, state)
+    with pytest.raises(tt.StateDictError) as caught:
+        load_safetensors(tt.quantize(abstract_net()), path)
+    assert [(p.kind, p.key) for p in caught.value.problems] == [("dtype", "hidden.kernel")]
     # the same bits, another group size
     save_safetensors(path, tt.quantize(net(), bits=4, group_size=16))
     assert refused(tt.quantize(abstract_net(), bits=4), path) == (
