@@ -233,6 +233,21 @@ def test_strict_decides_on_what_the_rules_leave_out_as_it_does_without_rules(tmp
         load_safetensors(tt.quantize(model, bits=8), path, rules=first)
 
 
+def test_rules_transform_zero_size_tensors_alone_and_beside_others(tmp_path):
+    # a step whose sources are all empty reads nothing into the scratch buffer (a regression:
+    # it once made a memoryview of no buffer at all and raised a TypeError)
+    path = tmp_path / "z.safetensors"
+    a = np.arange(6, dtype=np.float32).reshape(2, 3)
+    save_safetensors(path, {"empty": np.zeros((0, 3), np.float32), "a": a})
+    rules = [cv.Rule("empty", "e", cv.transpose()), cv.Rule("a", "t", cv.transpose())]
+    model = {"e": jax.ShapeDtypeStruct((3, 0), jnp.float32),
+             "t": jax.ShapeDtypeStruct((3, 2), jnp.float32)}  # fmt: skip
+    for order in (rules, rules[::-1]):  # the empty step first, then after a buffer exists
+        loaded = load_safetensors(model, path, rules=order)
+        assert loaded["e"].shape == (3, 0) and loaded["e"].dtype == jnp.float32
+        assert np.array_equal(loaded["t"], a.T)
+
+
 def test_a_transformed_tensor_goes_to_its_leaf_s_devices_not_the_default_one(tmp_path):
     tensors, path, rules = torch_mlp(tmp_path)
     mesh = jax.sharding.Mesh(np.array(jax.devices()[4:8]), ("x",))  # without the default device

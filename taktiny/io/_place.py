@@ -83,7 +83,7 @@ class _Scratch:
     transformed into arrays of their own, and the buffer is free for the next step."""
 
     def __init__(self) -> None:
-        self.memory: Any = None
+        self.memory: Any = bytearray()  # (a step of zero-size tensors alone allocates none)
         self.start = self.size = 0
 
     def read(self, tensors: Sequence[Tensor], checks: _Checks | None) -> list[np.ndarray]:
