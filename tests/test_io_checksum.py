@@ -350,3 +350,14 @@ def test_a_read_that_fails_before_its_first_byte_raises_and_does_not_hang_the_lo
     thread.join(timeout=60)
     assert not thread.is_alive(), "the load waits forever on a step that failed"
     assert [str(e) for e in raised] == ["[Errno 24] Too many open files"]
+
+
+def test_each_source_of_a_step_is_verified_not_only_its_last(tmp_path):
+    path = tmp_path / "two.safetensors"
+    a, b = np.arange(4, dtype=np.float32), np.ones(4, np.float32)
+    save_safetensors(path, {"a": a, "b": b})
+    rules = [cv.Rule(["a", "b"], "s", cv.stack())]
+    target = {"s": jax.ShapeDtypeStruct((2, 4), jnp.float32)}
+    expected = flip(path, "a", byte=5)  # the first of the step's two sources
+    with pytest.raises(SafetensorsError, match=damaged(path, "a", expected)):
+        load_safetensors(target, path, rules=rules)
