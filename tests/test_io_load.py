@@ -565,3 +565,11 @@ def test_wrong_shapes_kinds_and_names_are_each_told_exactly(tmp_path):
         f"dtype kind changes: the model holds float32 (floating), got int32 (signed integer). {cast}",
     )  # fmt: skip
     assert "by name (e.g. 'g.a')" in got["g"][3]  # a group of the model's: its leaves by name
+
+
+def test_a_tree_of_numpy_arrays_loads_onto_the_default_device(tmp_path):
+    path = tmp_path / "n.safetensors"
+    save_safetensors(path, {"w": np.arange(4, dtype=np.float32)})
+    loaded = load_safetensors({"w": np.zeros(4, np.float32)}, path)  # leaves without .sharding
+    assert isinstance(loaded["w"], jax.Array) and loaded["w"].devices() == {jax.devices()[0]}
+    assert np.array_equal(loaded["w"], np.arange(4, dtype=np.float32))
