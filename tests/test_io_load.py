@@ -2,6 +2,8 @@
 and sharded models, each device reading only its own bytes, rules applied per tensor,
 every problem found before a byte of data is read."""
 
+import os
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -573,3 +575,16 @@ def test_a_tree_of_numpy_arrays_loads_onto_the_default_device(tmp_path):
     loaded = load_safetensors({"w": np.zeros(4, np.float32)}, path)  # leaves without .sharding
     assert isinstance(loaded["w"], jax.Array) and loaded["w"].devices() == {jax.devices()[0]}
     assert np.array_equal(loaded["w"], np.arange(4, dtype=np.float32))
+
+
+def test_a_file_cut_after_it_was_opened_is_named_by_the_load_that_reads_it(tmp_path):
+    path = tmp_path / "cut.safetensors"
+    save_safetensors(path, {"w": np.arange(64, dtype=np.float32)})
+    checkpoint = open_safetensors(path)
+    os.truncate(path, path.stat().st_size - 30)
+    with pytest.raises(
+        SafetensorsError,
+        match=rf"^{path}: the file ends inside the bytes of 'w'; it was truncated after it "
+        r"was opened\. Write it again\.$",
+    ):
+        load_safetensors({"w": jax.ShapeDtypeStruct((64,), jnp.float32)}, checkpoint, verify=False)
