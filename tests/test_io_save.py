@@ -421,10 +421,9 @@ def test_files_are_written_as_transformers_writes_them(tmp_path):
         "weight_map": {"a": written[0].name, "b": written[1].name},
     }
     assert written[2].read_text() == json.dumps(index, indent=2) + "\n"
-    umask = os.umask(0)
-    os.umask(umask)
+    os.close(os.open(tmp_path / "probe", os.O_WRONLY | os.O_CREAT, 0o644))  # (the umask's)
     for file in written:
-        assert os.stat(file).st_mode & 0o777 == 0o644 & ~umask, file
+        assert os.stat(file).st_mode & 0o777 == os.stat(tmp_path / "probe").st_mode & 0o777, file
     metadata, _ = read(written[0])
     digest = xxhash.xxh3_128_hexdigest(np.ones(2, np.float32).tobytes())
     compact = '{"algorithm":"xxh3_128","tensors":{"a":"' + digest + '"}}'

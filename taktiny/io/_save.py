@@ -259,19 +259,14 @@ class _Commit:
         import safetensors.numpy
 
         temp = self.staging / name
-        # safetensors creates its files readable by their owner only; a checkpoint's are
-        # readable by all, less the umask, as torch.save's are: the mode the umask gives a
-        # file created 0o644, read from one made first at this name
-        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        try:
-            mode = os.fstat(fd).st_mode & 0o777
-        finally:
-            os.close(fd)
         try:
             safetensors.numpy.save_file(shard, temp, metadata=metadata)
         except Exception as error:
             raise OSError(f"save_safetensors: writing {self.folder / name}: {error}") from error
-        os.chmod(temp, mode)
+        # safetensors creates its files readable by their owner only; a checkpoint's are
+        # 0o644 less the umask, as the index and torch.save's files are: the staging folder,
+        # made 0o777 less the umask, has those bits
+        os.chmod(temp, self.staging.stat().st_mode & 0o644)
         _fsync(temp)
         return temp
 
