@@ -8,7 +8,7 @@ from typing import Any
 import jax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from ._sharding import mesh_text
+from ._sharding import ambient_mesh, mesh_text
 
 
 def _meshes(leaves: list[Any]) -> list[Mesh]:
@@ -52,9 +52,10 @@ def eval_shape(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """
     leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
     meshes = _meshes(leaves)
-    ambient = jax.sharding.get_abstract_mesh()
-    if not ambient.empty:
-        meshes = [jax.sharding.get_mesh(), *(m for m in meshes if m != jax.sharding.get_mesh())]
+    ambient = ambient_mesh()  # of jax.set_mesh, or of the deprecated `with mesh:`
+    if ambient is not None:
+        ambient = ambient if isinstance(ambient, Mesh) else jax.sharding.get_mesh()
+        meshes = [ambient, *(m for m in meshes if m != ambient)]
     if len(meshes) > 1:
         raise ValueError(
             f"taktiny.eval_shape: the arguments are on {len(meshes)} different meshes "

@@ -37,9 +37,11 @@ def ambient_mesh() -> Any:
     if not mesh.empty:
         return mesh
     # `with mesh:` sets no abstract mesh, but a constraint by PartitionSpec still finds it
-    # (without a mesh it raises at once, in microseconds)
+    # (without a mesh it raises at once, in microseconds); evaluated now, even inside a
+    # trace, whose tracer would not tell its sharding
     try:
-        placed = jax.lax.with_sharding_constraint(np.zeros((), np.int8), PartitionSpec())
+        with jax.ensure_compile_time_eval():
+            placed = jax.lax.with_sharding_constraint(np.zeros((), np.int8), PartitionSpec())
     except RuntimeError:
         return None
     return placed.sharding.mesh

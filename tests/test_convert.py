@@ -367,13 +367,14 @@ def test_a_rule_that_matches_nothing_is_told_what_to_check():
         cv.Rule("encodr.{i}.bias", "x.{i}"),  # its captures read as '*'
         cv.Rule(r"enc\.(?P<i>\d+)\.bias", "y.{i}", regex=True),
         cv.Rule("a.*{i}*", "z.{i}"),  # 'a.***' is no pattern
+        cv.Rule(["q.{x}", "k.{x}"], "{x}", cv.concatenate()),  # named by all its sources
         cv.Ignore("encoder.**"),
         cv.Tie("lm_head", same_as="w"),  # matching nothing: a tied copy left out, no problem
     ]
     target = {"b": jax.ShapeDtypeStruct((3,), jnp.float32)}
     with pytest.raises(cv.ConversionError) as info:
         cv.check(rules, source, target=target)
-    assert str(info.value).splitlines()[0] == "convert.check: 3 problems; nothing was converted."
+    assert str(info.value).splitlines()[0] == "convert.check: 4 problems; nothing was converted."
     assert [str(p) for p in info.value.problems] == [
         "[unmatched] 'encodr.{i}.bias': Rule('encodr.{i}.bias' -> 'x.{i}', identity()) matched "
         "no source name; did you mean 'encoder.*.bias'?",
@@ -381,6 +382,8 @@ def test_a_rule_that_matches_nothing_is_told_what_to_check():
         "identity()) matched no source name; check the regular expression against the names.",
         "[unmatched] 'a.*{i}*': Rule('a.*{i}*' -> 'z.{i}', identity()) matched no source name; "
         "check the pattern against the names.",
+        "[unmatched] 'q.{x}, k.{x}': Rule(['q.{x}', 'k.{x}'] -> '{x}', concatenate(axis=0)) "
+        "matched no source name; no name is close to it.",
     ]
 
 
@@ -566,10 +569,12 @@ def test_incomplete_sources_wildcard_duplicates_and_failing_transforms_are_repor
         cv.Rule(["q.{x}", "k.{x}"], "{x}", cv.concatenate(axis=-1)),
         cv.Rule("*.gate", "gate"),
         cv.Rule("fused", ["a", "b"], cv.split(axis=0)),
+        cv.Rule("late", "c"),  # a step after the failing one is still checked
     ]
     source = {n: np.zeros(3, np.float32) for n in ("q.w", "up.gate", "down.gate", "fused")}
-    target = {n: jax.ShapeDtypeStruct((3,), jnp.float32) for n in ("w", "gate", "a", "b")}
-    with pytest.raises(cv.ConversionError, match=r"3 problems") as info:
+    source["late"] = np.zeros(4, np.float32)
+    target = {n: jax.ShapeDtypeStruct((3,), jnp.float32) for n in ("w", "gate", "a", "b", "c")}
+    with pytest.raises(cv.ConversionError, match=r"4 problems") as info:
         cv.check(rules, source, target=target, allow={"missing": ["**"]})
     messages = [str(p) for p in info.value.problems]
     assert messages[:2] == [
@@ -581,6 +586,10 @@ def test_incomplete_sources_wildcard_duplicates_and_failing_transforms_are_repor
     assert messages[2].startswith(  # (then JAX's own words)
         "[transform] 'fused': Rule('fused' -> ['a', 'b'], split(axis=0)) failed on ['fused']: "
         "array split does not result in an equal division"
+    )
+    assert messages[3] == (
+        "[shape] 'c': shape mismatch: the target holds float32[3], the rule makes float32[4] "
+        "from ['late']; fix its transform."
     )
 
 
@@ -745,9 +754,17 @@ def test_coverage_reads_shapes_and_dtypes_without_the_data_where_it_can():
         def __array__(self, *args: Any, **kwargs: Any) -> Any:
             raise AssertionError("read")
 
+    class Shaped:  # a shape but no dtype: its data tells the dtype
+        shape = (3,)
+
+        def __array__(self, *args: Any, **kwargs: Any) -> Any:
+            return np.array([1, 2, 3], np.int8)
+
     f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
     assert spec(Handle()) == jax.ShapeDtypeStruct((4, 2), jnp.float16)
     assert spec(np.zeros((2, 3), np.float64)) == f32(2, 3)  # as JAX would hold it
     assert spec(jax.ShapeDtypeStruct((2,), jnp.float64)) == f32(2)
+    assert spec(jax.ShapeDtypeStruct((2,), jnp.int8)) == jax.ShapeDtypeStruct((2,), jnp.int8)
     assert spec([1, 2]) == jax.ShapeDtypeStruct((2,), jnp.int32)  # read: no shape
+    assert spec(Shaped()) == jax.ShapeDtypeStruct((3,), jnp.int8)  # read: a shape, no dtype
     assert spec(torch.zeros(2, 3)) == f32(2, 3)  # read: a torch dtype is not NumPy's

@@ -190,6 +190,17 @@ def test_a_tensor_of_several_pieces_is_verified_piece_by_piece(tmp_path):
         tensor.verify()
 
 
+@pytest.mark.parametrize("verify", [True, False])
+def test_a_tensor_of_several_pieces_loads_whole(tmp_path, verify):
+    """The loader streams a tensor to the hash 4 MiB at a time, as it reads it."""
+    path = tmp_path / "big.safetensors"
+    big = np.arange(2**21 + 3, dtype=np.float32).reshape(-1, 1)  # two pieces and 12 bytes
+    save_safetensors(path, {"big": big, "after": np.ones(5, np.float32)})
+    target = {"big": jnp.zeros_like(big), "after": jnp.zeros(5, jnp.float32)}
+    loaded = load_safetensors(target, path, progress=False, verify=verify)
+    assert np.array_equal(loaded["big"], big) and np.array_equal(loaded["after"], np.ones(5))
+
+
 def test_packed_4_bit_tensors_check_and_read_into_their_packed_bytes(tmp_path):
     path = tmp_path / "q.safetensors"
     values = jnp.array([[-8, 7, -1], [3, 0, 5]], jnp.int4)

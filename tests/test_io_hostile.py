@@ -97,6 +97,7 @@ FILES = [
     ("zero length", framed(b""), r"not a safetensors file: its first 8 bytes give a header of 0 bytes, and the file has 84\. It is truncated or of another format\.$"),
     ("length past the end", struct.pack("<Q", 2**64 - 1) + b"{}", r"not a safetensors file: its first 8 bytes give a header of 18446744073709551615 bytes, and the file has 10"),
     ("length over the limit", sparse(LIMIT + 1, LIMIT + 16), rf"not a safetensors file: .* bytes, and the file has {LIMIT + 16}; a header may have at most {LIMIT} bytes \(the safetensors library's limit\)\. The file is corrupt\.$"),
+    ("length at the limit, past the end", sparse(LIMIT, LIMIT), rf"not a safetensors file: its first 8 bytes give a header of {LIMIT} bytes, and the file has {LIMIT}\. It is truncated or of another format\.$"),
     ("not JSON", framed(b"{oops"), r"the header is not valid: Expecting property name"),
     *[(f"a pickle of protocol {p}", b"\x80" + bytes([p]) + bytes(20), r"not a safetensors file but, by its first bytes, a PyTorch file \(a pickle, torch\.save's legacy format\): read it with taktiny\.io\.read_torch") for p in (2, 3, 4, 5)],
     ("a pickle's first byte, no protocol after it", b"\x80\x01" + bytes(20), r"not a safetensors file: its first 8 bytes give a header of 384 bytes, and the file has 22\. It is truncated or of another format\.$"),
@@ -109,6 +110,7 @@ FILES = [
     ("a list", framed(b"[]"), r"the header is a JSON list, not an object\. The file is corrupt\."),
     ("a number", framed(b"7"), r"the header is a JSON int, not an object"),
     ("a name twice", framed(b'{"a": {}, "a": ' + js(A) + b', "b": ' + js(B) + b"}"), r"the header is not valid: the name 'a' appears twice"),
+    ("a name twice, not the first", framed(b'{"a": ' + js(A) + b', "b": {}, "b": ' + js(B) + b"}"), r"the header is not valid: the name 'b' appears twice"),
     ("a name twice, escaped", framed(b'{"a": ' + js(A) + b', "\\u0061": ' + js(A) + b', "b": ' + js(B) + b"}"), r"the name 'a' appears twice"),
     ("a field twice", framed(b'{"a": {"dtype": "I8", ' + js(A)[1:] + b', "b": ' + js(B) + b"}"), r"the name 'dtype' appears twice"),
     ("two fields twice, one pair per name", framed(b'{"a": {"dtype": "I8", "shape": [1], ' + js(A)[1:] + b', "b": ' + js(B) + b"}"), r"the name 'dtype' appears twice"),
@@ -603,3 +605,65 @@ def test_a_header_made_of_little_but_lists_is_refused_before_it_is_parsed(tmp_pa
     fine = tmp_path / "fine.safetensors"
     fine.write_bytes(header(__metadata__={"config": "[" * 900_000}))
     assert sorted(open_safetensors(fine)) == ["a", "b"]
+
+
+def crowded(tmp_path, entries, brackets, size=0, spare=0):
+    """A file of `entries` zero-size tensors, each named by `brackets` '[' and its number,
+    `spare` more '[' in a metadata string, its header padded with spaces to `size` bytes:
+    a header of many JSON lists and objects (a '[' in a string counts as one)."""
+    header = {f"{'[' * brackets}{i:05}": {"dtype": "U8", "shape": [0], "data_offsets": [0, 0]}
+              for i in range(entries)}  # fmt: skip
+    text = js({"__metadata__": {"m": "[" * spare}, **header} if spare else header)
+    path = tmp_path / "crowded.safetensors"
+    path.write_bytes(framed(text.ljust(size), b""))
+    return path, max(size, len(text)), text.count(b"[") + text.count(b"{")
+
+
+def test_the_guard_against_headers_of_lists_counts_only_where_entries_are_sparse(tmp_path):
+    """Lists and objects are counted only in a header of 1,000,000 bytes or more with at
+    least 400 bytes per entry; a dense header (here of names full of '[') opens however
+    many it holds."""
+    path, length, containers = crowded(tmp_path, 3100, 330)
+    assert 10**6 <= length < 400 * 3100 and containers > 8 * 3100 + 10**6
+    assert len(open_safetensors(path)) == 3100
+
+
+@pytest.mark.parametrize(
+    ("entries", "brackets", "size", "spare", "refused"),
+    [
+        (3100, 330, 400 * 3100 - 1, 0, False),  # a byte short of 400 per entry: not counted
+        (3100, 330, 400 * 3100, 0, True),  # 400 per entry: counted, and too many
+        (0, 0, 0, 10**6 - 2, False),  # no entries: 1,000,000 allowed ({, { and the '['s)
+        (0, 0, 0, 10**6 - 1, True),
+    ],
+    ids=["dense", "400 bytes per entry", "at the allowance", "one over"],
+)
+def test_the_guard_against_headers_of_lists_at_its_bounds(
+    tmp_path, entries, brackets, size, spare, refused
+):
+    path, length, containers = crowded(tmp_path, entries, brackets, size, spare)
+    assert length == (size or length) and length >= 10**6
+    if not refused:
+        assert len(open_safetensors(path)) == entries
+        return
+    with pytest.raises(
+        SafetensorsError,
+        match=rf"crowded\.safetensors: the header holds {containers:,} JSON lists and objects "
+        rf"for {entries:,} tensor entries; a safetensors header holds a few per entry",
+    ):
+        open_safetensors(path)
+
+
+def test_a_header_naming_every_dtype_opens(tmp_path):
+    from taktiny.io._dtypes import CODES, numpy_dtype
+
+    entries, at = {}, 0
+    for code, (_, itemsize) in sorted(CODES.items()):
+        entries[code] = {"dtype": code, "shape": [2], "data_offsets": [at, at + 2 * itemsize]}
+        at += 2 * itemsize
+    path = tmp_path / "all.safetensors"
+    path.write_bytes(framed(js(entries), bytes(at)))
+    checkpoint = open_safetensors(path)
+    assert {name: checkpoint[name].dtype for name in checkpoint} == {
+        code: numpy_dtype(name) for code, (name, _) in CODES.items()
+    }

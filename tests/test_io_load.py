@@ -3,6 +3,7 @@ and sharded models, each device reading only its own bytes, rules applied per te
 every problem found before a byte of data is read."""
 
 import os
+from concurrent.futures import Future
 
 import jax
 import jax.numpy as jnp
@@ -334,6 +335,80 @@ def test_transforming_steps_read_aligned_into_buffers_they_reuse(tmp_path, monke
         assert waited == [["p"], ["q"], ["r"], ["s"]]
 
 
+class Eager:
+    """A reader thread that reads each step the moment it is asked to: a schedule the real
+    one may take (it starts at once, while the loop goes on), made certain."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return None
+
+    def submit(self, fn, *args):
+        future = Future()
+        try:
+            future.set_result(fn(*args))
+        except Exception as error:  # noqa: BLE001  (kept in the future, as a thread does)
+            future.set_exception(error)
+        return future
+
+
+def test_with_one_buffer_a_step_is_read_into_it_only_once_the_step_before_is_placed(
+    tmp_path, monkeypatch
+):
+    # a quantizing load keeps one read buffer: the reader may read the next step into it
+    # only once the step before has been transformed and placed, however soon it reads
+    import taktiny.io._load as load_module
+
+    monkeypatch.setattr(load_module, "ThreadPoolExecutor", Eager)
+    model = MLP(rngs=nn.Rngs(8))
+    state = {k: v.astype(ml_dtypes.bfloat16) for k, v in flat_numpy(model).items()}
+    floats = {k: v.astype(np.float32) for k, v in state.items()}
+    state["input.bias"] = floats["input.bias"]  # loaded as it is, without the buffer
+    path = tmp_path / "bf16.safetensors"
+    save_safetensors(path, state)
+    # in the file's order: input.bias as it is, then input.kernel, output.bias and
+    # output.kernel cast (the kernels quantized) one after another through the one buffer
+    assert list(open_safetensors(path)) == ["input.bias", "input.kernel", "output.bias",
+                                            "output.kernel"]  # fmt: skip
+    expected = tt.quantize(abstract_mlp().load_flat_state_dict(floats), bits=8)
+    for verify in (True, False):
+        loaded = load_safetensors(tt.quantize(abstract_mlp(), bits=8), path, verify=verify)
+        assert_same(loaded, flat_numpy(expected))
+
+
+def test_a_tensor_cast_on_loading_reaches_the_model_in_its_leaf_s_dtype(
+    tmp_path, monkeypatch, reads
+):
+    # a tensor renamed into a leaf of another dtype is read whole into the read buffer and
+    # cast as it streams in: the load never holds a second copy of the model in the
+    # checkpoint's dtype (only a tensor of the leaf's own dtype is read device by device)
+    import taktiny._state as state_module
+
+    model = MLP(rngs=nn.Rngs(9))
+    state = {k: v.astype(ml_dtypes.bfloat16) for k, v in flat_numpy(model).items()}
+    path = tmp_path / "bf16.safetensors"
+    save_safetensors(path, state)
+    mesh = jax.make_mesh((2, 4), ("rows", "cols"))
+    target = tt.shard(abstract_mlp(), [("input.kernel", P(None, "cols"))], mesh)
+    given, load = [], state_module.load
+
+    def spied(tree, values, **kwargs):
+        given.append({k: v.dtype for k, v in values.items()})
+        return load(tree, values, **kwargs)
+
+    monkeypatch.setattr(state_module, "load", spied)
+    loaded = load_safetensors(target, path)
+    assert_same(loaded, {k: v.astype(np.float32) for k, v in state.items()})
+    assert loaded.input.kernel.sharding == NamedSharding(mesh, P(None, "cols"))
+    assert given == [{k: np.dtype(np.float32) for k in state}]
+    assert sorted(reads) == sorted((k, v.shape) for k, v in state.items())  # each whole, once
+
+
 def test_a_rule_that_returns_its_source_gets_a_copy_not_the_reused_read_buffer(tmp_path):
     # cast to the dtype it has, transpose by the identity: the transform hands back the very
     # array it was given, which on CPU is the read buffer the next step reads into
@@ -593,3 +668,44 @@ def test_a_file_cut_after_it_was_opened_is_named_by_the_load_that_reads_it(tmp_p
         r"was opened\. Write it again\.$",
     ):
         load_safetensors({"w": jax.ShapeDtypeStruct((64,), jnp.float32)}, checkpoint, verify=False)
+
+
+# Without x64 JAX holds int64 as int32 and float64 as float32, and jax.device_put narrows
+# what it is given without a word: a file's 64-bit values are checked first
+WIDE = [
+    ("int64 past int32", np.array([2**40 + 5], np.int64), jnp.zeros(1, jnp.int32),
+     r"'n': narrowing int64 to int32 would change values; convert the value yourself\."),
+    ("int64 past int32, into a Python int", np.array(2**40 + 5, np.int64), 0,
+     r"'n': narrowing int64 to int32 would change values"),
+    ("uint64 past uint32", np.array([2**32], np.uint64), jnp.zeros(1, jnp.uint32),
+     r"'n': narrowing uint64 to uint32 would change values"),
+    ("float64 past float32", np.array([1.0, 1e300], np.float64), jnp.zeros(2, jnp.float32),
+     r"'n': casting float64 to float32 would turn a value into inf: the largest is 1e\+300"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("abstract", [False, True], ids=["concrete", "abstract"])
+@pytest.mark.parametrize(
+    ("saved", "leaf", "message"), [w[1:] for w in WIDE], ids=[w[0] for w in WIDE]
+)
+def test_64_bit_values_that_jax_holds_narrower_are_refused_not_wrapped(
+    tmp_path, saved, leaf, message, abstract
+):
+    path = tmp_path / "wide.safetensors"
+    save_safetensors(path, {"n": saved})
+    target = {"n": leaf}
+    target = jax.eval_shape(lambda: target) if abstract else target
+    with pytest.raises(tt.StateDictError, match=message):
+        load_safetensors(target, path, progress=False)
+
+
+def test_64_bit_values_that_fit_load_into_what_jax_holds_them_in(tmp_path):
+    path = tmp_path / "wide.safetensors"
+    ints, floats = np.array([-(2**31), 2**31 - 1], np.int64), np.array([1e30, 0.1], np.float64)
+    save_safetensors(path, {"i": ints, "f": floats, "s": np.array(7, np.int64)})
+    target = {"i": jnp.zeros(2, jnp.int32), "f": jnp.zeros(2, jnp.float32), "s": 0}
+    loaded = load_safetensors(target, path, progress=False)
+    assert loaded["i"].dtype == jnp.int32 and loaded["i"].tolist() == ints.tolist()
+    assert loaded["f"].dtype == jnp.float32
+    assert np.array_equal(loaded["f"], floats.astype(np.float32))
+    assert loaded["s"].dtype == jnp.int32 and int(loaded["s"]) == 7

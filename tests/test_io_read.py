@@ -316,8 +316,61 @@ def test_a_folder_must_hold_one_checkpoint(tmp_path):
         safetensors.numpy.save_file(TENSORS, str(tmp_path / f"{name}.safetensors"))
     with pytest.raises(SafetensorsError, match=r"it holds 2: \['a.safetensors', 'b.safetensors'\]"):
         open_safetensors(tmp_path)
+    for name in ("c", "d", "e", "f"):
+        safetensors.numpy.save_file(TENSORS, str(tmp_path / f"{name}.safetensors"))
+    with pytest.raises(
+        SafetensorsError,
+        match=r"it holds 6: \['a.safetensors', 'b.safetensors', 'c.safetensors', 'd.safetensors', "
+        r"'e.safetensors'\]\. Name the file or index to read\.$",
+    ):
+        open_safetensors(tmp_path)  # the first five named
     with pytest.raises(SafetensorsError, match=r"missing.safetensors: no such file"):
         open_safetensors(tmp_path / "missing.safetensors")
+
+
+def test_hidden_files_in_a_folder_are_not_its_checkpoint(tmp_path):
+    """macOS leaves ``._name`` files (AppleDouble) beside the files it copies."""
+    safetensors.numpy.save_file(TENSORS, str(tmp_path / "model.safetensors"))
+    (tmp_path / "._model.safetensors").write_bytes(b"\0\5\26\7" + bytes(80))
+    assert open_safetensors(tmp_path).path == tmp_path / "model.safetensors"
+
+
+@pytest.mark.parametrize("length", [None, 200, 201, 400])
+def test_a_path_that_cannot_be_opened_is_shown_whole_up_to_200_characters(
+    tmp_path, monkeypatch, length
+):
+    """What a user without the right to list a folder gets (PermissionError): the path as
+    given, or its first 100 characters and its length past 200; the error's own text cut
+    at 200 characters."""
+    from taktiny.io import _checkpoint
+
+    path = str(tmp_path / "x")
+    path, length = (path.ljust(length, "x"), length) if length else (path, len(path))
+    assert len(path) == length
+
+    def refused(path):
+        raise PermissionError(13, "Permission denied", str(path) + "y" * 200)
+
+    monkeypatch.setattr(_checkpoint, "_find", refused)
+    shown = repr(path) if length <= 200 else repr(f"{path[:100]}...({length} characters)")
+    error = str(PermissionError(13, "Permission denied", path + "y" * 200))[:200]
+    with pytest.raises(SafetensorsError) as raised:
+        open_safetensors(path)
+    assert str(raised.value) == (
+        f"{shown}: cannot be opened (PermissionError: {error}); name an existing .safetensors "
+        f"file, index or folder."
+    )
+
+
+def test_a_tensor_described_by_hand_reads_in_a_numpy_dtype_given_by_name(tmp_path):
+    from taktiny.io import Tensor
+
+    path = tmp_path / "raw.bin"
+    path.write_bytes(b"head" + np.arange(6, dtype=np.float32).tobytes())
+    for dtype in ("float32", np.float32, np.dtype("float32"), "F32"):
+        tensor = Tensor("w", (2, 3), dtype, path, 4)
+        assert tensor.dtype == np.float32 and tensor.nbytes == 24, dtype
+        assert np.array_equal(np.asarray(tensor), np.arange(6, dtype=np.float32).reshape(2, 3))
 
 
 def test_paths_that_cannot_name_a_file_are_refused_by_name(tmp_path):
@@ -368,7 +421,7 @@ def _oracle(text):
     ],
 )
 def test_a_good_header_takes_the_fast_parse_and_reads_as_a_full_parse_reads_it(
-    tmp_path, tensors, metadata
+    tmp_path, monkeypatch, tensors, metadata
 ):
     """Headers without a backslash are read by one `json.loads` without a hook (`_unhooked`,
     a fifth faster on large headers, bench/headers.py); the fields are those of a full
@@ -382,3 +435,9 @@ def test_a_good_header_takes_the_fast_parse_and_reads_as_a_full_parse_reads_it(
     fields = _header._unhooked(text)
     assert fields is not None
     assert [list(f) if not isinstance(f, dict) else f for f in fields] == list(_oracle(text))
+
+    def unused(text, what):
+        raise AssertionError("a good header without a backslash took the full parse")
+
+    monkeypatch.setattr(_header, "parse_json", unused)  # opening takes the fast parse
+    assert sorted(open_safetensors(path)) == sorted(tensors)

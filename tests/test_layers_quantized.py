@@ -565,6 +565,23 @@ def test_a_lookup_on_explicit_axes_is_split_as_the_ids_and_the_tables_features(f
     np.testing.assert_array_equal(y, reference(jnp.asarray(ids)))
 
 
+def test_on_explicit_axes_each_device_gathers_the_scales_of_its_own_ids():
+    """The scales are gathered split as the ids (never on the features: there are fewer
+    groups than features), as the values are, not whole on every device."""
+    ids = np.array([[0, 3, 5, 17], [1, 2, -1, 15]], np.int32)
+    with jax.set_mesh(mesh_of(AxisType.Explicit)):
+        embed = nn.QuantizedEmbed(
+            16, 32, group_size=8, embedding_sharding=(None, "model"), rngs=nn.Rngs(0)
+        )
+        split = jax.device_put(ids, P("data"))
+        jaxpr = jax.make_jaxpr(lambda e, i: e(i))(embed, split).jaxpr
+    dequantize = [e for e in _eqns(jaxpr) if e.params.get("name") == "dequantize_array"]
+    assert len(dequantize) == 1
+    value, scale = (v.aval for v in dequantize[0].invars)
+    assert (value.shape, value.sharding.spec) == ((2, 4, 32), P("data", None, "model"))
+    assert (scale.shape, scale.sharding.spec) == ((2, 4, 4), P("data", None, None))
+
+
 def test_integer_inputs_are_computed_in_the_scales_dtype(without_type_checks):
     """With dtype=None a float input sets the dtype; an integer one has none to give, so
     the layer computes in its scales' dtype. (The signatures say Float, so the test-time

@@ -118,6 +118,10 @@ EDGES = {
     # factor 1: nothing interpolated and an attention factor of 1, the plain rotation
     "yarn-factor-1": (10000.0, 16, {"rope_type": "yarn", "factor": 1.0,
                                     "original_max_position_embeddings": 64}),
+    # an attention factor of exactly 2 given: the cosines and sines doubled
+    "yarn-attention-2": (10000.0, 16, {"rope_type": "yarn", "factor": 4.0,
+                                       "original_max_position_embeddings": 64,
+                                       "attention_factor": 2.0}),
 }  # fmt: skip
 
 
@@ -197,6 +201,32 @@ def test_a_scaling_is_configuration_shown_in_the_repr_and_taken_by_attention():
         nn.MultiHeadAttention(
             2, 16, rope_scaling={"type": "linear", "factor": 2.0}, rngs=nn.Rngs(0)
         )
+
+
+def test_a_scaling_without_a_kind_is_the_plain_rotation():
+    """A dict with neither "rope_type" nor rope_scaling's older "type" (rope_parameters that
+    only hold rope_theta) is the default, no scaling, as transformers' config reads it."""
+    assert LlamaConfig(rope_parameters={"rope_theta": 500000.0}).rope_parameters == {
+        "rope_theta": 500000.0, "rope_type": "default"}  # fmt: skip
+    q = randn(2, 6, 3, 16, seed=0)
+    positions = np.random.default_rng(2).integers(0, 2000, size=(2, 6))
+    theirs = hugging_face_rotation({"rope_type": "default"}, 500000.0, 16, positions, q)
+    for scaling in ({"rope_theta": 500000.0}, {}, {"partial_rotary_factor": 1.0}):
+        rotary = nn.RotaryEmbedding(16, theta=500000.0, scaling=scaling)
+        assert rotary.scaling == (), scaling
+        assert_close(rotary(jnp.asarray(q), jnp.asarray(positions, jnp.int32)), theirs)
+
+
+def test_a_partial_rotary_factor_of_1_is_no_parameter_of_the_scaling():
+    """transformers 5 may write partial_rotary_factor 1.0 (every feature rotated) into
+    rope_parameters: the layer is the one built without it (the same configuration, repr
+    and tree structure, so a jitted call does not trace it again)."""
+    linear = {"rope_type": "linear", "factor": 2.0}
+    given = nn.RotaryEmbedding(8, scaling={**linear, "partial_rotary_factor": 1.0})
+    plain = nn.RotaryEmbedding(8, scaling=linear)
+    assert given.scaling == (("rope_type", "linear"), ("factor", 2.0))
+    assert repr(given) == repr(plain)
+    assert jax.tree.structure(given) == jax.tree.structure(plain)
 
 
 def test_scores_depend_on_the_relative_position_only():

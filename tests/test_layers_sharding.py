@@ -329,6 +329,15 @@ BAD = {
         lambda: nn.ConvTranspose(8, 6, (3,), bias_sharding=("data", "model"), rngs=nn.Rngs(0)),
         r"ConvTranspose\.bias of shape \(6,\) cannot be placed by P\('data', 'model'\) " + MESH,
     ),
+    # both problems: the entries after one that names no mesh axis are checked too
+    "two problems": (
+        lambda: nn.Linear(8, 6, kernel_sharding=("modle", ("data", "model")), rngs=nn.Rngs(0)),
+        r"Linear\.kernel of shape \(8, 6\) cannot be placed by P\('modle', \('data', 'model'\)\) "
+        + MESH
+        + r"the mesh has no axis 'modle' \(its axes: 'data', 'model'\); axis 1 of size 6 does "
+        r"not divide into 8 parts \(mesh axes 'data', 'model'\)\. Change the sharding, or the "
+        r"mesh\.$",
+    ),
 }
 
 
@@ -353,3 +362,16 @@ def test_a_mesh_of_mixed_axis_types_places_both_kinds_of_axis():
             kernel = nn.Linear(16, 32, kernel_sharding=spec, rngs=nn.Rngs(0)).kernel
         assert kernel.sharding.is_equivalent_to(NamedSharding(mesh, P(*spec)), 2), spec
         np.testing.assert_array_equal(np.asarray(kernel), np.asarray(reference))
+
+
+@pytest.mark.parametrize("axis_type", AXES, ids=str)
+def test_a_list_of_mesh_axes_splits_one_axis_as_their_tuple(axis_type):
+    """(None, ["data", "model"]), as a configuration file gives it: axis 1 split 8 ways."""
+    mesh = mesh_of(axis_type)
+    with jax.set_mesh(mesh):
+        kernel = nn.Linear(
+            16, 32, kernel_sharding=(None, ["data", "model"]), rngs=nn.Rngs(0)
+        ).kernel
+    assert kernel.sharding.is_equivalent_to(NamedSharding(mesh, P(None, ("data", "model"))), 2)
+    assert [s.data.shape for s in kernel.addressable_shards] == [(16, 4)] * 8
+    np.testing.assert_array_equal(kernel, nn.Linear(16, 32, rngs=nn.Rngs(0)).kernel)

@@ -3,6 +3,7 @@
 leaves' shardings, outside and inside `jax.jit`."""
 
 import dataclasses
+import json
 
 import jax
 import jax.numpy as jnp
@@ -407,6 +408,24 @@ def test_the_guides_recipe_builds_under_with_mesh_and_restores_with_orbax(tmp_pa
         assert np.asarray(value).tobytes() == np.asarray(saved.flat_state_dict()[name]).tobytes()
 
 
+def test_under_with_mesh_a_layer_built_inside_a_trace_is_sharded_as_annotated():
+    """``with mesh:`` (deprecated, still accepted): building under ``jax.jit`` or
+    ``tt.eval_shape`` finds its mesh as building eagerly does (JAX refuses ``jax.set_mesh``
+    inside a trace, and a traced value does not tell its sharding)."""
+    mesh = mesh_of(axis_type=AxisType.Auto)  # (Explicit axes need jax.set_mesh under jit)
+    build = lambda: nn.Linear(8, 16, kernel_sharding=(None, "model"), rngs=nn.Rngs(0))
+    with pytest.warns(DeprecationWarning, match="with mesh"), mesh:
+        eager = build()
+        traced = jax.jit(build)()
+        abstract = tt.eval_shape(build)
+    want = NamedSharding(mesh, P(None, "model"))
+    assert eager.kernel.sharding == want and traced.kernel.sharding == want
+    assert abstract.kernel.sharding == want and same(
+        abstract.bias.sharding, NamedSharding(mesh, P()), 1
+    )
+    assert np.array_equal(traced.kernel, eager.kernel)
+
+
 def test_eval_shape_without_a_mesh_follows_the_default_device():
     device = jax.devices("cpu")[3]
     with jax.default_device(device):
@@ -529,3 +548,63 @@ def test_a_rule_naming_a_custom_parameter_splits_only_the_leaves_axes_of_its_siz
     }
     plan = tt.sharding_plan(tree, {"w": ("data",)}, mesh_of())  # the spec's last entries: None
     assert [plan.specs[f"w.{n}"] for n in ("left", "right", "rows")] == [P("data", None), P(None, None), P()]  # fmt: skip
+
+
+def test_rules_read_from_json_take_lists_as_tuples_of_mesh_axes():
+    """A plan kept in JSON gives lists where a spec has tuples: the outer list is the spec,
+    an inner list the mesh axes that split one axis together."""
+    rules = json.loads('{"up.kernel": [null, ["data", "model"]], "down.kernel": ["model"]}')
+    sharded = tt.shard(Block(rngs=nn.Rngs(0)), rules, mesh_of())
+    assert sharded.up.kernel.sharding.spec == P(None, ("data", "model"))
+    assert [s.data.shape for s in sharded.up.kernel.addressable_shards] == [(8, 2)] * 8
+    assert sharded.down.kernel.sharding.spec == P("model")
+
+
+def test_every_problem_of_a_spec_is_reported_not_only_the_first():
+    """After an entry that names no mesh axis, or an axis the mesh lacks, the later entries
+    are still checked; a split over several mesh axes names them all."""
+    mesh = mesh_of()
+    model = Block(rngs=nn.Rngs(0))  # up.kernel [8, 16], down.kernel [16, 8]
+    with pytest.raises(ValueError) as info:
+        tt.sharding_plan(model, {"up.kernel": (3, "modle"), "down.kernel": ("modle", "mdoel")},
+                         mesh)  # fmt: skip
+    problems = str(info.value).splitlines()[1:]
+    where = "on the mesh {'data': 2, 'model': 4}: "
+    axes = "(its axes: 'data', 'model')"
+    assert problems == [
+        f"  - up.kernel of shape (8, 16) by P(3, 'modle') {where}entry 0 (3) is not a mesh "
+        "axis name",
+        f"  - up.kernel of shape (8, 16) by P(3, 'modle') {where}the mesh has no axis 'modle' "
+        f"{axes}",
+        f"  - down.kernel of shape (16, 8) by P('modle', 'mdoel') {where}the mesh has no axis "
+        f"'modle' {axes}",
+        f"  - down.kernel of shape (16, 8) by P('modle', 'mdoel') {where}the mesh has no axis "
+        f"'mdoel' {axes}",
+    ]
+
+
+@pytest.mark.parametrize("axis_type", AXES)
+def test_eval_shape_on_a_mesh_passes_keyword_arguments_on(axis_type):
+    mesh = mesh_of(axis_type=axis_type)
+    x = jax.ShapeDtypeStruct((8, 16), jnp.float32, sharding=NamedSharding(mesh, P("data", "model")))
+    out = tt.eval_shape(lambda *, x, scale: x * scale, x=x, scale=np.float32(2))
+    assert (out.shape, out.dtype) == ((8, 16), jnp.float32)
+    assert same(out.sharding, x.sharding, 2) and out.sharding.mesh == mesh
+
+
+def test_eval_shape_under_a_default_platform_places_on_that_platforms_first_device(monkeypatch):
+    """``jax.default_device("cpu")`` on a machine whose default backend is an accelerator:
+    the results go to the CPU, the platform named, not to the default backend's first
+    device. (Here JAX has the CPU backend only: jax.local_devices is made to answer for an
+    accelerator as the default backend, whose first device stands in for the accelerator's.)"""
+    local = jax.local_devices
+    accelerator = jax.devices("cpu")[5]
+
+    def local_devices(process_index=None, backend=None, host_id=None):
+        return local(process_index, backend, host_id) if backend else [accelerator]
+
+    monkeypatch.setattr(jax, "local_devices", local_devices)
+    with jax.default_device("cpu"):
+        out = tt.eval_shape(lambda: jnp.zeros(3))
+    assert out.sharding == SingleDeviceSharding(jax.devices("cpu")[0])
+    assert tt.eval_shape(lambda: jnp.zeros(3)).sharding == SingleDeviceSharding(accelerator)

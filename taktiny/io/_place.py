@@ -30,9 +30,26 @@ def _direct(step: Step, sources: list[Tensor], leaves: Mapping[str, Any]) -> Any
     wanted = [name for name in step.targets if name in leaves]
     if isinstance(step.rule.transform, identity) and len(sources) == 1 == len(wanted):
         leaf = leaves[wanted[0]]
-        if sources[0].dtype == _spec(leaf)[1] and wanted[0] == step.targets[0]:
-            return leaf
+        dtype = sources[0].dtype
+        if dtype == _spec(leaf)[1] == jax.dtypes.canonicalize_dtype(dtype):
+            if wanted[0] == step.targets[0]:
+                return leaf
     return None
+
+
+def _canonical(
+    names: Sequence[str], read: list[np.ndarray], problems: list[err.StateProblem]
+) -> list[Any]:
+    """The tensors read, those of a 64-bit dtype cast to what JAX holds them in without
+    x64 (int32, float32, ...) when every value survives; a problem for each that does not
+    (JAX itself would wrap 2**40 + 5 to 5, or turn 1e300 into inf, without a word)."""
+    out: list[Any] = []
+    for name, array in zip(names, read, strict=True):
+        dtype = jax.dtypes.canonicalize_dtype(array.dtype)
+        if dtype != array.dtype:
+            array = _values.convert(name, array, jax.ShapeDtypeStruct(array.shape, dtype), problems)
+        out.append(array)
+    return out
 
 
 def _transform(
@@ -48,9 +65,12 @@ def _transform(
     quantized parameter is quantized as it is, and its parts placed."""
     count = None if step.rule.gathered else len(step.targets)
     here = jax.sharding.SingleDeviceSharding(default_device())
+    problems: list[err.StateProblem] = []
+    read = _canonical(step.sources, read, problems)
+    if problems:
+        raise err.StateDictError(where, problems)
     results = step.rule.transform(tuple(jax.device_put(a, here) for a in read), count)
     out: dict[str, Any] = {}
-    problems: list[err.StateProblem] = []
     for name, result in zip(step.targets, results, strict=True):
         like = quantized.get(name)
         if like is not None:  # checked and cast as for the float model, then quantized

@@ -19,6 +19,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.core import Tracer
 from jax.sharding import Mesh
 from jax.typing import DTypeLike
 
@@ -57,8 +58,10 @@ def _create(kind: str, key: Any, shape: Sequence[int], dtype: DTypeLike, stddev:
     if placed is None:
         return None
     spec, mesh = placed
-    # the mesh of `with mesh:` (a concrete Mesh) is made ambient as jax.set_mesh would
-    with jax.set_mesh(mesh) if isinstance(mesh, Mesh) else contextlib.nullcontext():
+    # the mesh of `with mesh:` (a concrete Mesh) is made ambient as jax.set_mesh would;
+    # inside a trace (where JAX refuses set_mesh) the deprecated context places by itself
+    concrete = isinstance(mesh, Mesh) and not isinstance(jnp.zeros((), np.int8), Tracer)
+    with jax.set_mesh(mesh) if concrete else contextlib.nullcontext():
         return _sharded(key, kind=kind, shape=tuple(shape), dtype=np.dtype(dtype),
                         stddev=stddev, explicit=part(spec, mesh, explicit=True),
                         auto=part(spec, mesh, explicit=False))  # fmt: skip
