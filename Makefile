@@ -18,7 +18,8 @@ $(STAMP): pyproject.toml | $(PY)
 demo: $(STAMP)
 	$(PY) examples/quickstart.py
 
-test: $(STAMP)
+# the format, lint and type checks first (about 15 s): a lint or type error fails CI
+test: lint
 	$(PY) -m pytest -q -n 2 --dist worksteal --durations=25
 
 property: $(STAMP)
