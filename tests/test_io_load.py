@@ -671,15 +671,17 @@ def test_a_file_cut_after_it_was_opened_is_named_by_the_load_that_reads_it(tmp_p
 
 
 # Without x64 JAX holds int64 as int32 and float64 as float32, and jax.device_put narrows
-# what it is given without a word: a file's 64-bit values are checked first
+# what it is given without a word: a file's 64-bit values are checked first. (The leaves
+# are made JAX arrays in the test: one made at import would start JAX's backend in the
+# server `make mutate` forks.)
 WIDE = [
-    ("int64 past int32", np.array([2**40 + 5], np.int64), jnp.zeros(1, jnp.int32),
+    ("int64 past int32", np.array([2**40 + 5], np.int64), np.zeros(1, np.int32),
      r"'n': narrowing int64 to int32 would change values; convert the value yourself\."),
     ("int64 past int32, into a Python int", np.array(2**40 + 5, np.int64), 0,
      r"'n': narrowing int64 to int32 would change values"),
-    ("uint64 past uint32", np.array([2**32], np.uint64), jnp.zeros(1, jnp.uint32),
+    ("uint64 past uint32", np.array([2**32], np.uint64), np.zeros(1, np.uint32),
      r"'n': narrowing uint64 to uint32 would change values"),
-    ("float64 past float32", np.array([1.0, 1e300], np.float64), jnp.zeros(2, jnp.float32),
+    ("float64 past float32", np.array([1.0, 1e300], np.float64), np.zeros(2, np.float32),
      r"'n': casting float64 to float32 would turn a value into inf: the largest is 1e\+300"),
 ]  # fmt: skip
 
@@ -693,7 +695,7 @@ def test_64_bit_values_that_jax_holds_narrower_are_refused_not_wrapped(
 ):
     path = tmp_path / "wide.safetensors"
     save_safetensors(path, {"n": saved})
-    target = {"n": leaf}
+    target = {"n": jnp.asarray(leaf) if isinstance(leaf, np.ndarray) else leaf}
     target = jax.eval_shape(lambda: target) if abstract else target
     with pytest.raises(tt.StateDictError, match=message):
         load_safetensors(target, path, progress=False)
