@@ -257,3 +257,60 @@ def test_parts_layout_reads_bits_axis_and_group_size_from_the_parts_shapes():
         (value(4, 3), scale(3, 3), "a scale of shape (3, 3) " + misfit.format((4, 3))),
     ]  # fmt: skip
     assert [_quant.parts_layout(v, s) for v, s, _ in refused] == [want for _, _, want in refused]
+
+
+def test_group_sizes_start_at_1_and_a_group_size_of_0_is_refused():
+    w = weights(8, 4)
+    q = tt.QArray.quantize(w, group_size=1)  # a scale for each entry
+    assert q.scale.shape == (8, 4)
+    np.testing.assert_array_equal(np.asarray(q.value, np.int8), oracle(w, 8, 0, 1)[0])
+    with pytest.raises(
+        ValueError, match=r"group_size must divide axis 0 \(size 8\) into whole groups, got 0"
+    ):
+        tt.QArray.quantize(w, group_size=0)
+
+
+def test_array_likes_quantize_as_their_arrays_do():
+    rows = [[1.0, -2.0, 0.25], [0.5, 4.0, -8.0]]
+    q, expected = tt.QArray.quantize(rows), tt.QArray.quantize(np.array(rows, np.float32))
+    np.testing.assert_array_equal(np.asarray(q.value, np.int8), np.asarray(expected.value, np.int8))
+    np.testing.assert_array_equal(q.scale, expected.scale)
+
+
+def test_the_quantize_rule_refuses_an_integer_array():
+    from taktiny import convert as cv
+
+    with pytest.raises(TypeError, match=r"^cannot quantize the array: expected a float array"):
+        cv.quantize()((np.ones((4, 4), np.int32),))
+
+
+@pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit])
+def test_an_axis_split_over_two_mesh_axes_or_per_channel_quantizes(axis_type):
+    """Groups may not straddle devices: an axis split over ('data', 'model') is split 8
+    ways; one scale per channel (no groups along the axis) takes any split."""
+    mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(axis_type,) * 2,
+                         devices=jax.devices("cpu"))  # fmt: skip
+    w = weights(64, 8)
+    expected = {g: tt.QArray.quantize(w, group_size=g) for g in (8, None)}
+    split = jax.device_put(w, NamedSharding(mesh, P(("data", "model"))))
+    for group_size in (8, None):  # 8 groups of 8, or one scale per channel
+        q = tt.QArray.quantize(split, group_size=group_size)
+        assert q.value.sharding.is_equivalent_to(split.sharding, 2)
+        np.testing.assert_array_equal(
+            np.asarray(q.value, np.int8), np.asarray(expected[group_size].value, np.int8)
+        )
+        np.testing.assert_array_equal(q.scale, expected[group_size].scale)
+    with pytest.raises(ValueError, match=r"is split 8 ways along axis 0 .* its 4 groups of 16"):
+        tt.QArray.quantize(split, group_size=16)
+
+
+def test_inside_jit_on_auto_axes_a_split_array_quantizes_as_outside():
+    mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Auto,) * 2,
+                         devices=jax.devices("cpu"))  # fmt: skip
+    w = weights(64, 32)
+    split = jax.device_put(w, NamedSharding(mesh, P(None, "model")))
+    with jax.set_mesh(mesh):
+        q = jax.jit(lambda w: tt.QArray.quantize(w, bits=4, group_size=16))(split)
+    expected = tt.QArray.quantize(w, bits=4, group_size=16)
+    np.testing.assert_array_equal(np.asarray(q.value, np.int8), np.asarray(expected.value, np.int8))
+    np.testing.assert_array_equal(q.scale, expected.scale)
