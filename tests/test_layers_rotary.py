@@ -37,7 +37,9 @@ def randn(*shape, seed):
     return np.random.default_rng(seed).normal(size=shape).astype(np.float32)
 
 
-@pytest.mark.parametrize(("theta", "head_dim"), [(10000.0, 8), (500000.0, 64), (100.0, 2)])
+@pytest.mark.parametrize(
+    ("theta", "head_dim"), [(10000.0, 8), (500000.0, 64), (100.0, 2), (10000.0, 80), (1e6, 96)]
+)
 def test_rotation_matches_hugging_face_llama(theta, head_dim):
     config = llama_config(theta, heads=3, kv_heads=3, head_dim=head_dim, hidden=3 * head_dim)
     q, k = randn(2, 6, 3, head_dim, seed=0), randn(2, 6, 3, head_dim, seed=1)
