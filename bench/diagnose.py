@@ -473,14 +473,14 @@ def profile_streaming(quick: bool = False, rounds: int = 5, size: Any = None) ->
         )
     # 5. the memory a first load costs besides its arrays, in a fresh interpreter
     code = (
-        "from bench.memory import _rss; import jax; rss = _rss(); from taktiny import _values; "
-        "_values.array_type(); print(_rss() - rss)"
+        "from bench.memory import _rss; import jax; rss = _rss(); "
+        "from taktiny.state import _values; _values.array_type(); print(_rss() - rss)"
     )
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     grown = int(done.stdout.strip().splitlines()[-1]) if done.returncode == 0 else -1
     print(
-        f"\nfirst use of taktiny._values.array_type() (a load's first check) in a fresh "
+        f"\nfirst use of taktiny.state._values.array_type() (a load's first check) in a fresh "
         f"interpreter: RSS +{grown / 1e6:.1f} MB, counted in a first load's growth"
     )
 

@@ -1,8 +1,8 @@
 """Deliberately broken variants of the state walk, to see each property catch the ones its
 docstring names.
 
-Nothing here changes the package: each variant monkeypatches `taktiny._state`,
-`taktiny._values`, `taktiny._patterns` or `taktiny._abstract` for one pytest run, as a plugin
+Nothing here changes the package: each variant monkeypatches `taktiny.state._state`,
+`taktiny.state._values`, `taktiny.state._patterns` or `taktiny._abstract` for one pytest run, as a plugin
 (pytest does not collect this file as tests). Run one variant against one property, or every
 variant against the properties expected to catch it:
 
@@ -34,7 +34,7 @@ settings.register_profile(
 def _wrap_load(before: Any = None, after: Any = None, failed: Any = None) -> Any:
     """A `load` that edits its arguments (`before`), its result (`after`) or its error
     (`failed`)."""
-    from taktiny import _state
+    from taktiny.state import _state
 
     load = _state.load
 
@@ -105,8 +105,9 @@ def _flat_items(state: dict, prefix: str = "") -> list:
 
 def _mutants() -> dict[str, Any]:
     """Each variant's name and the patches (module, attribute, value) it makes."""
-    from taktiny import _abstract, _patterns, _state, _values
-    from taktiny._module import NODES
+    from taktiny import _abstract
+    from taktiny.module._module import NODES
+    from taktiny.state import _patterns, _state, _values
 
     match = _patterns.match
 
@@ -248,7 +249,9 @@ EXPECTED = {
 
 
 def pytest_addoption(parser: Any) -> None:
-    parser.addoption("--mutant", default=None, help="a broken variant of taktiny._state to run")
+    parser.addoption(
+        "--mutant", default=None, help="a broken variant of taktiny.state._state to run"
+    )
 
 
 def pytest_sessionstart(session: Any) -> None:

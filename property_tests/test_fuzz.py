@@ -19,8 +19,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import taktiny as tt
-from taktiny import _state
-from taktiny._module import NODES, Module
+from taktiny.module._module import NODES, Module
+from taktiny.state import _state
 
 from .budget import examples
 from .checks import dtype_of, identities, kind_of

@@ -1,7 +1,7 @@
 """The properties still catch the broken variants of the state walk their docstrings name.
 
-`property_tests/mutants.py` defines the variants, each a patch of `taktiny._state` or
-`taktiny._values`, and which properties are expected to catch each one. Here every pair runs
+`property_tests/mutants.py` defines the variants, each a patch of `taktiny.state._state` or
+`taktiny.state._values`, and which properties are expected to catch each one. Here every pair runs
 in-process, on the CPU, with the ``mutants`` profile's examples and no shrinking (the first
 failure is enough), so a property that stops catching its variant fails the suite; and each
 property's "Seen to catch" docstring names exactly the variants listed for it.

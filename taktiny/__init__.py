@@ -11,22 +11,22 @@ if _typing.TYPE_CHECKING:
     from . import io as io
     from . import nn as nn
     from ._abstract import eval_shape as eval_shape
-    from ._errors import StateDictError as StateDictError
-    from ._errors import StateProblem as StateProblem
     from ._quant import QArray as QArray
     from ._shard import ShardingPlan as ShardingPlan
     from ._shard import shard as shard
     from ._shard import sharding_plan as sharding_plan
     from ._summary import Summary as Summary
     from ._summary import summary as summary
-    from ._tree import by_name as by_name
-    from ._tree import flat_state_dict as flat_state_dict
-    from ._tree import load_flat_state_dict as load_flat_state_dict
-    from ._tree import load_state_dict as load_state_dict
-    from ._tree import state_dict as state_dict
-    from ._tree import trainable as trainable
     from .nn._quantized import dequantize as dequantize
     from .nn._quantized import quantize as quantize
+    from .state._errors import StateDictError as StateDictError
+    from .state._errors import StateProblem as StateProblem
+    from .state._tree import by_name as by_name
+    from .state._tree import flat_state_dict as flat_state_dict
+    from .state._tree import load_flat_state_dict as load_flat_state_dict
+    from .state._tree import load_state_dict as load_state_dict
+    from .state._tree import state_dict as state_dict
+    from .state._tree import trainable as trainable
 
 # name -> (the module that defines it, its name there; None: the module itself)
 _LAZY = {
@@ -34,20 +34,20 @@ _LAZY = {
     "io": (".io", None),
     "nn": (".nn", None),
     "eval_shape": ("._abstract", "eval_shape"),
-    "StateDictError": ("._errors", "StateDictError"),
-    "StateProblem": ("._errors", "StateProblem"),
+    "StateDictError": (".state._errors", "StateDictError"),
+    "StateProblem": (".state._errors", "StateProblem"),
     "QArray": ("._quant", "QArray"),
     "ShardingPlan": ("._shard", "ShardingPlan"),
     "shard": ("._shard", "shard"),
     "sharding_plan": ("._shard", "sharding_plan"),
     "Summary": ("._summary", "Summary"),
     "summary": ("._summary", "summary"),
-    "by_name": ("._tree", "by_name"),
-    "flat_state_dict": ("._tree", "flat_state_dict"),
-    "load_flat_state_dict": ("._tree", "load_flat_state_dict"),
-    "load_state_dict": ("._tree", "load_state_dict"),
-    "state_dict": ("._tree", "state_dict"),
-    "trainable": ("._tree", "trainable"),
+    "by_name": (".state._tree", "by_name"),
+    "flat_state_dict": (".state._tree", "flat_state_dict"),
+    "load_flat_state_dict": (".state._tree", "load_flat_state_dict"),
+    "load_state_dict": (".state._tree", "load_state_dict"),
+    "state_dict": (".state._tree", "state_dict"),
+    "trainable": (".state._tree", "trainable"),
     "dequantize": (".nn._quantized", "dequantize"),
     "quantize": (".nn._quantized", "quantize"),
 }

@@ -27,7 +27,8 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from . import _lazy, _patterns
+from . import _lazy
+from .state import _patterns
 
 if TYPE_CHECKING:
     import numpy as np

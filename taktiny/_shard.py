@@ -9,10 +9,10 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from . import _names, _patterns
-from ._module import NODES
 from ._sharding import ambient_mesh, as_spec, mesh_text, spec_problems
-from ._values import placeable
+from .module._module import NODES
+from .state import _names, _patterns
+from .state._values import placeable
 
 
 class ShardingPlan(NamedTuple):

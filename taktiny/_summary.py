@@ -9,9 +9,9 @@ from typing import Any
 import jax
 import numpy as np
 
-from . import _names
-from ._module import NODES
-from ._tree import trainable
+from .module._module import NODES
+from .state import _names
+from .state._tree import trainable
 
 
 @dataclasses.dataclass(frozen=True)

@@ -59,7 +59,7 @@ def test_a_dict_of_the_parts_loads_too():
 def test_both_views_load_custom_parameters(monkeypatch):
     # a load naming many leaves (or strict) flattens the model; one naming few walks to them:
     # custom parameters load the same either way, whole or by their parts
-    from taktiny import _state
+    from taktiny.state import _state
 
     m = Dense()
     parts = {"value": np.full((2, 3), 4, np.int8), "scale": np.full(3, 0.25, np.float32)}

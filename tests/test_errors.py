@@ -12,7 +12,8 @@ import pytest
 from _models import MLP
 
 import taktiny as tt
-from taktiny import _errors, nn
+from taktiny import nn
+from taktiny.state import _errors
 
 
 class Stack(nn.Module):

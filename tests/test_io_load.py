@@ -387,7 +387,7 @@ def test_a_tensor_cast_on_loading_reaches_the_model_in_its_leaf_s_dtype(
     # a tensor renamed into a leaf of another dtype is read whole into the read buffer and
     # cast as it streams in: the load never holds a second copy of the model in the
     # checkpoint's dtype (only a tensor of the leaf's own dtype is read device by device)
-    import taktiny._state as state_module
+    import taktiny.state._state as state_module
 
     model = MLP(rngs=nn.Rngs(9))
     state = {k: v.astype(ml_dtypes.bfloat16) for k, v in flat_numpy(model).items()}

@@ -12,7 +12,8 @@ from _models import MLP
 from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
 import taktiny as tt
-from taktiny import _state, _values, nn
+from taktiny import nn
+from taktiny.state import _state, _values
 
 
 class Blocks(nn.Module):

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.program
 
 SMOKE_TEST = """
 import pytest
-from taktiny._patterns import compile_pattern
+from taktiny.state._patterns import compile_pattern
 
 def test_patterns():
     assert compile_pattern("a.*.c").fullmatch(".a.b.c")
@@ -33,7 +33,7 @@ def test_patterns():
 """
 
 SEES_NOTHING = """
-from taktiny._patterns import compile_pattern
+from taktiny.state._patterns import compile_pattern
 
 def test_patterns():  # reaches the function, so that mutmut runs it, and checks nothing
     try:
@@ -46,7 +46,7 @@ def test_patterns():  # reaches the function, so that mutmut runs it, and checks
 
 def test_mutmut_runs_the_configured_pipeline_on_one_function(tmp_path):
     config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["mutmut"]
-    smoke = {**config, "only_mutate": ["taktiny/_patterns.py"], "also_copy": []}
+    smoke = {**config, "only_mutate": ["taktiny/state/_patterns.py"], "also_copy": []}
     lines = ["[tool.mutmut]"] + [f"{k} = {_toml(v)}" for k, v in smoke.items()]
     (tmp_path / "pyproject.toml").write_text("\n".join(lines) + "\n")
     shutil.copytree(ROOT / "taktiny", tmp_path / "taktiny")
@@ -54,31 +54,31 @@ def test_mutmut_runs_the_configured_pipeline_on_one_function(tmp_path):
     (tmp_path / "tests" / "test_smoke.py").write_text(SMOKE_TEST)
     run = subprocess.run(
         [sys.executable, "-m", "mutmut", "run", "--max-children", "2",
-         "taktiny._patterns.x_compile_pattern__mutmut_1*"],  # 1 and 10-19: 11 of its 22
+         "taktiny.state._patterns.x_compile_pattern__mutmut_1*"],  # 1 and 10-19: 11 of its 22
         cwd=tmp_path, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     results = mutation_report.read(tmp_path / "mutants")
-    codes = {n: c for n, c in results["taktiny/_patterns.py"].items()
+    codes = {n: c for n, c in results["taktiny/state/_patterns.py"].items()
              if "compile_pattern__mutmut_1" in n}  # fmt: skip
     assert len(codes) == 11 and all(code is not None for code in codes.values())
     summary = mutation_report.summarise(results, {})
-    assert summary["files"]["taktiny/_patterns.py"]["killed"] >= len(codes) // 2
+    assert summary["files"]["taktiny/state/_patterns.py"]["killed"] >= len(codes) // 2
     assert mutation_report.main(["--mutants", str(tmp_path / "mutants"), "--no-targets"]) == 0
     report = (tmp_path / "mutants" / "report.md").read_text()
-    assert re.search(r"\| taktiny/_patterns\.py \| \d+ \| \d+ \|", report)
+    assert re.search(r"\| taktiny/state/_patterns\.py \| \d+ \| \d+ \|", report)
 
     # kept, removed, restored: mutmut keeps the results of functions whose hash is the same
     kept = tmp_path / "kept.json"
     mutation_report.record(tmp_path / "mutants", kept)
     shutil.rmtree(tmp_path / "mutants")
     assert mutation_report.restore(tmp_path / "mutants", kept) == 1
-    rerun = "taktiny._patterns.x_compile_pattern__mutmut_1"
+    rerun = "taktiny.state._patterns.x_compile_pattern__mutmut_1"
     (tmp_path / "tests" / "test_smoke.py").write_text(SEES_NOTHING)
     run = subprocess.run([sys.executable, "-m", "mutmut", "run", "--max-children", "2", rerun],
                          cwd=tmp_path, capture_output=True, text=True, timeout=600)  # fmt: skip
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    again = mutation_report.read(tmp_path / "mutants")["taktiny/_patterns.py"]
+    again = mutation_report.read(tmp_path / "mutants")["taktiny/state/_patterns.py"]
     assert again[rerun] == 0  # judged again, against a test that checks nothing
     assert {n: c for n, c in again.items() if n in codes and n != rerun} == {
         n: c for n, c in codes.items() if n != rerun}  # fmt: skip

@@ -1,4 +1,4 @@
-"""Name patterns (`taktiny._patterns`, behind `tt.by_name`): the glob rules against a
+"""Name patterns (`taktiny.state._patterns`, behind `tt.by_name`): the glob rules against a
 reference matcher built on `fnmatch`, and every error and hint word for word."""
 
 import fnmatch
@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from taktiny import _patterns
+from taktiny.state import _patterns
 
 
 def reference(pattern: str, name: str) -> bool:

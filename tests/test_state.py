@@ -12,8 +12,9 @@ from _models import MLP
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import taktiny as tt
-from taktiny import _state, nn
-from taktiny._module import NODES
+from taktiny import nn
+from taktiny.module._module import NODES
+from taktiny.state import _state
 
 
 @pytest.fixture(autouse=True, params=["walk", "flat"])

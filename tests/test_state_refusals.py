@@ -12,7 +12,8 @@ import pytest
 from _models import MLP, Scaled
 
 import taktiny as tt
-from taktiny import _state, nn
+from taktiny import nn
+from taktiny.state import _state
 
 
 @pytest.fixture(autouse=True, params=["walk", "flat"])

@@ -9,8 +9,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from .. import _values
-from .._tree import flat_state_dict
+from ..state import _values
+from ..state._tree import flat_state_dict
 from ._coverage import (
     ConversionError,
     ConversionProblem,

@@ -10,7 +10,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from .. import _errors, _patterns, _values
+from ..state import _errors, _patterns, _values
 from ._rules import _CAPTURE, AnyRule, Ignore, Rule, Tie, first_match
 from ._transforms import Transform
 

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from .. import nn
-from .._module import NODES
+from ..module._module import NODES
 from ._rules import AnyRule, Ignore, Rule
 from ._transforms import Transform, chain, concatenate, flip, split, transpose
 

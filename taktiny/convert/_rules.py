@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from .. import _patterns
+from ..state import _patterns
 from ._transforms import Transform, identity
 
 _CAPTURE = re.compile(r"\{([A-Za-z_]\w*)\}")

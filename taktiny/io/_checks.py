@@ -11,9 +11,9 @@ from typing import Any
 import jax
 import numpy as np
 
-from .. import _errors as err
-from .. import _values
 from .._quant import QArray
+from ..state import _errors as err
+from ..state import _values
 from . import _quantized as qz
 from ._checkpoint import Checkpoint
 from ._read import SafetensorsError, Tensor

@@ -19,10 +19,10 @@ from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from .. import _errors as err
-from .. import _state, _tree
 from ..convert._coverage import Step
 from ..convert._rules import AnyRule
+from ..state import _errors as err
+from ..state import _state, _tree
 from . import _quantized as qz
 from ._checkpoint import Checkpoint, open_safetensors
 from ._checks import _absent

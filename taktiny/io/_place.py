@@ -14,12 +14,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .. import _errors as err
-from .. import _values
 from .._abstract import default_device
 from .._quant import QArray, quantize_like
 from ..convert._coverage import Step
 from ..convert._transforms import identity
+from ..state import _errors as err
+from ..state import _values
 from . import _checksum, _read
 from ._checks import _spec
 from ._read import Tensor

@@ -198,8 +198,8 @@ def layout(q: QArray) -> dict[str, Any]:
 def quantized_arrays(tree: Any) -> dict[str, QArray]:
     """The `QArray` parameters of `tree` by flat name (their parts are ``<name>.value`` and
     ``<name>.scale`` in :func:`taktiny.flat_state_dict`)."""
-    from .. import _tree  # (see the top)
     from .._quant import QArray
+    from ..state import _tree  # (see the top)
 
     out: dict[str, QArray] = {}
 

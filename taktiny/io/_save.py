@@ -23,7 +23,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from .. import _tree
+from ..state import _tree
 from . import _checksum
 from . import _quantized as qz
 from ._checkpoint import SHARD

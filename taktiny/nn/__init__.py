@@ -1,8 +1,8 @@
 """Taktiny's modules and layers."""
 
-from .._module import Module as Module
-from .._module import field as field
-from .._rngs import Rngs as Rngs
+from ..module._module import Module as Module
+from ..module._module import field as field
+from ..module._rngs import Rngs as Rngs
 from ._attention import MultiHeadAttention as MultiHeadAttention
 from ._batchnorm import BatchNorm as BatchNorm
 from ._cache import KVCache as KVCache

@@ -13,12 +13,12 @@ from jax.sharding import PartitionSpec as P
 from jax.typing import DTypeLike
 from jaxtyping import Array, Float, Integer
 
-from .._module import Module, _finalise
-from .._names import key_name
-from .._patterns import compile_pattern, unused_hint
 from .._quant import QArray, dequantize_array, quantized
-from .._rngs import Rngs
 from .._sharding import Spec
+from ..module._module import Module, _finalise
+from ..module._rngs import Rngs
+from ..state._names import key_name
+from ..state._patterns import compile_pattern, unused_hint
 from ._checks import check_features
 from ._embed import Embed
 from ._explicit import explicit_axes, free, project, typed_spec

@@ -10,8 +10,8 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
+from .._quant import QArray
 from ._errors_core import StateProblem, describe
-from ._quant import QArray
 
 _MATCH = "match_quantization=True"  # the load option that converts representations
 

@@ -9,8 +9,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .._sharding import mesh_text
 from ._errors_core import StateProblem, describe
-from ._sharding import mesh_text
 
 
 def bits(name: str, expected: Any, got: Any) -> StateProblem:

@@ -8,10 +8,10 @@ from typing import Any
 
 import jax
 
+from .._quant import QArray
+from ..module._fields import MISSING
+from ..module._module import NODES, Module
 from . import _names, _patterns, _state
-from ._fields import MISSING
-from ._module import NODES, Module
-from ._quant import QArray
 
 _TRAINABLE: dict[Any, list[bool]] = {}  # tree structure -> trainable flag per leaf
 

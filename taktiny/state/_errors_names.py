@@ -9,8 +9,8 @@ from typing import Any
 
 import numpy as np
 
+from .._quant import PARTS
 from ._errors_core import StateProblem, describe
-from ._quant import PARTS
 
 _SUGGESTED = 100  # unknown names that get a suggestion; later ones are only listed
 _SHORTLIST = 64  # candidates whose similarity to an unknown name is measured (see _Suggester)

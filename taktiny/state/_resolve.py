@@ -10,9 +10,9 @@ from typing import Any, NamedTuple
 
 import jax
 
+from .._quant import PARTS
 from . import _errors as err
 from ._errors import StateProblem
-from ._quant import PARTS
 from ._represent import Other
 from ._views import GROUP, LEAF
 

@@ -23,9 +23,10 @@ import numpy as np
 import wadler_lindig as wl
 from jax.core import Tracer
 
-from . import _checks, _state
+from ..state import _state
+from ..state._names import Nodes
+from . import _checks
 from ._fields import MISSING, Field, declared_fields, field, generated_init
-from ._names import Nodes
 from ._rngs import Rngs
 
 ARRAY_TYPES = (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct)

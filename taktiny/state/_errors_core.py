@@ -10,7 +10,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from ._quant import QArray
+from .._quant import QArray
 
 
 @dataclasses.dataclass(frozen=True)

@@ -19,11 +19,11 @@ import numpy as np
 from jax.core import Tracer
 from jax.sharding import NamedSharding
 
+from .._quant import PARTS, QArray, parts_layout, quantize_like
 from . import _errors as err
 from . import _values
 from ._errors import StateProblem
 from ._names import Custom
-from ._quant import PARTS, QArray, parts_layout, quantize_like
 
 _CHECKED_KINDS = ("dtype", "shape", "value", "structure")  # problems told as a QArray's
 
