@@ -237,8 +237,8 @@ class RotaryEmbedding(Module):
 def _powers(theta: float, dim: int) -> np.ndarray:
     """``theta ** (arange(0, dim, 2) / dim)`` in float32 as PyTorch computes it: the
     exponents in float32, each power rounded to float32 from float64, as the C library's
-    ``powf`` that PyTorch calls gives it. (NumPy's own float32 power, vectorised since
-    NumPy 2.4, is an ulp off for some; at position 2,000 that moves an angle by 1e-4.)"""
+    ``powf`` that PyTorch calls gives it. (NumPy 2.4.6's own float32 power is an ulp off
+    for some exponents; at position 2,000 that moves an angle by 1e-4.)"""
     exponents = np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim)
     return (np.float64(np.float32(theta)) ** exponents.astype(np.float64)).astype(np.float32)
 
