@@ -26,14 +26,14 @@ from ._read import Tensor
 
 
 def _direct(step: Step, sources: list[Tensor], leaves: Mapping[str, Any]) -> Any:
-    """The leaf a step fills with a tensor as it is on disk (a rename, same dtype), or None."""
+    """The leaf a step fills with a tensor as it is on disk (a rename, the leaf's dtype, one
+    that JAX holds as it is), or None."""
     wanted = [name for name in step.targets if name in leaves]
     if isinstance(step.rule.transform, identity) and len(sources) == 1 == len(wanted):
-        leaf = leaves[wanted[0]]
-        dtype = sources[0].dtype
-        if dtype == _spec(leaf)[1] == jax.dtypes.canonicalize_dtype(dtype):
-            if wanted[0] == step.targets[0]:
-                return leaf
+        leaf, dtype = leaves[wanted[0]], sources[0].dtype
+        same = dtype == _spec(leaf)[1] == jax.dtypes.canonicalize_dtype(dtype)
+        if same and wanted[0] == step.targets[0]:
+            return leaf
     return None
 
 
