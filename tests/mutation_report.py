@@ -111,13 +111,37 @@ def restore(mutants: Path, results: Path) -> int:
     return written
 
 
-def pending(results: dict[str, dict[str, int | None]], globs: list[str]) -> list[str]:
-    """The mutants matching a glob (mutmut's names) that have not run; the globs themselves
-    for a run from scratch (no results yet), for mutmut to expand."""
+def pending(
+    results: dict[str, dict[str, int | None]], globs: list[str], changed: list[str] = ()
+) -> list[str]:
+    """The mutants matching a glob (mutmut's names) that have not run, and a glob of the
+    mutants of each function in `changed` (mutmut's name for it, module included), which
+    mutmut numbers anew when it makes them; the globs themselves for a run from scratch
+    (no results yet), for mutmut to expand."""
     if not results:
         return list(globs)
-    return [name for codes in results.values() for name, code in codes.items()
-            if code is None and any(fnmatch.fnmatchcase(name, g) for g in globs)]  # fmt: skip
+    found = [name for codes in results.values() for name, code in codes.items()
+             if code is None and any(fnmatch.fnmatchcase(name, g) for g in globs)]  # fmt: skip
+    fresh = [f"{f}__mutmut_*" for f in changed if any(fnmatch.fnmatchcase(f, g) for g in globs)]
+    return [n for n in found if not n.startswith(tuple(g[:-1] for g in fresh))] + fresh
+
+
+def changed(mutants: Path, root: Path) -> list[str]:
+    """The functions (mutmut's names) whose source differs from the one their results in
+    `mutants` were judged on: mutmut finds them only when it makes the mutants again, at
+    the start of a run, after the names to run were chosen."""
+    from mutmut.mutation.file_mutation import compute_function_hashes
+
+    found = []
+    for meta in sorted(mutants.rglob("*.py.meta")):
+        source = root / str(meta.relative_to(mutants))[: -len(".meta")]
+        if not source.exists():
+            continue
+        module = str(source.relative_to(root)).removesuffix(".py").replace("/", ".")
+        kept = json.loads(meta.read_text()).get("hash_by_function_name", {})
+        now = compute_function_hashes(source.read_text())
+        found += [f"{module}.{f}" for f, h in now.items() if kept.get(f, h) != h]
+    return found
 
 
 def status(name: str, code: int | None, equivalent: dict[str, str]) -> str:
@@ -203,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     results = read(args.mutants)
     equivalent = tomllib.loads(args.equivalents.read_text()).get("mutants", {})
     if args.pending:  # mutmut runs again every mutant named, judged or not: name only these
-        print(" ".join(pending(results, args.pending)))
+        print(" ".join(pending(results, args.pending, changed(args.mutants, HERE.parent))))
         return 0
     if args.survivors:  # survived or reached by no test: judged again against today's tests
         found = [n for codes in results.values() for n, c in codes.items() if c in (0, 33)]

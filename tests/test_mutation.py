@@ -175,4 +175,16 @@ def test_results_are_kept_and_restored_and_pending_ones_named(tmp_path):
     assert mutation_report.pending(results, ["taktiny.io.*"]) == ["taktiny.io._x.x_f__mutmut_2"]
     assert mutation_report.pending(results, ["taktiny.nn.*"]) == []
     assert mutation_report.pending({}, ["taktiny.io.*"]) == ["taktiny.io.*"]  # from scratch
+    # a function changed since it was judged: all its mutants, as mutmut will number them
+    changed = ["taktiny.io._x.xǁCǁm", "taktiny.io._x.x_f", "taktiny.nn._y.x_h"]
+    assert mutation_report.pending(results, ["taktiny.io.*"], changed) == [
+        "taktiny.io._x.xǁCǁm__mutmut_*", "taktiny.io._x.x_f__mutmut_*"]  # fmt: skip
+    source = tmp_path / "taktiny" / "io" / "_x.py"
+    source.parent.mkdir(parents=True)
+    source.write_text("def f():\n    return 1\n\n\nclass C:\n    def m(self):\n        return 2\n")
+    from mutmut.mutation.file_mutation import compute_function_hashes
+
+    now = compute_function_hashes(source.read_text())
+    meta.write_text(json.dumps({**back, "hash_by_function_name": {**now, "x_f": "ab"}}))
+    assert mutation_report.changed(tmp_path / "mutants", tmp_path) == ["taktiny.io._x.x_f"]
     assert mutation_report.restore(tmp_path / "elsewhere", tmp_path / "none.json") == 0
