@@ -106,13 +106,11 @@ def _flat_items(state: dict, prefix: str = "") -> list:
 def _mutants() -> dict[str, Any]:
     """Each variant's name and the patches (module, attribute, value) it makes."""
     from taktiny import _abstract
-    from taktiny.module._module import NODES
     from taktiny.state import _patterns, _state, _values
 
     match = _patterns.match
 
-    flat_state_dict = lambda m: _state.flat_state_dict(m, NODES)
-    state_dict = lambda m: _state.state_dict(m, NODES)
+    flat_state_dict, state_dict = _state.flat_state_dict, _state.state_dict
     flat_read, nested_read, convert = _state.flat_state_dict, _state.state_dict, _values.convert
 
     def drop_sharding(model: Any, state: Any, result: Any, flat: bool) -> Any:
@@ -175,9 +173,9 @@ def _mutants() -> dict[str, Any]:
         used = set(found.unused)
         return found._replace(unused=[p for p, _ in rules if p in used])
 
-    flat_sorted = lambda m, nodes: dict(sorted(flat_read(m, nodes).items()))
-    nested_sorted = lambda m, nodes: jax.tree.map(lambda x: x, nested_read(m, nodes))
-    state_copies = lambda m, nodes: jax.tree.map(np.asarray, nested_read(m, nodes))
+    flat_sorted = lambda m: dict(sorted(flat_read(m).items()))
+    nested_sorted = lambda m: jax.tree.map(lambda x: x, nested_read(m))
+    state_copies = lambda m: jax.tree.map(np.asarray, nested_read(m))
     return {
         "flat_sorted": [(_state, "flat_state_dict", flat_sorted)],
         "nested_sorted": [(_state, "state_dict", nested_sorted)],

@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import taktiny as tt
-from taktiny.module._module import NODES, Module
+from taktiny.module._module import Module
 from taktiny.state import _state
 
 from .budget import examples
@@ -137,7 +137,7 @@ def test_any_input_loads_or_raises_one_state_dict_error(platform, data):
     strict = data.draw(st.booleans(), label="strict")
     before = identities(model)
     try:  # as the methods call it: their `Mapping[str, Any]` would stop beartype here first
-        loaded = _state.load(model, state, strict=strict, flat=not nested, nodes=NODES)
+        loaded = _state.load(model, state, strict=strict, flat=not nested)
     except tt.StateDictError as error:
         assert error.problems and all(isinstance(p.key, str) and p.hint for p in error.problems)
         assert str(error).count("\n  - ") == min(len(error.problems), 20)
@@ -160,7 +160,7 @@ def test_a_state_that_is_not_a_mapping_is_a_type_error(state):
     for flat in (False, True):
         method = "load_flat_state_dict" if flat else "load_state_dict"
         with pytest.raises(TypeError, match=rf"Holder\.{method}\(\) expects a dict, got "):
-            _state.load(holder, state, strict=False, flat=flat, nodes=NODES)
+            _state.load(holder, state, strict=False, flat=flat)
 
 
 def _flat(state: dict[Any, Any], prefix: str = "") -> Any:

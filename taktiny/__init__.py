@@ -17,6 +17,7 @@ if _typing.TYPE_CHECKING:
     from ._shard import sharding_plan as sharding_plan
     from ._summary import Summary as Summary
     from ._summary import summary as summary
+    from .module._trainable import trainable as trainable
     from .nn._quantized import dequantize as dequantize
     from .nn._quantized import quantize as quantize
     from .state._errors import StateDictError as StateDictError
@@ -26,7 +27,6 @@ if _typing.TYPE_CHECKING:
     from .state._tree import load_flat_state_dict as load_flat_state_dict
     from .state._tree import load_state_dict as load_state_dict
     from .state._tree import state_dict as state_dict
-    from .state._tree import trainable as trainable
 
 # name -> (the module that defines it, its name there; None: the module itself)
 _LAZY = {
@@ -47,7 +47,7 @@ _LAZY = {
     "load_flat_state_dict": (".state._tree", "load_flat_state_dict"),
     "load_state_dict": (".state._tree", "load_state_dict"),
     "state_dict": (".state._tree", "state_dict"),
-    "trainable": (".state._tree", "trainable"),
+    "trainable": (".module._trainable", "trainable"),
     "dequantize": (".nn._quantized", "dequantize"),
     "quantize": (".nn._quantized", "quantize"),
 }

@@ -15,13 +15,13 @@ from typing import Any
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-import numpy as np
 import wadler_lindig as wl
 from jax.core import Tracer
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from ._abstract import eval_shape
 from ._sharding import mesh_text
+from .state._names import ARRAY_TYPES, CACHE_BOUND
 
 INT_DTYPES = {8: jnp.dtype(jnp.int8), 4: jnp.dtype(jnp.int4)}
 _QMAX = {8: 127, 4: 7}
@@ -180,7 +180,6 @@ def parts_layout(value: Any, scale: Any) -> tuple[int, int, int | None] | str:
     return bits, axis, None if k == 1 else n // k
 
 
-_ARRAYS = (jax.Array, np.ndarray, jax.ShapeDtypeStruct)
 _CHECKED: set[tuple[Any, ...]] = set()  # layouts found consistent (every load rebuilds QArrays)
 
 
@@ -240,7 +239,7 @@ class QArray:
         # only parts that are arrays are checked: a tree map may give other leaves (None,
         # masks, shardings); a layout once found consistent is not checked again
         value, scale = self.value, self.scale
-        if not (isinstance(value, _ARRAYS) and isinstance(scale, _ARRAYS)):
+        if not (isinstance(value, ARRAY_TYPES) and isinstance(scale, ARRAY_TYPES)):
             return
         key = (value.shape, value.dtype, scale.shape, scale.dtype, self.bits, self.axis,
                self.group_size)  # fmt: skip
@@ -248,7 +247,7 @@ class QArray:
             problem = _problem(self)
             if problem:
                 raise ValueError(f"QArray: {problem}.")
-            if len(_CHECKED) >= 4096:
+            if len(_CHECKED) >= CACHE_BOUND:
                 _CHECKED.clear()
             _CHECKED.add(key)
 

@@ -10,7 +10,6 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ._sharding import ambient_mesh, as_spec, mesh_text, spec_problems
-from .module._module import NODES
 from .state import _names, _patterns
 from .state._values import placeable
 
@@ -98,7 +97,7 @@ def _plan(
     if problems:
         raise ValueError(_listing(caller, tree, problems))
     mesh = _concrete_mesh(mesh, caller)
-    leaves, treedef, names = _names.flatten(tree, NODES)
+    leaves, treedef, names = _names.flatten(tree)
     found = _patterns.match(checked, names.names, PartitionSpec())
     found = _whole_parameters(checked, names, leaves, found)
     # models repeat a few shapes and specs: each pair is checked, and each spec made into a

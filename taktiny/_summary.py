@@ -9,9 +9,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from .module._module import NODES
+from .module._trainable import trainable
 from .state import _names
-from .state._tree import trainable
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,7 +125,7 @@ def summary(tree: Any, *, depth: int | None = None) -> Summary:
     Returns:
         A :class:`Summary`: its ``str`` is the table; its fields hold the rows and totals.
     """
-    leaves, _, spec = _names.flatten(tree, NODES)
+    leaves, _, spec = _names.flatten(tree)
     flags = jax.tree_util.tree_leaves(trainable(tree))
     rows = [_row(n, leaf, t) for n, leaf, t in zip(spec.names, leaves, flags, strict=True)]
     sharded = any(_placement(leaf)[1] for leaf in leaves)

@@ -58,3 +58,35 @@ def test_no_module_of_the_package_imports_pickle():
     }
     assert len(found) > 20
     assert {name: hits for name, hits in found.items() if hits} == {}
+
+
+def taktiny_imports(path: Path) -> set[str]:
+    """The taktiny modules that the file at `path` imports (at any depth in it), as dotted
+    names."""
+    package = ".".join(path.relative_to(ROOT).with_suffix("").parts[:-1])
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            base = package.rsplit(".", node.level - 1)[0] if node.level else ""
+            module = ".".join(p for p in (base, node.module or "") if p)
+            found |= {module} | {f"{module}.{a.name}" for a in node.names}
+        elif isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+    return {name for name in found if name.split(".")[0] == "taktiny"}
+
+
+def test_the_state_walk_never_imports_the_module_layer():
+    """taktiny/state/ knows a module by its class (`_taktiny_data`), not by importing
+    taktiny/module/: the layers go one way (module/ uses state/)."""
+    here = ROOT / "taktiny" / "state" / "_tree.py"
+    assert "taktiny.state._names" in taktiny_imports(here)
+    found = {
+        str(path.relative_to(ROOT)): sorted(
+            name for name in taktiny_imports(path) if name.startswith("taktiny.module")
+        )
+        for path in sorted((ROOT / "taktiny" / "state").glob("*.py"))
+    }
+    assert len(found) >= 8
+    assert {name: hits for name, hits in found.items() if hits} == {}
+    module = taktiny_imports(ROOT / "taktiny" / "module" / "_module.py")
+    assert "taktiny.state._tree" in module

@@ -13,7 +13,6 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import taktiny as tt
 from taktiny import nn
-from taktiny.module._module import NODES
 from taktiny.state import _state
 
 
@@ -321,7 +320,7 @@ def test_non_dict_state_is_a_type_error():
     for flat in (False, True):
         method = "load_flat_state_dict" if flat else "load_state_dict"
         with pytest.raises(TypeError, match=rf"MLP\.{method}\(\) expects a dict, got MLP"):
-            _state.load(m, m, strict=False, flat=flat, nodes=NODES)
+            _state.load(m, m, strict=False, flat=flat)
 
 
 def _aligned(values):

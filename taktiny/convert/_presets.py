@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from .. import nn
-from ..module._module import NODES
+from ..state import _names
 from ._rules import AnyRule, Ignore, Rule
 from ._transforms import Transform, chain, concatenate, flip, split, transpose
 
@@ -225,7 +225,7 @@ def _walk(node: Any, source: str, target: str, rules: list[AnyRule]) -> None:
     elif isinstance(node, nn.Sequential):
         for i, layer in enumerate(node.layers):
             _walk(layer, _at(source, str(i)), _at(target, f"layers.{i}"), rules)
-    elif (fields := NODES.fields(node)) is not None:
+    elif (fields := _names.fields(node)) is not None:
         for name, value in fields.items():
             _walk(value, _at(source, name), _at(target, name), rules)
     elif isinstance(node, (list, tuple, dict)):

@@ -157,7 +157,7 @@ def load_safetensors(
             if wait:
                 pending = reader.submit(read, k + 1)
             bar.update(sum(checkpoint[n].nbytes for n in step.sources))
-    return _state.load(model, placed, strict=strict, flat=True, nodes=_tree.NODES, caller=where)
+    return _state.load(model, placed, strict=strict, flat=True, caller=where)
 
 
 def _tensors(checkpoint: Checkpoint, step: Step) -> list[Tensor]:

@@ -19,18 +19,15 @@ from typing import Any, ClassVar, dataclass_transform
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-import numpy as np
 import wadler_lindig as wl
 from jax.core import Tracer
 
-from ..state import _state
-from ..state._names import Nodes
+from ..state import _tree
+from ..state._names import ARRAY_TYPES, SCALARS
 from . import _checks
 from ._fields import MISSING, Field, declared_fields, field, generated_init
 from ._rngs import Rngs
 
-ARRAY_TYPES = (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct)
-_SCALARS = (bool, int, float, complex)
 _INITIALISING: set[int] = set()  # ids of instances whose __init__ is running
 Layout = tuple[tuple[str, bool], ...]  # (field name, is data) in attribute order
 _NODE_TYPES: dict[tuple[type, Layout], type] = {}  # kept outside the classes: see _module.md
@@ -40,34 +37,14 @@ def _is_module_or_array(x: Any) -> bool:
     return isinstance(x, (Module, *ARRAY_TYPES))
 
 
-def is_param(x: Any) -> bool:
-    """What the state walk treats as one parameter: anything but None, modules and the
-    containers (lists, tuples, dicts) that hold them."""
-    return x is not None and not isinstance(x, (Module, list, tuple, dict))
-
-
-def _data_fields(node: Any) -> dict[str, Any] | None:
-    if not isinstance(node, Module):
-        return None
-    values = node.__dict__
-    return {name: values[name] for name in type(node)._taktiny_data}
-
-
-def _with_fields(node: Any, changes: dict[str, Any]) -> Any:
-    return type(node)(**{**node.__dict__, **changes})  # the node class: rebuilt in C
-
-
-NODES = Nodes(is_param, _data_fields, _with_fields)  # how the state walk sees modules
-
-
 def _as_arrays(value: Any) -> Any:
     """`value` with its Python numbers made JAX arrays (of JAX's default dtype for them), so
     that the state holds arrays only."""
     leaves = jax.tree_util.tree_leaves(value, is_leaf=_is_module_or_array)
-    if not any(type(leaf) in _SCALARS for leaf in leaves):
+    if not any(type(leaf) in SCALARS for leaf in leaves):
         return value
     convert = lambda x: (
-        jnp.asarray(x, jax.dtypes.canonicalize_dtype(type(x))) if type(x) in _SCALARS else x
+        jnp.asarray(x, jax.dtypes.canonicalize_dtype(type(x))) if type(x) in SCALARS else x
     )
     return jax.tree_util.tree_map(convert, value, is_leaf=_is_module_or_array)
 
@@ -323,7 +300,9 @@ class Module(types.SimpleNamespace, metaclass=_ModuleMeta):
     _taktiny_base: ClassVar[type[Module]]
     _taktiny_fields: ClassVar[dict[str, Field]]
     _taktiny_layout: ClassVar[Layout] = ()
-    _taktiny_data: ClassVar[tuple[str, ...]] = ()  # the data fields' names, in layout order
+    # the data fields' names, in layout order: how the state walk (`state/_names`) knows a
+    # module without importing this file
+    _taktiny_data: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self) -> None:
         """Subclasses assign their fields here, or declare them with annotations."""
@@ -398,7 +377,7 @@ class Module(types.SimpleNamespace, metaclass=_ModuleMeta):
         parameters and ``None`` fields do not appear. A custom PyTree parameter (a
         quantized weight) stays whole.
         """
-        return _state.state_dict(self, NODES)
+        return _tree.state_dict(self)
 
     def flat_state_dict(self) -> dict[str, Any]:
         """The parameters as one dict from dotted names (``"layers.0.kernel"``) to arrays.
@@ -407,7 +386,7 @@ class Module(types.SimpleNamespace, metaclass=_ModuleMeta):
         ``__init__`` set them, list positions 0, 1, 2, ..., dict keys sorted. Custom
         PyTree parameters are flattened down to their arrays.
         """
-        return _state.flat_state_dict(self, NODES)
+        return _tree.flat_state_dict(self)
 
     def load_state_dict(
         self, state: Mapping[str, Any], *, strict: bool = False, match_quantization: bool = False
@@ -430,8 +409,9 @@ class Module(types.SimpleNamespace, metaclass=_ModuleMeta):
         where it holds a float array is dequantized into that array's dtype, and a QArray
         quantized another way is re-quantized. Without it, each is an error.
         """
-        return _state.load(self, state, strict=strict, flat=False, nodes=NODES,
-                           match_quantization=match_quantization)  # fmt: skip
+        return _tree.load_state_dict(
+            self, state, strict=strict, match_quantization=match_quantization
+        )
 
     def load_flat_state_dict(
         self, flat: Mapping[str, Any], *, strict: bool = False, match_quantization: bool = False
@@ -440,8 +420,9 @@ class Module(types.SimpleNamespace, metaclass=_ModuleMeta):
         gives. A float array for a QArray comes under its name (``"dense.kernel"``); a
         QArray for a float array comes whole under that name, or as its parts
         (``"dense.kernel.value"`` and ``"dense.kernel.scale"``)."""
-        return _state.load(self, flat, strict=strict, flat=True, nodes=NODES,
-                           match_quantization=match_quantization)  # fmt: skip
+        return _tree.load_flat_state_dict(
+            self, flat, strict=strict, match_quantization=match_quantization
+        )
 
 
 _MODULE_INIT = Module.__init__

@@ -3,28 +3,48 @@
 One ``tree_flatten_with_path`` describes a tree: the flat name of every leaf, and a
 nested template (key -> leaf position, sub-template, or a custom parameter's span).
 The description is cached by tree structure, so reading a state is one ``tree_flatten``
-and a lookup. Which values count as one parameter (and are not walked into) is the
-caller's `Nodes.is_param`: for modules, everything but modules, lists, tuples, dicts and
-None.
+and a lookup.
+
+The walk knows a module by its class alone: a class that lists its data fields in a
+``_taktiny_data`` attribute (names, in the order JAX flattens them), is registered with
+JAX as a dataclass node, and is rebuilt by calling it with all its attributes as keywords
+(as JAX's dataclass nodes are). Everything but such nodes, lists, tuples, dicts and None
+counts as one parameter and is not walked into.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import operator
-from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
+import numpy as np
 from jax.tree_util import DictKey, FlattenedIndexKey, GetAttrKey, SequenceKey
 
 
-class Nodes(NamedTuple):
-    """How the state walk sees the nodes of a tree (the module layer gives its own)."""
+def fields(node: Any) -> dict[str, Any] | None:
+    """A module's data fields by name, in flatten order; None for anything else."""
+    names = getattr(type(node), "_taktiny_data", None)
+    if names is None:
+        return None
+    values = node.__dict__
+    return {name: values[name] for name in names}
 
-    is_param: Callable[[Any], bool]  # a value that is one parameter: not walked into
-    fields: Callable[[Any], dict[str, Any] | None]  # a module's data fields (None: not one)
-    rebuild: Callable[[Any, dict[str, Any]], Any]  # a module with some data fields replaced
+
+def rebuild(node: Any, changes: dict[str, Any]) -> Any:
+    """A copy of the module `node` with some data fields replaced (rebuilt in C)."""
+    return type(node)(**{**node.__dict__, **changes})
+
+
+def is_param(x: Any) -> bool:
+    """Whether the walk takes `x` as one parameter: anything but None, modules and the
+    lists, tuples and dicts that hold them."""
+    return (
+        x is not None
+        and not isinstance(x, (list, tuple, dict))
+        and not hasattr(type(x), "_taktiny_data")
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,7 +67,10 @@ class Spec:
     plan: Any  # how to gather a full nested state's values in leaf order (None: can't)
 
 
-_SPECS: dict[tuple[Any, Nodes], Spec] = {}
+ARRAY_TYPES = (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct)  # what is an array
+SCALARS = (bool, int, float, complex)  # the Python numbers a tree may hold as leaves
+_SPECS: dict[Any, Spec] = {}  # tree structure -> its description
+CACHE_BOUND = 4096  # structures a cache keeps before it starts again
 
 
 def key_name(key: Any) -> str:
@@ -73,7 +96,7 @@ def _names(path: tuple[Any, ...], where: str) -> list[str]:
     return names
 
 
-def _make_spec(tree: Any, is_param: Callable[[Any], bool]) -> Spec:
+def _make_spec(tree: Any) -> Spec:
     template: dict[str, Any] = {}
     names: list[str] = []
     where = type(tree).__name__
@@ -142,14 +165,14 @@ def gather(plan: Any, state: Any, out: list[Any]) -> None:
             gather(second, state[first], out)
 
 
-def flatten(tree: Any, nodes: Nodes) -> tuple[list[Any], Any, Spec]:
+def flatten(tree: Any) -> tuple[list[Any], Any, Spec]:
     """The leaves of `tree`, its structure, and the names of its leaves."""
     leaves, treedef = jax.tree_util.tree_flatten(tree)
-    spec = _SPECS.get((treedef, nodes))
+    spec = _SPECS.get(treedef)
     if spec is None:
-        if len(_SPECS) >= 4096:
+        if len(_SPECS) >= CACHE_BOUND:
             _SPECS.clear()
-        spec = _SPECS[(treedef, nodes)] = _make_spec(tree, nodes.is_param)
+        spec = _SPECS[treedef] = _make_spec(tree)
     return leaves, treedef, spec
 
 

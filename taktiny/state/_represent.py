@@ -23,7 +23,7 @@ from .._quant import PARTS, QArray, parts_layout, quantize_like
 from . import _errors as err
 from . import _values
 from ._errors import StateProblem
-from ._names import Custom
+from ._names import SCALARS, Custom
 
 _CHECKED_KINDS = ("dtype", "shape", "value", "structure")  # problems told as a QArray's
 
@@ -94,7 +94,7 @@ def _plan(other: Other, match: bool, problems: list[StateProblem]) -> Any:
 
 def _array_like(value: Any) -> bool:
     """Whether a value that is no custom parameter is meant as one array."""
-    kinds = (jax.Array, np.ndarray, list, tuple, bool, int, float, complex)
+    kinds = (jax.Array, np.ndarray, list, tuple, *SCALARS)
     return isinstance(value, kinds) or hasattr(value, "__dlpack__")
 
 

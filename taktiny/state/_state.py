@@ -19,7 +19,6 @@ from jax.sharding import NamedSharding
 from . import _errors as err
 from . import _names, _represent, _values
 from ._errors import StateDictError, StateProblem
-from ._names import Nodes
 from ._represent import Other
 from ._resolve import Resolved, resolve
 from ._views import Flat, Walk
@@ -32,16 +31,6 @@ WALK_LIMIT = 64
 # A nested state deeper than this is not counted to the end (it may contain itself): it is
 # loaded by flattening the tree, whose resolution follows the tree, and tells what's wrong.
 _DEEPEST = 100
-
-
-def state_dict(tree: Any, nodes: Nodes) -> dict[str, Any]:
-    leaves, _, spec = _names.flatten(tree, nodes)
-    return _names.nested(spec.template, leaves)
-
-
-def flat_state_dict(tree: Any, nodes: Nodes) -> dict[str, Any]:
-    leaves, _, spec = _names.flatten(tree, nodes)
-    return dict(zip(spec.names, leaves, strict=True))
 
 
 class _Move(NamedTuple):
@@ -212,24 +201,34 @@ def _in_order(view: Flat, state: Mapping[Any, Any], flat: bool) -> list[Any] | N
 
 
 def load(
-    tree: Any, state: Any, *, strict: bool, flat: bool, nodes: Nodes, caller: str | None = None,
+    tree: Any,
+    state: Any,
+    *,
+    strict: bool,
+    flat: bool,
+    caller: str | None = None,
     match_quantization: bool = False,
-) -> Any:  # fmt: skip
-    """Returns `tree` with the leaves that `state` names replaced; see `Module.load_state_dict`.
-    `caller` names the call in errors (by default ``Type.load_state_dict()``)."""
+) -> Any:
+    """Returns `tree` with the leaves that `state` names replaced; see
+    `taktiny.load_state_dict`. `caller` names the call in errors (by default
+    ``Type.load_state_dict()`` for a module, ``taktiny.load_state_dict(type)`` for another
+    tree)."""
     method = "load_flat_state_dict" if flat else "load_state_dict"
-    caller = caller or f"{type(tree).__name__}.{method}()"
+    if caller is None:
+        module = _names.fields(tree) is not None
+        kind = type(tree).__name__
+        caller = f"{kind}.{method}()" if module else f"taktiny.{method}({kind})"
     if not isinstance(state, Mapping):
         raise TypeError(f"{caller} expects a dict, got {type(state).__name__}.")
     match = match_quantization
     if not strict and _few(state, flat):
-        walk = Walk(tree, nodes)
+        walk = Walk(tree)
         found = resolve(walk, state, flat, match)
         olds = walk.olds.values()
         if olds and not any(isinstance(old, jax.ShapeDtypeStruct) for old in olds):
             return _finish(walk, found.supplied.items(), found, caller, match)
         # an abstract tree (or an empty state): naming every leaf left unfilled needs them all
-    view = Flat(tree, nodes)
+    view = Flat(tree)
     values = _in_order(view, state, flat)  # every leaf, in leaf order: the fast path
     if values is not None:
         return _finish(view, enumerate(values), None, caller, match)

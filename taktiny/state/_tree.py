@@ -1,19 +1,15 @@
-"""Names for any PyTree: the state functions for trees that are not modules (an optimizer
-state, a dict of models), which leaves are trained, and values chosen by name."""
+"""The state functions, for a module or any PyTree (an optimizer state, a dict of models),
+and values chosen by name. A module's state methods are these functions."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-import jax
-
-from .._quant import QArray
-from ..module._fields import MISSING
-from ..module._module import NODES, Module
 from . import _names, _patterns, _state
 
-_TRAINABLE: dict[Any, list[bool]] = {}  # tree structure -> trainable flag per leaf
+MISSING: Any = dataclasses.MISSING  # no default given
 
 
 def state_dict(tree: Any) -> dict[str, Any]:
@@ -31,13 +27,15 @@ def state_dict(tree: Any) -> dict[str, Any]:
     Returns:
         Nested dicts whose leaves are the tree's own arrays (no copies).
     """
-    return _state.state_dict(tree, NODES)
+    leaves, _, spec = _names.flatten(tree)
+    return _names.nested(spec.template, leaves)
 
 
 def flat_state_dict(tree: Any) -> dict[str, Any]:
     """The leaves of any PyTree under dotted names (``"0.mu.encoder.kernel"``), in the
     order JAX flattens the tree; see :func:`state_dict`."""
-    return _state.flat_state_dict(tree, NODES)
+    leaves, _, spec = _names.flatten(tree)
+    return dict(zip(spec.names, leaves, strict=True))
 
 
 def load_state_dict(
@@ -53,9 +51,9 @@ def load_state_dict(
     ``match_quantization=True`` converts float values for :class:`~taktiny.QArray` leaves
     and quantized values for float leaves, as the method does.
     """
-    caller = f"taktiny.load_state_dict({type(tree).__name__})"
-    return _state.load(tree, state, strict=strict, flat=False, nodes=NODES, caller=caller,
-                       match_quantization=match_quantization)  # fmt: skip
+    return _state.load(
+        tree, state, strict=strict, flat=False, match_quantization=match_quantization
+    )
 
 
 def load_flat_state_dict(
@@ -63,60 +61,7 @@ def load_flat_state_dict(
 ) -> Any:
     """As :func:`load_state_dict`, for a dict of dotted names as :func:`flat_state_dict`
     gives."""
-    caller = f"taktiny.load_flat_state_dict({type(tree).__name__})"
-    return _state.load(tree, flat, strict=strict, flat=True, nodes=NODES, caller=caller,
-                       match_quantization=match_quantization)  # fmt: skip
-
-
-def _flags(node: Any, trainable: bool, out: list[bool]) -> None:
-    """Appends, in flatten order, whether each leaf under `node` is trained."""
-    if isinstance(node, Module):
-        declared = type(node)._taktiny_fields
-        for name, is_data in type(node)._taktiny_layout:
-            if is_data:
-                keep = trainable and getattr(declared.get(name), "trainable", True)
-                _flags(node.__dict__[name], keep, out)
-        return
-    if isinstance(node, QArray):  # its integers are no gradient's to update; its scale is
-        out.extend((False, trainable))
-        return
-    children, treedef = jax.tree_util.tree_flatten(node, is_leaf=lambda x: x is not node)
-    if treedef.num_nodes == 1 and treedef.num_leaves == 1:  # a leaf
-        out.append(trainable)
-        return
-    for child in children:
-        _flags(child, trainable, out)
-
-
-def trainable(tree: Any) -> Any:
-    """Which leaves of `tree` are trained: a tree of the same structure with ``True`` for
-    parameters and ``False`` for the arrays of fields declared with
-    ``nn.field(trainable=False)`` (BatchNorm's running statistics, say) and for the integer
-    ``value`` of every :class:`~taktiny.QArray` (its float ``scale`` is trained).
-
-    Pass the function itself where optax takes a mask or labels, so that optax calls it
-    with the parameters (a module is callable, and optax would call a module-shaped
-    mask)::
-
-        optax.adamw(1e-3, mask=tt.trainable)       # no weight decay on statistics
-        optax.multi_transform({True: optax.adam(1e-3), False: optax.set_to_zero()},
-                              tt.trainable)
-
-    Args:
-        tree: a module, or any PyTree holding modules.
-
-    Returns:
-        `tree`'s structure with a bool at each leaf.
-    """
-    treedef = jax.tree_util.tree_structure(tree)
-    flags = _TRAINABLE.get(treedef)
-    if flags is None:
-        flags = []
-        _flags(tree, True, flags)
-        if len(_TRAINABLE) >= 4096:
-            _TRAINABLE.clear()
-        _TRAINABLE[treedef] = flags
-    return treedef.unflatten(flags)
+    return _state.load(tree, flat, strict=strict, flat=True, match_quantization=match_quantization)
 
 
 class by_name:  # a class used as a function: tt.by_name(rules)(model)
@@ -150,7 +95,7 @@ class by_name:  # a class used as a function: tt.by_name(rules)(model)
 
     def __call__(self, tree: Any) -> Any:
         """`tree` with each leaf replaced by the value its name selects."""
-        _, treedef, spec = _names.flatten(tree, NODES)
+        _, treedef, spec = _names.flatten(tree)
         found = _patterns.match(self.rules, spec.names, self.default)
         problems = []
         if found.unmatched and self.default is MISSING:

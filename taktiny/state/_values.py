@@ -16,6 +16,7 @@ from jax.core import Tracer
 
 from . import _errors as err
 from ._errors import StateProblem
+from ._names import SCALARS
 
 _KINDS = (
     ("floating", jnp.floating),
@@ -24,7 +25,6 @@ _KINDS = (
     ("unsigned integer", jnp.unsignedinteger),
     ("bool", jnp.bool_),
 )
-_SCALARS = (bool, int, float, complex)
 
 
 @functools.cache
@@ -109,7 +109,7 @@ def _as_array(name: str, value: Any, problems: list[StateProblem]) -> tuple[Any,
     if array is None or kind(array.dtype) is None:  # not numeric
         problems.append(err.not_an_array(name, value))
         return None, False
-    return array, isinstance(value, (list, tuple, *_SCALARS))
+    return array, isinstance(value, (list, tuple, *SCALARS))
 
 
 def _unusable(name: str, value: Any) -> StateProblem | None:
@@ -213,7 +213,7 @@ def convert(name: str, value: Any, old: Any, problems: list[StateProblem]) -> An
     value, python_numbers = _as_array(name, value, problems)
     if value is None:
         return None
-    if type(old) in _SCALARS:  # a Python number in a PyTree that is not a module
+    if type(old) in SCALARS:  # a Python number in a PyTree that is not a module
         old = jax.ShapeDtypeStruct((), jax.dtypes.canonicalize_dtype(type(old)))
     if value.shape != old.shape:
         problems.append(err.shape(name, tuple(old.shape), tuple(value.shape)))

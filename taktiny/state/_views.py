@@ -14,21 +14,20 @@ from collections.abc import Iterator
 from typing import Any
 
 import jax
-import numpy as np
 
 from . import _names
-from ._names import Custom, Nodes
+from ._names import Custom
 from ._values import array_type
 
 LEAF, GROUP, PARAM = "leaf", "group", "param"
-_LEAF_TYPES = (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct, bool, int, float, complex)
+_LEAF_TYPES = (*_names.ARRAY_TYPES, *_names.SCALARS)
 
 
 class Flat:
     """The tree flattened once; leaves found through the template, written by unflatten."""
 
-    def __init__(self, tree: Any, nodes: Nodes):
-        self.olds, self.treedef, self.spec = _names.flatten(tree, nodes)
+    def __init__(self, tree: Any):
+        self.olds, self.treedef, self.spec = _names.flatten(tree)
         self.root: Any = self.spec.template
 
     def child(self, node: dict[str, Any], key: str) -> tuple[str, Any] | None:
@@ -73,8 +72,8 @@ class Flat:
 class Walk:
     """The tree walked from its root along the paths named; only those nodes rebuilt."""
 
-    def __init__(self, tree: Any, nodes: Nodes):
-        self.root, self.nodes = tree, nodes
+    def __init__(self, tree: Any):
+        self.root = tree
         self.olds: dict[tuple[str, ...], Any] = {}
         self._seen: dict[int, tuple[str, Any]] = {}  # node -> (its kind, its children)
         self._steps: dict[tuple[int, str], Any] = {}  # (node, key) -> what `child` found
@@ -91,7 +90,7 @@ class Walk:
                 found = "seq", node
             elif kind is dict and all(type(key) is str for key in node):
                 found = "dict", node
-            elif (fields := self.nodes.fields(node)) is not None:
+            elif (fields := _names.fields(node)) is not None:
                 found = "module", fields
             else:
                 pairs, treedef = jax.tree_util.tree_flatten_with_path(
@@ -119,7 +118,7 @@ class Walk:
             return None
         if type(child) is self._array:
             return LEAF, child
-        if not self.nodes.is_param(child):
+        if not _names.is_param(child):
             return GROUP, child
         if isinstance(child, _LEAF_TYPES):
             return LEAF, child
@@ -151,14 +150,14 @@ class Walk:
         return node
 
     def flattened(self) -> tuple[list[Any], _names.Spec]:
-        leaves, _, spec = _names.flatten(self.root, self.nodes)
+        leaves, _, spec = _names.flatten(self.root)
         return leaves, spec
 
     def name(self, where: tuple[str, ...]) -> str:
         return ".".join(where)
 
     def names(self) -> tuple[str, ...]:
-        return _names.flatten(self.root, self.nodes)[2].names
+        return _names.flatten(self.root)[2].names
 
     def new(self) -> dict[tuple[str, ...], Any]:
         return {}
@@ -195,7 +194,7 @@ class Walk:
         if kind == "dict":
             return {**node, **changed}
         if kind == "module":
-            return self.nodes.rebuild(node, changed)
+            return _names.rebuild(node, changed)
         values, treedef = children
         return treedef.unflatten([changed.get(k, v) for k, v in values.items()])
 

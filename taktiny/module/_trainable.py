@@ -1,0 +1,64 @@
+"""Which leaves of a tree are trained: the ``trainable`` marker of fields, read as a tree."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+
+from .._quant import QArray
+from ..state._names import CACHE_BOUND
+from ._module import Module
+
+_TRAINABLE: dict[Any, list[bool]] = {}  # tree structure -> trainable flag per leaf
+
+
+def _flags(node: Any, trainable: bool, out: list[bool]) -> None:
+    """Appends, in flatten order, whether each leaf under `node` is trained."""
+    if isinstance(node, Module):
+        declared = type(node)._taktiny_fields
+        for name, is_data in type(node)._taktiny_layout:
+            if is_data:
+                keep = trainable and getattr(declared.get(name), "trainable", True)
+                _flags(node.__dict__[name], keep, out)
+        return
+    if isinstance(node, QArray):  # its integers are no gradient's to update; its scale is
+        out.extend((False, trainable))
+        return
+    children, treedef = jax.tree_util.tree_flatten(node, is_leaf=lambda x: x is not node)
+    if treedef.num_nodes == 1 and treedef.num_leaves == 1:  # a leaf
+        out.append(trainable)
+        return
+    for child in children:
+        _flags(child, trainable, out)
+
+
+def trainable(tree: Any) -> Any:
+    """Which leaves of `tree` are trained: a tree of the same structure with ``True`` for
+    parameters and ``False`` for the arrays of fields declared with
+    ``nn.field(trainable=False)`` (BatchNorm's running statistics, say) and for the integer
+    ``value`` of every :class:`~taktiny.QArray` (its float ``scale`` is trained).
+
+    Pass the function itself where optax takes a mask or labels, so that optax calls it
+    with the parameters (a module is callable, and optax would call a module-shaped
+    mask)::
+
+        optax.adamw(1e-3, mask=tt.trainable)       # no weight decay on statistics
+        optax.multi_transform({True: optax.adam(1e-3), False: optax.set_to_zero()},
+                              tt.trainable)
+
+    Args:
+        tree: a module, or any PyTree holding modules.
+
+    Returns:
+        `tree`'s structure with a bool at each leaf.
+    """
+    treedef = jax.tree_util.tree_structure(tree)
+    flags = _TRAINABLE.get(treedef)
+    if flags is None:
+        flags = []
+        _flags(tree, True, flags)
+        if len(_TRAINABLE) >= CACHE_BOUND:
+            _TRAINABLE.clear()
+        _TRAINABLE[treedef] = flags
+    return treedef.unflatten(flags)
