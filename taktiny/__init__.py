@@ -20,8 +20,8 @@ if _typing.TYPE_CHECKING:
     from .module._trainable import trainable as trainable
     from .nn._quantized import dequantize as dequantize
     from .nn._quantized import quantize as quantize
-    from .state._errors import StateDictError as StateDictError
-    from .state._errors import StateProblem as StateProblem
+    from .state._problems import StateDictError as StateDictError
+    from .state._problems import StateProblem as StateProblem
     from .state._tree import by_name as by_name
     from .state._tree import flat_state_dict as flat_state_dict
     from .state._tree import load_flat_state_dict as load_flat_state_dict
@@ -34,8 +34,8 @@ _LAZY = {
     "io": (".io", None),
     "nn": (".nn", None),
     "eval_shape": ("._abstract", "eval_shape"),
-    "StateDictError": (".state._errors", "StateDictError"),
-    "StateProblem": (".state._errors", "StateProblem"),
+    "StateDictError": (".state._problems", "StateDictError"),
+    "StateProblem": (".state._problems", "StateProblem"),
     "QArray": ("._quant", "QArray"),
     "ShardingPlan": ("._shard", "ShardingPlan"),
     "shard": ("._shard", "shard"),

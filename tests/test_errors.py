@@ -13,7 +13,7 @@ from _models import MLP
 
 import taktiny as tt
 from taktiny import nn
-from taktiny.state import _errors
+from taktiny.state import _problems
 
 
 class Stack(nn.Module):
@@ -337,8 +337,8 @@ def test_the_message_names_the_call():
 
 
 def test_problems_sort_by_group_and_keep_their_order_within_one():
-    p = lambda kind, key: _errors.StateProblem(kind, key, None, None, key)
-    error = _errors.StateDictError(
+    p = lambda kind, key: _problems.StateProblem(kind, key, None, None, key)
+    error = _problems.StateDictError(
         "f()", [p("missing", "m"), p("shape", "s"), p("unknown", "u"), p("value", "v"),
                 p("key", "k"), p("abstract", "a"), p("dtype", "d"), p("structure", "t")]
     )  # fmt: skip
@@ -347,13 +347,13 @@ def test_problems_sort_by_group_and_keep_their_order_within_one():
 
 
 def test_describe_names_what_it_was_given():
-    assert _errors.describe({"a": 1, **{str(i): i for i in range(9)}}) == (
+    assert _problems.describe({"a": 1, **{str(i): i for i in range(9)}}) == (
         "a dict with keys ['a', '0', '1', '2', '3', '4']"
     )
-    assert _errors.describe(np.zeros((2, 3), np.int8)) == "an array int8[2, 3]"
-    assert _errors.describe(jnp.zeros((), jnp.bfloat16)) == "an array bfloat16[]"
-    assert _errors.describe(SDS) == "an abstract array float32[64, 4]"
-    assert _errors.describe(3.5) == "a value of type float"
+    assert _problems.describe(np.zeros((2, 3), np.int8)) == "an array int8[2, 3]"
+    assert _problems.describe(jnp.zeros((), jnp.bfloat16)) == "an array bfloat16[]"
+    assert _problems.describe(SDS) == "an abstract array float32[64, 4]"
+    assert _problems.describe(3.5) == "a value of type float"
 
 
 @pytest.mark.parametrize(
@@ -370,7 +370,7 @@ def test_describe_names_what_it_was_given():
     ],
 )
 def test_suggestions(name, candidates, expected):
-    assert _errors.closest(name, candidates) == expected
+    assert _problems.closest(name, candidates) == expected
 
 
 BLOCKS = [f"blocks.{i}.{part}.{leaf}" for i in range(2500) for part in ("attn", "mlp")
@@ -395,20 +395,20 @@ LAYERS = [f"encoder.layer_{i}.scale" for i in range(10_000)]
 )
 def test_a_misspelling_among_ten_thousand_names_gets_the_name_meant(name, names, expected):
     assert len(names) == 10_000
-    assert _errors.closest(name, names) == expected
+    assert _problems.closest(name, names) == expected
 
 
 def test_unknown_names_past_the_hundredth_are_listed_without_suggestions():
     names = [f"layer{i}.kernel" for i in range(5)]
     unknown = [(f"layer{i}.kernal", None) for i in range(102)]
-    problems = _errors.unknown(unknown, names, flat=True, given=set())
+    problems = _problems.unknown(unknown, names, flat=True, given=set())
     assert problems[0].hint == "unknown key; did you mean 'layer0.kernel'?"
     assert problems[99].expected is not None and problems[100].expected is None
     assert problems[101].hint.startswith("unknown key; the model has no parameter of that name")
 
 
 def test_a_group_named_in_a_nested_state_is_told_to_nest_its_parameters():
-    (problem,) = _errors.unknown(
+    (problem,) = _problems.unknown(
         [("input", np.zeros(3))], ["input.kernel", "input.bias"], flat=False, given=set()
     )
     assert problem.hint == (

@@ -10,7 +10,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from ..state import _errors, _patterns, _values
+from ..state import _patterns, _problems, _values
 from ._rules import _CAPTURE, AnyRule, Ignore, Rule, Tie, first_match
 from ._transforms import Transform
 
@@ -201,7 +201,7 @@ def plan(
                 f"{[list(s) for s, _ in made]}; make the patterns disjoint.",
             )
         elif target not in leaves:
-            close = _errors.closest(target, list(leaves))
+            close = _problems.closest(target, list(leaves))
             hint = f"did you mean {close!r}?" if close else "fix the rule's target template."
             add(
                 "unknown",

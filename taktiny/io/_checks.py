@@ -12,7 +12,7 @@ import jax
 import numpy as np
 
 from .._quant import QArray
-from ..state import _errors as err
+from ..state import _problems as err
 from ..state import _values
 from . import _quantized as qz
 from ._checkpoint import Checkpoint

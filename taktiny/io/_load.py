@@ -21,7 +21,7 @@ from typing import Any
 
 from ..convert._coverage import Step
 from ..convert._rules import AnyRule
-from ..state import _errors as err
+from ..state import _problems as err
 from ..state import _state, _tree
 from . import _quantized as qz
 from ._checkpoint import Checkpoint, open_safetensors

@@ -18,7 +18,7 @@ from .._abstract import default_device
 from .._quant import QArray, quantize_like
 from ..convert._coverage import Step
 from ..convert._transforms import identity
-from ..state import _errors as err
+from ..state import _problems as err
 from ..state import _values
 from . import _checksum, _read
 from ._checks import _spec

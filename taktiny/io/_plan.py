@@ -14,7 +14,7 @@ from ..convert._convert import check_ties
 from ..convert._coverage import ConversionError, ConversionProblem, Step, check_allow, plan
 from ..convert._coverage import _allowed as allowed_by
 from ..convert._rules import AnyRule, Rule
-from ..state import _errors as err
+from ..state import _problems as err
 from ..state import _values
 from ._checkpoint import Checkpoint
 from ._checks import (

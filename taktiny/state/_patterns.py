@@ -109,7 +109,7 @@ def match(rules: list[tuple[str, Any]], names: Sequence[str], default: Any) -> M
 def unused_hint(pattern: str, names: Sequence[str], patterns: Sequence[str] = ()) -> str:
     """Why `pattern` may have matched nothing, and what might have been meant; `patterns`
     are those of all the rules, in order (an earlier one may have taken its names)."""
-    from . import _errors as err  # (only errors need it: it imports JAX)
+    from . import _problems as err  # (only errors need it: it imports JAX)
 
     regex = compile_pattern(pattern)
     mine = [n for n in names if regex.fullmatch("." + n)]
@@ -148,7 +148,7 @@ def _respelt(parts: Sequence[str], names: Sequence[str]) -> str | None:
     """The pattern of `parts` with each plain part that no name has replaced by the
     closest part that one has (``*.dwon.bias``: ``*.down.bias``), if that matches a name;
     None otherwise."""
-    from . import _errors as err  # (see unused_hint)
+    from . import _problems as err  # (see unused_hint)
 
     known = sorted({part for name in names for part in name.split(".")})
     have = set(known)

@@ -20,10 +20,10 @@ from jax.core import Tracer
 from jax.sharding import NamedSharding
 
 from .._quant import PARTS, QArray, parts_layout, quantize_like
-from . import _errors as err
+from . import _problems as err
 from . import _values
-from ._errors import StateProblem
 from ._names import SCALARS, Custom
+from ._problems import StateProblem
 
 _CHECKED_KINDS = ("dtype", "shape", "value", "structure")  # problems told as a QArray's
 

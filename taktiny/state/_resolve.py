@@ -11,8 +11,8 @@ from typing import Any, NamedTuple
 import jax
 
 from .._quant import PARTS
-from . import _errors as err
-from ._errors import StateProblem
+from . import _problems as err
+from ._problems import StateProblem
 from ._represent import Other
 from ._views import GROUP, LEAF
 

@@ -16,9 +16,9 @@ import jax.numpy as jnp
 from jax.core import Tracer
 from jax.sharding import NamedSharding
 
-from . import _errors as err
 from . import _names, _represent, _values
-from ._errors import StateDictError, StateProblem
+from . import _problems as err
+from ._problems import StateDictError, StateProblem
 from ._represent import Other
 from ._resolve import Resolved, resolve
 from ._views import Flat, Walk

@@ -14,9 +14,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.core import Tracer
 
-from . import _errors as err
-from ._errors import StateProblem
+from . import _problems as err
 from ._names import SCALARS
+from ._problems import StateProblem
 
 _KINDS = (
     ("floating", jnp.floating),
