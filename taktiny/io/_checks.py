@@ -19,40 +19,13 @@ from ._checkpoint import Checkpoint
 from ._read import SafetensorsError, Tensor
 
 
-def _both(name: str, parts: list[str]) -> err.StateProblem:
-    return err.StateProblem(
-        "structure",
-        name,
-        "a float array or its quantized parts",
-        "both",
-        f"the checkpoint holds both the float array {name!r} and the quantized parts "
-        f"{parts} of this quantized parameter; keep one of them.",
-    )
-
-
 def _quantizable(name: str, tensor: Tensor, like: QArray) -> err.StateProblem | None:
     """What stops a float tensor from being quantized into the QArray `like` (None: nothing)."""
     layout = qz.describe(like.bits, like.axis, like.group_size)
     if _values.kind(tensor.dtype) != "floating":
-        have = f"{tensor.dtype.name}{list(tensor.shape)}"
-        return err.StateProblem(
-            "dtype",
-            name,
-            "a float array",
-            tensor.dtype.name,
-            f"the model quantizes {name!r} as {layout}, and the checkpoint holds {have} "
-            f"under its name, which is not a float array to quantize. Give the float array, "
-            f"or the quantized parts {name}.value and {name}.scale.",
-        )
+        return err.stored_not_float(name, layout, tensor.dtype, tuple(tensor.shape))
     if tuple(tensor.shape) != like.shape:
-        return err.StateProblem(
-            "shape",
-            name,
-            like.shape,
-            tuple(tensor.shape),
-            f"shape mismatch: the model quantizes {name!r} ({layout}) from a float array of "
-            f"shape {like.shape}, got {tuple(tensor.shape)}.",
-        )
+        return err.stored_shape(name, layout, like.shape, tuple(tensor.shape))
     return None
 
 
@@ -72,21 +45,7 @@ def _representation(name: str, like: QArray, checkpoint: Checkpoint) -> err.Stat
     else:
         bits = {"int8": 8, "int4": 4}.get(value.dtype.name)
         have, got = (bits, *want[1:]), f"{value.dtype.name} values"
-    group = "" if have[2] is None else f", group_size={have[2]}"
-    fix = (
-        f"Quantize the model as the checkpoint was (tt.quantize(float_model, bits={have[0]}"
-        f"{group})), or load a float checkpoint, which is quantized on load."
-        if have[0]
-        else "Load a float checkpoint, which is quantized on load."
-    )
-    return err.StateProblem(
-        "dtype" if have[0] != want[0] else "shape",
-        name,
-        qz.describe(*want),
-        got,
-        f"the model quantizes {name!r} as {qz.describe(*want)}, the checkpoint holds it as "
-        f"{got}. {fix}",
-    )
+    return err.stored_quantized_otherwise(name, qz.describe(*want), want, got, have)
 
 
 def _quantized_into_float(
@@ -102,23 +61,8 @@ def _quantized_into_float(
         if record is None and not {f"{base}.value", f"{base}.scale"} <= set(checkpoint):
             continue
         shape, dtype = _spec(leaves[base])
-        layout = "" if record is None else f" as {qz.describe(*_meta(record))}"
-        bits = "bits=..." if record is None else f"bits={record['bits']}"
-        group = "" if record is None or record["group_size"] is None else (
-            f", group_size={record['group_size']}"
-        )  # fmt: skip
-        axis = "..." if record is None else record["axis"]
-        out[base] = err.StateProblem(
-            "structure",
-            base,
-            f"a float array {dtype.name}{list(shape)}",
-            "quantized parts",
-            f"the checkpoint holds it quantized{layout}, as {base}.value and {base}.scale; the "
-            f"model holds a float array {dtype.name}{list(shape)}. Load it into the quantized "
-            f"model, tt.quantize(model, {bits}{group}) (then tt.dequantize it for floats), or "
-            f"pass rules that dequantize: convert.Rule(['{base}.value', '{base}.scale'], "
-            f"'{base}', convert.dequantize(axis={axis}{group})).",
-        )
+        layout = None if record is None else (_meta(record), qz.describe(*_meta(record)))
+        out[base] = err.stored_quantized(base, dtype, shape, layout)
     return out
 
 

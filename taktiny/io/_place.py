@@ -37,9 +37,7 @@ def _direct(step: Step, sources: list[Tensor], leaves: Mapping[str, Any]) -> Any
     return None
 
 
-def _canonical(
-    names: Sequence[str], read: list[np.ndarray], problems: list[err.StateProblem]
-) -> list[Any]:
+def _canonical(names: Sequence[str], read: list[np.ndarray], problems: err.Problems) -> list[Any]:
     """The tensors read, those of a 64-bit dtype cast to what JAX holds them in without
     x64 (int32, float32, ...) when every value survives; a problem for each that does not
     (JAX itself would wrap 2**40 + 5 to 5, or turn 1e300 into inf, without a word)."""
@@ -65,7 +63,7 @@ def _transform(
     quantized parameter is quantized as it is, and its parts placed."""
     count = None if step.rule.gathered else len(step.targets)
     here = jax.sharding.SingleDeviceSharding(default_device())
-    problems: list[err.StateProblem] = []
+    problems = err.Problems()
     read = _canonical(step.sources, read, problems)
     if problems:
         raise err.StateDictError(where, problems)

@@ -19,7 +19,6 @@ from ..state import _values
 from ._checkpoint import Checkpoint
 from ._checks import (
     _absent,
-    _both,
     _packed_unlisted,
     _quantizable,
     _quantized_into_float,
@@ -43,7 +42,7 @@ def _plain(
     """One renaming step per tensor, when the checkpoint uses the model's own names (or a
     quantized parameter's own name for its float array); every problem with the names,
     shapes and dtype kinds in one StateDictError."""
-    problems: list[err.StateProblem] = []
+    problems = err.Problems()
     steps = []
     done: set[str] = set()  # checkpoint names checked here, as quantized parameters
     covered: set[str] = set()  # the parts of those (loaded, or refused with a problem)
@@ -53,7 +52,7 @@ def _plain(
         if tensor is not None:  # a float array, quantized as it is loaded
             done.update([name, *parts])
             covered.update(_parts(name, quantized))
-            problem = _both(name, parts) if parts else _quantizable(name, tensor, like)
+            problem = err.stored_both(name, parts) if parts else _quantizable(name, tensor, like)
             if problem is not None:
                 problems.append(problem)
             else:

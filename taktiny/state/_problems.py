@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -64,6 +64,36 @@ _ORDER = {"unknown": 0, "key": 0, "structure": 0, "missing": 2, "abstract": 2}  
 SHOWN = 20  # problems printed in the message; all of them stay in `problems`
 
 
+class Problems:
+    """The problems one load has found, in the order found. Records are only added: none
+    is removed or changed afterwards (a step that learns more about a problem builds a
+    new record before adding it), so what a step has added is what the error lists."""
+
+    __slots__ = ("_records",)
+
+    def __init__(self, records: Iterable[StateProblem] = ()) -> None:
+        self._records = list(records)
+
+    def append(self, problem: StateProblem) -> None:
+        self._records.append(problem)
+
+    def extend(self, problems: Iterable[StateProblem]) -> None:
+        self._records.extend(problems)
+
+    def __iadd__(self, problems: Iterable[StateProblem]) -> Problems:
+        self._records.extend(problems)
+        return self
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    def __iter__(self) -> Iterator[StateProblem]:
+        return iter(self._records)
+
+    def __repr__(self) -> str:
+        return f"Problems({self._records!r})"
+
+
 class StateDictError(ValueError):
     """The one error type for state problems; raised once, listing every offending name.
 
@@ -76,13 +106,13 @@ class StateDictError(ValueError):
     :attr:`missing_keys` and :attr:`unexpected_keys`.
     """
 
-    def __init__(self, where: str, problems: Sequence[StateProblem]):
+    def __init__(self, where: str, problems: Iterable[StateProblem]):
         self.problems = tuple(sorted(problems, key=lambda p: _ORDER.get(p.kind, 1)))
-        count = f"{len(problems)} problem{'s' if len(problems) > 1 else ''}"
-        lines = [f"{where}: {count}; nothing was loaded."]
+        n = len(self.problems)
+        lines = [f"{where}: {n} problem{'s' if n > 1 else ''}; nothing was loaded."]
         lines += [f"  - {p}" for p in self.problems[:SHOWN]]
-        if len(problems) > SHOWN:
-            lines.append(f"  ... and {len(problems) - SHOWN} more (all in .problems)")
+        if n > SHOWN:
+            lines.append(f"  ... and {n - SHOWN} more (all in .problems)")
         super().__init__("\n".join(lines))
 
     @property
@@ -649,3 +679,84 @@ def _dtype(name: Any) -> Any:
         return jnp.dtype(name)
     except TypeError:
         return None
+
+
+# --- Checkpoints --------------------------------------------------------------
+# What a checkpoint's headers show before any data is read (taktiny.io). A layout is
+# (bits, axis, group_size); its text is how taktiny.io describes it ("int8 per channel").
+
+
+def stored_both(name: str, parts: list[str]) -> StateProblem:
+    """A checkpoint holding a quantized parameter both as a float array and as parts."""
+    return StateProblem(
+        "structure",
+        name,
+        "a float array or its quantized parts",
+        "both",
+        f"the checkpoint holds both the float array {name!r} and the quantized parts "
+        f"{parts} of this quantized parameter; keep one of them.",
+    )
+
+
+def stored_not_float(
+    name: str, layout: str, dtype: np.dtype, shape: tuple[int, ...]
+) -> StateProblem:
+    """A tensor that is no float array where the model quantizes one as `layout`."""
+    have = f"{dtype.name}{list(shape)}"
+    hint = (
+        f"the model quantizes {name!r} as {layout}, and the checkpoint holds {have} under its "
+        f"name, which is not a float array to quantize. Give the float array, or the quantized "
+        f"parts {name}.value and {name}.scale."
+    )
+    return StateProblem("dtype", name, "a float array", dtype.name, hint)
+
+
+def stored_shape(
+    name: str, layout: str, expected: tuple[int, ...], got: tuple[int, ...]
+) -> StateProblem:
+    """A float tensor of another shape than the one the model quantizes as `layout`."""
+    hint = (
+        f"shape mismatch: the model quantizes {name!r} ({layout}) from a float array of shape "
+        f"{expected}, got {got}."
+    )
+    return StateProblem("shape", name, expected, got, hint)
+
+
+def stored_quantized_otherwise(
+    name: str, layout: str, want: tuple[Any, ...], got: str, have: tuple[Any, ...]
+) -> StateProblem:
+    """Quantized parts stored in another layout (`have`, told as `got`; bits None when
+    unknown) than the model's (`want`, told as `layout`)."""
+    group = "" if have[2] is None else f", group_size={have[2]}"
+    fix = (
+        f"Quantize the model as the checkpoint was (tt.quantize(float_model, bits={have[0]}"
+        f"{group})), or load a float checkpoint, which is quantized on load."
+        if have[0]
+        else "Load a float checkpoint, which is quantized on load."
+    )
+    hint = f"the model quantizes {name!r} as {layout}, the checkpoint holds it as {got}. {fix}"
+    return StateProblem("dtype" if have[0] != want[0] else "shape", name, layout, got, hint)
+
+
+def stored_quantized(
+    name: str, dtype: np.dtype, shape: tuple[int, ...], layout: tuple[tuple[Any, ...], str] | None
+) -> StateProblem:
+    """Quantized parts stored where the model holds a float array; `layout` is the parts'
+    recorded layout and its text (None: not recorded)."""
+    bits = group = ""
+    stored, axis = "", "..."
+    if layout is None:
+        bits = "bits=..."
+    else:
+        (b, axis, size), text = layout
+        bits, stored = f"bits={b}", f" as {text}"
+        group = "" if size is None else f", group_size={size}"
+    float_array = f"a float array {dtype.name}{list(shape)}"
+    hint = (
+        f"the checkpoint holds it quantized{stored}, as {name}.value and {name}.scale; the "
+        f"model holds {float_array}. Load it into the quantized model, tt.quantize(model, "
+        f"{bits}{group}) (then tt.dequantize it for floats), or pass rules that dequantize: "
+        f"convert.Rule(['{name}.value', '{name}.scale'], '{name}', "
+        f"convert.dequantize(axis={axis}{group}))."
+    )
+    return StateProblem("structure", name, float_array, "quantized parts", hint)

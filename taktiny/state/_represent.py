@@ -10,7 +10,7 @@ aside only where a plain load would fail, so an ordinary load does no work here.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any, NamedTuple
 
 import jax
@@ -22,8 +22,8 @@ from jax.sharding import NamedSharding
 from .._quant import PARTS, QArray, parts_layout, quantize_like
 from . import _problems as err
 from . import _values
-from ._names import SCALARS, Custom
-from ._problems import StateProblem
+from ._names import SCALARS
+from ._problems import Problems, StateProblem
 
 _CHECKED_KINDS = ("dtype", "shape", "value", "structure")  # problems told as a QArray's
 
@@ -47,7 +47,7 @@ def is_quantized(value: Any) -> bool:
 
 
 def settle(
-    view: Any, others: list[Other], match: bool, problems: list[StateProblem]
+    view: Any, others: list[Other], match: bool, problems: Problems
 ) -> list[tuple[Any, Any]]:
     """The leaves to load in place of `others`, converted to the model's representation
     (with `match`); each that cannot (or, without `match`, may not) be is a problem. All
@@ -58,7 +58,7 @@ def settle(
     return [leaf for plan in plans if plan is not None for leaf in plan()]
 
 
-def _plan(other: Other, match: bool, problems: list[StateProblem]) -> Any:
+def _plan(other: Other, match: bool, problems: Problems) -> Any:
     """How to convert `other` (a function giving its leaves), once checked; None (and a
     problem recorded) when it can't be."""
     name, old, given = other.name, other.old, other.given
@@ -110,7 +110,7 @@ def _quantized(other: Other, array: Any) -> list[tuple[Any, Any]]:
     return list(zip(other.wheres, jax.tree_util.tree_leaves(q), strict=True))
 
 
-def _dequantized(other: Other, match: bool, problems: list[StateProblem]) -> Any:
+def _dequantized(other: Other, match: bool, problems: Problems) -> Any:
     """A QArray, or a dict of its parts, where the model holds an array."""
     name, old, given = other.name, other.old, other.given
     made = given if isinstance(given, QArray) else _from_parts(given)
@@ -156,30 +156,13 @@ def _from_parts(parts: Mapping[str, Any]) -> QArray | str:
         return str(error).removeprefix("QArray: ").rstrip(".")
 
 
-def explain(view: Any, problems: list[StateProblem]) -> None:
-    """Tells the problems with a part of a QArray (``kernel.value`` of the wrong dtype,
-    ``kernel.scale`` of the wrong shape) as problems with that QArray. For a load that
-    failed: it reads the whole tree."""
-    parents = {
-        p.key.rpartition(".")[0]
-        for p in problems
-        if p.kind in _CHECKED_KINDS and p.key.rpartition(".")[2] in PARTS
-    }
-    if not parents:
-        return
-    olds, spec = view.flattened()
-    found: dict[str, QArray] = {}
-    for parent in parents:
-        node: Any = spec.template
-        for key in parent.split("."):
-            node = node.get(key) if type(node) is dict else None
-        if isinstance(node, Custom):
-            value = node.treedef.unflatten(olds[node.start : node.stop])
-            if isinstance(value, QArray):
-                found[parent] = value
-    told: Callable[[StateProblem], StateProblem] = lambda p: (
-        err.in_quantized(p, parent, found[parent])
-        if p.kind in _CHECKED_KINDS and (parent := p.key.rpartition(".")[0]) in found
-        else p
-    )
-    problems[:] = [told(p) for p in problems]
+def in_quantized(view: Any, where: Any, problems: Iterable[StateProblem]) -> list[StateProblem]:
+    """The `problems` found with the leaf at `where`; when that leaf is a part of a QArray
+    (``kernel.value`` of the wrong dtype, ``kernel.scale`` of the wrong shape), each told
+    as a problem with that QArray."""
+    found = view.quantized(where)
+    if found is None:
+        return list(problems)
+    param, q = found
+    told = lambda p: err.in_quantized(p, param, q) if p.kind in _CHECKED_KINDS else p
+    return [told(p) for p in problems]

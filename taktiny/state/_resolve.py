@@ -16,16 +16,30 @@ from ._problems import StateProblem
 from ._represent import Other
 from ._views import GROUP, LEAF
 
-_UNKNOWN: Any = object()  # where the problem of an unknown name goes, once it is written
-
 
 class Resolved(NamedTuple):
     """What a state names: the value for each leaf (by its `where` in the view), the
-    problems of entries that name no leaf, and the values in another representation than
-    the model's (by the `where` of their first leaf)."""
+    problems of entries that name no leaf, in the order of the state, and the values in
+    another representation than the model's (by the `where` of their first leaf)."""
 
     supplied: dict[Any, Any]
-    problems: list[StateProblem]
+    problems: tuple[StateProblem, ...]
+    other: dict[Any, Other]
+
+
+class _Unknown(NamedTuple):
+    """An entry that names nothing: its problem, which suggests the closest name not
+    given, is built once every entry is resolved."""
+
+    name: str
+    value: Any
+
+
+class _Found(NamedTuple):
+    """What resolving has found so far: as `Resolved`, with unknown entries not yet told."""
+
+    supplied: dict[Any, Any]
+    entries: list[StateProblem | _Unknown]
     other: dict[Any, Other]
 
 
@@ -33,26 +47,27 @@ def resolve(view: Any, state: Mapping[Any, Any], flat: bool, match: bool = False
     """Finds the leaf each entry of `state` names; lists the entries that name none. With
     `match` (``match_quantization=True``), the parts of a QArray named under a float
     array's name are gathered to be dequantized; without it they are unknown names."""
-    found = Resolved({}, [], {})
-    unknown: list[tuple[str, Any]] = []  # each also holds a place in `problems`, in order
+    found = _Found({}, [], {})
     if flat:
         for name, value in state.items():
             if type(name) is not str:
-                same = _resolve_name(view, str(name), value, Resolved({}, [], {}), match)
-                found.problems.append(err.non_string_key(repr(name), name, same, flat=True))
+                same = _resolve_name(view, str(name), value, _Found({}, [], {}), match)
+                found.entries.append(err.non_string_key(repr(name), name, same, flat=True))
             elif not _resolve_name(view, name, value, found, match):
-                unknown.append((str(name), value))
-                found.problems.append(_UNKNOWN)
+                found.entries.append(_Unknown(name, value))
     else:
-        _resolve_nested(view, view.root, state, (), found, unknown, {})
-    if unknown:
+        _resolve_nested(view, view.root, state, (), found, {})
+    unknown = [(e.name, e.value) for e in found.entries if type(e) is _Unknown]
+    if not unknown:
+        problems: Any = found.entries
+    else:
         given = {view.name(w) for w in found.supplied}
-        named = iter(err.unknown(unknown, view.names(), flat, given))
-        found.problems[:] = [next(named) if p is _UNKNOWN else p for p in found.problems]
-    return found
+        told = iter(err.unknown(unknown, view.names(), flat, given))
+        problems = [next(told) if type(e) is _Unknown else e for e in found.entries]
+    return Resolved(found.supplied, tuple(problems), found.other)
 
 
-def _resolve_name(view: Any, name: str, value: Any, found: Resolved, match: bool) -> bool:
+def _resolve_name(view: Any, name: str, value: Any, found: _Found, match: bool) -> bool:
     """Resolves one flat name; False when it names no leaf (a group, the inside of an
     array, or nothing)."""
     node, keys = view.root, tuple(name.split("."))
@@ -90,8 +105,7 @@ def _resolve_nested(
     node: Any,
     state: Mapping[Any, Any],
     path: tuple[str, ...],
-    found: Resolved,
-    unknown: list[tuple[str, Any]],
+    found: _Found,
     above: dict[int, tuple[str, ...]],
 ) -> None:
     """Resolves a nested state (a dict of `node`'s children). It follows the tree, so it
@@ -103,16 +117,15 @@ def _resolve_nested(
         if type(key) is not str:
             name = ".".join((*path, repr(key)))
             same = view.child(node, str(key)) is not None
-            found.problems.append(err.non_string_key(name, key, same, flat=False))
+            found.entries.append(err.non_string_key(name, key, same, flat=False))
             continue
         if "." in key:
-            found.problems.append(err.dotted_key(".".join((*path, key))))
+            found.entries.append(err.dotted_key(".".join((*path, key))))
             continue
         where = (*path, key)
         step = view.child(node, key)
         if step is None:
-            unknown.append((".".join(where), value))
-            found.problems.append(_UNKNOWN)
+            found.entries.append(_Unknown(".".join(where), value))
             continue
         kind, child = step
         if kind is LEAF:
@@ -121,20 +134,18 @@ def _resolve_nested(
             if type(value) is dict or isinstance(value, Mapping):
                 outer = above.get(id(value))
                 if outer is None:
-                    _resolve_nested(view, child, value, where, found, unknown, above)
+                    _resolve_nested(view, child, value, where, found, above)
                 else:
-                    found.problems.append(err.contains_itself(".".join(where), ".".join(outer)))
+                    found.entries.append(err.contains_itself(".".join(where), ".".join(outer)))
             else:
                 name = ".".join(where)
-                found.problems.append(err.group_expected(name, view.keys(child), value))
+                found.entries.append(err.group_expected(name, view.keys(child), value))
         else:
             _resolve_param(view, child, where, value, found)
     del above[id(state)]
 
 
-def _resolve_param(
-    view: Any, node: Any, where: tuple[str, ...], value: Any, found: Resolved
-) -> None:
+def _resolve_param(view: Any, node: Any, where: tuple[str, ...], value: Any, found: _Found) -> None:
     """A custom parameter given whole: its leaves, when `value` has its structure; else
     (a float array where the model holds a QArray, say) the value set aside. Given as a
     dict (nested states only), its parts by name ({"value": ..., "scale": ...})."""
@@ -146,12 +157,12 @@ def _resolve_param(
                 found.supplied[by_name[part]] = given
             else:
                 parts = [n for n, _ in inner]
-                found.problems.append(err.unknown_part(f"{name}.{part}", parts))
+                found.entries.append(err.unknown_part(f"{name}.{part}", parts))
         return
     try:
         leaves, given = jax.tree_util.tree_flatten(value)
     except (RecursionError, SystemError):  # a list that contains itself, say (SystemError:
-        found.problems.append(err.too_deep(".".join(where), value))  # from C++'s recursion)
+        found.entries.append(err.too_deep(".".join(where), value))  # from C++'s recursion)
         return
     if given != treedef:
         wheres = tuple(w for _, w in inner)
@@ -161,7 +172,7 @@ def _resolve_param(
         found.supplied[w] = leaf
 
 
-def _other_part(view: Any, where: Any, part: str, value: Any, found: Resolved) -> None:
+def _other_part(view: Any, where: Any, part: str, value: Any, found: _Found) -> None:
     """A part of a QArray named under an array of the model (``kernel.value`` where the
     model holds a float ``kernel``), gathered with the other parts for `_represent`."""
     other = found.other.get(where)

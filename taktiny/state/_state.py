@@ -18,7 +18,7 @@ from jax.sharding import NamedSharding
 
 from . import _names, _represent, _values
 from . import _problems as err
-from ._problems import StateDictError, StateProblem
+from ._problems import Problems, StateDictError
 from ._represent import Other
 from ._resolve import Resolved, resolve
 from ._views import Flat, Walk
@@ -53,7 +53,7 @@ class _Checked(NamedTuple):
 def _check(
     view: Flat | Walk,
     supplied: Iterable[tuple[Any, Any]],
-    problems: list[StateProblem],
+    problems: Problems,
     into: _Checked | None = None,
 ) -> _Checked:
     """Checks each supplied value against the leaf it replaces, adding to `into`."""
@@ -85,11 +85,13 @@ def _check(
             else:
                 moves.append(_Move(where, value, want))
             continue
-        given, value = value, _values.convert(view.name(where), value, old, problems)
+        if _represent.is_quantized(value):  # set aside, to be converted or told
+            into.other.append(Other(view.name(where), old, (where,), value))
+            continue
+        found = Problems()
+        given, value = value, _values.convert(view.name(where), value, old, found)
         if value is None:
-            if _represent.is_quantized(given):  # set aside, to be converted or told
-                del problems[-1]  # (the one problem `convert` recorded for it)
-                into.other.append(Other(view.name(where), old, (where,), given))
+            problems.extend(_represent.in_quantized(view, where, found))
             continue
         target = getattr(old, "sharding", None)
         if isinstance(old, Tracer) or isinstance(value, Tracer):  # inside jit
@@ -106,7 +108,7 @@ def _check(
     return into
 
 
-def _deleted(view: Flat | Walk, new: Any, moves: list[_Move], problems: list[StateProblem]) -> None:
+def _deleted(view: Flat | Walk, new: Any, moves: list[_Move], problems: Problems) -> None:
     """Tells the deleted arrays among the supplied values kept as they are (in `new` where
     the tree's own leaf is not that array, or in `moves`); none of them is loaded."""
     olds: Any = view.olds  # (a list or a dict, as `new` is)
@@ -238,10 +240,11 @@ def load(
         named = {**named, **{w: None for other in found.other.values() for w in other.wheres}}
     absent = [i for i in range(len(view.olds)) if i not in named]
     if strict:
-        found.problems.extend(err.missing(view.spec.names[i]) for i in absent)
+        unfilled = [err.missing(view.spec.names[i]) for i in absent]
     else:
         abstract = [i for i in absent if isinstance(view.olds[i], jax.ShapeDtypeStruct)]
-        found.problems.extend(err.abstract(view.spec.names[i]) for i in abstract)
+        unfilled = [err.abstract(view.spec.names[i]) for i in abstract]
+    found = found._replace(problems=(*found.problems, *unfilled))
     return _finish(view, found.supplied.items(), found, caller, match)
 
 
@@ -252,14 +255,13 @@ def _finish(
     caller: str,
     match: bool,
 ) -> Any:
-    problems = [] if found is None else found.problems
+    problems = Problems(() if found is None else found.problems)
     checked = _check(view, supplied, problems)
     other = [*(found.other.values() if found is not None else ()), *checked.other]
     if other:  # values in another representation than the model's: converted, or told
         converted = _represent.settle(view, other, match, problems)
         _check(view, converted, problems, into=checked)
     if problems:
-        _represent.explain(view, problems)
         raise StateDictError(caller, problems)
     new = checked.new
     _place(checked.moves, new)

@@ -16,7 +16,7 @@ from jax.core import Tracer
 
 from . import _problems as err
 from ._names import SCALARS
-from ._problems import StateProblem
+from ._problems import Problems, StateProblem
 
 _KINDS = (
     ("floating", jnp.floating),
@@ -81,7 +81,7 @@ def dtype_of(dtype: Any) -> np.dtype[Any]:
             raise TypeError(f"{dtype!r} is no dtype NumPy or ml_dtypes knows.") from None
 
 
-def _as_array(name: str, value: Any, problems: list[StateProblem]) -> tuple[Any, bool]:
+def _as_array(name: str, value: Any, problems: Problems) -> tuple[Any, bool]:
     """`value` as a JAX or NumPy array, or None (and a problem recorded) if it is none; and
     whether it was made of Python numbers (a list, a scalar), which take the leaf's dtype
     as JAX's weakly typed numbers do."""
@@ -194,7 +194,7 @@ def _overflow(name: str, value: Any, cast: Any) -> StateProblem | None:
 _WEAK = {"signed integer": ("floating", "complex", "unsigned integer"), "floating": ("complex",)}
 
 
-def _exact(name: str, value: np.ndarray, dtype: Any, problems: list[StateProblem]) -> Any:
+def _exact(name: str, value: np.ndarray, dtype: Any, problems: Problems) -> Any:
     """Python numbers `value` in `dtype`, when that keeps every value exactly."""
     with np.errstate(all="ignore"):
         cast = value.astype(dtype)
@@ -207,7 +207,7 @@ def _exact(name: str, value: np.ndarray, dtype: Any, problems: list[StateProblem
     return cast
 
 
-def convert(name: str, value: Any, old: Any, problems: list[StateProblem]) -> Any:
+def convert(name: str, value: Any, old: Any, problems: Problems) -> Any:
     """`value` checked against the leaf `old` it replaces and cast to its dtype; None (and a
     problem recorded) when it can't be."""
     value, python_numbers = _as_array(name, value, problems)

@@ -15,6 +15,7 @@ from typing import Any
 
 import jax
 
+from .._quant import PARTS, QArray
 from . import _names
 from ._names import Custom
 from ._values import array_type
@@ -59,6 +60,20 @@ class Flat:
     def name(self, where: int) -> str:
         return self.spec.names[where]
 
+    def quantized(self, where: int) -> tuple[str, QArray] | None:
+        """The name and value of the QArray whose part the leaf at `where` is, if any."""
+        param, _, part = self.spec.names[where].rpartition(".")
+        if part not in PARTS:
+            return None
+        node: Any = self.spec.template
+        for key in param.split("."):
+            node = node.get(key) if type(node) is dict else None
+        if isinstance(node, Custom):
+            value = node.treedef.unflatten(self.olds[node.start : node.stop])
+            if isinstance(value, QArray):
+                return param, value
+        return None
+
     def names(self) -> tuple[str, ...]:
         return self.spec.names
 
@@ -77,6 +92,7 @@ class Walk:
         self.olds: dict[tuple[str, ...], Any] = {}
         self._seen: dict[int, tuple[str, Any]] = {}  # node -> (its kind, its children)
         self._steps: dict[tuple[int, str], Any] = {}  # (node, key) -> what `child` found
+        self._params: dict[tuple[str, ...], tuple[tuple[str, ...], Any]] = {}  # leaf -> param
         self._array = array_type()
 
     def _children(self, node: Any) -> tuple[str, Any]:
@@ -143,6 +159,7 @@ class Walk:
         for path, leaf in paths:
             inside = tuple(_names.key_name(k) for k in path)
             self.olds[where + inside] = leaf
+            self._params[where + inside] = where, node
             found.append((".".join(inside), where + inside))
         return treedef, found
 
@@ -155,6 +172,13 @@ class Walk:
 
     def name(self, where: tuple[str, ...]) -> str:
         return ".".join(where)
+
+    def quantized(self, where: tuple[str, ...]) -> tuple[str, QArray] | None:
+        """The name and value of the QArray whose part the leaf at `where` is, if any."""
+        param, node = self._params.get(where, ((), None))
+        if isinstance(node, QArray) and len(where) == len(param) + 1 and where[-1] in PARTS:
+            return ".".join(param), node
+        return None
 
     def names(self) -> tuple[str, ...]:
         return _names.flatten(self.root)[2].names
