@@ -432,3 +432,32 @@ def test_a_flat_key_that_is_not_a_string_is_refused_by_its_type(without_type_che
         assert (problem.kind, problem.key) == ("key", repr(key))
         assert problem.hint == f"flat state keys must be strings, {hint}"
         assert info.value.unexpected_keys == (repr(key),)
+
+
+def test_problems_are_only_added_never_removed_or_changed():
+    """A load's problems are collected in `Problems`, which adds and nothing else: no step
+    can delete, replace or rewrite a problem another step recorded."""
+    first = _problems.StateProblem("shape", "a", (2,), (3,), "first")
+    found = _problems.Problems([first])
+    found.append(_problems.missing("b"))
+    found += [_problems.abstract("c")]
+    assert [p.key for p in found] == ["a", "b", "c"] and len(found) == 3 and found
+    assert not _problems.Problems()
+    for change in ("__setitem__", "__delitem__", "pop", "remove", "clear", "insert", "sort"):
+        assert not hasattr(found, change), change
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        first.hint = "changed"  # type: ignore[misc]
+    error = _problems.StateDictError("load", found)
+    assert error.problems[0] is first and len(error.problems) == 3
+
+
+def test_every_problem_is_built_in_one_place():
+    """Each kind of problem has one builder, in taktiny/state/_problems.py: no other file of
+    the package makes a StateProblem itself (io's header checks use the same builders)."""
+    root = pathlib.Path(tt.__file__).parent
+    makers = {
+        str(path.relative_to(root))
+        for path in root.rglob("*.py")
+        if "StateProblem(" in path.read_text()
+    }
+    assert makers == {"state/_problems.py"}

@@ -923,3 +923,26 @@ def test_problems_inside_custom_parameters_name_their_full_path():
         with pytest.raises(tt.StateDictError) as info:
             m.load_state_dict({"block": {**state, **good}})
         assert [str(p) for p in info.value.problems] == problems
+
+
+@pytest.mark.parametrize("dotted", [False, True])
+@pytest.mark.parametrize(("strict", "abstract"), [(False, True), (True, False), (False, False)])
+def test_a_load_resolves_its_names_once(monkeypatch, view, dotted, strict, abstract):
+    """The view is chosen before any name is resolved: a partial load into an abstract tree
+    (which must list every leaf left unfilled) resolves once, as every other load does."""
+    leaf = jax.ShapeDtypeStruct((2,), jnp.float32) if abstract else jnp.ones(2)
+    tree = {"a": leaf, "b": {"c": leaf, "d": leaf}}
+    calls = []
+    real = _state.resolve
+    monkeypatch.setattr(_state, "resolve", lambda *a, **k: calls.append(a[0]) or real(*a, **k))
+    state = {"b.c": np.zeros(2, np.float32)} if dotted else {"b": {"c": np.zeros(2, np.float32)}}
+    if strict or abstract:
+        kind = "missing" if strict else "abstract"
+        with pytest.raises(tt.StateDictError, match=r"2 problems") as caught:
+            _state.load(tree, state, strict=strict, flat=dotted)
+        assert [(p.kind, p.key) for p in caught.value.problems] == [(kind, "a"), (kind, "b.d")]
+    else:
+        loaded = _state.load(tree, state, strict=strict, flat=dotted)
+        assert np.asarray(loaded["b"]["c"]).tolist() == [0.0, 0.0]
+    assert len(calls) == 1
+    assert type(calls[0]).__name__ == ("Flat" if strict or view == "flat" else "Walk")

@@ -24,6 +24,7 @@ from . import _problems as err
 from . import _values
 from ._names import SCALARS
 from ._problems import Problems, StateProblem
+from ._views import View
 
 _CHECKED_KINDS = ("dtype", "shape", "value", "structure")  # problems told as a QArray's
 
@@ -47,7 +48,7 @@ def is_quantized(value: Any) -> bool:
 
 
 def settle(
-    view: Any, others: list[Other], match: bool, problems: Problems
+    view: View[Any], others: list[Other], match: bool, problems: Problems
 ) -> list[tuple[Any, Any]]:
     """The leaves to load in place of `others`, converted to the model's representation
     (with `match`); each that cannot (or, without `match`, may not) be is a problem. All
@@ -156,7 +157,9 @@ def _from_parts(parts: Mapping[str, Any]) -> QArray | str:
         return str(error).removeprefix("QArray: ").rstrip(".")
 
 
-def in_quantized(view: Any, where: Any, problems: Iterable[StateProblem]) -> list[StateProblem]:
+def in_quantized(
+    view: View[Any], where: Any, problems: Iterable[StateProblem]
+) -> list[StateProblem]:
     """The `problems` found with the leaf at `where`; when that leaf is a part of a QArray
     (``kernel.value`` of the wrong dtype, ``kernel.scale`` of the wrong shape), each told
     as a problem with that QArray."""

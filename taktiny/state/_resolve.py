@@ -14,7 +14,7 @@ from .._quant import PARTS
 from . import _problems as err
 from ._problems import StateProblem
 from ._represent import Other
-from ._views import GROUP, LEAF
+from ._views import GROUP, LEAF, View
 
 
 class Resolved(NamedTuple):
@@ -43,7 +43,7 @@ class _Found(NamedTuple):
     other: dict[Any, Other]
 
 
-def resolve(view: Any, state: Mapping[Any, Any], flat: bool, match: bool = False) -> Resolved:
+def resolve(view: View[Any], state: Mapping[Any, Any], flat: bool, match: bool = False) -> Resolved:
     """Finds the leaf each entry of `state` names; lists the entries that name none. With
     `match` (``match_quantization=True``), the parts of a QArray named under a float
     array's name are gathered to be dequantized; without it they are unknown names."""
@@ -67,7 +67,7 @@ def resolve(view: Any, state: Mapping[Any, Any], flat: bool, match: bool = False
     return Resolved(found.supplied, tuple(problems), found.other)
 
 
-def _resolve_name(view: Any, name: str, value: Any, found: _Found, match: bool) -> bool:
+def _resolve_name(view: View[Any], name: str, value: Any, found: _Found, match: bool) -> bool:
     """Resolves one flat name; False when it names no leaf (a group, the inside of an
     array, or nothing)."""
     node, keys = view.root, tuple(name.split("."))
@@ -101,7 +101,7 @@ def _resolve_name(view: Any, name: str, value: Any, found: _Found, match: bool) 
 
 
 def _resolve_nested(
-    view: Any,
+    view: View[Any],
     node: Any,
     state: Mapping[Any, Any],
     path: tuple[str, ...],
@@ -145,7 +145,9 @@ def _resolve_nested(
     del above[id(state)]
 
 
-def _resolve_param(view: Any, node: Any, where: tuple[str, ...], value: Any, found: _Found) -> None:
+def _resolve_param(
+    view: View[Any], node: Any, where: tuple[str, ...], value: Any, found: _Found
+) -> None:
     """A custom parameter given whole: its leaves, when `value` has its structure; else
     (a float array where the model holds a QArray, say) the value set aside. Given as a
     dict (nested states only), its parts by name ({"value": ..., "scale": ...})."""
@@ -172,7 +174,7 @@ def _resolve_param(view: Any, node: Any, where: tuple[str, ...], value: Any, fou
         found.supplied[w] = leaf
 
 
-def _other_part(view: Any, where: Any, part: str, value: Any, found: _Found) -> None:
+def _other_part(view: View[Any], where: Any, part: str, value: Any, found: _Found) -> None:
     """A part of a QArray named under an array of the model (``kernel.value`` where the
     model holds a float ``kernel``), gathered with the other parts for `_represent`."""
     other = found.other.get(where)

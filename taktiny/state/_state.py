@@ -18,10 +18,10 @@ from jax.sharding import NamedSharding
 
 from . import _names, _represent, _values
 from . import _problems as err
-from ._problems import Problems, StateDictError
+from ._problems import Problems, StateDictError, StateProblem
 from ._represent import Other
 from ._resolve import Resolved, resolve
-from ._views import Flat, Walk
+from ._views import Flat, View, Walk
 
 # Loads that name at most this many leaves walk to them instead of flattening the tree: a
 # walk costs a few microseconds per leaf named, a flatten and unflatten about two per leaf
@@ -51,7 +51,7 @@ class _Checked(NamedTuple):
 
 
 def _check(
-    view: Flat | Walk,
+    view: View[Any],
     supplied: Iterable[tuple[Any, Any]],
     problems: Problems,
     into: _Checked | None = None,
@@ -108,7 +108,7 @@ def _check(
     return into
 
 
-def _deleted(view: Flat | Walk, new: Any, moves: list[_Move], problems: Problems) -> None:
+def _deleted(view: View[Any], new: Any, moves: list[_Move], problems: Problems) -> None:
     """Tells the deleted arrays among the supplied values kept as they are (in `new` where
     the tree's own leaf is not that array, or in `moves`); none of them is loaded."""
     olds: Any = view.olds  # (a list or a dict, as `new` is)
@@ -223,33 +223,40 @@ def load(
     if not isinstance(state, Mapping):
         raise TypeError(f"{caller} expects a dict, got {type(state).__name__}.")
     match = match_quantization
+    view: View[Any]
     if not strict and _few(state, flat):
-        walk = Walk(tree)
-        found = resolve(walk, state, flat, match)
-        olds = walk.olds.values()
-        if olds and not any(isinstance(old, jax.ShapeDtypeStruct) for old in olds):
-            return _finish(walk, found.supplied.items(), found, caller, match)
-        # an abstract tree (or an empty state): naming every leaf left unfilled needs them all
-    view = Flat(tree)
-    values = _in_order(view, state, flat)  # every leaf, in leaf order: the fast path
-    if values is not None:
-        return _finish(view, enumerate(values), None, caller, match)
-    found = resolve(view, state, flat, match)
-    named = found.supplied
-    if found.other:  # leaves given in another representation are named too
-        named = {**named, **{w: None for other in found.other.values() for w in other.wheres}}
-    absent = [i for i in range(len(view.olds)) if i not in named]
-    if strict:
-        unfilled = [err.missing(view.spec.names[i]) for i in absent]
+        view = Walk(tree)
     else:
-        abstract = [i for i in absent if isinstance(view.olds[i], jax.ShapeDtypeStruct)]
-        unfilled = [err.abstract(view.spec.names[i]) for i in abstract]
-    found = found._replace(problems=(*found.problems, *unfilled))
+        view = flat_view = Flat(tree)
+        values = _in_order(flat_view, state, flat)  # every leaf, in leaf order: the fast path
+        if values is not None:
+            return _finish(view, enumerate(values), None, caller, match)
+    found = resolve(view, state, flat, match)
+    found = found._replace(problems=(*found.problems, *_unfilled(view, found, strict)))
     return _finish(view, found.supplied.items(), found, caller, match)
 
 
+def _unfilled(view: View[Any], found: Resolved, strict: bool) -> list[StateProblem]:
+    """The leaves a load must fill but the state does not name: every one under `strict`,
+    else those of an abstract tree, which have no value to keep. A view that has seen only
+    the paths named takes the tree as concrete when every leaf it has seen is."""
+    wheres = [*found.supplied, *(w for other in found.other.values() for w in other.wheres)]
+    if not view.sees_all and not strict:
+        seen = [view.olds[w] for w in wheres]
+        if seen and not any(isinstance(old, jax.ShapeDtypeStruct) for old in seen):
+            return []
+    leaves, spec = view.flattened()
+    named = {view.name(w) for w in wheres}
+    absent = [
+        (name, leaf) for name, leaf in zip(spec.names, leaves, strict=True) if name not in named
+    ]
+    if strict:
+        return [err.missing(name) for name, _ in absent]
+    return [err.abstract(name) for name, leaf in absent if isinstance(leaf, jax.ShapeDtypeStruct)]
+
+
 def _finish(
-    view: Flat | Walk,
+    view: View[Any],
     supplied: Iterable[tuple[Any, Any]],
     found: Resolved | None,
     caller: str,

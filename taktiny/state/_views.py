@@ -1,17 +1,19 @@
 """Two views of a tree for loading: the same questions (the child of a node by name, the
-leaves of a custom parameter, writing new leaves), answered two ways.
+leaves of a custom parameter, writing new leaves), declared once as `View` and answered
+two ways.
 
 `Flat` flattens the tree once and answers from the cached template of its names: a load
 that names every leaf (or many) costs one flatten and one unflatten. `Walk` starts at the
 root and visits only the nodes on the paths to the leaves named, then rebuilds only those
 nodes: a load that names a few leaves costs what it touches, not the size of the tree.
-A leaf's `where` is its position in `Flat` and its key path in `Walk`.
+A leaf's `where` is its position in `Flat` and its key path in `Walk`. A load chooses its
+view before it resolves a single name, and resolves once.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import jax
 
@@ -21,11 +23,75 @@ from ._names import Custom
 from ._values import array_type
 
 LEAF, GROUP, PARAM = "leaf", "group", "param"
+Where = TypeVar("Where")  # how a view names a leaf: its position, or its key path
+
+
+class Leaves(Protocol[Where]):
+    """The leaves a view has seen, by where they are."""
+
+    def __getitem__(self, where: Where, /) -> Any: ...
+
+
+@runtime_checkable  # (beartype checks annotations in the tests)
+class View(Protocol[Where]):
+    """What resolving names and checking values ask of a tree (see the module's note)."""
+
+    root: Any  # the node names start from: a template node, or the tree itself
+    olds: Leaves[Where]  # the tree's leaves seen so far (all of them, for `Flat`)
+    sees_all: bool  # whether `olds` holds every leaf, not only those on the paths named
+
+    def child(self, node: Any, key: str) -> tuple[str, Any] | None:
+        """What `node` holds under `key`: (LEAF, GROUP or PARAM, the child), or None."""
+        ...
+
+    def keys(self, node: Any) -> list[str]:
+        """The keys of a group, for messages."""
+        ...
+
+    def leaf(self, node: Any, where: tuple[str, ...]) -> Where:
+        """Where the leaf `node`, at the key path `where`, is."""
+        ...
+
+    def inner(self, node: Any, where: tuple[str, ...]) -> tuple[Any, list[tuple[str, Where]]]:
+        """A custom parameter's structure, and its leaves: (name below it, where)."""
+        ...
+
+    def param(self, node: Any, where: tuple[str, ...]) -> Any:
+        """The custom parameter's value in the tree."""
+        ...
+
+    def quantized(self, where: Where) -> tuple[str, QArray] | None:
+        """The name and value of the QArray whose part the leaf at `where` is, if any."""
+        ...
+
+    def flattened(self) -> tuple[list[Any], _names.Spec]:
+        """Every leaf, and the description of the tree."""
+        ...
+
+    def name(self, where: Where) -> str:
+        """The flat name of the leaf at `where`."""
+        ...
+
+    def names(self) -> tuple[str, ...]:
+        """The flat name of every leaf."""
+        ...
+
+    def new(self) -> Any:
+        """A container for new leaves by where (a list, or a dict), to fill and `write`."""
+        ...
+
+    def write(self, new: Any) -> Any:
+        """The tree with the leaves in `new` written in."""
+        ...
+
+
 _LEAF_TYPES = (*_names.ARRAY_TYPES, *_names.SCALARS)
 
 
 class Flat:
     """The tree flattened once; leaves found through the template, written by unflatten."""
+
+    sees_all = True
 
     def __init__(self, tree: Any):
         self.olds, self.treedef, self.spec = _names.flatten(tree)
@@ -86,6 +152,8 @@ class Flat:
 
 class Walk:
     """The tree walked from its root along the paths named; only those nodes rebuilt."""
+
+    sees_all = False
 
     def __init__(self, tree: Any):
         self.root = tree
