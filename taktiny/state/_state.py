@@ -8,7 +8,7 @@ on their paths; one that names many flattens the tree once (`_views`).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, NamedTuple
 
 import jax
@@ -215,31 +215,39 @@ def load(
     `taktiny.load_state_dict`. `caller` names the call in errors (by default
     ``Type.load_state_dict()`` for a module, ``taktiny.load_state_dict(type)`` for another
     tree)."""
-    method = "load_flat_state_dict" if flat else "load_state_dict"
-    if caller is None:
-        module = _names.fields(tree) is not None
-        kind = type(tree).__name__
-        caller = f"{kind}.{method}()" if module else f"taktiny.{method}({kind})"
+    named = lambda: caller or _caller(tree, flat)  # (formatted only for an error)
     if not isinstance(state, Mapping):
-        raise TypeError(f"{caller} expects a dict, got {type(state).__name__}.")
+        raise TypeError(f"{named()} expects a dict, got {type(state).__name__}.")
     match = match_quantization
     view: View[Any]
     if not strict and _few(state, flat):
-        view = Walk(tree)
+        view = Walk(tree, flat)
     else:
         view = flat_view = Flat(tree)
         values = _in_order(flat_view, state, flat)  # every leaf, in leaf order: the fast path
         if values is not None:
-            return _finish(view, enumerate(values), None, caller, match)
+            return _finish(view, enumerate(values), None, named, match)
     found = resolve(view, state, flat, match)
     found = found._replace(problems=(*found.problems, *_unfilled(view, found, strict)))
-    return _finish(view, found.supplied.items(), found, caller, match)
+    return _finish(view, found.supplied.items(), found, named, match)
+
+
+def _caller(tree: Any, flat: bool) -> str:
+    """How errors name a load: ``Type.load_state_dict()`` for a module,
+    ``taktiny.load_state_dict(type)`` for another tree."""
+    method = "load_flat_state_dict" if flat else "load_state_dict"
+    kind = type(tree).__name__
+    return f"{kind}.{method}()" if _names.fields(tree) is not None else f"taktiny.{method}({kind})"
 
 
 def _unfilled(view: View[Any], found: Resolved, strict: bool) -> list[StateProblem]:
     """The leaves a load must fill but the state does not name: every one under `strict`,
     else those of an abstract tree, which have no value to keep. A view that has seen only
     the paths named takes the tree as concrete when every leaf it has seen is."""
+    if not view.sees_all and not strict and found.supplied and not found.other:
+        olds = view.olds  # (the common case, a few concrete leaves named, told quickly)
+        if not any(isinstance(olds[w], jax.ShapeDtypeStruct) for w in found.supplied):
+            return []
     wheres = [*found.supplied, *(w for other in found.other.values() for w in other.wheres)]
     if not view.sees_all and not strict:
         seen = [view.olds[w] for w in wheres]
@@ -259,7 +267,7 @@ def _finish(
     view: View[Any],
     supplied: Iterable[tuple[Any, Any]],
     found: Resolved | None,
-    caller: str,
+    caller: Callable[[], str],
     match: bool,
 ) -> Any:
     problems = Problems(() if found is None else found.problems)
@@ -269,7 +277,7 @@ def _finish(
         converted = _represent.settle(view, other, match, problems)
         _check(view, converted, problems, into=checked)
     if problems:
-        raise StateDictError(caller, problems)
+        raise StateDictError(caller(), problems)
     new = checked.new
     _place(checked.moves, new)
     for where, value, old, target in checked.traced:

@@ -155,8 +155,9 @@ class Walk:
 
     sees_all = False
 
-    def __init__(self, tree: Any):
+    def __init__(self, tree: Any, flat: bool = False):
         self.root = tree
+        self._flat = flat  # flat names share their prefixes: each step is kept
         self.olds: dict[tuple[str, ...], Any] = {}
         self._seen: dict[int, tuple[str, Any]] = {}  # node -> (its kind, its children)
         self._steps: dict[tuple[int, str], Any] = {}  # (node, key) -> what `child` found
@@ -186,7 +187,9 @@ class Walk:
         return found
 
     def child(self, node: Any, key: str) -> tuple[str, Any] | None:
-        step = self._steps.get((id(node), key), self)  # flat names share their prefixes
+        if not self._flat:  # (a nested state names each step once)
+            return self._child(node, key)
+        step = self._steps.get((id(node), key), self)
         if step is self:
             step = self._steps[(id(node), key)] = self._child(node, key)
         return step
