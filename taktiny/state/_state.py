@@ -166,22 +166,20 @@ def _few(state: Mapping[Any, Any], flat: bool) -> bool:
     """Whether `state` names at most WALK_LIMIT leaves (counted without resolving)."""
     if flat:
         return len(state) <= WALK_LIMIT
-    budget = [WALK_LIMIT]
-
-    def count(node: Mapping[Any, Any], depth: int) -> bool:
+    budget = WALK_LIMIT
+    below: list[tuple[Mapping[Any, Any], int]] = [(state, 0)]  # dicts still to count
+    while below:
+        node, depth = below.pop()
         if depth > _DEEPEST:  # (or it contains itself): left to the resolution to tell
             return False
         for value in node.values():
             if type(value) is dict or isinstance(value, Mapping):
-                if not count(value, depth + 1):
-                    return False
+                below.append((value, depth + 1))
             else:
-                budget[0] -= 1
-                if budget[0] < 0:
+                budget -= 1
+                if budget < 0:
                     return False
-        return True
-
-    return count(state, 0)
+    return True
 
 
 def _in_order(view: Flat, state: Mapping[Any, Any], flat: bool) -> list[Any] | None:
@@ -228,7 +226,9 @@ def load(
         if values is not None:
             return _finish(view, enumerate(values), None, named, match)
     found = resolve(view, state, flat, match)
-    found = found._replace(problems=(*found.problems, *_unfilled(view, found, strict)))
+    unfilled = _unfilled(view, found, strict)
+    if unfilled:
+        found = found._replace(problems=(*found.problems, *unfilled))
     return _finish(view, found.supplied.items(), found, named, match)
 
 
@@ -279,7 +279,8 @@ def _finish(
     if problems:
         raise StateDictError(caller(), problems)
     new = checked.new
-    _place(checked.moves, new)
+    if checked.moves:
+        _place(checked.moves, new)
     for where, value, old, target in checked.traced:
         new[where] = _constrain(value, old, target)
     return view.write(new)

@@ -86,6 +86,7 @@ class View(Protocol[Where]):
 
 
 _LEAF_TYPES = (*_names.ARRAY_TYPES, *_names.SCALARS)
+_GROUPS = (list, tuple, dict)  # and modules: what a walk goes into
 
 
 class Flat:
@@ -195,7 +196,7 @@ class Walk:
         return step
 
     def _child(self, node: Any, key: str) -> tuple[str, Any] | None:
-        kind, children = self._children(node)
+        kind, children = self._seen.get(id(node)) or self._children(node)
         if kind == "seq":
             index = int(key) if key.isdigit() and str(int(key)) == key else len(children)
             child = children[index] if index < len(children) else None
@@ -205,7 +206,7 @@ class Walk:
             return None
         if type(child) is self._array:
             return LEAF, child
-        if not _names.is_param(child):
+        if isinstance(child, _GROUPS) or hasattr(type(child), "_taktiny_data"):  # (is_param)
             return GROUP, child
         if isinstance(child, _LEAF_TYPES):
             return LEAF, child
