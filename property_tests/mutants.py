@@ -2,7 +2,7 @@
 docstring names.
 
 Nothing here changes the package: each variant monkeypatches `taktiny.state._state`,
-`taktiny.state._values`, `taktiny.state._patterns` or `taktiny._abstract` for one pytest run, as a plugin
+`taktiny.state._values`, `taktiny.state._patterns` or `taktiny.sharding._eval_shape` for one pytest run, as a plugin
 (pytest does not collect this file as tests). Run one variant against one property, or every
 variant against the properties expected to catch it:
 
@@ -105,7 +105,7 @@ def _flat_items(state: dict, prefix: str = "") -> list:
 
 def _mutants() -> dict[str, Any]:
     """Each variant's name and the patches (module, attribute, value) it makes."""
-    from taktiny import _abstract
+    from taktiny.sharding import _eval_shape as _abstract
     from taktiny.state import _patterns, _state, _values
 
     match = _patterns.match

@@ -10,16 +10,16 @@ if _typing.TYPE_CHECKING:
     from . import convert as convert
     from . import io as io
     from . import nn as nn
-    from ._abstract import eval_shape as eval_shape
-    from ._quant import QArray as QArray
-    from ._shard import ShardingPlan as ShardingPlan
-    from ._shard import shard as shard
-    from ._shard import sharding_plan as sharding_plan
+    from ._qarray import QArray as QArray
     from ._summary import Summary as Summary
     from ._summary import summary as summary
     from .module._trainable import trainable as trainable
     from .nn._quantized import dequantize as dequantize
     from .nn._quantized import quantize as quantize
+    from .sharding._eval_shape import eval_shape as eval_shape
+    from .sharding._plan import ShardingPlan as ShardingPlan
+    from .sharding._plan import shard as shard
+    from .sharding._plan import sharding_plan as sharding_plan
     from .state._problems import StateDictError as StateDictError
     from .state._problems import StateProblem as StateProblem
     from .state._tree import by_name as by_name
@@ -33,13 +33,13 @@ _LAZY = {
     "convert": (".convert", None),
     "io": (".io", None),
     "nn": (".nn", None),
-    "eval_shape": ("._abstract", "eval_shape"),
+    "eval_shape": (".sharding._eval_shape", "eval_shape"),
     "StateDictError": (".state._problems", "StateDictError"),
     "StateProblem": (".state._problems", "StateProblem"),
-    "QArray": ("._quant", "QArray"),
-    "ShardingPlan": ("._shard", "ShardingPlan"),
-    "shard": ("._shard", "shard"),
-    "sharding_plan": ("._shard", "sharding_plan"),
+    "QArray": ("._qarray", "QArray"),
+    "ShardingPlan": (".sharding._plan", "ShardingPlan"),
+    "shard": (".sharding._plan", "shard"),
+    "sharding_plan": (".sharding._plan", "sharding_plan"),
     "Summary": ("._summary", "Summary"),
     "summary": ("._summary", "summary"),
     "by_name": (".state._tree", "by_name"),

@@ -13,7 +13,8 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import taktiny as tt
-from taktiny import _quant, nn
+from taktiny import _qarray as _quant
+from taktiny import nn
 
 
 def weights(*shape, seed=0, dtype=np.float32):

@@ -11,7 +11,8 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import taktiny as tt
-from taktiny import _quant, nn
+from taktiny import _qarray as _quant
+from taktiny import nn
 from taktiny.state import _state
 
 MATCH = {"match_quantization": True}

@@ -11,7 +11,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from .._quant import QArray
+from .._qarray import QArray
 from ..state import _problems as err
 from ..state import _values
 from . import _quantized as qz

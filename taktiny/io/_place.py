@@ -14,10 +14,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._abstract import default_device
-from .._quant import QArray, quantize_like
+from .._qarray import QArray, quantize_like
 from ..convert._coverage import Step
 from ..convert._transforms import identity
+from ..sharding._eval_shape import default_device
 from ..state import _problems as err
 from ..state import _values
 from . import _checksum, _read

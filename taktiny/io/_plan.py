@@ -9,7 +9,7 @@ from typing import Any
 
 import jax
 
-from .._quant import QArray
+from .._qarray import QArray
 from ..convert._convert import check_ties
 from ..convert._coverage import ConversionError, ConversionProblem, Step, check_allow, plan
 from ..convert._coverage import _allowed as allowed_by

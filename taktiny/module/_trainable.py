@@ -6,7 +6,7 @@ from typing import Any
 
 import jax
 
-from .._quant import QArray
+from .._qarray import QArray
 from ..state._names import CACHE_BOUND
 from ._module import Module
 

@@ -10,9 +10,9 @@ from jax.sharding import PartitionSpec as P
 from jax.typing import DTypeLike
 from jaxtyping import Array, Float
 
-from .._sharding import Spec
 from ..module._module import Module, field
 from ..module._rngs import Rngs
+from ..sharding._specs import Spec
 from ._checks import check_features
 from ._explicit import explicit_axes, follow, typed_spec
 from ._norm import statistics_dtype

@@ -12,9 +12,9 @@ from jax.sharding import PartitionSpec as P
 from jax.typing import DTypeLike
 from jaxtyping import Array, Float
 
-from .._sharding import Spec
 from ..module._module import Module
 from ..module._rngs import Rngs
+from ..sharding._specs import Spec
 from ._checks import check_features
 from ._conv_args import (
     SPATIAL_LETTERS,

@@ -9,8 +9,8 @@ from collections.abc import Sequence
 import jax
 from jax.typing import DTypeLike
 
-from .._sharding import Spec
 from ..module._rngs import Rngs
+from ..sharding._specs import Spec
 from ._random import constant, lecun_normal
 
 Padding = str | int | Sequence[int | tuple[int, int]]

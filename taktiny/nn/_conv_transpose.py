@@ -9,9 +9,9 @@ import jax.numpy as jnp
 from jax.typing import DTypeLike
 from jaxtyping import Array, Float
 
-from .._sharding import Spec
 from ..module._module import Module
 from ..module._rngs import Rngs
+from ..sharding._specs import Spec
 from ._conv import _convolve
 from ._conv_args import (
     Padding,

@@ -8,9 +8,9 @@ from jax.sharding import PartitionSpec as P
 from jax.typing import DTypeLike
 from jaxtyping import Array, Float, Integer
 
-from .._sharding import Spec
 from ..module._module import Module
 from ..module._rngs import Rngs
+from ..sharding._specs import Spec
 from ._checks import check_features
 from ._explicit import explicit_axes, free, project, typed_spec
 from ._precision import DTYPE, PRECISION, compute_dtype, static_dtype, static_precision

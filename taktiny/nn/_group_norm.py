@@ -10,9 +10,9 @@ from jax.sharding import PartitionSpec as P
 from jax.typing import DTypeLike
 from jaxtyping import Array, Float
 
-from .._sharding import Spec
 from ..module._module import Module
 from ..module._rngs import Rngs
+from ..sharding._specs import Spec
 from ._explicit import explicit_axes, typed_spec
 from ._norm import output_dtype, scale_and_shift, statistics_dtype
 from ._precision import DTYPE, static_dtype

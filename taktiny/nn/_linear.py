@@ -7,9 +7,9 @@ import jax.numpy as jnp
 from jax.typing import DTypeLike
 from jaxtyping import Array, Float
 
-from .._sharding import Spec
 from ..module._module import Module
 from ..module._rngs import Rngs
+from ..sharding._specs import Spec
 from ._explicit import project
 from ._precision import DTYPE, PRECISION, compute_dtype, static_dtype, static_precision
 from ._random import constant, lecun_normal

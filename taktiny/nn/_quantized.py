@@ -13,10 +13,10 @@ from jax.sharding import PartitionSpec as P
 from jax.typing import DTypeLike
 from jaxtyping import Array, Float, Integer
 
-from .._quant import QArray, dequantize_array, quantized
-from .._sharding import Spec
+from .._qarray import QArray, dequantize_array, quantized
 from ..module._module import Module, _finalise
 from ..module._rngs import Rngs
+from ..sharding._specs import Spec
 from ..state._names import key_name
 from ..state._patterns import compile_pattern, unused_hint
 from ._checks import check_features

@@ -22,8 +22,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._quant import PARTS, QArray
-from .._sharding import mesh_text
+from .._qarray import PARTS, QArray
+from ..sharding._specs import mesh_text
 
 
 @dataclasses.dataclass(frozen=True)

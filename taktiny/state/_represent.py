@@ -19,7 +19,7 @@ import numpy as np
 from jax.core import Tracer
 from jax.sharding import NamedSharding
 
-from .._quant import PARTS, QArray, parts_layout, quantize_like
+from .._qarray import PARTS, QArray, parts_layout, quantize_like
 from . import _problems as err
 from . import _values
 from ._names import SCALARS

@@ -10,7 +10,7 @@ from typing import Any, NamedTuple
 
 import jax
 
-from .._quant import PARTS
+from .._qarray import PARTS
 from . import _problems as err
 from ._problems import StateProblem
 from ._represent import Other

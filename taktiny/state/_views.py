@@ -17,7 +17,7 @@ from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import jax
 
-from .._quant import PARTS, QArray
+from .._qarray import PARTS, QArray
 from . import _names
 from ._names import Custom
 from ._values import array_type

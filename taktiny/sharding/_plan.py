@@ -9,9 +9,9 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from ._sharding import ambient_mesh, as_spec, mesh_text, spec_problems
-from .state import _names, _patterns
-from .state._values import placeable
+from ..state import _names, _patterns
+from ..state._values import placeable
+from ._specs import ambient_mesh, as_spec, mesh_text, spec_problems
 
 
 class ShardingPlan(NamedTuple):

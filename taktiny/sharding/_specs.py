@@ -1,6 +1,6 @@
 """Sharding specs: the ambient mesh, PartitionSpecs checked against a shape and a mesh, and
-where a layer creates a parameter. `tt.shard` (`_shard.py`) and `tt.eval_shape`
-(`_abstract.py`) build on them."""
+where a layer creates a parameter. `tt.shard` (`_plan.py`) and `tt.eval_shape`
+(`_eval_shape.py`) build on them."""
 
 from __future__ import annotations
 

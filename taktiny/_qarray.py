@@ -19,8 +19,8 @@ import wadler_lindig as wl
 from jax.core import Tracer
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
-from ._abstract import eval_shape
-from ._sharding import mesh_text
+from .sharding._eval_shape import eval_shape
+from .sharding._specs import mesh_text
 from .state._names import ARRAY_TYPES, CACHE_BOUND
 
 INT_DTYPES = {8: jnp.dtype(jnp.int8), 4: jnp.dtype(jnp.int4)}

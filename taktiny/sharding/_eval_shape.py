@@ -8,7 +8,7 @@ from typing import Any
 import jax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from ._sharding import ambient_mesh, mesh_text
+from ._specs import ambient_mesh, mesh_text
 
 
 def _meshes(leaves: list[Any]) -> list[Mesh]:
