@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test property mutate bench bench-quick lint format clean
+.PHONY: demo test property mutate bench bench-quick lint format docs clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -55,13 +55,19 @@ bench-quick: $(STAMP)
 	$(PY) bench/run.py --quick
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff format --check taktiny tests property_tests examples bench
-	$(VENV)/bin/ruff check taktiny tests property_tests examples bench
+	$(VENV)/bin/ruff format --check taktiny tests property_tests examples bench docs/_ext
+	$(VENV)/bin/ruff check taktiny tests property_tests examples bench docs/_ext
 	$(VENV)/bin/pyright
 
 format: $(STAMP)
-	$(VENV)/bin/ruff format taktiny tests property_tests examples bench
-	$(VENV)/bin/ruff check --fix taktiny tests property_tests examples bench
+	$(VENV)/bin/ruff format taktiny tests property_tests examples bench docs/_ext
+	$(VENV)/bin/ruff check --fix taktiny tests property_tests examples bench docs/_ext
+
+# The documentation site (mkdocs.yml): the guides in docs/ and the API reference, built
+# from the docstrings without importing the package, into site/ (open site/index.html).
+# --strict: a broken link or cross-reference, or a docstring griffe cannot parse, fails.
+docs: $(STAMP)
+	$(VENV)/bin/mkdocs build --strict --site-dir site
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis build *.egg-info mutants .jax-cache
+	rm -rf $(VENV) .pytest_cache .hypothesis build *.egg-info mutants .jax-cache site

@@ -255,14 +255,40 @@ class QArray:
     def quantize(
         cls, array: Any, *, bits: int = 8, axis: int = 0, group_size: int | None = None
     ) -> QArray:
-        """`array` (float, any shape, abstract too) quantized along `axis` by symmetric
-        max-abs rounding: ``scale = max|w| / qmax`` per channel or per group of
-        `group_size` (qmax 127 for 8 bits, 7 for 4), ``value = clip(round(w / scale))``.
-        The scale keeps `array`'s dtype; a split array gives parts split like it."""
+        """`array` quantized along `axis` by symmetric max-abs rounding:
+        ``scale = max|w| / qmax`` per channel or per group of `group_size` (qmax 127 for
+        8 bits, 7 for 4), ``value = clip(round(w / scale))``.
+
+        Args:
+            array: a float array of any shape, or a ``jax.ShapeDtypeStruct``.
+            bits: 8 (``int8`` values) or 4 (``jnp.int4``).
+            axis: the axis the scales are taken along (a contraction axis: 0 for an
+                ``[in, out]`` kernel).
+            group_size: entries per scale along `axis`, which it must divide; None for
+                one scale per channel.
+
+        Returns:
+            A QArray of `array`'s shape; its scale has `array`'s dtype, and a sharded
+            `array` gives parts sharded like it.
+
+        Raises:
+            TypeError: `array` is not a float array.
+            ValueError: `bits` is not 8 or 4, `axis` is not an axis of `array`,
+                `group_size` does not divide ``shape[axis]``, or a group would straddle
+                two devices of a sharded `array`.
+        """
         return quantized(array, bits=bits, axis=axis, group_size=group_size)
 
     def dequantize(self, dtype: Any = None) -> jax.Array | jax.ShapeDtypeStruct:
-        """The float array ``value * scale`` of shape `shape`, in `dtype` (default: `dtype`)."""
+        """The float array ``value * scale``.
+
+        Args:
+            dtype: the dtype of the result; None for the scale's (the QArray's `dtype`).
+
+        Returns:
+            An array of shape `shape`; a ``jax.ShapeDtypeStruct`` when the QArray is
+            abstract.
+        """
         fn = partial(dequantize_array, axis=self.axis, group_size=self.group_size,
                      dtype=jnp.dtype(self.scale.dtype if dtype is None else dtype))  # fmt: skip
         if isinstance(self.value, jax.ShapeDtypeStruct):

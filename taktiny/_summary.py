@@ -66,7 +66,20 @@ def _group(name: str, rows: list[Row]) -> Row:
 
 @dataclasses.dataclass(frozen=True)
 class Summary:
-    """What :func:`summary` returns: the rows, the totals, and the table as its ``str``."""
+    """What :func:`summary` returns: the rows, the totals, and the table as its ``str``.
+
+    Attributes:
+        title: the first line of the table (``"MLP summary"``: the tree's type).
+        rows: one row per parameter (or per group of them, with ``depth``), each with
+            its ``name``, ``shape`` (None for a group), ``dtype``, ``sharding``,
+            ``trainable`` (None for a group that mixes both), ``size`` (elements) and
+            ``nbytes``.
+        params: the elements of every leaf.
+        trainable_params: the elements of the trained leaves.
+        nbytes: the bytes of every leaf (int4 packs two elements to a byte).
+        sharded: whether any leaf is spread over several devices (the table then has a
+            sharding column).
+    """
 
     title: str
     rows: tuple[Row, ...]
@@ -124,6 +137,9 @@ def summary(tree: Any, *, depth: int | None = None) -> Summary:
 
     Returns:
         A :class:`Summary`: its ``str`` is the table; its fields hold the rows and totals.
+
+    Raises:
+        ValueError: `depth` is less than 1.
     """
     leaves, _, spec = _names.flatten(tree)
     flags = jax.tree_util.tree_leaves(trainable(tree))

@@ -35,14 +35,26 @@ def check(
     target: Any,
     allow: Mapping[str, Sequence[str]] | None = None,
 ) -> Report:
-    """Checks, from names, shapes and dtypes alone, that `rules` turn `source` (a flat
-    mapping) into exactly the leaves of `target` (a model, or its flat state; abstract
-    leaves do); raises one :class:`ConversionError` listing every problem.
+    """Checks, from names, shapes and dtypes alone, that `rules` turn `source` into
+    exactly the leaves of `target`. Values with ``.shape`` and ``.dtype`` are not read.
 
-    ``allow`` lets problems through by kind and name pattern (``{"missing": ["head.*"],
-    "unused": ["**.num_batches_tracked"], "unknown": [...], "unmatched": [...]}``, a rule
-    matched by its source template); the :class:`Report` lists those it let through.
-    Values with ``.shape`` and ``.dtype`` are not read.
+    Args:
+        rules: the rules (:class:`Rule`, :class:`Ignore`, :class:`Tie`), in order; each
+            source name goes to the first that matches it.
+        source: a flat mapping from source names to arrays (or anything with ``.shape``
+            and ``.dtype``).
+        target: a model, or its flat state; abstract leaves do.
+        allow: problems to let through, by kind and name pattern: ``{"missing":
+            ["head.*"], "unused": ["**.num_batches_tracked"], "unknown": [...],
+            "unmatched": [...]}`` (a rule is matched by its source template).
+
+    Returns:
+        A :class:`Report` of the steps, the names ignored and the problems `allow` let
+        through.
+
+    Raises:
+        ConversionError: listing every problem not allowed.
+        ValueError: `allow` names a kind it cannot allow.
     """
     report, _ = plan(rules, source, _leaves(target), check_allow(allow), "convert.check")
     return report
@@ -65,6 +77,23 @@ def convert(
     (tied names are read once here, to check that they are equal). Values may be NumPy or
     JAX arrays, PyTorch CPU tensors of any dtype (bfloat16 and float8 too, bit for bit),
     safetensors :class:`~taktiny.io.Tensor` handles, or anything ``np.asarray`` takes.
+
+    Args:
+        rules: the rules (:class:`Rule`, :class:`Ignore`, :class:`Tie`), in order.
+        source: a flat mapping from source names to values.
+        target: a model, or its flat state; abstract leaves do.
+        allow: problems to let through, by kind and name pattern: ``{"missing":
+            ["head.*"], "unused": ["**.num_batches_tracked"], "unknown": [...],
+            "unmatched": [...]}`` (a rule is matched by its source template).
+
+    Returns:
+        A :class:`Converted` mapping from the target's flat names to their values, made
+        when looked up.
+
+    Raises:
+        ConversionError: listing every problem not allowed, or tied names whose arrays
+            differ; nothing is converted.
+        ValueError: `allow` names a kind it cannot allow.
     """
     leaves = _leaves(target)
     report, ties = plan(rules, source, leaves, check_allow(allow), "convert.convert")
@@ -88,7 +117,18 @@ class Converted(Mapping[str, Any]):
     when it is looked up: reading it reads only its own source names, so a lazy source
     (:func:`taktiny.io.open_safetensors`) is read tensor by tensor. Every lookup converts
     again (the other outputs of a ``split`` wait for their first lookup); ``dict(...)``
-    keeps the results. :attr:`steps` is what each output is made from."""
+    keeps the results. :attr:`steps` is what each output is made from.
+
+    Made by :func:`convert`, which checks what it is built from.
+
+    Args:
+        steps: the applications of the rules.
+        source: the flat source mapping.
+        leaves: the target's flat state, whose names (and order) the mapping has.
+
+    Attributes:
+        steps: the applications of the rules, as a tuple of :class:`Step`.
+    """
 
     def __init__(self, steps: Sequence[Step], source: Mapping[str, Any], leaves: Mapping[str, Any]):
         made = {target: step for step in steps for target in step.targets if target in leaves}
@@ -136,9 +176,19 @@ def export(rules: Sequence[AnyRule], model: Any) -> dict[str, Any]:
     layouts: `rules` run backwards, each through its transform's inverse; a tied name
     (:class:`Tie`) gets the same array when its Tie says ``export=True``, and an
     :class:`Ignore` with ``export=value`` writes its value beside the parameters of its
-    prefix; other names the rules ignore are not made. Raises one
-    :class:`ConversionError` naming every leaf that cannot be exported (a rule that is not
-    invertible, or no rule)."""
+    prefix; other names the rules ignore are not made.
+
+    Args:
+        rules: the rules that convert from the source.
+        model: a model, or its flat state.
+
+    Returns:
+        A flat ``{source name: array}`` dict.
+
+    Raises:
+        ConversionError: naming every leaf that cannot be exported (a rule that is not
+            invertible, or no rule).
+    """
     leaves = _leaves(model)
     inverse = [_compile_targets(r) if isinstance(r, Rule) else [] for r in rules]
     problems: list[ConversionProblem] = []
@@ -212,7 +262,16 @@ def _compile_targets(rule: Rule) -> list[Any]:
 
 def round_trip_check(rules: Sequence[AnyRule], model: Any) -> None:
     """Proves that `rules` export `model` and convert it back bit for bit: every leaf
-    comes back with its shape, dtype and bits. Raises :class:`ConversionError` otherwise."""
+    comes back with its shape, dtype and bits.
+
+    Args:
+        rules: the rules that convert from the source.
+        model: a model, or its flat state.
+
+    Raises:
+        ConversionError: naming every leaf that cannot be exported, or that comes back
+            different.
+    """
     leaves = _leaves(model)
     back = convert(rules, export(rules, model), target=leaves)
     problems = []

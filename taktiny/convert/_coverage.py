@@ -44,7 +44,15 @@ class ConversionProblem:
 
 
 class ConversionError(ValueError):
-    """Raised once, listing every problem of a conversion; nothing was converted."""
+    """Raised once, listing every problem of a conversion; nothing was converted.
+
+    Args:
+        where: the call that failed, which starts the message.
+        problems: every problem found.
+
+    Attributes:
+        problems: the problems, as a tuple of :class:`ConversionProblem`.
+    """
 
     def __init__(self, where: str, problems: Sequence[ConversionProblem]):
         self.problems = tuple(problems)
@@ -55,8 +63,14 @@ class ConversionError(ValueError):
 
 class Report(NamedTuple):
     """What a conversion will do: its steps, the source names an :class:`Ignore` dropped
-    on purpose (buffers such as ``embeddings.position_ids``), and the problems `allow`
-    let through."""
+    on purpose, and the problems `allow` let through.
+
+    Attributes:
+        allowed: the problems that `allow` let through.
+        steps: one :class:`Step` per application of a rule, in the order of the source.
+        ignored: the source names an :class:`Ignore` dropped on purpose (buffers such as
+            ``embeddings.position_ids``), in the order of the source.
+    """
 
     allowed: tuple[ConversionProblem, ...]
     steps: tuple[Step, ...]  # in the order of the source
@@ -64,7 +78,13 @@ class Report(NamedTuple):
 
 
 class Step(NamedTuple):
-    """One application of a rule: the source names it reads and target names it makes."""
+    """One application of a rule: the source names it reads and target names it makes.
+
+    Attributes:
+        rule: the rule.
+        sources: the source names it reads, in the order its transform takes them.
+        targets: the target names it makes, in the order its transform makes them.
+    """
 
     rule: Rule
     sources: tuple[str, ...]

@@ -40,7 +40,11 @@ class ParityOutput(NamedTuple):
 
 
 class Parity(NamedTuple):
-    """What :func:`parity` found: one :class:`ParityOutput` per output, in order."""
+    """What :func:`parity` found: one :class:`ParityOutput` per output, in order.
+
+    Attributes:
+        outputs: the comparison of each output, in the order the functions return them.
+    """
 
     outputs: tuple[ParityOutput, ...]
 
@@ -89,6 +93,11 @@ def parity(
 
     Returns:
         A :class:`Parity` report: name, both shapes and the max abs error per output.
+
+    Raises:
+        ValueError: the two sides give different numbers of arrays.
+        AssertionError: with `tolerance`, some output is over it, has other shapes on
+            each side, or holds NaN.
     """
     mine, reference = _flatten(ours(*inputs), ""), _flatten(theirs(*inputs), "")
     if len(mine) != len(reference):

@@ -37,7 +37,19 @@ def _bias(source: str, target: str, bias: bool) -> list[AnyRule]:
 
 def linear(source: str, target: str, *, bias: bool = True) -> list[AnyRule]:
     """``nn.Linear``: ``weight`` ``[out, in]`` -> :class:`~taktiny.nn.Linear`'s ``kernel``
-    ``[in, out]`` (transposed); ``bias`` ``[out]`` as it is (``bias=False``: none)."""
+    ``[in, out]`` (transposed); ``bias`` ``[out]`` as it is.
+
+    Args:
+        source: the name template of the torch layer's prefix
+            (``"encoder.layer.{i}.query"``); ``""`` for the root.
+        target: the name template of the Taktiny layer's prefix
+            (``"layers.{i}.attention.query"``); ``""`` for the root.
+        bias: whether the layer has a bias.
+
+    Returns:
+        The rules, a list to pass to :func:`convert` and :func:`export` (alone or joined
+        with others).
+    """
     weight = Rule(_at(source, "weight"), _at(target, "kernel"), transpose())
     return [weight, *_bias(source, target, bias)]
 
@@ -51,8 +63,23 @@ def _window(dims: int) -> tuple[int, ...]:
 def conv(source: str, target: str, *, dims: int, bias: bool = True) -> list[AnyRule]:
     """``nn.Conv{dims}d``: ``weight`` ``[out, in // groups, *window]`` ->
     :class:`~taktiny.nn.Conv`'s ``kernel`` ``[*window, in // groups, out]`` (the first two
-    axes moved last, swapped; any ``groups``); ``bias`` ``[out]`` as it is. ``dims`` is
-    the number of spatial axes (1, 2 or 3)."""
+    axes moved last, swapped; any ``groups``); ``bias`` ``[out]`` as it is.
+
+    Args:
+        source: the name template of the torch layer's prefix
+            (``"encoder.layer.{i}.query"``); ``""`` for the root.
+        target: the name template of the Taktiny layer's prefix
+            (``"layers.{i}.attention.query"``); ``""`` for the root.
+        dims: the number of spatial axes (1, 2 or 3).
+        bias: whether the layer has a bias.
+
+    Returns:
+        The rules, a list to pass to :func:`convert` and :func:`export` (alone or joined
+        with others).
+
+    Raises:
+        ValueError: `dims` is not an int from 1 to 22.
+    """
     perm = (*_window(dims), 1, 0)
     weight = Rule(_at(source, "weight"), _at(target, "kernel"), transpose(perm))
     return [weight, *_bias(source, target, bias)]
@@ -72,7 +99,27 @@ def conv_transpose(
     :class:`~taktiny.nn.ConvTranspose`'s ``kernel`` ``[*window, in // groups, out]``,
     the window mirrored (Taktiny stores the kernel of the equivalent convolution);
     ``bias`` ``[out]`` as it is. With ``groups > 1`` the groups move from the input axis
-    to the output axis, which takes ``in_features`` and ``out_features`` to size them."""
+    to the output axis.
+
+    Args:
+        source: the name template of the torch layer's prefix
+            (``"encoder.layer.{i}.query"``); ``""`` for the root.
+        target: the name template of the Taktiny layer's prefix
+            (``"layers.{i}.attention.query"``); ``""`` for the root.
+        dims: the number of spatial axes (1, 2 or 3).
+        groups: PyTorch's ``groups``.
+        in_features: the input channels; needed with ``groups > 1``.
+        out_features: the output channels; needed with ``groups > 1``.
+        bias: whether the layer has a bias.
+
+    Returns:
+        The rules, a list to pass to :func:`convert` and :func:`export` (alone or joined
+        with others).
+
+    Raises:
+        ValueError: `dims` is not an int from 1 to 22, or ``groups > 1`` without
+            `in_features` and `out_features`.
+    """
     window = _window(dims)
     steps: list[Transform] = [transpose((*window, 0, 1)), flip(range(dims))]
     if groups != 1:
@@ -89,20 +136,57 @@ def conv_transpose(
 
 def layer_norm(source: str, target: str, *, scale: bool = True, bias: bool = True) -> list[AnyRule]:
     """``nn.LayerNorm`` (and ``nn.RMSNorm`` with ``bias=False``): ``weight`` ``[features]``
-    -> ``scale``; ``bias`` ``[features]`` as it is."""
+    -> ``scale``; ``bias`` ``[features]`` as it is.
+
+    Args:
+        source: the name template of the torch layer's prefix
+            (``"encoder.layer.{i}.query"``); ``""`` for the root.
+        target: the name template of the Taktiny layer's prefix
+            (``"layers.{i}.attention.query"``); ``""`` for the root.
+        scale: whether the layer has a scale (torch's ``weight``).
+        bias: whether the layer has a bias.
+
+    Returns:
+        The rules, a list to pass to :func:`convert` and :func:`export` (alone or joined
+        with others).
+    """
     names = [("weight", "scale")] if scale else []
     return _pair(source, target, names) + _bias(source, target, bias)
 
 
 def group_norm(source: str, target: str, *, scale: bool = True, bias: bool = True) -> list[AnyRule]:
     """``nn.GroupNorm``: ``weight`` ``[features]`` -> :class:`~taktiny.nn.GroupNorm`'s
-    ``scale``; ``bias`` ``[features]`` as it is (``affine=False``: neither)."""
+    ``scale``; ``bias`` ``[features]`` as it is (``affine=False``: neither).
+
+    Args:
+        source: the name template of the torch layer's prefix
+            (``"encoder.layer.{i}.query"``); ``""`` for the root.
+        target: the name template of the Taktiny layer's prefix
+            (``"layers.{i}.attention.query"``); ``""`` for the root.
+        scale: whether the layer has a scale (torch's ``weight``).
+        bias: whether the layer has a bias.
+
+    Returns:
+        The rules, a list to pass to :func:`convert` and :func:`export` (alone or joined
+        with others).
+    """
     return layer_norm(source, target, scale=scale, bias=bias)
 
 
 def embedding(source: str, target: str) -> list[AnyRule]:
     """``nn.Embedding``: ``weight`` ``[num_embeddings, features]`` ->
-    :class:`~taktiny.nn.Embed`'s ``embedding``, the same layout."""
+    :class:`~taktiny.nn.Embed`'s ``embedding``, the same layout.
+
+    Args:
+        source: the name template of the torch layer's prefix
+            (``"encoder.layer.{i}.query"``); ``""`` for the root.
+        target: the name template of the Taktiny layer's prefix
+            (``"layers.{i}.attention.query"``); ``""`` for the root.
+
+    Returns:
+        The rules, a list to pass to :func:`convert` and :func:`export` (alone or joined
+        with others).
+    """
     return _pair(source, target, [("weight", "embedding")])
 
 
@@ -110,7 +194,18 @@ def batch_norm(source: str, target: str) -> list[AnyRule]:
     """``nn.BatchNorm{1,2,3}d``: ``weight``, ``bias``, ``running_mean``, ``running_var``
     (each ``[features]``) -> ``scale``, ``bias``, ``mean``, ``var``;
     ``num_batches_tracked`` (a step count) is ignored, and exported as 0 so that strict
-    readers (``from_pretrained``) find it; torch reads it only for ``momentum=None``."""
+    readers (``from_pretrained``) find it; torch reads it only for ``momentum=None``.
+
+    Args:
+        source: the name template of the torch layer's prefix
+            (``"encoder.layer.{i}.query"``); ``""`` for the root.
+        target: the name template of the Taktiny layer's prefix
+            (``"layers.{i}.attention.query"``); ``""`` for the root.
+
+    Returns:
+        The rules, a list to pass to :func:`convert` and :func:`export` (alone or joined
+        with others).
+    """
     names = [
         ("weight", "scale"),
         ("bias", "bias"),
@@ -128,7 +223,21 @@ def multihead_attention(
     transposed -> ``query``/``key``/``value`` ``kernel`` ``[E, E]`` (``fused=False``, when
     ``kdim`` differs: ``q_proj_weight`` ``[E, E]``, ``k_proj_weight`` and ``v_proj_weight``
     ``[E, kdim]``, each transposed); ``in_proj_bias`` ``[3 * E]`` split in three ->
-    their ``bias``; ``out_proj`` as :func:`linear` -> ``out``."""
+    their ``bias``; ``out_proj`` as :func:`linear` -> ``out``.
+
+    Args:
+        source: the name template of the torch layer's prefix
+            (``"encoder.layer.{i}.query"``); ``""`` for the root.
+        target: the name template of the Taktiny layer's prefix
+            (``"layers.{i}.attention.query"``); ``""`` for the root.
+        fused: whether torch holds the three input projections in one
+            ``in_proj_weight`` (its ``kdim`` and ``vdim`` equal to ``embed_dim``).
+        bias: whether the layer has biases.
+
+    Returns:
+        The rules, a list to pass to :func:`convert` and :func:`export` (alone or joined
+        with others).
+    """
 
     def each(name: str) -> list[str]:
         return [_at(target, f"{p}.{name}") for p in _QKV]
@@ -163,7 +272,11 @@ def buffers() -> list[AnyRule]:
     ``num_batches_tracked``, under any prefix. Put it after the model's own rules: a name
     an earlier rule takes is that rule's. What it drops is listed in the
     :class:`Report`'s ``ignored``; a checkpoint without them is fine. :func:`pytorch`
-    ends with it."""
+    ends with it.
+
+    Returns:
+        A list of one :class:`Ignore`.
+    """
     return [Ignore(*_BUFFERS)]
 
 
@@ -208,10 +321,17 @@ def pytorch(model: Any, source: str = "", target: str = "") -> list[AnyRule]:
 
     Arrays set directly on modules of your own get no rule: coverage reports them, and
     you add their rules to the list. The list ends with :func:`buffers`, which drops the
-    buffers checkpoints carry (``position_ids``, ``inv_freq``, ...). ``source`` and
-    ``target`` are prefixes for both sides (``pytorch(model.encoder, "bert.encoder",
-    "encoder")``). Use the list with :func:`convert` and :func:`export`; `model` may be
-    abstract (``tt.eval_shape``).
+    buffers checkpoints carry (``position_ids``, ``inv_freq``, ...).
+
+    Args:
+        model: the Taktiny model (or part of one) the torch module mirrors; it may be
+            abstract (``tt.eval_shape``).
+        source: the prefix of the torch names (``pytorch(model.encoder, "bert.encoder",
+            "encoder")``); ``""`` for none.
+        target: the prefix of the Taktiny names; ``""`` for none.
+
+    Returns:
+        The rules, to use with :func:`convert` and :func:`export`.
     """
     rules: list[AnyRule] = []
     _walk(model, source, target, rules)

@@ -74,6 +74,21 @@ class Rule:
         transform: what to do to the arrays; ``identity()`` (a rename) by default.
         regex: whether ``source`` holds regular expressions (such a rule converts, but
             cannot export: it has no template to name the source).
+
+    Attributes:
+        sources: the source templates (or regular expressions), as a tuple.
+        targets: the target templates, as a tuple.
+        transform: the transform.
+        patterns: one compiled regular expression per source, matched against
+            ``"." + name``.
+        kept: the captures the targets use, sorted.
+        gathered: the one capture of the source that the targets do not use (its matches
+            are gathered into one target, in order: ``stack``), or None.
+
+    Raises:
+        ValueError: a rule without sources or targets; a source that is not a valid
+            template (or regular expression); a target with wildcards, or with captures
+            a source lacks; or more than one capture to gather.
     """
 
     def __init__(
@@ -129,10 +144,22 @@ class Rule:
         self.gathered = gathered[0] if gathered else None
 
     def target_names(self, captures: dict[str, str]) -> tuple[str, ...]:
+        """The target names for one match of the sources.
+
+        Args:
+            captures: the value of each capture of the match (``{"i": "0"}``).
+
+        Returns:
+            The target templates filled with `captures`, in order.
+        """
         return tuple(t.format(**captures) for t in self.targets)
 
     def irreversible(self) -> str | None:
-        """Why this rule cannot export, or None when it can."""
+        """Says whether this rule can export (run backwards).
+
+        Returns:
+            Why this rule cannot export, or None when it can.
+        """
         if self.regex:
             return "its source is a regular expression, not a template that names one source"
         if not all(map(_literal, self.sources)):
@@ -155,7 +182,22 @@ class Ignore:
     step count ``0``) under each pattern, once per exported group of parameters of the
     same prefix (``"{p}.num_batches_tracked"`` beside ``"{p}.running_mean"``), so that a
     strict reader finds every name it expects; the patterns must then be templates
-    without wildcards. Without it, export makes none of these names."""
+    without wildcards. Without it, export makes none of these names.
+
+    Args:
+        *patterns: the name patterns of the sources to drop (``*`` and ``**`` wildcards
+            and ``{name}`` captures, as a rule's sources).
+        export: the value :func:`export` writes under each pattern; None for none.
+
+    Attributes:
+        sources: the patterns, as given.
+        patterns: one compiled regular expression per pattern, matched against
+            ``"." + name``.
+
+    Raises:
+        ValueError: no pattern, a pattern that is not valid, or `export` with a pattern
+            that has wildcards.
+    """
 
     def __init__(self, *patterns: str, export: Any = None):
         self.sources = patterns  # (first: the errors of _compile name the Ignore by them)
@@ -181,7 +223,22 @@ class Tie:
     out (as Hugging Face's ``save_pretrained`` writes a tied model) is fine. Exporting
     writes the copy too only with ``export=True`` (what a PyTorch ``state_dict()`` holds);
     by default it leaves it out, as ``save_pretrained`` does. Both templates capture the
-    same names."""
+    same names.
+
+    Args:
+        source: the template of the tied copy's name (``"lm_head.weight"``).
+        same_as: the template of the name the array is read from
+            (``"embed.weight"``).
+        export: whether :func:`export` writes the copy too.
+
+    Attributes:
+        patterns: the compiled regular expression of `source`, matched against
+            ``"." + name``, in a list.
+
+    Raises:
+        ValueError: a template that is not valid, has wildcards, or captures other names
+            than the other one.
+    """
 
     def __init__(self, source: str, same_as: str, *, export: bool = False):
         self.sources, self.same_as, self.export = (source,), same_as, export

@@ -30,6 +30,20 @@ class Transform:
     """The base of every transform: ``transform(arrays, count) -> arrays``."""
 
     def __call__(self, arrays: tuple[Any, ...], count: int | None = None) -> tuple[Any, ...]:
+        """Transforms the arrays a rule read (NumPy or JAX, each with its own library).
+
+        Args:
+            arrays: the arrays of the rule's sources, in order.
+            count: how many arrays the rule wants out (its targets), which a `split`
+                without sizes divides into; None when not known.
+
+        Returns:
+            The arrays for the rule's targets, in order.
+
+        Raises:
+            ValueError: the transform takes another number of arrays than it was given,
+                or cannot tell how many to make.
+        """
         raise NotImplementedError
 
     @property
@@ -52,6 +66,14 @@ class Transform:
 
 class _EachArray(Transform):
     def one(self, array: Any) -> Any:
+        """Transforms one array (the call does each array it is given).
+
+        Args:
+            array: a NumPy or JAX array.
+
+        Returns:
+            The transformed array, of the same library.
+        """
         raise NotImplementedError
 
     def __call__(self, arrays: tuple[Any, ...], count: int | None = None) -> tuple[Any, ...]:
@@ -70,7 +92,12 @@ class identity(_EachArray):
 
 
 class transpose(_EachArray):
-    """Permutes the axes (``perm``; all of them reversed by default, a matrix's ``.T``)."""
+    """Permutes the axes of each array; its inverse permutes them back.
+
+    Args:
+        perm: the new order of the axes, as ``numpy.transpose`` takes it; None (the
+            default) reverses them all, a matrix's ``.T``.
+    """
 
     def __init__(self, perm: Sequence[int] | None = None):
         self.perm = None if perm is None else tuple(int(p) for p in perm)
@@ -87,8 +114,13 @@ class transpose(_EachArray):
 
 
 class reshape(_EachArray):
-    """Reshapes to ``shape``; invertible when ``source_shape`` (the shape it undoes to,
-    ``-1`` allowed) is given."""
+    """Reshapes each array to ``shape``.
+
+    Args:
+        shape: the new shape (``-1`` allowed, for one axis).
+        source_shape: the shape the inverse reshapes back to (``-1`` allowed); None (the
+            default) leaves the transform without an inverse.
+    """
 
     def __init__(self, shape: Sequence[int], *, source_shape: Sequence[int] | None = None):
         self.shape = tuple(int(s) for s in shape)
@@ -109,7 +141,13 @@ class reshape(_EachArray):
 
 
 class cast(_EachArray):
-    """Casts to ``dtype``; invertible when ``source_dtype`` (the dtype it undoes to) is given."""
+    """Casts each array to ``dtype``.
+
+    Args:
+        dtype: the new dtype.
+        source_dtype: the dtype the inverse casts back to; None (the default) leaves the
+            transform without an inverse.
+    """
 
     def __init__(self, dtype: Any, *, source_dtype: Any = None):
         self.dtype = np.dtype(dtype)
@@ -137,7 +175,11 @@ def _single(transform: Transform, arrays: tuple[Any, ...]) -> Any:
 
 class flip(_EachArray):
     """Reverses the order of the elements along each of ``axes`` (a transposed
-    convolution's window); its own inverse."""
+    convolution's window); its own inverse.
+
+    Args:
+        axes: the axes to reverse.
+    """
 
     def __init__(self, axes: Sequence[int]):
         self.axes = tuple(int(a) for a in axes)
@@ -154,8 +196,14 @@ class flip(_EachArray):
 
 
 class split(Transform):
-    """Splits one array along ``axis`` into ``sizes`` (by default into as many equal parts
-    as the rule has targets): a fused qkv into query, key and value."""
+    """Splits one array into several along ``axis``: a fused qkv into query, key and
+    value. Its inverse is :class:`concatenate`.
+
+    Args:
+        axis: the axis to split.
+        sizes: the size of each part along `axis`; None (the default) makes as many
+            equal parts as the rule has targets.
+    """
 
     def __init__(self, axis: int = 0, sizes: Sequence[int] | None = None):
         self.axis = int(axis)
@@ -180,8 +228,13 @@ class split(Transform):
 
 
 class concatenate(Transform):
-    """Joins several arrays along ``axis``; the inverse splits into ``sizes`` (by default
-    into as many equal parts as the rule has sources)."""
+    """Joins several arrays along ``axis``. Its inverse is :class:`split`.
+
+    Args:
+        axis: the axis to join along.
+        sizes: the parts the inverse splits into; None (the default) makes as many
+            equal parts as the rule has sources.
+    """
 
     def __init__(self, axis: int = 0, sizes: Sequence[int] | None = None):
         self.axis = int(axis)
@@ -199,7 +252,12 @@ class concatenate(Transform):
 
 
 class stack(Transform):
-    """Stacks several arrays along a new ``axis`` (per-layer tensors into one)."""
+    """Stacks several arrays along a new ``axis`` (per-layer tensors into one). Its
+    inverse is :class:`unstack`.
+
+    Args:
+        axis: the position of the new axis.
+    """
 
     def __init__(self, axis: int = 0):
         self.axis = int(axis)
@@ -216,7 +274,12 @@ class stack(Transform):
 
 
 class unstack(Transform):
-    """Cuts one array along ``axis`` into the arrays it stacks."""
+    """Cuts one array along ``axis`` into the arrays it stacks. Its inverse is
+    :class:`stack`.
+
+    Args:
+        axis: the axis to cut along; it is removed.
+    """
 
     def __init__(self, axis: int = 0):
         self.axis = int(axis)
@@ -234,7 +297,12 @@ class unstack(Transform):
 
 
 class chain(Transform):
-    """Runs transforms one after the other: ``chain(split(0), transpose())``."""
+    """Runs transforms one after the other: ``chain(split(0), transpose())``. Its inverse
+    runs their inverses in reverse order (None when one of them has none).
+
+    Args:
+        *transforms: the transforms, in the order they run.
+    """
 
     def __init__(self, *transforms: Transform):
         self.transforms = transforms
@@ -264,6 +332,12 @@ class quantize(Transform):
 
     (A load into a quantized model needs no such rule: a float array made for a
     :class:`~taktiny.QArray`'s own name is quantized as that QArray is.)
+
+    Args:
+        bits: 8 (int8 values) or 4 (``jnp.int4``).
+        axis: the axis the scales are taken along.
+        group_size: entries per scale along `axis`; None for one scale per channel.
+        dtype: the dtype of the scales; None (the default) is the array's.
     """
 
     def __init__(
@@ -291,7 +365,15 @@ class dequantize(Transform):
     """Makes one float array from two, a quantized parameter's values and scales (sources
     ``["{l}.kernel.value", "{l}.kernel.scale"]``): ``value * scale``, each scale applied to
     its channel (or to its group of ``group_size`` entries) along ``axis``, in ``dtype`` (by
-    default the scales'). Invertible (into :class:`quantize`) when ``bits`` is given."""
+    default the scales'). Invertible (into :class:`quantize`) when ``bits`` is given.
+
+    Args:
+        axis: the axis the scales were taken along.
+        group_size: entries per scale along `axis`; None for one scale per channel.
+        bits: the bits of the values (8 or 4), which the inverse quantizes to; None (the
+            default) leaves the transform without an inverse.
+        dtype: the dtype of the result; None (the default) is the scales'.
+    """
 
     def __init__(
         self,

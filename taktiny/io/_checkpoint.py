@@ -17,12 +17,25 @@ from ._read import SafetensorsError, Tensor
 
 class Checkpoint(Mapping[str, Tensor]):
     """A safetensors checkpoint, opened: a read-only mapping from tensor names to
-    :class:`Tensor` handles, in the order of their bytes on disk (file by file). Made by
-    :func:`open_safetensors`; ``metadata`` holds the header metadata of the first file
-    (``{"format": "pt"}``, Taktiny's version, user metadata). ``quantized`` holds the
-    layout of each quantized parameter saved from a :class:`~taktiny.QArray`, by name (its
-    parts are the tensors ``<name>.value`` and ``<name>.scale``): ``{"bits": 4, "axis": 0,
-    "group_size": 64, "shape": [512, 2048]}``, checked against those tensors."""
+    :class:`Tensor` handles, in the order of their bytes on disk (file by file).
+
+    Made by :func:`open_safetensors`, which checks what it is built from.
+
+    Args:
+        path: the file or index the checkpoint was opened from.
+        tensors: ``{name: Tensor}``, in the order of their bytes on disk.
+        metadata: the header metadata of the first file.
+        quantized: the layout of each quantized parameter, by name; None for none.
+
+    Attributes:
+        path: the file or index the checkpoint was opened from.
+        metadata: the header metadata of the first file (``{"format": "pt"}``,
+            Taktiny's version, user metadata).
+        quantized: the layout of each quantized parameter saved from a
+            :class:`~taktiny.QArray`, by name (its parts are the tensors
+            ``<name>.value`` and ``<name>.scale``): ``{"bits": 4, "axis": 0,
+            "group_size": 64, "shape": [512, 2048]}``, checked against those tensors.
+    """
 
     def __init__(
         self,

@@ -92,6 +92,7 @@ def load_safetensors(
         taktiny.convert.ConversionError: with `rules`, as :func:`taktiny.convert.check`.
         SafetensorsError: for a corrupt checkpoint, naming the file and tensor; for
             damaged bytes, also both checksums. Nothing is returned then.
+        ValueError: `allow` without `rules`.
     """
     where = f"taktiny.io.load_safetensors({type(model).__name__})"
     if rules is None and allow is not None:

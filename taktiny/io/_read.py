@@ -52,6 +52,19 @@ class Tensor:
     header when it saved the file (32 hex digits), or None (files written by other
     programs). Reads verify it unless told not to (``verify=False``): damaged bytes raise
     :class:`SafetensorsError` before anything is returned.
+
+    Made by :func:`~taktiny.io.open_safetensors` from a file's header.
+
+    Args:
+        name: the tensor's name in the checkpoint.
+        shape: its shape.
+        dtype: its dtype: a NumPy dtype, or a safetensors code (``"BF16"``).
+        file: the file holding its bytes.
+        offset: where its bytes start in `file`.
+        checksum: the XXH3-128 digest of its stored bytes, or None.
+
+    Attributes:
+        nbytes: the bytes stored in the file.
     """
 
     __slots__ = ("_dtype", "checksum", "file", "name", "nbytes", "offset", "shape")
@@ -98,11 +111,24 @@ class Tensor:
         return False
 
     def read(self, index: Sequence[slice] | None = None, *, verify: bool = True) -> np.ndarray:
-        """The tensor, or the block ``index`` of it (one ``slice`` per axis, steps of 1),
-        read from disk into a fresh read-only aligned buffer; only the block's bytes are
-        kept. With `verify` (and a ``checksum``), the bytes are checked against it first:
-        those read, for the whole tensor; the whole tensor's, streamed through the hash
-        in 4 MiB pieces, for a block."""
+        """Reads the tensor, or one block of it, from disk into a fresh read-only aligned
+        buffer; only the block's bytes are kept.
+
+        Args:
+            index: the block, one ``slice`` per axis with steps of 1; None for the whole
+                tensor.
+            verify: check the bytes against ``checksum`` (when there is one) first: those
+                read, for the whole tensor; the whole tensor's, streamed through the hash
+                in 4 MiB pieces, for a block.
+
+        Returns:
+            A read-only array of the block's shape (``shape`` for the whole tensor), in
+            ``dtype``.
+
+        Raises:
+            ValueError: `index` is not one slice per axis with steps of 1.
+            SafetensorsError: the bytes are damaged, or the file was truncated.
+        """
         bounds = self._bounds(index)
         whole = all(b == (0, n) for b, n in zip(bounds, self.shape, strict=True))
         if verify and not whole:
@@ -115,10 +141,21 @@ class Tensor:
         return out
 
     def read_into(self, memory: Any, *, verify: bool = True) -> np.ndarray:
-        """The whole tensor read into the start of `memory` (a writable buffer of at least
-        ``nbytes``), as a read-only array viewing it, its bytes checked against
-        ``checksum`` with `verify`. The caller owns `memory`, and must not reuse it while
-        anything still uses the array (JAX on CPU may adopt it)."""
+        """Reads the whole tensor into the start of `memory`.
+
+        The caller owns `memory`, and must not reuse it while anything still uses the
+        array (JAX on CPU may adopt it).
+
+        Args:
+            memory: a writable buffer of at least ``nbytes``.
+            verify: check the bytes against ``checksum`` (when there is one).
+
+        Returns:
+            A read-only array of ``shape`` and ``dtype`` viewing `memory`.
+
+        Raises:
+            SafetensorsError: the bytes are damaged, or the file was truncated.
+        """
         out = np.frombuffer(memory, self.dtype, math.prod(self.shape)).reshape(self.shape)
         raw = memoryview(memory).cast("B")[: self.nbytes]
         out = self._into(out, raw, [(0, n) for n in self.shape])
@@ -127,16 +164,27 @@ class Tensor:
         return out
 
     def check(self, raw: Any) -> None:
-        """Raises :class:`SafetensorsError` when `raw` (this tensor's stored bytes, as
-        read) does not match ``checksum``; does nothing without one."""
+        """Checks bytes read against ``checksum``; does nothing without one.
+
+        Args:
+            raw: this tensor's stored bytes, as read.
+
+        Raises:
+            SafetensorsError: `raw` does not match ``checksum``.
+        """
         if self.checksum is not None:
             got = _checksum.digest(raw)
             if got != self.checksum:
                 raise self.damaged(got)
 
     def verify(self) -> None:
-        """Reads this tensor's stored bytes through the hash, 4 MiB at a time, and raises
-        :class:`SafetensorsError` when they do not match ``checksum`` (no-op without one)."""
+        """Reads this tensor's stored bytes through the hash, 4 MiB at a time, and checks
+        them against ``checksum``; does nothing without one.
+
+        Raises:
+            SafetensorsError: the bytes do not match ``checksum``, or the file was
+                truncated.
+        """
         if self.checksum is None:
             return
         stream = _checksum.streaming()
@@ -151,7 +199,14 @@ class Tensor:
             raise self.damaged(got)
 
     def damaged(self, got: str) -> SafetensorsError:
-        """The error for bytes whose checksum is `got`, not ``checksum``."""
+        """The error for bytes whose checksum is not ``checksum``.
+
+        Args:
+            got: the checksum of the bytes read (32 hex digits).
+
+        Returns:
+            The error, naming the file, the tensor and both checksums.
+        """
         return SafetensorsError(
             f"{self.file}: the bytes of {self.name!r} are damaged: their checksum is {got}, "
             f"and the header records {self.checksum} ({_checksum.ALGORITHM}). The file "

@@ -94,8 +94,11 @@ def save_safetensors(
             safetensors cannot store (PRNG keys, say), named in the message.
         ValueError: a path not ending in ``.safetensors``, a bad `max_shard_size`, an
             array spread over several processes.
+        FileNotFoundError: the folder `path` names does not exist.
         OSError: a file operation that failed (the previous checkpoint is left as it was);
             a failed write names the file.
+        ImportError: the safetensors package is not installed
+            (``pip install 'taktiny[safetensors]'``).
     """
     try:
         import safetensors.numpy  # noqa: F401  (imported here: an extra, only saving needs it)

@@ -44,6 +44,13 @@ def field(
             optimisers leave them alone, and no gradient flows into them (while the
             module holds traced values, the field reads through
             ``jax.lax.stop_gradient``).
+
+    Returns:
+        The field's declaration, which the module's class reads when it is defined.
+
+    Raises:
+        TypeError: both `default` and `default_factory` are given, or ``static=True``
+            with ``trainable=False``.
     """
     if default is not MISSING and default_factory is not MISSING:
         raise TypeError("field() takes `default` or `default_factory`, not both.")

@@ -338,6 +338,16 @@ class Module(types.SimpleNamespace, metaclass=_ModuleMeta):
 
         The new values are checked as in a newly built module (sorted into data and
         static); the other fields are reused as they are. This module is not changed.
+
+        Args:
+            **changes: new values by field name (``kernel=new_kernel``).
+
+        Returns:
+            A new module of the same class.
+
+        Raises:
+            TypeError: a name is not a field of this module, or a value is one a module
+                refuses to hold (as when it is built).
         """
         fields = fields_of(self)
         if unknown := sorted(changes.keys() - fields.keys()):
@@ -376,6 +386,9 @@ class Module(types.SimpleNamespace, metaclass=_ModuleMeta):
         keys; values are this module's own arrays (no copies). Submodules without
         parameters and ``None`` fields do not appear. A custom PyTree parameter (a
         quantized weight) stays whole.
+
+        Returns:
+            Nested dicts, one level per module, list or dict, with arrays as leaves.
         """
         return _tree.state_dict(self)
 
@@ -385,6 +398,9 @@ class Module(types.SimpleNamespace, metaclass=_ModuleMeta):
         Names come in the order JAX flattens the module: attributes in the order
         ``__init__`` set them, list positions 0, 1, 2, ..., dict keys sorted. Custom
         PyTree parameters are flattened down to their arrays.
+
+        Returns:
+            ``{dotted name: array}``, the module's own arrays (no copies).
         """
         return _tree.flat_state_dict(self)
 
@@ -408,6 +424,19 @@ class Module(types.SimpleNamespace, metaclass=_ModuleMeta):
         scale dtype, sharding), a QArray (or a ``{"value", "scale"}`` dict of its parts)
         where it holds a float array is dequantized into that array's dtype, and a QArray
         quantized another way is re-quantized. Without it, each is an error.
+
+        Args:
+            state: nested dicts of arrays, as :meth:`state_dict` gives, for all or part
+                of the parameters.
+            strict: whether `state` must supply every leaf.
+            match_quantization: convert values held in the other representation, as
+                above, instead of refusing them.
+
+        Returns:
+            A new module of the same structure.
+
+        Raises:
+            taktiny.StateDictError: listing every problem; nothing is loaded.
         """
         return _tree.load_state_dict(
             self, state, strict=strict, match_quantization=match_quantization
@@ -419,7 +448,19 @@ class Module(types.SimpleNamespace, metaclass=_ModuleMeta):
         """As :meth:`load_state_dict`, for a dict of dotted names as :meth:`flat_state_dict`
         gives. A float array for a QArray comes under its name (``"dense.kernel"``); a
         QArray for a float array comes whole under that name, or as its parts
-        (``"dense.kernel.value"`` and ``"dense.kernel.scale"``)."""
+        (``"dense.kernel.value"`` and ``"dense.kernel.scale"``).
+
+        Args:
+            flat: ``{dotted name: array}`` for all or part of the parameters.
+            strict: whether `flat` must supply every leaf.
+            match_quantization: as for :meth:`load_state_dict`.
+
+        Returns:
+            A new module of the same structure.
+
+        Raises:
+            taktiny.StateDictError: listing every problem; nothing is loaded.
+        """
         return _tree.load_flat_state_dict(
             self, flat, strict=strict, match_quantization=match_quantization
         )

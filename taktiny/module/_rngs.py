@@ -29,7 +29,11 @@ class Rngs:
         self._count = 0
 
     def __call__(self) -> Any:
-        """Returns the next key of the stream (a typed PRNG key array of shape ())."""
+        """Draws the next key of the stream.
+
+        Returns:
+            A typed PRNG key array of shape ``()``, a new one on every call.
+        """
         key = jax.random.fold_in(self._key, self._count)
         self._count += 1
         return key

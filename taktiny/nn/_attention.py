@@ -40,9 +40,13 @@ class MultiHeadAttention(Module):
     weights are ``softmax(q @ k.T / sqrt(head_dim))`` per head, logits and softmax in
     float32 (at least).
 
-    Submodules (state names; all plain :class:`Linear` layers), with the names they
-    convert from in PyTorch's ``nn.MultiheadAttention`` and in Hugging Face's Llama
-    (``model.layers.{i}.self_attn``); every PyTorch weight ``[out, in]`` is transposed:
+    The four projections are plain :class:`Linear` layers. Their state names follow,
+    with the names they convert from in PyTorch's ``nn.MultiheadAttention`` and in
+    Hugging Face's Llama (``model.layers.{i}.self_attn``); every PyTorch weight
+    ``[out, in]`` is transposed. Kernels are LeCun-normal, biases zeros (absent with
+    ``use_bias=False``, as Llama's ``attention_bias=False``).
+
+    Attributes:
         query: ``kernel [in_features, qkv_features]``, ``bias [qkv_features]``; torch
             ``in_proj_weight`` / ``in_proj_bias`` rows ``0:E``; Llama ``q_proj``.
         key: ``kernel [kv_features, num_kv_heads * head_dim]``, ``bias``; torch rows
@@ -51,10 +55,9 @@ class MultiHeadAttention(Module):
             ``2E:3E``; Llama ``v_proj``.
         out: ``kernel [qkv_features, out_features]``, ``bias [out_features]``; torch
             ``out_proj``; Llama ``o_proj``.
-        Kernels are LeCun-normal, biases zeros (absent with ``use_bias=False``, as Llama's
-        ``attention_bias=False``). ``rotary``, a :class:`RotaryEmbedding` when
-        ``rope_theta`` is given, has no parameters (Hugging Face keeps its rotary
-        ``inv_freq`` out of checkpoints too).
+        rotary: a :class:`RotaryEmbedding` when ``rope_theta`` is given, else None. It
+            has no parameters (Hugging Face keeps its rotary ``inv_freq`` out of
+            checkpoints too).
 
     Args:
         num_heads: the number of query heads; must divide ``qkv_features``.
@@ -85,12 +88,19 @@ class MultiHeadAttention(Module):
             heads the mesh axis divides, each device holds whole heads). Ignored without
             a mesh.
         query_bias_sharding: the same for ``query.bias`` (``("model",)``).
-        key_kernel_sharding, key_bias_sharding, value_kernel_sharding,
-        value_bias_sharding: the same for ``key`` and ``value``.
+        key_kernel_sharding: the same for ``key.kernel``.
+        key_bias_sharding: the same for ``key.bias``.
+        value_kernel_sharding: the same for ``value.kernel``.
+        value_bias_sharding: the same for ``value.bias``.
         out_kernel_sharding: the same for ``out.kernel``; ``("model", None)`` splits
             its inputs, the heads.
         out_bias_sharding: the same for ``out.bias``.
         rngs: the key stream for the initialisation.
+
+    Raises:
+        ValueError: `num_heads` does not divide `qkv_features`, `num_kv_heads` does not
+            divide `num_heads`, `dropout_rate` is outside ``[0, 1)``, `rope_scaling` comes
+            without `rope_theta`, or a sharding does not fit its parameter.
     """
 
     query: Linear
@@ -182,6 +192,7 @@ class MultiHeadAttention(Module):
 
     @property
     def head_dim(self) -> int:
+        """The features of each head: ``qkv_features // num_heads``."""
         return self.query.kernel.shape[1] // self.num_heads
 
     def init_cache(
@@ -189,12 +200,25 @@ class MultiHeadAttention(Module):
         sharding: Spec | None = None,
     ) -> KVCache:  # fmt: skip
         """An empty :class:`KVCache` for `batch` sequences of up to `max_length` tokens
-        (prompt and generated tokens together): keys and values ``[batch, max_length,
-        num_kv_heads, head_dim]`` of zeros in `dtype` (default: the dtype the layer
-        computes in), length 0. For inputs with several batch axes, `batch` is their
-        product; for an unbatched input, 1. Under ``jax.set_mesh``, `sharding` splits the
-        keys and values as a parameter's sharding argument does (``("data", None,
-        "model", None)``: sequences and heads); the new keys are written split so."""
+        (prompt and generated tokens together).
+
+        Args:
+            batch: the number of sequences: for inputs with several batch axes, their
+                product; for an unbatched input, 1.
+            max_length: the positions the cache holds.
+            dtype: the dtype of the keys and values; None (the default) is the dtype the
+                layer computes in.
+            sharding: under ``jax.set_mesh``, how the keys and values are split, as a
+                parameter's sharding argument (``("data", None, "model", None)``:
+                sequences and heads); the new keys are written split so.
+
+        Returns:
+            A cache of length 0, its keys and values zeros ``[batch, max_length,
+            num_kv_heads, head_dim]``.
+
+        Raises:
+            ValueError: `batch` or `max_length` is not a positive int.
+        """
         dtype = compute_dtype(self.dtype, self.query.kernel) if dtype is None else dtype
         kv_heads, head_dim = self.num_kv_heads, self.head_dim
         return empty_cache(_NAME, batch, max_length, kv_heads, head_dim, jnp.dtype(dtype),
@@ -241,6 +265,14 @@ class MultiHeadAttention(Module):
         Returns:
             ``y`` ``[*batch, q_length, out_features]``; with a cache, ``(y, cache)``,
             the cache holding the new keys and values and its length advanced.
+
+        Raises:
+            ValueError: the inputs' shapes do not fit the layer, or each other; a cache
+                or rotary embeddings with `inputs_kv`; `positions` for a layer without
+                rotary embeddings; a cache that does not fit the inputs; or a mask that
+                does not broadcast.
+            RuntimeError: the new tokens do not fit in the cache (raised when the step
+                runs, under ``jax.jit`` too).
         """
         with jax.named_scope(_NAME):
             self_attention = inputs_kv is None

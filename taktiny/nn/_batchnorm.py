@@ -48,13 +48,15 @@ class BatchNorm(Module):
     statistics in that dtype but at least float32; the output has ``dtype``, and the
     running statistics stay in ``param_dtype``, whatever ``dtype`` is.
 
-    Parameters (state names; PyTorch's ``nn.BatchNorm{1,2,3}d`` names in brackets):
+    The state names follow; PyTorch's ``nn.BatchNorm{1,2,3}d`` names are in brackets.
+    PyTorch's ``num_batches_tracked`` has no counterpart (it only matters for
+    ``momentum=None``); drop it when converting.
+
+    Attributes:
         scale: ``[num_features]``, ones (``weight``).
         bias: ``[num_features]``, zeros (``bias``).
         mean: ``[num_features]``, the running mean, zeros (``running_mean``); not trained.
         var: ``[num_features]``, the running variance, ones (``running_var``); not trained.
-        PyTorch's ``num_batches_tracked`` has no counterpart (it only matters for
-        ``momentum=None``); drop it when converting.
 
     Args:
         num_features: the size of the last (channel) axis.
@@ -73,6 +75,9 @@ class BatchNorm(Module):
             axes the compiler, or ``jax.jit``'s ``out_shardings``, decides).
         bias_sharding: the same for ``bias``.
         rngs: unused (the initialisation is deterministic).
+
+    Raises:
+        ValueError: `momentum` is outside [0, 1].
     """
 
     scale: Float[Array, " num_features"]
@@ -124,11 +129,21 @@ class BatchNorm(Module):
     ) -> (
         Float[Array, "*batch num_features"] | tuple[Float[Array, "*batch num_features"], BatchNorm]
     ):
-        """Normalises ``x`` ``[*batch, num_features]``; same shape out.
+        """Normalises `x` with the running statistics, or in training with the batch's.
 
-        ``train=None`` (the default) trains under :func:`train_forward` and infers
-        otherwise; ``train=False`` always infers; ``train=True`` trains and returns the
-        pair ``(y, new_bn)``.
+        Args:
+            x: ``[*batch, num_features]``, channels last.
+            train: None (the default) trains under :func:`train_forward` and infers
+                otherwise; ``False`` always infers; ``True`` trains and returns the new
+                layer too.
+
+        Returns:
+            ``y``, ``[*batch, num_features]`` in ``dtype``; with ``train=True`` the pair
+            ``(y, new_bn)``, ``new_bn`` holding the updated running statistics.
+
+        Raises:
+            ValueError: the last axis of `x` does not have ``num_features`` entries, or
+                training gets a single value per feature (no variance to estimate).
         """
         with jax.named_scope("BatchNorm"):
             size = self.scale.shape[0]

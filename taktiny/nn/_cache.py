@@ -25,7 +25,7 @@ class KVCache(Module):
     one with :meth:`MultiHeadAttention.init_cache`; calling the layer with ``cache=``
     returns the next one.
 
-    Fields:
+    Attributes:
         keys: ``[batch, max_length, num_kv_heads, head_dim]``; positions ``0`` to
             ``length - 1`` hold the keys seen so far (rotated, when the layer has rotary
             embeddings), the rest zeros.

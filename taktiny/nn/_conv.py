@@ -89,7 +89,7 @@ class Conv(Module):
     ``dims`` (``Conv(3, 8, 3, dims=2)``) or from a tuple among ``strides``, ``padding``
     and the dilations. Any number of leading batch axes (including none) is accepted.
 
-    Parameters (state names):
+    Attributes:
         kernel: ``[*kernel_size, in_features // feature_group_count, out_features]``,
             LeCun-normal initialised (variance ``1 / fan_in``, where fan_in is
             ``prod(kernel_size) * in_features // feature_group_count``). PyTorch's
@@ -132,6 +132,12 @@ class Conv(Module):
             ``PartitionSpec``. Ignored without a mesh.
         bias_sharding: the same for ``bias`` (``("model",)``).
         rngs: the key stream for the initialisation.
+
+    Raises:
+        ValueError: the number of spatial axes cannot be told, or the arguments disagree
+            on it; a size is out of range; or `feature_group_count` does not divide
+            `in_features` and `out_features`.
+        TypeError: `kernel_size` is neither an int nor a tuple of ints.
     """
 
     kernel: Float[Array, "*kernel_size in_per_group out_features"]
@@ -192,8 +198,19 @@ class Conv(Module):
     def __call__(
         self, x: Float[Array, "*batch_spatial in_features"]
     ) -> Float[Array, "*batch_spatial_out out_features"]:
-        """Convolves ``x`` ``[*batch, *spatial, in_features]`` to
-        ``[*batch, *out_spatial, out_features]``."""
+        """Convolves `x` over its spatial axes.
+
+        Args:
+            x: ``[*batch, *spatial, in_features]``, channels last, with as many spatial
+                axes as the kernel has.
+
+        Returns:
+            ``[*batch, *out_spatial, out_features]``, in ``dtype``.
+
+        Raises:
+            ValueError: `x` has too few axes, or a last axis of another size than
+                ``in_features``.
+        """
         with jax.named_scope("Conv"):
             return _convolve(
                 "Conv",

@@ -35,7 +35,7 @@ class ConvTranspose(Module):
     stride-dilated input with ``kernel``, so ``kernel`` is stored in that convolution's
     orientation.
 
-    Parameters (state names):
+    Attributes:
         kernel: ``[*kernel_size, in_features // feature_group_count, out_features]``,
             LeCun-normal initialised (fan_in ``prod(kernel_size) * in_features //
             feature_group_count``). PyTorch's ``nn.ConvTranspose{1,2,3}d.weight`` is
@@ -78,6 +78,12 @@ class ConvTranspose(Module):
             ``PartitionSpec``. Ignored without a mesh.
         bias_sharding: the same for ``bias`` (``("model",)``).
         rngs: the key stream for the initialisation.
+
+    Raises:
+        ValueError: the number of spatial axes cannot be told, or the arguments disagree
+            on it; a size is out of range; or `feature_group_count` does not divide
+            `in_features` and `out_features`.
+        TypeError: `kernel_size` is neither an int nor a tuple of ints.
     """
 
     kernel: Float[Array, "*kernel_size in_per_group out_features"]
@@ -141,8 +147,19 @@ class ConvTranspose(Module):
     def __call__(
         self, x: Float[Array, "*batch_spatial in_features"]
     ) -> Float[Array, "*batch_spatial_out out_features"]:
-        """Upsamples ``x`` ``[*batch, *spatial, in_features]`` to
-        ``[*batch, *out_spatial, out_features]``."""
+        """Upsamples `x` over its spatial axes.
+
+        Args:
+            x: ``[*batch, *spatial, in_features]``, channels last, with as many spatial
+                axes as the kernel has.
+
+        Returns:
+            ``[*batch, *out_spatial, out_features]``, in ``dtype``.
+
+        Raises:
+            ValueError: `x` has too few axes or a last axis of another size than
+                ``in_features``, or the padding crops the whole output.
+        """
         with jax.named_scope("ConvTranspose"):
             spans = dilate(self.kernel.shape[:-2], self.kernel_dilation)
             if x.ndim > len(spans):

@@ -26,6 +26,9 @@ class Dropout(Module):
 
     Args:
         rate: the probability of zeroing an element, in ``[0, 1]``.
+
+    Raises:
+        ValueError: `rate` is outside ``[0, 1]``.
     """
 
     rate: float
@@ -36,8 +39,16 @@ class Dropout(Module):
         self.rate = float(rate)
 
     def __call__(self, x: Float[Array, "*shape"], *, key: Any = None) -> Float[Array, "*shape"]:
-        """Returns ``x`` (any shape) unchanged when ``key`` is None, else ``x`` with elements
-        dropped using ``key`` (a PRNG key from ``jax.random.key``)."""
+        """Drops elements of `x` at random, or none without a key.
+
+        Args:
+            x: an array of any shape.
+            key: a PRNG key (``jax.random.key``) that chooses the elements to drop; None
+                returns `x` unchanged.
+
+        Returns:
+            An array of `x`'s shape and dtype.
+        """
         with jax.named_scope("Dropout"):
             if key is None or self.rate == 0.0:
                 return x

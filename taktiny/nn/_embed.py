@@ -20,7 +20,7 @@ from ._random import normal
 class Embed(Module):
     """A table of ``num_embeddings`` vectors of size ``features``, looked up by integer id.
 
-    Parameters (state names):
+    Attributes:
         embedding: ``[num_embeddings, features]``, standard-normal initialised
             (``normal(0, 1)``, as PyTorch's ``nn.Embedding``, whose ``weight`` has the same
             layout and needs no conversion).
@@ -64,12 +64,20 @@ class Embed(Module):
         self.precision = static_precision(precision, "Embed")
 
     def __call__(self, ids: Integer[Array, "*batch"]) -> Float[Array, "*batch features"]:
-        """Returns the rows of ``embedding`` for ``ids`` ``[*batch]``: ``[*batch, features]``,
-        in ``dtype``.
+        """Returns the rows of ``embedding`` for `ids`, in ``dtype``.
 
         Ids follow NumPy's indexing: a negative id counts from the end of the table. An id
         ``>= num_embeddings`` gives a row of NaNs (not an error, so that the call works
         inside ``jax.jit``), which makes the mistake visible downstream.
+
+        Args:
+            ids: ``[*batch]``, integers.
+
+        Returns:
+            ``[*batch, features]``.
+
+        Raises:
+            TypeError: `ids` is not an integer array.
         """
         with jax.named_scope("Embed"):
             if not jnp.issubdtype(ids.dtype, jnp.integer):
@@ -89,11 +97,19 @@ class Embed(Module):
             return rows.astype(dtype)
 
     def attend(self, x: Float[Array, "*batch features"]) -> Float[Array, "*batch num_embeddings"]:
-        """Scores ``x`` ``[*batch, features]`` against every row: ``x @ embedding.T``.
+        """Scores `x` against every row: ``x @ embedding.T``.
 
         This is the output projection of a language model whose input and output
-        embeddings are tied; the result is ``[*batch, num_embeddings]`` (logits), computed
-        in ``dtype`` at ``precision``.
+        embeddings are tied, computed in ``dtype`` at ``precision``.
+
+        Args:
+            x: ``[*batch, features]``.
+
+        Returns:
+            ``[*batch, num_embeddings]`` (logits).
+
+        Raises:
+            ValueError: the last axis of `x` does not have ``features`` entries.
         """
         with jax.named_scope("Embed.attend"):
             shape = tuple(self.embedding.shape)

@@ -46,7 +46,7 @@ class GroupNorm(Module):
     ``num_groups=1`` normalises each example over all its axes; ``num_groups=num_features``
     is instance normalisation.
 
-    Parameters (state names):
+    Attributes:
         scale: ``[num_features]``, ones; ``None`` when ``use_scale=False`` (PyTorch's
             ``nn.GroupNorm.weight``).
         bias: ``[num_features]``, zeros; ``None`` when ``use_bias=False`` (PyTorch's
@@ -69,6 +69,9 @@ class GroupNorm(Module):
         bias_sharding: the same for ``bias``.
         rngs: unused (the initialisation is deterministic); accepted so that every
             layer can be built the same way.
+
+    Raises:
+        ValueError: `num_groups` does not divide `num_features`.
     """
 
     scale: Float[Array, " num_features"] | None
@@ -114,7 +117,20 @@ class GroupNorm(Module):
     def __call__(
         self, x: Float[Array, "batch *spatial num_features"]
     ) -> Float[Array, "batch *spatial num_features"]:
-        """Normalises ``x`` ``[batch, *spatial, num_features]``; same shape out."""
+        """Normalises each example's groups of channels in `x`.
+
+        Args:
+            x: ``[batch, *spatial, num_features]``, channels last, with any number of
+                spatial axes (none too).
+
+        Returns:
+            ``[batch, *spatial, num_features]``, in ``dtype``.
+
+        Raises:
+            ValueError: `x` has fewer than two axes, or a last axis of another size than
+                ``num_features`` (for a layer without parameters: one ``num_groups`` does
+                not divide).
+        """
         with jax.named_scope("GroupNorm"):
             groups = self.num_groups
             if x.ndim < 2:

@@ -18,7 +18,7 @@ from ._random import constant, lecun_normal
 class Linear(Module):
     """A dense layer: ``y = x @ kernel + bias`` on the last axis of any batch shape.
 
-    Parameters (state names):
+    Attributes:
         kernel: ``[in_features, out_features]``, LeCun-normal initialised (normal with
             variance ``1 / in_features``; PyTorch's ``nn.Linear`` stores the transpose,
             ``weight`` ``[out, in]``).
@@ -73,7 +73,17 @@ class Linear(Module):
     def __call__(
         self, x: Float[Array, "*batch in_features"]
     ) -> Float[Array, "*batch out_features"]:
-        """Maps ``x`` ``[*batch, in_features]`` to ``[*batch, out_features]``."""
+        """Applies the layer to the last axis of `x`.
+
+        Args:
+            x: ``[*batch, in_features]``, any number of batch axes.
+
+        Returns:
+            ``[*batch, out_features]``, in ``dtype`` (by default the parameters').
+
+        Raises:
+            ValueError: the last axis of `x` does not have ``in_features`` entries.
+        """
         with jax.named_scope("Linear"):
             in_features = self.kernel.shape[0]
             if x.ndim == 0 or x.shape[-1] != in_features:

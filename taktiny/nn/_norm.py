@@ -52,7 +52,7 @@ class LayerNorm(Module):
 
     The variance is the biased one (divided by ``num_features``), as in PyTorch.
 
-    Parameters (state names):
+    Attributes:
         scale: ``[num_features]``, ones; ``None`` when ``use_scale=False``
             (PyTorch's ``nn.LayerNorm.weight``).
         bias: ``[num_features]``, zeros; ``None`` when ``use_bias=False``
@@ -109,7 +109,17 @@ class LayerNorm(Module):
     def __call__(
         self, x: Float[Array, "*batch num_features"]
     ) -> Float[Array, "*batch num_features"]:
-        """Normalises ``x`` ``[*batch, num_features]`` over its last axis; same shape out."""
+        """Normalises `x` over its last axis.
+
+        Args:
+            x: ``[*batch, num_features]``.
+
+        Returns:
+            ``[*batch, num_features]``, in ``dtype``.
+
+        Raises:
+            ValueError: the last axis of `x` does not have ``num_features`` entries.
+        """
         with jax.named_scope("LayerNorm"):
             out = output_dtype("LayerNorm", x, self.scale, self.bias, self.dtype)
             x = x.astype(statistics_dtype(out))
@@ -123,7 +133,7 @@ class RMSNorm(Module):
     """Root-mean-square normalisation: ``x / sqrt(mean(x**2) + epsilon) * scale`` on the
     last axis, with no centring and no bias (as in T5 and Llama).
 
-    Parameters (state names):
+    Attributes:
         scale: ``[num_features]``, ones (PyTorch's ``nn.RMSNorm.weight``).
 
     Args:
@@ -161,7 +171,17 @@ class RMSNorm(Module):
     def __call__(
         self, x: Float[Array, "*batch num_features"]
     ) -> Float[Array, "*batch num_features"]:
-        """Normalises ``x`` ``[*batch, num_features]`` over its last axis; same shape out."""
+        """Normalises `x` over its last axis.
+
+        Args:
+            x: ``[*batch, num_features]``.
+
+        Returns:
+            ``[*batch, num_features]``, in ``dtype``.
+
+        Raises:
+            ValueError: the last axis of `x` does not have ``num_features`` entries.
+        """
         with jax.named_scope("RMSNorm"):
             size = self.scale.shape[0]
             check_features(

@@ -141,6 +141,11 @@ class MaxPool(_Pool):
             window is kept when it starts inside the input or its start padding.
         dims: the number of spatial axes, needed when ``kernel_size``, ``strides`` and
             ``padding`` are all ints (``MaxPool(2, dims=2)`` is ``MaxPool((2, 2))``).
+
+    Raises:
+        ValueError: the number of spatial axes cannot be told, or the arguments disagree
+            on it; a size is not a positive int (padding: non-negative); or the padding
+            is more than half the window.
     """
 
     def __init__(self, kernel_size: Size, strides: Size | None = None, padding: Size = 0,
@@ -152,8 +157,19 @@ class MaxPool(_Pool):
     def __call__(
         self, x: Float[Array, "*batch_spatial features"]
     ) -> Float[Array, "*batch_out_spatial features"]:
-        """Pools ``x`` ``[*batch, *spatial, features]`` to
-        ``[*batch, *out_spatial, features]``."""
+        """Pools each window of the spatial axes of `x`.
+
+        Args:
+            x: ``[*batch, *spatial, features]``, channels last, with as many spatial axes
+                as the window has.
+
+        Returns:
+            ``[*batch, *out_spatial, features]``, in `x`'s dtype.
+
+        Raises:
+            ValueError: `x` has too few axes, or the window is larger than its padded
+                spatial axes.
+        """
         with jax.named_scope("MaxPool"):
             extras = [extra for _, _, extra in self._geometry("MaxPool", x)]
             # a NumPy constant, not a traced one, so that JAX sees the max with its identity
@@ -175,10 +191,21 @@ class AvgPool(_Pool):
     in at least float32, so that bfloat16 windows lose nothing to rounding.
 
     Args:
-        kernel_size, strides, padding, ceil_mode, dims: as :class:`MaxPool`'s (padding
-            adds zeros).
+        kernel_size: the window, an int or one size per spatial axis.
+        strides: the step between windows, an int or one per spatial axis; None (the
+            default) steps by the window.
+        padding: zeros added on both sides of each spatial axis, an int or one per axis;
+            at most half the window.
         count_include_pad: divide by the whole window, padding included (True, PyTorch's
             default), or only by the input elements it covers (False).
+        ceil_mode: round the output size up, as :class:`MaxPool`'s.
+        dims: the number of spatial axes, needed when ``kernel_size``, ``strides`` and
+            ``padding`` are all ints.
+
+    Raises:
+        ValueError: the number of spatial axes cannot be told, or the arguments disagree
+            on it; a size is not a positive int (padding: non-negative); or the padding
+            is more than half the window.
     """
 
     count_include_pad: bool
@@ -194,8 +221,19 @@ class AvgPool(_Pool):
     def __call__(
         self, x: Float[Array, "*batch_spatial features"]
     ) -> Float[Array, "*batch_out_spatial features"]:
-        """Pools ``x`` ``[*batch, *spatial, features]`` to
-        ``[*batch, *out_spatial, features]``."""
+        """Pools each window of the spatial axes of `x`.
+
+        Args:
+            x: ``[*batch, *spatial, features]``, channels last, with as many spatial axes
+                as the window has.
+
+        Returns:
+            ``[*batch, *out_spatial, features]``, in `x`'s dtype.
+
+        Raises:
+            ValueError: `x` has too few axes, or the window is larger than its padded
+                spatial axes.
+        """
         with jax.named_scope("AvgPool"):
             geometry = self._geometry("AvgPool", x)
             dtype = statistics_dtype(x.dtype)
@@ -234,8 +272,18 @@ class GlobalAvgPool(Module):
         self.keepdims = bool(keepdims)
 
     def __call__(self, x: Float[Array, "batch *spatial features"]) -> Float[Array, "batch ..."]:
-        """Averages ``x`` ``[batch, *spatial, features]`` to ``[batch, features]``
-        (``[batch, 1, ..., 1, features]`` with ``keepdims``)."""
+        """Averages `x` over its spatial axes.
+
+        Args:
+            x: ``[batch, *spatial, features]``, with at least one spatial axis.
+
+        Returns:
+            ``[batch, features]``; ``[batch, 1, ..., 1, features]`` with ``keepdims``. In
+            `x`'s dtype.
+
+        Raises:
+            ValueError: `x` has fewer than three axes.
+        """
         with jax.named_scope("GlobalAvgPool"):
             if x.ndim < 3:
                 raise ValueError(

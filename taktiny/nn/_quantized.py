@@ -40,7 +40,7 @@ def _dequantized(weight: QArray, dtype: jnp.dtype | None, x: Any) -> tuple[jnp.d
 class QuantizedLinear(Module):
     """A dense layer with a quantized kernel: ``y = x @ dequantize(kernel) + bias``.
 
-    Parameters (state names):
+    Attributes:
         kernel: a :class:`~taktiny.QArray` of logical shape ``[in_features, out_features]``,
             quantized along the input axis 0: ``kernel.value`` ``[in, out]`` (int8 or int4)
             and ``kernel.scale`` ``[1, out]`` (one per output channel) or
@@ -97,7 +97,17 @@ class QuantizedLinear(Module):
     def __call__(
         self, x: Float[Array, "*batch in_features"]
     ) -> Float[Array, "*batch out_features"]:
-        """Maps ``x`` ``[*batch, in_features]`` to ``[*batch, out_features]``."""
+        """Applies the layer to the last axis of `x`.
+
+        Args:
+            x: ``[*batch, in_features]``, any number of batch axes.
+
+        Returns:
+            ``[*batch, out_features]``, in ``dtype`` (by default `x`'s, when it is float).
+
+        Raises:
+            ValueError: the last axis of `x` does not have ``in_features`` entries.
+        """
         with jax.named_scope("QuantizedLinear"):
             shape = self.kernel.shape
             check_features("QuantizedLinear", x, shape[0], why=f"its kernel is {shape}",
@@ -110,7 +120,7 @@ class QuantizedLinear(Module):
 class QuantizedEmbed(Module):
     """A table of ``num_embeddings`` quantized vectors of size ``features``, looked up by id.
 
-    Parameters (state names):
+    Attributes:
         embedding: a :class:`~taktiny.QArray` of logical shape ``[num_embeddings,
             features]``, quantized along the features (axis 1): ``embedding.value``
             ``[num_embeddings, features]`` and ``embedding.scale`` ``[num_embeddings, 1]``
@@ -155,9 +165,20 @@ class QuantizedEmbed(Module):
         self.precision = static_precision(precision, "QuantizedEmbed")
 
     def __call__(self, ids: Integer[Array, "*batch"]) -> Float[Array, "*batch features"]:
-        """The rows of the table for ``ids`` ``[*batch]``, dequantized into ``dtype``:
-        ``[*batch, features]``. Ids index as in :class:`Embed` (negative ids count from the end, ids
-        past the end give rows of NaNs)."""
+        """The rows of the table for `ids`, dequantized into ``dtype``.
+
+        Ids index as in :class:`Embed`: negative ids count from the end, ids past the end
+        give rows of NaNs.
+
+        Args:
+            ids: ``[*batch]``, integers.
+
+        Returns:
+            ``[*batch, features]``, in ``dtype`` (by default the scales').
+
+        Raises:
+            TypeError: `ids` is not an integer array.
+        """
         with jax.named_scope("QuantizedEmbed"):
             if not jnp.issubdtype(ids.dtype, jnp.integer):
                 raise TypeError(
@@ -178,8 +199,19 @@ class QuantizedEmbed(Module):
                                     dtype=compute_dtype(self.dtype, table))  # fmt: skip
 
     def attend(self, x: Float[Array, "*batch features"]) -> Float[Array, "*batch num_embeddings"]:
-        """Scores ``x`` ``[*batch, features]`` against every row: ``x @ dequantize(table).T``,
-        ``[*batch, num_embeddings]``, in ``dtype`` (the tied output projection)."""
+        """Scores `x` against every row: ``x @ dequantize(table).T``, the tied output
+        projection.
+
+        Args:
+            x: ``[*batch, features]``.
+
+        Returns:
+            ``[*batch, num_embeddings]`` (logits), in ``dtype`` (by default `x`'s, when it
+            is float).
+
+        Raises:
+            ValueError: the last axis of `x` does not have ``features`` entries.
+        """
         with jax.named_scope("QuantizedEmbed.attend"):
             shape = self.embedding.shape
             check_features("QuantizedEmbed.attend", x, shape[1], why=f"its embedding is {shape}",
@@ -224,6 +256,13 @@ def quantize(
 
     Returns:
         The quantized model.
+
+    Raises:
+        TypeError: `filter` is neither a pattern, a function nor None; or a weight is not
+            a float array.
+        ValueError: a pattern `filter` matches no ``Linear`` or ``Embed`` layer, `bits`
+            is not 8 or 4, or `group_size` does not divide the quantized axis (or would
+            split a group across devices).
     """
     if isinstance(filter, str):
         regex = compile_pattern(filter)
@@ -269,7 +308,14 @@ def dequantize(model: Any) -> Any:
     """`model` with its :class:`QuantizedLinear` and :class:`QuantizedEmbed` layers replaced
     by :class:`Linear` and :class:`Embed` holding the dequantized weights (in the scales'
     dtype, split as the quantized values were). The reverse of :func:`quantize`, up to
-    the rounding it did."""
+    the rounding it did.
+
+    Args:
+        model: a module, or any PyTree holding modules; it is not changed.
+
+    Returns:
+        The model with float layers in place of the quantized ones.
+    """
     bases = (Linear, Embed, QuantizedLinear, QuantizedEmbed)  # not walked into, float or not
     is_layer = lambda x: isinstance(x, Module) and type(x)._taktiny_base in bases
 

@@ -150,6 +150,10 @@ class RotaryEmbedding(Module):
         head_dim: the number of features of each head (even).
         theta: the base of the frequencies (Llama 2: 10000, Llama 3: 500000).
         scaling: Hugging Face's scaled-rotary parameters, a dict; None for none.
+
+    Raises:
+        ValueError: `head_dim` is odd or less than 2, `theta` is not positive, or
+            `scaling` is not a dict of a known kind with the parameters it needs.
     """
 
     head_dim: int
@@ -171,11 +175,19 @@ class RotaryEmbedding(Module):
         self.scaling = _scaling(scaling, self.theta)
 
     def inv_freq(self, length: int | None = None) -> Float[Array, " half"]:
-        """The angle each pair of features turns by per position, ``[head_dim // 2]``
-        (float32, computed as Hugging Face computes it), for a call over `length` tokens
-        (which only ``"dynamic"`` scaling reads; None: its ``max_position_embeddings``).
+        """The angle each pair of features turns by per position, computed as Hugging
+        Face computes it.
+
         Computed in NumPy, step by step in float32 as PyTorch computes it: configuration,
-        not data, so a constant of the compiled program."""
+        not data, so a constant of the compiled program.
+
+        Args:
+            length: the tokens of the call, which only ``"dynamic"`` scaling reads; None
+                stands for its ``max_position_embeddings``.
+
+        Returns:
+            ``[head_dim // 2]``, float32.
+        """
         kind, params = dict(self.scaling).get("rope_type"), dict(self.scaling)
         dim, theta = self.head_dim, self.theta
         if kind == "dynamic":
@@ -211,6 +223,10 @@ class RotaryEmbedding(Module):
 
         Returns:
             ``[*batch, length, heads, head_dim]``, in ``x``'s dtype.
+
+        Raises:
+            ValueError: `x` has fewer than three axes or a last axis other than
+                ``head_dim``, or `positions` does not broadcast to ``[*batch, length]``.
         """
         with jax.named_scope("RotaryEmbedding"):
             if x.ndim < 3 or x.shape[-1] != self.head_dim:

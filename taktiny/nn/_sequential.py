@@ -28,12 +28,22 @@ class Lambda(Module):
 
     The function is static: it is part of the tree structure, never a leaf. Its repr
     is the function's name: ``Lambda(relu)``.
+
+    Attributes:
+        fn: the function, called with the layer's input (``Lambda(jax.nn.relu)``).
     """
 
     fn: Callable[..., Any] = field(static=True)
 
     def __call__(self, x: Any) -> Any:
-        """Returns ``fn(x)``."""
+        """Applies the function.
+
+        Args:
+            x: what `fn` takes.
+
+        Returns:
+            ``fn(x)``.
+        """
         with jax.named_scope("Lambda"):
             return self.fn(x)
 
@@ -86,6 +96,13 @@ class Sequential(Module):
     layers (BatchNorm's updated running statistics). ``train=False`` returns ``y``,
     every such layer using its running statistics. Without ``train=`` no layer gets
     one, so that under :func:`train_forward` they train.
+
+    Args:
+        *layers: modules, or plain functions of one argument, in the order they are
+            called.
+
+    Attributes:
+        layers: the layers, functions wrapped in :class:`Lambda`.
     """
 
     layers: tuple[Module, ...]
@@ -94,9 +111,24 @@ class Sequential(Module):
         self.layers = tuple(x if isinstance(x, Module) else Lambda(x) for x in layers)
 
     def __call__(self, x: Any, *, key: Any = None, train: bool | None = None) -> Any:
-        """Returns ``layers[-1](...layers[1](layers[0](x)))``, with ``key`` split among
-        the layers that take one and ``train`` given to those that take it; with
-        ``train=True``, the pair ``(y, new_seq)``."""
+        """Returns ``layers[-1](...layers[1](layers[0](x)))``.
+
+        Args:
+            x: the first layer's input.
+            key: a PRNG key, split into one key per layer and given to the layers whose
+                ``__call__`` takes ``key=``; None gives none a key.
+            train: given to the layers whose ``__call__`` takes ``train=``; None gives
+                it to none.
+
+        Returns:
+            The last layer's output ``y`` (`x` itself with no layers); with
+            ``train=True``, the pair ``(y, new_seq)``, ``new_seq`` holding the layers
+            as training returned them.
+
+        Raises:
+            TypeError: with ``train=True``, a layer given it returns something other
+                than a pair ``(y, new_layer)``.
+        """
         with jax.named_scope("Sequential"):
             keys = [None] * len(self.layers)
             if key is not None and self.layers:

@@ -69,6 +69,11 @@ def train_forward(model: Module, *args: Any, **kwargs: Any) -> tuple[Any, Module
 
     Returns:
         ``(output, updated_model)``.
+
+    Raises:
+        ValueError: a layer ran in training mode on a copy that is not part of `model`
+            (inside a transformation of its own, or made during the call), so its new
+            state has nowhere to go.
     """
     updates: dict[int, tuple[Any, Any]] = {}
     token = _UPDATES.set(updates)

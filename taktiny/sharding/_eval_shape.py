@@ -49,6 +49,10 @@ def eval_shape(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
 
     Returns:
         The result's structure with a sharded ``jax.ShapeDtypeStruct`` at each leaf.
+
+    Raises:
+        ValueError: the arguments (with the enclosing ``jax.set_mesh``) are on more
+            than one mesh.
     """
     leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
     meshes = _meshes(leaves)

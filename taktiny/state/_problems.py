@@ -104,6 +104,14 @@ class StateDictError(ValueError):
     the order of the state. The message shows the first 20; all of them are in
     :attr:`problems` (a tuple of :class:`StateProblem`), and by name in
     :attr:`missing_keys` and :attr:`unexpected_keys`.
+
+    Args:
+        where: the call that failed, which starts the message
+            (``"MLP.load_state_dict()"``).
+        problems: every problem found, in any order.
+
+    Attributes:
+        problems: the problems, ordered as above.
     """
 
     def __init__(self, where: str, problems: Iterable[StateProblem]):

@@ -33,7 +33,14 @@ def state_dict(tree: Any) -> dict[str, Any]:
 
 def flat_state_dict(tree: Any) -> dict[str, Any]:
     """The leaves of any PyTree under dotted names (``"0.mu.encoder.kernel"``), in the
-    order JAX flattens the tree; see :func:`state_dict`."""
+    order JAX flattens the tree; see :func:`state_dict`.
+
+    Args:
+        tree: a module, or a container of arrays and modules.
+
+    Returns:
+        One flat dict from each leaf's dotted name to the leaf itself (no copies).
+    """
     leaves, _, spec = _names.flatten(tree)
     return dict(zip(spec.names, leaves, strict=True))
 
@@ -50,6 +57,23 @@ def load_state_dict(
     head keeps its fresh moments while the encoder's come from a checkpoint).
     ``match_quantization=True`` converts float values for :class:`~taktiny.QArray` leaves
     and quantized values for float leaves, as the method does.
+
+    Args:
+        tree: a module, or any PyTree holding arrays and modules; it is not changed.
+        state: nested dicts of arrays, as :func:`state_dict` gives, for all or part of
+            `tree`'s leaves.
+        strict: whether `state` must name every leaf.
+        match_quantization: convert a float value for a :class:`~taktiny.QArray` leaf
+            (quantizing it as the leaf is) and a QArray for a float leaf (dequantizing
+            it), instead of refusing them.
+
+    Returns:
+        A new tree of `tree`'s structure, each value cast to the dtype of the leaf it
+        replaces.
+
+    Raises:
+        taktiny.StateDictError: naming every unknown, missing (with `strict`),
+            misshapen or mistyped name; nothing is loaded.
     """
     return _state.load(
         tree, state, strict=strict, flat=False, match_quantization=match_quantization
@@ -60,7 +84,22 @@ def load_flat_state_dict(
     tree: Any, flat: Mapping[str, Any], *, strict: bool = False, match_quantization: bool = False
 ) -> Any:
     """As :func:`load_state_dict`, for a dict of dotted names as :func:`flat_state_dict`
-    gives."""
+    gives.
+
+    Args:
+        tree: a module, or any PyTree holding arrays and modules; it is not changed.
+        flat: ``{dotted name: array}`` for all or part of `tree`'s leaves.
+        strict: whether `flat` must name every leaf.
+        match_quantization: as for :func:`load_state_dict`.
+
+    Returns:
+        A new tree of `tree`'s structure, each value cast to the dtype of the leaf it
+        replaces.
+
+    Raises:
+        taktiny.StateDictError: naming every unknown, missing (with `strict`),
+            misshapen or mistyped name; nothing is loaded.
+    """
     return _state.load(tree, flat, strict=strict, flat=True, match_quantization=match_quantization)
 
 
@@ -85,6 +124,10 @@ class by_name:  # a class used as a function: tt.by_name(rules)(model)
         rules: a dict ``{pattern: value}`` or a list of ``(pattern, value)`` pairs, tried
             in order.
         default: the value of leaves no rule matches.
+
+    Raises:
+        TypeError: `rules` is neither a dict nor a list of pairs.
+        ValueError: a pattern is empty or not valid.
     """
 
     def __init__(self, rules: _patterns.Rules, *, default: Any = MISSING):
@@ -94,7 +137,19 @@ class by_name:  # a class used as a function: tt.by_name(rules)(model)
         self.default = default
 
     def __call__(self, tree: Any) -> Any:
-        """`tree` with each leaf replaced by the value its name selects."""
+        """`tree` with each leaf replaced by the value its name selects.
+
+        Args:
+            tree: a module or any PyTree, concrete or abstract.
+
+        Returns:
+            `tree`'s structure with the value of the first matching rule (or `default`)
+            at each leaf.
+
+        Raises:
+            ValueError: listing the names no rule matches (without `default`) and every
+                rule that matches no name, with the closest name.
+        """
         _, treedef, spec = _names.flatten(tree)
         found = _patterns.match(self.rules, spec.names, self.default)
         problems = []
