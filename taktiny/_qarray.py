@@ -92,9 +92,14 @@ def _quantize(array: Any, *, bits: int, axis: int, group_size: int | None, dtype
 
 
 def quantize_array(
-    array: Any, *, bits: int = 8, axis: int = 0, group_size: int | None = None,
-    dtype: Any = None, name: str = "the array",
-) -> tuple[jax.Array, jax.Array]:  # fmt: skip
+    array: Any,
+    *,
+    bits: int = 8,
+    axis: int = 0,
+    group_size: int | None = None,
+    dtype: Any = None,
+    name: str = "the array",
+) -> tuple[jax.Array, jax.Array]:
     """`array` (float, any shape) quantized along `axis`: ``(value, scale)``, `value` of
     `array`'s shape in int8 (int4 for 4 bits), `scale` of :func:`scale_shape` in `dtype`
     (by default `array`'s). A split array gives a value split alike and a scale split
@@ -119,8 +124,15 @@ def quantize_array(
     return value, scale
 
 
-def quantized(array: Any, *, bits: int, axis: int, group_size: int | None, dtype: Any = None,
-              name: str = "the array") -> QArray:  # fmt: skip
+def quantized(
+    array: Any,
+    *,
+    bits: int,
+    axis: int,
+    group_size: int | None,
+    dtype: Any = None,
+    name: str = "the array",
+) -> QArray:
     """:func:`quantize_array` as a `QArray`; an abstract `array` gives an abstract one."""
     meta = {"bits": bits, "axis": axis, "group_size": group_size}
     quantize = partial(quantize_array, **meta, dtype=dtype, name=name)
@@ -134,8 +146,14 @@ def quantize_like(array: Any, like: QArray, name: str = "the array") -> QArray:
     and scale dtype. For loaders that fill a `QArray` leaf from a float tensor."""
     if tuple(array.shape) != like.shape:
         raise ValueError(f"cannot quantize {name} like {like!r}: its shape is {array.shape}.")
-    return quantized(array, bits=like.bits, axis=like.axis, group_size=like.group_size,
-                     dtype=like.dtype, name=name)  # fmt: skip
+    return quantized(
+        array,
+        bits=like.bits,
+        axis=like.axis,
+        group_size=like.group_size,
+        dtype=like.dtype,
+        name=name,
+    )
 
 
 @partial(jax.jit, static_argnames=("axis", "group_size", "dtype"))
@@ -241,8 +259,15 @@ class QArray:
         value, scale = self.value, self.scale
         if not (isinstance(value, ARRAY_TYPES) and isinstance(scale, ARRAY_TYPES)):
             return
-        key = (value.shape, value.dtype, scale.shape, scale.dtype, self.bits, self.axis,
-               self.group_size)  # fmt: skip
+        key = (
+            value.shape,
+            value.dtype,
+            scale.shape,
+            scale.dtype,
+            self.bits,
+            self.axis,
+            self.group_size,
+        )
         if key not in _CHECKED:
             problem = _problem(self)
             if problem:
@@ -289,8 +314,12 @@ class QArray:
             An array of shape `shape`; a ``jax.ShapeDtypeStruct`` when the QArray is
             abstract.
         """
-        fn = partial(dequantize_array, axis=self.axis, group_size=self.group_size,
-                     dtype=jnp.dtype(self.scale.dtype if dtype is None else dtype))  # fmt: skip
+        fn = partial(
+            dequantize_array,
+            axis=self.axis,
+            group_size=self.group_size,
+            dtype=jnp.dtype(self.scale.dtype if dtype is None else dtype),
+        )
         if isinstance(self.value, jax.ShapeDtypeStruct):
             return eval_shape(fn, self.value, self.scale)
         return fn(self.value, self.scale)

@@ -99,11 +99,8 @@ class Summary:
             lines.append([*cells, train, f"{row.size:,}", _bytes(row.nbytes)])
         widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
         right = {len(header) - 2, len(header) - 1}  # so no line ends in spaces
-        text = [
-            "  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in
-                      enumerate(zip(line, widths, strict=True)))
-            for line in lines
-        ]  # fmt: skip
+        cell = lambda i, c, w: c.rjust(w) if i in right else c.ljust(w)
+        text = ["  ".join(map(cell, range(len(line)), line, widths)) for line in lines]
         rule = "-" * max(map(len, text))
         frozen = self.params - self.trainable_params
         total = (
@@ -151,8 +148,8 @@ def summary(tree: Any, *, depth: int | None = None) -> Summary:
         groups: dict[str, list[Row]] = {}
         for row in rows:
             groups.setdefault(".".join(row.name.split(".")[:depth]), []).append(row)
-        rows = [rs[0] if len(rs) == 1 and rs[0].name == g else _group(g, rs)
-                for g, rs in groups.items()]  # fmt: skip
+        single = lambda g, rs: len(rs) == 1 and rs[0].name == g  # a group of one leaf
+        rows = [rs[0] if single(g, rs) else _group(g, rs) for g, rs in groups.items()]
     return Summary(
         title=f"{type(tree).__name__} summary",
         rows=tuple(rows),

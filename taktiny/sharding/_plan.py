@@ -123,8 +123,9 @@ def _plan(
     if problems:
         raise ValueError(_listing(caller, tree, problems))
     made: dict[PartitionSpec, NamedSharding] = {}
-    shardings = [made.get(spec) or made.setdefault(spec, NamedSharding(mesh, spec))
-                 for spec in found.values]  # fmt: skip
+    shardings = [
+        made.get(spec) or made.setdefault(spec, NamedSharding(mesh, spec)) for spec in found.values
+    ]
     plan = ShardingPlan(
         shardings=treedef.unflatten(shardings),
         specs=dict(zip(names.names, found.values, strict=True)),
@@ -134,9 +135,11 @@ def _plan(
 
 
 def _whole_parameters(
-    rules: list[tuple[str, PartitionSpec]], names: _names.Spec, leaves: list[Any],
+    rules: list[tuple[str, PartitionSpec]],
+    names: _names.Spec,
+    leaves: list[Any],
     found: _patterns.Match,
-) -> _patterns.Match:  # fmt: skip
+) -> _patterns.Match:
     """`found` with the rules that name a custom parameter whole (``"*.kernel"`` for a
     QArray's ``kernel.value`` and ``kernel.scale``) applied to its leaves. For each leaf the
     first rule naming either the leaf or its parameter wins; a parameter's spec splits a
@@ -224,8 +227,10 @@ def shard(
     _, leaves, treedef, shardings = _plan(tree, rules, mesh, strict)
     moving = [i for i, leaf in enumerate(leaves) if not isinstance(leaf, jax.ShapeDtypeStruct)]
     moved = jax.device_put([placeable(leaves[i]) for i in moving], [shardings[i] for i in moving])
-    out = [jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding)
-           for leaf, sharding in zip(leaves, shardings, strict=True)]  # fmt: skip
+    out = [
+        jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding)
+        for leaf, sharding in zip(leaves, shardings, strict=True)
+    ]
     for i, array in zip(moving, moved, strict=True):
         out[i] = array
     return treedef.unflatten(out)
