@@ -1,4 +1,4 @@
-"""The checks run on a module's fields when it is built (`taktiny/module/_checks.py`), message for
+"""The checks run on a module's fields when it is built (`taktiny/module/_field_checks.py`), message for
 message: the same module or array at two places (named at the shortest two places that hold
 the one object), a function that holds a module (and how it holds it), a bound method of the
 module being built, and a dict key that cannot name a parameter."""

@@ -25,7 +25,7 @@ from ..state import _problems as err
 from ..state import _state, _tree
 from . import _quantized as qz
 from ._checkpoint import Checkpoint, open_safetensors
-from ._checks import _absent
+from ._header_checks import _absent
 from ._place import _by_device, _Checks, _direct, _Scratch, _sharding, _transform
 from ._plan import _parts, _plain, _ruled
 from ._read import Readahead, Tensor

@@ -21,7 +21,7 @@ from ..sharding._eval_shape import default_device
 from ..state import _problems as err
 from ..state import _values
 from . import _checksum, _read
-from ._checks import _spec
+from ._header_checks import _spec
 from ._read import Tensor
 
 

@@ -17,7 +17,7 @@ from ..convert._rules import AnyRule, Rule
 from ..state import _problems as err
 from ..state import _values
 from ._checkpoint import Checkpoint
-from ._checks import (
+from ._header_checks import (
     _absent,
     _packed_unlisted,
     _quantizable,

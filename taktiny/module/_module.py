@@ -24,7 +24,7 @@ from jax.core import Tracer
 
 from ..state import _tree
 from ..state._names import ARRAY_TYPES, SCALARS
-from . import _checks
+from . import _field_checks
 from ._fields import MISSING, Field, declared_fields, field, generated_init
 from ._rngs import Rngs
 
@@ -79,7 +79,7 @@ def _classify(
                 f"or drop trainable=False."
             )
         for _, leaf in path_leaves:
-            _checks.hidden_module(owner, name, leaf, obj, Module)
+            _field_checks.hidden_module(owner, name, leaf, obj, Module)
         return False, value
     for path, leaf in path_leaves:
         where = f"{owner}.{name}{jax.tree_util.keystr(path)}"
@@ -90,7 +90,7 @@ def _classify(
                 f"value in it must be an array, a module or None. Keep configuration in its own "
                 f"field, or wrap a function as a module with nn.Lambda(fn)."
             )
-        _checks.dict_keys(owner, name, path)
+        _field_checks.dict_keys(owner, name, path)
     return True, value
 
 
@@ -222,7 +222,7 @@ def _finalise(
         layout.append((name, is_data))
         new.append(values[name])
     object.__setattr__(obj, "__class__", _node_type(base, tuple(layout)))
-    _checks.ties(obj, base.__name__, None if changed is None else (new, kept))
+    _field_checks.ties(obj, base.__name__, None if changed is None else (new, kept))
     return obj
 
 
