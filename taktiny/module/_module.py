@@ -456,10 +456,10 @@ class Module(types.SimpleNamespace, metaclass=_ModuleMeta):
             match_quantization: as for :meth:`load_state_dict`.
 
         Returns:
-            A new module of the same structure.
+            A new module, as :meth:`load_state_dict` returns.
 
         Raises:
-            taktiny.StateDictError: listing every problem; nothing is loaded.
+            taktiny.StateDictError: as :meth:`load_state_dict` raises it.
         """
         return _tree.load_flat_state_dict(
             self, flat, strict=strict, match_quantization=match_quantization

@@ -512,43 +512,34 @@ def _array(value: Any, noun: str = "array") -> str:
 def masked(name: str, value: Any) -> StateProblem:
     """A NumPy masked array, whose mask a load would drop."""
     hidden = int(np.ma.count_masked(value))
-    return StateProblem(
-        "value",
-        name,
-        "an array",
-        f"a masked {_array(value)}",
+    hint = (
         f"expected a plain array, got a NumPy masked {_array(value)} with {hidden} "
         f"masked of {value.size}: a load would drop the mask. Pass value.filled(fill) to "
-        f"choose what the masked entries hold, or value.data to load the data under the mask.",
+        f"choose what the masked entries hold, or value.data to load the data under the mask."
     )
+    return StateProblem("value", name, "an array", f"a masked {_array(value)}", hint)
 
 
 def leaked(name: str, value: Any) -> StateProblem:
     """A tracer that belongs to no transformation being traced now."""
-    return StateProblem(
-        "value",
-        name,
-        "an array",
-        f"a leaked {type(value).__name__}",
+    hint = (
         f"expected an array, got a {_array(value, 'tracer')} ({type(value).__name__}) that "
         f"belongs to no transformation being traced now: it leaked out of a jax.jit, vmap, grad or "
         f"make_jaxpr that has finished, so it holds no value. Load what the transformed "
-        f"function returns, or load inside the transformation that made it.",
+        f"function returns, or load inside the transformation that made it."
     )
+    return StateProblem("value", name, "an array", f"a leaked {type(value).__name__}", hint)
 
 
 def deleted(name: str, value: Any) -> StateProblem:
     """A JAX array whose buffers are deleted."""
-    return StateProblem(
-        "value",
-        name,
-        "an array",
-        f"a deleted {_array(value)}",
+    hint = (
         f"expected an array, got a deleted {_array(value)}: its buffers were freed, by "
         f"value.delete() or by donating it to a jitted function (donate_argnums), so it holds "
         f"no values. Load the array before it is deleted, or the result of the call it was "
-        f"donated to.",
+        f"donated to."
     )
+    return StateProblem("value", name, "an array", f"a deleted {_array(value)}", hint)
 
 
 def devices(name: str, shape: tuple[int, ...], got: Any, target: Any) -> StateProblem:

@@ -93,12 +93,10 @@ def load_flat_state_dict(
         match_quantization: as for :func:`load_state_dict`.
 
     Returns:
-        A new tree of `tree`'s structure, each value cast to the dtype of the leaf it
-        replaces.
+        A new tree, as :func:`load_state_dict` returns.
 
     Raises:
-        taktiny.StateDictError: naming every unknown, missing (with `strict`),
-            misshapen or mistyped name; nothing is loaded.
+        taktiny.StateDictError: as :func:`load_state_dict` raises it.
     """
     return _state.load(tree, flat, strict=strict, flat=True, match_quantization=match_quantization)
 
