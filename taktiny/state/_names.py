@@ -16,14 +16,37 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Protocol, cast
 
 import jax
 import numpy as np
 from jax.tree_util import DictKey, FlattenedIndexKey, GetAttrKey, SequenceKey
 
 
-def fields(node: Any) -> dict[str, Any] | None:
+class _TreeUtil(Protocol):
+    """What the state walk calls of ``jax.tree_util``, typed. JAX's own signatures name the
+    PyTreeDef of jaxlib's compiled module, which has no type stubs, so pyright knows them
+    only in part; a structure here is `Any`, a key path a tuple of keys."""
+
+    def tree_flatten(self, tree: Any, /) -> tuple[list[Any], Any]: ...
+
+    def tree_flatten_with_path(
+        self, tree: Any, /, is_leaf: Callable[[Any], bool] | None = None
+    ) -> tuple[list[tuple[tuple[Any, ...], Any]], Any]: ...
+
+    def tree_structure(self, tree: Any, /) -> Any: ...
+
+    def treedef_is_leaf(self, treedef: Any, /) -> bool: ...
+
+    def keystr(self, keys: tuple[Any, ...], /) -> str: ...
+
+
+# The module itself (pyright checks it against the Protocol): calls through it are JAX's.
+tree_util: _TreeUtil = jax.tree_util
+
+
+def fields(node: object) -> dict[str, Any] | None:
     """A module's data fields by name, in flatten order; None for anything else."""
     names = getattr(type(node), "_taktiny_data", None)
     if names is None:
@@ -37,7 +60,7 @@ def rebuild(node: Any, changes: dict[str, Any]) -> Any:
     return type(node)(**{**node.__dict__, **changes})
 
 
-def is_param(x: Any) -> bool:
+def is_param(x: object) -> bool:
     """Whether the walk takes `x` as one parameter: anything but None, modules and the
     lists, tuples and dicts that hold them."""
     return (
@@ -57,13 +80,17 @@ class Custom:
     stop: int
 
 
+# A template's value: a leaf's position, a sub-template, or a custom parameter.
+Entry = int | dict[str, Any] | Custom
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class Spec:
     """What the state walk knows about one tree structure."""
 
     names: tuple[str, ...]  # the flat name of each leaf, in flatten order
     index: dict[str, int]  # name -> leaf position
-    template: dict[str, Any]  # nested: key -> leaf position | sub-template | Custom
+    template: dict[str, Entry]  # nested: key -> leaf position | sub-template | Custom
     plan: Any  # how to gather a full nested state's values in leaf order (None: can't)
 
 
@@ -90,28 +117,29 @@ def _names(path: tuple[Any, ...], where: str) -> list[str]:
         if "." in name:
             raise TypeError(
                 f"{where} has the key {getattr(key, 'key', name)!r} at "
-                f"{jax.tree_util.keystr(path)}, which cannot be part of a name: names join "
+                f"{tree_util.keystr(path)}, which cannot be part of a name: names join "
                 f"keys with '.', so a key must hold no '.'. Rename it."
             )
     return names
 
 
 def _make_spec(tree: Any) -> Spec:
-    template: dict[str, Any] = {}
+    template: dict[str, Entry] = {}
     names: list[str] = []
     where = type(tree).__name__
-    below_root = lambda x: x is not tree and is_param(x)  # the root is always walked into
-    for path, value in jax.tree_util.tree_flatten_with_path(tree, is_leaf=below_root)[0]:
+    # the root is always walked into
+    below_root: Callable[[Any], bool] = lambda x: x is not tree and is_param(x)
+    for path, value in tree_util.tree_flatten_with_path(tree, is_leaf=below_root)[0]:
         keys = _names(path, where)
         if not keys:
             raise TypeError(
                 f"a {where} is a single array, so it has no names: state dicts name the "
                 f"leaves of a module or of a container (a dict, list or tuple) of arrays."
             )
-        node = template
+        node: dict[str, Any] = template
         for key in keys[:-1]:
             node = node.setdefault(key, {})
-        inner, treedef = jax.tree_util.tree_flatten_with_path(value)
+        inner, treedef = tree_util.tree_flatten_with_path(value)
         if treedef.num_nodes == 1 and treedef.num_leaves == 1:  # an array
             node[keys[-1]] = len(names)
             names.append(".".join(keys))
@@ -125,10 +153,10 @@ def _make_spec(tree: Any) -> Spec:
     return Spec(tuple(names), index, template, _plan(template))
 
 
-def _plan(template: dict[str, Any]) -> Any:
+def _plan(template: dict[str, Entry]) -> Any:
     """For a template node: its key count and segments, each a run of leaf keys (read with
     one itemgetter) or a sub-node; None when a custom parameter makes it irregular."""
-    segments: list[tuple[Any, Any]] = []
+    segments: list[tuple[list[str] | str, Any]] = []  # (a run's keys, None) | (key, sub-plan)
     for key, child in template.items():
         if type(child) is dict:
             sub = _plan(child)
@@ -167,7 +195,7 @@ def gather(plan: Any, state: Any, out: list[Any]) -> None:
 
 def flatten(tree: Any) -> tuple[list[Any], Any, Spec]:
     """The leaves of `tree`, its structure, and the names of its leaves."""
-    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    leaves, treedef = tree_util.tree_flatten(tree)
     spec = _SPECS.get(treedef)
     if spec is None:
         if len(_SPECS) >= CACHE_BOUND:
@@ -176,13 +204,13 @@ def flatten(tree: Any) -> tuple[list[Any], Any, Spec]:
     return leaves, treedef, spec
 
 
-def nested(template: dict[str, Any], leaves: list[Any]) -> dict[str, Any]:
+def nested(template: dict[str, Entry], leaves: list[Any]) -> dict[str, Any]:
     """The nested state: `template` with `leaves` (and custom parameters) filled in."""
     return {
         key: leaves[child]
         if type(child) is int
         else nested(child, leaves)
         if type(child) is dict
-        else child.treedef.unflatten(leaves[child.start : child.stop])
+        else (custom := cast(Custom, child)).treedef.unflatten(leaves[custom.start : custom.stop])
         for key, child in template.items()
     }

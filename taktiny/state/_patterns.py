@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 Rules = Mapping[str, Any] | Sequence[tuple[str, Any]]
 
@@ -28,7 +28,8 @@ def part_regex(pattern: str, part: str) -> str:
             f"parts, so it must stand between dots ('encoder.**', '**.bias'); use '*' to "
             f"match within a part."
         )
-    out, i = [], 0
+    out: list[str] = []
+    i = 0
     while i < len(part):
         char = part[i]
         if char == "*":
@@ -76,9 +77,13 @@ class Match(NamedTuple):
 
 def rule_list(rules: Any, what: str) -> list[tuple[str, Any]]:
     """`rules` (whatever was passed for them) as a list of (pattern, value) pairs, checked."""
-    pairs = list(rules.items()) if isinstance(rules, Mapping) else list(rules)
+    pairs: list[Any] = (
+        list(cast("Mapping[Any, Any]", rules).items())
+        if isinstance(rules, Mapping)
+        else list(rules)
+    )
     for pair in pairs:
-        if not (isinstance(pair, tuple) and len(pair) == 2):
+        if not (isinstance(pair, tuple) and len(cast("tuple[Any, ...]", pair)) == 2):
             raise TypeError(
                 f"{what} takes its rules as a dict {{pattern: value}} or a list of "
                 f"(pattern, value) pairs, got the entry {pair!r}."
@@ -91,7 +96,8 @@ def match(rules: list[tuple[str, Any]], names: Sequence[str], default: Any) -> M
     none matches get `default`."""
     compiled = [(compile_pattern(pattern), value) for pattern, value in rules]
     used = [False] * len(compiled)
-    values, unmatched = [], []
+    values: list[Any] = []
+    unmatched: list[str] = []
     for name in names:
         dotted = "." + name
         for i, (regex, value) in enumerate(compiled):

@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -137,18 +137,20 @@ class StateDictError(ValueError):
 def describe(value: Any) -> str:
     """A value as a message names it: ``an array float32[2, 3]``, ``a dict with keys [...]``."""
     if isinstance(value, Mapping):
-        return f"a dict with keys {list(value)[:6]}"
+        return f"a dict with keys {list(cast('Mapping[Any, Any]', value))[:6]}"
     if isinstance(value, QArray):
         return f"a {value!r}"
     if isinstance(value, jax.ShapeDtypeStruct):
         return f"an abstract array {np.dtype(value.dtype).name}{list(value.shape)}"
     if isinstance(value, (jax.Array, np.ndarray)):
-        return f"an array {np.dtype(value.dtype).name}{list(value.shape)}"
+        array = cast("jax.Array | np.ndarray", value)
+        return f"an array {np.dtype(array.dtype).name}{list(array.shape)}"
     return f"a value of type {type(value).__name__}"
 
 
 # --- Names and structure -----------------------------------------------------
 
+_Indices = Iterable[np.intp]  # an array of indices, as it is iterated
 _SUGGESTED = 100  # unknown names that get a suggestion; later ones are only listed
 _SHORTLIST = 64  # candidates whose similarity to an unknown name is measured (see _Suggester)
 
@@ -178,7 +180,7 @@ class _Suggester:
         by_part: dict[str, list[int]] = {}
         by_last: dict[str, list[int]] = {}
         by_pair: dict[str, list[int]] = {}
-        pairs = []
+        pairs: list[int] = []
         for i, candidate in enumerate(self.candidates):
             parts = candidate.split(".")
             for part in set(parts):
@@ -205,16 +207,19 @@ class _Suggester:
                 minlength=len(self.candidates),
             )
             whole = pool[held[pool] == len(distinct)]
-            contained = [i for i in whole if _in_order(parts, self.candidates[i])]
+            contained = [i for i in cast(_Indices, whole) if _in_order(parts, self.candidates[i])]
             if contained:
                 short = self._shortlist(name, np.array(contained), alike)
                 return max(
-                    (self.candidates[i] for i in np.sort(short)),  # the first of equals
+                    # the first of equals
+                    (self.candidates[i] for i in cast(_Indices, np.sort(short))),
                     key=lambda c: difflib.SequenceMatcher(None, name, c).ratio(),
                 )
         for among in (pool, None):  # the same last part first, then every candidate
             short = self._shortlist(name, among, alike)
-            close = difflib.get_close_matches(name, [self.candidates[i] for i in short], n=1)
+            close = difflib.get_close_matches(
+                name, [self.candidates[i] for i in cast(_Indices, short)], n=1
+            )
             if close:  # (the most alike, if at least 0.6 alike)
                 return close[0]
         return None
@@ -485,7 +490,7 @@ def overflow(
     """Values too large for a narrower float dtype, which the cast would turn `into`
     ``"inf"``, ``"nan"`` (a dtype without inf) or ``"max"`` (clipped to its largest)."""
     want, have = np.dtype(expected).name, np.dtype(got).name
-    limit = float(jnp.finfo(expected).max)
+    limit = float(cast("np.finfo[Any]", jnp.finfo(expected)).max)
     values = "a value" if count == 1 else f"{count} values"
     if into == "inf":
         change, holds = "turn {} into inf", ""
@@ -511,7 +516,7 @@ def _array(value: Any, noun: str = "array") -> str:
 
 def masked(name: str, value: Any) -> StateProblem:
     """A NumPy masked array, whose mask a load would drop."""
-    hidden = int(np.ma.count_masked(value))
+    hidden = int(np.ma.count_masked(value))  # pyright: ignore[reportUnknownMemberType, reportUnknownArgumentType]  (NumPy leaves it unannotated)
     hint = (
         f"expected a plain array, got a NumPy masked {_array(value)} with {hidden} "
         f"masked of {value.size}: a load would drop the mask. Pass value.filled(fill) to "
@@ -619,7 +624,9 @@ def not_quantized(name: str, old: QArray, got: Any) -> StateProblem:
 def float_expected(name: str, old: Any, got: Any, layout: QArray) -> StateProblem:
     """A QArray, or a dict of its parts, where the model holds the array `old`; `layout`:
     the QArray given, or the one its parts make."""
-    given = parts_text(got) if isinstance(got, Mapping) else describe(got)
+    given = (
+        parts_text(cast("Mapping[str, Any]", got)) if isinstance(got, Mapping) else describe(got)
+    )
     hint = (
         f"the model holds {describe(old)} here and the state {given}: the representations "
         f"differ. Pass {_MATCH} to dequantize it on load, or quantize the model first to keep "

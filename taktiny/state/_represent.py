@@ -10,8 +10,8 @@ aside only where a plain load would fail, so an ordinary load does no work here.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
-from typing import Any, NamedTuple
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, NamedTuple, cast
 
 import jax
 import jax.numpy as jnp
@@ -22,7 +22,7 @@ from jax.sharding import NamedSharding
 from .._qarray import PARTS, QArray, parts_layout, quantize_like
 from . import _problems as err
 from . import _values
-from ._names import SCALARS
+from ._names import SCALARS, tree_util
 from ._problems import Problems, StateProblem
 from ._views import View
 
@@ -44,7 +44,10 @@ def is_quantized(value: Any) -> bool:
     of its parts (a QArray restored without a target)."""
     if isinstance(value, QArray):
         return True
-    return isinstance(value, Mapping) and 0 < len(value) and all(k in PARTS for k in value)
+    if not isinstance(value, Mapping):
+        return False
+    parts = cast("Mapping[Any, Any]", value)
+    return 0 < len(parts) and all(k in PARTS for k in parts)
 
 
 def settle(
@@ -75,7 +78,10 @@ def _plan(other: Other, match: bool, problems: Problems) -> Any:
         if not match:
             problems.append(err.quantized_expected(name, old, given))
             return None
-        if isinstance(given, (jax.Array, np.ndarray)) and _values.kind(given.dtype) != "floating":
+        if (
+            isinstance(given, (jax.Array, np.ndarray))
+            and _values.kind(cast("jax.Array | np.ndarray", given).dtype) != "floating"
+        ):
             problems.append(err.not_float(name, old, given))
             return None
         # the shape checked; quantized from float32 (not the scale's narrower dtype)
@@ -83,12 +89,12 @@ def _plan(other: Other, match: bool, problems: Problems) -> Any:
         logical = jax.ShapeDtypeStruct(old.shape, wide)
         array = _values.convert(name, given, logical, problems)
         return None if array is None else lambda: _quantized(other, array)
-    if is_quantized(given) and jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(old)):
+    if is_quantized(given) and tree_util.treedef_is_leaf(tree_util.tree_structure(old)):
         return _dequantized(other, match, problems)
     if isinstance(old, QArray):
         problems.append(err.not_quantized(name, old, given))
     else:  # a custom parameter given in another structure
-        structure = jax.tree_util.tree_structure
+        structure = tree_util.tree_structure
         problems.append(err.structure(name, structure(old), structure(given)))
     return None
 
@@ -103,10 +109,11 @@ def _quantized(other: Other, array: Any) -> list[tuple[Any, Any]]:
     """The leaves of `array` quantized as the model's QArray `other.old` is, computed on
     the devices of its value when it is split."""
     old = other.old
-    concrete = not isinstance(array, Tracer) and not isinstance(old.value, Tracer)
-    target = getattr(old.value, "sharding", None) if concrete else None
+    target = None
+    if not isinstance(array, Tracer) and not isinstance(old.value, Tracer):  # both concrete
+        target = getattr(old.value, "sharding", None)
     if isinstance(target, NamedSharding):
-        array = jax.device_put(array, target)
+        array = _values.placement.device_put(array, target)
     q = quantize_like(array, old, name=other.name)
     return list(zip(other.wheres, jax.tree_util.tree_leaves(q), strict=True))
 
@@ -167,5 +174,6 @@ def in_quantized(
     if found is None:
         return list(problems)
     param, q = found
+    told: Callable[[StateProblem], StateProblem]
     told = lambda p: err.in_quantized(p, param, q) if p.kind in _CHECKED_KINDS else p
     return [told(p) for p in problems]

@@ -6,12 +6,11 @@ of a QArray under a float array's name) is set aside for `_represent`."""
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from typing import Any, NamedTuple
-
-import jax
+from typing import Any, NamedTuple, cast
 
 from .._qarray import PARTS
 from . import _problems as err
+from ._names import tree_util
 from ._problems import StateProblem
 from ._represent import Other
 from ._views import GROUP, LEAF, View
@@ -132,9 +131,10 @@ def _resolve_nested(
             found.supplied[view.leaf(child, where)] = value
         elif kind is GROUP:
             if type(value) is dict or isinstance(value, Mapping):
-                outer = above.get(id(value))
+                group = cast("Mapping[Any, Any]", value)
+                outer = above.get(id(group))
                 if outer is None:
-                    _resolve_nested(view, child, value, where, found, above)
+                    _resolve_nested(view, child, group, where, found, above)
                 else:
                     found.entries.append(err.contains_itself(".".join(where), ".".join(outer)))
             else:
@@ -154,7 +154,7 @@ def _resolve_param(
     treedef, inner = view.inner(node, where)
     if isinstance(value, Mapping):
         name, by_name = ".".join(where), dict(inner)
-        for part, given in _parts(value, (), by_name):
+        for part, given in _parts(cast("Mapping[Any, Any]", value), (), by_name):
             if part in by_name:
                 found.supplied[by_name[part]] = given
             else:
@@ -162,7 +162,7 @@ def _resolve_param(
                 found.entries.append(err.unknown_part(f"{name}.{part}", parts))
         return
     try:
-        leaves, given = jax.tree_util.tree_flatten(value)
+        leaves, given = tree_util.tree_flatten(value)
     except (RecursionError, SystemError):  # a list that contains itself, say (SystemError:
         found.entries.append(err.too_deep(".".join(where), value))  # from C++'s recursion)
         return
@@ -198,6 +198,6 @@ def _parts(
     for key, value in state.items():
         name = ".".join((*prefix, str(key)))
         if isinstance(value, Mapping) and name not in leaves and len(prefix) < depth:
-            yield from _parts(value, (*prefix, str(key)), leaves, depth)
+            yield from _parts(cast("Mapping[Any, Any]", value), (*prefix, str(key)), leaves, depth)
         else:
             yield name, value

@@ -9,7 +9,7 @@ on their paths; one that names many flattens the tree once (`_views`).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import jax
 import jax.numpy as jnp
@@ -95,7 +95,7 @@ def _check(
             continue
         target = getattr(old, "sharding", None)
         if isinstance(old, Tracer) or isinstance(value, Tracer):  # inside jit
-            traced.append((where, jnp.asarray(value), old, target))
+            traced.append((where, jnp.asarray(value), cast(Any, old), target))  # pyright: ignore[reportUnknownMemberType]  (its device: jaxlib's Device, which has no type stubs)
         elif isinstance(value, jax.Array) and value.sharding == target:
             new[where] = value
         elif isinstance(value, jax.Array) and _outside(value, target):
@@ -112,7 +112,9 @@ def _deleted(view: View[Any], new: Any, moves: list[_Move], problems: Problems) 
     """Tells the deleted arrays among the supplied values kept as they are (in `new` where
     the tree's own leaf is not that array, or in `moves`); none of them is loaded."""
     olds: Any = view.olds  # (a list or a dict, as `new` is)
-    pairs: Iterable[tuple[Any, Any]] = enumerate(new) if isinstance(new, list) else new.items()
+    pairs: Iterable[tuple[Any, Any]] = (
+        enumerate(cast("list[Any]", new)) if isinstance(new, list) else new.items()
+    )
     found: list[tuple[Any, Any]] = [(w, v) for w, v in pairs if v is not olds[w]]
     found += [(m.where, m.value) for m in moves]
     for where, value in found:
@@ -124,7 +126,7 @@ def _outside(value: jax.Array, target: Any) -> bool:
     """Whether `value` sits on devices outside the mesh of `target` (a NamedSharding)."""
     if not isinstance(target, NamedSharding):
         return False
-    return not value.sharding.device_set <= target.device_set
+    return not value.sharding.device_set <= target.device_set  # pyright: ignore[reportUnknownMemberType]  (sets of jaxlib's Device, which has no type stubs)
 
 
 def _constrain(value: Any, old: Any, target: Any) -> Any:
@@ -136,16 +138,16 @@ def _constrain(value: Any, old: Any, target: Any) -> Any:
     have = jax.typeof(value).sharding.mesh
     if isinstance(target, NamedSharding):  # a concrete leaf, closed over by the jitted code
         if not target.mesh.are_all_axes_explicit:
-            return jax.lax.with_sharding_constraint(value, target)
+            return jax.lax.with_sharding_constraint(value, target)  # pyright: ignore[reportUnknownMemberType]  (JAX leaves its parameters unannotated)
         want = target.mesh.abstract_mesh
         if want in (have, jax.sharding.get_abstract_mesh()):
-            return jax.sharding.reshard(value, target)
+            return jax.sharding.reshard(value, target)  # pyright: ignore[reportUnknownMemberType]  (JAX leaves its parameters unannotated)
         return value
     if isinstance(old, Tracer):
         want = jax.typeof(old).sharding
         explicit = not want.mesh.empty and want.mesh.are_all_axes_explicit
         if explicit and want.mesh in (have, jax.sharding.get_abstract_mesh()):
-            return jax.sharding.reshard(value, NamedSharding(want.mesh, want.spec))
+            return jax.sharding.reshard(value, NamedSharding(want.mesh, want.spec))  # pyright: ignore[reportUnknownMemberType]  (as above)
     return value
 
 
@@ -158,7 +160,7 @@ def _place(moves: list[_Move], new: Any) -> None:
         if not group:
             continue
         sources = [_values.placeable(m.value) for m in group]
-        for move, array in zip(group, jax.device_put(sources, targets), strict=True):
+        for move, array in zip(group, _values.placement.device_put(sources, targets), strict=True):
             new[move.where] = array
 
 
@@ -174,7 +176,7 @@ def _few(state: Mapping[Any, Any], flat: bool) -> bool:
             return False
         for value in node.values():
             if type(value) is dict or isinstance(value, Mapping):
-                below.append((value, depth + 1))
+                below.append((cast("Mapping[Any, Any]", value), depth + 1))
             else:
                 budget -= 1
                 if budget < 0:
@@ -216,6 +218,7 @@ def load(
     named = lambda: caller or _caller(tree, flat)  # (formatted only for an error)
     if not isinstance(state, Mapping):
         raise TypeError(f"{named()} expects a dict, got {type(state).__name__}.")
+    state = cast("Mapping[Any, Any]", state)
     match = match_quantization
     view: View[Any]
     if not strict and _few(state, flat):

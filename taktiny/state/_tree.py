@@ -150,7 +150,7 @@ class by_name:  # a class used as a function: tt.by_name(rules)(model)
         """
         _, treedef, spec = _names.flatten(tree)
         found = _patterns.match(self.rules, spec.names, self.default)
-        problems = []
+        problems: list[str] = []
         if found.unmatched and self.default is MISSING:
             listed = ", ".join(repr(n) for n in found.unmatched[:10])
             more = f" and {len(found.unmatched) - 10} more" if len(found.unmatched) > 10 else ""

@@ -6,8 +6,8 @@ not change)."""
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol, cast
 
 import jax
 import jax.numpy as jnp
@@ -17,6 +17,21 @@ from jax.core import Tracer
 from . import _problems as err
 from ._names import SCALARS
 from ._problems import Problems, StateProblem
+
+
+class _Devices(Protocol):
+    """What the state walk calls of ``jax`` to place arrays, typed: JAX's signatures name
+    jaxlib's Device, which has no type stubs, so pyright knows them only in part."""
+
+    def device_put(self, x: Any, device: Any = None, /) -> Any: ...
+
+    def devices(self) -> list[Any]: ...
+
+
+# The module `jax` itself (pyright checks it against the Protocol): calls through it are JAX's.
+placement: _Devices = jax
+# jnp.finfo, typed: it is ml_dtypes' finfo, whose constructor pyright knows only in part.
+_finfo: Callable[[Any], np.finfo[Any]] = jnp.finfo
 
 _KINDS = (
     ("floating", jnp.floating),
@@ -28,11 +43,12 @@ _KINDS = (
 
 
 @functools.cache
-def array_type() -> type:
+def array_type() -> type[jax.Array]:
     """The concrete class of JAX arrays, for exact-type fast paths (made concretely even
     when first asked for inside a jit trace)."""
     with jax.ensure_compile_time_eval():  # (a transfer: jnp.zeros would compile a program)
-        return type(jax.device_put(np.zeros((), np.float32)))
+        array: jax.Array = placement.device_put(np.zeros((), np.float32))
+        return type(array)
 
 
 def kind(dtype: Any) -> str | None:
@@ -46,7 +62,7 @@ def from_dlpack(value: Any) -> Any:
     that the caller's later writes to its tensor cannot reach the loaded model."""
     detach = getattr(value, "detach", None)  # torch exports no tensor that requires grad
     try:
-        return jnp.array(jax.dlpack.from_dlpack(detach() if callable(detach) else value))
+        return jnp.array(jax.dlpack.from_dlpack(detach() if callable(detach) else value))  # pyright: ignore[reportUnknownMemberType]  (their device: jaxlib's Device, which has no type stubs)
     except Exception:  # noqa: BLE001 - not importable this way: try NumPy's conversion
         return None
 
@@ -56,6 +72,7 @@ def host_array(value: Any) -> Any:
     bit; through DLPack, as a JAX array, for the dtypes NumPy cannot take from it (a torch
     bfloat16 or float8 tensor). Raises NumPy's error when neither way reads it."""
     foreign = hasattr(value, "__dlpack__") and not isinstance(value, np.generic)
+    value = cast(Any, value)  # (not the NumPy scalar the check above may narrow it to)
     detach = getattr(value, "detach", None) if foreign else None
     plain = detach() if callable(detach) else value  # (a tensor that requires grad)
     try:
@@ -86,12 +103,13 @@ def _as_array(name: str, value: Any, problems: Problems) -> tuple[Any, bool]:
     whether it was made of Python numbers (a list, a scalar), which take the leaf's dtype
     as JAX's weakly typed numbers do."""
     if isinstance(value, (jax.Array, np.ndarray)):
-        if type(value) is not np.ndarray:
-            problem = _unusable(name, value)
+        array = cast("jax.Array | np.ndarray", value)
+        if type(array) is not np.ndarray:
+            problem = _unusable(name, array)
             if problem is not None:
                 problems.append(problem)
                 return None, False
-        return value, False
+        return array, False
     if isinstance(value, Mapping):
         problems.append(err.array_expected(name, value, "this name is one array"))
         return None, False
@@ -103,7 +121,7 @@ def _as_array(name: str, value: Any, problems: Problems) -> tuple[Any, bool]:
         if imported is not None:
             return imported, False
     try:
-        array = np.asarray(value)
+        array = np.asarray(cast(Any, value))  # (not the NumPy scalar it may be narrowed to)
     except Exception:  # noqa: BLE001 - any failure means "not an array"
         array = None
     if array is None or kind(array.dtype) is None:  # not numeric
@@ -119,13 +137,13 @@ def _unusable(name: str, value: Any) -> StateProblem | None:
     if isinstance(value, np.ma.MaskedArray):
         return err.masked(name, value)
     if isinstance(value, Tracer):
-        return None if _live(value) else err.leaked(name, value)
+        return None if _live(cast("Tracer[Any]", value)) else err.leaked(name, value)
     if isinstance(value, jax.Array) and value.is_deleted():
         return err.deleted(name, value)
     return None
 
 
-def _live(tracer: Tracer) -> bool:
+def _live(tracer: Tracer[Any]) -> bool:
     """Whether `tracer` belongs to a transformation being traced now (the current one, or
     one enclosing it), asked with a broadcast: JAX refuses any operation on a tracer leaked
     out of a finished ``jit``, ``vmap``, ``grad`` or ``make_jaxpr`` outside of every
@@ -134,7 +152,7 @@ def _live(tracer: Tracer) -> bool:
     compiling. (A tracer of a finished ``jit`` given inside another ``jit`` passes: JAX
     refuses it itself when that ``jit`` ends.)"""
     try:
-        jax.lax.broadcast(tracer, (1,))
+        jax.lax.broadcast(tracer, (1,))  # pyright: ignore[reportUnknownMemberType]  (JAX leaves its out_sharding unannotated)
     except jax.errors.UnexpectedTracerError:
         return False
     return True
@@ -163,13 +181,13 @@ def _beyond(dtype: Any) -> str:
 def _clip_limit(dtype: Any) -> float:
     """The magnitude past which a value of a clipping float dtype (`_beyond` is "max") is
     not its largest rounded but clipped: its largest plus half the step below it."""
-    info = jnp.finfo(dtype)
+    info = _finfo(dtype)
     largest = float(info.max)
     step = 2.0 ** (np.floor(np.log2(largest)) - info.nmant)
     return largest + step / 2
 
 
-def _overflow(name: str, value: Any, cast: Any) -> StateProblem | None:
+def _overflow(name: str, value: jax.Array | np.ndarray, cast: Any) -> StateProblem | None:
     """A problem when values of `value` too large for `cast`'s narrower float dtype lost
     their value in it: finite ones that became inf, or, in a dtype without inf, any but
     NaN that became NaN or were clipped to its largest. Checked on concrete values only:
@@ -241,7 +259,7 @@ def convert(name: str, value: Any, old: Any, problems: Problems) -> Any:
     if (
         target in ("floating", "complex")
         and not traced
-        and jnp.finfo(old.dtype).max < jnp.finfo(value.dtype).max
+        and _finfo(old.dtype).max < _finfo(value.dtype).max
     ):
         problem = _overflow(name, value, cast)
         if problem is not None:
@@ -258,7 +276,7 @@ def shares_memory(value: Any, given: Any, target: Any) -> bool:
     silently change the loaded model."""
     if not isinstance(value, np.ndarray) or (value is not given and value.flags.owndata):
         return False
-    devices = target.device_set if target is not None else jax.devices()[:1]
+    devices = target.device_set if target is not None else placement.devices()[:1]
     return any(device.platform == "cpu" for device in devices)
 
 

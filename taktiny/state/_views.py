@@ -13,23 +13,23 @@ view before it resolves a single name, and resolves once.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any, Protocol, TypeVar, runtime_checkable
-
-import jax
+from typing import Any, Protocol, TypeVar, cast, runtime_checkable
 
 from .._qarray import PARTS, QArray
 from . import _names
-from ._names import Custom
+from ._names import Custom, Entry, tree_util
 from ._values import array_type
 
 LEAF, GROUP, PARAM = "leaf", "group", "param"
 Where = TypeVar("Where")  # how a view names a leaf: its position, or its key path
+WhereIn = TypeVar("WhereIn", contravariant=True)  # (the same, as Leaves only takes it)
 
 
-class Leaves(Protocol[Where]):
+@runtime_checkable  # (beartype checks the annotations of View.olds in the tests)
+class Leaves(Protocol[WhereIn]):
     """The leaves a view has seen, by where they are."""
 
-    def __getitem__(self, where: Where, /) -> Any: ...
+    def __getitem__(self, where: WhereIn, /) -> Any: ...
 
 
 @runtime_checkable  # (beartype checks annotations in the tests)
@@ -37,8 +37,12 @@ class View(Protocol[Where]):
     """What resolving names and checking values ask of a tree (see the module's note)."""
 
     root: Any  # the node names start from: a template node, or the tree itself
-    olds: Leaves[Where]  # the tree's leaves seen so far (all of them, for `Flat`)
     sees_all: bool  # whether `olds` holds every leaf, not only those on the paths named
+
+    @property
+    def olds(self) -> Leaves[Where]:
+        """The tree's leaves seen so far (all of them, for `Flat`); read only."""
+        ...
 
     def child(self, node: Any, key: str) -> tuple[str, Any] | None:
         """What `node` holds under `key`: (LEAF, GROUP or PARAM, the child), or None."""
@@ -85,8 +89,9 @@ class View(Protocol[Where]):
         ...
 
 
-_LEAF_TYPES = (*_names.ARRAY_TYPES, *_names.SCALARS)
-_GROUPS = (list, tuple, dict)  # and modules: what a walk goes into
+# (typed as plain classes: a child found one stays Any, not a half-known ndarray[Unknown])
+_LEAF_TYPES: tuple[type[Any], ...] = (*_names.ARRAY_TYPES, *_names.SCALARS)
+_GROUPS: tuple[type[Any], ...] = (list, tuple, dict)  # and modules: what a walk goes into
 
 
 class Flat:
@@ -98,13 +103,13 @@ class Flat:
         self.olds, self.treedef, self.spec = _names.flatten(tree)
         self.root: Any = self.spec.template
 
-    def child(self, node: dict[str, Any], key: str) -> tuple[str, Any] | None:
+    def child(self, node: dict[str, Entry], key: str) -> tuple[str, Any] | None:
         child = node.get(key)
         if child is None:
             return None
         return (LEAF if type(child) is int else GROUP if type(child) is dict else PARAM), child
 
-    def keys(self, node: dict[str, Any]) -> list[str]:
+    def keys(self, node: dict[str, Entry]) -> list[str]:
         return list(node)
 
     def leaf(self, node: int, where: tuple[str, ...]) -> int:
@@ -132,7 +137,7 @@ class Flat:
         param, _, part = self.spec.names[where].rpartition(".")
         if part not in PARTS:
             return None
-        node: Any = self.spec.template
+        node: Entry | None = self.spec.template
         for key in param.split("."):
             node = node.get(key) if type(node) is dict else None
         if isinstance(node, Custom):
@@ -165,7 +170,7 @@ class Walk:
         self._params: dict[tuple[str, ...], tuple[tuple[str, ...], Any]] = {}  # leaf -> param
         self._array = array_type()
 
-    def _children(self, node: Any) -> tuple[str, Any]:
+    def _children(self, node: object) -> tuple[str, Any]:
         """How a node holds its children: "seq" (a list or tuple, by position), "dict" (a
         dict of string keys), "module" (a module's data fields by name) or "other" (any
         other PyTree node: children by key name, and its one-level structure)."""
@@ -174,12 +179,12 @@ class Walk:
             kind = type(node)
             if kind is list or kind is tuple:
                 found = "seq", node
-            elif kind is dict and all(type(key) is str for key in node):
+            elif kind is dict and all(type(key) is str for key in cast("dict[Any, Any]", node)):
                 found = "dict", node
             elif (fields := _names.fields(node)) is not None:
                 found = "module", fields
             else:
-                pairs, treedef = jax.tree_util.tree_flatten_with_path(
+                pairs, treedef = tree_util.tree_flatten_with_path(
                     node, is_leaf=lambda x: x is not node
                 )
                 keys = [_names.key_name(path[0]) for path, _ in pairs]
@@ -197,6 +202,7 @@ class Walk:
 
     def _child(self, node: Any, key: str) -> tuple[str, Any] | None:
         kind, children = self._seen.get(id(node)) or self._children(node)
+        child: Any
         if kind == "seq":
             index = int(key) if key.isdigit() and str(int(key)) == key else len(children)
             child = children[index] if index < len(children) else None
@@ -206,11 +212,11 @@ class Walk:
             return None
         if type(child) is self._array:
             return LEAF, child
-        if isinstance(child, _GROUPS) or hasattr(type(child), "_taktiny_data"):  # (is_param)
+        if hasattr(type(child), "_taktiny_data") or isinstance(child, _GROUPS):  # (is_param)
             return GROUP, child
         if isinstance(child, _LEAF_TYPES):
             return LEAF, child
-        treedef = jax.tree_util.tree_structure(child)
+        treedef = tree_util.tree_structure(child)
         if treedef.num_leaves == 0:
             return None
         return (LEAF if treedef.num_nodes == 1 else PARAM), child
@@ -226,8 +232,8 @@ class Walk:
         return where
 
     def inner(self, node: Any, where: tuple[str, ...]) -> tuple[Any, list[tuple[str, Any]]]:
-        paths, treedef = jax.tree_util.tree_flatten_with_path(node)
-        found = []
+        paths, treedef = tree_util.tree_flatten_with_path(node)
+        found: list[tuple[str, Any]] = []
         for path, leaf in paths:
             inside = tuple(_names.key_name(k) for k in path)
             self.olds[where + inside] = leaf
@@ -271,7 +277,7 @@ class Walk:
         """`node` with the values in `trie` written into it: key -> sub-trie (a dict), or
         a new leaf (a one-item list)."""
         if node is not self.root and id(node) not in self._seen:  # a custom parameter
-            paths, treedef = jax.tree_util.tree_flatten_with_path(node)
+            paths, treedef = tree_util.tree_flatten_with_path(node)
             inner = dict(_flat_trie(trie, ()))
             named = [(tuple(_names.key_name(k) for k in path), leaf) for path, leaf in paths]
             return treedef.unflatten([inner.get(name, leaf) for name, leaf in named])
@@ -283,7 +289,7 @@ class Walk:
                 items[i] = sub[0] if type(sub) is list else self._rebuild(items[i], sub)
             return items if type(node) is list else tuple(items)
         named = children[0] if kind == "other" else children
-        changed = {
+        changed: dict[str, Any] = {
             key: sub[0] if type(sub) is list else self._rebuild(named[key], sub)
             for key, sub in trie.items()
         }
