@@ -212,7 +212,7 @@ class Walk:
             return None
         if type(child) is self._array:
             return LEAF, child
-        if hasattr(type(child), "_taktiny_data") or isinstance(child, _GROUPS):  # (is_param)
+        if hasattr(child.__class__, "_taktiny_data") or isinstance(child, _GROUPS):  # (is_param)
             return GROUP, child
         if isinstance(child, _LEAF_TYPES):
             return LEAF, child
