@@ -5,6 +5,7 @@ import ast
 import shutil
 import subprocess
 import sys
+import tomllib
 import zipfile
 from pathlib import Path
 
@@ -96,3 +97,13 @@ def test_the_state_walk_never_imports_the_module_layer():
     assert {name: hits for name, hits in found.items() if hits} == {}
     module = taktiny_imports(ROOT / "taktiny" / "module" / "_module.py")
     assert "taktiny.state._tree" in module
+
+
+def test_pyright_checks_the_state_walk_in_strict_mode():
+    """`make lint` (the first step of `make test`) runs pyright, strict on taktiny/state/:
+    every type there known, so the views' interface is checked, not assumed."""
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pyright"]
+    assert "taktiny/state" in config["strict"]
+    assert config["include"] == ["taktiny"]
+    makefile = (ROOT / "Makefile").read_text()
+    assert "$(VENV)/bin/pyright" in makefile.split("\nlint:", 1)[1].split("\n\n", 1)[0]
