@@ -23,7 +23,7 @@ from ..convert._coverage import Step
 from ..convert._rules import AnyRule
 from ..state import _problems as err
 from ..state import _state, _tree
-from . import _quantized as qz
+from . import _quantized_format as qz
 from ._checkpoint import Checkpoint, open_safetensors
 from ._header_checks import _absent
 from ._place import _by_device, _Checks, _direct, _Scratch, _sharding, _transform

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from .. import _lazy
 from . import _checksum
-from . import _quantized as qz
+from . import _quantized_format as qz
 from ._dtypes import CODES, numpy_dtype
 
 if TYPE_CHECKING:

@@ -15,8 +15,8 @@ from jaxtyping import Array, Bool, Float, Int
 from ..module._module import Module
 from ..module._rngs import Rngs
 from ..sharding._specs import Spec, placement
-from ._attend import attend, check_inputs, fold_mask, split_heads
 from ._cache import KVCache, check_cache, empty_cache, visible, write
+from ._dot_product_attention import attend, check_inputs, fold_mask, split_heads
 from ._explicit import explicit_axes, typed_spec
 from ._linear import Linear
 from ._precision import DTYPE, PRECISION, compute_dtype, static_dtype, static_precision

@@ -13,8 +13,8 @@ from jaxtyping import Array, Float
 from ..module._module import Module, field
 from ..module._rngs import Rngs
 from ..sharding._specs import Spec
-from ._checks import check_features
 from ._explicit import explicit_axes, follow, typed_spec
+from ._layer_checks import check_features
 from ._norm import statistics_dtype
 from ._precision import DTYPE, compute_dtype, static_dtype
 from ._random import constant

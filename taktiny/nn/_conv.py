@@ -15,7 +15,6 @@ from jaxtyping import Array, Float
 from ..module._module import Module
 from ..module._rngs import Rngs
 from ..sharding._specs import Spec
-from ._checks import check_features
 from ._conv_args import (
     SPATIAL_LETTERS,
     Padding,
@@ -27,6 +26,7 @@ from ._conv_args import (
     window_of,
 )
 from ._explicit import explicit_axes, follow, free, merged, typed_spec
+from ._layer_checks import check_features
 from ._precision import DTYPE, PRECISION, compute_dtype, static_dtype, static_precision
 
 

@@ -11,8 +11,8 @@ from jaxtyping import Array, Float, Integer
 from ..module._module import Module
 from ..module._rngs import Rngs
 from ..sharding._specs import Spec
-from ._checks import check_features
 from ._explicit import explicit_axes, free, project, typed_spec
+from ._layer_checks import check_features
 from ._precision import DTYPE, PRECISION, compute_dtype, static_dtype, static_precision
 from ._random import normal
 

@@ -12,8 +12,8 @@ from jaxtyping import Array, Float
 from ..module._module import Module
 from ..module._rngs import Rngs
 from ..sharding._specs import Spec
-from ._checks import check_features
 from ._explicit import follow
+from ._layer_checks import check_features
 from ._precision import DTYPE, compute_dtype, static_dtype
 from ._random import constant
 

@@ -19,9 +19,9 @@ from ..module._rngs import Rngs
 from ..sharding._specs import Spec
 from ..state._names import key_name
 from ..state._patterns import compile_pattern, unused_hint
-from ._checks import check_features
 from ._embed import Embed
 from ._explicit import explicit_axes, free, project, typed_spec
+from ._layer_checks import check_features
 from ._linear import Linear
 from ._precision import DTYPE, PRECISION, compute_dtype, static_dtype, static_precision
 from ._random import constant, lecun_normal, normal

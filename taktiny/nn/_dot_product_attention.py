@@ -11,8 +11,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from ._checks import check_features
 from ._explicit import explicit_axes, merged, typed_spec
+from ._layer_checks import check_features
 from ._random import keep_mask
 
 # Compiled as one unit, so that calls outside jax.jit compile once per shape instead of
