@@ -101,9 +101,9 @@ def load_safetensors(
     leaves = _tree.flat_state_dict(model)
     quantized = qz.quantized_arrays(model)
     if rules is None:
-        steps = _plain(checkpoint, leaves, quantized, strict, where)
+        steps = _plain(where, checkpoint, leaves, quantized, strict)
     else:
-        steps = _ruled(rules, allow, checkpoint, leaves, quantized, strict, where)
+        steps = _ruled(where, rules, allow, checkpoint, leaves, quantized, strict)
     made = {p for s in steps for t in s.targets for p in _parts(t, quantized)}
     problems = _absent(leaves, made, strict)
     if problems:
