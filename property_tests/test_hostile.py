@@ -37,7 +37,7 @@ from hypothesis import strategies as st
 
 from taktiny.io import SafetensorsError, load_safetensors, open_safetensors
 from taktiny.io import _checkpoint as checkpoint_module
-from taktiny.io import _quantized as qz
+from taktiny.io import _quantized_format as qz
 
 from .budget import examples
 

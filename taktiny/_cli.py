@@ -224,11 +224,12 @@ def _table(rows: list[list[str]], numbers: int = 1) -> str:
     """`rows` as aligned columns, the last `numbers` of them (numbers) to the right."""
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     return "\n".join(
-        "  ".join(c.rjust(w) if i >= len(row) - numbers else c.ljust(w)
-                  for i, (c, w) in enumerate(zip(row, widths, strict=True)))
-        .rstrip()
+        "  ".join(
+            c.rjust(w) if i >= len(row) - numbers else c.ljust(w)
+            for i, (c, w) in enumerate(zip(row, widths, strict=True))
+        ).rstrip()
         for row in rows
-    )  # fmt: skip
+    )
 
 
 def inspect(path: str, pattern: str | None, as_json: bool) -> str:
@@ -240,8 +241,10 @@ def inspect(path: str, pattern: str | None, as_json: bool) -> str:
     count = sum(math.prod(e.shape) for e in found)
     total = sum(e.nbytes for e in found)
     if as_json:
-        tensors = [{"name": e.name, "shape": list(e.shape), "dtype": e.dtype, "bytes": e.nbytes}
-                   for e in found]  # fmt: skip
+        tensors = [
+            {"name": e.name, "shape": list(e.shape), "dtype": e.dtype, "bytes": e.nbytes}
+            for e in found
+        ]
         return json.dumps({"tensors": tensors, "parameters": count, "bytes": total})
     rows = [["name", "shape", "dtype", "bytes"]]
     rows += [[e.name, str(e.shape), e.dtype, f"{e.nbytes:,}"] for e in found]
@@ -281,8 +284,9 @@ def _gap(u: np.ndarray, v: np.ndarray, atol: float, rtol: float) -> Gap | None:
             error = np.where(equal, 0.0, np.maximum(error, 1.0))
         relative = np.where(equal, 0.0, error / scale)
         within = bool(np.all(equal | (~nan & (error <= atol + rtol * scale))))
-    return Gap(float(np.nanmax(error, initial=0.0)), float(np.nanmax(relative, initial=0.0)),
-               within)  # fmt: skip
+    return Gap(
+        float(np.nanmax(error, initial=0.0)), float(np.nanmax(relative, initial=0.0)), within
+    )
 
 
 def _number(value: float) -> str:
@@ -325,8 +329,9 @@ def diff(
                 continue
             gap = _gap(_read(x, opened), _read(y, opened), atol, rtol)  # two at a time
             if gap is not None and not gap.within:
-                rows.append([name, str(x.shape), dtype, _number(gap.absolute),
-                             _number(gap.relative)])  # fmt: skip
+                rows.append(
+                    [name, str(x.shape), dtype, _number(gap.absolute), _number(gap.relative)]
+                )
     same = not lines and len(rows) == 1
     body = "\n".join(lines + ([_table(rows, numbers=2)] if len(rows) > 1 else []))
     common = sum(1 for n in left if n in right)
@@ -388,7 +393,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         ("--atol", "the absolute difference allowed (default 0)"),
         ("--rtol", "the difference allowed relative to b's value (default 0)"),
     ):
-        compared.add_argument(name, type=float, default=0.0, help=allowed)  # fmt: skip
+        compared.add_argument(name, type=float, default=0.0, help=allowed)
     compared.add_argument("--filter", help="only names matching this pattern ('encoder.**')")
     verified = commands.add_parser(
         "verify",
@@ -404,8 +409,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "verify":
             report, same = verify(args.path)
         else:
-            report, same = diff(args.a, args.b, atol=args.atol, rtol=args.rtol,
-                                pattern=args.filter)  # fmt: skip
+            report, same = diff(args.a, args.b, atol=args.atol, rtol=args.rtol, pattern=args.filter)
     except (SafetensorsError, Unreadable, OSError, ValueError) as error:
         # a checkpoint that cannot be read (named, with why) or a bad --filter pattern
         print(f"taktiny: {' '.join(str(error).splitlines())}", file=sys.stderr)

@@ -10,7 +10,7 @@ import torch
 from _torch import assert_close, build, channels_last, numpy, randomize_
 
 from taktiny import nn
-from taktiny.nn._conv_args import window_of
+from taktiny.nn._convolution import window_of
 
 
 def convert_conv(reference):

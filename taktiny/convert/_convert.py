@@ -195,10 +195,14 @@ def export(rules: Sequence[AnyRule], model: Any) -> dict[str, Any]:
     groups: dict[tuple[int, tuple[tuple[str, str], ...]], dict[int, str]] = {}
     for leaf in leaves:
         found = next(
-            ((i, j, m.groupdict()) for i, ps in enumerate(inverse) for j, p in enumerate(ps)
-             if (m := p.fullmatch("." + leaf)) is not None),
+            (
+                (i, j, m.groupdict())
+                for i, ps in enumerate(inverse)
+                for j, p in enumerate(ps)
+                if (m := p.fullmatch("." + leaf)) is not None
+            ),
             None,
-        )  # fmt: skip
+        )
         if found is None:
             problems.append(
                 ConversionProblem(
@@ -232,8 +236,10 @@ def export(rules: Sequence[AnyRule], model: Any) -> dict[str, Any]:
         count = None if rule.gathered else len(rule.sources)
         arrays = transform(tuple(leaves[n] for n in names if n is not None), count)
         if rule.gathered:
-            made = [rule.sources[0].format(**binding, **{rule.gathered: str(k)})
-                    for k in range(len(arrays))]  # fmt: skip
+            made = [
+                rule.sources[0].format(**binding, **{rule.gathered: str(k)})
+                for k in range(len(arrays))
+            ]
         else:
             made = [s.format(**binding) for s in rule.sources]
         out.update(zip(made, arrays, strict=True))
@@ -278,9 +284,11 @@ def round_trip_check(rules: Sequence[AnyRule], model: Any) -> None:
     for name, leaf in leaves.items():
         a, b = np.asarray(leaf), np.asarray(back[name])
         if a.dtype != b.dtype or a.shape != b.shape or a.tobytes() != b.tobytes():
-            problems.append(ConversionProblem(
-                "round_trip", name, f"export then convert gives {b.dtype.name}{list(b.shape)} "
-                f"with other values than the model's {a.dtype.name}{list(a.shape)}; a transform "
-                f"and its inverse disagree."))  # fmt: skip
+            why = (
+                f"export then convert gives {b.dtype.name}{list(b.shape)} with other values "
+                f"than the model's {a.dtype.name}{list(a.shape)}; a transform and its inverse "
+                f"disagree."
+            )
+            problems.append(ConversionProblem("round_trip", name, why))
     if problems:
         raise ConversionError("convert.round_trip_check", problems)

@@ -40,15 +40,12 @@ def linear(source: str, target: str, *, bias: bool = True) -> list[AnyRule]:
     ``[in, out]`` (transposed); ``bias`` ``[out]`` as it is.
 
     Args:
-        source: the name template of the torch layer's prefix
-            (``"encoder.layer.{i}.query"``); ``""`` for the root.
-        target: the name template of the Taktiny layer's prefix
-            (``"layers.{i}.attention.query"``); ``""`` for the root.
+        source: the torch layer's prefix, a name template (``""`` for the root).
+        target: the Taktiny layer's prefix, a name template (``""`` for the root).
         bias: whether the layer has a bias.
 
     Returns:
-        The rules, a list to pass to :func:`convert` and :func:`export` (alone or joined
-        with others).
+        The rules, to pass to :func:`convert` and :func:`export` (alone or with others).
     """
     weight = Rule(_at(source, "weight"), _at(target, "kernel"), transpose())
     return [weight, *_bias(source, target, bias)]
@@ -66,16 +63,13 @@ def conv(source: str, target: str, *, dims: int, bias: bool = True) -> list[AnyR
     axes moved last, swapped; any ``groups``); ``bias`` ``[out]`` as it is.
 
     Args:
-        source: the name template of the torch layer's prefix
-            (``"encoder.layer.{i}.query"``); ``""`` for the root.
-        target: the name template of the Taktiny layer's prefix
-            (``"layers.{i}.attention.query"``); ``""`` for the root.
+        source: the torch layer's prefix, a name template (``""`` for the root).
+        target: the Taktiny layer's prefix, a name template (``""`` for the root).
         dims: the number of spatial axes (1, 2 or 3).
         bias: whether the layer has a bias.
 
     Returns:
-        The rules, a list to pass to :func:`convert` and :func:`export` (alone or joined
-        with others).
+        The rules, to pass to :func:`convert` and :func:`export` (alone or with others).
 
     Raises:
         ValueError: `dims` is not an int from 1 to 22.
@@ -102,10 +96,8 @@ def conv_transpose(
     to the output axis.
 
     Args:
-        source: the name template of the torch layer's prefix
-            (``"encoder.layer.{i}.query"``); ``""`` for the root.
-        target: the name template of the Taktiny layer's prefix
-            (``"layers.{i}.attention.query"``); ``""`` for the root.
+        source: the torch layer's prefix, a name template (``""`` for the root).
+        target: the Taktiny layer's prefix, a name template (``""`` for the root).
         dims: the number of spatial axes (1, 2 or 3).
         groups: PyTorch's ``groups``.
         in_features: the input channels; needed with ``groups > 1``.
@@ -113,8 +105,7 @@ def conv_transpose(
         bias: whether the layer has a bias.
 
     Returns:
-        The rules, a list to pass to :func:`convert` and :func:`export` (alone or joined
-        with others).
+        The rules, to pass to :func:`convert` and :func:`export` (alone or with others).
 
     Raises:
         ValueError: `dims` is not an int from 1 to 22, or ``groups > 1`` without
@@ -139,16 +130,13 @@ def layer_norm(source: str, target: str, *, scale: bool = True, bias: bool = Tru
     -> ``scale``; ``bias`` ``[features]`` as it is.
 
     Args:
-        source: the name template of the torch layer's prefix
-            (``"encoder.layer.{i}.query"``); ``""`` for the root.
-        target: the name template of the Taktiny layer's prefix
-            (``"layers.{i}.attention.query"``); ``""`` for the root.
+        source: the torch layer's prefix, a name template (``""`` for the root).
+        target: the Taktiny layer's prefix, a name template (``""`` for the root).
         scale: whether the layer has a scale (torch's ``weight``).
         bias: whether the layer has a bias.
 
     Returns:
-        The rules, a list to pass to :func:`convert` and :func:`export` (alone or joined
-        with others).
+        The rules, to pass to :func:`convert` and :func:`export` (alone or with others).
     """
     names = [("weight", "scale")] if scale else []
     return _pair(source, target, names) + _bias(source, target, bias)
@@ -156,19 +144,17 @@ def layer_norm(source: str, target: str, *, scale: bool = True, bias: bool = Tru
 
 def group_norm(source: str, target: str, *, scale: bool = True, bias: bool = True) -> list[AnyRule]:
     """``nn.GroupNorm``: ``weight`` ``[features]`` -> :class:`~taktiny.nn.GroupNorm`'s
-    ``scale``; ``bias`` ``[features]`` as it is (``affine=False``: neither).
+    ``scale``; ``bias`` ``[features]`` as it is (``affine=False``: neither). The rules
+    are :func:`layer_norm`'s.
 
     Args:
-        source: the name template of the torch layer's prefix
-            (``"encoder.layer.{i}.query"``); ``""`` for the root.
-        target: the name template of the Taktiny layer's prefix
-            (``"layers.{i}.attention.query"``); ``""`` for the root.
-        scale: whether the layer has a scale (torch's ``weight``).
-        bias: whether the layer has a bias.
+        source: as for :func:`layer_norm`.
+        target: as for :func:`layer_norm`.
+        scale: whether the layer has a scale (torch's ``affine``).
+        bias: whether the layer has a bias (torch's ``affine``).
 
     Returns:
-        The rules, a list to pass to :func:`convert` and :func:`export` (alone or joined
-        with others).
+        :func:`layer_norm`'s rules.
     """
     return layer_norm(source, target, scale=scale, bias=bias)
 
@@ -178,14 +164,11 @@ def embedding(source: str, target: str) -> list[AnyRule]:
     :class:`~taktiny.nn.Embed`'s ``embedding``, the same layout.
 
     Args:
-        source: the name template of the torch layer's prefix
-            (``"encoder.layer.{i}.query"``); ``""`` for the root.
-        target: the name template of the Taktiny layer's prefix
-            (``"layers.{i}.attention.query"``); ``""`` for the root.
+        source: the torch layer's prefix, a name template (``""`` for the root).
+        target: the Taktiny layer's prefix, a name template (``""`` for the root).
 
     Returns:
-        The rules, a list to pass to :func:`convert` and :func:`export` (alone or joined
-        with others).
+        The rules, to pass to :func:`convert` and :func:`export` (alone or with others).
     """
     return _pair(source, target, [("weight", "embedding")])
 
@@ -197,14 +180,11 @@ def batch_norm(source: str, target: str) -> list[AnyRule]:
     readers (``from_pretrained``) find it; torch reads it only for ``momentum=None``.
 
     Args:
-        source: the name template of the torch layer's prefix
-            (``"encoder.layer.{i}.query"``); ``""`` for the root.
-        target: the name template of the Taktiny layer's prefix
-            (``"layers.{i}.attention.query"``); ``""`` for the root.
+        source: the torch layer's prefix, a name template (``""`` for the root).
+        target: the Taktiny layer's prefix, a name template (``""`` for the root).
 
     Returns:
-        The rules, a list to pass to :func:`convert` and :func:`export` (alone or joined
-        with others).
+        The rules, to pass to :func:`convert` and :func:`export` (alone or with others).
     """
     names = [
         ("weight", "scale"),
@@ -226,17 +206,14 @@ def multihead_attention(
     their ``bias``; ``out_proj`` as :func:`linear` -> ``out``.
 
     Args:
-        source: the name template of the torch layer's prefix
-            (``"encoder.layer.{i}.query"``); ``""`` for the root.
-        target: the name template of the Taktiny layer's prefix
-            (``"layers.{i}.attention.query"``); ``""`` for the root.
+        source: the torch layer's prefix, a name template (``""`` for the root).
+        target: the Taktiny layer's prefix, a name template (``""`` for the root).
         fused: whether torch holds the three input projections in one
             ``in_proj_weight`` (its ``kdim`` and ``vdim`` equal to ``embed_dim``).
         bias: whether the layer has biases.
 
     Returns:
-        The rules, a list to pass to :func:`convert` and :func:`export` (alone or joined
-        with others).
+        The rules, to pass to :func:`convert` and :func:`export` (alone or with others).
     """
 
     def each(name: str) -> list[str]:
@@ -261,8 +238,14 @@ def multihead_attention(
 # transformers gives them: position and token-type id ranges (BERT and its kin), rotary
 # frequencies (Llama), GPT-2's causal masks and BatchNorm's step count. A model computes
 # them; none is a parameter.
-_BUFFERS = ("**.position_ids", "**.token_type_ids", "**.inv_freq", "**.attn.bias",
-            "**.attn.masked_bias", "**.num_batches_tracked")  # fmt: skip
+_BUFFERS = (
+    "**.position_ids",
+    "**.token_type_ids",
+    "**.inv_freq",
+    "**.attn.bias",
+    "**.attn.masked_bias",
+    "**.num_batches_tracked",
+)
 
 
 def buffers() -> list[AnyRule]:
@@ -291,9 +274,14 @@ def _layer(layer: Any, source: str, target: str) -> list[AnyRule] | None:
             return conv(source, target, dims=len(window), bias=has_bias)
         groups = layer.feature_group_count
         return conv_transpose(
-            source, target, dims=len(window), groups=groups, in_features=per_group * groups,
-            out_features=out, bias=has_bias,
-        )  # fmt: skip
+            source,
+            target,
+            dims=len(window),
+            groups=groups,
+            in_features=per_group * groups,
+            out_features=out,
+            bias=has_bias,
+        )
     if isinstance(layer, nn.LayerNorm):
         return layer_norm(source, target, scale=layer.scale is not None, bias=has_bias)
     if isinstance(layer, nn.GroupNorm):

@@ -347,8 +347,13 @@ class quantize(Transform):
         self.dtype = None if dtype is None else np.dtype(dtype)
 
     def __call__(self, arrays: tuple[Any, ...], count: int | None = None) -> tuple[Any, ...]:
-        value, scale = quantize_array(_single(self, arrays), bits=self.bits, axis=self.axis,
-                                      group_size=self.group_size, dtype=self.dtype)  # fmt: skip
+        value, scale = quantize_array(
+            _single(self, arrays),
+            bits=self.bits,
+            axis=self.axis,
+            group_size=self.group_size,
+            dtype=self.dtype,
+        )
         return value, scale
 
     @property
@@ -392,9 +397,11 @@ class dequantize(Transform):
                 f"{self!r} takes two arrays, the values and the scales, got {len(arrays)}"
             )
         value, scale = (jnp.asarray(a) for a in arrays)
-        dtype = scale.dtype if self.dtype is None else self.dtype
-        return (dequantize_array(value, scale, axis=self.axis, group_size=self.group_size,
-                                 dtype=jnp.dtype(dtype)),)  # fmt: skip
+        dtype = jnp.dtype(scale.dtype if self.dtype is None else self.dtype)
+        array = dequantize_array(
+            value, scale, axis=self.axis, group_size=self.group_size, dtype=dtype
+        )
+        return (array,)
 
     @property
     def inverse(self) -> Transform | None:

@@ -27,6 +27,8 @@ _LAZY = {
     "read_torch": ("._torch", "read_torch"),
 }
 
+__getattr__, __dir__ = _lazy.exports(__name__, _LAZY, globals())
+
 __all__ = [
     "Checkpoint",
     "SafetensorsError",
@@ -36,5 +38,3 @@ __all__ = [
     "read_torch",
     "save_safetensors",
 ]  # (the names of _LAZY)
-
-__getattr__, __dir__ = _lazy.exports(__name__, _LAZY, globals())

@@ -10,7 +10,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from . import _quantized as qz
+from . import _quantized_format as qz
 from ._header import _HEADER_LIMIT, _header, _short, parse_json, unpaired_surrogate
 from ._read import SafetensorsError, Tensor
 

@@ -20,7 +20,8 @@ if TYPE_CHECKING:
 else:
     np = _lazy.module("numpy")  # (a header needs no NumPy: imported when a tensor is read)
 
-# code -> (NumPy's name of the dtype, its size in bytes)
+# code -> (NumPy's name of the dtype, its size in bytes), laid out by hand as a
+# table of four codes a line (kept from the formatter)
 CODES = {
     "BOOL": ("bool", 1), "U8": ("uint8", 1), "I8": ("int8", 1), "U16": ("uint16", 2),
     "I16": ("int16", 2), "U32": ("uint32", 4), "I32": ("int32", 4), "U64": ("uint64", 8),

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from . import _checksum
-from . import _quantized as qz
+from . import _quantized_format as qz
 from ._dtypes import CODES
 from ._read import SafetensorsError, Tensor, _Packed
 

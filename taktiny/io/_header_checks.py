@@ -14,7 +14,7 @@ import numpy as np
 from .._qarray import QArray
 from ..state import _problems as err
 from ..state import _values
-from . import _quantized as qz
+from . import _quantized_format as qz
 from ._checkpoint import Checkpoint
 from ._read import SafetensorsError, Tensor
 

@@ -23,7 +23,7 @@ from ..convert._coverage import Step
 from ..convert._rules import AnyRule
 from ..state import _problems as err
 from ..state import _state, _tree
-from . import _quantized as qz
+from . import _quantized_format as qz
 from ._checkpoint import Checkpoint, open_safetensors
 from ._header_checks import _absent
 from ._place import _by_device, _Checks, _direct, _Scratch, _sharding, _transform
@@ -101,9 +101,9 @@ def load_safetensors(
     leaves = _tree.flat_state_dict(model)
     quantized = qz.quantized_arrays(model)
     if rules is None:
-        steps = _plain(checkpoint, leaves, quantized, strict, where)
+        steps = _plain(where, checkpoint, leaves, quantized, strict)
     else:
-        steps = _ruled(rules, allow, checkpoint, leaves, quantized, strict, where)
+        steps = _ruled(where, rules, allow, checkpoint, leaves, quantized, strict)
     made = {p for s in steps for t in s.targets for p in _parts(t, quantized)}
     problems = _absent(leaves, made, strict)
     if problems:

@@ -33,11 +33,11 @@ def _parts(name: str, quantized: Mapping[str, QArray]) -> tuple[str, ...]:
 
 
 def _plain(
+    where: str,
     checkpoint: Checkpoint,
     leaves: Mapping[str, Any],
     quantized: Mapping[str, QArray],
     strict: bool,
-    where: str,
 ) -> list[Step]:
     """One renaming step per tensor, when the checkpoint uses the model's own names (or a
     quantized parameter's own name for its float array); every problem with the names,
@@ -89,13 +89,13 @@ def _plain(
 
 
 def _ruled(
+    where: str,
     rules: Sequence[AnyRule],
     allow: Mapping[str, Sequence[str]] | None,
     checkpoint: Checkpoint,
     leaves: Mapping[str, Any],
     quantized: Mapping[str, QArray],
     strict: bool,
-    where: str,
 ) -> list[Step]:
     """The steps of the rules, checked from the headers. A leaf no rule makes is `strict`'s
     to decide (the load checks it), not `allow`'s. A quantized parameter may be made from

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from .. import _lazy
 from . import _checksum
-from . import _quantized as qz
+from . import _quantized_format as qz
 from ._dtypes import CODES, numpy_dtype
 
 if TYPE_CHECKING:
@@ -264,8 +264,10 @@ class Tensor:
     ) -> None:
         # row-major: the axes after the last partial one are whole, so each run of the
         # block covers those axes and the partial one; runs repeat over the axes before it
-        partial = max((i for i, (b, n) in enumerate(zip(bounds, self.shape, strict=True))
-                       if b != (0, n)), default=0)  # fmt: skip
+        partial = max(
+            (i for i, (b, n) in enumerate(zip(bounds, self.shape, strict=True)) if b != (0, n)),
+            default=0,
+        )
         item = self.dtype.itemsize
         strides = [math.prod(self.shape[i + 1 :]) * item for i in range(self.ndim)] or [item]
         run = math.prod(shape[partial:]) * item

@@ -15,9 +15,10 @@ from jaxtyping import Array, Bool, Float, Int
 from ..module._module import Module
 from ..module._rngs import Rngs
 from ..sharding._specs import Spec, placement
-from ._attend import attend, check_inputs, fold_mask, split_heads
 from ._cache import KVCache, check_cache, empty_cache, visible, write
+from ._dot_product_attention import attend, check_inputs, fold_mask, split_heads
 from ._explicit import explicit_axes, typed_spec
+from ._layer_checks import divisors
 from ._linear import Linear
 from ._precision import DTYPE, PRECISION, compute_dtype, static_dtype, static_precision
 from ._rotary import RotaryEmbedding, fold_positions
@@ -149,11 +150,10 @@ class MultiHeadAttention(Module):
             )
         kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         if kv_heads < 1 or num_heads % kv_heads:
-            divisors = [d for d in range(1, num_heads + 1) if num_heads % d == 0]
             raise ValueError(
                 f"{_NAME}'s num_kv_heads ({kv_heads}) must be at least 1 and divide num_heads "
                 f"({num_heads}), so that each key/value head serves the same number of query "
-                f"heads; pass one of {divisors}."
+                f"heads; pass one of {divisors(num_heads)}."
             )
         if not 0.0 <= dropout_rate < 1.0:
             raise ValueError(f"{_NAME}'s dropout_rate must be in [0, 1), got {dropout_rate!r}.")
@@ -171,10 +171,19 @@ class MultiHeadAttention(Module):
             placement(kernel, (n_in, n_out), f"{_NAME}.{name}.kernel")
             placement(bias if use_bias else None, (n_out,), f"{_NAME}.{name}.bias")
         self.query, self.key, self.value, self.out = (
-            Linear(n_in, n_out, use_bias=use_bias, dtype=dtype, param_dtype=param_dtype,
-                   precision=precision, kernel_sharding=kernel, bias_sharding=bias, rngs=rngs)
+            Linear(
+                n_in,
+                n_out,
+                use_bias=use_bias,
+                dtype=dtype,
+                param_dtype=param_dtype,
+                precision=precision,
+                kernel_sharding=kernel,
+                bias_sharding=bias,
+                rngs=rngs,
+            )
             for n_in, n_out, kernel, bias in shardings.values()
-        )  # fmt: skip
+        )
         if rope_scaling is not None and rope_theta is None:
             raise ValueError(
                 f"{_NAME} got rope_scaling without rope_theta: scaling stretches rotary "
@@ -196,9 +205,13 @@ class MultiHeadAttention(Module):
         return self.query.kernel.shape[1] // self.num_heads
 
     def init_cache(
-        self, batch: int, max_length: int, *, dtype: DTypeLike | None = None,
+        self,
+        batch: int,
+        max_length: int,
+        *,
+        dtype: DTypeLike | None = None,
         sharding: Spec | None = None,
-    ) -> KVCache:  # fmt: skip
+    ) -> KVCache:
         """An empty :class:`KVCache` for `batch` sequences of up to `max_length` tokens
         (prompt and generated tokens together).
 
@@ -221,8 +234,7 @@ class MultiHeadAttention(Module):
         """
         dtype = compute_dtype(self.dtype, self.query.kernel) if dtype is None else dtype
         kv_heads, head_dim = self.num_kv_heads, self.head_dim
-        return empty_cache(_NAME, batch, max_length, kv_heads, head_dim, jnp.dtype(dtype),
-                           sharding)  # fmt: skip
+        return empty_cache(_NAME, batch, max_length, kv_heads, head_dim, jnp.dtype(dtype), sharding)
 
     def __call__(
         self,
@@ -309,8 +321,16 @@ class MultiHeadAttention(Module):
                 k, v = cache.keys.astype(q.dtype), cache.values.astype(q.dtype)
                 seen = visible(length, q_length, kv_length, causal)
                 mask, causal = seen if mask is None else mask & seen, False
-            y = attend(q, k, v, mask, causal, precision=self.precision,
-                       dropout_rate=self.dropout_rate, key=key)  # fmt: skip
+            y = attend(
+                q,
+                k,
+                v,
+                mask,
+                causal,
+                precision=self.precision,
+                dropout_rate=self.dropout_rate,
+                key=key,
+            )
             merged_heads = (*batch, q_length, -1)
             if not explicit_axes():
                 y = self.out(y.reshape(merged_heads))

@@ -13,10 +13,9 @@ from jaxtyping import Array, Float
 from ..module._module import Module, field
 from ..module._rngs import Rngs
 from ..sharding._specs import Spec
-from ._checks import check_features
 from ._explicit import explicit_axes, follow, typed_spec
-from ._norm import statistics_dtype
-from ._precision import DTYPE, compute_dtype, static_dtype
+from ._norm import output_dtype, statistics_dtype
+from ._precision import DTYPE, static_dtype
 from ._random import constant
 from ._training import latest, record, training
 
@@ -146,16 +145,12 @@ class BatchNorm(Module):
                 training gets a single value per feature (no variance to estimate).
         """
         with jax.named_scope("BatchNorm"):
-            size = self.scale.shape[0]
-            check_features(
-                "BatchNorm", x, size, why=f"its scale is ({size},)", argument="num_features"
-            )
-            dtype = compute_dtype(self.dtype, self.scale)
+            dtype = output_dtype("BatchNorm", x, self.scale, self.bias, self.dtype)
             x = x.astype(statistics_dtype(dtype))
             if not (training() if train is None else train):
                 return self._normalise(x, self.mean, self.var).astype(dtype)
             axes = tuple(range(x.ndim - 1))
-            count = x.size // size
+            count = x.size // x.shape[-1]
             if count < 2:
                 raise ValueError(
                     f"BatchNorm in training needs more than one value per feature to estimate "

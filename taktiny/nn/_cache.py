@@ -52,9 +52,14 @@ class KVCache(Module):
 
 
 def empty_cache(
-    layer: str, batch: int, max_length: int, kv_heads: int, head_dim: int, dtype: jnp.dtype,
+    layer: str,
+    batch: int,
+    max_length: int,
+    kv_heads: int,
+    head_dim: int,
+    dtype: jnp.dtype,
     sharding: Spec | None,
-) -> KVCache:  # fmt: skip
+) -> KVCache:
     """An empty cache (zeros, length 0) for `layer` (named in errors), its keys and values
     split by `sharding` on the ambient mesh."""
     for name, value in (("batch", batch), ("max_length", max_length)):
@@ -66,9 +71,13 @@ def empty_cache(
 
 
 def check_cache(
-    layer: str, cache: KVCache, batch: tuple[int, ...], q_length: int, kv_heads: int,
+    layer: str,
+    cache: KVCache,
+    batch: tuple[int, ...],
+    q_length: int,
+    kv_heads: int,
     head_dim: int,
-) -> None:  # fmt: skip
+) -> None:
     """Raises a ValueError naming `layer` when `cache` does not fit inputs of batch axes
     `batch` and `q_length` tokens (a static check: shapes only)."""
     if not isinstance(cache, KVCache):

@@ -1,85 +1,30 @@
-"""`Conv`: channels-last convolutions in 1, 2 or 3 (or more) dimensions, and the
-convolution it shares with `ConvTranspose`."""
+"""`Conv`: channels-last convolutions in 1, 2 or 3 (or more) dimensions."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec as P
 from jax.typing import DTypeLike
 from jaxtyping import Array, Float
 
-from ..module._module import Module
 from ..module._rngs import Rngs
 from ..sharding._specs import Spec
-from ._checks import check_features
-from ._conv_args import (
-    SPATIAL_LETTERS,
+from ._convolution import (
     Padding,
+    _Convolution,
     check_groups,
     dilate,
     each_axis,
-    make_parameters,
     padding_of,
     window_of,
 )
-from ._explicit import explicit_axes, follow, free, merged, typed_spec
-from ._precision import DTYPE, PRECISION, compute_dtype, static_dtype, static_precision
+from ._precision import DTYPE, PRECISION, static_dtype, static_precision
+from ._random import lecun_normal, zero_bias
 
 
-def _convolve(
-    layer: str,
-    x: jax.Array,
-    kernel: jax.Array,
-    bias: jax.Array | None,
-    groups: int,
-    pads_for: Callable[[tuple[int, ...]], Sequence[tuple[int, int]]],
-    dtype: jnp.dtype | None,
-    **conv: Any,
-) -> jax.Array:
-    """Checks `x` [*batch, *spatial, in], folds its batch axes into one, convolves, adds bias,
-    all in `dtype` (None: the kernel's). `pads_for(spatial_shape)` gives the explicit padding
-    for the input's spatial shape; `conv` holds the strides, dilations and precision."""
-    n = kernel.ndim - 2
-    in_features = kernel.shape[-2] * groups
-    why = f"its kernel is {tuple(kernel.shape)}" + (f" with {groups} groups" if groups > 1 else "")
-    if x.ndim < n + 1:
-        raise ValueError(
-            f"{layer} has a {n}D kernel {tuple(kernel.shape)}, so it expects inputs "
-            f"[*batch, {n} spatial axes, {in_features} features] (channels last), got an input "
-            f"of shape {tuple(x.shape)}. Add the missing axes, e.g. x[..., None] for one channel."
-        )
-    check_features(layer, x, in_features, why=why, argument="in_features")
-    batch, spatial = x.shape[: -n - 1], x.shape[-n - 1 : -1]
-    letters = SPATIAL_LETTERS[:n]
-    dtype = compute_dtype(dtype, kernel)
-    x, kernel = x.astype(dtype), kernel.astype(dtype)
-    bias = None if bias is None else bias.astype(dtype)
-    # under Explicit axes the reshapes and the convolution are told their output's split:
-    # the batch axes' split, none on the spatial axes, the kernel's on the output channels
-    explicit = bool(explicit_axes())
-    splits = typed_spec(x) if explicit else (None,) * x.ndim
-    flat = merged(splits[: -n - 1])
-    folded = P(flat, *splits[-n - 1 :]) if explicit else None
-    out = P(flat, *(None,) * n, free(typed_spec(kernel)[-1], flat)) if explicit else None
-    y = jax.lax.conv_general_dilated(
-        jnp.reshape(x, (-1, *spatial, in_features), out_sharding=folded),
-        kernel,
-        padding=pads_for(spatial),
-        dimension_numbers=(f"N{letters}C", f"{letters}IO", f"N{letters}C"),
-        feature_group_count=groups,
-        out_sharding=out,
-        **conv,
-    )
-    unfolded = P(*splits[: -n - 1], *typed_spec(y)[1:]) if explicit else None
-    y = y.reshape((*batch, *y.shape[1:]), out_sharding=unfolded)
-    return y if bias is None else y + follow(bias, y)
-
-
-class Conv(Module):
+class Conv(_Convolution):
     """A convolution over the spatial axes of channels-last inputs ``[*batch, *spatial, in]``.
 
     The number of spatial axes is the length of ``kernel_size``: ``(5,)`` makes a 1D
@@ -142,11 +87,7 @@ class Conv(Module):
 
     kernel: Float[Array, "*kernel_size in_per_group out_features"]
     bias: Float[Array, " out_features"] | None
-    strides: tuple[int, ...]
-    padding: str | tuple[tuple[int, int], ...]
     input_dilation: tuple[int, ...]
-    kernel_dilation: tuple[int, ...]
-    feature_group_count: int
     dtype: jnp.dtype | None = DTYPE
     precision: jax.lax.PrecisionLike = PRECISION
 
@@ -170,16 +111,18 @@ class Conv(Module):
         bias_sharding: Spec | None = None,
         rngs: Rngs,
     ):
-        per_axis = {"strides": strides, "padding": padding, "input_dilation": input_dilation,
-                    "kernel_dilation": kernel_dilation}  # fmt: skip
+        per_axis = {
+            "strides": strides,
+            "padding": padding,
+            "input_dilation": input_dilation,
+            "kernel_dilation": kernel_dilation,
+        }
         window = window_of("Conv", kernel_size, dims, **per_axis)
         n = len(window)
         check_groups("Conv", in_features, out_features, feature_group_count)
-        fan_in = in_features // feature_group_count
-        self.kernel, self.bias = make_parameters(
-            "Conv", rngs, window, fan_in, out_features, use_bias, param_dtype,
-            kernel_sharding, bias_sharding,
-        )  # fmt: skip
+        shape = (*window, in_features // feature_group_count, out_features)
+        self.kernel = lecun_normal(rngs(), shape, param_dtype, kernel_sharding, "Conv.kernel")
+        self.bias = zero_bias("Conv", out_features, use_bias, param_dtype, bias_sharding)
         self.strides = each_axis("Conv", "strides", strides, n)
         self.padding = padding_of("Conv", padding, n)
         self.input_dilation = each_axis("Conv", "input_dilation", input_dilation, n)
@@ -192,8 +135,7 @@ class Conv(Module):
         if not isinstance(self.padding, str):
             return self.padding
         dilated = dilate(spatial, self.input_dilation)
-        window = dilate(self.kernel.shape[:-2], self.kernel_dilation)
-        return jax.lax.padtype_to_pads(dilated, window, self.strides, self.padding)
+        return jax.lax.padtype_to_pads(dilated, self._spans(), self.strides, self.padding)
 
     def __call__(
         self, x: Float[Array, "*batch_spatial in_features"]
@@ -212,16 +154,4 @@ class Conv(Module):
                 ``in_features``.
         """
         with jax.named_scope("Conv"):
-            return _convolve(
-                "Conv",
-                x,
-                self.kernel,
-                self.bias,
-                self.feature_group_count,
-                self._pads,
-                self.dtype,
-                window_strides=self.strides,
-                lhs_dilation=self.input_dilation,
-                rhs_dilation=self.kernel_dilation,
-                precision=self.precision,
-            )
+            return self._convolve("Conv", x, self.strides, self.input_dilation)

@@ -9,23 +9,14 @@ import jax.numpy as jnp
 from jax.typing import DTypeLike
 from jaxtyping import Array, Float
 
-from ..module._module import Module
 from ..module._rngs import Rngs
 from ..sharding._specs import Spec
-from ._conv import _convolve
-from ._conv_args import (
-    Padding,
-    check_groups,
-    dilate,
-    each_axis,
-    make_parameters,
-    padding_of,
-    window_of,
-)
+from ._convolution import Padding, _Convolution, check_groups, each_axis, padding_of, window_of
 from ._precision import DTYPE, PRECISION, static_dtype, static_precision
+from ._random import lecun_normal, zero_bias
 
 
-class ConvTranspose(Module):
+class ConvTranspose(_Convolution):
     """The transpose of a strided convolution (a learned upsampling), channels last.
 
     As in PyTorch, ``strides`` spreads the input out and each input element adds a
@@ -47,11 +38,9 @@ class ConvTranspose(Module):
     Args:
         in_features: channels of the input (its last axis).
         out_features: channels of the output.
-        kernel_size: the window: one size per spatial axis, or an int for the same
-            size on every axis.
-        dims: the number of spatial axes (1, 2, 3, ...), needed only when
-            ``kernel_size`` is an int and no other argument is a tuple that fixes it
-            (the same keyword as ``convert.conv_transpose(..., dims=)``).
+        kernel_size: the window, as for :class:`Conv`.
+        dims: the number of spatial axes, as for :class:`Conv` (the same keyword as
+            ``convert.conv_transpose(..., dims=)``).
         strides: the upsampling factor, an int or one per spatial axis.
         padding: how much of the full output to crop: ``"SAME"`` (the default;
             PyTorch's default is ``0``, which is ``"VALID"`` here) gives output size
@@ -62,36 +51,24 @@ class ConvTranspose(Module):
             PyTorch's tuple) or ``(low, high)`` pair per spatial axis (PyTorch's
             ``padding=p, output_padding=op`` is ``(p, p - op)``; a negative value pads
             instead).
-        kernel_dilation: spacing between kernel taps (PyTorch's ``dilation``), an int or
-            one per spatial axis.
+        kernel_dilation: spacing between kernel taps, as for :class:`Conv`.
         feature_group_count: channel groups (PyTorch's ``groups``).
         use_bias: whether to add a bias.
-        dtype: the dtype the layer computes in and returns (inputs and parameters are
-            cast to it); None (the default) computes in the parameters' dtype.
+        dtype: the dtype the layer computes in and returns, as for :class:`Conv`.
         param_dtype: the dtype the parameters are created and stored in.
-        precision: the precision of the convolution (``jax.lax.Precision`` or its name,
-            ``"highest"`` for full float32 on GPUs and TPUs); None uses JAX's default,
-            which is TF32 for float32 on recent NVIDIA GPUs.
-        kernel_sharding: how ``kernel`` is split over the mesh of an enclosing
-            ``jax.set_mesh``: a tuple of mesh axis names, one per axis (``(None, None,
-            None, "model")`` splits a 2D kernel's output channels), or a
-            ``PartitionSpec``. Ignored without a mesh.
-        bias_sharding: the same for ``bias`` (``("model",)``).
+        precision: the precision of the convolution, as for :class:`Conv`.
+        kernel_sharding: how ``kernel`` is split over the mesh, as for :class:`Conv`.
+        bias_sharding: the same for ``bias``.
         rngs: the key stream for the initialisation.
 
     Raises:
-        ValueError: the number of spatial axes cannot be told, or the arguments disagree
-            on it; a size is out of range; or `feature_group_count` does not divide
-            `in_features` and `out_features`.
+        ValueError: as for :class:`Conv`: the number of spatial axes cannot be told, or a
+            size or the groups do not fit.
         TypeError: `kernel_size` is neither an int nor a tuple of ints.
     """
 
     kernel: Float[Array, "*kernel_size in_per_group out_features"]
     bias: Float[Array, " out_features"] | None
-    strides: tuple[int, ...]
-    padding: str | tuple[tuple[int, int], ...]
-    kernel_dilation: tuple[int, ...]
-    feature_group_count: int
     dtype: jnp.dtype | None = DTYPE
     precision: jax.lax.PrecisionLike = PRECISION
 
@@ -114,15 +91,14 @@ class ConvTranspose(Module):
         bias_sharding: Spec | None = None,
         rngs: Rngs,
     ):
-        window = window_of("ConvTranspose", kernel_size, dims, strides=strides, padding=padding,
-                         kernel_dilation=kernel_dilation)  # fmt: skip
+        per_axis = {"strides": strides, "padding": padding, "kernel_dilation": kernel_dilation}
+        window = window_of("ConvTranspose", kernel_size, dims, **per_axis)
         n = len(window)
         check_groups("ConvTranspose", in_features, out_features, feature_group_count)
-        fan_in = in_features // feature_group_count
-        self.kernel, self.bias = make_parameters(
-            "ConvTranspose", rngs, window, fan_in, out_features, use_bias, param_dtype,
-            kernel_sharding, bias_sharding,
-        )  # fmt: skip
+        shape = (*window, in_features // feature_group_count, out_features)
+        where = "ConvTranspose.kernel"
+        self.kernel = lecun_normal(rngs(), shape, param_dtype, kernel_sharding, where)
+        self.bias = zero_bias("ConvTranspose", out_features, use_bias, param_dtype, bias_sharding)
         self.strides = each_axis("ConvTranspose", "strides", strides, n)
         self.padding = padding_of("ConvTranspose", padding, n)
         self.kernel_dilation = each_axis("ConvTranspose", "kernel_dilation", kernel_dilation, n)
@@ -135,12 +111,12 @@ class ConvTranspose(Module):
             return self.padding
         if self.padding == "VALID":
             return [(0, 0)] * len(self.strides)
-        spans = dilate(self.kernel.shape[:-2], self.kernel_dilation)
+        spans = self._spans()
         excess = [span - s for span, s in zip(spans, self.strides, strict=True)]  # full - size * s
         return [(e - e // 2, e // 2) for e in excess]
 
     def _pads(self, spatial: tuple[int, ...]) -> Sequence[tuple[int, int]]:
-        spans = dilate(self.kernel.shape[:-2], self.kernel_dilation)
+        spans = self._spans()
         crops = self._crops()
         return [(span - 1 - lo, span - 1 - hi) for span, (lo, hi) in zip(spans, crops, strict=True)]
 
@@ -150,18 +126,18 @@ class ConvTranspose(Module):
         """Upsamples `x` over its spatial axes.
 
         Args:
-            x: ``[*batch, *spatial, in_features]``, channels last, with as many spatial
-                axes as the kernel has.
+            x: ``[*batch, *spatial, in_features]``, as for :class:`Conv`.
 
         Returns:
-            ``[*batch, *out_spatial, out_features]``, in ``dtype``.
+            ``[*batch, *out_spatial, out_features]``, in ``dtype``: on each spatial axis the
+            full output, ``(size - 1) * stride + dilation * (k - 1) + 1``, less the crops.
 
         Raises:
             ValueError: `x` has too few axes or a last axis of another size than
                 ``in_features``, or the padding crops the whole output.
         """
         with jax.named_scope("ConvTranspose"):
-            spans = dilate(self.kernel.shape[:-2], self.kernel_dilation)
+            spans = self._spans()
             if x.ndim > len(spans):
                 spatial = x.shape[-len(spans) - 1 : -1]
                 full = [
@@ -175,16 +151,4 @@ class ConvTranspose(Module):
                         f"output {tuple(full)} of an input of shape {tuple(x.shape)} holds "
                         f"(it would leave {tuple(sizes)}); use less padding or a larger input."
                     )
-            return _convolve(
-                "ConvTranspose",
-                x,
-                self.kernel,
-                self.bias,
-                self.feature_group_count,
-                self._pads,
-                self.dtype,
-                window_strides=(1,) * len(self.strides),
-                lhs_dilation=self.strides,
-                rhs_dilation=self.kernel_dilation,
-                precision=self.precision,
-            )
+            return self._convolve("ConvTranspose", x, (1,) * len(spans), self.strides)

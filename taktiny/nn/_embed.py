@@ -11,8 +11,8 @@ from jaxtyping import Array, Float, Integer
 from ..module._module import Module
 from ..module._rngs import Rngs
 from ..sharding._specs import Spec
-from ._checks import check_features
 from ._explicit import explicit_axes, free, project, typed_spec
+from ._layer_checks import check_features, check_ids
 from ._precision import DTYPE, PRECISION, compute_dtype, static_dtype, static_precision
 from ._random import normal
 
@@ -80,11 +80,7 @@ class Embed(Module):
             TypeError: `ids` is not an integer array.
         """
         with jax.named_scope("Embed"):
-            if not jnp.issubdtype(ids.dtype, jnp.integer):
-                raise TypeError(
-                    f"Embed expects integer ids, got an array of dtype {ids.dtype} and shape "
-                    f"{tuple(ids.shape)}; cast it first: ids.astype(jnp.int32)."
-                )
+            check_ids("Embed", ids)
             dtype = compute_dtype(self.dtype, self.embedding)
             if not explicit_axes():
                 rows = jnp.take(self.embedding, ids, axis=0, mode="fill", fill_value=jnp.nan)

@@ -14,9 +14,10 @@ from ..module._module import Module
 from ..module._rngs import Rngs
 from ..sharding._specs import Spec
 from ._explicit import explicit_axes, typed_spec
-from ._norm import output_dtype, scale_and_shift, statistics_dtype
+from ._layer_checks import divisors
+from ._norm import output_dtype, scale_and_shift, standardise, statistics_dtype
 from ._precision import DTYPE, static_dtype
-from ._random import constant
+from ._random import unit_scale, zero_bias
 
 
 def _grouped(x: jax.Array, groups: int) -> jax.Array:
@@ -62,13 +63,9 @@ class GroupNorm(Module):
             the input's when there are none. The mean and variance are computed in this
             dtype but at least float32, and the result cast back.
         param_dtype: the dtype ``scale`` and ``bias`` are created and stored in.
-        scale_sharding: how ``scale`` is split over the mesh of an enclosing
-            ``jax.set_mesh``: a tuple with one mesh axis name (or None), such as
-            ``("model",)``, or a ``PartitionSpec``. Ignored without a mesh. On Explicit
-            mesh axes the output is split as the input is.
+        scale_sharding: how ``scale`` is split over the mesh, as for :class:`LayerNorm`.
         bias_sharding: the same for ``bias``.
-        rngs: unused (the initialisation is deterministic); accepted so that every
-            layer can be built the same way.
+        rngs: unused, as for :class:`LayerNorm`.
 
     Raises:
         ValueError: `num_groups` does not divide `num_features`.
@@ -95,21 +92,13 @@ class GroupNorm(Module):
         rngs: Rngs | None = None,
     ):
         if num_groups < 1 or num_features % num_groups:
-            divisors = [g for g in range(1, num_features + 1) if num_features % g == 0]
             raise ValueError(
                 f"GroupNorm's num_groups ({num_groups}) must divide num_features "
-                f"({num_features}) into groups of equal size; pass one of {divisors} as "
-                f"num_groups, or change num_features."
+                f"({num_features}) into groups of equal size; pass one of "
+                f"{divisors(num_features)} as num_groups, or change num_features."
             )
-        shape = (num_features,)
-        self.scale = (
-            constant(1, shape, param_dtype, scale_sharding, "GroupNorm.scale")
-            if use_scale
-            else None
-        )
-        self.bias = (
-            constant(0, shape, param_dtype, bias_sharding, "GroupNorm.bias") if use_bias else None
-        )
+        self.scale = unit_scale("GroupNorm", num_features, use_scale, param_dtype, scale_sharding)
+        self.bias = zero_bias("GroupNorm", num_features, use_bias, param_dtype, bias_sharding)
         self.num_groups = int(num_groups)
         self.epsilon = float(epsilon)  # a NumPy scalar would be an array: a parameter
         self.dtype = static_dtype(dtype)
@@ -146,12 +135,8 @@ class GroupNorm(Module):
                     f"an input of shape {tuple(x.shape)}. Pass inputs whose last axis is a "
                     f"multiple of {groups}, or build the layer with another num_groups."
                 )
-            dtype = statistics_dtype(out)
-            h = _grouped(x.astype(dtype), groups)  # [batch, *spatial, groups, per_group]
-            axes = (*range(1, h.ndim - 2), h.ndim - 1)
-            mean = jnp.mean(h, axis=axes, keepdims=True)
-            var = jnp.mean(jnp.square(h - mean), axis=axes, keepdims=True)
-            h = (h - mean) * jax.lax.rsqrt(var + jnp.asarray(self.epsilon, dtype))
+            h = _grouped(x.astype(statistics_dtype(out)), groups)  # [batch, *spatial, groups, per]
+            h = standardise(h, (*range(1, h.ndim - 2), h.ndim - 1), self.epsilon)
             unsplit = P(*typed_spec(x)) if explicit_axes() else None
             y = h.reshape(x.shape, out_sharding=unsplit)  # x's split again
             return scale_and_shift(y, self.scale, self.bias).astype(out)

@@ -12,7 +12,7 @@ from ..module._rngs import Rngs
 from ..sharding._specs import Spec
 from ._explicit import project
 from ._precision import DTYPE, PRECISION, compute_dtype, static_dtype, static_precision
-from ._random import constant, lecun_normal
+from ._random import lecun_normal, zero_bias
 
 
 class Linear(Module):
@@ -62,11 +62,7 @@ class Linear(Module):
     ):
         shape = (in_features, out_features)
         self.kernel = lecun_normal(rngs(), shape, param_dtype, kernel_sharding, "Linear.kernel")
-        self.bias = (
-            constant(0, (out_features,), param_dtype, bias_sharding, "Linear.bias")
-            if use_bias
-            else None
-        )
+        self.bias = zero_bias("Linear", out_features, use_bias, param_dtype, bias_sharding)
         self.dtype = static_dtype(dtype)
         self.precision = static_precision(precision, "Linear")
 

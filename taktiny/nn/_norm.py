@@ -12,10 +12,10 @@ from jaxtyping import Array, Float
 from ..module._module import Module
 from ..module._rngs import Rngs
 from ..sharding._specs import Spec
-from ._checks import check_features
 from ._explicit import follow
+from ._layer_checks import check_features
 from ._precision import DTYPE, compute_dtype, static_dtype
-from ._random import constant
+from ._random import constant, unit_scale, zero_bias
 
 
 def statistics_dtype(dtype: DTypeLike) -> jnp.dtype:
@@ -34,6 +34,18 @@ def output_dtype(layer: str, x: jax.Array, scale: Any, bias: Any, dtype: Any) ->
         why = f"its {'scale' if scale is not None else 'bias'} is ({size},)"
         check_features(layer, x, size, why=why, argument="num_features")
     return compute_dtype(dtype, x if param is None else param)
+
+
+def standardise(
+    x: jax.Array, axes: int | tuple[int, ...], epsilon: float, *, centre: bool = True
+) -> jax.Array:
+    """`x` over ``sqrt(mean(x**2) + epsilon)`` on `axes`, its mean there subtracted first
+    with `centre` (the mean square is then the biased variance): `x`'s shape and dtype (the
+    statistics dtype, which the caller casts to)."""
+    if centre:
+        x = x - jnp.mean(x, axis=axes, keepdims=True)
+    mean_square = jnp.mean(jnp.square(x), axis=axes, keepdims=True)
+    return x * jax.lax.rsqrt(mean_square + jnp.asarray(epsilon, x.dtype))
 
 
 def scale_and_shift(y: jax.Array, scale: Any, bias: Any) -> jax.Array:
@@ -96,13 +108,8 @@ class LayerNorm(Module):
         bias_sharding: Spec | None = None,
         rngs: Rngs | None = None,
     ):
-        shape, stored = (num_features,), param_dtype
-        self.scale = (
-            constant(1, shape, stored, scale_sharding, "LayerNorm.scale") if use_scale else None
-        )
-        self.bias = (
-            constant(0, shape, stored, bias_sharding, "LayerNorm.bias") if use_bias else None
-        )
+        self.scale = unit_scale("LayerNorm", num_features, use_scale, param_dtype, scale_sharding)
+        self.bias = zero_bias("LayerNorm", num_features, use_bias, param_dtype, bias_sharding)
         self.epsilon = float(epsilon)  # a NumPy scalar would be an array: a parameter
         self.dtype = static_dtype(dtype)
 
@@ -122,10 +129,7 @@ class LayerNorm(Module):
         """
         with jax.named_scope("LayerNorm"):
             out = output_dtype("LayerNorm", x, self.scale, self.bias, self.dtype)
-            x = x.astype(statistics_dtype(out))
-            mean = jnp.mean(x, axis=-1, keepdims=True)
-            var = jnp.mean(jnp.square(x - mean), axis=-1, keepdims=True)
-            y = (x - mean) * jax.lax.rsqrt(var + jnp.asarray(self.epsilon, x.dtype))
+            y = standardise(x.astype(statistics_dtype(out)), -1, self.epsilon)
             return scale_and_shift(y, self.scale, self.bias).astype(out)
 
 
@@ -183,13 +187,6 @@ class RMSNorm(Module):
             ValueError: the last axis of `x` does not have ``num_features`` entries.
         """
         with jax.named_scope("RMSNorm"):
-            size = self.scale.shape[0]
-            check_features(
-                "RMSNorm", x, size, why=f"its scale is ({size},)", argument="num_features"
-            )
-            out = compute_dtype(self.dtype, self.scale)
-            x = x.astype(statistics_dtype(out))
-            mean_square = jnp.mean(jnp.square(x), axis=-1, keepdims=True)
-            y = x * jax.lax.rsqrt(mean_square + jnp.asarray(self.epsilon, x.dtype))
-            scale = follow(self.scale, x)  # under Explicit axes, split as x is
-            return (y * scale.astype(x.dtype)).astype(out)
+            out = output_dtype("RMSNorm", x, self.scale, None, self.dtype)
+            y = standardise(x.astype(statistics_dtype(out)), -1, self.epsilon, centre=False)
+            return scale_and_shift(y, self.scale, None).astype(out)

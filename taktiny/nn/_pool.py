@@ -18,8 +18,9 @@ from ._norm import statistics_dtype
 Size = int | Sequence[int]
 
 
-def _sizes(layer: str, kernel_size: Size, strides: Size | None, padding: Size, dims: int | None
-           ) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:  # fmt: skip
+def _sizes(
+    layer: str, kernel_size: Size, strides: Size | None, padding: Size, dims: int | None
+) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
     """The window, strides and padding, one entry per spatial axis: their number is `dims`
     or the length of any of them given as a tuple, which must all agree."""
     given = {"kernel_size": kernel_size, "strides": strides, "padding": padding}
@@ -148,8 +149,15 @@ class MaxPool(_Pool):
             is more than half the window.
     """
 
-    def __init__(self, kernel_size: Size, strides: Size | None = None, padding: Size = 0,
-                 *, ceil_mode: bool = False, dims: int | None = None):  # fmt: skip
+    def __init__(
+        self,
+        kernel_size: Size,
+        strides: Size | None = None,
+        padding: Size = 0,
+        *,
+        ceil_mode: bool = False,
+        dims: int | None = None,
+    ):
         window, steps, pads = _sizes("MaxPool", kernel_size, strides, padding, dims)
         self.kernel_size, self.strides, self.padding = window, steps, pads
         self.ceil_mode = bool(ceil_mode)
@@ -157,7 +165,7 @@ class MaxPool(_Pool):
     def __call__(
         self, x: Float[Array, "*batch_spatial features"]
     ) -> Float[Array, "*batch_out_spatial features"]:
-        """Pools each window of the spatial axes of `x`.
+        """The largest value of each window of the spatial axes of `x`.
 
         Args:
             x: ``[*batch, *spatial, features]``, channels last, with as many spatial axes
@@ -203,16 +211,22 @@ class AvgPool(_Pool):
             ``padding`` are all ints.
 
     Raises:
-        ValueError: the number of spatial axes cannot be told, or the arguments disagree
-            on it; a size is not a positive int (padding: non-negative); or the padding
-            is more than half the window.
+        ValueError: as for :class:`MaxPool`: the spatial axes cannot be told, or a size or
+            the padding does not fit.
     """
 
     count_include_pad: bool
 
-    def __init__(self, kernel_size: Size, strides: Size | None = None, padding: Size = 0,
-                 *, count_include_pad: bool = True, ceil_mode: bool = False,
-                 dims: int | None = None):  # fmt: skip
+    def __init__(
+        self,
+        kernel_size: Size,
+        strides: Size | None = None,
+        padding: Size = 0,
+        *,
+        count_include_pad: bool = True,
+        ceil_mode: bool = False,
+        dims: int | None = None,
+    ):
         window, steps, pads = _sizes("AvgPool", kernel_size, strides, padding, dims)
         self.kernel_size, self.strides, self.padding = window, steps, pads
         self.ceil_mode = bool(ceil_mode)
@@ -221,18 +235,17 @@ class AvgPool(_Pool):
     def __call__(
         self, x: Float[Array, "*batch_spatial features"]
     ) -> Float[Array, "*batch_out_spatial features"]:
-        """Pools each window of the spatial axes of `x`.
+        """Averages each window of the spatial axes of `x`.
 
         Args:
-            x: ``[*batch, *spatial, features]``, channels last, with as many spatial axes
-                as the window has.
+            x: ``[*batch, *spatial, features]``, as for :class:`MaxPool`.
 
         Returns:
-            ``[*batch, *out_spatial, features]``, in `x`'s dtype.
+            ``[*batch, *out_spatial, features]``, in `x`'s dtype (the sums are taken in at
+            least float32).
 
         Raises:
-            ValueError: `x` has too few axes, or the window is larger than its padded
-                spatial axes.
+            ValueError: as for :class:`MaxPool`: `x` does not fit the window.
         """
         with jax.named_scope("AvgPool"):
             geometry = self._geometry("AvgPool", x)

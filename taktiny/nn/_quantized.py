@@ -19,12 +19,12 @@ from ..module._rngs import Rngs
 from ..sharding._specs import Spec
 from ..state._names import key_name
 from ..state._patterns import compile_pattern, unused_hint
-from ._checks import check_features
 from ._embed import Embed
 from ._explicit import explicit_axes, free, project, typed_spec
+from ._layer_checks import check_features, check_ids
 from ._linear import Linear
 from ._precision import DTYPE, PRECISION, compute_dtype, static_dtype, static_precision
-from ._random import constant, lecun_normal, normal
+from ._random import lecun_normal, normal, zero_bias
 
 
 def _dequantized(weight: QArray, dtype: jnp.dtype | None, x: Any) -> tuple[jnp.dtype, jax.Array]:
@@ -78,19 +78,24 @@ class QuantizedLinear(Module):
     precision: jax.lax.PrecisionLike = PRECISION
 
     def __init__(
-        self, in_features: int, out_features: int, *, bits: int = 8,
-        group_size: int | None = None, use_bias: bool = True, dtype: DTypeLike | None = None,
-        param_dtype: DTypeLike = jnp.float32, precision: jax.lax.PrecisionLike = None,
-        kernel_sharding: Spec | None = None, bias_sharding: Spec | None = None, rngs: Rngs,
-    ):  # fmt: skip
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        bits: int = 8,
+        group_size: int | None = None,
+        use_bias: bool = True,
+        dtype: DTypeLike | None = None,
+        param_dtype: DTypeLike = jnp.float32,
+        precision: jax.lax.PrecisionLike = None,
+        kernel_sharding: Spec | None = None,
+        bias_sharding: Spec | None = None,
+        rngs: Rngs,
+    ):
         where, stored = "QuantizedLinear.kernel", param_dtype
         w = lecun_normal(rngs(), (in_features, out_features), stored, kernel_sharding, where)
         self.kernel = quantized(w, bits=bits, axis=0, group_size=group_size, name=where)
-        self.bias = (
-            constant(0, (out_features,), stored, bias_sharding, "QuantizedLinear.bias")
-            if use_bias
-            else None
-        )
+        self.bias = zero_bias("QuantizedLinear", out_features, use_bias, stored, bias_sharding)
         self.dtype = static_dtype(dtype)
         self.precision = static_precision(precision, "QuantizedLinear")
 
@@ -110,8 +115,9 @@ class QuantizedLinear(Module):
         """
         with jax.named_scope("QuantizedLinear"):
             shape = self.kernel.shape
-            check_features("QuantizedLinear", x, shape[0], why=f"its kernel is {shape}",
-                           argument="in_features")  # fmt: skip
+            check_features(
+                "QuantizedLinear", x, shape[0], why=f"its kernel is {shape}", argument="in_features"
+            )
             dtype, kernel = _dequantized(self.kernel, self.dtype, x)
             bias = None if self.bias is None else self.bias.astype(dtype)
             return project(x.astype(dtype), kernel, bias, self.precision)
@@ -153,11 +159,18 @@ class QuantizedEmbed(Module):
     precision: jax.lax.PrecisionLike = PRECISION
 
     def __init__(
-        self, num_embeddings: int, features: int, *, bits: int = 8,
-        group_size: int | None = None, dtype: DTypeLike | None = None,
-        param_dtype: DTypeLike = jnp.float32, precision: jax.lax.PrecisionLike = None,
-        embedding_sharding: Spec | None = None, rngs: Rngs,
-    ):  # fmt: skip
+        self,
+        num_embeddings: int,
+        features: int,
+        *,
+        bits: int = 8,
+        group_size: int | None = None,
+        dtype: DTypeLike | None = None,
+        param_dtype: DTypeLike = jnp.float32,
+        precision: jax.lax.PrecisionLike = None,
+        embedding_sharding: Spec | None = None,
+        rngs: Rngs,
+    ):
         where, shape = "QuantizedEmbed.embedding", (num_embeddings, features)
         table = normal(rngs(), shape, param_dtype, 1.0, embedding_sharding, where)
         self.embedding = quantized(table, bits=bits, axis=1, group_size=group_size, name=where)
@@ -180,11 +193,7 @@ class QuantizedEmbed(Module):
             TypeError: `ids` is not an integer array.
         """
         with jax.named_scope("QuantizedEmbed"):
-            if not jnp.issubdtype(ids.dtype, jnp.integer):
-                raise TypeError(
-                    f"QuantizedEmbed expects integer ids, got an array of dtype {ids.dtype} "
-                    f"and shape {tuple(ids.shape)}; cast it first: ids.astype(jnp.int32)."
-                )
+            check_ids("QuantizedEmbed", ids)
             table = self.embedding
             if not explicit_axes():
                 value = jnp.take(table.value, ids, axis=0, mode="fill", fill_value=0)
@@ -195,8 +204,10 @@ class QuantizedEmbed(Module):
                 value = table.value.at[ids].get(mode="fill", fill_value=0, out_sharding=out)
                 out = P(*batch, None)
                 scale = table.scale.at[ids].get(mode="fill", fill_value=jnp.nan, out_sharding=out)
-            return dequantize_array(value, scale, axis=ids.ndim, group_size=table.group_size,
-                                    dtype=compute_dtype(self.dtype, table))  # fmt: skip
+            dtype = compute_dtype(self.dtype, table)
+            return dequantize_array(
+                value, scale, axis=ids.ndim, group_size=table.group_size, dtype=dtype
+            )
 
     def attend(self, x: Float[Array, "*batch features"]) -> Float[Array, "*batch num_embeddings"]:
         """Scores `x` against every row: ``x @ dequantize(table).T``, the tied output
@@ -214,8 +225,8 @@ class QuantizedEmbed(Module):
         """
         with jax.named_scope("QuantizedEmbed.attend"):
             shape = self.embedding.shape
-            check_features("QuantizedEmbed.attend", x, shape[1], why=f"its embedding is {shape}",
-                           argument="features")  # fmt: skip
+            why = f"its embedding is {shape}"
+            check_features("QuantizedEmbed.attend", x, shape[1], why=why, argument="features")
             dtype, table = _dequantized(self.embedding, self.dtype, x)
             return project(x.astype(dtype), table.T, None, self.precision)
 
@@ -234,9 +245,12 @@ def _is_float_layer(x: Any) -> bool:
 
 
 def quantize(
-    model: Any, *, bits: int = 8, group_size: int | None = None,
+    model: Any,
+    *,
+    bits: int = 8,
+    group_size: int | None = None,
     filter: str | Callable[[str, Any], bool] | None = None,
-) -> Any:  # fmt: skip
+) -> Any:
     """`model` with its :class:`Linear` and :class:`Embed` layers replaced by
     :class:`QuantizedLinear` and :class:`QuantizedEmbed` holding their weights quantized.
 
@@ -291,15 +305,13 @@ def quantize(
         if not _is_float_layer(layer) or name not in chosen:
             return layer
         prefix = f"{name}." if name else ""
+        how = {"bits": bits, "group_size": group_size}
+        config = {"dtype": layer.dtype, "precision": layer.precision}
         if isinstance(layer, Linear):
-            kernel = quantized(layer.kernel, bits=bits, axis=0, group_size=group_size,
-                               name=f"{prefix}kernel")  # fmt: skip
-            return _build(QuantizedLinear, kernel=kernel, bias=layer.bias,
-                          dtype=layer.dtype, precision=layer.precision)  # fmt: skip
-        table = quantized(layer.embedding, bits=bits, axis=1, group_size=group_size,
-                          name=f"{prefix}embedding")  # fmt: skip
-        return _build(QuantizedEmbed, embedding=table, dtype=layer.dtype,
-                      precision=layer.precision)  # fmt: skip
+            kernel = quantized(layer.kernel, axis=0, name=f"{prefix}kernel", **how)
+            return _build(QuantizedLinear, kernel=kernel, bias=layer.bias, **config)
+        table = quantized(layer.embedding, axis=1, name=f"{prefix}embedding", **how)
+        return _build(QuantizedEmbed, embedding=table, **config)
 
     return jax.tree_util.tree_map_with_path(swap, model, is_leaf=_is_float_layer)
 

@@ -32,9 +32,15 @@ _TRUNCATED_STDDEV = 0.87962566103423978
 
 @partial(jax.jit, static_argnames=("kind", "shape", "dtype", "stddev", "explicit", "auto"))
 def _sharded(
-    key: Any, *, kind: str, shape: tuple[int, ...], dtype: Any, stddev: float, explicit: Any,
+    key: Any,
+    *,
+    kind: str,
+    shape: tuple[int, ...],
+    dtype: Any,
+    stddev: float,
+    explicit: Any,
     auto: Any,
-) -> jax.Array:  # fmt: skip
+) -> jax.Array:
     """A parameter created directly with its sharding: every device computes its own shard
     (JAX's threefry is partitionable), so no device ever holds the whole parameter. The
     values are those of the unsharded draw."""
@@ -50,8 +56,15 @@ def _sharded(
     return x if auto is None else jax.lax.with_sharding_constraint(x, auto)
 
 
-def _create(kind: str, key: Any, shape: Sequence[int], dtype: DTypeLike, stddev: float,
-            sharding: Spec | None, where: str) -> jax.Array | None:  # fmt: skip
+def _create(
+    kind: str,
+    key: Any,
+    shape: Sequence[int],
+    dtype: DTypeLike,
+    stddev: float,
+    sharding: Spec | None,
+    where: str,
+) -> jax.Array | None:
     """The parameter created on the ambient mesh by `sharding`; None when it is to be
     created as without a mesh."""
     placed = placement(sharding, tuple(shape), where)
@@ -62,15 +75,24 @@ def _create(kind: str, key: Any, shape: Sequence[int], dtype: DTypeLike, stddev:
     # inside a trace (where JAX refuses set_mesh) the deprecated context places by itself
     concrete = isinstance(mesh, Mesh) and not isinstance(jnp.zeros((), np.int8), Tracer)
     with jax.set_mesh(mesh) if concrete else contextlib.nullcontext():
-        return _sharded(key, kind=kind, shape=tuple(shape), dtype=np.dtype(dtype),
-                        stddev=stddev, explicit=part(spec, mesh, explicit=True),
-                        auto=part(spec, mesh, explicit=False))  # fmt: skip
+        return _sharded(
+            key,
+            kind=kind,
+            shape=tuple(shape),
+            dtype=np.dtype(dtype),
+            stddev=stddev,
+            explicit=part(spec, mesh, explicit=True),
+            auto=part(spec, mesh, explicit=False),
+        )
 
 
 def lecun_normal(
-    key: jax.Array, shape: Sequence[int], dtype: DTypeLike, sharding: Spec | None = None,
+    key: jax.Array,
+    shape: Sequence[int],
+    dtype: DTypeLike,
+    sharding: Spec | None = None,
     where: str = "",
-) -> jax.Array:  # fmt: skip
+) -> jax.Array:
     """``jax.nn.initializers.lecun_normal()(key, shape, dtype)`` for a kernel whose last
     axis is the output: a normal truncated to two standard deviations, with variance
     ``1 / fan_in``, where ``fan_in`` is the product of every other axis (input features
@@ -84,9 +106,13 @@ def lecun_normal(
 
 
 def normal(
-    key: jax.Array, shape: Sequence[int], dtype: DTypeLike, stddev: float,
-    sharding: Spec | None = None, where: str = "",
-) -> jax.Array:  # fmt: skip
+    key: jax.Array,
+    shape: Sequence[int],
+    dtype: DTypeLike,
+    stddev: float,
+    sharding: Spec | None = None,
+    where: str = "",
+) -> jax.Array:
     """``jax.nn.initializers.normal(stddev)(key, shape, dtype)``; see :func:`lecun_normal`
     for `sharding`."""
     placed = _create("normal", key, shape, dtype, stddev, sharding, where)
@@ -96,9 +122,12 @@ def normal(
 
 
 def constant(
-    value: int, shape: Sequence[int], dtype: DTypeLike, sharding: Spec | None = None,
+    value: int,
+    shape: Sequence[int],
+    dtype: DTypeLike,
+    sharding: Spec | None = None,
     where: str = "",
-) -> jax.Array:  # fmt: skip
+) -> jax.Array:
     """``jnp.zeros`` (`value` 0) or ``jnp.ones`` (1); see :func:`lecun_normal` for
     `sharding`."""
     kind = "ones" if value else "zeros"
@@ -106,6 +135,22 @@ def constant(
     if placed is not None:
         return placed
     return jnp.ones(shape, dtype) if value else jnp.zeros(shape, dtype)
+
+
+def zero_bias(
+    layer: str, size: int, use_bias: bool, dtype: DTypeLike, sharding: Spec | None = None
+) -> jax.Array | None:
+    """A layer's bias: zeros ``[size]`` (named ``<layer>.bias`` in errors), or None when
+    `use_bias` is False; see :func:`lecun_normal` for `sharding`."""
+    return constant(0, (size,), dtype, sharding, f"{layer}.bias") if use_bias else None
+
+
+def unit_scale(
+    layer: str, size: int, use_scale: bool, dtype: DTypeLike, sharding: Spec | None = None
+) -> jax.Array | None:
+    """A norm's scale: ones ``[size]`` (named ``<layer>.scale`` in errors), or None when
+    `use_scale` is False; see :func:`lecun_normal` for `sharding`."""
+    return constant(1, (size,), dtype, sharding, f"{layer}.scale") if use_scale else None
 
 
 def keep_mask(key: jax.Array, rate: float, shape: Sequence[int]) -> jax.Array:

@@ -1,17 +1,20 @@
-"""The constructor arguments `Conv` and `ConvTranspose` share, read and checked: the window
-(an int ``kernel_size`` repeated over ``dims`` axes), per-axis strides and dilations,
-padding in JAX's and PyTorch's forms, feature groups, and the parameters."""
+"""What `Conv` and `ConvTranspose` share: their constructor arguments read and checked (the
+window, an int ``kernel_size`` repeated over ``dims`` axes; per-axis strides and dilations;
+padding in JAX's and PyTorch's forms; feature groups), and `_Convolution`, the base class
+holding their configuration and the convolution itself."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
 import jax
-from jax.typing import DTypeLike
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
-from ..module._rngs import Rngs
-from ..sharding._specs import Spec
-from ._random import constant, lecun_normal
+from ..module._module import Module
+from ._explicit import explicit_axes, follow, free, merged, typed_spec
+from ._layer_checks import check_features
+from ._precision import compute_dtype
 
 Padding = str | int | Sequence[int | tuple[int, int]]
 SPATIAL_LETTERS = (
@@ -31,8 +34,9 @@ def window_of(layer: str, kernel_size: object, dims: object, **per_axis: object)
         )
     if isinstance(kernel_size, int) and not isinstance(kernel_size, bool):
         k = kernel_size
-        tuples = [len(v) for v in per_axis.values() if isinstance(v, Sequence)
-                  and not isinstance(v, str)]  # fmt: skip
+        tuples = [
+            len(v) for v in per_axis.values() if isinstance(v, Sequence) and not isinstance(v, str)
+        ]
         n = dims if dims is not None else tuples[0] if tuples else None
         if n is None:
             raise ValueError(
@@ -105,11 +109,69 @@ def check_groups(layer: str, in_features: int, out_features: int, groups: int) -
         )
 
 
-def make_parameters(
-    layer: str, rngs: Rngs, window: tuple[int, ...], fan_in: int, out: int, use_bias: bool,
-    param_dtype: DTypeLike, kernel_sharding: Spec | None, bias_sharding: Spec | None,
-) -> tuple[jax.Array, jax.Array | None]:  # fmt: skip
-    shape, where = (*window, fan_in, out), f"{layer}.kernel"
-    kernel = lecun_normal(rngs(), shape, param_dtype, kernel_sharding, where)
-    bias = constant(0, (out,), param_dtype, bias_sharding, f"{layer}.bias") if use_bias else None
-    return kernel, bias
+class _Convolution(Module):
+    """What `Conv` and `ConvTranspose` share: the configuration below and the convolution of
+    channels-last inputs. Each declares (and documents) the rest of its fields: `kernel`
+    ``[*window, in // groups, out]`` and `bias`, then ``dtype`` and ``precision``, whose
+    defaults must come last."""
+
+    strides: tuple[int, ...]
+    padding: str | tuple[tuple[int, int], ...]
+    kernel_dilation: tuple[int, ...]
+    feature_group_count: int
+
+    def _pads(self, spatial: tuple[int, ...]) -> Sequence[tuple[int, int]]:
+        """The explicit padding of the convolution for inputs of `spatial` shape."""
+        raise NotImplementedError
+
+    def _spans(self) -> list[int]:
+        """The extent of the dilated kernel window on each spatial axis."""
+        return dilate(self.kernel.shape[:-2], self.kernel_dilation)
+
+    def _convolve(
+        self, layer: str, x: jax.Array, strides: Sequence[int], input_dilation: Sequence[int]
+    ) -> jax.Array:
+        """Checks `x` ``[*batch, *spatial, in]``, folds its batch axes into one, convolves it
+        with `strides` between windows and `input_dilation` between input elements, adds
+        the bias, all in ``dtype`` (None: the kernel's); `layer` names the layer in errors.
+        Returns ``[*batch, *out_spatial, out]``."""
+        kernel, bias, groups = self.kernel, self.bias, self.feature_group_count
+        n = kernel.ndim - 2
+        in_features = kernel.shape[-2] * groups
+        if x.ndim < n + 1:
+            raise ValueError(
+                f"{layer} has a {n}D kernel {tuple(kernel.shape)}, so it expects inputs "
+                f"[*batch, {n} spatial axes, {in_features} features] (channels last), got an "
+                f"input of shape {tuple(x.shape)}. Add the missing axes, e.g. x[..., None] for "
+                f"one channel."
+            )
+        why = f"its kernel is {tuple(kernel.shape)}"
+        why += f" with {groups} groups" if groups > 1 else ""
+        check_features(layer, x, in_features, why=why, argument="in_features")
+        batch, spatial = x.shape[: -n - 1], x.shape[-n - 1 : -1]
+        letters = SPATIAL_LETTERS[:n]
+        dtype = compute_dtype(self.dtype, kernel)
+        x, kernel = x.astype(dtype), kernel.astype(dtype)
+        bias = None if bias is None else bias.astype(dtype)
+        # under Explicit axes the reshapes and the convolution are told their output's split:
+        # the batch axes' split, none on the spatial axes, the kernel's on the output channels
+        explicit = bool(explicit_axes())
+        splits = typed_spec(x) if explicit else (None,) * x.ndim
+        flat = merged(splits[: -n - 1])
+        folded = P(flat, *splits[-n - 1 :]) if explicit else None
+        out = P(flat, *(None,) * n, free(typed_spec(kernel)[-1], flat)) if explicit else None
+        y = jax.lax.conv_general_dilated(
+            jnp.reshape(x, (-1, *spatial, in_features), out_sharding=folded),
+            kernel,
+            window_strides=strides,
+            padding=self._pads(spatial),
+            lhs_dilation=input_dilation,
+            rhs_dilation=self.kernel_dilation,
+            dimension_numbers=(f"N{letters}C", f"{letters}IO", f"N{letters}C"),
+            feature_group_count=groups,
+            precision=self.precision,
+            out_sharding=out,
+        )
+        unfolded = P(*splits[: -n - 1], *typed_spec(y)[1:]) if explicit else None
+        y = y.reshape((*batch, *y.shape[1:]), out_sharding=unfolded)
+        return y if bias is None else y + follow(bias, y)

@@ -1,8 +1,11 @@
-"""Input checks shared by the layers: one message style, naming the layer and both values."""
+"""The checks layers make of their inputs and arguments: one message style, naming the layer
+and both values."""
 
 from __future__ import annotations
 
 from typing import Any
+
+import jax.numpy as jnp
 
 
 def check_features(layer: str, x: Any, expected: int, *, why: str, argument: str) -> None:
@@ -16,3 +19,18 @@ def check_features(layer: str, x: Any, expected: int, *, why: str, argument: str
             f"input of shape {tuple(x.shape)}. Pass inputs with {expected} features on the "
             f"last axis, or build the layer for this input ({fit})."
         )
+
+
+def check_ids(layer: str, ids: Any) -> None:
+    """Raises a TypeError naming `layer` (a lookup table) when `ids` are not integers."""
+    if not jnp.issubdtype(ids.dtype, jnp.integer):
+        raise TypeError(
+            f"{layer} expects integer ids, got an array of dtype {ids.dtype} and shape "
+            f"{tuple(ids.shape)}; cast it first: ids.astype(jnp.int32)."
+        )
+
+
+def divisors(n: int) -> list[int]:
+    """The counts that split `n` into equal parts (1 to `n`), which an error about a count
+    that must divide `n` suggests."""
+    return [d for d in range(1, n + 1) if n % d == 0]

@@ -10,9 +10,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
+from jaxtyping import Array, Bool, Float
 
-from ._checks import check_features
 from ._explicit import explicit_axes, merged, typed_spec
+from ._layer_checks import check_features
 from ._random import keep_mask
 
 # Compiled as one unit, so that calls outside jax.jit compile once per shape instead of
@@ -43,8 +44,10 @@ def check_inputs(
 ) -> None:
     """Raises a ValueError naming `layer` when the inputs do not fit the `query` and `key`
     kernels, or have different batch axes."""
-    for x, name, kernel, argument in ((inputs_q, "query", query, "in_features"),
-                                      (inputs_kv, "key", key, "kv_features")):  # fmt: skip
+    for x, name, kernel, argument in (
+        (inputs_q, "query", query, "in_features"),
+        (inputs_kv, "key", key, "kv_features"),
+    ):
         why = f"its {name} kernel is {tuple(kernel.shape)}"
         check_features(layer, x, kernel.shape[0], why=why, argument=argument)
     if inputs_q.ndim < 2 or inputs_kv.shape[:-2] != inputs_q.shape[:-2]:
@@ -77,17 +80,25 @@ def fold_mask(
 
 
 def attend(
-    q: jax.Array, k: jax.Array, v: jax.Array, mask: Any, causal: bool, *,
-    precision: jax.lax.PrecisionLike, dropout_rate: float, key: Any,
-) -> jax.Array:  # fmt: skip
+    q: Float[Array, "B t heads d"],
+    k: Float[Array, "B s kv_heads d"],
+    v: Float[Array, "B s kv_heads d"],
+    mask: Bool[Array, "#B #heads #t #s"] | None,
+    causal: bool,
+    *,
+    precision: jax.lax.PrecisionLike,
+    dropout_rate: float,
+    key: Any,
+) -> Float[Array, "B t heads d"]:
     """Attention of `q` ``[B, t, heads, d]`` to `k` and `v` ``[B, s, kv_heads, d]``, `mask`
     ``[B | 1, heads | 1, t | 1, s | 1]`` (True: may attend) and `causal` (query ``i`` sees
     keys up to ``i``), its products at `precision`: ``jax.nn.dot_product_attention``, or,
     for dropout (a `key` and a rate) or a precision other than one ``jax.lax.Precision``
     (a pair, a dot algorithm), the same written out."""
+    dropout = (dropout_rate, key) if key is not None and dropout_rate > 0.0 else None
     one = precision is None or isinstance(precision, jax.lax.Precision)
-    if (key is not None and dropout_rate > 0.0) or not one:
-        return _written_out(q, k, v, mask, causal, precision, dropout_rate, key)
+    if dropout is not None or not one:
+        return _written_out(q, k, v, mask, causal, precision, dropout)
     # jax.nn.dot_product_attention takes no precision: the scoped default reaches its
     # products (the tests read it in the jaxpr)
     scope = contextlib.nullcontext()
@@ -100,16 +111,24 @@ def attend(
 
 
 def _written_out(
-    q: jax.Array, k: jax.Array, v: jax.Array, mask: Any, causal: bool,
-    precision: jax.lax.PrecisionLike, dropout_rate: float, key: Any,
-) -> jax.Array:  # fmt: skip
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    mask: jax.Array | None,
+    causal: bool,
+    precision: jax.lax.PrecisionLike,
+    dropout: tuple[float, Any] | None,
+) -> jax.Array:
     """Grouped, masked and scaled as ``jax.nn.dot_product_attention`` does it, with the
-    products at `precision`, logits and softmax in float32 and dropout on the weights."""
+    products at `precision`, logits and softmax in float32 and, with `dropout` (its rate
+    and key), dropout on the weights."""
     b, t, heads, d = q.shape
     s, kv_heads = k.shape[1], k.shape[2]
     grouped = (b, t, kv_heads, heads // kv_heads, d)  # query head h = k * groups + g
-    logits = jnp.einsum("btkgd,bskd->bkgts", _reshape(q, grouped), k, precision=precision,
-                        preferred_element_type=jnp.float32)  # fmt: skip
+    q = _reshape(q, grouped)
+    logits = jnp.einsum(
+        "btkgd,bskd->bkgts", q, k, precision=precision, preferred_element_type=jnp.float32
+    )
     logits = logits * jnp.float32(d**-0.5)
     allowed = jnp.ones((1, 1, 1, t, s), jnp.bool_)
     if mask is not None:
@@ -119,9 +138,10 @@ def _written_out(
         allowed = allowed & jnp.tril(jnp.ones((t, s), jnp.bool_))
     logits = jnp.where(allowed, logits, jnp.finfo(logits.dtype).min)
     weights = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
-    if key is not None and dropout_rate > 0.0:
-        keep = keep_mask(key, dropout_rate, weights.shape)
-        weights = jnp.where(keep, weights / jnp.asarray(1.0 - dropout_rate, weights.dtype), 0)
+    if dropout is not None:
+        rate, key = dropout
+        keep = keep_mask(key, rate, weights.shape)
+        weights = jnp.where(keep, weights / jnp.asarray(1.0 - rate, weights.dtype), 0)
     y = jnp.einsum("bkgts,bskd->btkgd", weights, v, precision=precision)
     return _reshape(y, (b, t, heads, d))
 
