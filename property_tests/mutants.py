@@ -106,12 +106,12 @@ def _flat_items(state: dict, prefix: str = "") -> list:
 def _mutants() -> dict[str, Any]:
     """Each variant's name and the patches (module, attribute, value) it makes."""
     from taktiny.sharding import _eval_shape as _abstract
-    from taktiny.state import _patterns, _state, _values
+    from taktiny.state import _patterns, _state, _tree, _values
 
     match = _patterns.match
 
-    flat_state_dict, state_dict = _state.flat_state_dict, _state.state_dict
-    flat_read, nested_read, convert = _state.flat_state_dict, _state.state_dict, _values.convert
+    flat_state_dict, state_dict = _tree.flat_state_dict, _tree.state_dict
+    flat_read, nested_read, convert = _tree.flat_state_dict, _tree.state_dict, _values.convert
 
     def drop_sharding(model: Any, state: Any, result: Any, flat: bool) -> Any:
         if _traced(result):
@@ -177,9 +177,9 @@ def _mutants() -> dict[str, Any]:
     nested_sorted = lambda m: jax.tree.map(lambda x: x, nested_read(m))
     state_copies = lambda m: jax.tree.map(np.asarray, nested_read(m))
     return {
-        "flat_sorted": [(_state, "flat_state_dict", flat_sorted)],
-        "nested_sorted": [(_state, "state_dict", nested_sorted)],
-        "state_copies": [(_state, "state_dict", state_copies)],
+        "flat_sorted": [(_tree, "flat_state_dict", flat_sorted)],
+        "nested_sorted": [(_tree, "state_dict", nested_sorted)],
+        "state_copies": [(_tree, "state_dict", state_copies)],
         "lists_ignored": [(_state, "load", _wrap_load(before=no_lists))],
         "drop_sharding": [(_state, "load", _wrap_load(after=drop_sharding))],
         "keep_value_sharding": [(_state, "load", _wrap_load(after=keep_value_sharding))],
