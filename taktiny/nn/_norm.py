@@ -175,16 +175,13 @@ class RMSNorm(Module):
     def __call__(
         self, x: Float[Array, "*batch num_features"]
     ) -> Float[Array, "*batch num_features"]:
-        """Normalises `x` over its last axis.
+        """Scales `x` by the root mean square of its last axis (no mean is taken away).
 
         Args:
             x: ``[*batch, num_features]``.
 
         Returns:
-            ``[*batch, num_features]``, in ``dtype``.
-
-        Raises:
-            ValueError: the last axis of `x` does not have ``num_features`` entries.
+            ``[*batch, num_features]``, in ``dtype``; raises as :meth:`LayerNorm.__call__`.
         """
         with jax.named_scope("RMSNorm"):
             out = output_dtype("RMSNorm", x, self.scale, None, self.dtype)
