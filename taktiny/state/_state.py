@@ -247,14 +247,10 @@ def _unfilled(view: View[Any], found: Resolved, strict: bool) -> list[StateProbl
     """The leaves a load must fill but the state does not name: every one under `strict`,
     else those of an abstract tree, which have no value to keep. A view that has seen only
     the paths named takes the tree as concrete when every leaf it has seen is."""
-    if not view.sees_all and not strict and found.supplied and not found.other:
-        olds = view.olds  # (the common case, a few concrete leaves named, told quickly)
-        if not any(isinstance(olds[w], jax.ShapeDtypeStruct) for w in found.supplied):
-            return []
     wheres = [*found.supplied, *(w for other in found.other.values() for w in other.wheres)]
-    if not view.sees_all and not strict:
-        seen = [view.olds[w] for w in wheres]
-        if seen and not any(isinstance(old, jax.ShapeDtypeStruct) for old in seen):
+    if not view.sees_all and not strict and wheres:
+        olds = view.olds
+        if not any(isinstance(olds[w], jax.ShapeDtypeStruct) for w in wheres):
             return []
     leaves, spec = view.flattened()
     named = {view.name(w) for w in wheres}

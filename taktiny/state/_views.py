@@ -91,7 +91,6 @@ class View(Protocol[Where]):
 
 # (typed as plain classes: a child found one stays Any, not a half-known ndarray[Unknown])
 _LEAF_TYPES: tuple[type[Any], ...] = (*_names.ARRAY_TYPES, *_names.SCALARS)
-_GROUPS: tuple[type[Any], ...] = (list, tuple, dict)  # and modules: what a walk goes into
 
 
 class Flat:
@@ -212,7 +211,7 @@ class Walk:
             return None
         if type(child) is self._array:
             return LEAF, child
-        if hasattr(child.__class__, "_taktiny_data") or isinstance(child, _GROUPS):  # (is_param)
+        if not _names.is_param(child):
             return GROUP, child
         if isinstance(child, _LEAF_TYPES):
             return LEAF, child
