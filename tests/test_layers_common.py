@@ -277,14 +277,16 @@ BAD_INPUTS = [  # (the layer, the input): made in the test, not at import
         lambda: jnp.ones((2, 5)),
         ValueError,
         "Linear expects inputs whose last axis has 4 features (its kernel is (4, 3)), got an "
-        "input of shape (2, 5).",
+        "input of shape (2, 5). Pass inputs with 4 features on the last axis, or build the "
+        "layer for this input (in_features=5).",
     ),
     (
         lambda: nn.Linear(4, 3, rngs=rngs()),
         lambda: jnp.ones(()),
         ValueError,
         "Linear expects inputs whose last axis has 4 features (its kernel is (4, 3)), got an "
-        "input of shape ().",
+        "input of shape (). Pass inputs with 4 features on the last axis, or build the layer "
+        "for this input (a batch of vectors of 4).",
     ),
     (
         lambda: nn.Embed(5, 4, rngs=rngs()),

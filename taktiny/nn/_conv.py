@@ -85,8 +85,6 @@ class Conv(_Convolution):
         TypeError: `kernel_size` is neither an int nor a tuple of ints.
     """
 
-    kernel: Float[Array, "*kernel_size in_per_group out_features"]
-    bias: Float[Array, " out_features"] | None
     input_dilation: tuple[int, ...]
     dtype: jnp.dtype | None = DTYPE
     precision: jax.lax.PrecisionLike = PRECISION

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
+from jaxtyping import Array, Float
 
 from ..module._module import Module
 from ._explicit import explicit_axes, follow, free, merged, typed_spec
@@ -110,11 +111,12 @@ def check_groups(layer: str, in_features: int, out_features: int, groups: int) -
 
 
 class _Convolution(Module):
-    """What `Conv` and `ConvTranspose` share: the configuration below and the convolution of
-    channels-last inputs. Each declares (and documents) the rest of its fields: `kernel`
-    ``[*window, in // groups, out]`` and `bias`, then ``dtype`` and ``precision``, whose
-    defaults must come last."""
+    """What `Conv` and `ConvTranspose` share: the parameters and configuration below and the
+    convolution of channels-last inputs. Each documents these fields and declares the rest,
+    ending with ``dtype`` and ``precision``, whose defaults must come last."""
 
+    kernel: Float[Array, "*kernel_size in_per_group out_features"]
+    bias: Float[Array, " out_features"] | None
     strides: tuple[int, ...]
     padding: str | tuple[tuple[int, int], ...]
     kernel_dilation: tuple[int, ...]

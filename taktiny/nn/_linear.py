@@ -11,6 +11,7 @@ from ..module._module import Module
 from ..module._rngs import Rngs
 from ..sharding._specs import Spec
 from ._explicit import project
+from ._layer_checks import check_features
 from ._precision import DTYPE, PRECISION, compute_dtype, static_dtype, static_precision
 from ._random import lecun_normal, zero_bias
 
@@ -81,13 +82,10 @@ class Linear(Module):
             ValueError: the last axis of `x` does not have ``in_features`` entries.
         """
         with jax.named_scope("Linear"):
-            in_features = self.kernel.shape[0]
-            if x.ndim == 0 or x.shape[-1] != in_features:
-                raise ValueError(
-                    f"Linear expects inputs whose last axis has {in_features} features (its "
-                    f"kernel is {tuple(self.kernel.shape)}), got an input of shape "
-                    f"{tuple(x.shape)}."
-                )
+            shape = tuple(self.kernel.shape)
+            check_features(
+                "Linear", x, shape[0], why=f"its kernel is {shape}", argument="in_features"
+            )
             dtype = compute_dtype(self.dtype, self.kernel)
             bias = None if self.bias is None else self.bias.astype(dtype)
             return project(x.astype(dtype), self.kernel.astype(dtype), bias, self.precision)

@@ -102,10 +102,10 @@ class QuantizedLinear(Module):
     def __call__(
         self, x: Float[Array, "*batch in_features"]
     ) -> Float[Array, "*batch out_features"]:
-        """Applies the layer to the last axis of `x`.
+        """Dequantizes the kernel into ``dtype`` and applies it to the last axis of `x`.
 
         Args:
-            x: ``[*batch, in_features]``, any number of batch axes.
+            x: ``[*batch, in_features]``, any number of batch axes, float or int.
 
         Returns:
             ``[*batch, out_features]``, in ``dtype`` (by default `x`'s, when it is float).
