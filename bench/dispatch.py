@@ -150,10 +150,10 @@ def run(config: Config) -> Group:
         for system, st in stats.items():
             trivial.add(op, system, CALLS[system], st.median, (st.low, st.high))
         group.targets += [
-            Target(
-                f"jax.jit dispatch of a Taktiny model <= 1.0x the nested dict ({op})",
+            Target(  # issue 22: at most 0.85x (it was 1.0x)
+                f"jax.jit dispatch of a Taktiny model <= 0.85x the nested dict ({op})",
                 1 / faster(trivial, op, "nested dict"),
-                1.0,
+                0.85,
                 False,
                 "Taktiny time / nested-dict time",
             ),

@@ -347,14 +347,14 @@ def test_any_index_opens_its_own_shards_or_is_refused_by_name(case, tmp_path_fac
         index = folder / "model.safetensors.index.json"
         index.write_bytes(text)
         opened: list[Path] = []
-        header = checkpoint_module._header
+        header = checkpoint_module.read_header
 
         def recorded(file: Path) -> Any:
             opened.append(file)
             return header(file)
 
         inside = folder.resolve()
-        with mock.patch.object(checkpoint_module, "_header", recorded):
+        with mock.patch.object(checkpoint_module, "read_header", recorded):
             try:
                 checkpoint = open_safetensors(index)
             except SafetensorsError as error:

@@ -310,15 +310,15 @@ CASES += [pytest.param(make_index, c, m, id=f"index: {n}") for n, c, m in INDEXE
 
 @pytest.fixture
 def opened(monkeypatch):
-    """The files `_header` opens, each checked to be inside the folder of the index."""
+    """The files `read_header` opens, each checked to be inside the folder of the index."""
     seen = []
-    header = checkpoint_module._header
+    header = checkpoint_module.read_header
 
     def recorded(file):
         seen.append(file)
         return header(file)
 
-    monkeypatch.setattr(checkpoint_module, "_header", recorded)
+    monkeypatch.setattr(checkpoint_module, "read_header", recorded)
     return seen
 
 

@@ -305,7 +305,7 @@ def test_transforming_steps_read_aligned_into_buffers_they_reuse(tmp_path, monke
     rules.append(cv.Rule(["s.0", "s.1"], "s", cv.concatenate()))
     target = {n: jax.ShapeDtypeStruct((21,), jnp.float32) for n in "pqr"}
     target["s"] = jax.ShapeDtypeStruct((4,), jnp.float32)
-    reads, read = [], place._Scratch.read
+    reads, read = [], place.Scratch.read
 
     def logged(self, tensors, checks):
         out = read(self, tensors, checks)
@@ -318,7 +318,7 @@ def test_transforming_steps_read_aligned_into_buffers_they_reuse(tmp_path, monke
         waited.append(sorted(tree) if isinstance(tree, dict) else tree)
         return block(tree)
 
-    monkeypatch.setattr(place._Scratch, "read", logged)
+    monkeypatch.setattr(place.Scratch, "read", logged)
     monkeypatch.setattr(jax, "block_until_ready", blocking)
     for verify in (True, False):
         reads.clear()

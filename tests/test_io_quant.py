@@ -341,13 +341,13 @@ def test_a_quantizing_load_keeps_one_float_tensor_at_a_time(tmp_path, monkeypatc
     path = tmp_path / "f.safetensors"
     save_safetensors(path, model)
     buffers = []
-    real = load_module._Scratch.__init__
+    real = load_module.Scratch.__init__
 
     def counted(self):
         buffers.append(self)
         real(self)
 
-    monkeypatch.setattr(load_module._Scratch, "__init__", counted)
+    monkeypatch.setattr(load_module.Scratch, "__init__", counted)
     load_safetensors(tt.quantize(abstract_net()), path)
     assert len(buffers) == 1  # one read buffer, reused; the plain load reads ahead into two
     buffers.clear()

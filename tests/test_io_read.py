@@ -303,9 +303,9 @@ def test_an_index_of_up_to_a_headers_byte_limit_is_read(sharded, monkeypatch):
 
     index, _ = sharded
     size = index.stat().st_size
-    monkeypatch.setattr(_checkpoint, "_HEADER_LIMIT", size)
+    monkeypatch.setattr(_checkpoint, "HEADER_LIMIT", size)
     assert len(open_safetensors(index)) == 4  # at the limit
-    monkeypatch.setattr(_checkpoint, "_HEADER_LIMIT", size - 1)
+    monkeypatch.setattr(_checkpoint, "HEADER_LIMIT", size - 1)
     with pytest.raises(SafetensorsError, match=rf": not a safetensors index \({size} bytes, more "
                        rf"than the {size - 1} a header may have\)"):  # fmt: skip
         open_safetensors(index)

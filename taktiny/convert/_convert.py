@@ -21,7 +21,7 @@ from ._coverage import (
     runner,
     spec,
 )
-from ._rules import AnyRule, Ignore, Rule, Tie, _compile, _names
+from ._rules import AnyRule, Ignore, Rule, Tie, capture_names, compile_template
 
 
 def _leaves(target: Any) -> dict[str, Any]:
@@ -245,7 +245,7 @@ def export(rules: Sequence[AnyRule], model: Any) -> dict[str, Any]:
         out.update(zip(made, arrays, strict=True))
     for ignore in (r for r in rules if isinstance(r, Ignore) and r.export is not None):
         for pattern in ignore.sources:
-            prefix, wanted = pattern.rpartition(".")[0], _names(pattern)
+            prefix, wanted = pattern.rpartition(".")[0], capture_names(pattern)
             for i, key in groups:
                 sources, binding = rules[i].sources, dict(key)
                 if wanted <= binding.keys() and any(
@@ -253,7 +253,7 @@ def export(rules: Sequence[AnyRule], model: Any) -> dict[str, Any]:
                 ):
                     out[pattern.format(**binding)] = ignore.export
     for tie in (r for r in rules if isinstance(r, Tie) and r.export):
-        partner = _compile(tie.same_as, repr(tie))
+        partner = compile_template(tie.same_as, repr(tie))
         for name, value in list(out.items()):
             if (m := partner.fullmatch("." + name)) is not None:
                 out[tie.sources[0].format(**m.groupdict())] = value
@@ -263,7 +263,7 @@ def export(rules: Sequence[AnyRule], model: Any) -> dict[str, Any]:
 
 
 def _compile_targets(rule: Rule) -> list[Any]:
-    return [_compile(t, repr(rule)) for t in rule.targets]
+    return [compile_template(t, repr(rule)) for t in rule.targets]
 
 
 def round_trip_check(rules: Sequence[AnyRule], model: Any) -> None:

@@ -11,7 +11,7 @@ import jax
 import numpy as np
 
 from ..state import _patterns, _problems, _values
-from ._rules import _CAPTURE, AnyRule, Ignore, Rule, Tie, first_match
+from ._rules import CAPTURE, AnyRule, Ignore, Rule, Tie, first_match
 from ._transforms import Transform
 
 KINDS = ("unused", "missing", "unknown", "unmatched")  # those `allow` may allow; besides:
@@ -115,7 +115,7 @@ def _show(s: Any) -> str:
     return f"{np.dtype(s.dtype).name}{list(s.shape)}"
 
 
-def _allowed(kind: str, name: str, allow: Mapping[str, Sequence[str]]) -> bool:
+def allowed_by(kind: str, name: str, allow: Mapping[str, Sequence[str]]) -> bool:
     return any(
         pattern == name or _patterns.compile_pattern(pattern).fullmatch("." + name)
         for pattern in allow.get(kind, ())
@@ -252,7 +252,7 @@ def plan(
     for leaf in leaves:
         if leaf not in produced:
             add("missing", leaf, f"no rule produces this target leaf; add a Rule, or {keep}.")
-    allowed = [p for p in problems if _allowed(p.kind, p.name, allow)]
+    allowed = [p for p in problems if allowed_by(p.kind, p.name, allow)]
     if len(allowed) < len(problems):
         raise ConversionError(where, [p for p in problems if p not in allowed])
     return Report(tuple(allowed), tuple(steps), tuple(ignored)), ties
@@ -300,6 +300,6 @@ def _why(rule: AnyRule, names: Iterable[str]) -> str:
     if isinstance(rule, Rule) and rule.regex:
         return "check the regular expression against the names"
     try:
-        return _patterns.unused_hint(_CAPTURE.sub("*", rule.sources[0]), list(names))
+        return _patterns.unused_hint(CAPTURE.sub("*", rule.sources[0]), list(names))
     except ValueError:
         return "check the pattern against the names"

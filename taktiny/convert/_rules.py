@@ -18,10 +18,10 @@ import numpy as np
 from ..state import _patterns
 from ._transforms import Transform, identity
 
-_CAPTURE = re.compile(r"\{([A-Za-z_]\w*)\}")
+CAPTURE = re.compile(r"\{([A-Za-z_]\w*)\}")
 
 
-def _compile(template: str, where: str) -> re.Pattern[str]:
+def compile_template(template: str, where: str) -> re.Pattern[str]:
     """The regex (matched against ``"." + name``) of a name template."""
     if not isinstance(template, str) or not template:
         raise ValueError(f"{where}: a name template is a non-empty string, got {template!r}.")
@@ -31,7 +31,7 @@ def _compile(template: str, where: str) -> re.Pattern[str]:
             out.append(r"(?:\.[^.]+)*")
             continue
         pieces, at = [], 0
-        for found in [*_CAPTURE.finditer(part), None]:
+        for found in [*CAPTURE.finditer(part), None]:
             end = len(part) if found is None else found.start()
             if end > at:
                 try:
@@ -51,11 +51,11 @@ def _compile(template: str, where: str) -> re.Pattern[str]:
 
 def _literal(template: str) -> bool:
     """Whether the template names one name once its captures are filled (no wildcards)."""
-    return not any(c in _CAPTURE.sub("", template) for c in "*?[]{}")
+    return not any(c in CAPTURE.sub("", template) for c in "*?[]{}")
 
 
-def _names(template: str) -> set[str]:
-    return set(_CAPTURE.findall(template))
+def capture_names(template: str) -> set[str]:
+    return set(CAPTURE.findall(template))
 
 
 def _tuple(value: str | Sequence[str]) -> tuple[str, ...]:
@@ -119,15 +119,15 @@ class Rule:
                 ) from None
             captures = [set(p.groupindex) for p in self.patterns]
         else:
-            self.patterns = [_compile(s, repr(self)) for s in self.sources]
-            captures = [_names(s) for s in self.sources]
+            self.patterns = [compile_template(s, repr(self)) for s in self.sources]
+            captures = [capture_names(s) for s in self.sources]
         for target in self.targets:
             if not _literal(target):
                 raise ValueError(
                     f"{self!r}: the target {target!r} has a wildcard; a target names one "
                     f"parameter, with {{name}} captures from the source only."
                 )
-        kept = set().union(*map(_names, self.targets))
+        kept = set().union(*map(capture_names, self.targets))
         for source, names in zip(self.sources, captures, strict=True):
             if not kept <= names:
                 raise ValueError(
@@ -200,9 +200,9 @@ class Ignore:
     """
 
     def __init__(self, *patterns: str, export: Any = None):
-        self.sources = patterns  # (first: the errors of _compile name the Ignore by them)
+        self.sources = patterns  # (first: the errors of compile_template name the Ignore by them)
         self.export = None if export is None else np.asarray(export)
-        self.patterns = [_compile(p, repr(self)) for p in patterns]
+        self.patterns = [compile_template(p, repr(self)) for p in patterns]
         if not patterns:
             raise ValueError("Ignore() needs at least one name pattern.")
         if export is not None and not all(_literal(p) for p in patterns):
@@ -242,9 +242,11 @@ class Tie:
 
     def __init__(self, source: str, same_as: str, *, export: bool = False):
         self.sources, self.same_as, self.export = (source,), same_as, export
-        self.patterns = [_compile(source, repr(self))]
-        _compile(same_as, repr(self))
-        if not (_literal(source) and _literal(same_as)) or _names(source) != _names(same_as):
+        self.patterns = [compile_template(source, repr(self))]
+        compile_template(same_as, repr(self))
+        if not (_literal(source) and _literal(same_as)) or capture_names(source) != capture_names(
+            same_as
+        ):
             raise ValueError(
                 f"{self!r}: both names must be templates with the same captures and no "
                 f"wildcards, so each tied name has exactly one partner."

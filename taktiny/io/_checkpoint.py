@@ -11,7 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from . import _quantized_format as qz
-from ._header import _HEADER_LIMIT, _header, _short, parse_json, unpaired_surrogate
+from ._header import HEADER_LIMIT, parse_json, read_header, unpaired_surrogate
+from ._quantized_format import short
 from ._read import SafetensorsError, Tensor
 
 
@@ -92,7 +93,7 @@ def open_safetensors(path: str | os.PathLike[str]) -> Checkpoint:
     path = _resolve(Path(path))
     if path.name.endswith(".json"):
         return _open_index(path)
-    tensors, metadata = _header(path)
+    tensors, metadata = read_header(path)
     return Checkpoint(path, tensors, metadata, _layouts(path, [(path, metadata)], tensors))
 
 
@@ -171,7 +172,7 @@ def _layouts(
 
 
 def _open_index(index: Path) -> Checkpoint:
-    weight_map = _weight_map(index)
+    weight_map = read_weight_map(index)
     folder = index.parent.resolve()
     files: dict[str, Path] = {}  # each shard's name, as the index gives it, and its file
     shards: dict[Path, str] = {}
@@ -187,7 +188,7 @@ def _open_index(index: Path) -> Checkpoint:
     tensors: dict[str, Tensor] = {}
     metas: list[tuple[Path, dict[str, str]]] = []
     for file, shard in sorted(shards.items(), key=lambda item: item[1]):
-        found, meta = _header(file)
+        found, meta = read_header(file)
         metas.append((file, meta))
         for name, tensor in found.items():
             listed = weight_map.get(name)
@@ -207,13 +208,13 @@ def _open_index(index: Path) -> Checkpoint:
     return Checkpoint(index, tensors, metadata, _layouts(index, metas, tensors))
 
 
-def _weight_map(index: Path) -> dict[str, str]:
+def read_weight_map(index: Path) -> dict[str, str]:
     """The index's ``weight_map``, checked: JSON of no more bytes than a header may have,
     a ``weight_map`` of names to strings, and ``metadata`` (when given) an object."""
     size = index.stat().st_size
     try:
-        if size > _HEADER_LIMIT:
-            raise ValueError(f"{size} bytes, more than the {_HEADER_LIMIT} a header may have")
+        if size > HEADER_LIMIT:
+            raise ValueError(f"{size} bytes, more than the {HEADER_LIMIT} a header may have")
         content = parse_json(index.read_bytes(), "its JSON")
         if type(content) is not dict:
             raise ValueError(f"a JSON {type(content).__name__}, not an object")
@@ -221,9 +222,9 @@ def _weight_map(index: Path) -> dict[str, str]:
             raise ValueError("no weight_map")
         weight_map, metadata = content["weight_map"], content.get("metadata")
         if type(weight_map) is not dict:
-            raise ValueError(f"the weight_map is {_short(weight_map)}, not an object")
+            raise ValueError(f"the weight_map is {short(weight_map)}, not an object")
         if metadata is not None and type(metadata) is not dict:
-            raise ValueError(f"the metadata is {_short(metadata)}, not an object")
+            raise ValueError(f"the metadata is {short(metadata)}, not an object")
     except ValueError as error:
         raise SafetensorsError(
             f"{index}: not a safetensors index ({error}); an index is JSON with "
@@ -232,7 +233,7 @@ def _weight_map(index: Path) -> dict[str, str]:
     for name, shard in weight_map.items():
         if type(shard) is not str:
             raise SafetensorsError(
-                f"{index}: the weight_map gives {name!r} the shard {_short(shard)}, which is no "
+                f"{index}: the weight_map gives {name!r} the shard {short(shard)}, which is no "
                 f"file name; it maps each tensor name to the file beside the index holding it."
             )
     if (unpaired := unpaired_surrogate([*weight_map, *weight_map.values()])) is not None:
@@ -255,21 +256,21 @@ def _shard(index: Path, folder: Path, name: str, shard: str) -> Path:
         file = (folder / shard).resolve()
     except (OSError, RuntimeError) as error:  # a symlink loop is a RuntimeError
         raise SafetensorsError(
-            f"{index}: the shard {_short(shard)} of {name!r} cannot be resolved ({error}); an "
+            f"{index}: the shard {short(shard)} of {name!r} cannot be resolved ({error}); an "
             f"index may name only files beside it."
         ) from None
     if folder not in file.parents:
         raise SafetensorsError(
-            f"{index}: the shard {_short(shard)} of {name!r} is outside the index's folder "
+            f"{index}: the shard {short(shard)} of {name!r} is outside the index's folder "
             f"{folder}; an index may name only files beside it."
         )
     try:
         present = file.is_file()
     except OSError as error:  # a name too long for the file system, say
         raise SafetensorsError(
-            f"{index}: the shard {_short(shard)} of {name!r} cannot be opened ({error}); an "
+            f"{index}: the shard {short(shard)} of {name!r} cannot be opened ({error}); an "
             f"index may name only files beside it."
         ) from None
     if not present:
-        raise SafetensorsError(f"{index}: the shard {_short(shard)} (of {name!r}) is missing.")
+        raise SafetensorsError(f"{index}: the shard {short(shard)} (of {name!r}) is missing.")
     return file

@@ -18,7 +18,6 @@ from __future__ import annotations
 import itertools
 import json
 import operator
-import reprlib
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -26,14 +25,14 @@ from typing import Any
 from . import _checksum
 from . import _quantized_format as qz
 from ._dtypes import CODES
-from ._read import SafetensorsError, Tensor, _Packed
+from ._read import Packed, SafetensorsError, Tensor
 
 _KNOWN = frozenset(CODES)  # the dtype codes a header may give (see _dtypes)
 _DTYPE, _SHAPE = operator.itemgetter("dtype"), operator.itemgetter("shape")
 _OFFSETS = operator.itemgetter("data_offsets")
 _FIRST, _SECOND = operator.itemgetter(0), operator.itemgetter(1)
 _NBYTES = operator.attrgetter("nbytes")
-_HEADER_LIMIT = 100 * 2**20  # the safetensors library's own limit on a header
+HEADER_LIMIT = 100 * 2**20  # the safetensors library's own limit on a header
 MAX_RANK = 64  # NumPy's most axes
 _CONTAINERS_PER_ENTRY, _SPARE_CONTAINERS = 8, 1_000_000  # JSON lists and objects a header may hold
 LIMIT = 2**63  # dims, element counts and byte offsets stay below it (int64, as NumPy)
@@ -101,20 +100,20 @@ def count(shape: Any) -> int:
 def _problem(name: str, entry: Any) -> str | None:
     """What is wrong with one header entry on its own, or None."""
     if type(entry) is not dict:
-        return f"the header entry of {name!r} is {_short(entry)}, not an object; {_ENTRY}."
+        return f"the header entry of {name!r} is {qz.short(entry)}, not an object; {_ENTRY}."
     dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
     if type(dtype) is not str or type(shape) is not list or type(offsets) is not list:
-        return f"the header entry of {name!r} is {_short(entry)}; {_ENTRY}."
+        return f"the header entry of {name!r} is {qz.short(entry)}; {_ENTRY}."
     if len(shape) > MAX_RANK:
         return (
             f"{name!r} has {len(shape)} axes, more than the {MAX_RANK} NumPy allows; the header "
             f"is corrupt."
         )
     if len(offsets) != 2 or not all(type(n) is int and 0 <= n < LIMIT for n in (*shape, *offsets)):
-        return f"the header entry of {name!r} is {_short(entry)}; {_ENTRY}."
+        return f"the header entry of {name!r} is {qz.short(entry)}; {_ENTRY}."
     if dtype not in CODES:
         return (
-            f"{name!r} has the dtype {_short(dtype)}, which Taktiny cannot read; it reads "
+            f"{name!r} has the dtype {qz.short(dtype)}, which Taktiny cannot read; it reads "
             f"{sorted(CODES)}."
         )
     overflow = _overflow(name, shape)
@@ -131,7 +130,7 @@ def _overflow(name: str, shape: Any) -> str | None:
         count(shape)
     except OverflowError:
         return (
-            f"{name!r} has the shape {_short(shape)}, whose element count reaches 2**63; the "
+            f"{name!r} has the shape {qz.short(shape)}, whose element count reaches 2**63; the "
             f"header is corrupt."
         )
     return None
@@ -147,16 +146,6 @@ def _disagrees(tensor: Tensor, dtype: str, begin: int, end: int) -> str:
     )
 
 
-_REPR = reprlib.Repr()  # a header's values shown in messages: a few items of each, 3 deep
-_REPR.maxlevel, _REPR.maxstring, _REPR.maxother = 3, 80, 80
-_REPR.maxlist = _REPR.maxtuple = _REPR.maxdict = 8
-
-
-def _short(value: Any) -> str:
-    """`value` in a message: its repr, shortened to a few items of each container."""
-    return _REPR.repr(value)
-
-
 def _torch_kind(prefix: bytes) -> str:
     """What a file whose first bytes are `prefix` is, when they are those of a PyTorch
     checkpoint: a zip archive (what ``torch.save`` writes) or a pickle (its legacy
@@ -168,7 +157,7 @@ def _torch_kind(prefix: bytes) -> str:
     return ""
 
 
-def _header(file: Path) -> tuple[dict[str, Tensor], dict[str, str]]:
+def read_header(file: Path) -> tuple[dict[str, Tensor], dict[str, str]]:
     """The tensors a safetensors file's header describes, in the order of their bytes,
     and its metadata; every entry checked against the file's size."""
     size = file.stat().st_size
@@ -179,7 +168,7 @@ def _header(file: Path) -> tuple[dict[str, Tensor], dict[str, str]]:
     with open(file, "rb", buffering=0) as f:
         prefix = f.read(8)
         length = int.from_bytes(prefix, "little") if len(prefix) == 8 else -1
-        if not 0 < length <= min(size - 8, _HEADER_LIMIT):
+        if not 0 < length <= min(size - 8, HEADER_LIMIT):
             kind = _torch_kind(prefix)
             if kind:
                 raise bad(
@@ -192,9 +181,9 @@ def _header(file: Path) -> tuple[dict[str, Tensor], dict[str, str]]:
                 f"not a safetensors file: its first 8 bytes give a header of {length} bytes, "
                 f"and the file has {size}"
                 + (
-                    f"; a header may have at most {_HEADER_LIMIT} bytes (the safetensors "
+                    f"; a header may have at most {HEADER_LIMIT} bytes (the safetensors "
                     f"library's limit). The file is corrupt."
-                    if length > _HEADER_LIMIT
+                    if length > HEADER_LIMIT
                     else ". It is truncated or of another format."
                 )
             )
@@ -388,13 +377,13 @@ def _metadata(metadata: Any, bad: Any) -> dict[str, str]:
         return {}
     if type(metadata) is not dict:
         raise bad(
-            f"the header's __metadata__ is {_short(metadata)}, not an object; the metadata "
+            f"the header's __metadata__ is {qz.short(metadata)}, not an object; the metadata "
             f"maps strings to strings. The file is corrupt."
         )
     if not set(map(type, metadata.values())) <= {str}:
         key, value = next((k, v) for k, v in metadata.items() if type(v) is not str)
         raise bad(
-            f"the header's __metadata__ gives {key!r} the value {_short(value)}, which is no "
+            f"the header's __metadata__ gives {key!r} the value {qz.short(value)}, which is no "
             f"string; the metadata maps strings to strings. The file is corrupt."
         )
     return metadata
@@ -422,5 +411,5 @@ def _unpacked(tensors: dict[str, Tensor], packed: str | None, bad: Any) -> dict[
                 f"two per byte, which is stored as uint8{list(want)}, but the file holds "
                 f"{stored.dtype_name}{list(stored.shape)}; the header is inconsistent."
             )
-        tensors[name] = _Packed(name, shape, dtype, stored.file, stored.offset)
+        tensors[name] = Packed(name, shape, dtype, stored.file, stored.offset)
     return tensors

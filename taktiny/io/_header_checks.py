@@ -19,7 +19,7 @@ from ._checkpoint import Checkpoint
 from ._read import SafetensorsError, Tensor
 
 
-def _quantizable(name: str, tensor: Tensor, like: QArray) -> err.StateProblem | None:
+def unquantizable(name: str, tensor: Tensor, like: QArray) -> err.StateProblem | None:
     """What stops a float tensor from being quantized into the QArray `like` (None: nothing)."""
     layout = qz.describe(like.bits, like.axis, like.group_size)
     if _values.kind(tensor.dtype) != "floating":
@@ -29,7 +29,9 @@ def _quantizable(name: str, tensor: Tensor, like: QArray) -> err.StateProblem | 
     return None
 
 
-def _representation(name: str, like: QArray, checkpoint: Checkpoint) -> err.StateProblem | None:
+def other_representation(
+    name: str, like: QArray, checkpoint: Checkpoint
+) -> err.StateProblem | None:
     """A problem when the checkpoint's parts of `name` are quantized otherwise than `like`
     (by its recorded layout, or else by its values' dtype)."""
     want = (like.bits, like.axis, like.group_size)
@@ -48,7 +50,7 @@ def _representation(name: str, like: QArray, checkpoint: Checkpoint) -> err.Stat
     return err.stored_quantized_otherwise(name, qz.describe(*want), want, got, have)
 
 
-def _quantized_into_float(
+def quantized_into_float(
     checkpoint: Checkpoint, leaves: Mapping[str, Any], unknown: list[str]
 ) -> dict[str, err.StateProblem]:
     """A problem for each float leaf whose checkpoint holds quantized parts instead."""
@@ -60,7 +62,7 @@ def _quantized_into_float(
         record = checkpoint.quantized.get(base)
         if record is None and not {f"{base}.value", f"{base}.scale"} <= set(checkpoint):
             continue
-        shape, dtype = _spec(leaves[base])
+        shape, dtype = spec_of(leaves[base])
         layout = None if record is None else (_meta(record), qz.describe(*_meta(record)))
         out[base] = err.stored_quantized(base, dtype, shape, layout)
     return out
@@ -70,7 +72,7 @@ def _meta(record: Mapping[str, Any]) -> tuple[int, int, int | None]:
     return record["bits"], record["axis"], record["group_size"]
 
 
-def _packed_unlisted(tensor: Tensor, shape: tuple[int, ...], dtype: np.dtype) -> None:
+def check_packed_listed(tensor: Tensor, shape: tuple[int, ...], dtype: np.dtype) -> None:
     """Raises when a uint8 tensor stands where the model holds a 4-bit array of which it
     could be the packed bytes, but its file does not list it as packed."""
     if dtype.name in qz.FOUR_BIT and tensor.dtype == np.uint8 and not tensor.packed:
@@ -84,7 +86,9 @@ def _packed_unlisted(tensor: Tensor, shape: tuple[int, ...], dtype: np.dtype) ->
             )
 
 
-def _absent(leaves: Mapping[str, Any], loaded: set[str], strict: bool) -> list[err.StateProblem]:
+def absent_leaves(
+    leaves: Mapping[str, Any], loaded: set[str], strict: bool
+) -> list[err.StateProblem]:
     """The leaves not loaded that must be: all of them under strict=True, and those of an
     abstract model (they have no value to keep); checked before anything is read."""
     absent = [name for name in leaves if name not in loaded]
@@ -93,6 +97,6 @@ def _absent(leaves: Mapping[str, Any], loaded: set[str], strict: bool) -> list[e
     return [err.abstract(n) for n in absent if isinstance(leaves[n], jax.ShapeDtypeStruct)]
 
 
-def _spec(leaf: Any) -> tuple[tuple[int, ...], np.dtype]:
+def spec_of(leaf: Any) -> tuple[tuple[int, ...], np.dtype]:
     dtype = getattr(leaf, "dtype", None)
     return tuple(np.shape(leaf)), np.dtype(dtype) if dtype is not None else np.result_type(leaf)

@@ -25,9 +25,9 @@ from ..state import _problems as err
 from ..state import _state, _tree
 from . import _quantized_format as qz
 from ._checkpoint import Checkpoint, open_safetensors
-from ._header_checks import _absent
-from ._place import _by_device, _Checks, _direct, _Scratch, _sharding, _transform
-from ._plan import _parts, _plain, _ruled
+from ._header_checks import absent_leaves
+from ._place import Checks, Scratch, direct_leaf, placed_by_device, sharding_of, transformed
+from ._plan import parts_of, plain_steps, ruled_steps
 from ._read import Readahead, Tensor
 
 PROGRESS_BYTES = 256 * 2**20  # loads of more bytes than this show a progress bar by default
@@ -101,25 +101,25 @@ def load_safetensors(
     leaves = _tree.flat_state_dict(model)
     quantized = qz.quantized_arrays(model)
     if rules is None:
-        steps = _plain(where, checkpoint, leaves, quantized, strict)
+        steps = plain_steps(where, checkpoint, leaves, quantized, strict)
     else:
-        steps = _ruled(where, rules, allow, checkpoint, leaves, quantized, strict)
-    made = {p for s in steps for t in s.targets for p in _parts(t, quantized)}
-    problems = _absent(leaves, made, strict)
+        steps = ruled_steps(where, rules, allow, checkpoint, leaves, quantized, strict)
+    made = {p for s in steps for t in s.targets for p in parts_of(t, quantized)}
+    problems = absent_leaves(leaves, made, strict)
     if problems:
         raise err.StateDictError(where, problems)
     steps.sort(key=lambda s: min((str(t.file), t.offset) for t in _tensors(checkpoint, s)))
     total = sum(t.nbytes for s in steps for t in _tensors(checkpoint, s))
     order = [t for step in steps for t in _tensors(checkpoint, step)]
     starts = list(itertools.accumulate((len(s.sources) for s in steps), initial=0))
-    direct = [_direct(s, _tensors(checkpoint, s), leaves) for s in steps]
+    direct = [direct_leaf(s, _tensors(checkpoint, s), leaves) for s in steps]
     # step k reads into scratch k % 2 while step k - 1 transforms. A quantizing load keeps
     # one float tensor at a time: one buffer, which a step reads into once the step before
     # it is done with it (the Readahead keeps the disk reading meanwhile)
     shrinks = any(t in quantized for s in steps for t in s.targets)
-    scratch = (_Scratch(),) if shrinks else (_Scratch(), _Scratch())
+    scratch = (Scratch(),) if shrinks else (Scratch(), Scratch())
     placed: dict[str, Any] = {}
-    checks = _Checks() if verify else None
+    checks = Checks() if verify else None
 
     def read(k: int) -> Any:  # in the reader thread: preadv, mmap and XLA release the GIL
         try:  # (whatever it raises, the drainer must be told the step ended, or it waits on)
@@ -128,7 +128,7 @@ def load_safetensors(
             sources = _tensors(checkpoint, step)
             leaf = direct[k]
             if leaf is not None:  # renamed only: read and placed block by block, here
-                return {step.targets[0]: _by_device(sources[0], _sharding(leaf), checks)}
+                return {step.targets[0]: placed_by_device(sources[0], sharding_of(leaf), checks)}
             return scratch[k % len(scratch)].read(sources, checks)
         finally:
             if checks is not None:
@@ -154,7 +154,7 @@ def load_safetensors(
                 placed.update(data)
             else:
                 buffer = scratch[k % len(scratch)]
-                placed.update(_transform(step, data, leaves, quantized, buffer, where))
+                placed.update(transformed(step, data, leaves, quantized, buffer, where))
             if wait:
                 pending = reader.submit(read, k + 1)
             bar.update(sum(checkpoint[n].nbytes for n in step.sources))

@@ -21,17 +21,17 @@ from ..sharding._eval_shape import default_device
 from ..state import _problems as err
 from ..state import _values
 from . import _checksum, _read
-from ._header_checks import _spec
+from ._header_checks import spec_of
 from ._read import Tensor
 
 
-def _direct(step: Step, sources: list[Tensor], leaves: Mapping[str, Any]) -> Any:
+def direct_leaf(step: Step, sources: list[Tensor], leaves: Mapping[str, Any]) -> Any:
     """The leaf a step fills with a tensor as it is on disk (a rename, the leaf's dtype, one
     that JAX holds as it is), or None."""
     wanted = [name for name in step.targets if name in leaves]
     if isinstance(step.rule.transform, identity) and len(sources) == 1 == len(wanted):
         leaf, dtype = leaves[wanted[0]], sources[0].dtype
-        same = dtype == _spec(leaf)[1] == jax.dtypes.canonicalize_dtype(dtype)
+        same = dtype == spec_of(leaf)[1] == jax.dtypes.canonicalize_dtype(dtype)
         if same and wanted[0] == step.targets[0]:
             return leaf
     return None
@@ -50,12 +50,12 @@ def _canonical(names: Sequence[str], read: list[np.ndarray], problems: err.Probl
     return out
 
 
-def _transform(
+def transformed(
     step: Step,
     read: list[np.ndarray],
     leaves: Mapping[str, Any],
     quantized: Mapping[str, QArray],
-    scratch: _Scratch,
+    scratch: Scratch,
     where: str,
 ) -> dict[str, Any]:
     """A transforming step's targets, made from its sources (read into `scratch`) by XLA
@@ -84,7 +84,7 @@ def _transform(
             value = _values.convert(part, value, leaves[part], problems)
             if value is None:
                 continue
-            target = _sharding(leaves[part])
+            target = sharding_of(leaves[part])
             if not target.is_fully_addressable:  # it spans processes: each places its own
                 value = np.asarray(value)  # devices' parts of the (equal) host value
             value = jax.device_put(_values.placeable(value), target)
@@ -95,7 +95,7 @@ def _transform(
     return out
 
 
-class _Scratch:
+class Scratch:
     """One read buffer, reused by every transforming step: its sources are read into it
     (populated once, so its pages do not fault again), placed (JAX adopts them on CPU),
     transformed into arrays of their own, and the buffer is free for the next step."""
@@ -104,7 +104,7 @@ class _Scratch:
         self.memory: Any = bytearray()  # (a step of zero-size tensors alone allocates none)
         self.start = self.size = 0
 
-    def read(self, tensors: Sequence[Tensor], checks: _Checks | None) -> list[np.ndarray]:
+    def read(self, tensors: Sequence[Tensor], checks: Checks | None) -> list[np.ndarray]:
         """The tensors read into the buffer; with `checks`, each one's bytes handed to it
         piece by piece as they are read (hashed by the thread that drains it)."""
         sizes = [-(-t.nbytes // 64) * 64 for t in tensors]  # each at a multiple of 64
@@ -132,12 +132,12 @@ class _Scratch:
         return False
 
 
-def _sharding(leaf: Any) -> Any:
+def sharding_of(leaf: Any) -> Any:
     sharding = getattr(leaf, "sharding", None)
     return sharding or jax.sharding.SingleDeviceSharding(default_device())
 
 
-def _by_device(tensor: Tensor, sharding: Any, checks: _Checks | None) -> jax.Array:
+def placed_by_device(tensor: Tensor, sharding: Any, checks: Checks | None) -> jax.Array:
     """`tensor` placed on `sharding`, each distinct block read once into its own buffer.
     With `checks`, a tensor read whole hands it its bytes as they are read; a block read
     verifies the whole tensor first, streaming it through the hash."""
@@ -158,7 +158,7 @@ def _by_device(tensor: Tensor, sharding: Any, checks: _Checks | None) -> jax.Arr
     return jax.make_array_from_single_device_arrays(tensor.shape, sharding, arrays)
 
 
-class _Checks:
+class Checks:
     """The checksums of what a load's reader thread reads, computed on the thread that
     drains them: the reader hands over each checked tensor, then the pieces of its bytes
     as each is read (still in the CPU's cache), then None at the end of its step; the

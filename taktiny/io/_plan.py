@@ -11,28 +11,34 @@ import jax
 
 from .._qarray import QArray
 from ..convert._convert import check_ties
-from ..convert._coverage import ConversionError, ConversionProblem, Step, check_allow, plan
-from ..convert._coverage import _allowed as allowed_by
+from ..convert._coverage import (
+    ConversionError,
+    ConversionProblem,
+    Step,
+    allowed_by,
+    check_allow,
+    plan,
+)
 from ..convert._rules import AnyRule, Rule
 from ..state import _problems as err
 from ..state import _values
 from ._checkpoint import Checkpoint
 from ._header_checks import (
-    _absent,
-    _packed_unlisted,
-    _quantizable,
-    _quantized_into_float,
-    _representation,
-    _spec,
+    absent_leaves,
+    check_packed_listed,
+    other_representation,
+    quantized_into_float,
+    spec_of,
+    unquantizable,
 )
 
 
-def _parts(name: str, quantized: Mapping[str, QArray]) -> tuple[str, ...]:
+def parts_of(name: str, quantized: Mapping[str, QArray]) -> tuple[str, ...]:
     """The leaves a step's target fills: a quantized parameter's two parts, or itself."""
     return (f"{name}.value", f"{name}.scale") if name in quantized else (name,)
 
 
-def _plain(
+def plain_steps(
     where: str,
     checkpoint: Checkpoint,
     leaves: Mapping[str, Any],
@@ -51,20 +57,20 @@ def _plain(
         tensor = checkpoint.get(name)
         if tensor is not None:  # a float array, quantized as it is loaded
             done.update([name, *parts])
-            covered.update(_parts(name, quantized))
-            problem = err.stored_both(name, parts) if parts else _quantizable(name, tensor, like)
+            covered.update(parts_of(name, quantized))
+            problem = err.stored_both(name, parts) if parts else unquantizable(name, tensor, like)
             if problem is not None:
                 problems.append(problem)
             else:
                 steps.append(Step(_IDENTITY, (name,), (name,)))
         elif parts:
-            problem = _representation(name, like, checkpoint)
+            problem = other_representation(name, like, checkpoint)
             if problem is not None:
                 problems.append(problem)
                 done.update(parts)
-                covered.update(_parts(name, quantized))
+                covered.update(parts_of(name, quantized))
     unknown = [(n, checkpoint[n]) for n in checkpoint if n not in leaves and n not in done]
-    floats = _quantized_into_float(checkpoint, leaves, [n for n, _ in unknown])
+    floats = quantized_into_float(checkpoint, leaves, [n for n, _ in unknown])
     problems += floats.values()
     unknown = [(n, t) for n, t in unknown if n.rpartition(".")[0] not in floats]
     problems += err.unknown(unknown, list(leaves), True, set(checkpoint))
@@ -72,8 +78,8 @@ def _plain(
         leaf = leaves.get(name)
         if leaf is None or name in done:
             continue
-        shape, dtype = _spec(leaf)
-        _packed_unlisted(tensor, shape, dtype)
+        shape, dtype = spec_of(leaf)
+        check_packed_listed(tensor, shape, dtype)
         if tuple(tensor.shape) != shape:
             problems.append(err.shape(name, shape, tuple(tensor.shape)))
         elif _values.kind(tensor.dtype) != _values.kind(dtype):
@@ -81,14 +87,14 @@ def _plain(
             problems.append(err.dtype_kind(name, dtype, tensor.dtype, str(want), str(have)))
         else:
             steps.append(Step(_IDENTITY, (name,), (name,)))
-    made = {p for s in steps for t in s.targets for p in _parts(t, quantized)}
-    problems += _absent(leaves, set(checkpoint) | made | covered | set(floats), strict)
+    made = {p for s in steps for t in s.targets for p in parts_of(t, quantized)}
+    problems += absent_leaves(leaves, set(checkpoint) | made | covered | set(floats), strict)
     if problems:
         raise err.StateDictError(where, problems)
     return steps
 
 
-def _ruled(
+def ruled_steps(
     where: str,
     rules: Sequence[AnyRule],
     allow: Mapping[str, Sequence[str]] | None,
@@ -109,14 +115,14 @@ def _ruled(
         check_ties(ties, checkpoint, where)
         return list(report.steps)
     logical = {n: jax.ShapeDtypeStruct(q.shape, q.dtype) for n, q in quantized.items()}
-    either = [p for n in quantized for p in (n, *_parts(n, quantized))]
+    either = [p for n in quantized for p in (n, *parts_of(n, quantized))]
     lenient = {**allowed, "missing": [*allowed.get("missing", ()), *either]}
     report, ties = plan(rules, checkpoint, {**leaves, **logical}, lenient, where, loading=True)
     check_ties(ties, checkpoint, where)
     made = {t for s in report.steps for t in s.targets}
     problems = []
     for name in quantized:
-        parts = [p for p in _parts(name, quantized) if p in made]
+        parts = [p for p in parts_of(name, quantized) if p in made]
         if name in made and parts:
             problems.append(
                 ConversionProblem(
@@ -135,7 +141,7 @@ def _ruled(
                     f"quantized parameter is made from on load; add a Rule, or load with "
                     f"strict=False to keep the model's value.",
                 )
-                for part in _parts(name, quantized)
+                for part in parts_of(name, quantized)
                 if part not in made and not allowed_by("missing", part, allowed)
             ]
     if problems:

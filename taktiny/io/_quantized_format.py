@@ -84,7 +84,7 @@ def packed_record(key: str, text: str) -> dict[str, tuple[np.dtype, tuple[int, .
             or set(record) != {"dtype", "shape"}
         ):
             raise ValueError(
-                f"the metadata {key!r} gives {name!r} the record {_short(record)}; a packed "
+                f"the metadata {key!r} gives {name!r} the record {short(record)}; a packed "
                 f"tensor's record is {{'dtype': one of {sorted(FOUR_BIT)}, 'shape': its logical "
                 f"shape}}"
             )
@@ -105,7 +105,7 @@ def quantized_record(key: str, text: str) -> dict[str, dict[str, Any]]:
             or (group is not None and type(group) is not int)
         ):
             raise ValueError(
-                f"the metadata {key!r} gives {name!r} the record {_short(record)}; a quantized "
+                f"the metadata {key!r} gives {name!r} the record {short(record)}; a quantized "
                 f"parameter's record is {{'bits': int, 'axis': int, 'group_size': int or null, "
                 f"'shape': a list of ints}}"
             )
@@ -139,12 +139,12 @@ def _shape(shape: Any) -> TypeGuard[list[int]]:
     )
 
 
-def _short(value: Any) -> str:
+def short(value: Any) -> str:
     """`value` in a message: its repr, shortened to a few items of each container."""
     return _REPR.repr(value)
 
 
-_REPR = reprlib.Repr()  # as taktiny.io._header shows header values
+_REPR = reprlib.Repr()  # a file's values shown in messages: a few items of each, 3 deep
 _REPR.maxlevel, _REPR.maxstring, _REPR.maxother = 3, 80, 80
 _REPR.maxlist = _REPR.maxtuple = _REPR.maxdict = 8
 

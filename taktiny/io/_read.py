@@ -290,7 +290,7 @@ class Tensor:
         )
 
 
-class _Packed(Tensor):
+class Packed(Tensor):
     """A 4-bit tensor stored packed two per byte along its last axis (see `_quantized`)."""
 
     __slots__ = ("stored",)

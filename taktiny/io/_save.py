@@ -26,8 +26,7 @@ import numpy as np
 from ..state import _tree
 from . import _checksum
 from . import _quantized_format as qz
-from ._checkpoint import SHARD
-from ._checkpoint import _weight_map as read_weight_map
+from ._checkpoint import SHARD, read_weight_map
 from ._read import SafetensorsError
 
 _SUFFIX = ".safetensors"

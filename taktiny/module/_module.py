@@ -170,7 +170,7 @@ def _new_items(old: Any, new: Any) -> tuple[list[Any], list[Any]] | None:
     return [n for n, o in pairs if n is not o], [n for n, o in pairs if n is o]
 
 
-def _finalise(
+def finalise(
     obj: Module, changed: Mapping[str, Any] | None = None, previous: Mapping[str, Any] | None = None
 ) -> Module:
     """Sorts the attributes of a freshly built `obj` into data and static, checks them, and
@@ -260,7 +260,7 @@ class _ModuleMeta(type):
             cls.__init__(obj, *args, **kwargs)
         finally:
             _INITIALISING.discard(id(obj))
-        return _finalise(obj)
+        return finalise(obj)
 
 
 class _NodeMeta(_ModuleMeta):
@@ -358,7 +358,7 @@ class Module(types.SimpleNamespace, metaclass=_ModuleMeta):
         obj: Any = types.SimpleNamespace.__new__(type(self))
         obj.__dict__.update(fields)
         obj.__dict__.update(changes)
-        return _finalise(obj, changes, fields)
+        return finalise(obj, changes, fields)
 
     def __pdoc__(self, **kwargs: Any) -> wl.AbstractDoc:
         declared = type(self)._taktiny_fields

@@ -14,7 +14,7 @@ from jax.typing import DTypeLike
 from jaxtyping import Array, Float, Integer
 
 from .._qarray import QArray, dequantize_array, quantized
-from ..module._module import Module, _finalise
+from ..module._module import Module, finalise
 from ..module._rngs import Rngs
 from ..sharding._specs import Spec
 from ..state._names import key_name
@@ -237,7 +237,7 @@ def _build(cls: type[Module], **fields: Any) -> Any:
     a load would give."""
     obj: Any = types.SimpleNamespace.__new__(cls)
     obj.__dict__.update(fields)
-    return _finalise(obj)
+    return finalise(obj)
 
 
 def _is_float_layer(x: Any) -> bool:
