@@ -1,6 +1,6 @@
 """taktiny.io.load_safetensors and open_safetensors: streamed loads into abstract, concrete
-and sharded models, each device reading only its own bytes, rules applied per tensor,
-every problem found before a byte of data is read."""
+and sharded models (how a sharded load reads: test_io_sharded.py), rules applied per
+tensor, every problem found before a byte of data is read."""
 
 import os
 from concurrent.futures import Future
@@ -107,26 +107,6 @@ def test_a_read_gives_a_read_only_array(saved):
     assert not kernel.flags.writeable  # a read gives a read-only array: nobody writes to it
     with pytest.raises(ValueError, match="read-only"):
         kernel[0, 0] = 1.0
-
-
-def test_each_device_reads_only_its_own_block_of_an_inner_split(saved, reads):
-    model, path = saved
-    mesh = jax.make_mesh((2, 4), ("rows", "cols"))
-    target = tt.shard(
-        abstract_mlp(), [("input.kernel", P(None, "cols")), ("output.kernel", P("rows"))], mesh
-    )
-    loaded = load_safetensors(target, path)
-    assert_same(loaded, flat_numpy(model))
-    kernel = loaded.input.kernel
-    assert kernel.sharding == NamedSharding(mesh, P(None, "cols"))
-    expected = np.asarray(model.input.kernel)
-    for shard in kernel.addressable_shards:
-        assert shard.data.shape == (32, 16)
-        assert np.array_equal(shard.data, expected[shard.index])
-    # four distinct column blocks, each read once (the "rows" axis holds copies)
-    assert [s for n, s in reads if n == "input.kernel"] == [(32, 16)] * 4
-    assert [s for n, s in reads if n == "output.kernel"] == [(32, 4)] * 2
-    assert [s for n, s in reads if n == "input.bias"] == [(64,)]  # replicated: read once
 
 
 def test_rules_apply_tensor_by_tensor_and_place_on_the_target_sharding(tmp_path, reads):

@@ -138,23 +138,22 @@ def sharding_of(leaf: Any) -> Any:
 
 
 def placed_by_device(tensor: Tensor, sharding: Any, checks: Checks | None) -> jax.Array:
-    """`tensor` placed on `sharding`, each distinct block read once into its own buffer.
-    With `checks`, a tensor read whole hands it its bytes as they are read; a block read
-    verifies the whole tensor first, streaming it through the hash."""
+    """`tensor` placed on `sharding`: the distinct blocks this process's devices hold read
+    together, each byte they need once (:meth:`Tensor.read_blocks`), each block into its
+    own buffer. With `checks`, a tensor read whole hands it its bytes as they are read;
+    blocks are checked as they are read (see :meth:`Tensor.read_blocks`)."""
     if tensor.nbytes == 0:
         return jax.device_put(np.zeros(tensor.shape, tensor.dtype), sharding)
     if sharding.is_fully_replicated:
         send = checks.sender(tensor) if checks is not None else None
         return jax.device_put(tensor._piecewise(send), sharding)
-    if checks is not None:
-        tensor.verify()
-    blocks: dict[tuple[tuple[int, int], ...], np.ndarray] = {}
-    arrays = []
-    for device, index in sharding.addressable_devices_indices_map(tensor.shape).items():
-        bounds = tuple(s.indices(n)[:2] for s, n in zip(index, tensor.shape, strict=True))
-        if bounds not in blocks:
-            blocks[bounds] = tensor.read([slice(*b) for b in bounds], verify=False)
-        arrays.append(jax.device_put(blocks[bounds], device))
+    where = {
+        device: tuple(s.indices(n)[:2] for s, n in zip(index, tensor.shape, strict=True))
+        for device, index in sharding.addressable_devices_indices_map(tensor.shape).items()
+    }
+    blocks = list(dict.fromkeys(where.values()))
+    read = dict(zip(blocks, tensor.read_blocks(blocks, verify=checks is not None), strict=True))
+    arrays = jax.device_put([read[b] for b in where.values()], list(where))
     return jax.make_array_from_single_device_arrays(tensor.shape, sharding, arrays)
 
 

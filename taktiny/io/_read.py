@@ -31,6 +31,8 @@ else:
 MAP_FLAGS = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
 _CHUNK = 1 << 30  # bytes per preadv call (Linux moves at most ~2 GiB per call)
 _PIECE = 4 << 20  # bytes per read when each piece is hashed (or handed on to be) as it is read
+_LONG_RUN = 1 << 20  # a block's runs at least this long are read straight into it
+_BOX_PIECE = 4 << 20  # bytes of rows read at a time when blocks are cut from the rows they span
 
 
 class SafetensorsError(ValueError):
@@ -139,6 +141,132 @@ class Tensor:
         if verify and whole:
             self.check(raw)
         return out
+
+    def read_blocks(
+        self, blocks: Sequence[Sequence[tuple[int, int]]], *, verify: bool = True
+    ) -> list[np.ndarray]:
+        """Reads several blocks of the tensor, each into a fresh read-only aligned buffer of
+        its own, reading each byte they need once.
+
+        Blocks whose bytes lie in long runs (an outer-axis split) are read straight into
+        their buffers. Blocks of short runs (an inner-axis split: a few KiB of each row)
+        that together tile the box they span are read as that box, a few MiB of rows at a
+        time, into one reused buffer whose rows are copied into the blocks: sequential
+        reads of only the bytes the blocks need.
+
+        Args:
+            blocks: disjoint blocks, each as ``(start, stop)`` per axis, within ``shape``.
+            verify: check the bytes against ``checksum`` (when there is one): hashed as
+                they are read when the blocks are read as the whole tensor in the file's
+                order; otherwise the whole tensor, streamed through the hash, first.
+
+        Returns:
+            One array per block, of the block's shape, in ``dtype``.
+
+        Raises:
+            SafetensorsError: the bytes are damaged, or the file was truncated.
+        """
+        box = _box(blocks, self.ndim)
+        stream = None
+        if verify and self.checksum is not None:
+            if self._streams(blocks, box):
+                stream = _checksum.streaming()
+            else:
+                self.verify()
+        send = None if stream is None else stream.update
+        if self._by_rows(blocks, box):
+            outs = self._from_rows(blocks, box, send)
+        elif send is not None:
+            outs = self._in_order(blocks, send)
+        else:
+            outs = [self.read([slice(*x) for x in b], verify=False) for b in blocks]
+        if stream is not None and (got := stream.hexdigest()) != self.checksum:
+            raise self.damaged(got)
+        return outs
+
+    def _from_rows(
+        self,
+        blocks: Sequence[Sequence[tuple[int, int]]],
+        box: list[tuple[int, int]],
+        send: Callable[[Any], Any] | None,
+    ) -> list[np.ndarray]:
+        """The blocks cut from their box's rows, read a few MiB at a time into one buffer;
+        when the box is the whole tensor, each piece is handed to `send` as it is read
+        (before the buffer is read into again)."""
+        outs = [_buffer(tuple(stop - start for start, stop in b), self.dtype)[0] for b in blocks]
+        (first, last), width = box[0], box[1:]
+        row = math.prod(stop - start for start, stop in width) * self.dtype.itemsize
+        rows = max(1, min(last - first, _BOX_PIECE // row))
+        chunk, raw = _buffer((rows, *(stop - start for start, stop in width)), self.dtype)
+        whole = box == [(0, n) for n in self.shape]
+        with open(self.file, "rb", buffering=0) as f:
+            for r0 in range(first, last, rows):
+                r1 = min(r0 + rows, last)
+                piece = chunk[: r1 - r0]
+                if whole:  # the rows are one run of the file
+                    _pread(f.fileno(), raw[: (r1 - r0) * row], self.offset + r0 * row, self, send)
+                else:
+                    self._fill(f.fileno(), [(r0, r1), *width], piece.shape, raw)
+                for out, b in zip(outs, blocks, strict=True):
+                    lo, hi = max(b[0][0], r0), min(b[0][1], r1)
+                    if lo < hi:
+                        cut = [
+                            slice(s - w, e - w) for (s, e), (w, _) in zip(b[1:], width, strict=True)
+                        ]
+                        out[lo - b[0][0] : hi - b[0][0]] = piece[(slice(lo - r0, hi - r0), *cut)]
+        for out in outs:
+            out.flags.writeable = False
+        return outs
+
+    def _streams(
+        self, blocks: Sequence[Sequence[tuple[int, int]]], box: list[tuple[int, int]]
+    ) -> bool:
+        """Whether :meth:`read_blocks` reads these blocks as the whole tensor in the file's
+        order, so that it can hash the bytes as it reads them: blocks that tile the tensor,
+        cut from its rows or each one run of its bytes (an outer-axis split)."""
+        if box != [(0, n) for n in self.shape]:
+            return False
+        sizes = [math.prod(stop - start for start, stop in b) for b in blocks]
+        item = self.dtype.itemsize
+        runs = all(self._run(b) == n * item for b, n in zip(blocks, sizes, strict=True))
+        return self._by_rows(blocks, box) or (runs and sum(sizes) == math.prod(self.shape))
+
+    def _in_order(
+        self, blocks: Sequence[Sequence[tuple[int, int]]], send: Callable[[Any], Any]
+    ) -> list[np.ndarray]:
+        """Blocks that are each one run of the tensor's bytes and together all of them, read
+        in the file's order, their bytes handed to `send` as they are read."""
+        strides = [math.prod(self.shape[i + 1 :]) * self.dtype.itemsize for i in range(self.ndim)]
+        starts = [sum(b[i][0] * strides[i] for i in range(self.ndim)) for b in blocks]
+        outs: list[np.ndarray] = [np.empty(0)] * len(blocks)
+        with open(self.file, "rb", buffering=0) as f:
+            for k in sorted(range(len(blocks)), key=starts.__getitem__):
+                out, raw = _buffer(tuple(stop - start for start, stop in blocks[k]), self.dtype)
+                _pread(f.fileno(), raw, self.offset + starts[k], self, send)
+                out.flags.writeable = False
+                outs[k] = out
+        return outs
+
+    def _by_rows(
+        self, blocks: Sequence[Sequence[tuple[int, int]]], box: list[tuple[int, int]]
+    ) -> bool:
+        """Whether blocks are cut from their box's rows: some are many short runs of the
+        file, and together they tile the box (so no byte outside them is read)."""
+        sizes = [math.prod(stop - start for start, stop in b) for b in blocks]
+        item = self.dtype.itemsize
+        short = [_LONG_RUN > self._run(b) < n * item for b, n in zip(blocks, sizes, strict=True)]
+        if self.ndim < 2 or not any(short):
+            return False
+        return sum(sizes) == math.prod(stop - start for start, stop in box)
+
+    def _run(self, bounds: Sequence[tuple[int, int]]) -> int:
+        """The bytes of each contiguous run of a block: its extent from its last partial
+        axis on (the whole block when only the first axis is partial)."""
+        partial = max(
+            (i for i, (b, n) in enumerate(zip(bounds, self.shape, strict=True)) if b != (0, n)),
+            default=0,
+        )
+        return math.prod(stop - start for start, stop in bounds[partial:]) * self.dtype.itemsize
 
     def read_into(self, memory: Any, *, verify: bool = True) -> np.ndarray:
         """Reads the whole tensor into the start of `memory`.
@@ -326,6 +454,13 @@ class Packed(Tensor):
     def _piecewise(self, send: Callable[[Any], Any] | None, memory: Any = None) -> np.ndarray:
         return self._unpacked(self.stored._piecewise(send, memory))
 
+    def read_blocks(
+        self, blocks: Sequence[Sequence[tuple[int, int]]], *, verify: bool = True
+    ) -> list[np.ndarray]:
+        if verify:
+            self.verify()  # then each block read (and unpacked) on its own
+        return [self.read([slice(*x) for x in b], verify=False) for b in blocks]
+
     def _unpacked(self, raw: np.ndarray) -> np.ndarray:
         if not self.shape:
             return qz.unpack(raw, self.dtype, 0, 1).reshape(())
@@ -338,6 +473,11 @@ def _buffer(shape: tuple[int, ...], dtype: np.dtype) -> tuple[np.ndarray, memory
     size = math.prod(shape) * dtype.itemsize
     memory = mmap.mmap(-1, size, flags=MAP_FLAGS) if size else bytearray()
     return np.frombuffer(memory, dtype, math.prod(shape)).reshape(shape), memoryview(memory)
+
+
+def _box(blocks: Sequence[Sequence[tuple[int, int]]], ndim: int) -> list[tuple[int, int]]:
+    """The smallest block holding all of `blocks`, as (start, stop) per axis."""
+    return [(min(b[i][0] for b in blocks), max(b[i][1] for b in blocks)) for i in range(ndim)]
 
 
 def _pread(
