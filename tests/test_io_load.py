@@ -69,7 +69,20 @@ def reads(monkeypatch):
         log.append((self.name, out.shape))
         return out
 
+    def logged_transposed(self, perm=None, *, verify=True):  # a transposing rule's reads
+        out = read_transposed(self, perm, verify=verify)
+        log.append((self.name, out.shape))
+        return out
+
+    def logged_blocks(self, blocks, *, verify=True):  # a sharded leaf's reads, together
+        out = read_blocks(self, blocks, verify=verify)
+        log.append((self.name, [block.shape for block in out]))
+        return out
+
     piecewise = Tensor._piecewise
+    read_transposed, read_blocks = Tensor.read_transposed, Tensor.read_blocks
+    monkeypatch.setattr(Tensor, "read_transposed", logged_transposed)
+    monkeypatch.setattr(Tensor, "read_blocks", logged_blocks)
     monkeypatch.setattr(Tensor, "read", logged)
     monkeypatch.setattr(Tensor, "read_into", logged_into)
     monkeypatch.setattr(Tensor, "_piecewise", logged_piecewise)

@@ -230,3 +230,82 @@ def test_read_blocks_of_tensors_not_read_together(saved, preads):
             assert array.tobytes() == values[name][tuple(slice(*b) for b in block)].tobytes()
         read = sum(stop - start for start, stop in read_of(preads, path, tensor))
         assert read == tensor.nbytes * (2 if name == "long" else 1), name
+
+
+@pytest.mark.parametrize(
+    ("shape", "dtype", "perm"),
+    [
+        ((512, 4096), np.float32, None),  # 8 MiB: two pieces, the rows of each moved in runs
+        ((6, 10, 12), ml_dtypes.bfloat16, (1, 2, 0)),
+        ((6, 10, 12), np.int8, (-1, 0, 1)),
+        ((5,), np.float32, None),
+        ((), np.float64, None),
+    ],
+)
+def test_read_transposed_is_numpy_s_transpose_read_once(tmp_path, preads, shape, dtype, perm):
+    rng = np.random.default_rng(1)
+    value = (rng.standard_normal(shape) * 50).astype(dtype)
+    path = tmp_path / "t.safetensors"
+    save_safetensors(path, {"t": value})
+    tensor = open_safetensors(path)["t"]
+    preads.clear()
+    got = tensor.read_transposed(perm)  # verified: hashed as it is read
+    want = np.transpose(value, perm)
+    assert got.shape == want.shape and got.dtype == want.dtype
+    assert got.tobytes() == np.ascontiguousarray(want).tobytes()
+    assert not got.flags.writeable and got.flags.c_contiguous
+    ranges = read_of(preads, path, tensor)
+    assert sum(stop - start for start, stop in ranges) == tensor.nbytes  # each byte once
+    assert all(stop - start <= 4 * MiB for start, stop in ranges)  # a piece at a time
+
+
+def test_read_transposed_of_a_damaged_or_packed_tensor(tmp_path):
+    value = np.arange(512 * 4096, dtype=np.float32).reshape(512, 4096)
+    packed = np.arange(8 * 6).reshape(8, 6).astype(ml_dtypes.int4)
+    path = tmp_path / "t.safetensors"
+    save_safetensors(path, {"t": value, "q": packed})
+    checkpoint = open_safetensors(path)
+    assert np.array_equal(checkpoint["q"].read_transposed(), packed.T)
+    with open(path, "r+b") as f:
+        f.seek(checkpoint["t"].offset + 5 * MiB)  # in the second piece
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 1]))
+    with pytest.raises(ValueError, match="the bytes of 't' are damaged"):
+        checkpoint["t"].read_transposed()
+    flipped = checkpoint["t"].read_transposed(verify=False)
+    assert np.sum(flipped != value.T) == 1
+
+
+def test_a_transposing_rule_reads_into_the_leaves_not_a_scratch_buffer(
+    tmp_path, preads, monkeypatch
+):
+    """A rule that only transposes reads each tensor once, piece by piece into the leaf's
+    own buffer (its peak memory is the model and one piece): no read buffer holds a whole
+    tensor, on one device or sharded."""
+    from taktiny import convert as cv
+    from taktiny.io import _place
+
+    rng = np.random.default_rng(2)
+    values = {"w": rng.standard_normal((64, 128), np.float32), "b": np.ones(64, np.float32)}
+    path = tmp_path / "t.safetensors"
+    save_safetensors(path, {"w": values["w"].T.copy(), "b": values["b"]})
+    monkeypatch.setattr(_place.Scratch, "read", None)  # fails if a step reads into it
+    rule = [cv.Rule("{p}", "{p}", cv.transpose())]
+    for sharding in (SingleDeviceSharding(jax.devices()[1]), NamedSharding(ONE, P(None, "x"))):
+        want = {
+            n: jax.ShapeDtypeStruct(
+                v.shape,
+                jnp.float32,
+                sharding=sharding if v.ndim == 2 else SingleDeviceSharding(jax.devices()[1]),
+            )
+            for n, v in values.items()
+        }
+        preads.clear()
+        loaded = load_safetensors(want, path, rules=rule)
+        for name, value in values.items():
+            assert np.asarray(loaded[name]).tobytes() == value.tobytes()
+            assert loaded[name].sharding == want[name].sharding
+        assert sum(n for _, _, n in preads) >= values["w"].nbytes + values["b"].nbytes
+        tensor = open_safetensors(path)["w"]
+        assert sum(stop - start for start, stop in read_of(preads, path, tensor)) == tensor.nbytes

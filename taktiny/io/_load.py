@@ -26,7 +26,16 @@ from ..state import _state, _tree
 from . import _quantized_format as qz
 from ._checkpoint import Checkpoint, open_safetensors
 from ._header_checks import absent_leaves
-from ._place import Checks, Scratch, direct_leaf, placed_by_device, sharding_of, transformed
+from ._place import (
+    Checks,
+    Scratch,
+    direct_leaf,
+    placed_by_device,
+    placed_transposed,
+    sharding_of,
+    transformed,
+    transposed_leaf,
+)
 from ._plan import parts_of, plain_steps, ruled_steps
 from ._read import Readahead, Tensor
 
@@ -113,6 +122,7 @@ def load_safetensors(
     order = [t for step in steps for t in _tensors(checkpoint, step)]
     starts = list(itertools.accumulate((len(s.sources) for s in steps), initial=0))
     direct = [direct_leaf(s, _tensors(checkpoint, s), leaves) for s in steps]
+    permuted = [transposed_leaf(s, _tensors(checkpoint, s), leaves) for s in steps]
     # step k reads into scratch k % 2 while step k - 1 transforms. A quantizing load keeps
     # one float tensor at a time: one buffer, which a step reads into once the step before
     # it is done with it (the Readahead keeps the disk reading meanwhile)
@@ -129,6 +139,9 @@ def load_safetensors(
             leaf = direct[k]
             if leaf is not None:  # renamed only: read and placed block by block, here
                 return {step.targets[0]: placed_by_device(sources[0], sharding_of(leaf), checks)}
+            leaf = permuted[k]
+            if leaf is not None:  # transposed: piece by piece into place as it is read
+                return {step.targets[0]: placed_transposed(step, sources[0], leaf, checks)}
             return scratch[k % len(scratch)].read(sources, checks)
         finally:
             if checks is not None:
@@ -147,7 +160,8 @@ def load_safetensors(
             data = pending.result()
             more = k + 1 < len(steps)
             # with one buffer, the next step reads into it once this one is done with it
-            wait = more and len(scratch) == 1 and direct[k] is None and direct[k + 1] is None
+            wait = more and len(scratch) == 1 and not isinstance(data, dict)
+            wait = wait and direct[k + 1] is None and permuted[k + 1] is None
             if more and not wait:
                 pending = reader.submit(read, k + 1)
             if isinstance(data, dict):

@@ -8,7 +8,7 @@ from __future__ import annotations
 import mmap
 import queue
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -16,7 +16,7 @@ import numpy as np
 
 from .._qarray import QArray, quantize_like
 from ..convert._coverage import Step
-from ..convert._transforms import identity
+from ..convert._transforms import identity, transpose
 from ..sharding._eval_shape import default_device
 from ..state import _problems as err
 from ..state import _values
@@ -28,11 +28,24 @@ from ._read import Tensor
 def direct_leaf(step: Step, sources: list[Tensor], leaves: Mapping[str, Any]) -> Any:
     """The leaf a step fills with a tensor as it is on disk (a rename, the leaf's dtype, one
     that JAX holds as it is), or None."""
+    return _one_to_one(step, sources, leaves) if isinstance(step.rule.transform, identity) else None
+
+
+def transposed_leaf(step: Step, sources: list[Tensor], leaves: Mapping[str, Any]) -> Any:
+    """The leaf a step fills with a tensor's axes permuted (the transpose rule, the leaf's
+    dtype), which :meth:`Tensor.read_transposed` reads piece by piece into place; or None."""
+    if not isinstance(step.rule.transform, transpose):
+        return None
+    return _one_to_one(step, sources, leaves)
+
+
+def _one_to_one(step: Step, sources: list[Tensor], leaves: Mapping[str, Any]) -> Any:
+    """The leaf of a step from one tensor to one leaf (named as the step names it) of the
+    tensor's dtype, which JAX holds as it is; or None."""
     wanted = [name for name in step.targets if name in leaves]
-    if isinstance(step.rule.transform, identity) and len(sources) == 1 == len(wanted):
+    if len(sources) == 1 == len(wanted) and wanted[0] == step.targets[0]:
         leaf, dtype = leaves[wanted[0]], sources[0].dtype
-        same = dtype == spec_of(leaf)[1] == jax.dtypes.canonicalize_dtype(dtype)
-        if same and wanted[0] == step.targets[0]:
+        if dtype == spec_of(leaf)[1] == jax.dtypes.canonicalize_dtype(dtype):
             return leaf
     return None
 
@@ -155,6 +168,16 @@ def placed_by_device(tensor: Tensor, sharding: Any, checks: Checks | None) -> ja
     read = dict(zip(blocks, tensor.read_blocks(blocks, verify=checks is not None), strict=True))
     arrays = jax.device_put([read[b] for b in where.values()], list(where))
     return jax.make_array_from_single_device_arrays(tensor.shape, sharding, arrays)
+
+
+def placed_transposed(step: Step, tensor: Tensor, leaf: Any, checks: Checks | None) -> jax.Array:
+    """`tensor` with its axes permuted by the step's transpose, read piece by piece into
+    place (:meth:`Tensor.read_transposed`, checked as it is read with `checks`), then
+    placed with `leaf`'s sharding."""
+    perm = cast(transpose, step.rule.transform).perm
+    return jax.device_put(
+        tensor.read_transposed(perm, verify=checks is not None), sharding_of(leaf)
+    )
 
 
 class Checks:

@@ -14,7 +14,7 @@ import itertools
 import math
 import mmap
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -190,13 +190,73 @@ class Tensor:
         box: list[tuple[int, int]],
         send: Callable[[Any], Any] | None,
     ) -> list[np.ndarray]:
-        """The blocks cut from their box's rows, read a few MiB at a time into one buffer;
-        when the box is the whole tensor, each piece is handed to `send` as it is read
-        (before the buffer is read into again)."""
+        """The blocks cut from their box's rows, read a few MiB at a time (:meth:`_rows`)."""
         outs = [_buffer(tuple(stop - start for start, stop in b), self.dtype)[0] for b in blocks]
+        width = box[1:]
+        for r0, r1, piece in self._rows(box, send):
+            for out, b in zip(outs, blocks, strict=True):
+                lo, hi = max(b[0][0], r0), min(b[0][1], r1)
+                if lo < hi:
+                    cut = [slice(s - w, e - w) for (s, e), (w, _) in zip(b[1:], width, strict=True)]
+                    out[lo - b[0][0] : hi - b[0][0]] = piece[(slice(lo - r0, hi - r0), *cut)]
+        for out in outs:
+            out.flags.writeable = False
+        return outs
+
+    def read_transposed(
+        self, perm: Sequence[int] | None = None, *, verify: bool = True
+    ) -> np.ndarray:
+        """Reads the tensor with its axes permuted, into a fresh read-only aligned buffer: a
+        few MiB of rows at a time, each piece permuted into place as it is read, so the
+        only memory besides the result is one piece (not a second copy of the tensor).
+
+        Args:
+            perm: the new order of the axes, as ``numpy.transpose`` takes it; None reverses
+                them.
+            verify: check the bytes against ``checksum`` (when there is one), hashed as
+                they are read.
+
+        Returns:
+            ``numpy.transpose`` of the tensor by `perm`, in ``dtype``.
+
+        Raises:
+            SafetensorsError: the bytes are damaged, or the file was truncated.
+        """
+        order = (
+            tuple(range(self.ndim))[::-1] if perm is None else tuple(p % self.ndim for p in perm)
+        )
+        if self.ndim < 2:  # nothing to permute
+            return self.read(verify=verify)
+        if self.packed:
+            out = _copied(np.transpose(self.read(verify=verify), order))
+            out.flags.writeable = False
+            return out
+        stream = _checksum.streaming() if verify and self.checksum is not None else None
+        out = _buffer(tuple(self.shape[k] for k in order), self.dtype)[0]
+        into = order.index(0)  # where the rows of the tensor go
+        # a few rows at a time, so that each run written is about one 64-byte cache line:
+        # as fast as a plain copy here, where whole pieces at once run at 0.6x of one
+        step = max(1, 64 // self.dtype.itemsize)
+        at: list[slice] = [slice(None)] * self.ndim
+        for r0, r1, piece in self._rows([(0, n) for n in self.shape], stream and stream.update):
+            for a in range(0, r1 - r0, step):
+                at[into] = slice(r0 + a, min(r0 + a + step, r1))
+                out[tuple(at)] = piece[a : a + step].transpose(order)
+        if stream is not None and (got := stream.hexdigest()) != self.checksum:
+            raise self.damaged(got)
+        out.flags.writeable = False
+        return out
+
+    def _rows(
+        self, box: list[tuple[int, int]], send: Callable[[Any], Any] | None
+    ) -> Iterator[tuple[int, int, np.ndarray]]:
+        """The rows (along the first axis) of the block `box`, read a few MiB at a time
+        into one buffer: ``(first row, stop row, the piece)`` for each, the buffer read into
+        again once the caller asks for the next. When the box is the whole tensor, each
+        piece's bytes are handed to `send` as they are read."""
         (first, last), width = box[0], box[1:]
         row = math.prod(stop - start for start, stop in width) * self.dtype.itemsize
-        rows = max(1, min(last - first, _BOX_PIECE // row))
+        rows = max(1, min(last - first, _BOX_PIECE // max(row, 1)))
         chunk, raw = _buffer((rows, *(stop - start for start, stop in width)), self.dtype)
         whole = box == [(0, n) for n in self.shape]
         with open(self.file, "rb", buffering=0) as f:
@@ -207,16 +267,7 @@ class Tensor:
                     _pread(f.fileno(), raw[: (r1 - r0) * row], self.offset + r0 * row, self, send)
                 else:
                     self._fill(f.fileno(), [(r0, r1), *width], piece.shape, raw)
-                for out, b in zip(outs, blocks, strict=True):
-                    lo, hi = max(b[0][0], r0), min(b[0][1], r1)
-                    if lo < hi:
-                        cut = [
-                            slice(s - w, e - w) for (s, e), (w, _) in zip(b[1:], width, strict=True)
-                        ]
-                        out[lo - b[0][0] : hi - b[0][0]] = piece[(slice(lo - r0, hi - r0), *cut)]
-        for out in outs:
-            out.flags.writeable = False
-        return outs
+                yield r0, r1, piece
 
     def _streams(
         self, blocks: Sequence[Sequence[tuple[int, int]]], box: list[tuple[int, int]]
@@ -473,6 +524,13 @@ def _buffer(shape: tuple[int, ...], dtype: np.dtype) -> tuple[np.ndarray, memory
     size = math.prod(shape) * dtype.itemsize
     memory = mmap.mmap(-1, size, flags=MAP_FLAGS) if size else bytearray()
     return np.frombuffer(memory, dtype, math.prod(shape)).reshape(shape), memoryview(memory)
+
+
+def _copied(array: np.ndarray) -> np.ndarray:
+    """`array` copied into a fresh aligned buffer of its own (see `_buffer`)."""
+    out = _buffer(array.shape, array.dtype)[0]
+    out[...] = array
+    return out
 
 
 def _box(blocks: Sequence[Sequence[tuple[int, int]]], ndim: int) -> list[tuple[int, int]]:
