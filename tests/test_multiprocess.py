@@ -11,7 +11,11 @@ import sys
 import time
 from pathlib import Path
 
+import ml_dtypes
+import numpy as np
 import pytest
+
+from taktiny.io import save_safetensors
 
 pytestmark = pytest.mark.program
 
@@ -26,13 +30,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_processes(tmp_path: Path, mode: str, mesh: str, timeout: float = 120) -> list[str]:
-    """Runs `mode` as PROCESSES processes of one distributed job; returns what each printed.
-    Fails (after killing the others) as soon as one exits with an error, or at `timeout`."""
+def run_processes(
+    tmp_path: Path, mode: str, mesh: str, timeout: float = 120, *, program: list[str] | None = None
+) -> list[str]:
+    """Runs `mode` as PROCESSES processes of one distributed job (examples/distributed.py,
+    or `program` with its arguments); returns what each printed. Fails (after killing the
+    others) as soon as one exits with an error, or at `timeout`."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": "4"}
     env.pop("XLA_FLAGS", None)  # no --xla_force_host_platform_device_count from outside
-    command = [sys.executable, str(EXAMPLE), mode, str(tmp_path / "run"), "--mesh", mesh,
-               "--coordinator", f"127.0.0.1:{free_port()}", "--num-processes", str(PROCESSES)]  # fmt: skip
+    program = program or [str(EXAMPLE), mode, str(tmp_path / "run"), "--mesh", mesh]
+    command = [sys.executable, *program, "--coordinator", f"127.0.0.1:{free_port()}",
+               "--num-processes", str(PROCESSES)]  # fmt: skip
     logs = [tmp_path / f"{mode}-{i}.log" for i in range(PROCESSES)]
     processes: list[subprocess.Popen] = []
     try:
@@ -86,3 +94,29 @@ def test_two_processes_save_and_restore_onto_another_mesh_bitwise(tmp_path):
             f"process {i}: 5 leaves restored bitwise equal (20 shards) {mesh}",
         ], out
         assert len(lines(out, "step 1 loss")) == 1, out  # and training resumes
+
+
+def test_each_process_reads_only_the_bytes_of_its_own_devices(tmp_path):
+    """A model split on every tensor over the 8 devices of 2 processes: each process reads
+    only its half of each tensor (inner and middle axis splits too), and its shards are
+    bitwise the file's. Verified, each reads whole tensors: a checksum covers a whole
+    tensor, so checking it takes all of its bytes."""
+    rng = np.random.default_rng(0)
+    values = {
+        "outer": rng.standard_normal((512, 64), np.float32),
+        "inner": rng.standard_normal((64, 512), np.float32),
+        "cube": rng.standard_normal((4, 32, 16), np.float32).astype(ml_dtypes.bfloat16),
+        "bias": rng.standard_normal((64,), np.float32),
+    }
+    path = tmp_path / "weights.safetensors"
+    save_safetensors(path, values)
+    total = sum(v.nbytes for v in values.values())
+    program = [str(ROOT / "tests" / "_sharded_load.py"), str(path)]
+    outputs = run_processes(tmp_path, "load", "8", program=program)
+    for i, out in enumerate(outputs):
+        assert lines(out, "bitwise") == [  # 4 devices x 4 tensors, each of its own block
+            f"process {i}: read {total // 2} of {total} bytes (verify=False); 16 shards "
+            "bitwise equal",
+            f"process {i}: read {2 * total - total // 2} of {total} bytes (verify=True); 16 "
+            "shards bitwise equal",
+        ], out
