@@ -31,7 +31,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from . import _disk, _formats, checkpoint, memory
+from . import _disk, _formats, checkpoint, memory, streaming_sharded
 from ._results import Config, Group, Table, Target, fmt_time
 from ._timing import Case, compare, paired_ratio
 
@@ -245,11 +245,22 @@ def run(config: Config) -> Group:
         for kind, path in paths.items():
             _write(kind, path, model)
         _check(paths, model, abstracts)
+        want = {k: np.asarray(v) for k, v in model.flat_state_dict().items()}
         del model
         sizes = {kind: _disk.size(path) for kind, path in paths.items()}
         stats = _loads(config, paths, abstracts)
         memories = _memory(config, paths, width, depth)
         inspect_stats, command, bare, listed = _inspect(config, paths["safetensors"])
+        sharded = streaming_sharded.run(
+            config,
+            paths["safetensors"],
+            abstracts,
+            want,
+            lambda case: memory._measure(
+                case, paths["safetensors"], width, depth, registry="bench.streaming_sharded"
+            ),
+        )
+        del want
     finally:
         for path in paths.values():
             _disk.remove(path)
@@ -320,7 +331,9 @@ def run(config: Config) -> Group:
         statistics.median(bare),
         (min(bare), max(bare)),
     )
-    group.tables += [times, share_table, mem, ratios, inspect]
+    group.tables += [times, share_table, mem, ratios, inspect, *sharded[0]]
+    group.targets += sharded[1]
+    group.notes += sharded[2]
 
     gb = f"the {nbytes / 1e9:.2f} GB float32 checkpoint"
     paired = "median of per-round ratios"
