@@ -5,8 +5,8 @@ throughput.
 
 - Loads: the file's pages stay in the page cache (one read before the timing), so the
   disk is out of the comparison and what is left is Taktiny's own work: the reads from
-  the page cache into the model's buffers, and the hashing, which runs on the main thread
-  while the reader thread reads the next tensor. Interleaved rounds; the cost is the
+  the page cache into the model's buffers, and the hashing of each piece as it is read,
+  in the reader that read it, while the others read on. Interleaved rounds; the cost is the
   median of per-round ratios.
 - Saves: ``save_safetensors`` with its digests against ``safetensors.numpy.save_file`` of
   the same arrays (no digests, no fsync), each to a fresh path.

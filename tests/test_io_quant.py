@@ -12,6 +12,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 import safetensors.numpy
+from _reads import log_reads
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -70,27 +71,7 @@ def header(path):
 @pytest.fixture
 def reads(monkeypatch):
     """Every tensor read from disk, by name."""
-    log = []
-    read, read_into = Tensor.read, Tensor.read_into
-
-    def logged(self, index=None, *, verify=True):
-        log.append(self.name)
-        return read(self, index, verify=verify)
-
-    def logged_into(self, memory, *, verify=True):
-        log.append(self.name)
-        return read_into(self, memory, verify=verify)
-
-    def logged_piecewise(self, send, memory=None):  # the loader's reads of whole tensors
-        log.append(self.name)
-        return piecewise(self, send, memory)
-
-    piecewise = Tensor._piecewise
-    monkeypatch.setattr(Tensor, "_piecewise", logged_piecewise)
-
-    monkeypatch.setattr(Tensor, "read", logged)
-    monkeypatch.setattr(Tensor, "read_into", logged_into)
-    return log
+    return log_reads(monkeypatch, lambda tensor, out: tensor.name)
 
 
 # --- saving and loading quantized models ------------------------------------------------

@@ -5,8 +5,8 @@ The hash is XXH3 with 128 bits (the ``xxhash`` package, the reference implementa
 Python binding). It was chosen by measurement on the machine the benchmarks run on, over a
 64 MiB buffer: XXH3-128 hashed 19-25 GB/s, faster than copying the same bytes (4.5 GB/s),
 against 6-7 GB/s for BLAKE3, 2.3 GB/s for zlib's CRC-32, 1.4 GB/s for SHA-256 and 1.0 GB/s
-for BLAKE2b; it releases the GIL, so a load hashes one tensor while its reader thread
-reads the next. It detects damage, not tampering: it is not a cryptographic hash.
+for BLAKE2b; it releases the GIL, so a load's readers hash each piece as they read it
+while the others read on. It detects damage, not tampering: it is not a cryptographic hash.
 
 The header metadata entry ``"taktiny_checksums"`` is a JSON string:
 ``{"algorithm": "xxh3_128", "tensors": {name: 32 hex digits}}``, one digest for each tensor

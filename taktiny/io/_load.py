@@ -2,13 +2,15 @@
 
 Every name, shape and dtype is checked from the headers before a byte of data is read.
 Then each tensor is read into memory Taktiny owns and placed with its leaf's sharding at
-once, so the host holds one tensor at a time. A tensor the rules only rename, loaded into
-a leaf of its own dtype, is read device by device: each device's block of bytes goes into
-a buffer of its own, and the blocks become one array with
-``jax.make_array_from_single_device_arrays``. Anything a rule transforms is read whole,
-transformed by XLA and placed with ``jax.device_put``. A float tensor loaded into a
-quantized parameter (a `QArray`) is quantized as it is placed, so a quantizing load holds
-one float tensor at a time besides the quantized model.
+once; several readers read several tensors at a time, as many as make the reads faster
+(`Readers`). A tensor the rules only rename, loaded into a leaf of its own dtype, is read
+into the leaf's own buffers: whole, or the blocks this process's devices hold read
+together, each becoming its device's shard (``jax.make_array_from_single_device_arrays``);
+a tensor the rules only transpose is read into its leaf's buffer piece by piece. Anything
+else a rule transforms is read whole into a reused buffer, transformed by XLA and placed
+with ``jax.device_put``. A float tensor loaded into a quantized parameter (a `QArray`) is
+quantized as it is placed, so a quantizing load holds one float tensor at a time besides
+the quantized model.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from __future__ import annotations
 import itertools
 import os
 from collections.abc import Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from ..convert._coverage import Step
@@ -27,7 +29,6 @@ from . import _quantized_format as qz
 from ._checkpoint import Checkpoint, open_safetensors
 from ._header_checks import absent_leaves
 from ._place import (
-    Checks,
     Scratch,
     direct_leaf,
     placed_by_device,
@@ -38,6 +39,7 @@ from ._place import (
 )
 from ._plan import parts_of, plain_steps, ruled_steps
 from ._read import Readahead, Tensor
+from ._readers import Readers
 
 PROGRESS_BYTES = 256 * 2**20  # loads of more bytes than this show a progress bar by default
 
@@ -87,8 +89,8 @@ def load_safetensors(
             ``None`` shows one for checkpoints over 256 MiB.
         verify: check every tensor's bytes against the checksum Taktiny wrote into the
             header when it saved the file (files without checksums, such as Hugging
-            Face's, load unchecked). The bytes are hashed on this thread as the reader
-            thread reads them, piece by piece.
+            Face's, load unchecked). Each piece of a tensor is hashed by the reader that
+            read it, as soon as it is read.
 
     Returns:
         A new model of the same structure, holding the checkpoint's values cast to each
@@ -123,55 +125,70 @@ def load_safetensors(
     starts = list(itertools.accumulate((len(s.sources) for s in steps), initial=0))
     direct = [direct_leaf(s, _tensors(checkpoint, s), leaves) for s in steps]
     permuted = [transposed_leaf(s, _tensors(checkpoint, s), leaves) for s in steps]
-    # step k reads into scratch k % 2 while step k - 1 transforms. A quantizing load keeps
-    # one float tensor at a time: one buffer, which a step reads into once the step before
-    # it is done with it (the Readahead keeps the disk reading meanwhile)
+    # Steps are read by several readers at once (`Readers` learns how many pay). A step
+    # that renames or transposes reads into its leaves' own buffers, so any number run
+    # together; a transforming step reads into a scratch buffer, which is free again once
+    # the step before that used it has been transformed: two buffers, or one for a
+    # quantizing load, which so keeps one float tensor at a time
     shrinks = any(t in quantized for s in steps for t in s.targets)
     scratch = (Scratch(),) if shrinks else (Scratch(), Scratch())
+    uses = itertools.count()
+    buffer_of = {
+        k: next(uses) % len(scratch)
+        for k in range(len(steps))
+        if direct[k] is None and permuted[k] is None
+    }
+    holder: list[int | None] = [None] * len(scratch)  # the step whose sources a buffer holds
+    sizes = [sum(t.nbytes for t in _tensors(checkpoint, s)) for s in steps]
+    readers = Readers()
     placed: dict[str, Any] = {}
-    checks = Checks() if verify else None
+    running: dict[int, Future[Any]] = {}
+    submitted = 0
 
-    def read(k: int) -> Any:  # in the reader thread: preadv, mmap and XLA release the GIL
-        try:  # (whatever it raises, the drainer must be told the step ended, or it waits on)
-            ahead.reached(starts[k])  # the disk reads on while this step is read and placed
-            step = steps[k]
-            sources = _tensors(checkpoint, step)
-            leaf = direct[k]
-            if leaf is not None:  # renamed only: read and placed block by block, here
-                return {step.targets[0]: placed_by_device(sources[0], sharding_of(leaf), checks)}
-            leaf = permuted[k]
-            if leaf is not None:  # transposed: piece by piece into place as it is read
-                return {step.targets[0]: placed_transposed(step, sources[0], leaf, checks)}
-            return scratch[k % len(scratch)].read(sources, checks)
-        finally:
-            if checks is not None:
-                checks.end()
+    def read(k: int) -> Any:  # in a reader thread: preadv, hashing and XLA release the GIL
+        ahead.reached(starts[k])  # the disk reads on while this step is read and placed
+        step = steps[k]
+        sources = _tensors(checkpoint, step)
+        if direct[k] is not None:  # renamed only: read and placed block by block, here
+            return {step.targets[0]: placed_by_device(sources[0], sharding_of(direct[k]), verify)}
+        if permuted[k] is not None:  # transposed: piece by piece into place as it is read
+            return {step.targets[0]: placed_transposed(step, sources[0], permuted[k], verify)}
+        return scratch[buffer_of[k]].read(sources, verify)
+
+    def start_more() -> None:  # in order, as many as the readers and the buffers allow
+        nonlocal submitted
+        while submitted < len(steps) and len(running) < readers.width:
+            buffer = buffer_of.get(submitted)
+            if buffer is not None:
+                if holder[buffer] is not None:
+                    return
+                holder[buffer] = submitted
+            running[submitted] = pool.submit(read, submitted)
+            submitted += 1
 
     with (
         _bar(progress, total, checkpoint) as bar,
         Readahead(order) as ahead,
-        ThreadPoolExecutor(1, thread_name_prefix="taktiny-read") as reader,
+        ThreadPoolExecutor(readers.most, thread_name_prefix="taktiny-read") as pool,
     ):
-        pending = reader.submit(read, 0) if steps else None
-        for k, step in enumerate(steps):
-            assert pending is not None
-            if checks is not None:  # hashed here while the reader reads them
-                checks.drain()
-            data = pending.result()
-            more = k + 1 < len(steps)
-            # with one buffer, the next step reads into it once this one is done with it
-            wait = more and len(scratch) == 1 and not isinstance(data, dict)
-            wait = wait and direct[k + 1] is None and permuted[k + 1] is None
-            if more and not wait:
-                pending = reader.submit(read, k + 1)
-            if isinstance(data, dict):
-                placed.update(data)
-            else:
-                buffer = scratch[k % len(scratch)]
-                placed.update(transformed(step, data, leaves, quantized, buffer, where))
-            if wait:
-                pending = reader.submit(read, k + 1)
-            bar.update(sum(checkpoint[n].nbytes for n in step.sources))
+        try:
+            start_more()
+            for k, step in enumerate(steps):
+                data = running.pop(k).result()
+                readers.finished(sizes[k])
+                ahead.window = readers.ahead
+                start_more()
+                if k in buffer_of:
+                    buffer = scratch[buffer_of[k]]
+                    placed.update(transformed(step, data, leaves, quantized, buffer, where))
+                    holder[buffer_of[k]] = None
+                    start_more()
+                else:
+                    placed.update(data)
+                bar.update(sizes[k])
+        finally:  # on an error, the reads not started are dropped
+            for future in running.values():
+                future.cancel()
     return _state.load(model, placed, strict=strict, flat=True, caller=where)
 
 

@@ -6,8 +6,7 @@ placed)."""
 from __future__ import annotations
 
 import mmap
-import queue
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, cast
 
 import jax
@@ -20,7 +19,7 @@ from ..convert._transforms import identity, transpose
 from ..sharding._eval_shape import default_device
 from ..state import _problems as err
 from ..state import _values
-from . import _checksum, _read
+from . import _read
 from ._header_checks import spec_of
 from ._read import Tensor
 
@@ -117,9 +116,9 @@ class Scratch:
         self.memory: Any = bytearray()  # (a step of zero-size tensors alone allocates none)
         self.start = self.size = 0
 
-    def read(self, tensors: Sequence[Tensor], checks: Checks | None) -> list[np.ndarray]:
-        """The tensors read into the buffer; with `checks`, each one's bytes handed to it
-        piece by piece as they are read (hashed by the thread that drains it)."""
+    def read(self, tensors: Sequence[Tensor], verify: bool) -> list[np.ndarray]:
+        """The tensors read into the buffer; with `verify`, each one's bytes hashed piece
+        by piece as they are read, and checked."""
         sizes = [-(-t.nbytes // 64) * 64 for t in tensors]  # each at a multiple of 64
         if sum(sizes) > self.size:
             self.size = sum(sizes)
@@ -128,8 +127,7 @@ class Scratch:
         view, at, out = memoryview(self.memory), 0, []
         for tensor, size in zip(tensors, sizes, strict=True):
             if size:
-                send = checks.sender(tensor) if checks is not None else None
-                out.append(tensor._piecewise(send, view[at : at + size]))
+                out.append(tensor.read_into(view[at : at + size], verify=verify))
             else:
                 out.append(tensor.read(verify=False))
             at += size
@@ -150,69 +148,28 @@ def sharding_of(leaf: Any) -> Any:
     return sharding or jax.sharding.SingleDeviceSharding(default_device())
 
 
-def placed_by_device(tensor: Tensor, sharding: Any, checks: Checks | None) -> jax.Array:
-    """`tensor` placed on `sharding`: the distinct blocks this process's devices hold read
-    together, each byte they need once (:meth:`Tensor.read_blocks`), each block into its
-    own buffer. With `checks`, a tensor read whole hands it its bytes as they are read;
-    blocks are checked as they are read (see :meth:`Tensor.read_blocks`)."""
+def placed_by_device(tensor: Tensor, sharding: Any, verify: bool) -> jax.Array:
+    """`tensor` placed on `sharding`: read whole when every device holds all of it;
+    otherwise the distinct blocks this process's devices hold read together, each byte
+    they need once (:meth:`Tensor.read_blocks`), each block into its own buffer. With
+    `verify`, checked against its checksum as :meth:`Tensor.read_blocks` says."""
     if tensor.nbytes == 0:
         return jax.device_put(np.zeros(tensor.shape, tensor.dtype), sharding)
     if sharding.is_fully_replicated:
-        send = checks.sender(tensor) if checks is not None else None
-        return jax.device_put(tensor._piecewise(send), sharding)
+        return jax.device_put(tensor.read(verify=verify), sharding)
     where = {
         device: tuple(s.indices(n)[:2] for s, n in zip(index, tensor.shape, strict=True))
         for device, index in sharding.addressable_devices_indices_map(tensor.shape).items()
     }
     blocks = list(dict.fromkeys(where.values()))
-    read = dict(zip(blocks, tensor.read_blocks(blocks, verify=checks is not None), strict=True))
+    read = dict(zip(blocks, tensor.read_blocks(blocks, verify=verify), strict=True))
     arrays = jax.device_put([read[b] for b in where.values()], list(where))
     return jax.make_array_from_single_device_arrays(tensor.shape, sharding, arrays)
 
 
-def placed_transposed(step: Step, tensor: Tensor, leaf: Any, checks: Checks | None) -> jax.Array:
+def placed_transposed(step: Step, tensor: Tensor, leaf: Any, verify: bool) -> jax.Array:
     """`tensor` with its axes permuted by the step's transpose, read piece by piece into
-    place (:meth:`Tensor.read_transposed`, checked as it is read with `checks`), then
+    place (:meth:`Tensor.read_transposed`, checked as it is read with `verify`), then
     placed with `leaf`'s sharding."""
     perm = cast(transpose, step.rule.transform).perm
-    return jax.device_put(
-        tensor.read_transposed(perm, verify=checks is not None), sharding_of(leaf)
-    )
-
-
-class Checks:
-    """The checksums of what a load's reader thread reads, computed on the thread that
-    drains them: the reader hands over each checked tensor, then the pieces of its bytes
-    as each is read (still in the CPU's cache), then None at the end of its step; the
-    drainer hashes them meanwhile and raises for a tensor whose digest differs."""
-
-    def __init__(self) -> None:
-        self.queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
-
-    def sender(self, tensor: Tensor) -> Callable[[Any], Any] | None:
-        """Where the reader hands `tensor`'s pieces, or None when it has no checksum."""
-        if tensor.checksum is None or not tensor.nbytes:
-            return None
-        self.queue.put(tensor)
-        return self.queue.put
-
-    def end(self) -> None:
-        """The reader's step is read (or failed): the drainer stops there."""
-        self.queue.put(None)
-
-    def drain(self) -> None:
-        """Hashes one step's pieces, to its end; raises for a damaged tensor."""
-        tensor, stream = None, None
-        while (item := self.queue.get()) is not None:
-            if isinstance(item, Tensor):
-                _compare(tensor, stream)
-                tensor, stream = item, _checksum.streaming()
-            else:
-                assert stream is not None
-                stream.update(item)
-        _compare(tensor, stream)
-
-
-def _compare(tensor: Tensor | None, stream: Any) -> None:
-    if tensor is not None and (got := stream.hexdigest()) != tensor.checksum:
-        raise tensor.damaged(got)
+    return jax.device_put(tensor.read_transposed(perm, verify=verify), sharding_of(leaf))

@@ -14,6 +14,7 @@ import itertools
 import math
 import mmap
 import os
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -119,9 +120,10 @@ class Tensor:
         Args:
             index: the block, one ``slice`` per axis with steps of 1; None for the whole
                 tensor.
-            verify: check the bytes against ``checksum`` (when there is one) first: those
-                read, for the whole tensor; the whole tensor's, streamed through the hash
-                in 4 MiB pieces, for a block.
+            verify: check the bytes against ``checksum`` (when there is one): for the
+                whole tensor, hashed 4 MiB at a time as they are read (each piece still in
+                the CPU's cache); for a block, the whole tensor's bytes first, streamed
+                through the hash.
 
         Returns:
             A read-only array of the block's shape (``shape`` for the whole tensor), in
@@ -132,15 +134,13 @@ class Tensor:
             SafetensorsError: the bytes are damaged, or the file was truncated.
         """
         bounds = self._bounds(index)
-        whole = all(b == (0, n) for b, n in zip(bounds, self.shape, strict=True))
-        if verify and not whole:
+        if all(b == (0, n) for b, n in zip(bounds, self.shape, strict=True)):
+            return self._checked(None, verify)
+        if verify:
             self.verify()
         shape = tuple(stop - start for start, stop in bounds)
         out, raw = _buffer(shape, self.dtype)
-        out = self._into(out, raw, bounds)
-        if verify and whole:
-            self.check(raw)
-        return out
+        return self._into(out, raw, bounds)
 
     def read_blocks(
         self, blocks: Sequence[Sequence[tuple[int, int]]], *, verify: bool = True
@@ -335,11 +335,17 @@ class Tensor:
         Raises:
             SafetensorsError: the bytes are damaged, or the file was truncated.
         """
-        out = np.frombuffer(memory, self.dtype, math.prod(self.shape)).reshape(self.shape)
-        raw = memoryview(memory).cast("B")[: self.nbytes]
-        out = self._into(out, raw, [(0, n) for n in self.shape])
-        if verify:
-            self.check(raw)
+        return self._checked(memory, verify)
+
+    def _checked(self, memory: Any, verify: bool) -> np.ndarray:
+        """The whole tensor read (into `memory`, or a fresh buffer), with `verify` hashed
+        piece by piece as it is read and checked."""
+        if not verify or self.checksum is None:
+            return self._piecewise(None, memory)
+        stream = _checksum.streaming()
+        out = self._piecewise(stream.update, memory)
+        if (got := stream.hexdigest()) != self.checksum:
+            raise self.damaged(got)
         return out
 
     def check(self, raw: Any) -> None:
@@ -416,10 +422,9 @@ class Tensor:
         return bounds
 
     def _piecewise(self, send: Callable[[Any], Any] | None, memory: Any = None) -> np.ndarray:
-        """The whole tensor read, into `memory` (as :meth:`read_into`) or a fresh buffer,
-        4 MiB at a time, each piece of its stored bytes handed to `send` as soon as it is
-        read, in order: the loader hashes them on its main thread while this one reads on,
-        each piece still in the CPU's cache. Nothing is verified here."""
+        """The whole tensor read, into `memory` (as :meth:`read_into`) or a fresh buffer;
+        with `send`, 4 MiB at a time, each piece of its stored bytes handed to `send` as
+        soon as it is read, in order, still in the CPU's cache. Nothing is verified here."""
         if memory is None:
             out, raw = _buffer(self.shape, self.dtype)
         else:
@@ -563,15 +568,22 @@ class Readahead:
     this order, so the disk works while the reader copies and places: each call to
     :meth:`reached` (with the index of the tensor about to be read) asks for the bytes up
     to `window` past it with ``posix_fadvise(WILLNEED)``, in `chunk`-byte requests (Linux
-    cuts each request to the disk's readahead size, a few MiB at most), never twice."""
+    cuts each request to the disk's readahead size, a few MiB at most), never twice.
+    Several readers may call it at once; the loader sets `window` as it learns how fast
+    the file is read."""
 
     def __init__(self, tensors: Sequence[Tensor], window: int = 256 * 2**20, chunk: int = 2**20):
         self.tensors, self.window, self.chunk = tensors, window, chunk
         self.starts = list(itertools.accumulate((t.nbytes for t in tensors), initial=0))
         self.next, self.done = 0, 0  # the tensor being requested, and its bytes requested
         self.fds: dict[Path, int] = {}
+        self.lock = threading.Lock()
 
     def reached(self, index: int) -> None:
+        with self.lock:
+            self._request(index)
+
+    def _request(self, index: int) -> None:
         if self.next < index:  # the reader overtook the requests
             self.next, self.done = index, 0
         k = self.next

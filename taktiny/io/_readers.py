@@ -1,0 +1,63 @@
+"""How many of a load's steps are read at once, learned from what the file system delivers.
+
+A disk, an NVMe drive, a network file system and the page cache each want a different
+number of reads in flight: one sequential reader leaves most of a parallel store idle,
+and on two cores more readers than cores only queue for them. `Readers` starts with two,
+measures the bytes read per second over each window of the load, doubles the count while
+a doubling pays (at least 10% more), and goes back to the last count that paid when one
+does not. The read-ahead asked of the OS follows the measured rate: a quarter of a second
+of reading ahead.
+"""
+
+from __future__ import annotations
+
+import time
+
+WINDOW = 128 * 2**20  # bytes read between two measurements
+GAIN = 1.1  # a doubling of the readers must read this much faster to stay
+AHEAD_S = 0.25  # seconds of reading the read-ahead keeps requested
+AHEAD_LIMITS = (32 * 2**20, 1024 * 2**20)  # the read-ahead's bounds, in bytes
+
+
+class Readers:
+    """The number of steps a load reads at once (``width``), and how far ahead it asks the
+    OS to read (``ahead``), adapted to the rate at which the steps finish.
+
+    Args:
+        most: the most readers ever used.
+        window: the bytes finished between two measurements.
+    """
+
+    def __init__(self, most: int = 16, window: int = WINDOW):
+        self.most, self.window = most, window
+        self.width = min(2, most)
+        self.ahead = 256 * 2**20
+        self.rates: dict[int, float] = {}  # width -> bytes per second measured with it
+        self.settled = False
+        self._bytes, self._since = 0, time.perf_counter()
+
+    def finished(self, nbytes: int) -> None:
+        """Counts `nbytes` of a step just finished; at each window's end, measures the rate
+        and decides the width and read-ahead for the next."""
+        self._bytes += nbytes
+        if self._bytes < self.window:
+            return
+        now = time.perf_counter()
+        rate = self._bytes / max(now - self._since, 1e-9)
+        self._bytes, self._since = 0, now
+        self.ahead = int(min(max(rate * AHEAD_S, AHEAD_LIMITS[0]), AHEAD_LIMITS[1]))
+        self.rates[self.width] = rate
+        if self.settled:
+            return
+        half = self.rates.get(self.width // 2)
+        if half is not None and rate < GAIN * half:  # the last doubling did not pay
+            self.width //= 2
+            self.settled = True
+        elif self.width * 2 <= self.most:
+            self.width *= 2
+        else:
+            self.settled = True
+
+    def __repr__(self) -> str:
+        rates = ", ".join(f"{w}: {r / 1e9:.2f} GB/s" for w, r in sorted(self.rates.items()))
+        return f"Readers(width={self.width}, settled={self.settled}, rates={{{rates}}})"

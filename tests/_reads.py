@@ -1,0 +1,31 @@
+"""A log of a load's reads: every outermost call of Tensor's read methods (a read that
+another read method makes on its behalf is part of that one), from any reader thread."""
+
+import threading
+
+from taktiny.io import Tensor
+
+METHODS = ("read", "read_into", "read_blocks", "read_transposed")
+
+
+def log_reads(monkeypatch, entry):
+    """Patches Tensor's read methods to append `entry(tensor, result)` to the returned list
+    once per outermost call."""
+    log, depth = [], threading.local()
+
+    def logged(method):
+        def call(self, *args, **kwargs):
+            depth.n = getattr(depth, "n", 0) + 1
+            try:
+                out = method(self, *args, **kwargs)
+            finally:
+                depth.n -= 1
+            if depth.n == 0:
+                log.append(entry(self, out))
+            return out
+
+        return call
+
+    for name in METHODS:
+        monkeypatch.setattr(Tensor, name, logged(getattr(Tensor, name)))
+    return log

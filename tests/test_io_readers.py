@@ -1,0 +1,116 @@
+"""How many steps a load reads at once: `Readers` learns it from the rate the steps finish
+at (doubling while a doubling pays), and the loader keeps that many reads in flight,
+whatever order they finish in, with the same result as one reader."""
+
+import threading
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from taktiny.io import _load, _place, _readers, load_safetensors, save_safetensors
+from taktiny.io._readers import Readers
+
+MiB = 2**20
+
+
+class Clock:
+    """A clock the test moves by hand."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    clock = Clock()
+    monkeypatch.setattr(_readers.time, "perf_counter", clock)
+    return clock
+
+
+def run(readers, clock, seconds_per_window):
+    """Finishes one window of bytes per entry, taking that many seconds: the widths seen."""
+    widths = []
+    for seconds in seconds_per_window:
+        clock.now += seconds
+        readers.finished(readers.window)
+        widths.append(readers.width)
+    return widths
+
+
+def test_readers_double_while_a_doubling_pays_up_to_the_most(clock):
+    readers = Readers(most=16, window=64 * MiB)
+    assert readers.width == 2
+    # each doubling reads 1.5x faster: 2 -> 4 -> 8 -> 16, then no more
+    widths = run(readers, clock, [1.0, 1 / 1.5, 1 / 1.5**2, 1 / 1.5**3, 1.0])
+    assert widths == [4, 8, 16, 16, 16]
+    assert readers.settled
+
+
+def test_readers_go_back_when_a_doubling_does_not_pay(clock):
+    readers = Readers(most=16, window=64 * MiB)
+    # 2 readers: 1 s a window; 4: 0.95 s (5% faster, under the 10% a doubling must gain)
+    assert run(readers, clock, [1.0, 0.95]) == [4, 2]
+    assert readers.settled
+    assert run(readers, clock, [0.5, 2.0]) == [2, 2]  # settled: it stays
+    assert "width=2, settled=True" in repr(readers)
+
+
+def test_readers_measure_only_whole_windows_and_pace_the_read_ahead(clock):
+    readers = Readers(most=4, window=64 * MiB)
+    clock.now = 10.0
+    readers.finished(32 * MiB)  # half a window: nothing measured yet
+    assert readers.width == 2 and not readers.rates
+    readers.finished(32 * MiB)  # 64 MiB in 10 s: 6.7 MB/s; the read-ahead at its floor
+    assert readers.rates == {2: pytest.approx(64 * MiB / 10.0)}
+    assert readers.ahead == 32 * MiB and readers.width == 4
+    clock.now += 0.05  # 64 MiB in 50 ms: 1.3 GB/s, a quarter second of it ahead
+    readers.finished(64 * MiB)
+    assert readers.ahead == pytest.approx(0.25 * 64 * MiB / 0.05, rel=1e-6)
+    clock.now += 0.001  # 67 GB/s: the read-ahead at its ceiling, 1 GiB
+    readers.finished(64 * MiB)
+    assert readers.ahead == 1024 * MiB
+    assert readers.width == 4 and readers.settled  # the most: no further doubling
+
+
+@pytest.mark.parametrize("width", [1, 3, 8])
+def test_a_load_keeps_width_reads_in_flight_and_gives_the_same_model(tmp_path, monkeypatch, width):
+    """The loader reads `width` steps at once (readers finishing in any order), and the
+    model is the same as one reader's."""
+    values = {f"w{i}": np.full((64, 64), i, np.float32) for i in range(12)}
+    path = tmp_path / "w.safetensors"
+    save_safetensors(path, values)
+    target = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in values.items()}
+
+    class Fixed(Readers):
+        def __init__(self):
+            super().__init__(most=width)
+            self.width = width
+
+        def finished(self, nbytes):  # never changes its width
+            pass
+
+    lock, in_flight, most = threading.Lock(), [0], [0]
+    placed = _place.placed_by_device
+
+    def slow(tensor, sharding, verify):
+        with lock:
+            in_flight[0] += 1
+            most[0] = max(most[0], in_flight[0])
+        time.sleep(0.1 + 0.03 * (int(tensor.name[1:]) % 3))  # later ones may finish first
+        try:
+            return placed(tensor, sharding, verify)
+        finally:
+            with lock:
+                in_flight[0] -= 1
+
+    monkeypatch.setattr(_load, "Readers", Fixed)
+    monkeypatch.setattr(_load, "placed_by_device", slow)
+    loaded = load_safetensors(target, path)
+    assert most[0] == width
+    for name, value in values.items():
+        assert np.array_equal(loaded[name], value)
