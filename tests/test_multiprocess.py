@@ -102,7 +102,7 @@ def test_each_process_reads_only_the_bytes_of_its_own_devices(tmp_path):
     bitwise the file's. Verified, each reads whole tensors: a checksum covers a whole
     tensor, so checking it takes all of its bytes."""
     rng = np.random.default_rng(0)
-    values = {
+    values = {  # each split as bench/_process_load.py splits it: by its name and rank
         "outer": rng.standard_normal((512, 64), np.float32),
         "inner": rng.standard_normal((64, 512), np.float32),
         "cube": rng.standard_normal((4, 32, 16), np.float32).astype(ml_dtypes.bfloat16),
@@ -111,12 +111,14 @@ def test_each_process_reads_only_the_bytes_of_its_own_devices(tmp_path):
     path = tmp_path / "weights.safetensors"
     save_safetensors(path, values)
     total = sum(v.nbytes for v in values.values())
-    program = [str(ROOT / "tests" / "_sharded_load.py"), str(path)]
+    program = [str(ROOT / "bench" / "_process_load.py"), str(path)]
     outputs = run_processes(tmp_path, "load", "8", program=program)
     for i, out in enumerate(outputs):
-        assert lines(out, "bitwise") == [  # 4 devices x 4 tensors, each of its own block
-            f"process {i}: read {total // 2} of {total} bytes (verify=False); 16 shards "
-            "bitwise equal",
-            f"process {i}: read {2 * total - total // 2} of {total} bytes (verify=True); 16 "
-            "shards bitwise equal",
+        read = [line.split(" in ")[0] for line in lines(out, "bitwise")]
+        assert read == [  # each reads its half
+            f"process {i}: read {total // 2} of {total} bytes (verify=False)",
+            f"process {i}: read {2 * total - total // 2} of {total} bytes (verify=True)",
         ], out
+        assert [line.split("; ")[1] for line in lines(out, "bitwise")] == [
+            "16 shards bitwise equal"  # 4 devices x 4 tensors, each of its own block
+        ] * 2, out
