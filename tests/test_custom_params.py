@@ -76,3 +76,23 @@ def test_both_views_load_custom_parameters(monkeypatch):
             np.testing.assert_array_equal(loaded.kernel.scale, parts["scale"])
         with pytest.raises(tt.StateDictError, match=r"'kernel\.value': dtype kind changes"):
             m.load_state_dict({"kernel": {"value": np.zeros((2, 3), np.float32)}})
+
+
+class Nested(nn.Module):
+    """A custom parameter inside another: its leaves are named 'kernel.value.value' and so
+    on, parts of no QArray."""
+
+    def __init__(self):
+        self.kernel = Scaled(Scaled(jnp.ones((2, 3), jnp.int8), jnp.ones(3)), jnp.ones(3))
+
+
+def test_a_problem_inside_a_nested_custom_parameter_names_its_leaf():
+    m = Nested()
+    assert list(m.flat_state_dict()) == ["kernel.value.value", "kernel.value.scale", "kernel.scale"]
+    state = m.flat_state_dict() | {"kernel.value.value": np.ones((2, 2), np.int8)}
+    with pytest.raises(tt.StateDictError) as raised:
+        m.load_flat_state_dict(state, strict=True)
+    assert str(raised.value) == (
+        "Nested.load_flat_state_dict(): 1 problem; nothing was loaded.\n"
+        "  - 'kernel.value.value': shape mismatch: expected (2, 3), got (2, 2)."
+    )

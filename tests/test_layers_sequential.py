@@ -223,3 +223,21 @@ def test_train_is_given_only_when_set_and_a_layer_that_returns_no_pair_is_refuse
         "layer with no state to update, or call the Sequential without train= "
         "(nn.train_forward collects updates instead)."
     )
+
+
+class TrainTwice(nn.Module):
+    """A layer of one's own that returns a pair, but not (y, new_layer)."""
+
+    def __call__(self, x, *, train=None):
+        return x, x
+
+
+def test_a_layer_that_returns_a_tuple_but_no_new_layer_is_refused_by_its_length():
+    with pytest.raises(TypeError) as raised:
+        nn.Sequential(TrainTwice())(jnp.ones(2), train=True)
+    assert str(raised.value) == (
+        "Sequential(train=True) calls layers.0 (TrainTwice) with train=True and expects the "
+        "pair (y, new_layer) back, as BatchNorm returns; got a tuple of 2. Return (y, self) "
+        "from a layer with no state to update, or call the Sequential without train= "
+        "(nn.train_forward collects updates instead)."
+    )

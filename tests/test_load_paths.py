@@ -130,12 +130,22 @@ def test_problems_of_a_full_load_in_leaf_order_name_the_call(flat):
         getattr(m, method)(state, strict=True)
 
 
+class Between(nn.Module):
+    """Single leaves on either side of a submodule: runs of one leaf in the nested state."""
+
+    def __init__(self, *, rngs):
+        self.scale = jnp.ones(3)
+        self.mlp = MLP(rngs=rngs)
+        self.shift = jnp.zeros(2)
+
+
+@pytest.mark.parametrize("model", [Blocks, Between])
 @pytest.mark.parametrize("flat", [False, True])
-def test_a_full_load_in_leaf_order_resolves_no_name_and_converts_no_array(flat, monkeypatch):
+def test_a_full_load_in_leaf_order_resolves_no_name_and_converts_no_array(flat, model, monkeypatch):
     """The fast paths that bench/ times: a strict load of a state shaped like the model's own
     gathers its values in leaf order without resolving a single name, and an array that
     already has its leaf's shape, dtype and sharding goes in as it is, unconverted."""
-    m, donor = Blocks(rngs=nn.Rngs(0)), Blocks(rngs=nn.Rngs(1))
+    m, donor = model(rngs=nn.Rngs(0)), model(rngs=nn.Rngs(1))
     state = donor.flat_state_dict() if flat else donor.state_dict()
 
     def slow_path(*args, **kwargs):

@@ -166,8 +166,19 @@ def test_a_double_star_matches_empty_parts_too():
         ("enc.*.w", "the names in 'enc' do not match the rest, '*.w'"),
         ("*.nothing", "no name is close to it"),  # nothing fixed to compare
         ("zzzzzz.*", "no name is close to it"),
+        # a respelling that matches no name either is no hint ('*.Xproj.bias' names nothing)
+        ("*.Xproj.bais", "no name is close to it"),
+        # it matches a name, but no earlier rule is given: the rule itself came first
+        ("enc.inp.kernel", "an earlier rule has the same pattern; remove one of them"),
     ],
 )  # fmt: skip
 def test_a_rule_that_matched_nothing_gets_a_hint(pattern, hint):
     names = ["enc.inp.kernel", "enc.inp.bias", "head.kernel", "Xproj.kernel"]
     assert _patterns.unused_hint(pattern, names) == hint
+
+
+def test_a_part_close_to_no_name_leaves_the_pattern_unrespelt():
+    """'kernal' is close to 'kernel', but 'zzzzzz' is close to nothing: no respelling is
+    offered, not even one whose missing part would read as a name's 'None'."""
+    hint = _patterns.unused_hint("*.zzzzzz.kernal", ["a.None.kernel"])
+    assert hint == "no name is close to it"

@@ -343,6 +343,23 @@ def test_a_load_inside_jit_keeps_the_shardings_of_a_closed_over_model(axis_type)
     assert np.array_equal(out.up.kernel, np.ones((8, 16)))
 
 
+@pytest.mark.parametrize("passed", [False, True], ids=["closed_over", "argument"])
+def test_a_load_inside_jit_reshards_a_value_from_the_leafs_own_mesh_without_set_mesh(passed):
+    """On Explicit axes, with no jax.set_mesh around the jit, a value already on the leaf's
+    mesh is still resharded to the leaf's split (JAX allows that from the same mesh)."""
+    mesh = mesh_of()
+    model = tt.shard(Block(rngs=nn.Rngs(0)), {"*.kernel": (None, "model")}, mesh)
+    replicated = jax.device_put(
+        {"up": {"kernel": np.ones((8, 16), np.float32)}}, NamedSharding(mesh, PartitionSpec())
+    )
+    if passed:
+        out = jax.jit(lambda m, s: m.load_state_dict(s))(model, replicated)
+    else:
+        out = jax.jit(lambda s: model.load_state_dict(s))(replicated)
+    assert out.up.kernel.sharding.spec == PartitionSpec(None, "model")
+    assert np.array_equal(out.up.kernel, np.ones((8, 16)))
+
+
 def test_a_load_inside_jit_keeps_the_shardings_of_a_model_argument_on_explicit_axes():
     mesh = mesh_of()
     model = tt.shard(Block(rngs=nn.Rngs(0)), {"*.kernel": (None, "model")}, mesh)

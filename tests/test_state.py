@@ -703,6 +703,34 @@ def test_tensors_of_other_frameworks_and_python_numbers_load():
         lin.load_flat_state_dict({"bias": np.array([1, 2, 3])})  # an int array is no Python number
 
 
+class _Detachable:
+    """No tensor (it has no __dlpack__), yet it has a detach method."""
+
+    def detach(self):
+        return np.zeros(2)
+
+    def __array__(self, dtype=None, copy=None):
+        return np.ones(2)
+
+
+def test_host_array_reads_with_numpy_and_detaches_only_tensors():
+    # what a conversion reads a source value with: a torch tensor that requires grad is
+    # detached and read by NumPy, bit for bit (float64 kept, not a JAX copy)
+    import torch
+
+    from taktiny.state import _values
+
+    grad = torch.nn.Parameter(torch.tensor([1.5, 2.25], dtype=torch.float64))
+    read = _values.host_array(grad)
+    assert type(read) is np.ndarray and read.dtype == np.float64 and read.tolist() == [1.5, 2.25]
+    # other DLPack producers have no detach method: NumPy reads them as they are
+    for value in (np.arange(3), jnp.arange(3)):
+        read = _values.host_array(value)
+        assert type(read) is np.ndarray and read.tolist() == [0, 1, 2]
+    # what is no tensor is read as NumPy reads it, whatever methods it has
+    assert _values.host_array(_Detachable()).tolist() == [1.0, 1.0]
+
+
 # --- values of every origin -------------------------------------------------------------
 
 

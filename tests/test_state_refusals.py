@@ -78,6 +78,58 @@ def test_finite_values_too_large_for_a_float_without_inf_are_refused(
         assert np.isnan(np.asarray(loaded.w[2], np.float32))
 
 
+@pytest.mark.parametrize("where", ["numpy", "jax"])
+def test_a_float_that_clips_refuses_exactly_the_values_past_its_largest_and_half_a_step(where):
+    """float4_e2m1fn clips what is past its largest, 6, plus half the step below it (2
+    there): 7 itself rounds (a tie) to 6 and loads, the next float32 up is refused."""
+    make = jnp.asarray if where == "jax" else np.asarray
+    h = Holder(jnp.zeros(2, jnp.float4_e2m1fn))
+    loaded = h.load_state_dict({"w": make(np.array([7.0, -7.0], np.float32))})
+    assert np.asarray(loaded.w, np.float32).tolist() == [6.0, -6.0]
+    past = np.nextafter(np.float32(7.0), np.float32(np.inf))
+    refused(
+        "dtype",
+        "w",
+        re.escape("'w': casting float32 to float4_e2m1fn would clip a value to its largest"),
+        lambda: h.load_state_dict({"w": make(np.array([past, 0.0], np.float32))}),
+    )
+
+
+def test_a_float6_value_is_checked_against_half_the_step_below_its_largest():
+    """float6_e2m3fn (largest 7.5, in steps of 0.5 there) clips past 7.75. JAX cannot place
+    it, but the values for a NumPy leaf of it are checked first: with an unknown key as
+    well, nothing loads, and the problems show that 7.7 would round and 7.8 clip."""
+    import ml_dtypes
+
+    tree = {"w": np.zeros(1, ml_dtypes.float6_e2m3fn)}
+    for value, kinds in ((7.7, [("unknown", "u")]), (7.8, [("unknown", "u"), ("dtype", "w")])):
+        state = {"w": np.array([value], np.float32), "u": np.zeros(1, np.float32)}
+        with pytest.raises(tt.StateDictError) as info:
+            tt.load_state_dict(tree, state)
+        assert [(p.kind, p.key) for p in info.value.problems] == kinds
+
+
+@pytest.mark.parametrize("where", ["numpy", "jax"])
+@pytest.mark.parametrize(
+    "dtype, largest, tie",
+    [(jnp.float8_e4m3fnuz, 240.0, 248.0), (jnp.float8_e5m2fnuz, 57344.0, 61440.0)],
+)
+def test_a_tie_past_the_largest_that_rounds_to_nan_is_refused(where, dtype, largest, tie):
+    """Largest plus half a step, in a float whose largest has an odd last bit: the tie
+    rounds up, past the largest, to NaN; refused, as any value that becomes NaN."""
+    make = jnp.asarray if where == "jax" else np.asarray
+    h = Holder(jnp.zeros(2, dtype))
+    name = np.dtype(dtype).name
+    refused(
+        "dtype",
+        "w",
+        re.escape(f"'w': casting float32 to {name} would turn a value into nan")
+        + ".*"
+        + re.escape(f": the largest is {tie:.4g}, and {name} holds at most {largest:.4g}"),
+        lambda: h.load_state_dict({"w": make(np.array([tie, 1.0], np.float32))}),
+    )
+
+
 @pytest.mark.parametrize("dtype", [jnp.float8_e4m3fn, jnp.float4_e2m1fn])
 def test_infinities_into_a_float_without_inf_are_refused(dtype):
     h = Holder(jnp.zeros(2, dtype))
