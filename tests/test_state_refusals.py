@@ -95,6 +95,25 @@ def test_a_float_that_clips_refuses_exactly_the_values_past_its_largest_and_half
     )
 
 
+@pytest.mark.parametrize("where", ["numpy", "jax"])
+@pytest.mark.parametrize("source", [jnp.float8_e4m3fn, jnp.bfloat16, jnp.float16])
+def test_a_narrow_float_source_into_a_clipping_float_is_checked_as_any_other(where, source):
+    """The clip check compares in float32, which holds every value and the limit: a JAX
+    float8 or bfloat16 source (JAX compares no float8 with a typed float64 scalar) is
+    refused past the limit, and loads up to it, as a float32 one is."""
+    make = jnp.asarray if where == "jax" else np.asarray
+    h = Holder(jnp.zeros(2, jnp.float4_e2m1fn))
+    name = np.dtype(source).name
+    loaded = h.load_state_dict({"w": make(np.array([7.0, -6.0], np.float32)).astype(source)})
+    assert np.asarray(loaded.w, np.float32).tolist() == [6.0, -6.0]
+    refused(
+        "dtype",
+        "w",
+        re.escape(f"'w': casting {name} to float4_e2m1fn would clip a value to its largest"),
+        lambda: h.load_state_dict({"w": make(np.array([8.0, 0.0], np.float32)).astype(source)}),
+    )
+
+
 def test_a_float6_value_is_checked_against_half_the_step_below_its_largest():
     """float6_e2m3fn (largest 7.5, in steps of 0.5 there) clips past 7.75. JAX cannot place
     it, but the values for a NumPy leaf of it are checked first: with an unknown key as

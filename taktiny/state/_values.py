@@ -198,8 +198,11 @@ def _overflow(name: str, value: jax.Array | np.ndarray, cast: Any) -> StateProbl
         bad = xp.isinf(cast) & xp.isfinite(value)
     elif into == "nan":
         bad = xp.isnan(cast) & ~xp.isnan(value)
-    else:
-        bad = (xp.abs(value) > _clip_limit(cast.dtype)) & ~xp.isnan(value)
+    else:  # compared in float32 (float64 for float64 values), which holds every value of
+        # the source and the limit exactly: JAX compares no float8 with a typed float64
+        wide = np.float64 if value.dtype == np.float64 else np.float32
+        limit = wide(_clip_limit(cast.dtype))
+        bad = (xp.abs(value.astype(wide)) > limit) & ~xp.isnan(value)
     if not bool(bad.any()):
         return None
     largest = float(np.max(np.abs(np.asarray(value)[np.asarray(bad)])))
