@@ -40,6 +40,22 @@ class Dense(nn.Module):  # a custom parameter
         self.kernel = Scaled(jnp.ones((2, 3), jnp.int8), jnp.full((3,), 0.5))
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Boxed:  # a custom parameter of one leaf
+    array: jax.Array
+
+
+class Holder(nn.Module):  # a module of the given fields
+    def __init__(self, **fields):
+        for name, value in fields.items():
+            setattr(self, name, value)
+
+
+class Shaped:  # has a shape, but no dtype: no array
+    shape = (4, 6)
+
+
 class Low(nn.Module):  # floats without inf: one that makes NaN, one that clips
     def __init__(self):
         self.fn = jnp.zeros(3, jnp.float8_e4m3fn)
@@ -81,6 +97,21 @@ def contains_itself():
     state["layers"]["1"] = state["layers"]
     state["layers"]["2"] = state
     return state
+
+
+def within():
+    """A state whose dict at 'a.b' holds itself at 'a.b.c'."""
+    state = {"a": {"b": {}}}
+    state["a"]["b"]["c"] = state["a"]["b"]
+    return state
+
+
+def qarray(shape=(4, 6), axis=0):
+    return tt.QArray.quantize(jnp.ones(shape, jnp.float32), axis=axis)
+
+
+MATCH = {"match_quantization": True}
+Q46 = "QArray(i8[4,6], scale=f32[1,6], axis=0)"
 
 
 def list_in_itself():
@@ -295,6 +326,99 @@ CASES = {
         [("structure", "kernel", "a value of this parameter's structure", "a value of type list",
           "got a value of type list nested too deeply to be read (it may contain itself); give "
           "this parameter as the model holds it, or a dict of its parts.")],
+    ),
+    "problems after a dotted nested key and an unknown one": (
+        lambda: mlp().load_state_dict({"input": {"kernal": 1, "kernel.x": 1, "bais": 2}}),
+        [("unknown", "input.kernal", "input.kernel", "input.kernal",
+          "unknown key; did you mean 'input.kernel'?"),
+         ("key", "input.kernel.x", "a key without '.'", "x",
+          "nested state keys must not contain '.'; nest it as a dict, or pass dotted names to "
+          "load_flat_state_dict()."),
+         ("unknown", "input.bais", "input.bias", "input.bais",
+          "unknown key; did you mean 'input.bias'?")],
+    ),
+    "a state that contains itself below its top": (
+        lambda: Holder(a={"b": {"c": {"w": jnp.zeros(2)}}}).load_state_dict(within()),
+        [("structure", "a.b.c", "a dict of this submodule's parameters", "the dict at 'a.b'",
+          "its value is the dict at 'a.b', which contains it: a state that contains itself "
+          "never ends. Give this name a dict of its own parameters.")],
+    ),
+    "a nested custom parameter given a list that contains itself": (
+        lambda: Holder(a={"k": Scaled(jnp.ones((2, 3), jnp.int8), jnp.ones(3))}).load_state_dict(
+            {"a": {"k": list_in_itself()}}
+        ),
+        [("structure", "a.k", "a value of this parameter's structure", "a value of type list",
+          "got a value of type list nested too deeply to be read (it may contain itself); give "
+          "this parameter as the model holds it, or a dict of its parts.")],
+    ),
+    "a custom parameter of one leaf given another structure": (
+        lambda: Holder(box=Boxed(jnp.zeros(3))).load_state_dict({"box": [0.0, 0.0, 0.0]}),
+        [("structure", "box", "PyTreeDef(CustomNode(Boxed[()], [*]))", "PyTreeDef([*, *, *])",
+          "expected a value structured as PyTreeDef(CustomNode(Boxed[()], [*])), got "
+          "PyTreeDef([*, *, *]).")],
+    ),
+    "a custom parameter given a QArray": (
+        lambda: Dense().load_state_dict({"kernel": qarray((2, 3))}, **MATCH),
+        [("structure", "kernel", "PyTreeDef(CustomNode(Scaled[()], [*, *]))",
+          "PyTreeDef(CustomNode(QArray[(8, 0, None)], [*, *]))",
+          "expected a value structured as PyTreeDef(CustomNode(Scaled[()], [*, *])), got "
+          "PyTreeDef(CustomNode(QArray[(8, 0, None)], [*, *])).")],
+    ),
+    "a QArray of another shape and layout": (
+        lambda: Holder(k=qarray()).load_state_dict({"k": qarray((6, 4), axis=1)}, **MATCH),
+        [("shape", "k", (4, 6), (6, 4), "shape mismatch: expected (4, 6), got (6, 4).")],
+    ),
+    "a value that is no array where a QArray belongs": (
+        lambda: Holder(k=qarray()).load_state_dict({"k": "oops"}, **MATCH),
+        [("structure", "k", Q46, "a value of type str",
+          f"expected a QArray like the model's {Q46} (or a dict of its parts, or a float array "
+          f"to quantize with match_quantization=True), got a value of type str.")],
+    ),
+    "a nested list where a QArray belongs": (
+        lambda: Holder(k=qarray()).load_state_dict({"k": [[0.0] * 6] * 4}),
+        [("representation", "k", Q46, "a value of type list",
+          f"the model holds a quantized array here, {Q46}, and the state a value of type list: "
+          f"the representations differ. Pass match_quantization=True to quantize it on load as "
+          f"the model's is, or load it into the float model and quantize that (tt.quantize).")],
+    ),
+    "a QArray where an int64 array belongs": (
+        lambda: Holder(n=np.zeros((4, 6), np.int64)).load_state_dict({"n": qarray()}, **MATCH),
+        [("dtype", "n", "int64", "float32",
+          "dtype kind changes: the model holds int64 (signed integer), got float32 (floating). "
+          "Loads only cast within a kind; convert the value yourself if this is really "
+          "intended.")],
+    ),
+    "a QArray where a float0 array belongs": (
+        lambda: Holder(g=np.zeros((4, 6), jax.dtypes.float0)).load_state_dict(
+            {"g": qarray()}, **MATCH
+        ),
+        [("dtype", "g", "void", "float32",
+          "dtype kind changes: the model holds void ([('float0', 'V')]), got float32 "
+          "(floating). Loads only cast within a kind; convert the value yourself if this is "
+          "really intended.")],
+    ),
+    "quantized parts that are no arrays": (
+        lambda: Holder(w=jnp.zeros((4, 6))).load_flat_state_dict(
+            {"w.value": Shaped(), "w.scale": qarray().scale}, **MATCH
+        ),
+        [("representation", "w", "a value and a scale",
+          "the parts of a quantized array (value of type Shaped, scale float32[1, 6])",
+          "cannot dequantize the parts of a quantized array (value of type Shaped, scale "
+          "float32[1, 6]): the value and the scale must be arrays.")],
+    ),
+    "quantized parts of an integer scale": (
+        lambda: Holder(w=jnp.zeros((4, 6))).load_flat_state_dict(
+            {"w.value": qarray().value, "w.scale": np.ones((1, 6), np.int32)}, **MATCH
+        ),
+        [("representation", "w", "a value and a scale",
+          "the parts of a quantized array (value int8[4, 6], scale int32[1, 6])",
+          "cannot dequantize the parts of a quantized array (value int8[4, 6], scale int32[1, "
+          "6]): scale must be a float array, got int32.")],
+    ),
+    "a quantized array's value alone where an array belongs": (
+        lambda: mlp().load_state_dict({"input": {"kernel": {"value": qarray((32, 64)).value}}}),
+        [("structure", "input.kernel", "an array", "a dict with keys ['value']",
+          "expected an array, got a dict with keys ['value']; this name is one array.")],
     ),
     "names left out under strict": (
         lambda: mlp().load_flat_state_dict({"input.bias": np.zeros(64, np.float32)}, strict=True),

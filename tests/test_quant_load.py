@@ -199,6 +199,51 @@ def test_converting_on_load_works_inside_jit():
     assert bitwise_equal(back.kernel, model.kernel.dequantize())
 
 
+def test_a_qarray_of_numpy_parts_quantizes_a_float_state_on_load():
+    like = tt.QArray(np.ones((32, 8), np.int8), np.ones((2, 8), np.float32), bits=8, axis=0,
+                     group_size=16)  # fmt: skip
+    w = np.random.default_rng(0).normal(size=(32, 8)).astype(np.float32)
+    loaded = tt.load_state_dict({"w": like}, {"w": w}, **MATCH)["w"]
+    assert bitwise_equal(loaded, _quant.quantize_like(w, like))
+
+
+def test_a_tensor_of_another_framework_is_quantized_on_load():
+    class Tensor:  # an array of another framework: only DLPack
+        def __init__(self, array):
+            self.array = array
+
+        def __dlpack__(self, **kw):
+            return self.array.__dlpack__(**kw)
+
+        def __dlpack_device__(self):
+            return self.array.__dlpack_device__()
+
+    model = nn.QuantizedLinear(64, 8, rngs=nn.Rngs(1))
+    kernel = np.array(nn.Linear(64, 8, rngs=nn.Rngs(0)).kernel)  # writable: DLPack exports it
+    loaded = model.load_state_dict({"kernel": Tensor(kernel)}, **MATCH)
+    assert bitwise_equal(loaded.kernel, _quant.quantize_like(kernel, model.kernel))
+    with pytest.raises(
+        tt.StateDictError,
+        match=r"^QuantizedLinear\.load_state_dict\(\): 1 problem; nothing was loaded\.\n  - 'kernel': the "
+        r"model holds a quantized array here, QArray\(i8\[64,8\], scale=f32\[1,8\], axis=0\), "
+        r"and the state a value of type Tensor: the representations differ\. Pass",
+    ):
+        model.load_state_dict({"kernel": Tensor(kernel)})
+
+
+def test_a_group_that_would_straddle_devices_is_refused_by_the_parameters_name():
+    mesh = mesh_of(AxisType.Auto)
+    value = jax.device_put(jnp.zeros((32, 8), jnp.int8), NamedSharding(mesh, P("model", None)))
+    scale = jax.device_put(jnp.ones((2, 8), jnp.float32), NamedSharding(mesh, P()))
+    model = {"dense": {"kernel": tt.QArray(value, scale, bits=8, axis=0, group_size=16)}}
+    with pytest.raises(
+        ValueError,
+        match=r"^dense\.kernel of shape \(32, 8\) is split 4 ways along axis 0 \(P\('model', "
+        r"None\) on the mesh \{'data': 2, 'model': 4\}\), which does not divide its 2 groups",
+    ):
+        tt.load_state_dict(model, {"dense": {"kernel": np.ones((32, 8), np.float32)}}, **MATCH)
+
+
 # --- a quantized state into a float model -----------------------------------------------------
 
 
@@ -302,6 +347,15 @@ def test_parts_that_make_no_quantized_array_are_refused():
         model.load_flat_state_dict({"encoder.0.kernel.scale": np.ones(3)})
 
 
+def test_a_qarray_where_a_python_number_belongs_is_told_by_its_shape():
+    with pytest.raises(
+        tt.StateDictError,
+        match=r"^taktiny\.load_state_dict\(dict\): 1 problem; nothing was loaded\.\n  - 'x': "
+        r"shape mismatch: expected \(\), got \(4, 6\)\.$",
+    ):
+        tt.load_state_dict({"x": 1.0}, {"x": tt.QArray.quantize(jnp.ones((4, 6)))}, **MATCH)
+
+
 def test_dequantizing_on_load_keeps_the_float_models_shardings():
     mesh = mesh_of(AxisType.Explicit)
     with jax.set_mesh(mesh):
@@ -333,6 +387,19 @@ def test_a_qarray_quantized_another_way_is_requantized_on_load():
         r"quantized as the state is \(tt\.quantize\(model, bits=8\)\)\.",
     ):
         model.load_state_dict(int8.state_dict())
+
+
+def test_a_qarray_with_a_narrower_scale_is_requantized_from_float32():
+    source = Net(param_dtype=jnp.bfloat16, rngs=nn.Rngs(0))
+    int8 = tt.quantize(source)  # bfloat16 scales
+    model = quantized(Net(rngs=nn.Rngs(1)))
+    given, like = int8.encoder[1].kernel, model.encoder[1].kernel
+    assert given.scale.dtype == jnp.bfloat16
+    loaded = model.load_state_dict({"encoder": {"1": {"kernel": given}}}, **MATCH)
+    expected = _quant.quantize_like(given.dequantize(jnp.float32), like)
+    rounded = _quant.quantize_like(given.dequantize(), like)  # dequantized to bfloat16 first
+    assert not bitwise_equal(expected, rounded)  # the two differ: the test can tell them
+    assert bitwise_equal(loaded.encoder[1].kernel, expected)
 
 
 def test_an_int8_value_where_int4_is_expected_is_refused_even_with_the_option():
