@@ -3,6 +3,7 @@ fields (`kind`, `key`, `expected`, `got`) a program reads. Each message names th
 the model holds, what was given, and what to do."""
 
 import dataclasses
+import itertools
 import pathlib
 
 import jax
@@ -75,6 +76,15 @@ def stack():
     return Stack()
 
 
+def linear():
+    return nn.Linear(4, 2, rngs=nn.Rngs(0))
+
+
+def qlinear(**kw):
+    """A layer quantized in int8 (by default): its kernel is QArray(i8[4,2], ...)."""
+    return tt.quantize(linear(), **{"bits": 8, **kw})
+
+
 def abstract():
     return jax.eval_shape(lambda: MLP(rngs=nn.Rngs(0)))
 
@@ -129,6 +139,11 @@ ABSTRACT_HINT = (
     "model must supply every parameter, or it would stay unfilled."
 )
 
+QK = "QArray(i8[4,2], scale=f32[1,2], axis=0)"  # the kernel of qlinear()
+Q4 = "QArray(i4[4,2], scale=f32[2,2], axis=0, group_size=2)"  # qlinear(bits=4, group_size=2)'s
+PARTS = "the parts of a quantized array (value int8[4, 2], scale float32[1, 2])"
+NOT_ARRAYS = "the parts of a quantized array (value of type int, scale of type Float32DType)"
+
 CASES = {
     "a group named by a flat name": (
         lambda: mlp().load_flat_state_dict({"input": np.zeros(3)}),
@@ -171,6 +186,12 @@ CASES = {
           "'input.kernel' is an array, so it has no entry 'value'; give the array itself at "
           "'input.kernel', or pass match_quantization=True to dequantize a quantized array's "
           "parts on load.")],
+    ),
+    "a name inside an array that no quantized array has": (
+        lambda: mlp().load_flat_state_dict({"input.kernel.x": np.zeros(3)}),
+        [("structure", "input.kernel.x", "an array at 'input.kernel'", "an array float64[3]",
+          "'input.kernel' is an array, so it has no entry 'x'; give the array itself at "
+          "'input.kernel'.")],
     ),
     "a typo": (
         lambda: mlp().load_flat_state_dict({"input.kernal": np.zeros(3)}),
@@ -310,6 +331,72 @@ CASES = {
           "value.delete() or by donating it to a jitted function (donate_argnums), so it holds "
           "no values. Load the array before it is deleted, or the result of the call it was "
           "donated to.")],
+    ),
+    "a float array where a quantized one belongs": (
+        lambda: qlinear().load_state_dict({"kernel": np.zeros((4, 2), np.float32)}),
+        [("representation", "kernel", QK, "an array float32[4, 2]",
+          f"the model holds a quantized array here, {QK}, and the state an array float32[4, 2]: "
+          "the representations differ. Pass match_quantization=True to quantize it on load as "
+          "the model's is, or load it into the float model and quantize that (tt.quantize).")],
+    ),
+    "a QArray quantized another way": (
+        lambda: qlinear().load_state_dict({"kernel": qlinear(bits=4, group_size=2).kernel}),
+        [("representation", "kernel", QK, f"a {Q4}",
+          f"the model holds {QK} here and the state {Q4}: quantized another way. Pass "
+          "match_quantization=True to re-quantize it on load as the model's is (dequantized, "
+          "then rounded again), or load it into a model quantized as the state is "
+          "(tt.quantize(model, bits=4, group_size=2)).")],
+    ),
+    "an integer array to quantize": (
+        lambda: qlinear().load_state_dict(
+            {"kernel": np.zeros((4, 2), np.int32)}, match_quantization=True
+        ),
+        [("dtype", "kernel", QK, "an array int32[4, 2]",
+          f"cannot quantize an array int32[4, 2] on load as the model's {QK} is: quantizing "
+          "takes a float array.")],
+    ),
+    "a value that is no array where a quantized one belongs": (
+        lambda: qlinear().load_state_dict({"kernel": "oops"}),
+        [("structure", "kernel", QK, "a value of type str",
+          f"expected a QArray like the model's {QK} (or a dict of its parts, or a float array "
+          "to quantize with match_quantization=True), got a value of type str.")],
+    ),
+    "a QArray where a float array belongs": (
+        lambda: linear().load_state_dict({"kernel": qlinear().kernel}),
+        [("representation", "kernel", "an array float32[4, 2]", f"a {QK}",
+          f"the model holds an array float32[4, 2] here and the state a {QK}: the "
+          "representations differ. Pass match_quantization=True to dequantize it on load, or "
+          "quantize the model first to keep it quantized (tt.quantize(model, bits=8)).")],
+    ),
+    "the parts of a QArray where a float array belongs": (
+        lambda: linear().load_state_dict(
+            {"kernel": {"value": qlinear().kernel.value, "scale": qlinear().kernel.scale}}
+        ),
+        [("representation", "kernel", "an array float32[4, 2]", PARTS,
+          f"the model holds an array float32[4, 2] here and the state {PARTS}: the "
+          "representations differ. Pass match_quantization=True to dequantize it on load, or "
+          "quantize the model first to keep it quantized (tt.quantize(model, bits=8)).")],
+    ),
+    "parts that are not arrays, to dequantize": (
+        lambda: linear().load_flat_state_dict(
+            {"kernel.value": 3, "kernel.scale": np.dtype("float32")}, match_quantization=True
+        ),
+        [("representation", "kernel", "a value and a scale", NOT_ARRAYS,
+          f"cannot dequantize {NOT_ARRAYS}: the value and the scale must be arrays.")],
+    ),
+    "a scale of another dtype kind": (
+        lambda: qlinear().load_flat_state_dict({"kernel.scale": np.ones((1, 2), np.int32)}),
+        [("dtype", "kernel.scale", "float32", "int32",
+          "dtype kind changes: the model holds float32 (floating), got int32 (signed integer). "
+          "Loads only cast within a kind; convert the value yourself if this is really "
+          f"intended. (It is the scale of 'kernel', {QK}.)")],
+    ),
+    "a bool value where quantized integers belong": (
+        lambda: qlinear().load_flat_state_dict({"kernel.value": np.zeros((4, 2), bool)}),
+        [("dtype", "kernel.value", "int8", "bool",
+          "dtype kind changes: the model holds int8 (signed integer), got bool (bool). Loads "
+          "only cast within a kind; convert the value yourself if this is really intended. "
+          f"(It is the value of 'kernel', {QK}.)")],
     ),
     "a state that contains itself": (
         lambda: stack().load_state_dict(contains_itself()),
@@ -489,6 +576,8 @@ def test_describe_names_what_it_was_given():
         ("input.kernal", ["input.kernel", "output.kernel"], "input.kernel"),
         ("inptu", ["input", "output"], "input"),
         ("blocks.3.b.bias", ["blocks.3.a.bias", "blocks.30.b.bias"], "blocks.30.b.bias"),
+        # the names with the same last part first, even where another is closer
+        ("inptu.bias", ["input.bias", "inptu.bia"], "input.bias"),
         ("zzz", ["input.kernel", "output.bias"], None),
         ("kernel", [], None),
     ],
@@ -520,6 +609,36 @@ LAYERS = [f"encoder.layer_{i}.scale" for i in range(10_000)]
 def test_a_misspelling_among_ten_thousand_names_gets_the_name_meant(name, names, expected):
     assert len(names) == 10_000
     assert _problems.closest(name, names) == expected
+
+
+def test_up_to_64_names_each_one_is_measured():
+    # "aXbYcZdWeVf" shares 2 of its 12 character pairs with the name (" a", "f "), each of
+    # the others 2 of 5 (" a", "ab"): a shortlist by pairs would leave it out, but it is the
+    # closest
+    names = [f"ab{i:02d}" for i in range(39)] + ["aXbYcZdWeVf"]
+    assert _problems.closest("abcdef", names) == "aXbYcZdWeVf"
+
+
+def test_of_more_than_64_names_those_sharing_most_character_pairs_are_measured():
+    # all 101 hold both parts, in order: the 64 that share the most pairs are compared, among
+    # them the shortest, the closest
+    names = [f"enc.layer{i}.bias" for i in range(100)] + ["enc.a.bias"]
+    assert _problems.closest("enc.bias", names) == "enc.a.bias"
+    # a name that shares no pair with any of them gets no suggestion
+    assert _problems.closest("qq", [f"w{i}" for i in range(100)]) is None
+    # of names equally alike, the first 64 are compared: 100 that share no pair with
+    # "abcdef" come first, then 100 that share three (" a", "ab", "bc"), the 33rd of them
+    # the closest (the rest are no closer than 0.5)
+    letters = "ghijklmnopqrstuvw"
+    unlike = ["".join(p) for p in itertools.permutations(letters, 2)][:100]
+    alike = ["abc" + "".join(p) for p in itertools.permutations(letters, 3)][:99]
+    alike.insert(32, "abXdeY")
+    assert _problems.closest("abcdef", unlike + alike) == "abXdeY"
+
+
+def test_the_pairs_measured_are_of_adjacent_characters_ends_included():
+    assert _problems._pairs("ab") == {" a", "ab", "b "}
+    assert _problems._pairs("a.bc") == {" a", "a.", ".b", "bc", "c "}
 
 
 def test_unknown_names_past_the_hundredth_are_listed_without_suggestions():

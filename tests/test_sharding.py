@@ -319,6 +319,7 @@ def test_a_value_on_devices_outside_the_models_mesh_is_refused(axis_type):
         ("down.bias", "sharding"),
         ("down.kernel", "sharding"),
     ]
+    assert (problems[0].expected, problems[0].got) == ("devices [0, 1, 2, 3]", "devices [6]")
     assert str(problems[0]) == (
         "'up.kernel': the value of shape (8, 16) sits on devices [6], outside the leaf's mesh "
         "{'model': 4} (devices [0, 1, 2, 3], spec P(None, 'model')). Load host "
