@@ -24,8 +24,13 @@ SHAPES = {  # name -> (shape, dtype): each plan below splits them along some axi
     "cube": ((8, 16, 64), ml_dtypes.bfloat16),  # three axes: split on the middle and last
     "bias": ((64,), np.float32),
 }
-ONE = jax.make_mesh((8,), ("x",))
-TWO = jax.make_mesh((2, 4), ("a", "b"))
+ONE, TWO = ((8,), ("x",)), ((2, 4), ("a", "b"))  # meshes made in the tests, not at import
+
+
+def mesh_of(shape_and_axes):
+    return jax.make_mesh(*shape_and_axes)
+
+
 PLANS = {  # plan -> (mesh, spec per tensor): every tensor not named is replicated
     "one device": (None, {}),
     "outer": (ONE, {"wide": P("x"), "tall": P("x"), "bias": P("x"), "cube": P("x")}),
@@ -75,7 +80,7 @@ def target(plan):
             jnp.dtype(dtype),
             sharding=SingleDeviceSharding(jax.devices()[0])
             if mesh is None
-            else NamedSharding(mesh, specs.get(name, P())),
+            else NamedSharding(mesh_of(mesh), specs.get(name, P())),
         )
         for name, (shape, dtype) in SHAPES.items()
     }
@@ -176,7 +181,7 @@ def plans_of(shape):
         sharding = (
             SingleDeviceSharding(jax.devices()[0])
             if mesh is None
-            else NamedSharding(mesh, specs.get("wide", P()))
+            else NamedSharding(mesh_of(mesh), specs.get("wide", P()))
         )
         yield {"wide": jax.ShapeDtypeStruct(shape, jnp.float32, sharding=sharding)}
 
@@ -206,7 +211,7 @@ def test_a_4_bit_tensor_split_on_any_axis_is_unpacked_block_by_block(tmp_path):
     path = tmp_path / "q.safetensors"
     save_safetensors(path, values)
     for spec in (P("x"), P(None, "x"), P(None, ("a", "b"))):
-        mesh = ONE if "x" in spec else TWO
+        mesh = mesh_of(ONE if "x" in spec else TWO)
         want = {"q": jax.ShapeDtypeStruct((16, 64), jnp.int4, sharding=NamedSharding(mesh, spec))}
         loaded = load_safetensors(want, path)
         assert np.asarray(loaded["q"]).tobytes() == values["q"].tobytes()
@@ -292,7 +297,10 @@ def test_a_transposing_rule_reads_into_the_leaves_not_a_scratch_buffer(
     save_safetensors(path, {"w": values["w"].T.copy(), "b": values["b"]})
     monkeypatch.setattr(_place.Scratch, "read", None)  # fails if a step reads into it
     rule = [cv.Rule("{p}", "{p}", cv.transpose())]
-    for sharding in (SingleDeviceSharding(jax.devices()[1]), NamedSharding(ONE, P(None, "x"))):
+    for sharding in (
+        SingleDeviceSharding(jax.devices()[1]),
+        NamedSharding(mesh_of(ONE), P(None, "x")),
+    ):
         want = {
             n: jax.ShapeDtypeStruct(
                 v.shape,
