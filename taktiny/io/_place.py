@@ -1,7 +1,8 @@
-"""Reading and placing a load's steps: a renamed tensor read block by block onto its
-leaf's devices, or a transforming step's sources read into a reused scratch buffer,
-transformed by XLA and placed (a float array for a quantized parameter quantized as it is
-placed)."""
+"""Reading and placing a load's steps: a renamed tensor read into its leaf's own buffers
+(whole, or the blocks of this process's devices together) and placed on its devices; a
+transposed one read piece by piece into its leaf's buffer; or a transforming step's
+sources read into a reused scratch buffer, transformed by XLA and placed (a float array
+for a quantized parameter quantized as it is placed)."""
 
 from __future__ import annotations
 
@@ -27,7 +28,9 @@ from ._read import Tensor
 def direct_leaf(step: Step, sources: list[Tensor], leaves: Mapping[str, Any]) -> Any:
     """The leaf a step fills with a tensor as it is on disk (a rename, the leaf's dtype, one
     that JAX holds as it is), or None."""
-    return _one_to_one(step, sources, leaves) if isinstance(step.rule.transform, identity) else None
+    if not isinstance(step.rule.transform, identity):
+        return None
+    return _one_to_one(step, sources, leaves)
 
 
 def transposed_leaf(step: Step, sources: list[Tensor], leaves: Mapping[str, Any]) -> Any:

@@ -167,21 +167,21 @@ class Tensor:
             SafetensorsError: the bytes are damaged, or the file was truncated.
         """
         box = _box(blocks, self.ndim)
+        by_rows = self._by_rows(blocks, box)
         stream = None
         if verify and self.checksum is not None:
-            if self._streams(blocks, box):
+            if self._streams(blocks, box, by_rows):
                 stream = _checksum.streaming()
             else:
                 self.verify()
         send = None if stream is None else stream.update
-        if self._by_rows(blocks, box):
+        if by_rows:
             outs = self._from_rows(blocks, box, send)
         elif send is not None:
             outs = self._in_order(blocks, send)
         else:
             outs = [self.read([slice(*x) for x in b], verify=False) for b in blocks]
-        if stream is not None and (got := stream.hexdigest()) != self.checksum:
-            raise self.damaged(got)
+        self._confirm(stream)
         return outs
 
     def _from_rows(
@@ -242,8 +242,7 @@ class Tensor:
             for a in range(0, r1 - r0, step):
                 at[into] = slice(r0 + a, min(r0 + a + step, r1))
                 out[tuple(at)] = piece[a : a + step].transpose(order)
-        if stream is not None and (got := stream.hexdigest()) != self.checksum:
-            raise self.damaged(got)
+        self._confirm(stream)
         out.flags.writeable = False
         return out
 
@@ -270,17 +269,17 @@ class Tensor:
                 yield r0, r1, piece
 
     def _streams(
-        self, blocks: Sequence[Sequence[tuple[int, int]]], box: list[tuple[int, int]]
+        self, blocks: Sequence[Sequence[tuple[int, int]]], box: list[tuple[int, int]], by_rows: bool
     ) -> bool:
         """Whether :meth:`read_blocks` reads these blocks as the whole tensor in the file's
         order, so that it can hash the bytes as it reads them: blocks that tile the tensor,
-        cut from its rows or each one run of its bytes (an outer-axis split)."""
+        cut from its rows (`by_rows`) or each one run of its bytes (an outer-axis split)."""
         if box != [(0, n) for n in self.shape]:
             return False
         sizes = [math.prod(stop - start for start, stop in b) for b in blocks]
         item = self.dtype.itemsize
         runs = all(self._run(b) == n * item for b, n in zip(blocks, sizes, strict=True))
-        return self._by_rows(blocks, box) or (runs and sum(sizes) == math.prod(self.shape))
+        return by_rows or (runs and sum(sizes) == math.prod(self.shape))
 
     def _in_order(
         self, blocks: Sequence[Sequence[tuple[int, int]]], send: Callable[[Any], Any]
@@ -344,9 +343,14 @@ class Tensor:
             return self._piecewise(None, memory)
         stream = _checksum.streaming()
         out = self._piecewise(stream.update, memory)
-        if (got := stream.hexdigest()) != self.checksum:
-            raise self.damaged(got)
+        self._confirm(stream)
         return out
+
+    def _confirm(self, stream: Any) -> None:
+        """Raises when the bytes hashed into `stream` are not ``checksum``'s (None: none were
+        hashed, nothing to check)."""
+        if stream is not None and (got := stream.hexdigest()) != self.checksum:
+            raise self.damaged(got)
 
     def check(self, raw: Any) -> None:
         """Checks bytes read against ``checksum``; does nothing without one.
