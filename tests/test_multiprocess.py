@@ -15,7 +15,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from taktiny.io import save_safetensors
+from taktiny.io import open_safetensors, save_safetensors
 
 pytestmark = pytest.mark.program
 
@@ -99,25 +99,33 @@ def test_two_processes_save_and_restore_onto_another_mesh_bitwise(tmp_path):
 def test_each_process_reads_only_the_bytes_of_its_own_devices(tmp_path):
     """A model split on every tensor over the 8 devices of 2 processes: each process reads
     only its half of each tensor (inner and middle axis splits too), and its shards are
-    bitwise the file's. Verified, each reads whole tensors: a checksum covers a whole
-    tensor, so checking it takes all of its bytes."""
+    bitwise the file's. Verified too: each checks the digests of the tiles it reads, so
+    only a tensor too small for tiles (the bias, 256 bytes) is also read whole."""
     rng = np.random.default_rng(0)
     values = {  # each split as bench/_process_load.py splits it: by its name and rank
-        "outer": rng.standard_normal((512, 64), np.float32),
-        "inner": rng.standard_normal((64, 512), np.float32),
-        "cube": rng.standard_normal((4, 32, 16), np.float32).astype(ml_dtypes.bfloat16),
-        "bias": rng.standard_normal((64,), np.float32),
+        "outer": rng.standard_normal((512, 64), np.float32),  # tiles (2, 1)
+        "inner": rng.standard_normal((64, 2048), np.float32),  # tiles (4, 2)
+        "cube": rng.standard_normal((1, 256, 512), np.float32).astype(ml_dtypes.bfloat16),
+        "bias": rng.standard_normal((64,), np.float32),  # one tile: read whole, verified
     }
     path = tmp_path / "weights.safetensors"
     save_safetensors(path, values)
+    assert {n: t.tiles and t.tiles[0] for n, t in open_safetensors(path).items()} == {
+        "outer": (2, 1),
+        "inner": (4, 2),
+        "cube": (1, 2, 2),  # the middle axis cut in two
+        "bias": None,
+    }
     total = sum(v.nbytes for v in values.values())
+    verified = total // 2 + values["bias"].nbytes  # the bias read whole to hash it, too
+    assert verified <= 0.55 * total
     program = [str(ROOT / "bench" / "_process_load.py"), str(path)]
     outputs = run_processes(tmp_path, "load", "8", program=program)
     for i, out in enumerate(outputs):
         read = [line.split(" in ")[0] for line in lines(out, "bitwise")]
         assert read == [  # each reads its half
             f"process {i}: read {total // 2} of {total} bytes (verify=False)",
-            f"process {i}: read {2 * total - total // 2} of {total} bytes (verify=True)",
+            f"process {i}: read {verified} of {total} bytes (verify=True)",
         ], out
         assert [line.split("; ")[1] for line in lines(out, "bitwise")] == [
             "16 shards bitwise equal"  # 4 devices x 4 tensors, each of its own block

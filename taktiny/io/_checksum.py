@@ -11,18 +11,29 @@ while the others read on. It detects damage, not tampering: it is not a cryptogr
 The header metadata entry ``"taktiny_checksums"`` is a JSON string:
 ``{"algorithm": "xxh3_128", "tensors": {name: 32 hex digits}}``, one digest for each tensor
 of the file, over its bytes as stored (a packed 4-bit tensor's packed bytes).
+
+A tensor of at least two tiles' bytes also has a digest per tile, so that a host reading
+part of it (its own devices' blocks in a multi-process load) checks only the bytes it reads:
+the entry ``"taktiny_tile_checksums"`` is ``{"algorithm": "xxh3_128", "tensors": {name:
+{"grid": [parts per axis], "digests": "32 hex digits per tile"}}}``. The grid cuts each axis
+into 1, 2, 4 or 8 equal parts (:func:`grid`), the first and last axes first, so that a split
+of the tensor into 2, 4 or 8 parts along any of them falls on tile edges; each tile's digest
+is over its bytes in row-major order, the tiles in row-major order of the grid.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
+import math
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import xxhash
 
 from .. import _lazy
+from ._quantized_format import short
 
 if TYPE_CHECKING:
     import numpy as np
@@ -30,8 +41,12 @@ else:
     np = _lazy.module("numpy")  # (a header needs no NumPy: imported when a tensor is read)
 
 KEY = "taktiny_checksums"
+TILES_KEY = "taktiny_tile_checksums"
 ALGORITHM = "xxh3_128"
 _HEX = re.compile(r"[0-9a-f]{32}")
+_TILE_BYTES = 64 << 10  # the smallest tile the writer makes
+_MOST_TILES = 64  # the most tiles the writer makes of a tensor
+_MOST_READ = 4096  # the most tiles a header may give a tensor (64 KiB of digests)
 
 
 def digest(data: Any) -> str:
@@ -47,6 +62,52 @@ def streaming() -> Any:
     return xxhash.xxh3_128()
 
 
+def grid(shape: Sequence[int], itemsize: int) -> tuple[int, ...]:
+    """How many tiles each axis of a tensor of `shape` is cut into: the parts of each axis
+    doubled in turn (the first axis, the last, then the others), up to 8, while they divide
+    the axis, the tensor has at most 64 tiles and each holds at least 64 KiB. All ones:
+    the tensor is one tile (no tile digests are written)."""
+    parts = [1] * len(shape)
+    order = dict.fromkeys([0, len(shape) - 1, *range(1, len(shape) - 1)]) if shape else {}
+    nbytes, grown = math.prod(shape) * itemsize, True
+    while grown:
+        grown = False
+        for axis in order:
+            tiles = math.prod(parts) * 2
+            if (
+                parts[axis] < 8
+                and shape[axis] % (parts[axis] * 2) == 0
+                and tiles <= _MOST_TILES
+                and nbytes // tiles >= _TILE_BYTES
+            ):
+                parts[axis] *= 2
+                grown = True
+    return tuple(parts)
+
+
+def tiles(shape: Sequence[int], parts: Sequence[int]) -> list[list[tuple[int, int]]]:
+    """The tiles of `parts` per axis over `shape`, in row-major order of the grid, each
+    as (start, stop) per axis."""
+    sizes = [n // p for n, p in zip(shape, parts, strict=True)]
+    return [
+        [(i * s, (i + 1) * s) for i, s in zip(index, sizes, strict=True)]
+        for index in itertools.product(*map(range, parts))
+    ]
+
+
+def tile_digests(array: Any) -> tuple[tuple[int, ...], str] | None:
+    """The grid of a C-contiguous NumPy `array` and its tiles' digests, concatenated; None
+    for an array of one tile."""
+    parts = grid(array.shape, array.dtype.itemsize)
+    if math.prod(parts) == 1:
+        return None
+    digests = []
+    for bounds in tiles(array.shape, parts):
+        tile = np.ascontiguousarray(array[tuple(slice(*b) for b in bounds)])
+        digests.append(digest(tile))
+    return parts, "".join(digests)
+
+
 def record(digests: Mapping[str, str]) -> str:
     """The header metadata value holding `digests` ({tensor name: checksum})."""
     return json.dumps({"algorithm": ALGORITHM, "tensors": dict(digests)}, separators=(",", ":"))
@@ -56,19 +117,7 @@ def parse(text: str, names: Any) -> dict[str, str]:
     """The digests a ``"taktiny_checksums"`` value holds, checked: a JSON object of the
     known algorithm, one 32-digit hex digest per tensor and only for `names` (the file's
     tensor names). Raises ValueError saying what is wrong."""
-    try:
-        value = json.loads(text)
-    except (ValueError, RecursionError) as error:
-        raise ValueError(f"{KEY!r} is not valid JSON ({error})") from None
-    if not isinstance(value, dict) or set(value) != {"algorithm", "tensors"}:
-        raise ValueError(f"{KEY!r} must be a JSON object with 'algorithm' and 'tensors'")
-    if value["algorithm"] != ALGORITHM:
-        raise ValueError(
-            f"{KEY!r} names the algorithm {value['algorithm']!r}; this Taktiny knows {ALGORITHM!r}"
-        )
-    tensors = value["tensors"]
-    if not isinstance(tensors, dict):
-        raise ValueError(f"{KEY!r}: 'tensors' must map tensor names to digests")
+    tensors = _tensors(KEY, text, "digests")
     for name, hexdigest in tensors.items():
         if not isinstance(hexdigest, str) or not _HEX.fullmatch(hexdigest):
             raise ValueError(f"{KEY!r} gives {name!r} the digest {hexdigest!r}, not 32 hex digits")
@@ -77,15 +126,83 @@ def parse(text: str, names: Any) -> dict[str, str]:
     return tensors
 
 
+def _tensors(key: str, text: str, what: str) -> dict[str, Any]:
+    """The ``"tensors"`` object of the record `text` under metadata `key`, checked to be a
+    JSON object of the known algorithm mapping names to `what`."""
+    try:
+        value = json.loads(text)
+    except (ValueError, RecursionError) as error:
+        raise ValueError(f"{key!r} is not valid JSON ({error})") from None
+    if not isinstance(value, dict) or set(value) != {"algorithm", "tensors"}:
+        raise ValueError(f"{key!r} must be a JSON object with 'algorithm' and 'tensors'")
+    if value["algorithm"] != ALGORITHM:
+        raise ValueError(
+            f"{key!r} names the algorithm {value['algorithm']!r}; this Taktiny knows {ALGORITHM!r}"
+        )
+    tensors = value["tensors"]
+    if not isinstance(tensors, dict):
+        raise ValueError(f"{key!r}: 'tensors' must map tensor names to {what}")
+    return tensors
+
+
+def tiles_record(grids: Mapping[str, tuple[tuple[int, ...], str]]) -> str:
+    """The header metadata value holding `grids` ({tensor name: (grid, the tiles' digests
+    concatenated)}, as :func:`tile_digests` gives them)."""
+    tensors = {n: {"grid": list(g), "digests": d} for n, (g, d) in grids.items()}
+    return json.dumps({"algorithm": ALGORITHM, "tensors": tensors}, separators=(",", ":"))
+
+
+def parse_tiles(text: str, tensors: Mapping[str, Any]) -> dict[str, tuple[tuple[int, ...], str]]:
+    """The grids and tile digests a ``"taktiny_tile_checksums"`` value holds, checked
+    against `tensors` (the file's, by name, with their stored shapes): for each, one part
+    count per axis that divides it, and 32 hex digits per tile. Raises ValueError saying
+    what is wrong."""
+    entries = _tensors(TILES_KEY, text, "their tiles")
+    found: dict[str, tuple[tuple[int, ...], str]] = {}
+    for name, entry in entries.items():
+        if name not in tensors:
+            raise ValueError(
+                f"{TILES_KEY!r} gives tiles for {name!r}, which the file does not hold"
+            )
+        shape = tuple(getattr(tensors[name], "stored", tensors[name]).shape)
+        parts = entry.get("grid") if isinstance(entry, dict) else None
+        if (
+            set(entry if isinstance(entry, dict) else ()) != {"grid", "digests"}
+            or not isinstance(parts, list)
+            or len(parts) != len(shape)
+            or not all(
+                type(p) is int and p >= 1 and n % p == 0 for p, n in zip(parts, shape, strict=True)
+            )
+            or not 1 < math.prod(parts) <= _MOST_READ
+        ):
+            raise ValueError(
+                f"{TILES_KEY!r} gives {name!r} (stored shape {list(shape)}) the tiles "
+                f"{short(entry)}: expected {{'grid': [parts per axis, each dividing the "
+                f"axis, at most {_MOST_READ} tiles in all], 'digests': ...}}"
+            )
+        digests = entry["digests"]
+        count = math.prod(parts)
+        if (
+            not isinstance(digests, str)
+            or len(digests) != 32 * count
+            or not all(_HEX.fullmatch(digests[k : k + 32]) for k in range(0, len(digests), 32))
+        ):
+            raise ValueError(
+                f"{TILES_KEY!r} gives {name!r} the tile digests {short(digests)}: expected "
+                f"{count} digests of 32 hex digits, one per tile of its grid {parts}"
+            )
+        found[name] = (tuple(parts), digests)
+    return found
+
+
 def attach(tensors: Mapping[str, Any], metadata: Mapping[str, str], bad: Any) -> None:
     """Gives each of a file's `tensors` (its :class:`~taktiny.io.Tensor` handles) the digest
-    its header `metadata` records, if any; `bad(why)` makes the error for a malformed
-    record."""
-    text = metadata.get(KEY)
-    if text is None:
-        return
+    and the tile digests its header `metadata` records, if any; `bad(why)` makes the error
+    for a malformed record."""
+    text, tiled = metadata.get(KEY), metadata.get(TILES_KEY)
     try:
-        digests = parse(text, tensors)
+        digests = {} if text is None else parse(text, tensors)
+        grids = {} if tiled is None else parse_tiles(tiled, tensors)
     except ValueError as error:
         raise bad(f"{error}; the header is corrupt.") from None
     for name, hexdigest in digests.items():
@@ -94,3 +211,5 @@ def attach(tensors: Mapping[str, Any], metadata: Mapping[str, str], bad: Any) ->
         stored = getattr(tensor, "stored", None)  # a packed tensor's bytes
         if stored is not None:
             stored.checksum = hexdigest
+    for name, tiles_of in grids.items():
+        getattr(tensors[name], "stored", tensors[name]).tiles = tiles_of

@@ -54,7 +54,10 @@ class Tensor:
     ``checksum`` is the XXH3-128 digest of its stored bytes that Taktiny wrote into the
     header when it saved the file (32 hex digits), or None (files written by other
     programs). Reads verify it unless told not to (``verify=False``): damaged bytes raise
-    :class:`SafetensorsError` before anything is returned.
+    :class:`SafetensorsError` before anything is returned. ``tiles`` is the grid of its
+    tiles and their digests, concatenated (``((8, 8), "…")``: see `_checksum`), when Taktiny
+    wrote them (tensors of 128 KiB or more); a read of part of the tensor then checks the
+    tiles it touches and reads only their bytes, instead of the whole tensor's.
 
     Made by :func:`~taktiny.io.open_safetensors` from a file's header.
 
@@ -68,9 +71,10 @@ class Tensor:
 
     Attributes:
         nbytes: the bytes stored in the file.
+        tiles: ``(parts per axis, the tiles' digests concatenated)``, or None.
     """
 
-    __slots__ = ("_dtype", "checksum", "file", "name", "nbytes", "offset", "shape")
+    __slots__ = ("_dtype", "checksum", "file", "name", "nbytes", "offset", "shape", "tiles")
 
     def __init__(
         self,
@@ -88,6 +92,7 @@ class Tensor:
             itemsize = dtype.itemsize
         self.name, self.shape, self._dtype = name, shape, dtype
         self.file, self.offset, self.checksum = file, offset, checksum
+        self.tiles: tuple[tuple[int, ...], str] | None = None
         self.nbytes = math.prod(shape) * itemsize
 
     @property
@@ -122,8 +127,9 @@ class Tensor:
                 tensor.
             verify: check the bytes against ``checksum`` (when there is one): for the
                 whole tensor, hashed 4 MiB at a time as they are read (each piece still in
-                the CPU's cache); for a block, the whole tensor's bytes first, streamed
-                through the hash.
+                the CPU's cache); for a block, the digests of the ``tiles`` it touches,
+                hashed as they are read (only their bytes are read), or without tiles the
+                whole tensor's bytes first, streamed through the hash.
 
         Returns:
             A read-only array of the block's shape (``shape`` for the whole tensor), in
@@ -136,6 +142,8 @@ class Tensor:
         bounds = self._bounds(index)
         if all(b == (0, n) for b, n in zip(bounds, self.shape, strict=True)):
             return self._checked(None, verify)
+        if verify and self.tiles is not None:
+            return self._from_tiles([bounds])[0]
         if verify:
             self.verify()
         shape = tuple(stop - start for start, stop in bounds)
@@ -158,7 +166,9 @@ class Tensor:
             blocks: disjoint blocks, each as ``(start, stop)`` per axis, within ``shape``.
             verify: check the bytes against ``checksum`` (when there is one): hashed as
                 they are read when the blocks are read as the whole tensor in the file's
-                order; otherwise the whole tensor, streamed through the hash, first.
+                order; otherwise against the digests of the ``tiles`` the blocks touch,
+                reading only those tiles (:meth:`read`), or without tiles the whole
+                tensor, streamed through the hash, first.
 
         Returns:
             One array per block, of the block's shape, in ``dtype``.
@@ -169,11 +179,12 @@ class Tensor:
         box = _box(blocks, self.ndim)
         by_rows = self._by_rows(blocks, box)
         stream = None
-        if verify and self.checksum is not None:
-            if self._streams(blocks, box, by_rows):
-                stream = _checksum.streaming()
-            else:
-                self.verify()
+        if verify and self.checksum is not None and self._streams(blocks, box, by_rows):
+            stream = _checksum.streaming()
+        elif verify and self.tiles is not None:
+            return self._from_tiles(blocks)
+        elif verify:
+            self.verify()
         send = None if stream is None else stream.update
         if by_rows:
             outs = self._from_rows(blocks, box, send)
@@ -202,6 +213,88 @@ class Tensor:
         for out in outs:
             out.flags.writeable = False
         return outs
+
+    def _from_tiles(self, blocks: Sequence[Sequence[tuple[int, int]]]) -> list[np.ndarray]:
+        """The blocks read through the digests of the ``tiles`` they touch, reading only
+        those tiles' bytes, in the file's order: the tiles next to each other along the
+        last axis together, a few MiB of their rows at a time, each tile's bytes hashed as
+        they come (from a copy when the rows span several tiles), then cut into the
+        blocks. Raises before returning when a tile's bytes are not its digest's."""
+        assert self.tiles is not None
+        parts, digests = self.tiles
+        size = [n // p for n, p in zip(self.shape, parts, strict=True)]
+        outs = [_buffer(tuple(stop - start for start, stop in b), self.dtype)[0] for b in blocks]
+        touched = sorted(
+            {
+                index
+                for b in blocks
+                if all(lo < hi for lo, hi in b)
+                for index in itertools.product(
+                    *(range(lo // s, -(-hi // s)) for (lo, hi), s in zip(b, size, strict=True))
+                )
+            }
+        )
+        runs: list[list[tuple[int, ...]]] = []  # tiles side by side on the last axis
+        for index in touched:
+            if self.ndim > 1 and runs and runs[-1][-1][:-1] == index[:-1]:
+                if runs[-1][-1][-1] + 1 == index[-1]:
+                    runs[-1].append(index)
+                    continue
+            runs.append([index])
+        with open(self.file, "rb", buffering=0) as f:
+            for run in runs:
+                box = [(i * s, (i + 1) * s) for i, s in zip(run[0], size, strict=True)]
+                box[-1] = (box[-1][0], box[-1][1] + (len(run) - 1) * size[-1])
+                self._through_tiles(f.fileno(), run, box, size, digests, blocks, outs)
+        for out in outs:
+            out.flags.writeable = False
+        return outs
+
+    def _through_tiles(
+        self,
+        fd: int,
+        run: list[tuple[int, ...]],
+        box: list[tuple[int, int]],
+        size: list[int],
+        digests: str,
+        blocks: Sequence[Sequence[tuple[int, int]]],
+        outs: list[np.ndarray],
+    ) -> None:
+        """Reads `box`, the tiles of `run`, a few MiB of rows at a time: hashes each tile's
+        part of the rows, copies what falls in each block into its out, and checks each
+        tile's digest."""
+        assert self.tiles is not None
+        (first, last), width = box[0], box[1:]
+        row = math.prod(stop - start for start, stop in width) * self.dtype.itemsize
+        rows = max(1, min(last - first, _BOX_PIECE // max(row, 1)))
+        chunk, raw = _buffer((rows, *(stop - start for start, stop in width)), self.dtype)
+        hashes = [_checksum.streaming() for _ in run]
+        for r0 in range(first, last, rows):
+            r1 = min(r0 + rows, last)
+            piece = chunk[: r1 - r0]
+            self._fill(fd, [(r0, r1), *width], piece.shape, raw)
+            if len(run) == 1:
+                hashes[0].update(piece)
+            else:
+                for k, h in enumerate(hashes):
+                    h.update(np.ascontiguousarray(piece[..., k * size[-1] : (k + 1) * size[-1]]))
+            for out, b in zip(outs, blocks, strict=True):
+                cut = [(max(lo, s), min(hi, e)) for (lo, hi), (s, e) in zip(b, box, strict=True)]
+                cut[0] = (max(cut[0][0], r0), min(cut[0][1], r1))
+                if all(lo < hi for lo, hi in cut):
+                    into = tuple(
+                        slice(lo - o, hi - o) for (lo, hi), (o, _) in zip(cut, b, strict=True)
+                    )
+                    at = [(r0, r1), *width]
+                    src = tuple(
+                        slice(lo - o, hi - o) for (lo, hi), (o, _) in zip(cut, at, strict=True)
+                    )
+                    out[into] = piece[src]
+        for index, h in zip(run, hashes, strict=True):
+            k = int(np.ravel_multi_index(index, self.tiles[0]))
+            if (got := h.hexdigest()) != digests[32 * k : 32 * k + 32]:
+                tile = [(i * s, (i + 1) * s) for i, s in zip(index, size, strict=True)]
+                raise self.damaged(got, tile, digests[32 * k : 32 * k + 32])
 
     def read_transposed(
         self, perm: Sequence[int] | None = None, *, verify: bool = True
@@ -387,18 +480,26 @@ class Tensor:
         if got != self.checksum:
             raise self.damaged(got)
 
-    def damaged(self, got: str) -> SafetensorsError:
-        """The error for bytes whose checksum is not ``checksum``.
+    def damaged(
+        self, got: str, tile: Sequence[tuple[int, int]] | None = None, expected: str | None = None
+    ) -> SafetensorsError:
+        """The error for bytes whose checksum is not the one the header records.
 
         Args:
             got: the checksum of the bytes read (32 hex digits).
+            tile: the tile whose bytes were hashed, as (start, stop) per axis; None for
+                the whole tensor.
+            expected: the tile's digest (with `tile`; else ``checksum``).
 
         Returns:
-            The error, naming the file, the tensor and both checksums.
+            The error, naming the file, the tensor (and tile) and both checksums.
         """
+        which = "their checksum"
+        if tile is not None:
+            which = f"the checksum of its tile [{', '.join(f'{a}:{b}' for a, b in tile)}]"
         return SafetensorsError(
-            f"{self.file}: the bytes of {self.name!r} are damaged: their checksum is {got}, "
-            f"and the header records {self.checksum} ({_checksum.ALGORITHM}). The file "
+            f"{self.file}: the bytes of {self.name!r} are damaged: {which} is {got}, and the "
+            f"header records {expected or self.checksum} ({_checksum.ALGORITHM}). The file "
             f"changed after it was written (a bad disk, an interrupted copy); copy it again "
             f"or write it again."
         )
@@ -517,9 +618,10 @@ class Packed(Tensor):
     def read_blocks(
         self, blocks: Sequence[Sequence[tuple[int, int]]], *, verify: bool = True
     ) -> list[np.ndarray]:
-        if verify:
+        if verify and self.stored.tiles is None:
             self.verify()  # then each block read (and unpacked) on its own
-        return [self.read([slice(*x) for x in b], verify=False) for b in blocks]
+            verify = False
+        return [self.read([slice(*x) for x in b], verify=verify) for b in blocks]
 
     def _unpacked(self, raw: np.ndarray) -> np.ndarray:
         if not self.shape:

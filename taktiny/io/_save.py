@@ -30,7 +30,14 @@ from ._checkpoint import SHARD, read_weight_map
 from ._read import SafetensorsError
 
 _SUFFIX = ".safetensors"
-_RESERVED = ("format", "taktiny_version", qz.PACKED, qz.QUANTIZED, _checksum.KEY)
+_RESERVED = (
+    "format",
+    "taktiny_version",
+    qz.PACKED,
+    qz.QUANTIZED,
+    _checksum.KEY,
+    _checksum.TILES_KEY,
+)
 # numpy dtype names safetensors stores (its own names: F32, BF16, F8_E4M3, ...)
 _STORED = frozenset(
     "bool int8 uint8 int16 uint16 int32 uint32 int64 uint64 float16 float32 float64 "
@@ -78,7 +85,9 @@ def save_safetensors(
             ``"taktiny_version"``.
 
     Each file's header also records a checksum (XXH3-128) of every tensor's bytes, which
-    every read verifies. A save over an existing checkpoint is all or nothing: whenever it
+    every read verifies, and for each tensor of 128 KiB or more the checksums of its tiles
+    (up to 8 equal parts of an axis), so that a read of part of it checks only the tiles it
+    reads. A save over an existing checkpoint is all or nothing: whenever it
     is stopped, `path` holds exactly the previous checkpoint or exactly the new one; once
     this returns, the new one is on disk (files and directory flushed). Shards take names
     that the checkpoint being replaced does not use (Hugging Face's, or those with a suffix
@@ -140,6 +149,9 @@ def save_safetensors(
         if records:
             own[qz.PACKED] = json.dumps(records)
         own[_checksum.KEY] = _checksum.record({n: _checksum.digest(a) for n, a in shard.items()})
+        tiled = {n: t for n, a in shard.items() if (t := _checksum.tile_digests(a)) is not None}
+        if tiled:
+            own[_checksum.TILES_KEY] = _checksum.tiles_record(tiled)
         files.append((shard, own))
     commit = _Commit(target)
     written = commit.save(files)
