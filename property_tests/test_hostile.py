@@ -6,7 +6,7 @@ opened.
 The files are valid ones (tensors of several dtypes, zero-size and 0-d ones, odd names,
 metadata, the header in any order, written with or without JSON's escapes) with one change:
 any JSON value anywhere in the header (an entry, its dtype, shape, offsets or one of their
-elements, the metadata, Taktiny's packed and quantized metadata), hostile shapes (more than
+elements, the metadata, Taktiny's packed and quantized metadata, its tile checksums), hostile shapes (more than
 64 axes, a zero axis beside axes whose product overflows), a name given twice, a nesting
 bomb, byte ranges moved, header bytes flipped, inserted or cut, data added or cut, a wrong
 length prefix. The indexes name their shards with hostile names (NUL bytes, empty, parent
@@ -35,7 +35,7 @@ import safetensors
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from taktiny.io import SafetensorsError, load_safetensors, open_safetensors
+from taktiny.io import SafetensorsError, _checksum, load_safetensors, open_safetensors
 from taktiny.io import _checkpoint as checkpoint_module
 from taktiny.io import _quantized_format as qz
 
@@ -112,6 +112,20 @@ def _packed(draw: Any, header: dict[str, Any]) -> Any:
     return {name: {"dtype": dtype, "shape": shape if draw(st.integers(0, 4)) else draw(JSON)}}
 
 
+def _tiles(draw: Any, header: dict[str, Any]) -> Any:
+    """Taktiny's tile checksums: any JSON, or a record for one of the tensors whose grid is
+    any JSON or any list of ints, and whose digests never fit it (one hex digit too many),
+    so that the file is refused when it is opened."""
+    names = [n for n in header if n != "__metadata__"]
+    if not names or draw(st.integers(0, 3)) == 0:
+        return draw(JSON)
+    name = draw(st.sampled_from(names))
+    grid = draw(st.lists(st.integers(-1, 9), max_size=4) | JSON)
+    count = math.prod(grid) if isinstance(grid, list) and all(type(g) is int for g in grid) else 1
+    digests = "0" * (32 * max(0, min(count, 100)) + 1)
+    return {"algorithm": "xxh3_128", "tensors": {name: {"grid": grid, "digests": digests}}}
+
+
 @st.composite
 def hostile_files(draw: Any) -> tuple[bytes, str]:
     """The bytes of a valid file with one change, and what the change was."""
@@ -166,8 +180,14 @@ def hostile_files(draw: Any) -> tuple[bytes, str]:
         for i in (0, 1):
             entry["data_offsets"][i] = max(0, entry["data_offsets"][i] + draw(st.integers(-4, 4)))
     elif change == "taktiny":
-        key = draw(st.sampled_from((qz.PACKED, qz.PACKED, qz.QUANTIZED)))
-        record = _packed(draw, header) if key == qz.PACKED else draw(JSON)
+        key = draw(st.sampled_from((qz.PACKED, qz.PACKED, qz.QUANTIZED, _checksum.TILES_KEY)))
+        record = (
+            _packed(draw, header)
+            if key == qz.PACKED
+            else _tiles(draw, header)
+            if key == _checksum.TILES_KEY
+            else draw(JSON)
+        )
         text = json.dumps(record) if draw(st.integers(0, 5)) else draw(st.text(max_size=6))
         header.setdefault("__metadata__", {})[key] = text
     ascii_ = draw(st.booleans())  # escapes for all but ASCII, or UTF-8 as Rust writes it
@@ -180,6 +200,10 @@ def hostile_files(draw: Any) -> tuple[bytes, str]:
         name = draw(st.sampled_from(names))
         again = header[name] if draw(st.booleans()) else draw(JSON)
         pair = json.dumps({name: again}, ensure_ascii=ascii_).encode("utf-8", "surrogatepass")[1:-1]
+        try:
+            pair.decode("utf-8")
+        except UnicodeDecodeError:  # a lone surrogate in the value: escaped, so that the
+            pair = json.dumps({name: again}).encode()[1:-1]  # name twice is the only change
         at = draw(st.sampled_from(("first", "last")))
         text = b"{" + pair + b", " + text[1:] if at == "first" else text[:-1] + b", " + pair + b"}"
     elif change == "bytes":  # the header's bytes flipped, inserted, cut, or a nesting bomb
