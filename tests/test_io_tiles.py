@@ -6,6 +6,7 @@ touch it succeeds. A malformed record is refused when the file is opened. The
 two-process byte counts are in tests/test_multiprocess.py."""
 
 import json
+import re
 import struct
 
 import ml_dtypes
@@ -257,3 +258,33 @@ def test_the_tile_checksum_key_is_taktinys_own(tmp_path):
             {"w": np.ones(2, np.float32)},
             metadata={"taktiny_tile_checksums": "{}"},
         )
+
+
+def test_verify_checks_the_tiles_digests_too(saved):
+    """``taktiny verify`` (and Tensor.verify) checks each tile's digest besides the whole
+    tensor's: a header whose tile digest is wrong for intact bytes is reported, as a host
+    reading that tile would find it."""
+    from taktiny.io._verify import verify
+
+    _, path = saved
+    assert verify(path) == (4, 0, [])
+    header, start = header_of(path)
+    record = json.loads(header["__metadata__"]["taktiny_tile_checksums"])
+    digests = record["tensors"]["b"]["digests"]
+    wrong = digests[:32] + ("1" if digests[32] == "0" else "0") + digests[33:]  # tile (0, 1)
+    data = path.read_bytes()
+    text = data[8:start].replace(digests.encode(), wrong.encode())
+    assert len(text) == start - 8 and text != data[8:start]
+    path.write_bytes(data[:8] + text + data[start:])
+    report = verify(path)
+    assert report.checked == 3 and len(report.damaged) == 1
+    assert re.fullmatch(
+        rf"{re.escape(str(path))}: the bytes of 'b' are damaged: the checksum of its tile "
+        rf"\[0:16, 1024:2048\] is {digests[32:64]}, and the header records {wrong[32:64]} "
+        r"\(xxh3_128\)\. .*",
+        report.damaged[0],
+    )
+    tensor = open_safetensors(path)["b"]
+    tensor.read()  # the whole tensor matches its own digest
+    with pytest.raises(SafetensorsError, match=r"the checksum of its tile \[0:16, 1024:2048\]"):
+        tensor.verify()

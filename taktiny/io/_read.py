@@ -214,18 +214,23 @@ class Tensor:
             out.flags.writeable = False
         return outs
 
-    def _from_tiles(self, blocks: Sequence[Sequence[tuple[int, int]]]) -> list[np.ndarray]:
-        """The blocks read through the digests of the ``tiles`` they touch, reading only
-        those tiles' bytes, in the file's order: the tiles next to each other along the
-        last axis together, a few MiB of their rows at a time, each tile's bytes hashed as
-        they come (from a copy when the rows span several tiles), then cut into the
-        blocks. Raises before returning when a tile's bytes are not its digest's."""
+    def _from_tiles(
+        self, blocks: Sequence[Sequence[tuple[int, int]]], every: bool = False
+    ) -> list[np.ndarray]:
+        """The blocks read through the digests of the ``tiles`` they touch (`every`: all
+        of them), reading only those tiles' bytes, in the file's order: the tiles next to
+        each other along the last axis together, a few MiB of their rows at a time, each
+        tile's bytes hashed as they come (from a copy when the rows span several tiles),
+        then cut into the blocks. Raises before returning when a tile's bytes are not its
+        digest's."""
         assert self.tiles is not None
         parts, digests = self.tiles
         size = [n // p for n, p in zip(self.shape, parts, strict=True)]
         outs = [_buffer(tuple(stop - start for start, stop in b), self.dtype)[0] for b in blocks]
         touched = sorted(
-            {
+            itertools.product(*map(range, parts))
+            if every
+            else {
                 index
                 for b in blocks
                 if all(lo < hi for lo, hi in b)
@@ -461,14 +466,20 @@ class Tensor:
 
     def verify(self) -> None:
         """Reads this tensor's stored bytes through the hash, 4 MiB at a time, and checks
-        them against ``checksum``; does nothing without one.
+        them against ``checksum``, then against the digests of its ``tiles``; does nothing
+        without them.
 
         Raises:
-            SafetensorsError: the bytes do not match ``checksum``, or the file was
-                truncated.
+            SafetensorsError: the bytes do not match ``checksum`` or a tile's digest, or
+                the file was truncated.
         """
-        if self.checksum is None:
-            return
+        if self.checksum is not None:
+            self._whole_checked()
+        if self.tiles is not None:  # a second pass, from the page cache: what a host
+            self._from_tiles([], every=True)  # reading part of the tensor will check
+
+    def _whole_checked(self) -> None:
+        """Reads the stored bytes through the hash and checks them against ``checksum``."""
         stream = _checksum.streaming()
         piece = memoryview(bytearray(min(self.nbytes, _PIECE)))
         with open(self.file, "rb", buffering=0) as f:
