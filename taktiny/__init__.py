@@ -22,6 +22,8 @@ if _typing.TYPE_CHECKING:
     from .sharding._plan import sharding_plan as sharding_plan
     from .state._problems import StateDictError as StateDictError
     from .state._problems import StateProblem as StateProblem
+    from .state._schema import Schema as Schema
+    from .state._schema import schema as schema
     from .state._tree import by_name as by_name
     from .state._tree import flat_state_dict as flat_state_dict
     from .state._tree import load_flat_state_dict as load_flat_state_dict
@@ -36,6 +38,8 @@ _LAZY = {
     "eval_shape": (".sharding._eval_shape", "eval_shape"),
     "StateDictError": (".state._problems", "StateDictError"),
     "StateProblem": (".state._problems", "StateProblem"),
+    "Schema": (".state._schema", "Schema"),
+    "schema": (".state._schema", "schema"),
     "QArray": ("._qarray", "QArray"),
     "ShardingPlan": (".sharding._plan", "ShardingPlan"),
     "shard": (".sharding._plan", "shard"),
@@ -56,6 +60,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "QArray",
+    "Schema",
     "ShardingPlan",
     "StateDictError",
     "StateProblem",
@@ -70,6 +75,7 @@ __all__ = [
     "load_state_dict",
     "nn",
     "quantize",
+    "schema",
     "shard",
     "sharding_plan",
     "state_dict",

@@ -120,6 +120,7 @@ def test_a_model_round_trips_bitwise_with_metadata_in_the_header(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model.safetensors"]
     metadata, tensors = read(path)
     checksums = json.loads(metadata.pop("taktiny_checksums"))
+    assert tt.Schema.from_json(metadata.pop("taktiny_schema")) == tt.schema(model)
     assert metadata == {"format": "taktiny", "taktiny_version": tt.__version__, "step": "12"}
     expected = model.flat_state_dict()
     # every tensor's XXH3-128 digest, computed here from the bytes the file holds

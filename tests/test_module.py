@@ -333,6 +333,7 @@ def test_public_surface_is_short_and_documented():
     public = [n for n in _public(tt) if n not in ("module", "state", "sharding")]
     assert public == [
         "QArray",
+        "Schema",
         "ShardingPlan",
         "StateDictError",
         "StateProblem",
@@ -347,6 +348,7 @@ def test_public_surface_is_short_and_documented():
         "load_state_dict",
         "nn",
         "quantize",
+        "schema",
         "shard",
         "sharding_plan",
         "state_dict",

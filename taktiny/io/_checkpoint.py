@@ -8,12 +8,15 @@ import os
 import re
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from .._messages import layout_text, short
 from . import _quantized_format as qz
 from ._header import HEADER_LIMIT, parse_json, read_header, unpaired_surrogate
-from ._quantized_format import short
 from ._read import SafetensorsError, Tensor
+
+if TYPE_CHECKING:
+    from ..state._schema import Schema
 
 
 class Checkpoint(Mapping[str, Tensor]):
@@ -32,6 +35,7 @@ class Checkpoint(Mapping[str, Tensor]):
         path: the file or index the checkpoint was opened from.
         metadata: the header metadata of the first file (``{"format": "pt"}``,
             Taktiny's version, user metadata).
+        schema: the schema saved with it, or None (see the property).
         quantized: the layout of each quantized parameter saved from a
             :class:`~taktiny.QArray`, by name (its parts are the tensors
             ``<name>.value`` and ``<name>.scale``): ``{"bits": 4, "axis": 0,
@@ -62,6 +66,30 @@ class Checkpoint(Mapping[str, Tensor]):
     def nbytes(self) -> int:
         """The bytes of all its tensors."""
         return sum(t.nbytes for t in self._tensors.values())
+
+    @property
+    def schema(self) -> Schema | None:
+        """The :func:`~taktiny.schema` of the tree this checkpoint was saved from, as
+        :func:`save_safetensors` records it in the header metadata (``"taktiny_schema"``):
+        its names with their shapes, dtypes, shardings and quantization, and its
+        fingerprint. None for a file written by another program.
+
+        Raises:
+            SafetensorsError: the recorded schema is malformed, or its fingerprint is not
+                its entries' (it was edited), naming the file.
+        """
+        from ..state import _schema
+
+        text = self.metadata.get(_schema.KEY)
+        if text is None:
+            return None
+        try:
+            return _schema.Schema.from_json(text)
+        except ValueError as error:
+            raise SafetensorsError(
+                f"{self.path}: the header metadata {_schema.KEY!r} is not a schema Taktiny "
+                f"wrote: {error}. Save the checkpoint again, or ignore its schema."
+            ) from None
 
     def __repr__(self) -> str:
         return f"Checkpoint({str(self.path)!r}, {len(self)} tensors, {self.nbytes:,} bytes)"
@@ -164,7 +192,7 @@ def _layouts(
         if problem:
             raise SafetensorsError(
                 f"{where}: the metadata {qz.QUANTIZED!r} records {name!r} as quantized "
-                f"{qz.describe(record['bits'], record['axis'], record['group_size'])} of shape "
+                f"{layout_text(record['bits'], record['axis'], record['group_size'])} of shape "
                 f"{record['shape']}, but {problem}. The checkpoint is inconsistent; write it "
                 f"again with taktiny.io.save_safetensors."
             )

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 import xxhash
 
 from .. import _lazy
-from ._quantized_format import short
+from .._messages import short
 
 if TYPE_CHECKING:
     import numpy as np

@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from .._messages import short
 from . import _checksum
 from . import _quantized_format as qz
 from ._dtypes import CODES
@@ -100,20 +101,20 @@ def count(shape: Any) -> int:
 def _problem(name: str, entry: Any) -> str | None:
     """What is wrong with one header entry on its own, or None."""
     if type(entry) is not dict:
-        return f"the header entry of {name!r} is {qz.short(entry)}, not an object; {_ENTRY}."
+        return f"the header entry of {name!r} is {short(entry)}, not an object; {_ENTRY}."
     dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
     if type(dtype) is not str or type(shape) is not list or type(offsets) is not list:
-        return f"the header entry of {name!r} is {qz.short(entry)}; {_ENTRY}."
+        return f"the header entry of {name!r} is {short(entry)}; {_ENTRY}."
     if len(shape) > MAX_RANK:
         return (
             f"{name!r} has {len(shape)} axes, more than the {MAX_RANK} NumPy allows; the header "
             f"is corrupt."
         )
     if len(offsets) != 2 or not all(type(n) is int and 0 <= n < LIMIT for n in (*shape, *offsets)):
-        return f"the header entry of {name!r} is {qz.short(entry)}; {_ENTRY}."
+        return f"the header entry of {name!r} is {short(entry)}; {_ENTRY}."
     if dtype not in CODES:
         return (
-            f"{name!r} has the dtype {qz.short(dtype)}, which Taktiny cannot read; it reads "
+            f"{name!r} has the dtype {short(dtype)}, which Taktiny cannot read; it reads "
             f"{sorted(CODES)}."
         )
     overflow = _overflow(name, shape)
@@ -130,7 +131,7 @@ def _overflow(name: str, shape: Any) -> str | None:
         count(shape)
     except OverflowError:
         return (
-            f"{name!r} has the shape {qz.short(shape)}, whose element count reaches 2**63; the "
+            f"{name!r} has the shape {short(shape)}, whose element count reaches 2**63; the "
             f"header is corrupt."
         )
     return None
@@ -377,13 +378,13 @@ def _metadata(metadata: Any, bad: Any) -> dict[str, str]:
         return {}
     if type(metadata) is not dict:
         raise bad(
-            f"the header's __metadata__ is {qz.short(metadata)}, not an object; the metadata "
+            f"the header's __metadata__ is {short(metadata)}, not an object; the metadata "
             f"maps strings to strings. The file is corrupt."
         )
     if not set(map(type, metadata.values())) <= {str}:
         key, value = next((k, v) for k, v in metadata.items() if type(v) is not str)
         raise bad(
-            f"the header's __metadata__ gives {key!r} the value {qz.short(value)}, which is no "
+            f"the header's __metadata__ gives {key!r} the value {short(value)}, which is no "
             f"string; the metadata maps strings to strings. The file is corrupt."
         )
     return metadata

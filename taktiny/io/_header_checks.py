@@ -11,6 +11,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from .._messages import layout_text
 from .._qarray import QArray
 from ..state import _problems as err
 from ..state import _values
@@ -21,7 +22,7 @@ from ._read import SafetensorsError, Tensor
 
 def unquantizable(name: str, tensor: Tensor, like: QArray) -> err.StateProblem | None:
     """What stops a float tensor from being quantized into the QArray `like` (None: nothing)."""
-    layout = qz.describe(like.bits, like.axis, like.group_size)
+    layout = layout_text(like.bits, like.axis, like.group_size)
     if _values.kind(tensor.dtype) != "floating":
         return err.stored_not_float(name, layout, tensor.dtype, tuple(tensor.shape))
     if tuple(tensor.shape) != like.shape:
@@ -41,13 +42,13 @@ def other_representation(
         have: tuple[Any, ...] = _meta(record)
         if have == want:
             return None
-        got = qz.describe(*have)
+        got = layout_text(*have)
     elif value is None or value.dtype in (np.dtype(like.value.dtype), np.uint8):
         return None  # (uint8: a 4-bit array packed, unless its packing is unlisted: checked)
     else:
         bits = {"int8": 8, "int4": 4}.get(value.dtype.name)
         have, got = (bits, *want[1:]), f"{value.dtype.name} values"
-    return err.stored_quantized_otherwise(name, qz.describe(*want), want, got, have)
+    return err.stored_quantized_otherwise(name, layout_text(*want), want, got, have)
 
 
 def quantized_into_float(
@@ -63,7 +64,7 @@ def quantized_into_float(
         if record is None and not {f"{base}.value", f"{base}.scale"} <= set(checkpoint):
             continue
         shape, dtype = spec_of(leaves[base])
-        layout = None if record is None else (_meta(record), qz.describe(*_meta(record)))
+        layout = None if record is None else (_meta(record), layout_text(*_meta(record)))
         out[base] = err.stored_quantized(base, dtype, shape, layout)
     return out
 

@@ -20,11 +20,11 @@ are the tensors ``<name>.value`` and ``<name>.scale``::
 from __future__ import annotations
 
 import json
-import reprlib
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, TypeGuard
 
 from .. import _lazy
+from .._messages import short
 from ._dtypes import numpy_dtype
 
 if TYPE_CHECKING:
@@ -139,16 +139,6 @@ def _shape(shape: Any) -> TypeGuard[list[int]]:
     )
 
 
-def short(value: Any) -> str:
-    """`value` in a message: its repr, shortened to a few items of each container."""
-    return _REPR.repr(value)
-
-
-_REPR = reprlib.Repr()  # a file's values shown in messages: a few items of each, 3 deep
-_REPR.maxlevel, _REPR.maxstring, _REPR.maxother = 3, 80, 80
-_REPR.maxlist = _REPR.maxtuple = _REPR.maxdict = 8
-
-
 def check_quantized(name: str, record: Mapping[str, Any], tensors: Mapping[str, Any]) -> str | None:
     """What is wrong with the parts of the quantized parameter `name` that `record`
     describes, among `tensors` (name -> Tensor); None: nothing."""
@@ -182,12 +172,6 @@ def check_quantized(name: str, record: Mapping[str, Any], tensors: Mapping[str, 
             f"checkpoint holds {scale.dtype.name}{list(scale.shape)}"
         )
     return None
-
-
-def describe(bits: int, axis: int, group_size: int | None) -> str:
-    """A layout in words: ``int4 (groups of 64 along axis 0)``."""
-    per = "one scale per channel" if group_size is None else f"groups of {group_size}"
-    return f"int{bits} ({per} along axis {axis})"
 
 
 def layout(q: QArray) -> dict[str, Any]:

@@ -23,7 +23,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from ..state import _tree
+from ..state import _schema, _tree
 from . import _checksum
 from . import _quantized_format as qz
 from ._checkpoint import SHARD, read_weight_map
@@ -37,6 +37,7 @@ _RESERVED = (
     qz.QUANTIZED,
     _checksum.KEY,
     _checksum.TILES_KEY,
+    _schema.KEY,
 )
 # numpy dtype names safetensors stores (its own names: F32, BF16, F8_E4M3, ...)
 _STORED = frozenset(
@@ -81,8 +82,9 @@ def save_safetensors(
             (values that are all arrays), saved under its own keys.
         max_shard_size: the most bytes of tensor data per shard: an int, or a string such as
             ``"500MB"`` or ``"2GiB"``.
-        metadata: strings to add to each file's header, besides ``"format": "taktiny"`` and
-            ``"taktiny_version"``.
+        metadata: strings to add to each file's header, besides ``"format": "taktiny"``,
+            ``"taktiny_version"`` and the tree's :func:`~taktiny.schema`
+            (``"taktiny_schema"``, which ``open_safetensors(path).schema`` reads).
 
     Each file's header also records a checksum (XXH3-128) of every tensor's bytes, which
     every read verifies, and for each tensor of 128 KiB or more the checksums of its tiles
@@ -141,6 +143,12 @@ def save_safetensors(
             packed[name] = {"dtype": array.dtype.name, "shape": list(array.shape)}
             array = qz.pack(array)
         tensors[name] = array
+    described = (  # after the values' checks: what cannot be saved is named first
+        _schema.Schema({n: _schema.describe(v) for n, v in flat.items()})
+        if flat is tree
+        else _schema.schema(tree)
+    )
+    header[_schema.KEY] = described.to_json()
     shards = _split(tensors, _size(max_shard_size))
     files: list[tuple[dict[str, np.ndarray], dict[str, str]]] = []
     for shard in shards:
