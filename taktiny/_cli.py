@@ -22,6 +22,7 @@ import contextlib
 import json
 import logging
 import math
+import re
 import sys
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
@@ -32,6 +33,8 @@ from .state import _patterns
 
 if TYPE_CHECKING:
     import numpy as np
+
+    from .state._schema import Schema
 else:
     np = _lazy.module("numpy")  # (a header needs no NumPy: imported when a tensor is read)
 
@@ -293,10 +296,94 @@ def _number(value: float) -> str:
     return f"{value:.6g}"
 
 
+_FACTORY = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")  # module:factory
+
+
+def schema_of(source: str, *, checkpoint: bool = True) -> Schema | None:
+    """The schema of one side of `taktiny diff`: a schema file (the JSON of
+    :meth:`taktiny.Schema.to_json`), a model made by ``module:factory`` (a function of no
+    arguments, from the current folder or the installed packages; called under
+    ``jax.eval_shape``, so nothing is allocated), or a checkpoint: the schema a Taktiny
+    safetensors file records, else one made from its tensors' names, shapes and dtypes.
+    With `checkpoint` False, None for a checkpoint (compared tensor by tensor instead)."""
+    from .state._schema import FORMAT, Schema
+
+    path = Path(source)
+    if path.is_file() and path.suffix == ".json":
+        text = path.read_text(errors="replace")
+        try:
+            value = json.loads(text)
+        except (ValueError, RecursionError):
+            value = None  # (an index that does not parse is reported as a checkpoint)
+        if isinstance(value, dict) and value.get("format") == FORMAT:
+            try:
+                return Schema.from_json(text)
+            except ValueError as error:
+                raise Unreadable(f"{path}: {error}.") from None
+    elif not path.exists() and _FACTORY.fullmatch(source):
+        return _model_schema(source)
+    if not checkpoint:
+        return None
+    if not _is_orbax(path):
+        from .io import open_safetensors
+
+        _present(path)
+        stored = open_safetensors(path).schema
+        if stored is not None:
+            return stored
+    return Schema(
+        {
+            e.name: {
+                "shape": list(e.shape),
+                "dtype": e.dtype,
+                "sharding": None,
+                "quantization": None,
+            }
+            for e in entries(path)
+        }
+    )
+
+
+def _model_schema(source: str) -> Schema:
+    """The schema of the model ``module:factory`` makes (see :func:`schema_of`)."""
+    import importlib
+    import os
+
+    import jax
+
+    from .state._schema import schema
+
+    module_name, name = source.split(":")
+    sys.path.insert(0, os.getcwd())  # as `python -m` finds a module of the current folder
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as error:  # noqa: BLE001  (whatever the import raises is reported)
+        why = f"{type(error).__name__}: {error}"
+        raise Unreadable(f"{source}: cannot import {module_name!r}: {why}") from None
+    finally:
+        sys.path.remove(os.getcwd())
+    factory = getattr(module, name, None)
+    if not callable(factory):
+        raise Unreadable(
+            f"{source}: {module_name!r} has no function {name!r}; name a function of no "
+            f"arguments that returns the model."
+        )
+    try:
+        return schema(jax.eval_shape(factory))
+    except Exception as error:  # noqa: BLE001
+        why = f"{type(error).__name__}: {error}"
+        raise Unreadable(f"{source}: calling {name}() failed: {why}") from None
+
+
 def diff(
     a: str, b: str, *, atol: float = 0.0, rtol: float = 0.0, pattern: str | None = None
 ) -> tuple[str, bool]:
-    """The report `taktiny diff` prints, and whether the checkpoints agree.
+    """The report `taktiny diff` prints, and whether the two sides agree.
+
+    When either side is a schema file or a model (``module:factory``), the two schemas are
+    compared (see :func:`schema_of`): one line per name missing from `b`, added in it,
+    reshaped, recast, resharded or requantized (:meth:`taktiny.Schema.changes`).
+    Otherwise both are checkpoints, compared tensor by tensor:
 
     Either checkpoint may be safetensors (a file, an index, or a folder holding one) or
     Orbax (see :func:`entries`), whose names are its dotted tree paths. Tensors of equal
@@ -307,6 +394,9 @@ def diff(
     defaults ask for equal values. The report lists the tensors only one side has, those of
     other shapes, and those that differ beyond the tolerance, with the largest absolute and
     relative difference of each."""
+    ours, theirs = schema_of(a, checkpoint=False), schema_of(b, checkpoint=False)
+    if ours is not None or theirs is not None:
+        return _schema_diff(a, b, ours or schema_of(a), theirs or schema_of(b), pattern)
     left = {e.name: e for e in entries(a)}
     right = {e.name: e for e in entries(b)}
     if pattern is not None:
@@ -338,6 +428,27 @@ def diff(
     beyond = f" beyond atol={atol:g}, rtol={rtol:g}" if atol or rtol else ""
     summary = f"{common} common tensors, {len(rows) - 1} differ{beyond}, {len(lines)} in one only"
     return (f"{body}\n{summary}" if body else summary), same
+
+
+def _schema_diff(
+    a: str, b: str, ours: Schema | None, theirs: Schema | None, pattern: str | None
+) -> tuple[str, bool]:
+    """The report of two schemas compared, and whether they agree."""
+    from .state._schema import KINDS, Schema
+
+    assert ours is not None and theirs is not None
+    if pattern is not None:
+        regex = _patterns.compile_pattern(pattern)
+        ours, theirs = (
+            Schema({n: e for n, e in s.items() if regex.fullmatch("." + n)}) for s in (ours, theirs)
+        )
+    changes = ours.changes(theirs)
+    if not changes:
+        return f"the schemas agree: {len(ours)} names, fingerprint {ours.fingerprint}", True
+    counts = {kind: sum(c.kind == kind for c in changes) for kind in KINDS}
+    said = ", ".join(f"{n} {kind}" for kind, n in counts.items() if n)
+    lines = [*map(str, changes), f"{len(changes)} changes from {a} to {b}: {said}"]
+    return "\n".join(lines), False
 
 
 def verify(path: str) -> tuple[str, bool]:
@@ -385,10 +496,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     shown.add_argument("--filter", help="only names matching this pattern ('encoder.**')")
     shown.add_argument("--json", action="store_true", help="print JSON")
     compared = commands.add_parser(
-        "diff", help="compare two checkpoints (safetensors or Orbax) tensor by tensor"
+        "diff",
+        help="compare two checkpoints (safetensors or Orbax) tensor by tensor; or the "
+        "schemas of any two of a checkpoint, a schema file (.json) and a model "
+        "(module:factory), name by name",
     )
-    compared.add_argument("a")
-    compared.add_argument("b")
+    compared.add_argument("a", help="a checkpoint, a schema file, or module:factory")
+    compared.add_argument("b", help="the same, to compare with")
     for name, allowed in (
         ("--atol", "the absolute difference allowed (default 0)"),
         ("--rtol", "the difference allowed relative to b's value (default 0)"),

@@ -4,6 +4,7 @@ in and out, hostile JSON refused by name; the changes between two schemas; the s
 save_safetensors records and open_safetensors reads back."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -264,3 +265,103 @@ def test_a_file_without_a_schema_has_none_and_a_malformed_one_is_named(tmp_path)
         r"a schema is a JSON object .*\. Save the checkpoint again, or ignore its schema\.$",
     ):
         checkpoint.schema  # noqa: B018
+
+
+MODELS = """
+from taktiny import nn
+
+
+class Net(nn.Module):
+    def __init__(self, width, *, rngs):
+        self.up = nn.Linear(4, width, rngs=rngs)
+        self.down = nn.Linear(width, 4, use_bias=False, rngs=rngs)
+
+
+def small():
+    return Net(8, rngs=nn.Rngs(0))
+
+
+def wide():
+    return Net(16, rngs=nn.Rngs(0))
+
+
+def broken():
+    raise RuntimeError("no weights here")
+"""
+
+
+@pytest.fixture
+def models(tmp_path, monkeypatch):
+    (tmp_path / "my_models.py").write_text(MODELS)
+    monkeypatch.chdir(tmp_path)
+    yield tmp_path
+    sys.modules.pop("my_models", None)
+
+
+def run_cli(capsys, *argv):
+    from taktiny._cli import main
+
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_taktiny_diff_compares_models_schema_files_and_checkpoints(models, capsys):
+    code, out, _ = run_cli(capsys, "diff", "my_models:small", "my_models:wide")
+    assert code == 1
+    assert out.splitlines() == [
+        "reshaped    up.kernel: [4, 8] -> [4, 16]",
+        "reshaped    up.bias: [8] -> [16]",
+        "reshaped    down.kernel: [8, 4] -> [16, 4]",
+        "3 changes from my_models:small to my_models:wide: 3 reshaped",
+    ]
+    import my_models
+
+    save_safetensors(models / "small.safetensors", my_models.small())
+    (models / "wide.json").write_text(tt.schema(my_models.wide()).to_json())
+    fingerprint = tt.schema(my_models.small()).fingerprint
+    code, out, _ = run_cli(capsys, "diff", "small.safetensors", "my_models:small")
+    assert (code, out) == (0, f"the schemas agree: 3 names, fingerprint {fingerprint}\n")
+    code, out, _ = run_cli(capsys, "diff", "wide.json", "small.safetensors", "--filter", "up.*")
+    assert (
+        code == 1
+        and out.splitlines()[-1] == "2 changes from wide.json to small.safetensors: 2 reshaped"
+    )
+    # a file another program wrote: its schema is made from its tensors
+    import safetensors.numpy
+
+    other = {"up.kernel": np.zeros((4, 8), np.float32), "extra": np.zeros(2, np.int8)}
+    safetensors.numpy.save_file(other, models / "other.safetensors")
+    code, out, _ = run_cli(capsys, "diff", "my_models:small", "other.safetensors")
+    assert code == 1 and out.splitlines() == [
+        "missing     up.bias: float32[8]",
+        "missing     down.kernel: float32[8, 4]",
+        "added       extra: int8[2]",
+        "3 changes from my_models:small to other.safetensors: 2 missing, 1 added",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("side", "message"),
+    [
+        (
+            "no_such_module:small",
+            r"no_such_module:small: cannot import 'no_such_module': ModuleNotFoundError",
+        ),
+        (
+            "my_models:absent",
+            r"my_models:absent: 'my_models' has no function 'absent'; name a function of no arguments",
+        ),
+        (
+            "my_models:broken",
+            r"my_models:broken: calling broken\(\) failed: RuntimeError: no weights here",
+        ),
+        ("bad.json", r"bad\.json: the schema's fingerprint '0' is not its entries'"),
+    ],
+)
+def test_taktiny_diff_names_a_side_it_cannot_read(models, capsys, side, message):
+    empty = tt.Schema({})
+    (models / "bad.json").write_text(empty.to_json().replace(empty.fingerprint, "0"))
+    code, out, err = run_cli(capsys, "diff", side, "my_models:small")
+    assert (code, out) == (2, "")
+    assert re.match(rf"taktiny: {message}", err), err
