@@ -10,7 +10,7 @@ import jax
 import numpy as np
 
 from ..state import _values
-from ..state._tree import flat_state_dict
+from ..state._tree import flat_state_dict, load_flat_state_dict
 from ._coverage import (
     ConversionError,
     ConversionProblem,
@@ -21,6 +21,7 @@ from ._coverage import (
     runner,
     spec,
 )
+from ._moments import owners, plan_state
 from ._rules import AnyRule, Ignore, Rule, Tie, capture_names, compile_template
 
 
@@ -56,7 +57,7 @@ def check(
         ConversionError: listing every problem not allowed.
         ValueError: `allow` names a kind it cannot allow.
     """
-    report, _ = plan(rules, source, _leaves(target), check_allow(allow), "convert.check")
+    report, _ = plan_state(rules, source, _leaves(target), check_allow(allow), "convert.check")
     return report
 
 
@@ -96,9 +97,92 @@ def convert(
         ValueError: `allow` names a kind it cannot allow.
     """
     leaves = _leaves(target)
-    report, ties = plan(rules, source, leaves, check_allow(allow), "convert.convert")
+    report, ties = plan_state(rules, source, leaves, check_allow(allow), "convert.convert")
     check_ties(ties, source, "convert.convert")
     return Converted(report.steps, source, leaves)
+
+
+def resume(
+    rules: Sequence[AnyRule],
+    source: Mapping[str, Any],
+    optimizer_source: Mapping[str, Any],
+    *,
+    model: Any,
+    opt_state: Any,
+    allow: Mapping[str, Sequence[str]] | None = None,
+) -> tuple[Any, Any]:
+    """Loads a model and its optimizer state together, both converted by the same rules:
+    the way to resume training after a rename, a new layout, a replaced head, or a move
+    from PyTorch (:func:`torch_adam`).
+
+    The parameters are converted as :func:`convert` converts them. Each moment of the
+    optimizer state (``0.mu.<parameter>``, ``0.nu...``, ``0.trace...``: any leaf whose
+    name ends in a name of `model`'s flat state) is converted by the rule of its
+    parameter; leaves that are no moment (``0.count``, injected hyperparameters) are
+    taken from `optimizer_source` by name. A parameter the conversion makes gets its
+    moments from `optimizer_source`, and lacking one is a problem; a parameter it does not
+    make (allowed missing: a replaced head) keeps its value in `model`, and its moments
+    keep theirs in `opt_state`, so pass ``optimizer.init(model)``: zeros for Adam. Such
+    a parameter's moments are not loaded even where `optimizer_source` holds them: a
+    moment belongs with the value it was computed for.
+
+    optax keeps one step count for all parameters, so a new head's first Adam steps use
+    the bias corrections of the resumed count, not those of step 1.
+
+    Args:
+        rules: the rules written for the parameters' names, in order.
+        source: the flat parameters to convert (a state dict, a safetensors file).
+        optimizer_source: the flat optimizer state to convert
+            (``tt.flat_state_dict(old_opt_state)``, or what :func:`torch_adam` makes),
+            of the same optax optimizer as `opt_state`.
+        model: the model to load into; it keeps the parameters that are not made.
+        opt_state: its optimizer state (``optimizer.init(model)``); it keeps the moments
+            of the parameters that are not made.
+        allow: as for :func:`convert`; for moments, its patterns also match the
+            parameter's name (``{"unused": ["head.*"]}`` lets ``0.mu.head.weight`` through).
+
+    Returns:
+        The new ``(model, opt_state)``.
+
+    Raises:
+        ConversionError: listing every problem of either conversion not allowed (a
+            moment's problems name it in full: ``0.mu.layers.0.kernel``); nothing is
+            loaded.
+        ValueError: `allow` names a kind it cannot allow.
+    """
+    allow = check_allow(allow)
+    leaves, moments = _leaves(model), _leaves(opt_state)
+    problems: list[ConversionProblem] = []
+    try:
+        report, ties = plan(rules, source, leaves, allow, "convert.resume")
+        unmade = report.allowed
+    except ConversionError as error:
+        problems += error.problems
+        report, ties, unmade = Report((), ()), [], error.problems
+    unloaded = {p.name for p in unmade if p.kind == "missing"}
+    try:
+        optimizer, optimizer_ties = plan_state(
+            rules,
+            optimizer_source,
+            moments,
+            allow,
+            "convert.resume",
+            is_param=leaves.__contains__,
+            missing=lambda _, name: name in unloaded,
+        )
+    except ConversionError as error:
+        problems += error.problems
+        optimizer, optimizer_ties = Report((), ()), []
+    if problems:
+        raise ConversionError("convert.resume", problems)
+    check_ties(ties, source, "convert.resume")
+    check_ties(optimizer_ties, optimizer_source, "convert.resume")
+    owner = owners(list(moments), leaves.__contains__)
+    kept = {n: v for n, v in moments.items() if owner.get(n) not in unloaded}
+    return (
+        load_flat_state_dict(model, Converted(report.steps, source, leaves)),
+        load_flat_state_dict(opt_state, Converted(optimizer.steps, optimizer_source, kept)),
+    )
 
 
 def check_ties(ties: Sequence[tuple[str, str]], source: Mapping[str, Any], where: str) -> None:
