@@ -44,7 +44,8 @@ def check(
             source name goes to the first that matches it.
         source: a flat mapping from source names to arrays (or anything with ``.shape``
             and ``.dtype``).
-        target: a model, or its flat state; abstract leaves do.
+        target: a model, or its flat state; or an optimizer state (as :func:`convert`
+            takes one); abstract leaves do.
         allow: problems to let through, by kind and name pattern: ``{"missing":
             ["head.*"], "unused": ["**.num_batches_tracked"], "unknown": [...],
             "unmatched": [...]}`` (a rule is matched by its source template).
@@ -79,10 +80,26 @@ def convert(
     JAX arrays, PyTorch CPU tensors of any dtype (bfloat16 and float8 too, bit for bit),
     safetensors :class:`~taktiny.io.Tensor` handles, or anything ``np.asarray`` takes.
 
+    The target may also be an optimizer state (``optimizer.init(model)``, its
+    ``jax.eval_shape``, or its flat state), with `source` the flat state of the old one:
+    when no leaf of `target` is a name the rules make but some end in one
+    (``0.mu.layers.0.kernel`` ends in ``layers.0.kernel``), the parts before that end are
+    moment prefixes (``0.mu``, ``0.nu``), every leaf under one is the moment of the
+    parameter named by the rest, and each moment is converted by its parameter's rule,
+    with the prefix put in front of the rule's templates: renamed, transposed, split,
+    stacked or concatenated as the parameter is. A rule that matches nothing under a
+    prefix is no problem there (a ``multi_transform`` keeps each label's moments apart).
+    The leaves that are no moment (``0.count``, ``hyperparams.learning_rate``) pass
+    through by name, and the source must hold each. Problems name moments in full
+    (``0.nu.layers.0.kernel``); `allow` patterns are matched against a moment's full name
+    and its parameter's name. To load parameters and moments together, keeping the
+    moments of the parameters loaded only, see :func:`resume`.
+
     Args:
         rules: the rules (:class:`Rule`, :class:`Ignore`, :class:`Tie`), in order.
         source: a flat mapping from source names to values.
-        target: a model, or its flat state; abstract leaves do.
+        target: a model, or its flat state; or an optimizer state, or its flat state;
+            abstract leaves do.
         allow: problems to let through, by kind and name pattern: ``{"missing":
             ["head.*"], "unused": ["**.num_batches_tracked"], "unknown": [...],
             "unmatched": [...]}`` (a rule is matched by its source template).
@@ -94,7 +111,8 @@ def convert(
     Raises:
         ConversionError: listing every problem not allowed, or tied names whose arrays
             differ; nothing is converted.
-        ValueError: `allow` names a kind it cannot allow.
+        ValueError: `allow` names a kind it cannot allow, or an optimizer state's moment
+            prefix holds a character of the name templates (``*?[]{}``).
     """
     leaves = _leaves(target)
     report, ties = plan_state(rules, source, leaves, check_allow(allow), "convert.convert")
