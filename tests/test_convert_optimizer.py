@@ -197,6 +197,11 @@ def test_a_name_of_another_optimizer_is_unused(adam_state):
     sgd = optax.sgd(1e-2, momentum=0.9).init(start)
     with pytest.raises(convert.ConversionError, match=r"\[unused\] '0.count'.*same optimizer"):
         convert.convert(RULES, source, target=sgd)
+    moments = {"0.trace." + n[5:]: v for n, v in source.items() if n.startswith("0.mu.")}
+    report = convert.check(
+        RULES, {**moments, "0.count": source["0.count"]}, target=sgd, allow={"unused": ["0.count"]}
+    )
+    assert [(p.kind, p.name) for p in report.allowed] == [("unused", "0.count")]
 
 
 def test_a_model_target_converts_as_before(adam_state):

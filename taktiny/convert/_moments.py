@@ -159,7 +159,8 @@ def plan_state(
                 "unused",
                 name,
                 f"is under none of the moment prefixes {list(moments)} and the target has no "
-                f"such name; convert a state of the same optimizer, or Ignore it.",
+                f"such name; convert a state of the same optimizer, or allow it "
+                f"(allow={{'unused': [{name!r}]}}).",
             )
         )
     for name, leaf in scalars.items():
@@ -168,10 +169,10 @@ def plan_state(
             steps.append(Step(Rule(name, name), (name,), (name,)))
         else:
             problems.append(problem)
-    problems = [p for p in problems if not allowed_by(p.kind, p.name, allowed)]
-    if problems:
-        raise ConversionError(where, problems)
-    return report._replace(steps=tuple(steps)), ties
+    let = [p for p in problems if allowed_by(p.kind, p.name, allowed)]
+    if len(let) < len(problems):
+        raise ConversionError(where, [p for p in problems if p not in let])
+    return report._replace(allowed=(*report.allowed, *let), steps=tuple(steps)), ties
 
 
 def _named(problem: ConversionProblem, moments: Sequence[str], loaded: bool) -> ConversionProblem:
