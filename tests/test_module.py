@@ -397,6 +397,7 @@ def test_public_surface_is_short_and_documented():
         "flip", "Parity", "ParityOutput", "parity",
         "linear", "conv", "conv_transpose", "layer_norm", "embedding", "batch_norm",
         "multihead_attention", "pytorch", "group_norm", "buffers",
+        "resume", "torch_adam",
     ])  # fmt: skip
     for owner in (tt, tt.io, tt.convert, nn):
         for name in _public(owner):

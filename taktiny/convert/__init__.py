@@ -6,6 +6,7 @@ from ._convert import Converted as Converted
 from ._convert import check as check
 from ._convert import convert as convert
 from ._convert import export as export
+from ._convert import resume as resume
 from ._convert import round_trip_check as round_trip_check
 from ._coverage import ConversionError as ConversionError
 from ._coverage import ConversionProblem as ConversionProblem
@@ -27,6 +28,7 @@ from ._presets import pytorch as pytorch
 from ._rules import Ignore as Ignore
 from ._rules import Rule as Rule
 from ._rules import Tie as Tie
+from ._torch_adam import torch_adam as torch_adam
 from ._transforms import Transform as Transform
 from ._transforms import cast as cast
 from ._transforms import chain as chain

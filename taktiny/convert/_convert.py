@@ -10,7 +10,7 @@ import jax
 import numpy as np
 
 from ..state import _values
-from ..state._tree import flat_state_dict
+from ..state._tree import flat_state_dict, load_flat_state_dict
 from ._coverage import (
     ConversionError,
     ConversionProblem,
@@ -21,6 +21,7 @@ from ._coverage import (
     runner,
     spec,
 )
+from ._moments import owners, plan_state
 from ._rules import AnyRule, Ignore, Rule, Tie, capture_names, compile_template
 
 
@@ -43,7 +44,8 @@ def check(
             source name goes to the first that matches it.
         source: a flat mapping from source names to arrays (or anything with ``.shape``
             and ``.dtype``).
-        target: a model, or its flat state; abstract leaves do.
+        target: a model, or its flat state; or an optimizer state (as :func:`convert`
+            takes one); abstract leaves do.
         allow: problems to let through, by kind and name pattern: ``{"missing":
             ["head.*"], "unused": ["**.num_batches_tracked"], "unknown": [...],
             "unmatched": [...]}`` (a rule is matched by its source template).
@@ -56,7 +58,7 @@ def check(
         ConversionError: listing every problem not allowed.
         ValueError: `allow` names a kind it cannot allow.
     """
-    report, _ = plan(rules, source, _leaves(target), check_allow(allow), "convert.check")
+    report, _ = plan_state(rules, source, _leaves(target), check_allow(allow), "convert.check")
     return report
 
 
@@ -78,10 +80,26 @@ def convert(
     JAX arrays, PyTorch CPU tensors of any dtype (bfloat16 and float8 too, bit for bit),
     safetensors :class:`~taktiny.io.Tensor` handles, or anything ``np.asarray`` takes.
 
+    The target may also be an optimizer state (``optimizer.init(model)``, its
+    ``jax.eval_shape``, or its flat state), with `source` the flat state of the old one:
+    when no leaf of `target` is a name the rules make but some end in one
+    (``0.mu.layers.0.kernel`` ends in ``layers.0.kernel``), the parts before that end are
+    moment prefixes (``0.mu``, ``0.nu``), every leaf under one is the moment of the
+    parameter named by the rest, and each moment is converted by its parameter's rule,
+    with the prefix put in front of the rule's templates: renamed, transposed, split,
+    stacked or concatenated as the parameter is. A rule that matches nothing under a
+    prefix is no problem there (a ``multi_transform`` keeps each label's moments apart).
+    The leaves that are no moment (``0.count``, ``hyperparams.learning_rate``) pass
+    through by name, and the source must hold each. Problems name moments in full
+    (``0.nu.layers.0.kernel``); `allow` patterns are matched against a moment's full name
+    and its parameter's name. To load parameters and moments together, keeping the
+    moments of the parameters loaded only, see :func:`resume`.
+
     Args:
         rules: the rules (:class:`Rule`, :class:`Ignore`, :class:`Tie`), in order.
         source: a flat mapping from source names to values.
-        target: a model, or its flat state; abstract leaves do.
+        target: a model, or its flat state; or an optimizer state, or its flat state;
+            abstract leaves do.
         allow: problems to let through, by kind and name pattern: ``{"missing":
             ["head.*"], "unused": ["**.num_batches_tracked"], "unknown": [...],
             "unmatched": [...]}`` (a rule is matched by its source template).
@@ -93,12 +111,96 @@ def convert(
     Raises:
         ConversionError: listing every problem not allowed, or tied names whose arrays
             differ; nothing is converted.
-        ValueError: `allow` names a kind it cannot allow.
+        ValueError: `allow` names a kind it cannot allow, or an optimizer state's moment
+            prefix holds a character of the name templates (``*?[]{}``).
     """
     leaves = _leaves(target)
-    report, ties = plan(rules, source, leaves, check_allow(allow), "convert.convert")
+    report, ties = plan_state(rules, source, leaves, check_allow(allow), "convert.convert")
     check_ties(ties, source, "convert.convert")
     return Converted(report.steps, source, leaves)
+
+
+def resume(
+    rules: Sequence[AnyRule],
+    source: Mapping[str, Any],
+    optimizer_source: Mapping[str, Any],
+    *,
+    model: Any,
+    opt_state: Any,
+    allow: Mapping[str, Sequence[str]] | None = None,
+) -> tuple[Any, Any]:
+    """Loads a model and its optimizer state together, both converted by the same rules:
+    the way to resume training after a rename, a new layout, a replaced head, or a move
+    from PyTorch (:func:`torch_adam`).
+
+    The parameters are converted as :func:`convert` converts them. Each moment of the
+    optimizer state (``0.mu.<parameter>``, ``0.nu...``, ``0.trace...``: any leaf whose
+    name ends in a name of `model`'s flat state) is converted by the rule of its
+    parameter; leaves that are no moment (``0.count``, injected hyperparameters) are
+    taken from `optimizer_source` by name. A parameter the conversion makes gets its
+    moments from `optimizer_source`, and lacking one is a problem; a parameter it does not
+    make (allowed missing: a replaced head) keeps its value in `model`, and its moments
+    keep theirs in `opt_state`, so pass ``optimizer.init(model)``: zeros for Adam. Such
+    a parameter's moments are not loaded even where `optimizer_source` holds them: a
+    moment belongs with the value it was computed for.
+
+    optax keeps one step count for all parameters, so a new head's first Adam steps use
+    the bias corrections of the resumed count, not those of step 1.
+
+    Args:
+        rules: the rules written for the parameters' names, in order.
+        source: the flat parameters to convert (a state dict, a safetensors file).
+        optimizer_source: the flat optimizer state to convert
+            (``tt.flat_state_dict(old_opt_state)``, or what :func:`torch_adam` makes),
+            of the same optax optimizer as `opt_state`.
+        model: the model to load into; it keeps the parameters that are not made.
+        opt_state: its optimizer state (``optimizer.init(model)``); it keeps the moments
+            of the parameters that are not made.
+        allow: as for :func:`convert`; for moments, its patterns also match the
+            parameter's name (``{"unused": ["head.*"]}`` lets ``0.mu.head.weight`` through).
+
+    Returns:
+        The new ``(model, opt_state)``.
+
+    Raises:
+        ConversionError: listing every problem of either conversion not allowed (a
+            moment's problems name it in full: ``0.mu.layers.0.kernel``); nothing is
+            loaded.
+        ValueError: `allow` names a kind it cannot allow.
+    """
+    allow = check_allow(allow)
+    leaves, moments = _leaves(model), _leaves(opt_state)
+    problems: list[ConversionProblem] = []
+    try:
+        report, ties = plan(rules, source, leaves, allow, "convert.resume")
+        unmade = report.allowed
+    except ConversionError as error:
+        problems += error.problems
+        report, ties, unmade = Report((), ()), [], error.problems
+    unloaded = {p.name for p in unmade if p.kind == "missing"}
+    try:
+        optimizer, optimizer_ties = plan_state(
+            rules,
+            optimizer_source,
+            moments,
+            allow,
+            "convert.resume",
+            is_param=leaves.__contains__,
+            missing=lambda _, name: name in unloaded,
+        )
+    except ConversionError as error:
+        problems += error.problems
+        optimizer, optimizer_ties = Report((), ()), []
+    if problems:
+        raise ConversionError("convert.resume", problems)
+    check_ties(ties, source, "convert.resume")
+    check_ties(optimizer_ties, optimizer_source, "convert.resume")
+    owner = owners(list(moments), leaves.__contains__)
+    kept = {n: v for n, v in moments.items() if owner.get(n) not in unloaded}
+    return (
+        load_flat_state_dict(model, Converted(report.steps, source, leaves)),
+        load_flat_state_dict(opt_state, Converted(optimizer.steps, optimizer_source, kept)),
+    )
 
 
 def check_ties(ties: Sequence[tuple[str, str]], source: Mapping[str, Any], where: str) -> None:

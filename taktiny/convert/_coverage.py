@@ -141,10 +141,12 @@ def plan(
     where: str,
     *,
     loading: bool = False,
+    unmatched: bool = True,
 ) -> tuple[Report, list[tuple[str, str]]]:
     """The steps that convert `source` into `leaves` (the target's flat leaves), and the
     tied (name, same_as) pairs; raises one ConversionError with every problem not allowed.
-    `loading`: for a load, whose `strict` decides on missing leaves (the hint says so)."""
+    `loading`: for a load, whose `strict` decides on missing leaves (the hint says so).
+    `unmatched`: whether a Rule that matched no source name is a problem."""
     problems: list[ConversionProblem] = []
 
     def add(kind: str, name: str, hint: str) -> None:
@@ -173,7 +175,7 @@ def plan(
     for rule, hit in zip(rules, hits, strict=True):
         # (an Ignore or a Tie names what a source may hold: a buffer, a tied copy; what one
         # with a typo fails to take is reported as unused)
-        if not hit and isinstance(rule, Rule):
+        if unmatched and not hit and isinstance(rule, Rule):
             why = _why(rule, source)
             add(
                 "unmatched",
