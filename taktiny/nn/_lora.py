@@ -34,8 +34,8 @@ from ..state._patterns import compile_pattern, unused_hint
 from ._embed import Embed
 from ._explicit import project
 from ._linear import Linear
-from ._precision import DTYPE, PRECISION
-from ._quantized import QuantizedEmbed, QuantizedLinear, _build
+from ._precision import DTYPE, PRECISION, compute_dtype
+from ._quantized import QuantizedEmbed, QuantizedLinear, _build, _dequantized
 
 # Adapters are stored in float32 whatever the base's dtype, as PEFT keeps them: a small
 # update to a bfloat16 adapter would otherwise be lost to rounding.
@@ -71,7 +71,16 @@ def _adapter(draw: Callable[[], jax.Array], shape: tuple[int, int], weight: Any,
 
 class LoRALinear(Module):
     """A :class:`Linear` or :class:`QuantizedLinear` with a low-rank adapter:
-    ``y = base(x) + scale * (x @ lora_a) @ lora_b``.
+    ``y = x @ (kernel + scale * lora_a @ lora_b) + bias``.
+
+    Each call forms the adapted kernel (the base's, dequantized for a quantized base, plus
+    the adapter's product: ``in * out * rank`` multiplications, whatever the batch) and
+    applies it as the base layer would. Its backward pass then costs what the base's
+    does, one ``[in, out]`` weight gradient, turned into the two factors' by two small
+    products: a training step stays within a few percent of the base's forward and
+    backward (``bench/lora.py``), where applying the factors to the activations
+    (``x @ lora_a @ lora_b``) adds four skinny products per layer and cost 1.2x on the
+    Llama example. At initialisation the kernel plus zeros is the kernel, bit for bit.
 
     The base's parameters are kept under their own names and declared
     ``trainable=False``: :func:`taktiny.trainable` marks them ``False`` and no gradient
@@ -127,7 +136,7 @@ class LoRALinear(Module):
     def __call__(
         self, x: Float[Array, "*batch in_features"]
     ) -> Float[Array, "*batch out_features"]:
-        """The base layer's output for `x` plus the adapter's, in the base's dtype.
+        """Applies the adapted kernel to the last axis of `x`, as the base layer would.
 
         Args:
             x: ``[*batch, in_features]``.
@@ -139,10 +148,14 @@ class LoRALinear(Module):
             ValueError: the last axis of `x` does not have ``in_features`` entries.
         """
         with jax.named_scope("LoRALinear"):
-            y = _base(self)(x)
-            down = project(x.astype(y.dtype), self.lora_a.astype(y.dtype), None, self.precision)
-            up = project(down, self.lora_b.astype(y.dtype), None, self.precision)
-            return y + self.scale * up
+            if isinstance(self.kernel, QArray):
+                dtype, kernel = _dequantized(self.kernel, self.dtype, x)
+            else:
+                dtype, kernel = compute_dtype(self.dtype, self.kernel), self.kernel
+            delta = jnp.matmul(self.lora_a, self.lora_b, precision=self.precision)
+            kernel = kernel + (self.scale * delta).astype(kernel.dtype)
+            config = {"dtype": dtype, "precision": self.precision}
+            return _build(Linear, kernel=kernel, bias=self.bias, **config)(x)
 
 
 class LoRAEmbed(Module):
