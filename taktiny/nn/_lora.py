@@ -96,6 +96,8 @@ class LoRALinear(Module):
         lora_b: ``[rank, out_features]``, float32, zeros (so the layer starts as its base),
             split as the kernel's output axis.
         scale: ``alpha / rank``, static.
+        dtype: the base's ``dtype`` (the dtype it computes in; None: as the base does).
+        precision: the base's ``precision``, also that of the adapter's products.
 
     Args:
         base: the layer to adapt, a :class:`Linear` or :class:`QuantizedLinear` (an
@@ -171,6 +173,8 @@ class LoRAEmbed(Module):
             normal); keeping ``lora_b`` the zero one here gives every adapter one rule.
         lora_b: ``[rank, features]``, float32, zeros, split as the table's feature axis.
         scale: ``alpha / rank``, static.
+        dtype: the base's ``dtype`` (the dtype it computes in; None: as the base does).
+        precision: the base's ``precision``, also that of the adapter's products.
 
     Args:
         base: the layer to adapt, an :class:`Embed` or :class:`QuantizedEmbed`.
