@@ -132,6 +132,12 @@ def test_qlora_keeps_the_quantized_base_frozen_whole():
     assert flags["blocks.0.up.kernel.scale"] is False  # trained in a plain QuantizedLinear
     assert flags["embed.embedding.scale"] is False
     assert flags["blocks.0.up.lora_a"] is True and flags["embed.lora_b"] is True
+    up = randomised(model).blocks[0].up  # the adapted kernel: dequantized, plus scale * A @ B
+    x = jax.random.normal(jax.random.key(0), (3, 8))
+    kernel = np.asarray(up.kernel.dequantize(jnp.float32)) + np.asarray(up.lora_a @ up.lora_b)
+    with jax.default_matmul_precision("highest"):
+        want = np.asarray(x) @ kernel + np.asarray(up.bias)
+        np.testing.assert_allclose(up(x), want, rtol=1e-5, atol=1e-4)
 
 
 def test_merge_gives_the_original_names_and_structure_and_numpy_sums():
