@@ -14,6 +14,8 @@ if _typing.TYPE_CHECKING:
     from ._summary import Summary as Summary
     from ._summary import summary as summary
     from .module._trainable import trainable as trainable
+    from .nn._lora import lora as lora
+    from .nn._lora import merge_lora as merge_lora
     from .nn._quantized import dequantize as dequantize
     from .nn._quantized import quantize as quantize
     from .sharding._eval_shape import eval_shape as eval_shape
@@ -53,6 +55,8 @@ _LAZY = {
     "state_dict": (".state._tree", "state_dict"),
     "trainable": (".module._trainable", "trainable"),
     "dequantize": (".nn._quantized", "dequantize"),
+    "lora": (".nn._lora", "lora"),
+    "merge_lora": (".nn._lora", "merge_lora"),
     "quantize": (".nn._quantized", "quantize"),
 }
 
@@ -73,6 +77,8 @@ __all__ = [
     "io",
     "load_flat_state_dict",
     "load_state_dict",
+    "lora",
+    "merge_lora",
     "nn",
     "quantize",
     "schema",

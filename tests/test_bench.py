@@ -18,6 +18,7 @@ from bench import (
     dispatch,
     errors,
     headers,
+    lora,
     memory,
     quantized,
     report,
@@ -42,6 +43,7 @@ GROUPS = {
     "errors": errors,
     "checksums": checksums,
     "headers": headers,
+    "lora": lora,
 }
 
 

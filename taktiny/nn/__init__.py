@@ -12,6 +12,8 @@ from ._dropout import Dropout as Dropout
 from ._embed import Embed as Embed
 from ._group_norm import GroupNorm as GroupNorm
 from ._linear import Linear as Linear
+from ._lora import LoRAEmbed as LoRAEmbed
+from ._lora import LoRALinear as LoRALinear
 from ._norm import LayerNorm as LayerNorm
 from ._norm import RMSNorm as RMSNorm
 from ._pool import AvgPool as AvgPool

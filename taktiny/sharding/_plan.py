@@ -3,6 +3,7 @@ flat state names."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -58,7 +59,11 @@ def sharding_plan(
     leaf is an error: it is usually a typo, or a group named without ``.**``, and the
     error suggests the closest name. A rule may also name a quantized weight
     (:class:`~taktiny.QArray`) whole: its value takes the spec, its scale the spec's
-    entries on the axes it shares with the value (the output axis).
+    entries on the axes it shares with the value (the output axis). A low-rank adapter
+    (:func:`taktiny.lora`) follows its layer's weight: ``<layer>.lora_a`` takes the
+    entry of the weight's first axis, ``<layer>.lora_b`` that of its second, the rank
+    axis unsplit, unless a rule naming the factor comes before the first naming the
+    weight.
 
     Args:
         tree: a module or any PyTree of arrays (or of ``jax.ShapeDtypeStruct``).
@@ -100,6 +105,7 @@ def _plan(
     leaves, treedef, names = _names.flatten(tree)
     found = _patterns.match(checked, names.names, PartitionSpec())
     found = _whole_parameters(checked, names, leaves, found)
+    found = _adapters(checked, names.names, found)
     # models repeat a few shapes and specs: each pair is checked, and each spec made into a
     # sharding, once (PartitionSpecs are hashable; the rules hold the same few objects)
     checks: dict[tuple[Any, ...], list[str]] = {}
@@ -170,6 +176,50 @@ def _whole_parameters(
         if unused.count(pattern) == patterns.count(pattern):
             unused.remove(pattern)  # (its first: unused is in rule order)
     return _patterns.Match(values, [n for n in found.unmatched if n in unmatched], unused)
+
+
+# A low-rank adapter's factors (``nn.LoRALinear``, ``nn.LoRAEmbed``) and the axis of their
+# layer's weight that each follows: ``lora_a`` [in, rank] the weight's first, ``lora_b``
+# [rank, out] its second; the rank axis is never split.
+_ADAPTER_AXES = {"lora_a": 0, "lora_b": 1}
+_ADAPTED_WEIGHTS = ("kernel", "embedding")
+
+
+def _adapters(
+    rules: list[tuple[str, PartitionSpec]], names: Sequence[str], found: _patterns.Match
+) -> _patterns.Match:
+    """`found` with each adapter factor (``<layer>.lora_a``, ``<layer>.lora_b``) placed as
+    its layer's weight (``<layer>.kernel`` or ``<layer>.embedding``, a QArray's value for a
+    quantized one) on the axis it shares with it, when the first rule naming the weight
+    comes before the first naming the factor (a rule written for the factor itself, placed
+    earlier, wins). So rules written for a base model place its adapters too."""
+    index = {name: i for i, name in enumerate(names)}
+    factors = [(i, n) for i, n in enumerate(names) if n.rsplit(".", 1)[-1] in _ADAPTER_AXES]
+    if not factors:
+        return found
+    compiled = [_patterns.compile_pattern(pattern) for pattern, _ in rules]
+
+    def first(*candidates: str) -> int:  # the first rule matching any of them
+        dotted = ["." + c for c in candidates]
+        hits = (k for k, r in enumerate(compiled) if any(r.fullmatch(d) for d in dotted))
+        return next(hits, len(compiled))
+
+    values, unmatched = list(found.values), set(found.unmatched)
+    for i, name in factors:
+        layer, _, part = name.rpartition(".")
+        for weight in (f"{layer}.{w}" if layer else w for w in _ADAPTED_WEIGHTS):
+            leaf = next((n for n in (weight, weight + ".value") if n in index), None)
+            if leaf is not None:
+                break
+        else:
+            continue
+        if first(weight, leaf) >= first(name):
+            continue
+        axis = _ADAPTER_AXES[part]
+        entry = (*values[index[leaf]], None, None)[axis]
+        values[i] = PartitionSpec(*((entry, None) if axis == 0 else (None, entry)))
+        unmatched.discard(name)
+    return _patterns.Match(values, [n for n in found.unmatched if n in unmatched], found.unused)
 
 
 def _customs(template: dict[str, Any], path: tuple[str, ...]) -> Any:
