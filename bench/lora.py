@@ -4,7 +4,7 @@ of the base model.
 
 - LoRA step: ``jax.jit`` of ``jax.value_and_grad`` of the mean squared logits of the adapted
   model (``tt.lora(model, 8, targets=["layers.*.attention.*", "layers.*.mlp.*"])``) with
-  respect to the leaves ``tt.trainable`` marks (the adapters and the norms): the model is
+  respect to the leaves ``tt.trainable`` marks (the adapters only): the model is
   split by ``eqx.partition(model, tt.trainable(model))`` and the frozen half passed as a
   second argument, as a masked optimiser would use it.
 - Base: the same loss's ``jax.value_and_grad`` over the base model, every weight trained.
@@ -43,7 +43,7 @@ def run(config: Config) -> Group:
 
     loss = lambda model, ids: jnp.mean(model(ids) ** 2)
     step = jax.jit(jax.value_and_grad(loss))
-    # the gradients of what tt.trainable marks only (the adapters and the norms): the frozen
+    # the gradients of what tt.trainable marks only (the adapters): the frozen
     # leaves go in as a separate argument, as an optimiser masked by it sees them
     trained, frozen = eqx.partition(adapted, tt.trainable(adapted))
     split = jax.value_and_grad(lambda trained, frozen, ids: loss(eqx.combine(trained, frozen), ids))

@@ -13,24 +13,29 @@ from ._module import Module
 _TRAINABLE: dict[Any, list[bool]] = {}  # tree structure -> trainable flag per leaf
 
 
-def _flags(node: Any, trainable: bool, out: list[bool]) -> None:
-    """Appends, in flatten order, whether each leaf under `node` is trained."""
+def _flags(node: Any, trainable: bool, out: list[bool], adapter: bool, marks: list[bool]) -> None:
+    """Appends, in flatten order, whether each leaf under `node` is trained to `out`, and
+    whether it is an adapter's (a field its class lists in ``_taktiny_adapters``) to
+    `marks`."""
     if isinstance(node, Module):
         declared = type(node)._taktiny_fields
+        adapters = getattr(type(node), "_taktiny_adapters", ())
         for name, is_data in type(node)._taktiny_layout:
             if is_data:
                 keep = trainable and getattr(declared.get(name), "trainable", True)
-                _flags(node.__dict__[name], keep, out)
+                _flags(node.__dict__[name], keep, out, adapter or name in adapters, marks)
         return
     if isinstance(node, QArray):  # its integers are no gradient's to update; its scale is
         out.extend((False, trainable))
+        marks.extend((adapter, adapter))
         return
     children, treedef = jax.tree_util.tree_flatten(node, is_leaf=lambda x: x is not node)
     if treedef.num_nodes == 1 and treedef.num_leaves == 1:  # a leaf
         out.append(trainable)
+        marks.append(adapter)
         return
     for child in children:
-        _flags(child, trainable, out)
+        _flags(child, trainable, out, adapter, marks)
 
 
 def trainable(tree: Any) -> Any:
@@ -38,6 +43,12 @@ def trainable(tree: Any) -> Any:
     parameters and ``False`` for the arrays of fields declared with
     ``nn.field(trainable=False)`` (BatchNorm's running statistics, say) and for the integer
     ``value`` of every :class:`~taktiny.QArray` (its float ``scale`` is trained).
+
+    A tree holding low-rank adapters (:func:`taktiny.lora`) trains its adapters only:
+    every leaf outside them (the base weights of the adapted layers, and the norms,
+    embeddings and layers left without one) is marked ``False``, as PEFT freezes the
+    whole base model. :func:`taktiny.merge_lora` gives the plain model, all trained
+    again.
 
     Pass the function itself where optax takes a mask or labels, so that optax calls it
     with the parameters (a module is callable, and optax would call a module-shaped
@@ -56,8 +67,10 @@ def trainable(tree: Any) -> Any:
     treedef = jax.tree_util.tree_structure(tree)
     flags = _TRAINABLE.get(treedef)
     if flags is None:
-        flags = []
-        _flags(tree, True, flags)
+        flags, marks = [], []
+        _flags(tree, True, flags, False, marks)
+        if any(marks):  # fine-tuned through adapters: nothing else is trained
+            flags = [f and m for f, m in zip(flags, marks, strict=True)]
         if len(_TRAINABLE) >= CACHE_BOUND:
             _TRAINABLE.clear()
         _TRAINABLE[treedef] = flags

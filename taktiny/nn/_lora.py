@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, Literal, overload
+from typing import Any, ClassVar, Literal, overload
 
 import jax
 import jax.numpy as jnp
@@ -35,7 +35,7 @@ from ._embed import Embed
 from ._explicit import project
 from ._linear import Linear
 from ._precision import DTYPE, PRECISION, compute_dtype
-from ._quantized import QuantizedEmbed, QuantizedLinear, _build, _dequantized
+from ._quantized import QuantizedEmbed, QuantizedLinear, build, dequantized
 
 # Adapters are stored in float32 whatever the base's dtype, as PEFT keeps them: a small
 # update to a bfloat16 adapter would otherwise be lost to rounding.
@@ -83,8 +83,10 @@ class LoRALinear(Module):
     Llama example. At initialisation the kernel plus zeros is the kernel, bit for bit.
 
     The base's parameters are kept under their own names and declared
-    ``trainable=False``: :func:`taktiny.trainable` marks them ``False`` and no gradient
-    flows into them, so an optimiser masked by it trains the adapter only.
+    ``trainable=False``: no gradient flows into them. :func:`taktiny.trainable` of a tree
+    holding adapters marks only ``lora_a`` and ``lora_b`` ``True`` (every other
+    parameter of the model too is frozen), so an optimiser masked by it trains the
+    adapters only.
 
     Attributes:
         kernel: the base's kernel, ``[in_features, out_features]``: a float array, or a
@@ -112,6 +114,7 @@ class LoRALinear(Module):
         ValueError: `rank` is not a positive int.
     """
 
+    _taktiny_adapters: ClassVar[tuple[str, ...]] = ("lora_a", "lora_b")  # tt.trainable's
     kernel: Float[Array, "in_features out_features"] | QArray = field(trainable=False)
     bias: Float[Array, " out_features"] | None = field(trainable=False)
     lora_a: Float[Array, "in_features rank"]
@@ -151,13 +154,13 @@ class LoRALinear(Module):
         """
         with jax.named_scope("LoRALinear"):
             if isinstance(self.kernel, QArray):
-                dtype, kernel = _dequantized(self.kernel, self.dtype, x)
+                dtype, kernel = dequantized(self.kernel, self.dtype, x)
             else:
                 dtype, kernel = compute_dtype(self.dtype, self.kernel), self.kernel
             delta = jnp.matmul(self.lora_a, self.lora_b, precision=self.precision)
             kernel = kernel + (self.scale * delta).astype(kernel.dtype)
             config = {"dtype": dtype, "precision": self.precision}
-            return _build(Linear, kernel=kernel, bias=self.bias, **config)(x)
+            return build(Linear, kernel=kernel, bias=self.bias, **config)(x)
 
 
 class LoRAEmbed(Module):
@@ -188,6 +191,7 @@ class LoRAEmbed(Module):
         ValueError: `rank` is not a positive int.
     """
 
+    _taktiny_adapters: ClassVar[tuple[str, ...]] = ("lora_a", "lora_b")  # tt.trainable's
     embedding: Float[Array, "num_embeddings features"] | QArray = field(trainable=False)
     lora_a: Float[Array, "num_embeddings rank"]
     lora_b: Float[Array, "rank features"]
@@ -258,9 +262,9 @@ def _base(layer: LoRALinear | LoRAEmbed) -> Any:
     config = {"dtype": layer.dtype, "precision": layer.precision}
     if isinstance(layer, LoRALinear):
         cls = QuantizedLinear if isinstance(layer.kernel, QArray) else Linear
-        return _build(cls, kernel=layer.kernel, bias=layer.bias, **config)
+        return build(cls, kernel=layer.kernel, bias=layer.bias, **config)
     cls = QuantizedEmbed if isinstance(layer.embedding, QArray) else Embed
-    return _build(cls, embedding=layer.embedding, **config)
+    return build(cls, embedding=layer.embedding, **config)
 
 
 def _modules(tree: Any, prefix: str = "") -> Iterator[tuple[str, Module]]:

@@ -27,7 +27,7 @@ from ._precision import DTYPE, PRECISION, compute_dtype, static_dtype, static_pr
 from ._random import lecun_normal, normal, zero_bias
 
 
-def _dequantized(weight: QArray, dtype: jnp.dtype | None, x: Any) -> tuple[jnp.dtype, jax.Array]:
+def dequantized(weight: QArray, dtype: jnp.dtype | None, x: Any) -> tuple[jnp.dtype, jax.Array]:
     """The dtype a quantized layer computes in on input `x` (its `dtype`; when that is None,
     the input's if it is float, else the scales'), and the weight dequantized into it."""
     if dtype is None and jnp.issubdtype(x.dtype, jnp.floating):
@@ -118,7 +118,7 @@ class QuantizedLinear(Module):
             check_features(
                 "QuantizedLinear", x, shape[0], why=f"its kernel is {shape}", argument="in_features"
             )
-            dtype, kernel = _dequantized(self.kernel, self.dtype, x)
+            dtype, kernel = dequantized(self.kernel, self.dtype, x)
             bias = None if self.bias is None else self.bias.astype(dtype)
             return project(x.astype(dtype), kernel, bias, self.precision)
 
@@ -227,11 +227,11 @@ class QuantizedEmbed(Module):
             shape = self.embedding.shape
             why = f"its embedding is {shape}"
             check_features("QuantizedEmbed.attend", x, shape[1], why=why, argument="features")
-            dtype, table = _dequantized(self.embedding, self.dtype, x)
+            dtype, table = dequantized(self.embedding, self.dtype, x)
             return project(x.astype(dtype), table.T, None, self.precision)
 
 
-def _build(cls: type[Module], **fields: Any) -> Any:
+def build(cls: type[Module], **fields: Any) -> Any:
     """A `cls` module holding `fields` (in the order its ``__init__`` sets them), built
     without running ``__init__`` (no random draw): the module that ``__init__`` followed by
     a load would give."""
@@ -309,9 +309,9 @@ def quantize(
         config = {"dtype": layer.dtype, "precision": layer.precision}
         if isinstance(layer, Linear):
             kernel = quantized(layer.kernel, axis=0, name=f"{prefix}kernel", **how)
-            return _build(QuantizedLinear, kernel=kernel, bias=layer.bias, **config)
+            return build(QuantizedLinear, kernel=kernel, bias=layer.bias, **config)
         table = quantized(layer.embedding, axis=1, name=f"{prefix}embedding", **how)
-        return _build(QuantizedEmbed, embedding=table, **config)
+        return build(QuantizedEmbed, embedding=table, **config)
 
     return jax.tree_util.tree_map_with_path(swap, model, is_leaf=_is_float_layer)
 
@@ -335,9 +335,9 @@ def dequantize(model: Any) -> Any:
         base = type(layer)._taktiny_base if is_layer(layer) else None
         config = {"dtype": layer.dtype, "precision": layer.precision} if base else {}
         if base is QuantizedLinear:
-            return _build(Linear, kernel=layer.kernel.dequantize(), bias=layer.bias, **config)
+            return build(Linear, kernel=layer.kernel.dequantize(), bias=layer.bias, **config)
         if base is QuantizedEmbed:
-            return _build(Embed, embedding=layer.embedding.dequantize(), **config)
+            return build(Embed, embedding=layer.embedding.dequantize(), **config)
         return layer
 
     return jax.tree.map(swap, model, is_leaf=is_layer)
