@@ -34,7 +34,7 @@ from ..state._patterns import compile_pattern, unused_hint
 from ._embed import Embed
 from ._explicit import project
 from ._linear import Linear
-from ._precision import DTYPE, PRECISION, compute_dtype
+from ._precision import compute_dtype
 from ._quantized import QuantizedEmbed, QuantizedLinear, build, dequantized
 
 # Adapters are stored in float32 whatever the base's dtype, as PEFT keeps them: a small
@@ -69,7 +69,30 @@ def _adapter(draw: Callable[[], jax.Array], shape: tuple[int, int], weight: Any,
     return array if placed is None else jax.device_put(array, placed)
 
 
-class LoRALinear(Module):
+class _Adapter(Module):
+    """What the adapted layers share: the two factors (listed for :func:`taktiny.trainable`
+    in ``_taktiny_adapters``), their scale, and the base's dtype and precision."""
+
+    _taktiny_adapters: ClassVar[tuple[str, ...]] = ("lora_a", "lora_b")
+    lora_a: Float[Array, "rows rank"]
+    lora_b: Float[Array, "rank columns"]
+    scale: float
+    dtype: jnp.dtype | None = field(static=True)  # (no default: the layers' fields follow)
+    precision: jax.lax.PrecisionLike = field(static=True)
+
+    def _adapt(self, base: Any, weight: Any, rank: int, draw: Any, rngs: Rngs) -> None:
+        """Sets ``lora_a`` (``draw(key, shape)``) and ``lora_b`` (zeros) for the base
+        `weight` ``[rows, columns]``, placed as it is, then the base's dtype and
+        precision."""
+        rows, columns = weight.shape
+        key = rngs()
+        self.lora_a = _adapter(lambda: draw(key, (rows, rank)), (rows, rank), weight, axis=0)
+        zeros = lambda: jnp.zeros((rank, columns), _ADAPTER_DTYPE)
+        self.lora_b = _adapter(zeros, (rank, columns), weight, axis=1)
+        self.dtype, self.precision = base.dtype, base.precision
+
+
+class LoRALinear(_Adapter):
     """A :class:`Linear` or :class:`QuantizedLinear` with a low-rank adapter:
     ``y = x @ (kernel + scale * lora_a @ lora_b) + bias``.
 
@@ -114,29 +137,17 @@ class LoRALinear(Module):
         ValueError: `rank` is not a positive int.
     """
 
-    _taktiny_adapters: ClassVar[tuple[str, ...]] = ("lora_a", "lora_b")  # tt.trainable's
     kernel: Float[Array, "in_features out_features"] | QArray = field(trainable=False)
     bias: Float[Array, " out_features"] | None = field(trainable=False)
-    lora_a: Float[Array, "in_features rank"]
-    lora_b: Float[Array, "rank out_features"]
-    scale: float
-    dtype: jnp.dtype | None = DTYPE
-    precision: jax.lax.PrecisionLike = PRECISION
 
     def __init__(self, base: Any, rank: int, *, alpha: float | int | None = None, rngs: Rngs):
         if not isinstance(base, Module) or type(base)._taktiny_base not in _LINEARS:
             raise TypeError(f"LoRALinear adapts a Linear or QuantizedLinear, got {base!r:.80}.")
         self.scale = _scale(rank, alpha, "LoRALinear")
-        n_in, n_out = base.kernel.shape
-        bound = 1.0 / math.sqrt(n_in)
-        key = rngs()
-        draw = lambda: jax.random.uniform(key, (n_in, rank), _ADAPTER_DTYPE, -bound, bound)
         self.kernel, self.bias = base.kernel, base.bias
-        self.lora_a = _adapter(draw, (n_in, rank), base.kernel, axis=0)
-        self.lora_b = _adapter(
-            lambda: jnp.zeros((rank, n_out), _ADAPTER_DTYPE), (rank, n_out), base.kernel, 1
-        )
-        self.dtype, self.precision = base.dtype, base.precision
+        bound = 1.0 / math.sqrt(base.kernel.shape[0])
+        draw = lambda key, shape: jax.random.uniform(key, shape, _ADAPTER_DTYPE, -bound, bound)
+        self._adapt(base, base.kernel, rank, draw, rngs)
 
     def __call__(
         self, x: Float[Array, "*batch in_features"]
@@ -163,7 +174,7 @@ class LoRALinear(Module):
             return build(Linear, kernel=kernel, bias=self.bias, **config)(x)
 
 
-class LoRAEmbed(Module):
+class LoRAEmbed(_Adapter):
     """An :class:`Embed` or :class:`QuantizedEmbed` with a low-rank adapter: the table is
     ``embedding + scale * lora_a @ lora_b``, for lookups and for :meth:`attend` alike.
 
@@ -191,26 +202,15 @@ class LoRAEmbed(Module):
         ValueError: `rank` is not a positive int.
     """
 
-    _taktiny_adapters: ClassVar[tuple[str, ...]] = ("lora_a", "lora_b")  # tt.trainable's
     embedding: Float[Array, "num_embeddings features"] | QArray = field(trainable=False)
-    lora_a: Float[Array, "num_embeddings rank"]
-    lora_b: Float[Array, "rank features"]
-    scale: float
-    dtype: jnp.dtype | None = DTYPE
-    precision: jax.lax.PrecisionLike = PRECISION
 
     def __init__(self, base: Any, rank: int, *, alpha: float | int | None = None, rngs: Rngs):
         if not isinstance(base, Module) or type(base)._taktiny_base not in _EMBEDS:
             raise TypeError(f"LoRAEmbed adapts an Embed or QuantizedEmbed, got {base!r:.80}.")
         self.scale = _scale(rank, alpha, "LoRAEmbed")
-        num, features = base.embedding.shape
-        key = rngs()
-        draw = lambda: jax.random.normal(key, (num, rank), _ADAPTER_DTYPE)
         self.embedding = base.embedding
-        self.lora_a = _adapter(draw, (num, rank), base.embedding, axis=0)
-        zeros = lambda: jnp.zeros((rank, features), _ADAPTER_DTYPE)
-        self.lora_b = _adapter(zeros, (rank, features), base.embedding, axis=1)
-        self.dtype, self.precision = base.dtype, base.precision
+        draw = lambda key, shape: jax.random.normal(key, shape, _ADAPTER_DTYPE)
+        self._adapt(base, base.embedding, rank, draw, rngs)
 
     def __call__(self, ids: Integer[Array, "*batch"]) -> Float[Array, "*batch features"]:
         """The base's rows for `ids` plus the adapter's, ``scale * lora_a[ids] @ lora_b``.
