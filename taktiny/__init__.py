@@ -13,6 +13,7 @@ if _typing.TYPE_CHECKING:
     from ._qarray import QArray as QArray
     from ._summary import Summary as Summary
     from ._summary import summary as summary
+    from .convert._migrate import migrate as migrate
     from .module._trainable import trainable as trainable
     from .nn._lora import lora as lora
     from .nn._lora import merge_lora as merge_lora
@@ -57,6 +58,7 @@ _LAZY = {
     "dequantize": (".nn._quantized", "dequantize"),
     "lora": (".nn._lora", "lora"),
     "merge_lora": (".nn._lora", "merge_lora"),
+    "migrate": (".convert._migrate", "migrate"),
     "quantize": (".nn._quantized", "quantize"),
 }
 
@@ -79,6 +81,7 @@ __all__ = [
     "load_state_dict",
     "lora",
     "merge_lora",
+    "migrate",
     "nn",
     "quantize",
     "schema",

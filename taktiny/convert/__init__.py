@@ -26,6 +26,7 @@ from ._presets import linear as linear
 from ._presets import multihead_attention as multihead_attention
 from ._presets import pytorch as pytorch
 from ._rules import Ignore as Ignore
+from ._rules import Init as Init
 from ._rules import Rule as Rule
 from ._rules import Tie as Tie
 from ._torch_adam import torch_adam as torch_adam

@@ -257,6 +257,39 @@ class Tie:
         return f"Tie({self.sources[0]!r}, same_as={self.same_as!r}{written})"
 
 
+class Init:
+    """Parameters a migration adds: a model's ``migrations`` (see :func:`taktiny.migrate`)
+    list it with their rules, and a checkpoint of an older version, which lacks them,
+    loads with the model's own initial values for them (its values are kept, as a load
+    with ``strict=False`` keeps them, for these names only). Only migrations take it:
+    converting from another framework has no version to say what is new.
+
+    Args:
+        *names: the added parameters' flat names at the version the migration makes
+            (``"norm.scale"``); a later migration may rename them.
+
+    Attributes:
+        names: the names, as a tuple.
+
+    Raises:
+        ValueError: no name, or a name that is not a dotted name without wildcards.
+    """
+
+    def __init__(self, *names: str):
+        self.names = names
+        if not names:
+            raise ValueError("Init() needs at least one parameter name.")
+        for name in names:
+            if not isinstance(name, str) or not name or not _literal(name) or "{" in name:
+                raise ValueError(
+                    f"{self!r}: {name!r} is not a parameter's flat name; Init names each "
+                    f'added parameter in full ("blocks.0.norm.scale"), without wildcards.'
+                )
+
+    def __repr__(self) -> str:
+        return f"Init({', '.join(map(repr, self.names))})"
+
+
 AnyRule = Rule | Ignore | Tie
 
 

@@ -22,6 +22,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from ..convert._coverage import Step
+from ..convert._migrate import PASS_ALLOWED, declared, migration_rules
 from ..convert._rules import AnyRule
 from ..state import _problems as err
 from ..state import _state, _tree
@@ -77,7 +78,10 @@ def load_safetensors(
             of them (see :func:`open_safetensors`), or an opened :class:`Checkpoint`.
         rules: conversion rules (:mod:`taktiny.convert`) from the checkpoint's names to the
             model's, applied tensor by tensor. Without rules the names must be the model's
-            own flat names (:func:`taktiny.flat_state_dict`).
+            own flat names (:func:`taktiny.flat_state_dict`), or those of an older state
+            version of its class: a checkpoint whose schema records an older version (no
+            version: 1) is converted by the class's migrations (:func:`taktiny.migrate`),
+            checked as rules are, and the parameters they add keep the model's values.
         allow: with `rules`, problems to let through, as :func:`taktiny.convert.check`
             takes them (``{"unused": ["**.inv_freq"]}``). Leaves no rule makes are not
             `allow`'s but `strict`'s to decide, with rules or without.
@@ -103,7 +107,8 @@ def load_safetensors(
         taktiny.convert.ConversionError: with `rules`, as :func:`taktiny.convert.check`.
         SafetensorsError: for a corrupt checkpoint, naming the file and tensor; for
             damaged bytes, also both checksums. Nothing is returned then.
-        ValueError: `allow` without `rules`.
+        ValueError: `allow` without `rules`; a checkpoint saved at a newer state version
+            than the model's; `rules` for a checkpoint of an older version.
     """
     where = f"taktiny.io.load_safetensors({type(model).__name__})"
     if rules is None and allow is not None:
@@ -111,12 +116,24 @@ def load_safetensors(
     checkpoint = path if isinstance(path, Checkpoint) else open_safetensors(path)
     leaves = _tree.flat_state_dict(model)
     quantized = qz.quantized_arrays(model)
+    added: set[str] = set()
+    saved = checkpoint.schema
+    if saved is not None and (saved.version or 1) != declared(type(model))[0]:
+        if rules is not None and (saved.version or 1) < declared(type(model))[0]:
+            raise ValueError(
+                f"{where}: {checkpoint.path} was saved at state version {saved.version or 1} "
+                f"and the model's migrations convert it; rules= converts a checkpoint that "
+                f"is not Taktiny's into the model's names: drop rules=."
+            )
+        rules, names = migration_rules(model, checkpoint, saved.version, leaves, where)
+        added = {p for n in names for p in parts_of(n, quantized)}
+        allow = {**PASS_ALLOWED, "missing": sorted(added)}
     if rules is None:
         steps = plain_steps(where, checkpoint, leaves, quantized, strict)
     else:
         steps = ruled_steps(where, rules, allow, checkpoint, leaves, quantized, strict)
     made = {p for s in steps for t in s.targets for p in parts_of(t, quantized)}
-    problems = absent_leaves(leaves, made, strict)
+    problems = absent_leaves(leaves, made | added, strict)
     if problems:
         raise err.StateDictError(where, problems)
     steps.sort(key=lambda s: min((str(t.file), t.offset) for t in _tensors(checkpoint, s)))
@@ -189,6 +206,7 @@ def load_safetensors(
         finally:  # on an error, the reads not started are dropped
             for future in running.values():
                 future.cancel()
+    strict = strict and not added  # (the leaves the migrations add keep their values)
     return _state.load(model, placed, strict=strict, flat=True, caller=where)
 
 

@@ -15,6 +15,7 @@ from . import _tree
 FORMAT = "taktiny-schema/1"  # the JSON's "format": what its reader must know
 KEY = "taktiny_schema"  # the safetensors header metadata key a saved model's schema is under
 KINDS = ("missing", "added", "reshaped", "recast", "resharded", "requantized")
+_KEYS = {"format", "fingerprint", "tensors", "version"}
 _FIELDS = ("shape", "dtype", "sharding", "quantization")
 _KIND_OF = dict(zip(_FIELDS, KINDS[2:], strict=True))  # a changed field -> its change
 
@@ -32,19 +33,28 @@ class Schema(Mapping[str, Mapping[str, Any]]):
     ``{"bits": 4, "axis": 0, "group_size": 64}``, and then ``dtype`` is the float dtype it
     stands for.
 
-    Two schemas are equal when their entries are (the order of names aside); the
-    :attr:`fingerprint` says so in 32 hex digits. :meth:`to_json` and :meth:`from_json`
+    ``version`` is the state version the tree's class declares (``state_version``, see
+    :func:`taktiny.migrate`), or None when it declares none: a load of an older version
+    applies the class's migrations.
+
+    Two schemas are equal when their entries and versions are (the order of names aside);
+    the :attr:`fingerprint` says so in 32 hex digits. :meth:`to_json` and :meth:`from_json`
     write and read it; :func:`taktiny.io.save_safetensors` stores a model's schema in
     its checkpoint (``open_safetensors(path).schema``).
 
     Args:
         entries: ``{flat name: entry}``, each entry as above.
+        version: the state version (an int >= 1), or None.
+
+    Attributes:
+        version: the state version, or None.
 
     Raises:
-        ValueError: an entry is not of that form, naming it and what is wrong.
+        ValueError: an entry is not of that form, naming it and what is wrong; a version
+            that is not an int >= 1.
     """
 
-    __slots__ = ("_entries",)
+    __slots__ = ("_entries", "version")
 
     class Change(NamedTuple):
         """One difference between two schemas (see :meth:`Schema.changes`).
@@ -69,8 +79,9 @@ class Schema(Mapping[str, Mapping[str, Any]]):
                 return f"{self.kind:<11} {self.name}: {_entry_text(entry)}"
             return f"{self.kind:<11} {self.name}: {_text(self.before)} -> {_text(self.after)}"
 
-    def __init__(self, entries: Mapping[str, Mapping[str, Any]]):
+    def __init__(self, entries: Mapping[str, Mapping[str, Any]], *, version: int | None = None):
         self._entries = {name: _checked(name, entry) for name, entry in entries.items()}
+        self.version = _checked_version(version)
 
     def __getitem__(self, name: str) -> Mapping[str, Any]:
         return self._entries[name]
@@ -84,7 +95,7 @@ class Schema(Mapping[str, Mapping[str, Any]]):
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Schema):
             return NotImplemented
-        return self._entries == other._entries
+        return self._entries == other._entries and self.version == other.version
 
     def __hash__(self) -> int:
         return hash(self.fingerprint)
@@ -93,8 +104,12 @@ class Schema(Mapping[str, Mapping[str, Any]]):
     def fingerprint(self) -> str:
         """32 hex digits (SHA-256) of the entries in a canonical JSON form (names sorted):
         equal schemas have equal fingerprints on every machine, and any change of a
-        name, shape, dtype, sharding or quantization changes it."""
-        text = json.dumps(self._entries, sort_keys=True, separators=(",", ":"))
+        name, shape, dtype, sharding, quantization or version changes it. A schema
+        without a version hashes its entries alone, as before versions were recorded."""
+        value: Any = self._entries
+        if self.version is not None:
+            value = {"tensors": self._entries, "version": self.version}
+        text = json.dumps(value, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(text.encode()).hexdigest()[:32]
 
     def to_json(self) -> str:
@@ -102,9 +117,16 @@ class Schema(Mapping[str, Mapping[str, Any]]):
 
         Returns:
             One line: ``{"format": "taktiny-schema/1", "fingerprint": ..., "tensors":
-            {name: entry}}``, which :meth:`from_json` reads.
+            {name: entry}}``, with ``"version"`` too when there is one, which
+            :meth:`from_json` reads.
         """
-        value = {"format": FORMAT, "fingerprint": self.fingerprint, "tensors": self._entries}
+        value: dict[str, Any] = {
+            "format": FORMAT,
+            "fingerprint": self.fingerprint,
+            "tensors": self._entries,
+        }
+        if self.version is not None:
+            value["version"] = self.version
         return json.dumps(value, separators=(",", ":"))
 
     @classmethod
@@ -126,9 +148,10 @@ class Schema(Mapping[str, Mapping[str, Any]]):
         except (ValueError, RecursionError) as error:
             raise ValueError(f"a schema must be JSON: {error}") from None
         value = _as_dict(parsed)
-        if value is None or set(value) != {"format", "fingerprint", "tensors"}:
+        if value is None or not {"format", "fingerprint", "tensors"} <= set(value) <= _KEYS:
             raise ValueError(
-                "a schema is a JSON object with 'format', 'fingerprint' and 'tensors', got "
+                "a schema is a JSON object with 'format', 'fingerprint' and 'tensors' (and "
+                "optionally 'version'), got "
                 f"{short(parsed)}"
             )
         if value["format"] != FORMAT:
@@ -140,7 +163,7 @@ class Schema(Mapping[str, Mapping[str, Any]]):
             raise ValueError(
                 f"the schema's 'tensors' must map names to entries, got {short(value['tensors'])}"
             )
-        schema = cls(tensors)
+        schema = cls(tensors, version=_checked_version(value.get("version")))
         if value["fingerprint"] != schema.fingerprint:
             raise ValueError(
                 f"the schema's fingerprint {short(value['fingerprint'])} is not its entries' "
@@ -173,7 +196,8 @@ class Schema(Mapping[str, Mapping[str, Any]]):
         return out
 
     def __repr__(self) -> str:
-        return f"Schema({len(self)} leaves, fingerprint {self.fingerprint})"
+        version = "" if self.version is None else f", version {self.version}"
+        return f"Schema({len(self)} leaves{version}, fingerprint {self.fingerprint})"
 
 
 def schema(tree: Any) -> Schema:
@@ -186,7 +210,11 @@ def schema(tree: Any) -> Schema:
         tree: a module, or any PyTree holding arrays and modules.
 
     Returns:
-        The :class:`Schema`; a :class:`~taktiny.QArray` is one entry under its name.
+        The :class:`Schema`; a :class:`~taktiny.QArray` is one entry under its name. Its
+        version is the ``state_version`` `tree`'s class declares, or None.
+
+    Raises:
+        ValueError: the class declares a ``state_version`` that is not an int >= 1.
     """
     found: dict[str, dict[str, Any]] = {}
 
@@ -198,7 +226,11 @@ def schema(tree: Any) -> Schema:
                 found[prefix + key] = describe(value)
 
     walk(_tree.state_dict(tree), "")
-    return Schema(found)
+    cls = type(cast("object", tree))  # (the class declares it: see taktiny.migrate)
+    version: object = getattr(cls, "state_version", None)
+    if version is not None and (type(version) is not int or version < 1):
+        raise ValueError(f"{cls.__name__}.state_version must be an int >= 1, got {short(version)}")
+    return Schema(found, version=version)
 
 
 def describe(leaf: Any) -> dict[str, Any]:
@@ -235,6 +267,14 @@ def _sharding(sharding: Any, ndim: int) -> dict[str, Any] | None:
         return {"spec": entries, "mesh": {str(k): int(v) for k, v in mesh.shape.items()}}
     count = len(sharding.device_set)
     return None if count == 1 else {"devices": count}
+
+
+def _checked_version(version: object) -> int | None:
+    if version is None:
+        return None
+    if type(version) is not int or version < 1:
+        raise ValueError(f"a schema's version is an int >= 1 or None, got {short(version)}")
+    return version
 
 
 def _checked(name: object, entry: object) -> dict[str, Any]:

@@ -1,0 +1,265 @@
+"""Migrations between state versions of a model (`tt.migrate`, `convert.Init`, and
+`load_safetensors` of an older checkpoint): three versions of one small attention block,
+saved at versions 1 and 2 and loaded into version 3 through safetensors, a state dict and
+an Orbax restore, each checked against NumPy."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, ClassVar
+
+import numpy as np
+import pytest
+
+import taktiny as tt
+from taktiny import convert, nn
+from taktiny.io import open_safetensors, save_safetensors
+
+# version 1 -> 2: the MLP is renamed to "ffn", and q, k, v are fused into one projection
+TO_2: list[Any] = [
+    convert.Rule("mlp.{p}", "ffn.{p}"),
+    convert.Rule(["q.kernel", "k.kernel", "v.kernel"], "qkv.kernel", convert.concatenate(axis=1)),
+]
+# version 2 -> 3: a gate is added, initialised by the model
+TO_3: list[Any] = [convert.Init("gate.kernel")]
+
+
+class BlockV1(nn.Module):
+    def __init__(self, *, rngs: nn.Rngs):
+        self.q = nn.Linear(8, 8, use_bias=False, rngs=rngs)
+        self.k = nn.Linear(8, 8, use_bias=False, rngs=rngs)
+        self.v = nn.Linear(8, 8, use_bias=False, rngs=rngs)
+        self.mlp = nn.Linear(8, 8, rngs=rngs)
+
+
+class BlockV2(nn.Module):
+    state_version: ClassVar[int] = 2
+    state_migrations: ClassVar[Sequence[Sequence[Any]]] = (TO_2,)
+
+    def __init__(self, *, rngs: nn.Rngs):
+        self.qkv = nn.Linear(8, 24, use_bias=False, rngs=rngs)
+        self.ffn = nn.Linear(8, 8, rngs=rngs)
+
+
+class BlockV3(nn.Module):
+    state_version: ClassVar[int] = 3
+    state_migrations: ClassVar[Sequence[Sequence[Any]]] = (TO_2, TO_3)
+
+    def __init__(self, *, rngs: nn.Rngs):
+        self.qkv = nn.Linear(8, 24, use_bias=False, rngs=rngs)
+        self.ffn = nn.Linear(8, 8, rngs=rngs)
+        self.gate = nn.Linear(8, 8, use_bias=False, rngs=rngs)
+
+
+def _numpy(model: Any) -> dict[str, np.ndarray]:
+    return {n: np.asarray(v) for n, v in tt.flat_state_dict(model).items()}
+
+
+def _expected(old: Any, fresh: Any) -> dict[str, np.ndarray]:
+    """What a load of `old` (version 1 or 2) into `fresh` (version 3) must hold, by NumPy."""
+    saved, kept = _numpy(old), _numpy(fresh)
+    if "q.kernel" in saved:
+        saved = {
+            "qkv.kernel": np.concatenate([saved[f"{p}.kernel"] for p in "qkv"], axis=1),
+            "ffn.kernel": saved["mlp.kernel"],
+            "ffn.bias": saved["mlp.bias"],
+        }
+    return {**saved, "gate.kernel": kept["gate.kernel"]}
+
+
+def _check(loaded: Any, expected: dict[str, np.ndarray]) -> None:
+    got = _numpy(loaded)
+    assert list(got) == ["qkv.kernel", "ffn.kernel", "ffn.bias", "gate.kernel"]
+    for name, value in expected.items():
+        np.testing.assert_array_equal(got[name], value, err_msg=name)
+
+
+@pytest.fixture(params=[BlockV1, BlockV2], ids=["from_v1", "from_v2"])
+def old(request: pytest.FixtureRequest) -> Any:
+    return request.param(rngs=nn.Rngs(1))
+
+
+def test_schema_records_the_declared_version() -> None:
+    v1, v3 = BlockV1(rngs=nn.Rngs(0)), BlockV3(rngs=nn.Rngs(0))
+    assert tt.schema(v1).version is None
+    assert tt.schema(v3).version == 3
+    # an undeclared version leaves the fingerprint as the entries alone give it
+    assert tt.schema(v1).fingerprint == tt.Schema(dict(tt.schema(v1))).fingerprint
+    versioned = tt.schema(v3)
+    assert versioned.fingerprint != tt.Schema(dict(versioned)).fingerprint
+    assert versioned != tt.Schema(dict(versioned))
+    back = tt.Schema.from_json(versioned.to_json())
+    assert back == versioned and back.version == 3
+    assert '"version"' not in tt.schema(v1).to_json()
+    assert tt.Schema.from_json(tt.schema(v1).to_json()).version is None
+
+
+def test_a_bad_version_is_refused() -> None:
+    with pytest.raises(ValueError, match="a schema's version is an int >= 1 or None, got 0"):
+        tt.Schema({}, version=0)
+    text = tt.schema(BlockV3(rngs=nn.Rngs(0))).to_json().replace('"version":3', '"version":"3"')
+    with pytest.raises(ValueError, match="a schema's version is an int >= 1 or None, got '3'"):
+        tt.Schema.from_json(text)
+
+    class Wrong(nn.Module):
+        state_version: ClassVar[Any] = "2"
+
+        def __init__(self) -> None:
+            self.w = np.zeros(2)
+
+    with pytest.raises(ValueError, match=r"Wrong.state_version must be an int >= 1, got '2'"):
+        tt.schema(Wrong())
+
+
+def test_load_safetensors_migrates_an_older_checkpoint(tmp_path: Path, old: Any) -> None:
+    path = tmp_path / "old.safetensors"
+    save_safetensors(path, old)
+    stored = open_safetensors(path).schema
+    assert stored is not None and stored.version == tt.schema(old).version
+    fresh = BlockV3(rngs=nn.Rngs(2))
+    loaded = tt.io.load_safetensors(fresh, path)
+    _check(loaded, _expected(old, fresh))
+
+
+def test_load_state_dict_after_migrate(old: Any) -> None:
+    fresh = BlockV3(rngs=nn.Rngs(2))
+    flat = tt.migrate(fresh, tt.flat_state_dict(old), version=tt.schema(old).version)
+    loaded = tt.load_flat_state_dict(fresh, flat, strict=True)
+    _check(loaded, _expected(old, fresh))
+
+
+def test_orbax_restore_then_migrate(tmp_path: Path, old: Any) -> None:
+    import orbax.checkpoint as ocp
+
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(tmp_path / "step", old)
+    checkpointer.wait_until_finished()
+    (tmp_path / "step.schema.json").write_text(tt.schema(old).to_json())
+
+    saved = tt.Schema.from_json((tmp_path / "step.schema.json").read_text())
+    raw = tt.flat_state_dict(checkpointer.restore(tmp_path / "step"))
+    fresh = BlockV3(rngs=nn.Rngs(2))
+    loaded = tt.load_flat_state_dict(
+        fresh, tt.migrate(fresh, raw, version=saved.version), strict=True
+    )
+    _check(loaded, _expected(old, fresh))
+
+
+def test_the_current_version_loads_as_it_is(tmp_path: Path) -> None:
+    model = BlockV3(rngs=nn.Rngs(1))
+    flat = tt.flat_state_dict(model)
+    assert tt.migrate(BlockV3(rngs=nn.Rngs(2)), flat, version=3) == flat
+    save_safetensors(tmp_path / "v3.safetensors", model)
+    loaded = tt.io.load_safetensors(BlockV3(rngs=nn.Rngs(2)), tmp_path / "v3.safetensors")
+    _check(loaded, _numpy(model))
+
+
+def test_a_newer_checkpoint_is_refused(tmp_path: Path) -> None:
+    save_safetensors(tmp_path / "v3.safetensors", BlockV3(rngs=nn.Rngs(1)))
+    newer = "saved at state version 3; BlockV2 is at version 2: load it with the newer code"
+    with pytest.raises(ValueError, match=newer):
+        tt.io.load_safetensors(BlockV2(rngs=nn.Rngs(0)), tmp_path / "v3.safetensors")
+    with pytest.raises(ValueError, match=newer):
+        tt.migrate(BlockV2(rngs=nn.Rngs(0)), {}, version=3)
+    with pytest.raises(ValueError, match=r"a state version is an int >= 1 .* got 0"):
+        tt.migrate(BlockV2(rngs=nn.Rngs(0)), {}, version=0)
+
+
+def test_rules_with_an_older_checkpoint_are_refused(tmp_path: Path) -> None:
+    save_safetensors(tmp_path / "v1.safetensors", BlockV1(rngs=nn.Rngs(1)))
+    with pytest.raises(ValueError, match="saved at state version 1 and the model's migrations"):
+        tt.io.load_safetensors(
+            BlockV3(rngs=nn.Rngs(0)), tmp_path / "v1.safetensors", rules=[convert.Rule("x", "y")]
+        )
+
+
+def test_an_abstract_model_cannot_keep_an_added_parameter(tmp_path: Path) -> None:
+    import jax
+
+    save_safetensors(tmp_path / "v2.safetensors", BlockV2(rngs=nn.Rngs(1)))
+    abstract = jax.eval_shape(lambda: BlockV3(rngs=nn.Rngs(0)))
+    with pytest.raises(convert.ConversionError, match=r"'gate.kernel': an Init adds it.*abstract"):
+        tt.io.load_safetensors(abstract, tmp_path / "v2.safetensors")
+
+
+def _versioned(migrations: Sequence[Sequence[Any]], version: int = 3) -> type:
+    class Block(nn.Module):
+        state_version: ClassVar[int] = version
+        state_migrations: ClassVar[Sequence[Sequence[Any]]] = migrations
+
+        def __init__(self, *, rngs: nn.Rngs):
+            self.qkv = nn.Linear(8, 24, use_bias=False, rngs=rngs)
+            self.ffn = nn.Linear(8, 8, rngs=rngs)
+            self.gate = nn.Linear(8, 8, use_bias=False, rngs=rngs)
+
+    return Block
+
+
+def test_a_declaration_without_a_migration_per_version_is_refused() -> None:
+    block = _versioned([TO_2])(rngs=nn.Rngs(0))
+    with pytest.raises(TypeError, match=r"Block is at state version 3, so it lists 2 migrations"):
+        tt.migrate(block, {}, version=1)
+    with pytest.raises(TypeError, match=r"state_migrations\[1\] .* holds Tie"):
+        tt.migrate(_versioned([TO_2, [convert.Tie("a", "b")]])(rngs=nn.Rngs(0)), {}, version=1)
+
+
+def test_a_migration_that_does_not_cover_is_refused(tmp_path: Path) -> None:
+    save_safetensors(tmp_path / "v1.safetensors", BlockV1(rngs=nn.Rngs(1)))
+    flat = tt.flat_state_dict(BlockV1(rngs=nn.Rngs(1)))
+    typo = [convert.Rule("mpl.{p}", "ffn.{p}"), *TO_2[1:]]  # matches nothing: mlp stays
+    block = _versioned([typo, TO_3])(rngs=nn.Rngs(0))
+    unmatched = r"(?s)state_migrations\[0\] \(version 1 -> 2\).*\[unmatched\] 'mpl.\{p\}'"
+    with pytest.raises(convert.ConversionError, match=unmatched):
+        tt.migrate(block, flat, version=1)
+    with pytest.raises(convert.ConversionError, match=unmatched):
+        tt.io.load_safetensors(block, tmp_path / "v1.safetensors")
+    # without the fused projection the model's qkv is missing and q, k, v are unknown
+    unfused = _versioned([TO_2[:1], TO_3])(rngs=nn.Rngs(0))
+    with pytest.raises(
+        convert.ConversionError, match=r"(?s)\[unknown\] 'q.kernel'.*\[missing\] 'qkv"
+    ):
+        tt.migrate(unfused, flat, version=1)
+    forgotten = _versioned([TO_2, []])(rngs=nn.Rngs(0))  # the gate is not declared added
+    with pytest.raises(convert.ConversionError, match=r"\[missing\] 'gate.kernel'"):
+        tt.io.load_safetensors(forgotten, tmp_path / "v1.safetensors")
+    misnamed = _versioned([TO_2, [convert.Init("gates.kernel")]])(rngs=nn.Rngs(0))
+    with pytest.raises(convert.ConversionError, match=r"'gates.kernel': an Init adds it, but"):
+        tt.migrate(misnamed, flat, version=1)
+
+
+def test_migrations_compose_transforms_and_renames_of_added_names() -> None:
+    """v1 -> v2 fuses q/k/v, v2 -> v3 transposes the fused kernel and renames what
+    migration 1 added: the chain runs as one conversion per saved group."""
+
+    class Transposed(nn.Module):
+        state_version: ClassVar[int] = 3
+        state_migrations: ClassVar[Sequence[Sequence[Any]]] = (
+            [*TO_2, convert.Init("extra.kernel")],
+            [
+                convert.Rule("qkv.kernel", "qkv_t", convert.transpose((1, 0))),
+                convert.Rule("extra.kernel", "gate.kernel"),
+            ],
+        )
+
+        def __init__(self, *, rngs: nn.Rngs):
+            self.qkv_t = np.zeros((24, 8), np.float32)
+            self.ffn = nn.Linear(8, 8, rngs=rngs)
+            self.gate = nn.Linear(8, 8, use_bias=False, rngs=rngs)
+
+    old, fresh = BlockV1(rngs=nn.Rngs(1)), Transposed(rngs=nn.Rngs(2))
+    flat = tt.migrate(fresh, tt.flat_state_dict(old), version=None)
+    expected = _expected(old, BlockV3(rngs=nn.Rngs(2)))
+    np.testing.assert_array_equal(np.asarray(flat["qkv_t"]), expected["qkv.kernel"].T)
+    np.testing.assert_array_equal(np.asarray(flat["ffn.bias"]), expected["ffn.bias"])
+    np.testing.assert_array_equal(np.asarray(flat["gate.kernel"]), _numpy(fresh)["gate.kernel"])
+
+    class Transformed(nn.Module):  # an added name has no value for a later transform
+        state_version: ClassVar[int] = 3
+        state_migrations: ClassVar[Sequence[Sequence[Any]]] = (
+            [*TO_2, convert.Init("gate.kernel")],
+            [convert.Rule("gate.kernel", "gate.kernel", convert.transpose((1, 0)))],
+        )
+
+    with pytest.raises(convert.ConversionError, match=r"'gate.kernel': .* added it \(Init\)"):
+        tt.migrate(Transformed(), tt.flat_state_dict(old), version=1)
