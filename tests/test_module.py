@@ -348,6 +348,7 @@ def test_public_surface_is_short_and_documented():
         "load_state_dict",
         "lora",
         "merge_lora",
+        "migrate",
         "nn",
         "quantize",
         "schema",
@@ -394,7 +395,7 @@ def test_public_surface_is_short_and_documented():
         "read_torch", "save_safetensors",
     ])  # fmt: skip
     assert _public(tt.convert) == sorted([
-        "ConversionError", "ConversionProblem", "Converted", "Ignore", "Report", "Rule", "Step", "Tie",
+        "ConversionError", "ConversionProblem", "Converted", "Ignore", "Init", "Report", "Rule", "Step", "Tie",
         "Transform", "cast", "chain", "check", "concatenate", "convert", "export", "identity",
         "reshape", "round_trip_check", "split", "stack", "transpose", "unstack",
         "quantize", "dequantize",

@@ -182,7 +182,11 @@ def test_json_round_trips_and_what_is_edited_or_malformed_is_refused():
     ("text", "message"),
     [
         ("{", r"a schema must be JSON: Expecting property name"),
-        ("[1]", r"a schema is a JSON object with 'format', 'fingerprint' and 'tensors', got \[1\]"),
+        (
+            "[1]",
+            r"a schema is a JSON object with 'format', 'fingerprint' and 'tensors' \(and "
+            r"optionally 'version'\), got \[1\]",
+        ),
         (
             '{"format": "x", "fingerprint": "", "tensors": {}}',
             r"format is 'x'; this Taktiny reads 'taktiny-schema/1'",
