@@ -137,7 +137,10 @@ def migrate(model: Any, state: Mapping[str, Any], *, version: int | None) -> dic
     leaves = flat_state_dict(model)
     rules, added = migration_rules(model, state, version, leaves, where)
     target = {n: leaf for n, leaf in leaves.items() if n not in added}
-    report, _ = plan(rules, state, target, PASS_ALLOWED, where)
+    try:
+        report, _ = plan(rules, state, target, PASS_ALLOWED, where)
+    except ConversionError as error:
+        raise explained(error, type(model), version, where) from None
     converted = Converted(report.steps, state, target)
     return {n: leaves[n] if n in added else converted[n] for n in leaves}
 
@@ -200,6 +203,31 @@ def migration_rules(
     added = {n for n, node in nodes.items() if node[0] == "init"}
     _check_added(added, leaves, where)
     return _composed(source, nodes, applications), added
+
+
+def explained(
+    error: ConversionError, cls: type, version: int | None, where: str
+) -> ConversionError:
+    """`error` of the check of migrated names against the model, its missing and unknown
+    names explained as the migrations' (the fix is in a migration, not in a load's
+    options)."""
+    current, _ = declared(cls)
+    start = 1 if version is None else version
+    fixes = {
+        "missing": f"no migration makes it from a state of version {start}: add a Rule for "
+        f"it to the migration that renamed it, or an Init to the one that added it.",
+        "unknown": f"a state of version {start} still holds it after the migrations, but "
+        f"{cls.__name__} has no such leaf: add a Rule to the migration that renamed it, or "
+        f"an Ignore to the one that removed it.",
+    }
+    problems = [
+        ConversionProblem(p.kind, p.name, fixes[p.kind]) if p.kind in fixes else p
+        for p in error.problems
+    ]
+    return ConversionError(
+        f"{where}: after {cls.__name__}'s migrations from state version {start} to {current}",
+        problems,
+    )
 
 
 def _check_added_kept(rules: Sequence[AnyRule], nodes: Mapping[str, _Node], here: str) -> None:

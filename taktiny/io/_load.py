@@ -21,8 +21,8 @@ from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from ..convert._coverage import Step
-from ..convert._migrate import PASS_ALLOWED, declared, migration_rules
+from ..convert._coverage import ConversionError, Step
+from ..convert._migrate import PASS_ALLOWED, declared, explained, migration_rules
 from ..convert._rules import AnyRule
 from ..state import _problems as err
 from ..state import _state, _tree
@@ -116,22 +116,29 @@ def load_safetensors(
     checkpoint = path if isinstance(path, Checkpoint) else open_safetensors(path)
     leaves = _tree.flat_state_dict(model)
     quantized = qz.quantized_arrays(model)
-    added: set[str] = set()
-    saved = checkpoint.schema
-    if saved is not None and (saved.version or 1) != declared(type(model))[0]:
-        if rules is not None and (saved.version or 1) < declared(type(model))[0]:
+    added: set[str] = set()  # the leaves the migrations add, which keep their values
+    saved = checkpoint.schema  # (None: not written by Taktiny, so of no state version)
+    current = declared(type(model))[0]
+    older = None if saved is None or (saved.version or 1) == current else saved.version or 1
+    if older is not None:  # newer ones are refused by migration_rules
+        if rules is not None and older < current:
             raise ValueError(
-                f"{where}: {checkpoint.path} was saved at state version {saved.version or 1} "
-                f"and the model's migrations convert it; rules= converts a checkpoint that "
-                f"is not Taktiny's into the model's names: drop rules=."
+                f"{where}: {checkpoint.path} was saved at state version {older} and the "
+                f"model's migrations convert it; rules= converts a checkpoint that is not "
+                f"Taktiny's into the model's names: drop rules=."
             )
-        rules, names = migration_rules(model, checkpoint, saved.version, leaves, where)
+        rules, names = migration_rules(model, checkpoint, older, leaves, where)
         added = {p for n in names for p in parts_of(n, quantized)}
         allow = {**PASS_ALLOWED, "missing": sorted(added)}
     if rules is None:
         steps = plain_steps(where, checkpoint, leaves, quantized, strict)
     else:
-        steps = ruled_steps(where, rules, allow, checkpoint, leaves, quantized, strict)
+        try:
+            steps = ruled_steps(where, rules, allow, checkpoint, leaves, quantized, strict)
+        except ConversionError as error:
+            if older is None:
+                raise
+            raise explained(error, type(model), older, where) from None
     made = {p for s in steps for t in s.targets for p in parts_of(t, quantized)}
     problems = absent_leaves(leaves, made | added, strict)
     if problems:
