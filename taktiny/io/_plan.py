@@ -31,11 +31,43 @@ from ._header_checks import (
     spec_of,
     unquantizable,
 )
+from ._read import Tensor
 
 
 def parts_of(name: str, quantized: Mapping[str, QArray]) -> tuple[str, ...]:
     """The leaves a step's target fills: a quantized parameter's two parts, or itself."""
     return (f"{name}.value", f"{name}.scale") if name in quantized else (name,)
+
+
+def steps_of(
+    where: str,
+    rules: Sequence[AnyRule] | None,
+    allow: Mapping[str, Sequence[str]] | None,
+    checkpoint: Checkpoint,
+    leaves: Mapping[str, Any],
+    quantized: Mapping[str, QArray],
+    strict: bool,
+    *,
+    ties: list[tuple[str, str]] | None = None,
+) -> list[Step]:
+    """The steps of a load, in the file's order, every problem the headers show raised
+    first (a StateDictError or ConversionError). With `ties` (a list), the rules' tied
+    pairs are put in it instead of being read and compared (a plan reads no data)."""
+    if rules is None:
+        steps = plain_steps(where, checkpoint, leaves, quantized, strict)
+    else:
+        steps = ruled_steps(where, rules, allow, checkpoint, leaves, quantized, strict, ties)
+    made = {p for s in steps for t in s.targets for p in parts_of(t, quantized)}
+    problems = absent_leaves(leaves, made, strict)
+    if problems:
+        raise err.StateDictError(where, problems)
+    steps.sort(key=lambda s: min((str(t.file), t.offset) for t in tensors_of(checkpoint, s)))
+    return steps
+
+
+def tensors_of(checkpoint: Checkpoint, step: Step) -> list[Tensor]:
+    """The tensors a step reads, in the order its transform takes them."""
+    return [checkpoint[name] for name in step.sources]
 
 
 def plain_steps(
@@ -48,6 +80,20 @@ def plain_steps(
     """One renaming step per tensor, when the checkpoint uses the model's own names (or a
     quantized parameter's own name for its float array); every problem with the names,
     shapes and dtype kinds in one StateDictError."""
+    steps, problems = plain_plan(checkpoint, leaves, quantized, strict)
+    if problems:
+        raise err.StateDictError(where, problems)
+    return steps
+
+
+def plain_plan(
+    checkpoint: Checkpoint,
+    leaves: Mapping[str, Any],
+    quantized: Mapping[str, QArray],
+    strict: bool,
+) -> tuple[list[Step], err.Problems]:
+    """:func:`plain_steps`'s steps and problems, not raised: the steps of the tensors that
+    load, which a plan shows beside the problems of the others."""
     problems = err.Problems()
     steps = []
     done: set[str] = set()  # checkpoint names checked here, as quantized parameters
@@ -62,7 +108,7 @@ def plain_steps(
             if problem is not None:
                 problems.append(problem)
             else:
-                steps.append(Step(_IDENTITY, (name,), (name,)))
+                steps.append(Step(IDENTITY, (name,), (name,)))
         elif parts:
             problem = other_representation(name, like, checkpoint)
             if problem is not None:
@@ -86,12 +132,10 @@ def plain_steps(
             want, have = _values.kind(dtype), _values.kind(tensor.dtype)
             problems.append(err.dtype_kind(name, dtype, tensor.dtype, str(want), str(have)))
         else:
-            steps.append(Step(_IDENTITY, (name,), (name,)))
+            steps.append(Step(IDENTITY, (name,), (name,)))
     made = {p for s in steps for t in s.targets for p in parts_of(t, quantized)}
     problems += absent_leaves(leaves, set(checkpoint) | made | covered | set(floats), strict)
-    if problems:
-        raise err.StateDictError(where, problems)
-    return steps
+    return steps, problems
 
 
 def ruled_steps(
@@ -102,8 +146,10 @@ def ruled_steps(
     leaves: Mapping[str, Any],
     quantized: Mapping[str, QArray],
     strict: bool,
+    ties: list[tuple[str, str]] | None = None,
 ) -> list[Step]:
-    """The steps of the rules, checked from the headers. A leaf no rule makes is `strict`'s
+    """The steps of the rules, checked from the headers (the tied pairs read and compared,
+    or with `ties`, put in it). A leaf no rule makes is `strict`'s
     to decide (the load checks it), not `allow`'s. A quantized parameter may be made from
     its parts or from a float array (quantized on load): the plan sees both names, lets
     either be missing, and the pair is checked here."""
@@ -111,14 +157,14 @@ def ruled_steps(
     if not strict:
         allowed = {**allowed, "missing": ["**"]}
     if not quantized:
-        report, ties = plan(rules, checkpoint, leaves, allowed, where, loading=True)
-        check_ties(ties, checkpoint, where)
+        report, tied = plan(rules, checkpoint, leaves, allowed, where, loading=True)
+        _tied(tied, checkpoint, where, ties)
         return list(report.steps)
     logical = {n: jax.ShapeDtypeStruct(q.shape, q.dtype) for n, q in quantized.items()}
     either = [p for n in quantized for p in (n, *parts_of(n, quantized))]
     lenient = {**allowed, "missing": [*allowed.get("missing", ()), *either]}
-    report, ties = plan(rules, checkpoint, {**leaves, **logical}, lenient, where, loading=True)
-    check_ties(ties, checkpoint, where)
+    report, tied = plan(rules, checkpoint, {**leaves, **logical}, lenient, where, loading=True)
+    _tied(tied, checkpoint, where, ties)
     made = {t for s in report.steps for t in s.targets}
     problems = []
     for name in quantized:
@@ -149,4 +195,17 @@ def ruled_steps(
     return list(report.steps)
 
 
-_IDENTITY = Rule("{name}", "{name}")
+def _tied(
+    tied: list[tuple[str, str]],
+    checkpoint: Checkpoint,
+    where: str,
+    ties: list[tuple[str, str]] | None,
+) -> None:
+    if ties is None:
+        check_ties(tied, checkpoint, where)
+    else:
+        ties += tied
+
+
+IDENTITY = Rule("{name}", "{name}")
+"""The rule of a plain load: each tensor to the leaf of its own name."""
