@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from _reads import log_preads
 from jax.sharding import NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
@@ -44,17 +45,12 @@ def saved(tmp_path_factory):
 
 @pytest.fixture
 def preads(monkeypatch):
-    """The bytes each os.preadv call read."""
-    log = []
-    real = os.preadv
+    """(path, offset, bytes) of each os.preadv call."""
+    return log_preads(monkeypatch)
 
-    def logged(fd, buffers, offset, *flags):
-        got = real(fd, buffers, offset, *flags)
-        log.append(got)
-        return got
 
-    monkeypatch.setattr(os, "preadv", logged)
-    return log
+def read(log):
+    return sum(n for _, _, n in log)
 
 
 def target(plan, dtypes=None):
@@ -101,7 +97,7 @@ def test_bytes_per_device_and_read_are_the_load_s(saved, preads, monkeypatch, pl
     preads.clear()
     loaded = load_safetensors(model, path, verify=verify)
     assert dict(got.device_bytes) == held(loaded)
-    assert dict(got.read_bytes) == {0: sum(preads)}
+    assert dict(got.read_bytes) == {0: read(preads)}
     ways = {s.sources[0]: s.way for s in got.steps}
     if plan == "one device":
         assert set(ways.values()) == {"direct"}
@@ -125,7 +121,7 @@ def test_a_cast_goes_through_a_scratch_buffer_of_the_largest_tensors(saved, prea
     assert got.scratch_bytes == sum(-(-n // 64) * 64 for n in sizes)
     preads.clear()
     loaded = load_safetensors(model, path)
-    assert dict(got.read_bytes) == {0: sum(preads)}
+    assert dict(got.read_bytes) == {0: read(preads)}
     assert dict(got.device_bytes) == held(loaded)
 
 
@@ -146,7 +142,7 @@ def test_a_transposing_rule_reads_into_place(tmp_path, preads, monkeypatch):
     ] or {s.way for s in got.steps} == {"transposed"}
     preads.clear()
     loaded = load_safetensors(model, path, rules=rules)
-    assert dict(got.read_bytes) == {0: sum(preads)}
+    assert dict(got.read_bytes) == {0: read(preads)}
     assert dict(got.device_bytes) == held(loaded)
     assert "transpose" in str(got)
 
@@ -169,7 +165,7 @@ def test_a_quantizing_load_goes_through_one_scratch_buffer(tmp_path, preads, mon
     assert got.scratch_bytes == 256 * 512 * 4  # one buffer, of the largest float kernel
     preads.clear()
     loaded = load_safetensors(model, path)
-    assert dict(got.read_bytes) == {0: sum(preads)}
+    assert dict(got.read_bytes) == {0: read(preads)}
     assert dict(got.device_bytes) == held(loaded)
 
 
@@ -223,7 +219,7 @@ def test_bytes_read_of_another_process_s_blocks_are_read_blocks_s(saved, preads,
                 blocks.append(block)
         preads.clear()
         tensor.read_blocks(blocks, verify=verify)
-        assert tensor.bytes_read(blocks, verify=verify) == sum(preads), (name, blocks)
+        assert tensor.bytes_read(blocks, verify=verify) == read(preads), (name, blocks)
 
 
 def test_the_plan_command(saved, tmp_path, monkeypatch, capsys):

@@ -23,9 +23,8 @@ from typing import Any
 
 from ..convert._coverage import Step
 from ..convert._rules import AnyRule
-from ..state import _state, _tree
-from . import _quantized_format as qz
-from ._checkpoint import Checkpoint, open_safetensors
+from ..state import _state
+from ._checkpoint import Checkpoint
 from ._place import (
     Scratch,
     direct_leaf,
@@ -35,7 +34,7 @@ from ._place import (
     transformed,
     transposed_leaf,
 )
-from ._plan import steps_of, tensors_of
+from ._plan import opened, steps_of, tensors_of
 from ._read import Readahead
 from ._readers import Readers
 
@@ -103,12 +102,7 @@ def load_safetensors(
             damaged bytes, also both checksums. Nothing is returned then.
         ValueError: `allow` without `rules`.
     """
-    where = f"taktiny.io.load_safetensors({type(model).__name__})"
-    if rules is None and allow is not None:
-        raise ValueError(f"{where}: allow= applies to rules; pass rules= with it.")
-    checkpoint = path if isinstance(path, Checkpoint) else open_safetensors(path)
-    leaves = _tree.flat_state_dict(model)
-    quantized = qz.quantized_arrays(model)
+    where, checkpoint, leaves, quantized = opened(model, path, rules, allow)
     steps = steps_of(where, rules, allow, checkpoint, leaves, quantized, strict)
     total = sum(t.nbytes for s in steps for t in tensors_of(checkpoint, s))
     order = [t for step in steps for t in tensors_of(checkpoint, step)]

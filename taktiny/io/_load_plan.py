@@ -27,14 +27,12 @@ from ..convert._coverage import ConversionError, ConversionProblem, Step, runner
 from ..convert._rules import AnyRule
 from ..convert._transforms import identity
 from ..state import _problems as err
-from ..state import _tree
-from . import _quantized_format as qz
-from ._checkpoint import Checkpoint, open_safetensors
+from ._checkpoint import Checkpoint
 from ._header_checks import spec_of
 from ._load import Ways
 from ._place import sharding_of
-from ._plan import IDENTITY, parts_of, plain_plan, steps_of, tensors_of
-from ._read import _BOX_PIECE, SafetensorsError, Tensor
+from ._plan import IDENTITY, opened, parts_of, plain_plan, steps_of, tensors_of
+from ._read import BOX_PIECE, SafetensorsError, Tensor
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,12 +178,7 @@ def plan_load(
         SafetensorsError: the checkpoint's headers cannot be read (opening it fails).
         ValueError: `allow` without `rules`.
     """
-    where = f"taktiny.io.load_safetensors({type(model).__name__})"
-    if rules is None and allow is not None:
-        raise ValueError(f"{where}: allow= applies to rules; pass rules= with it.")
-    checkpoint = path if isinstance(path, Checkpoint) else open_safetensors(path)
-    leaves = _tree.flat_state_dict(model)
-    quantized = qz.quantized_arrays(model)
+    where, checkpoint, leaves, quantized = opened(model, path, rules, allow)
     ties: list[tuple[str, str]] = []
     error: Exception | None = None
     try:
@@ -238,10 +231,10 @@ def _way(
     if ways.direct[k] is not None:
         sharding = sharding_of(ways.direct[k])
         whole = len(sharding.device_set) == 1 or sharding.is_fully_replicated
-        return ("direct" if whole else "blocks"), (0 if whole else _BOX_PIECE)
+        return ("direct" if whole else "blocks"), (0 if whole else BOX_PIECE)
     if ways.permuted[k] is not None:  # one piece; the whole array, when it is then cut
         single = len(sharding_of(ways.permuted[k]).device_set) == 1
-        return "transposed", _BOX_PIECE if single else sources[0].nbytes
+        return "transposed", BOX_PIECE if single else sources[0].nbytes
     way = "quantized" if any(t in quantized for t in step.targets) else "scratch"
     if isinstance(step.rule.transform, identity):  # its result is its sources, in scratch
         return way, 0

@@ -21,8 +21,9 @@ from ..convert._coverage import (
 )
 from ..convert._rules import AnyRule, Rule
 from ..state import _problems as err
-from ..state import _values
-from ._checkpoint import Checkpoint
+from ..state import _tree, _values
+from . import _quantized_format as qz
+from ._checkpoint import Checkpoint, open_safetensors
 from ._header_checks import (
     absent_leaves,
     check_packed_listed,
@@ -37,6 +38,19 @@ from ._read import Tensor
 def parts_of(name: str, quantized: Mapping[str, QArray]) -> tuple[str, ...]:
     """The leaves a step's target fills: a quantized parameter's two parts, or itself."""
     return (f"{name}.value", f"{name}.scale") if name in quantized else (name,)
+
+
+def opened(
+    model: Any, path: Any, rules: Any, allow: Any
+) -> tuple[str, Checkpoint, dict[str, Any], dict[str, QArray]]:
+    """What a load (or its plan) starts from: the name it gives itself in messages, the
+    checkpoint opened (its headers), the model's flat leaves and its quantized arrays.
+    Raises ValueError for `allow` without `rules`."""
+    where = f"taktiny.io.load_safetensors({type(model).__name__})"
+    if rules is None and allow is not None:
+        raise ValueError(f"{where}: allow= applies to rules; pass rules= with it.")
+    checkpoint = path if isinstance(path, Checkpoint) else open_safetensors(path)
+    return where, checkpoint, _tree.flat_state_dict(model), qz.quantized_arrays(model)
 
 
 def steps_of(

@@ -33,7 +33,7 @@ MAP_FLAGS = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE"
 _CHUNK = 1 << 30  # bytes per preadv call (Linux moves at most ~2 GiB per call)
 _PIECE = 4 << 20  # bytes per read when each piece is hashed (or handed on to be) as it is read
 _LONG_RUN = 1 << 20  # a block's runs at least this long are read straight into it
-_BOX_PIECE = 4 << 20  # bytes of rows read at a time when blocks are cut from the rows they span
+BOX_PIECE = 4 << 20  # bytes of rows read at a time when blocks are cut from the rows they span
 
 
 class SafetensorsError(ValueError):
@@ -311,7 +311,7 @@ class Tensor:
         assert self.tiles is not None
         (first, last), width = box[0], box[1:]
         row = math.prod(stop - start for start, stop in width) * self.dtype.itemsize
-        rows = max(1, min(last - first, _BOX_PIECE // max(row, 1)))
+        rows = max(1, min(last - first, BOX_PIECE // max(row, 1)))
         chunk, raw = _buffer((rows, *(stop - start for start, stop in width)), self.dtype)
         hashes = [_checksum.streaming() for _ in run]
         for r0 in range(first, last, rows):
@@ -393,7 +393,7 @@ class Tensor:
         piece's bytes are handed to `send` as they are read."""
         (first, last), width = box[0], box[1:]
         row = math.prod(stop - start for start, stop in width) * self.dtype.itemsize
-        rows = max(1, min(last - first, _BOX_PIECE // max(row, 1)))
+        rows = max(1, min(last - first, BOX_PIECE // max(row, 1)))
         chunk, raw = _buffer((rows, *(stop - start for start, stop in width)), self.dtype)
         whole = box == [(0, n) for n in self.shape]
         with open(self.file, "rb", buffering=0) as f:
