@@ -17,7 +17,9 @@ step against a full forward), errors (the StateDictError of 1,000 misspelt names
 10,002-leaf model, against its 0.5 s target), checksums (what verifying the digests costs a
 warm streaming load of the 1 GB checkpoint, and a save), headers (open_safetensors of a
 100,000-tensor header, against its 0.25 s target), lora (a LoRA training step of the
-Llama example against the base's forward and backward). A full run takes under 25 minutes on
+Llama example against the base's forward and backward), plan (the peak host memory
+taktiny.io.plan_load predicts for the plain, sharded, transposing and quantizing loads of
+the 1 GB checkpoint, against the measured). A full run takes under 25 minutes on
 2 cores.
 """
 
@@ -46,6 +48,7 @@ from bench import (  # noqa: E402
     dispatch,
     errors,
     headers,
+    load_plan,
     lora,
     memory,
     quantized,
@@ -69,6 +72,7 @@ GROUPS = {
     "checksums": checksums.run,
     "headers": headers.run,
     "lora": lora.run,
+    "plan": load_plan.run,
 }
 
 

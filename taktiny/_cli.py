@@ -1,5 +1,6 @@
-"""`taktiny inspect`, `taktiny diff` and `taktiny verify`: what a checkpoint holds, read
-from its headers, and whether its bytes are whole.
+"""`taktiny inspect`, `taktiny diff`, `taktiny verify` and `taktiny plan`: what a
+checkpoint holds, read from its headers, whether its bytes are whole, and what loading it
+into a model would take.
 
 A safetensors file starts with a JSON header naming every tensor's dtype, shape and byte
 range, so listing one reads kilobytes however large it is; a Hugging Face index names the
@@ -12,7 +13,8 @@ the checksum its header records.
 A checkpoint that cannot be read (a missing path, a corrupt or truncated file, a bad index,
 a damaged Orbax checkpoint) is one line on stderr, ``taktiny: <file>: <what is wrong>``, and
 exit status 2, never a traceback; as for ``diff(1)``, status 1 means that the checkpoints
-differ (``diff``) or that a tensor is damaged (``verify``).
+differ (``diff``), that a tensor is damaged (``verify``) or that the load would fail
+(``plan``).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from . import _lazy
+from ._messages import table
 from .state import _patterns
 
 if TYPE_CHECKING:
@@ -223,18 +226,6 @@ def _present(path: Path) -> None:
         raise Unreadable(f"{path} does not exist.")
 
 
-def _table(rows: list[list[str]], numbers: int = 1) -> str:
-    """`rows` as aligned columns, the last `numbers` of them (numbers) to the right."""
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    return "\n".join(
-        "  ".join(
-            c.rjust(w) if i >= len(row) - numbers else c.ljust(w)
-            for i, (c, w) in enumerate(zip(row, widths, strict=True))
-        ).rstrip()
-        for row in rows
-    )
-
-
 def inspect(path: str, pattern: str | None, as_json: bool) -> str:
     """The listing `taktiny inspect` prints."""
     found = entries(path)
@@ -251,7 +242,7 @@ def inspect(path: str, pattern: str | None, as_json: bool) -> str:
         return json.dumps({"tensors": tensors, "parameters": count, "bytes": total})
     rows = [["name", "shape", "dtype", "bytes"]]
     rows += [[e.name, str(e.shape), e.dtype, f"{e.nbytes:,}"] for e in found]
-    return f"{_table(rows)}\n{len(found)} tensors, {count:,} parameters, {total:,} bytes"
+    return f"{table(rows)}\n{len(found)} tensors, {count:,} parameters, {total:,} bytes"
 
 
 def _read(entry: Entry, opened: Mapping[Path, Any]) -> np.ndarray:
@@ -346,12 +337,16 @@ def schema_of(source: str, *, checkpoint: bool = True) -> Schema | None:
 
 def _model_schema(source: str) -> Schema:
     """The schema of the model ``module:factory`` makes (see :func:`schema_of`)."""
+    from .state._schema import schema
+
+    return schema(abstract_model(source))
+
+
+def _imported(source: str) -> tuple[Any, str, Any]:
+    """The module of ``module:name``, the name, and what the module holds under it (None
+    when nothing): the module found in the current folder or the installed packages."""
     import importlib
     import os
-
-    import jax
-
-    from .state._schema import schema
 
     module_name, name = source.split(":")
     sys.path.insert(0, os.getcwd())  # as `python -m` finds a module of the current folder
@@ -362,17 +357,48 @@ def _model_schema(source: str) -> Schema:
         raise Unreadable(f"{source}: cannot import {module_name!r}: {why}") from None
     finally:
         sys.path.remove(os.getcwd())
-    factory = getattr(module, name, None)
+    return module, name, getattr(module, name, None)
+
+
+def abstract_model(source: str) -> Any:
+    """The model ``module:factory`` makes, a function of no arguments called under
+    ``jax.eval_shape`` (nothing is allocated); Unreadable, saying why, when it cannot be."""
+    import jax
+
+    if not _FACTORY.fullmatch(source):
+        raise Unreadable(f"{source}: name the model's factory as module:function.")
+    module, name, factory = _imported(source)
     if not callable(factory):
         raise Unreadable(
-            f"{source}: {module_name!r} has no function {name!r}; name a function of no "
+            f"{source}: {module.__name__!r} has no function {name!r}; name a function of no "
             f"arguments that returns the model."
         )
     try:
-        return schema(jax.eval_shape(factory))
+        return jax.eval_shape(factory)
     except Exception as error:  # noqa: BLE001
         why = f"{type(error).__name__}: {error}"
         raise Unreadable(f"{source}: calling {name}() failed: {why}") from None
+
+
+def plan(path: str, model: str, rules: str | None) -> tuple[str, bool]:
+    """The report `taktiny plan` prints (:func:`taktiny.io.plan_load` of the model
+    ``module:factory`` makes, with the rules ``module:RULES`` names), and whether the load
+    would succeed."""
+    from .io import plan_load
+
+    found = None
+    if rules is not None:
+        if not _FACTORY.fullmatch(rules):
+            raise Unreadable(f"{rules}: name the rules as module:NAME.")
+        module, name, found = _imported(rules)
+        if not isinstance(found, list | tuple):
+            raise Unreadable(
+                f"{rules}: {module.__name__!r} has no list of rules named {name!r}; name a "
+                f"list or tuple of taktiny.convert rules."
+            )
+    _present(Path(path))
+    planned = plan_load(abstract_model(model), path, rules=found)
+    return str(planned), planned.ok
 
 
 def diff(
@@ -423,7 +449,7 @@ def diff(
                     [name, str(x.shape), dtype, _number(gap.absolute), _number(gap.relative)]
                 )
     same = not lines and len(rows) == 1
-    body = "\n".join(lines + ([_table(rows, numbers=2)] if len(rows) > 1 else []))
+    body = "\n".join(lines + ([table(rows, numbers=2)] if len(rows) > 1 else []))
     common = sum(1 for n in left if n in right)
     beyond = f" beyond atol={atol:g}, rtol={rtol:g}" if atol or rtol else ""
     summary = f"{common} common tensors, {len(rows) - 1} differ{beyond}, {len(lines)} in one only"
@@ -515,6 +541,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         "records; exits with 1 if any is damaged",
     )
     verified.add_argument("path", help="a .safetensors file, an index .json, or a folder")
+    planned = commands.add_parser(
+        "plan",
+        help="plan loading a safetensors checkpoint into a model, from its headers: each "
+        "tensor's way, the bytes per device and process, the peak host memory, and every "
+        "problem; exits with 1 if the load would fail",
+    )
+    planned.add_argument("path", help="a .safetensors file, an index .json, or a folder")
+    planned.add_argument("--model", required=True, help="module:factory making the model")
+    planned.add_argument("--rules", help="module:NAME of a list of conversion rules")
     args = parser.parse_args(argv)
     try:
         if args.command == "inspect":
@@ -522,6 +557,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
         if args.command == "verify":
             report, same = verify(args.path)
+        elif args.command == "plan":
+            report, same = plan(args.path, args.model, args.rules)
         else:
             report, same = diff(args.a, args.b, atol=args.atol, rtol=args.rtol, pattern=args.filter)
     except (SafetensorsError, Unreadable, OSError, ValueError) as error:

@@ -1,6 +1,8 @@
-"""A log of a load's reads: every outermost call of Tensor's read methods (a read that
-another read method makes on its behalf is part of that one), from any reader thread."""
+"""Logs of a load's reads: every outermost call of Tensor's read methods (a read that
+another read method makes on its behalf is part of that one), from any reader thread; and
+every os.preadv, the system call each read of a file's bytes makes."""
 
+import os
 import threading
 
 from taktiny.io import Tensor
@@ -28,4 +30,19 @@ def log_reads(monkeypatch, entry):
 
     for name in METHODS:
         monkeypatch.setattr(Tensor, name, logged(getattr(Tensor, name)))
+    return log
+
+
+def log_preads(monkeypatch):
+    """Patches os.preadv to append (the file's path, offset, bytes read) of every call to
+    the returned list."""
+    log = []
+    real = os.preadv
+
+    def logged(fd, buffers, offset, *flags):
+        got = real(fd, buffers, offset, *flags)
+        log.append((os.readlink(f"/proc/self/fd/{fd}"), offset, got))
+        return got
+
+    monkeypatch.setattr(os, "preadv", logged)
     return log

@@ -18,6 +18,7 @@ from bench import (
     dispatch,
     errors,
     headers,
+    load_plan,
     lora,
     memory,
     quantized,
@@ -44,6 +45,7 @@ GROUPS = {
     "checksums": checksums,
     "headers": headers,
     "lora": lora,
+    "plan": load_plan,
 }
 
 

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from _reads import log_preads
 from jax.sharding import NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
@@ -60,16 +61,7 @@ def saved(tmp_path_factory):
 @pytest.fixture
 def preads(monkeypatch):
     """Every read of a file's bytes: (path, offset, bytes read)."""
-    log = []
-    real = os.preadv
-
-    def logged(fd, buffers, offset, *flags):
-        got = real(fd, buffers, offset, *flags)
-        log.append((os.readlink(f"/proc/self/fd/{fd}"), offset, got))
-        return got
-
-    monkeypatch.setattr(os, "preadv", logged)
-    return log
+    return log_preads(monkeypatch)
 
 
 def target(plan):

@@ -124,6 +124,22 @@ def test_load_safetensors_migrates_an_older_checkpoint(tmp_path: Path, old: Any)
     _check(loaded, _expected(old, fresh))
 
 
+def test_plan_load_plans_the_migrated_load(tmp_path: Path, old: Any) -> None:
+    path = tmp_path / "old.safetensors"
+    save_safetensors(path, old)
+    planned = tt.io.plan_load(BlockV3(rngs=nn.Rngs(2)), path)
+    assert planned.error is None
+    made = {t: (s.sources, s.transform) for s in planned.steps for t in s.targets}
+    assert set(made) == {"qkv.kernel", "ffn.kernel", "ffn.bias"}  # the gate keeps its value
+    if isinstance(old, BlockV1):
+        assert made["qkv.kernel"][0] == ("q.kernel", "k.kernel", "v.kernel")
+        assert "concatenate(axis=1)" in made["qkv.kernel"][1]
+        assert made["ffn.bias"][0] == ("mlp.bias",)
+    save_safetensors(tmp_path / "v3.safetensors", BlockV3(rngs=nn.Rngs(1)))
+    with pytest.raises(ValueError, match="saved at state version 3; BlockV2 is at version 2"):
+        tt.io.plan_load(BlockV2(rngs=nn.Rngs(0)), tmp_path / "v3.safetensors")
+
+
 def test_load_state_dict_after_migrate(old: Any) -> None:
     fresh = BlockV3(rngs=nn.Rngs(2))
     flat = tt.migrate(fresh, tt.flat_state_dict(old), version=tt.schema(old).version)

@@ -313,9 +313,15 @@ def _composed(
             (mine.union(*(g[0] for g in joined)), [*(n for g in joined for n in g[1]), name])
         )
     for names, targets in groups:
-        inputs = tuple(sorted(names, key=order.__getitem__))
         wanted = tuple(nodes[t] for t in targets)
-        rules.append(Rule(inputs, tuple(targets), _Chain(applications, inputs, wanted)))
+        transform, count, inputs = applications[wanted[0][1]]
+        if count is not None and wanted == tuple(("out", wanted[0][1], j) for j in range(count)):
+            if all(i[0] == "source" for i in inputs):  # one transform of saved arrays: as it
+                # is, so a load reads it as the rule would (a transpose piece by piece)
+                rules.append(Rule(tuple(i[1] for i in inputs), tuple(targets), transform))
+                continue
+        read = tuple(sorted(names, key=order.__getitem__))
+        rules.append(Rule(read, tuple(targets), _Chain(applications, read, wanted)))
     dropped = [n for n in source if n not in used]
     if dropped:
         rules.append(Ignore(*dropped))

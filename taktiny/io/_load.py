@@ -21,14 +21,10 @@ from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from ..convert._coverage import ConversionError, Step
-from ..convert._migrate import PASS_ALLOWED, declared, explained, migration_rules
+from ..convert._coverage import Step
 from ..convert._rules import AnyRule
-from ..state import _problems as err
-from ..state import _state, _tree
-from . import _quantized_format as qz
-from ._checkpoint import Checkpoint, open_safetensors
-from ._header_checks import absent_leaves
+from ..state import _state
+from ._checkpoint import Checkpoint
 from ._place import (
     Scratch,
     direct_leaf,
@@ -38,8 +34,8 @@ from ._place import (
     transformed,
     transposed_leaf,
 )
-from ._plan import parts_of, plain_steps, ruled_steps
-from ._read import Readahead, Tensor
+from ._plan import migration_of, opened, steps_of, tensors_of
+from ._read import Readahead
 from ._readers import Readers
 
 PROGRESS_BYTES = 256 * 2**20  # loads of more bytes than this show a progress bar by default
@@ -110,60 +106,19 @@ def load_safetensors(
         ValueError: `allow` without `rules`; a checkpoint saved at a newer state version
             than the model's; `rules` for a checkpoint of an older version.
     """
-    where = f"taktiny.io.load_safetensors({type(model).__name__})"
-    if rules is None and allow is not None:
-        raise ValueError(f"{where}: allow= applies to rules; pass rules= with it.")
-    checkpoint = path if isinstance(path, Checkpoint) else open_safetensors(path)
-    leaves = _tree.flat_state_dict(model)
-    quantized = qz.quantized_arrays(model)
-    added: set[str] = set()  # the leaves the migrations add, which keep their values
-    saved = checkpoint.schema  # (None: not written by Taktiny, so of no state version)
-    current = declared(type(model))[0]
-    older = None if saved is None or (saved.version or 1) == current else saved.version or 1
-    if older is not None:  # newer ones are refused by migration_rules
-        if rules is not None and older < current:
-            raise ValueError(
-                f"{where}: {checkpoint.path} was saved at state version {older} and the "
-                f"model's migrations convert it; rules= converts a checkpoint that is not "
-                f"Taktiny's into the model's names: drop rules=."
-            )
-        rules, names = migration_rules(model, checkpoint, older, leaves, where)
-        added = {p for n in names for p in parts_of(n, quantized)}
-        allow = {**PASS_ALLOWED, "missing": sorted(added)}
-    if rules is None:
-        steps = plain_steps(where, checkpoint, leaves, quantized, strict)
-    else:
-        try:
-            steps = ruled_steps(where, rules, allow, checkpoint, leaves, quantized, strict)
-        except ConversionError as error:
-            if older is None:
-                raise
-            raise explained(error, type(model), older, where) from None
-    made = {p for s in steps for t in s.targets for p in parts_of(t, quantized)}
-    problems = absent_leaves(leaves, made | added, strict)
-    if problems:
-        raise err.StateDictError(where, problems)
-    steps.sort(key=lambda s: min((str(t.file), t.offset) for t in _tensors(checkpoint, s)))
-    total = sum(t.nbytes for s in steps for t in _tensors(checkpoint, s))
-    order = [t for step in steps for t in _tensors(checkpoint, step)]
+    where, checkpoint, leaves, quantized = opened(model, path, rules, allow)
+    migration = migration_of(where, model, checkpoint, leaves, quantized, rules)
+    steps = steps_of(
+        where, rules, allow, checkpoint, leaves, quantized, strict, migration=migration
+    )
+    total = sum(t.nbytes for s in steps for t in tensors_of(checkpoint, s))
+    order = [t for step in steps for t in tensors_of(checkpoint, step)]
     starts = list(itertools.accumulate((len(s.sources) for s in steps), initial=0))
-    direct = [direct_leaf(s, _tensors(checkpoint, s), leaves) for s in steps]
-    permuted = [transposed_leaf(s, _tensors(checkpoint, s), leaves) for s in steps]
-    # Steps are read by several readers at once (`Readers` learns how many pay). A step
-    # that renames or transposes reads into its leaves' own buffers, so any number run
-    # together; a transforming step reads into a scratch buffer, which is free again once
-    # the step before that used it has been transformed: two buffers, or one for a
-    # quantizing load, which so keeps one float tensor at a time
-    shrinks = any(t in quantized for s in steps for t in s.targets)
-    scratch = (Scratch(),) if shrinks else (Scratch(), Scratch())
-    uses = itertools.count()
-    buffer_of = {
-        k: next(uses) % len(scratch)
-        for k in range(len(steps))
-        if direct[k] is None and permuted[k] is None
-    }
+    ways = Ways(checkpoint, steps, leaves, quantized)
+    direct, permuted, buffer_of = ways.direct, ways.permuted, ways.buffer_of
+    scratch = tuple(Scratch() for _ in range(ways.buffers))
     holder: list[int | None] = [None] * len(scratch)  # the step whose sources a buffer holds
-    sizes = [sum(t.nbytes for t in _tensors(checkpoint, s)) for s in steps]
+    sizes = [sum(t.nbytes for t in tensors_of(checkpoint, s)) for s in steps]
     readers = Readers()
     placed: dict[str, Any] = {}
     running: dict[int, Future[Any]] = {}
@@ -172,7 +127,7 @@ def load_safetensors(
     def read(k: int) -> Any:  # in a reader thread: preadv, hashing and XLA release the GIL
         ahead.reached(starts[k])  # the disk reads on while this step is read and placed
         step = steps[k]
-        sources = _tensors(checkpoint, step)
+        sources = tensors_of(checkpoint, step)
         if direct[k] is not None:  # renamed only: read and placed block by block, here
             return {step.targets[0]: placed_by_device(sources[0], sharding_of(direct[k]), verify)}
         if permuted[k] is not None:  # transposed: piece by piece into place as it is read
@@ -213,12 +168,39 @@ def load_safetensors(
         finally:  # on an error, the reads not started are dropped
             for future in running.values():
                 future.cancel()
-    strict = strict and not added  # (the leaves the migrations add keep their values)
+    if migration is not None and migration.added:  # (they keep their values)
+        strict = False  # (steps_of checked that every other leaf is made)
     return _state.load(model, placed, strict=strict, flat=True, caller=where)
 
 
-def _tensors(checkpoint: Checkpoint, step: Step) -> list[Tensor]:
-    return [checkpoint[name] for name in step.sources]
+class Ways:
+    """How a load reads each of its steps (shared with :func:`taktiny.io.plan_load`, which
+    predicts the load's memory from it).
+
+    Steps are read by several readers at once (`Readers` learns how many pay). A step
+    that renames or transposes reads into its leaves' own buffers (``direct``,
+    ``permuted``: the leaf, or None), so any number run together; a transforming step
+    reads into a scratch buffer (``buffer_of``: step -> buffer), which is free again once
+    the step before that used it has been transformed: two buffers, or one for a
+    quantizing load, which so keeps one float tensor at a time (``buffers``)."""
+
+    def __init__(
+        self,
+        checkpoint: Checkpoint,
+        steps: list[Step],
+        leaves: Mapping[str, Any],
+        quantized: Mapping[str, Any],
+    ) -> None:
+        self.direct = [direct_leaf(s, tensors_of(checkpoint, s), leaves) for s in steps]
+        self.permuted = [transposed_leaf(s, tensors_of(checkpoint, s), leaves) for s in steps]
+        shrinks = any(t in quantized for s in steps for t in s.targets)
+        self.buffers = 1 if shrinks else 2
+        uses = itertools.count()
+        self.buffer_of = {
+            k: next(uses) % self.buffers
+            for k in range(len(steps))
+            if self.direct[k] is None and self.permuted[k] is None
+        }
 
 
 class _Silent:

@@ -5,7 +5,7 @@ the conversion rules; every problem with the names found at once."""
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 
@@ -19,10 +19,12 @@ from ..convert._coverage import (
     check_allow,
     plan,
 )
+from ..convert._migrate import PASS_ALLOWED, declared, explained, migration_rules
 from ..convert._rules import AnyRule, Rule
 from ..state import _problems as err
-from ..state import _values
-from ._checkpoint import Checkpoint
+from ..state import _tree, _values
+from . import _quantized_format as qz
+from ._checkpoint import Checkpoint, open_safetensors
 from ._header_checks import (
     absent_leaves,
     check_packed_listed,
@@ -31,11 +33,115 @@ from ._header_checks import (
     spec_of,
     unquantizable,
 )
+from ._read import Tensor
 
 
 def parts_of(name: str, quantized: Mapping[str, QArray]) -> tuple[str, ...]:
     """The leaves a step's target fills: a quantized parameter's two parts, or itself."""
     return (f"{name}.value", f"{name}.scale") if name in quantized else (name,)
+
+
+def opened(
+    model: Any, path: Any, rules: Any, allow: Any
+) -> tuple[str, Checkpoint, dict[str, Any], dict[str, QArray]]:
+    """What a load (or its plan) starts from: the name it gives itself in messages, the
+    checkpoint opened (its headers), the model's flat leaves and its quantized arrays.
+    Raises ValueError for `allow` without `rules`."""
+    where = f"taktiny.io.load_safetensors({type(model).__name__})"
+    if rules is None and allow is not None:
+        raise ValueError(f"{where}: allow= applies to rules; pass rules= with it.")
+    checkpoint = path if isinstance(path, Checkpoint) else open_safetensors(path)
+    return where, checkpoint, _tree.flat_state_dict(model), qz.quantized_arrays(model)
+
+
+class Migration(NamedTuple):
+    """How a checkpoint of an older state version than the model's loads: by the rules its
+    class's migrations compose into (see :func:`taktiny.migrate`), the leaves they add
+    keeping the model's values.
+
+    Attributes:
+        cls: the model's class.
+        version: the checkpoint's state version.
+        rules: the composed rules, from the checkpoint's names to the model's.
+        added: the leaves the migrations add (a quantized parameter's two parts).
+    """
+
+    cls: type
+    version: int
+    rules: list[AnyRule]
+    added: set[str]
+
+
+def migration_of(
+    where: str,
+    model: Any,
+    checkpoint: Checkpoint,
+    leaves: Mapping[str, Any],
+    quantized: Mapping[str, QArray],
+    rules: Sequence[AnyRule] | None,
+) -> Migration | None:
+    """The migration a load of `checkpoint` into `model` needs, when the schema in the
+    file records an older state version than the model's (a file with no schema is not
+    Taktiny's and has no version); None when it needs none. Raises ValueError for a newer
+    version, and for `rules` with an older one (user rules convert files that are not
+    Taktiny's; the migrations convert this one); ConversionError for a migration's
+    problems."""
+    saved = checkpoint.schema
+    current = declared(type(model))[0]
+    if saved is None or (saved.version or 1) == current:
+        return None
+    version = saved.version or 1
+    if rules is not None and version < current:
+        raise ValueError(
+            f"{where}: {checkpoint.path} was saved at state version {version} and the model's "
+            f"migrations convert it; rules= converts a checkpoint that is not Taktiny's into "
+            f"the model's names: drop rules=."
+        )
+    made, names = migration_rules(model, checkpoint, version, leaves, where)  # (newer: raises)
+    added = {p for n in names for p in parts_of(n, quantized)}
+    return Migration(type(model), version, made, added)
+
+
+def steps_of(
+    where: str,
+    rules: Sequence[AnyRule] | None,
+    allow: Mapping[str, Sequence[str]] | None,
+    checkpoint: Checkpoint,
+    leaves: Mapping[str, Any],
+    quantized: Mapping[str, QArray],
+    strict: bool,
+    *,
+    ties: list[tuple[str, str]] | None = None,
+    migration: Migration | None = None,
+) -> list[Step]:
+    """The steps of a load, in the file's order, every problem the headers show raised
+    first (a StateDictError or ConversionError). With `ties` (a list), the rules' tied
+    pairs are put in it instead of being read and compared (a plan reads no data). With a
+    `migration`, its rules replace `rules`, and the leaves it adds need not be made."""
+    added: set[str] = set()
+    if migration is not None:
+        rules, added = migration.rules, migration.added
+        allow = {**PASS_ALLOWED, "missing": sorted(added)}
+    if rules is None:
+        steps = plain_steps(where, checkpoint, leaves, quantized, strict)
+    elif migration is None:
+        steps = ruled_steps(where, rules, allow, checkpoint, leaves, quantized, strict, ties)
+    else:
+        try:
+            steps = ruled_steps(where, rules, allow, checkpoint, leaves, quantized, strict, ties)
+        except ConversionError as error:
+            raise explained(error, migration.cls, migration.version, where) from None
+    made = {p for s in steps for t in s.targets for p in parts_of(t, quantized)}
+    problems = absent_leaves(leaves, made | added, strict)
+    if problems:
+        raise err.StateDictError(where, problems)
+    steps.sort(key=lambda s: min((str(t.file), t.offset) for t in tensors_of(checkpoint, s)))
+    return steps
+
+
+def tensors_of(checkpoint: Checkpoint, step: Step) -> list[Tensor]:
+    """The tensors a step reads, in the order its transform takes them."""
+    return [checkpoint[name] for name in step.sources]
 
 
 def plain_steps(
@@ -48,6 +154,20 @@ def plain_steps(
     """One renaming step per tensor, when the checkpoint uses the model's own names (or a
     quantized parameter's own name for its float array); every problem with the names,
     shapes and dtype kinds in one StateDictError."""
+    steps, problems = plain_plan(checkpoint, leaves, quantized, strict)
+    if problems:
+        raise err.StateDictError(where, problems)
+    return steps
+
+
+def plain_plan(
+    checkpoint: Checkpoint,
+    leaves: Mapping[str, Any],
+    quantized: Mapping[str, QArray],
+    strict: bool,
+) -> tuple[list[Step], err.Problems]:
+    """:func:`plain_steps`'s steps and problems, not raised: the steps of the tensors that
+    load, which a plan shows beside the problems of the others."""
     problems = err.Problems()
     steps = []
     done: set[str] = set()  # checkpoint names checked here, as quantized parameters
@@ -62,7 +182,7 @@ def plain_steps(
             if problem is not None:
                 problems.append(problem)
             else:
-                steps.append(Step(_IDENTITY, (name,), (name,)))
+                steps.append(Step(IDENTITY, (name,), (name,)))
         elif parts:
             problem = other_representation(name, like, checkpoint)
             if problem is not None:
@@ -86,12 +206,10 @@ def plain_steps(
             want, have = _values.kind(dtype), _values.kind(tensor.dtype)
             problems.append(err.dtype_kind(name, dtype, tensor.dtype, str(want), str(have)))
         else:
-            steps.append(Step(_IDENTITY, (name,), (name,)))
+            steps.append(Step(IDENTITY, (name,), (name,)))
     made = {p for s in steps for t in s.targets for p in parts_of(t, quantized)}
     problems += absent_leaves(leaves, set(checkpoint) | made | covered | set(floats), strict)
-    if problems:
-        raise err.StateDictError(where, problems)
-    return steps
+    return steps, problems
 
 
 def ruled_steps(
@@ -102,8 +220,10 @@ def ruled_steps(
     leaves: Mapping[str, Any],
     quantized: Mapping[str, QArray],
     strict: bool,
+    ties: list[tuple[str, str]] | None = None,
 ) -> list[Step]:
-    """The steps of the rules, checked from the headers. A leaf no rule makes is `strict`'s
+    """The steps of the rules, checked from the headers (the tied pairs read and compared,
+    or with `ties`, put in it). A leaf no rule makes is `strict`'s
     to decide (the load checks it), not `allow`'s. A quantized parameter may be made from
     its parts or from a float array (quantized on load): the plan sees both names, lets
     either be missing, and the pair is checked here."""
@@ -111,14 +231,14 @@ def ruled_steps(
     if not strict:
         allowed = {**allowed, "missing": ["**"]}
     if not quantized:
-        report, ties = plan(rules, checkpoint, leaves, allowed, where, loading=True)
-        check_ties(ties, checkpoint, where)
+        report, tied = plan(rules, checkpoint, leaves, allowed, where, loading=True)
+        _tied(tied, checkpoint, where, ties)
         return list(report.steps)
     logical = {n: jax.ShapeDtypeStruct(q.shape, q.dtype) for n, q in quantized.items()}
     either = [p for n in quantized for p in (n, *parts_of(n, quantized))]
     lenient = {**allowed, "missing": [*allowed.get("missing", ()), *either]}
-    report, ties = plan(rules, checkpoint, {**leaves, **logical}, lenient, where, loading=True)
-    check_ties(ties, checkpoint, where)
+    report, tied = plan(rules, checkpoint, {**leaves, **logical}, lenient, where, loading=True)
+    _tied(tied, checkpoint, where, ties)
     made = {t for s in report.steps for t in s.targets}
     problems = []
     for name in quantized:
@@ -149,4 +269,17 @@ def ruled_steps(
     return list(report.steps)
 
 
-_IDENTITY = Rule("{name}", "{name}")
+def _tied(
+    tied: list[tuple[str, str]],
+    checkpoint: Checkpoint,
+    where: str,
+    ties: list[tuple[str, str]] | None,
+) -> None:
+    if ties is None:
+        check_ties(tied, checkpoint, where)
+    else:
+        ties += tied
+
+
+IDENTITY = Rule("{name}", "{name}")
+"""The rule of a plain load: each tensor to the leaf of its own name."""

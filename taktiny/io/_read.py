@@ -33,7 +33,7 @@ MAP_FLAGS = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE"
 _CHUNK = 1 << 30  # bytes per preadv call (Linux moves at most ~2 GiB per call)
 _PIECE = 4 << 20  # bytes per read when each piece is hashed (or handed on to be) as it is read
 _LONG_RUN = 1 << 20  # a block's runs at least this long are read straight into it
-_BOX_PIECE = 4 << 20  # bytes of rows read at a time when blocks are cut from the rows they span
+BOX_PIECE = 4 << 20  # bytes of rows read at a time when blocks are cut from the rows they span
 
 
 class SafetensorsError(ValueError):
@@ -195,6 +195,46 @@ class Tensor:
         self._confirm(stream)
         return outs
 
+    def bytes_read(
+        self, blocks: Sequence[Sequence[tuple[int, int]]] | None = None, *, verify: bool = True
+    ) -> int:
+        """The bytes :meth:`read_blocks` (`blocks`) or a whole read (None) takes from the
+        file, worked out from the header alone by the same choices those reads make: the
+        whole tensor once when it streams through its checksum; the tiles the blocks touch;
+        without tiles, the whole tensor through the hash first, then the blocks (their box
+        when they are cut from its rows). For :func:`taktiny.io.plan_load`.
+
+        Args:
+            blocks: disjoint blocks, each as ``(start, stop)`` per axis; None: the whole
+                tensor (:meth:`read`, :meth:`read_into`, :meth:`read_transposed`).
+            verify: as the read is asked to.
+
+        Returns:
+            The bytes read, as ``os.preadv`` counts them.
+        """
+        if blocks is None or not self.nbytes:
+            return self.nbytes
+        box = _box(blocks, self.ndim)
+        by_rows = self._by_rows(blocks, box)
+        item = self.dtype.itemsize
+        if verify and self.checksum is not None and self._streams(blocks, box, by_rows):
+            return self.nbytes
+        if verify and self.tiles is not None:
+            size = [n // p for n, p in zip(self.shape, self.tiles[0], strict=True)]
+            touched = {
+                index
+                for b in blocks
+                if all(lo < hi for lo, hi in b)
+                for index in itertools.product(
+                    *(range(lo // s, -(-hi // s)) for (lo, hi), s in zip(b, size, strict=True))
+                )
+            }
+            return len(touched) * math.prod(size) * item
+        first = self.nbytes if verify and self.checksum is not None else 0
+        if by_rows:
+            return first + math.prod(stop - start for start, stop in box) * item
+        return first + sum(math.prod(stop - start for start, stop in b) for b in blocks) * item
+
     def _from_rows(
         self,
         blocks: Sequence[Sequence[tuple[int, int]]],
@@ -271,7 +311,7 @@ class Tensor:
         assert self.tiles is not None
         (first, last), width = box[0], box[1:]
         row = math.prod(stop - start for start, stop in width) * self.dtype.itemsize
-        rows = max(1, min(last - first, _BOX_PIECE // max(row, 1)))
+        rows = max(1, min(last - first, BOX_PIECE // max(row, 1)))
         chunk, raw = _buffer((rows, *(stop - start for start, stop in width)), self.dtype)
         hashes = [_checksum.streaming() for _ in run]
         for r0 in range(first, last, rows):
@@ -353,7 +393,7 @@ class Tensor:
         piece's bytes are handed to `send` as they are read."""
         (first, last), width = box[0], box[1:]
         row = math.prod(stop - start for start, stop in width) * self.dtype.itemsize
-        rows = max(1, min(last - first, _BOX_PIECE // max(row, 1)))
+        rows = max(1, min(last - first, BOX_PIECE // max(row, 1)))
         chunk, raw = _buffer((rows, *(stop - start for start, stop in width)), self.dtype)
         whole = box == [(0, n) for n in self.shape]
         with open(self.file, "rb", buffering=0) as f:
@@ -633,6 +673,21 @@ class Packed(Tensor):
             self.verify()  # then each block read (and unpacked) on its own
             verify = False
         return [self.read([slice(*x) for x in b], verify=verify) for b in blocks]
+
+    def bytes_read(
+        self, blocks: Sequence[Sequence[tuple[int, int]]] | None = None, *, verify: bool = True
+    ) -> int:
+        if blocks is None or not self.nbytes:
+            return self.nbytes
+        first = 0
+        if verify and self.stored.tiles is None:
+            first, verify = (self.nbytes if self.stored.checksum is not None else 0), False
+        total = first
+        for b in blocks:  # each block's rows, and the bytes holding its half-byte columns
+            rows, (start, stop) = list(b[:-1]), b[-1]
+            columns = (start - start % 2) // 2, (stop + 1) // 2
+            total += self.stored.bytes_read(None if not b else [[*rows, columns]], verify=verify)
+        return total
 
     def _unpacked(self, raw: np.ndarray) -> np.ndarray:
         if not self.shape:

@@ -1,0 +1,319 @@
+"""A load planned from the checkpoint's headers alone: what :func:`load_safetensors` would
+do with each tensor, the bytes each device would hold and each process would read, the
+host memory it would need at its peak, and every problem it would raise.
+
+The plan reuses the load's own decisions rather than restating them: the same steps and
+checks (`_plan.steps_of`, its error collected instead of raised), the same choice of how
+each step is read (`_load.Ways`), and the byte counts of `Tensor.bytes_read`, which
+follows the choices of `Tensor.read_blocks`. Nothing is read but headers: a rule's tied
+names, which a load reads and compares, are listed unchecked, and the problems only values
+show (a narrowing cast that would overflow, damaged bytes) cannot be known.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import types
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from .._messages import table
+from ..convert._coverage import ConversionError, ConversionProblem, Step, runner
+from ..convert._rules import AnyRule
+from ..convert._transforms import identity
+from ..state import _problems as err
+from ._checkpoint import Checkpoint
+from ._header_checks import spec_of
+from ._load import Ways
+from ._place import sharding_of
+from ._plan import IDENTITY, migration_of, opened, parts_of, plain_plan, steps_of, tensors_of
+from ._read import BOX_PIECE, SafetensorsError, Tensor
+
+
+@dataclasses.dataclass(frozen=True)
+class PlannedStep:
+    """What a load does with one step: the tensors it reads, the leaves it fills, and how.
+
+    Attributes:
+        sources: the checkpoint's names it reads.
+        targets: the model's leaves it fills (a quantized parameter's two parts).
+        rule: the rule that makes it (``"same name"`` without rules).
+        transform: the rule's transform (``identity()``: a rename).
+        way: how it is read: ``"direct"`` (whole into its leaf's buffer), ``"blocks"``
+            (each device's block into its own buffer), ``"transposed"`` (permuted piece by
+            piece into its leaf's buffer), ``"scratch"`` (into a reused buffer, then
+            transformed and cast by XLA) or ``"quantized"`` (through the scratch buffer,
+            then quantized).
+        casts: ``(leaf, from dtype, to dtype)`` for each leaf whose dtype is not the one
+            the transform makes.
+        nbytes: the bytes its sources hold in the file.
+    """
+
+    sources: tuple[str, ...]
+    targets: tuple[str, ...]
+    rule: str
+    transform: str
+    way: str
+    casts: tuple[tuple[str, str, str], ...]
+    nbytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadPlan:
+    """What :func:`load_safetensors` would do with the same arguments, from the headers.
+
+    Attributes:
+        steps: one :class:`PlannedStep` per step, in the order the load reads them.
+        device_bytes: bytes each device holds once the model is loaded (every leaf, its
+            blocks on its sharding's devices), by device.
+        read_bytes: bytes each process reads from the files, by process index (each reads
+            its own devices' blocks of a sharded leaf, and every other tensor whole).
+        scratch_bytes: the host memory the load needs beyond the model's own arrays, at
+            its peak: its scratch buffers (kept to the end), and the largest two
+            temporaries of its steps in flight (a transform's result before its cast or
+            quantization, a whole array cut into another sharding's blocks, a 4 MiB piece
+            of a transposed or cut read).
+        peak_host_bytes: the host memory the load needs at its peak: ``scratch_bytes`` and
+            the model's arrays on CPU devices, which live in host memory.
+        ties: the tied pairs of names the rules declare; a load reads both and checks
+            that they are equal, which the plan does not.
+        error: the error the load would raise (:class:`~taktiny.StateDictError`,
+            :class:`~taktiny.convert.ConversionError`, or :class:`SafetensorsError`), not
+            raised; None when it would load. The steps are then those the headers allow.
+    """
+
+    steps: tuple[PlannedStep, ...]
+    device_bytes: Mapping[Any, int]
+    read_bytes: Mapping[int, int]
+    scratch_bytes: int
+    peak_host_bytes: int
+    ties: tuple[tuple[str, str], ...]
+    error: Exception | None
+
+    @property
+    def problems(self) -> tuple[err.StateProblem | ConversionProblem | str, ...]:
+        """Every problem the load would raise: the error's records (a
+        :class:`~taktiny.StateProblem` or :class:`~taktiny.convert.ConversionProblem`
+        each), or its message for a checkpoint that cannot be read; empty when it loads."""
+        if self.error is None:
+            return ()
+        return tuple(getattr(self.error, "problems", (str(self.error),)))
+
+    @property
+    def ok(self) -> bool:
+        """Whether the load would succeed (as far as the headers tell)."""
+        return self.error is None
+
+    def __str__(self) -> str:
+        rows = [["sources", "targets", "transform", "way", "cast", "bytes"]]
+        for s in self.steps:
+            casts = ", ".join(f"{a}->{b}" for _, a, b in s.casts) or "-"
+            targets = ", ".join(s.targets) if s.targets != s.sources else "(same)"
+            transform = "-" if s.transform == repr(identity()) else s.transform
+            rows.append([", ".join(s.sources), targets, transform, s.way, casts, f"{s.nbytes:,}"])
+        lines = [table(rows)]
+        lines.append(f"{len(self.steps)} steps, {sum(s.nbytes for s in self.steps):,} bytes")
+        for device, n in self.device_bytes.items():
+            lines.append(f"device {device}: holds {n:,} bytes")
+        for process, n in self.read_bytes.items():
+            lines.append(f"process {process}: reads {n:,} bytes")
+        lines.append(
+            f"peak host memory: {self.peak_host_bytes:,} bytes "
+            f"({self.scratch_bytes:,} beyond the model's arrays)"
+        )
+        lines += [f"tied, checked when loading: {a} = {b}" for a, b in self.ties]
+        if self.error is None:
+            lines.append("the load would succeed")
+        else:
+            lines.append(f"the load would raise {type(self.error).__name__}:")
+            lines += [f"  - {p}" for p in self.problems]
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        said = "ok" if self.error is None else f"{len(self.problems)} problems"
+        return (
+            f"LoadPlan({len(self.steps)} steps, read={dict(self.read_bytes)}, "
+            f"peak_host_bytes={self.peak_host_bytes:,}, {said})"
+        )
+
+
+def plan_load(
+    model: Any,
+    path: str | os.PathLike[str] | Checkpoint,
+    *,
+    rules: Sequence[AnyRule] | None = None,
+    allow: Mapping[str, Sequence[str]] | None = None,
+    strict: bool = True,
+    verify: bool = True,
+) -> LoadPlan:
+    """Plans ``load_safetensors(model, path, ...)`` from the checkpoint's headers, reading
+    none of its tensors: before a 100 GB load starts, what each device will hold, what each
+    process will read, the host memory it needs, and whether it would fail.
+
+    The plan follows the load's own choices (it shares their code): which tensors are
+    read straight into their leaves (whole, or each device's block), which are transposed
+    into place piece by piece, which go through the load's scratch buffers (two, or one
+    for a quantizing load) to be transformed, cast or quantized. Its problems are those
+    the load would raise before reading any data, the same records in the same order.
+
+    Args:
+        model: the target, as :func:`load_safetensors` takes it: abstract, sharded or
+            quantized (:func:`taktiny.quantize` of an abstract model).
+        path: a checkpoint, as :func:`load_safetensors` takes it.
+        rules: conversion rules, as :func:`load_safetensors` takes them.
+        allow: with `rules`, problems to let through.
+        strict: whether every leaf must be loaded.
+        verify: whether the load checks checksums (a block read may then read the whole
+            tensor first, which `read_bytes` counts).
+
+    Returns:
+        A :class:`LoadPlan`; its ``error`` holds what the load would raise.
+
+    Raises:
+        SafetensorsError: the checkpoint's headers cannot be read (opening it fails).
+        ValueError: `allow` without `rules`; a checkpoint saved at a newer state version
+            than the model's; `rules` for a checkpoint of an older version (a plan of one
+            plans the load its class's migrations make, as the load does).
+    """
+    where, checkpoint, leaves, quantized = opened(model, path, rules, allow)
+    ties: list[tuple[str, str]] = []
+    error: Exception | None = None
+    migration = None
+    try:
+        migration = migration_of(where, model, checkpoint, leaves, quantized, rules)
+        steps = steps_of(
+            where,
+            rules,
+            allow,
+            checkpoint,
+            leaves,
+            quantized,
+            strict,
+            ties=ties,
+            migration=migration,
+        )
+    except (err.StateDictError, ConversionError, SafetensorsError) as raised:
+        error = raised
+        steps = []
+        plain = rules is None and migration is None and not isinstance(raised, ConversionError)
+        if plain:  # the tensors that would load, beside the problems of the others
+            try:
+                steps = plain_plan(checkpoint, leaves, quantized, strict)[0]
+            except SafetensorsError:
+                pass
+    ways = Ways(checkpoint, steps, leaves, quantized)
+    planned, scratch, temporaries = [], [0] * ways.buffers, []
+    reads: dict[int, int] = {}
+    for k, step in enumerate(steps):
+        sources = tensors_of(checkpoint, step)
+        way, temporary = _way(k, ways, step, sources, leaves, quantized)
+        if k in ways.buffer_of:
+            held = sum(-(-t.nbytes // 64) * 64 for t in sources)
+            scratch[ways.buffer_of[k]] = max(scratch[ways.buffer_of[k]], held)
+        temporaries.append(temporary)
+        for process, n in _read_by_process(ways.direct[k], sources, verify).items():
+            reads[process] = reads.get(process, 0) + n
+        planned.append(_planned(step, sources, way, leaves, quantized))
+    device_bytes = _device_bytes(leaves)
+    extra = sum(scratch) + sum(sorted(temporaries)[-2:])
+    on_host = sum(n for d, n in device_bytes.items() if d.platform == "cpu")
+    return LoadPlan(
+        tuple(planned),
+        types.MappingProxyType(device_bytes),
+        types.MappingProxyType(dict(sorted(reads.items()))),
+        extra,
+        extra + on_host,
+        tuple(ties),
+        error,
+    )
+
+
+def _way(
+    k: int,
+    ways: Ways,
+    step: Step,
+    sources: list[Tensor],
+    leaves: Mapping[str, Any],
+    quantized: Mapping[str, Any],
+) -> tuple[str, int]:
+    """How step `k` is read, and the host memory it holds for a while besides its leaves
+    and the scratch buffers."""
+    if ways.direct[k] is not None:
+        sharding = sharding_of(ways.direct[k])
+        whole = len(sharding.device_set) == 1 or sharding.is_fully_replicated
+        return ("direct" if whole else "blocks"), (0 if whole else BOX_PIECE)
+    if ways.permuted[k] is not None:  # one piece; the whole array, when it is then cut
+        single = len(sharding_of(ways.permuted[k]).device_set) == 1
+        return "transposed", BOX_PIECE if single else sources[0].nbytes
+    way = "quantized" if any(t in quantized for t in step.targets) else "scratch"
+    if isinstance(step.rule.transform, identity):  # its result is its sources, in scratch
+        return way, 0
+    specs = [jax.ShapeDtypeStruct(t.shape, jax.dtypes.canonicalize_dtype(t.dtype)) for t in sources]
+    count = None if step.rule.gathered else len(step.targets)
+    made = jax.eval_shape(runner(step.rule.transform, count), *specs)
+    temporary = 0
+    for name, out in zip(step.targets, made, strict=True):
+        leaf = leaves.get(name)
+        if name in quantized or (leaf is not None and np.dtype(out.dtype) != spec_of(leaf)[1]):
+            temporary += math.prod(out.shape) * np.dtype(out.dtype).itemsize
+    return way, temporary
+
+
+def _read_by_process(leaf: Any, sources: list[Tensor], verify: bool) -> dict[int, int]:
+    """The bytes each process reads for a step: its own devices' blocks of a leaf read by
+    block, every source whole otherwise (each process places its own devices' parts)."""
+    if leaf is None:
+        total = sum(t.nbytes for t in sources)
+        return dict.fromkeys(range(jax.process_count()), total)
+    tensor, sharding = sources[0], sharding_of(leaf)
+    by_process: dict[int, list[tuple[tuple[int, int], ...]]] = {}
+    for device, index in sharding.devices_indices_map(tensor.shape).items():
+        block = tuple(s.indices(n)[:2] for s, n in zip(index, tensor.shape, strict=True))
+        blocks = by_process.setdefault(device.process_index, [])
+        if block not in blocks:
+            blocks.append(block)
+    if tensor.nbytes == 0 or sharding.is_fully_replicated:
+        return dict.fromkeys(by_process, tensor.nbytes)
+    return {p: tensor.bytes_read(b, verify=verify) for p, b in by_process.items()}
+
+
+def _planned(
+    step: Step,
+    sources: list[Tensor],
+    way: str,
+    leaves: Mapping[str, Any],
+    quantized: Mapping[str, Any],
+) -> PlannedStep:
+    targets = tuple(p for t in step.targets for p in parts_of(t, quantized) if p in leaves)
+    casts = []
+    if len(sources) == len(step.targets) and way != "quantized":  # each source to its leaf
+        for tensor, name in zip(sources, step.targets, strict=True):
+            if name in leaves and (want := spec_of(leaves[name])[1]) != tensor.dtype:
+                casts.append((name, tensor.dtype.name, want.name))
+    for name in step.targets:
+        if name in quantized:
+            like = quantized[name]
+            have = sources[0].dtype.name if len(sources) == 1 else "float"
+            casts.append((name, have, f"int{like.bits} (quantized)"))
+    rule = "same name" if step.rule is IDENTITY else repr(step.rule)
+    nbytes = sum(t.nbytes for t in sources)
+    return PlannedStep(
+        step.sources, targets, rule, repr(step.rule.transform), way, tuple(casts), nbytes
+    )
+
+
+def _device_bytes(leaves: Mapping[str, Any]) -> dict[Any, int]:
+    """The bytes each device holds of the model: each leaf's block on each of its devices."""
+    out: dict[Any, int] = {}
+    for leaf in leaves.values():
+        shape, dtype = spec_of(leaf)
+        sharding = sharding_of(leaf)
+        block = sharding.shard_shape(shape)
+        for device in sharding.device_set:
+            out[device] = out.get(device, 0) + math.prod(block) * dtype.itemsize
+    return dict(sorted(out.items(), key=lambda item: item[0].id))
