@@ -324,3 +324,29 @@ def test_migrate_matches_numpy_for_any_widths(widths: list[int], seed: int) -> N
     assert list(flat) == ["qkv", "bias"]
     np.testing.assert_array_equal(np.asarray(flat["qkv"]), expected)
     np.testing.assert_array_equal(np.asarray(flat["bias"]), model.bias)
+
+
+def test_a_migrated_rename_or_transpose_reads_as_the_rule_would(tmp_path: Path) -> None:
+    """A migration that renames or transposes a saved array alone keeps the load's fast
+    ways: read straight into the leaf, or permuted piece by piece."""
+
+    class Turned(nn.Module):
+        state_version: ClassVar[int] = 2
+        state_migrations: ClassVar[Sequence[Sequence[Any]]] = (
+            [
+                convert.Rule("mlp.kernel", "out.kernel", convert.transpose((1, 0))),
+                convert.Rule("mlp.bias", "out.bias"),
+                convert.Ignore("q.kernel", "k.kernel", "v.kernel"),
+            ],
+        )
+
+        def __init__(self) -> None:
+            self.out = {"kernel": np.zeros((8, 8), np.float32), "bias": np.zeros(8, np.float32)}
+
+    old = BlockV1(rngs=nn.Rngs(1))
+    save_safetensors(tmp_path / "v1.safetensors", old)
+    ways = {s.targets: s.way for s in tt.io.plan_load(Turned(), tmp_path / "v1.safetensors").steps}
+    assert ways == {("out.kernel",): "transposed", ("out.bias",): "direct"}
+    loaded = tt.io.load_safetensors(Turned(), tmp_path / "v1.safetensors")
+    np.testing.assert_array_equal(np.asarray(loaded.out["kernel"]), np.asarray(old.mlp.kernel).T)
+    np.testing.assert_array_equal(np.asarray(loaded.out["bias"]), np.asarray(old.mlp.bias))
