@@ -100,7 +100,8 @@ def load_safetensors(
         taktiny.StateDictError: without `rules`, naming every unknown, missing, misshapen
             or mistyped name (unknown names are errors even with ``strict=False``: add a
             rule that ignores them).
-        taktiny.convert.ConversionError: with `rules`, as :func:`taktiny.convert.check`.
+        taktiny.convert.ConversionError: with `rules`, as :func:`taktiny.convert.check`;
+            for an older checkpoint, every problem of the migrations, naming the one to fix.
         SafetensorsError: for a corrupt checkpoint, naming the file and tensor; for
             damaged bytes, also both checksums. Nothing is returned then.
         ValueError: `allow` without `rules`; a checkpoint saved at a newer state version
