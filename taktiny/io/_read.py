@@ -286,14 +286,25 @@ class Tensor:
                     runs[-1].append(index)
                     continue
             runs.append([index])
+        boxes = []
+        for run in runs:
+            box = [(i * s, (i + 1) * s) for i, s in zip(run[0], size, strict=True)]
+            box[-1] = (box[-1][0], box[-1][1] + (len(run) - 1) * size[-1])
+            boxes.append(box)
+        # one buffer for the pieces of every run (mapping fresh pages for each costs more
+        # than the reads themselves from the page cache)
+        memory = _buffer((max(map(self._piece_bytes, boxes), default=0),), np.dtype(np.uint8))[1]
         with open(self.file, "rb", buffering=0) as f:
-            for run in runs:
-                box = [(i * s, (i + 1) * s) for i, s in zip(run[0], size, strict=True)]
-                box[-1] = (box[-1][0], box[-1][1] + (len(run) - 1) * size[-1])
-                self._through_tiles(f.fileno(), run, box, size, digests, blocks, outs)
+            for run, box in zip(runs, boxes, strict=True):
+                self._through_tiles(f.fileno(), run, box, size, digests, blocks, outs, memory)
         for out in outs:
             out.flags.writeable = False
         return outs
+
+    def _piece_bytes(self, box: list[tuple[int, int]]) -> int:
+        """The bytes of the pieces :meth:`_through_tiles` reads `box` in."""
+        row = math.prod(stop - start for start, stop in box[1:]) * self.dtype.itemsize
+        return max(1, min(box[0][1] - box[0][0], BOX_PIECE // max(row, 1))) * row
 
     def _through_tiles(
         self,
@@ -304,15 +315,18 @@ class Tensor:
         digests: str,
         blocks: Sequence[Sequence[tuple[int, int]]],
         outs: list[np.ndarray],
+        memory: memoryview,
     ) -> None:
-        """Reads `box`, the tiles of `run`, a few MiB of rows at a time: hashes each tile's
-        part of the rows, copies what falls in each block into its out, and checks each
-        tile's digest."""
+        """Reads `box`, the tiles of `run`, a few MiB of rows at a time into `memory`:
+        hashes each tile's part of the rows, copies what falls in each block into its out,
+        and checks each tile's digest."""
         assert self.tiles is not None
         (first, last), width = box[0], box[1:]
         row = math.prod(stop - start for start, stop in width) * self.dtype.itemsize
         rows = max(1, min(last - first, BOX_PIECE // max(row, 1)))
-        chunk, raw = _buffer((rows, *(stop - start for start, stop in width)), self.dtype)
+        shape = (rows, *(stop - start for start, stop in width))
+        raw = memory[: math.prod(shape) * self.dtype.itemsize]
+        chunk = np.frombuffer(raw, self.dtype, math.prod(shape)).reshape(shape)
         hashes = [_checksum.streaming() for _ in run]
         for r0 in range(first, last, rows):
             r1 = min(r0 + rows, last)
