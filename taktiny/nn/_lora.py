@@ -361,8 +361,11 @@ def lora(
         if _is_layer(x) and type(x)._taktiny_base in _ADAPTABLE
     }
     chosen = {n for n in layers if any(r.fullmatch("." + n) for r in compiled)}
-    problems = [p for p, r in zip(patterns, compiled, strict=True) if not any(
-        r.fullmatch("." + n) for n in layers)]  # fmt: skip
+    hits = {
+        p: any(r.fullmatch("." + n) for n in layers)
+        for p, r in zip(patterns, compiled, strict=True)
+    }
+    problems = [p for p, hit in hits.items() if not hit]
     if problems:
         modules = dict(_modules(model))
         leaves = flatten(model)[2].names
