@@ -369,3 +369,8 @@ def test_taktiny_diff_names_a_side_it_cannot_read(models, capsys, side, message)
     code, out, err = run_cli(capsys, "diff", side, "my_models:small")
     assert (code, out) == (2, "")
     assert re.match(rf"taktiny: {message}", err), err
+
+
+def test_a_prng_key_array_is_described_by_jax_s_name_of_its_dtype():
+    schema = tt.schema({"key": jax.random.key(0), "keys": jax.random.split(jax.random.key(1), 3)})
+    assert dict(schema) == {"key": entry([], "key<fry>"), "keys": entry([3], "key<fry>")}

@@ -247,10 +247,22 @@ def describe(leaf: Any) -> dict[str, Any]:
         placed = leaf.value
     return {
         "shape": [int(n) for n in leaf.shape],
-        "dtype": np.dtype(leaf.dtype).name,
+        "dtype": _dtype_name(leaf.dtype),
         "sharding": _sharding(getattr(placed, "sharding", None), len(leaf.shape)),
         "quantization": quantization,
     }
+
+
+def _dtype_name(dtype: Any) -> str:
+    """NumPy's name of a dtype (``"bfloat16"``); JAX's for a PRNG key array's
+    (``"key<fry>"``), which NumPy has none for."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    if jnp.issubdtype(dtype, jax.dtypes.extended):
+        return str(dtype)
+    return np.dtype(dtype).name
 
 
 def _sharding(sharding: Any, ndim: int) -> dict[str, Any] | None:
