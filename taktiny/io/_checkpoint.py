@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -80,19 +80,28 @@ class Checkpoint(Mapping[str, Tensor]):
         """
         from ..state import _schema
 
-        text = self.metadata.get(_schema.KEY)
-        if text is None:
-            return None
-        try:
-            return _schema.Schema.from_json(text)
-        except ValueError as error:
-            raise SafetensorsError(
-                f"{self.path}: the header metadata {_schema.KEY!r} is not a schema Taktiny "
-                f"wrote: {error}. Save the checkpoint again, or ignore its schema."
-            ) from None
+        return schema_part(self, _schema.Schema.from_json)
 
     def __repr__(self) -> str:
         return f"Checkpoint({str(self.path)!r}, {len(self)} tensors, {self.nbytes:,} bytes)"
+
+
+def schema_part(checkpoint: Checkpoint, read: Callable[[str], Any]) -> Any:
+    """`read` (:meth:`taktiny.Schema.from_json`, or `_schema.recorded_version` for the
+    version alone) of the schema the checkpoint's header records; None without one.
+    Raises SafetensorsError naming the file for one Taktiny did not write."""
+    from ..state import _schema
+
+    text = checkpoint.metadata.get(_schema.KEY)
+    if text is None:
+        return None
+    try:
+        return read(text)
+    except ValueError as error:
+        raise SafetensorsError(
+            f"{checkpoint.path}: the header metadata {_schema.KEY!r} is not a schema Taktiny "
+            f"wrote: {error}. Save the checkpoint again, or ignore its schema."
+        ) from None
 
 
 def open_safetensors(path: str | os.PathLike[str]) -> Checkpoint:

@@ -22,9 +22,9 @@ from ..convert._coverage import (
 from ..convert._migrate import PASS_ALLOWED, declared, explained, migration_rules
 from ..convert._rules import AnyRule, Rule
 from ..state import _problems as err
-from ..state import _tree, _values
+from ..state import _schema, _tree, _values
 from . import _quantized_format as qz
-from ._checkpoint import Checkpoint, open_safetensors
+from ._checkpoint import Checkpoint, open_safetensors, schema_part
 from ._header_checks import (
     absent_leaves,
     check_packed_listed,
@@ -86,11 +86,12 @@ def migration_of(
     version, and for `rules` with an older one (user rules convert files that are not
     Taktiny's; the migrations convert this one); ConversionError for a migration's
     problems."""
-    saved = checkpoint.schema
-    current = declared(type(model))[0]
-    if saved is None or (saved.version or 1) == current:
+    if checkpoint.metadata.get(_schema.KEY) is None:  # not Taktiny's: no version
         return None
-    version = saved.version or 1
+    version = schema_part(checkpoint, _schema.recorded_version) or 1  # (its entries unread)
+    current = declared(type(model))[0]
+    if version == current:
+        return None
     if rules is not None and version < current:
         raise ValueError(
             f"{where}: {checkpoint.path} was saved at state version {version} and the model's "

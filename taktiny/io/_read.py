@@ -303,8 +303,14 @@ class Tensor:
 
     def _piece_bytes(self, box: list[tuple[int, int]]) -> int:
         """The bytes of the pieces :meth:`_through_tiles` reads `box` in."""
+        rows, row = self._piece(box)
+        return rows * row
+
+    def _piece(self, box: list[tuple[int, int]]) -> tuple[int, int]:
+        """How `box` is read a few MiB at a time: the rows (along the first axis) of each
+        piece, and the bytes of one row."""
         row = math.prod(stop - start for start, stop in box[1:]) * self.dtype.itemsize
-        return max(1, min(box[0][1] - box[0][0], BOX_PIECE // max(row, 1))) * row
+        return max(1, min(box[0][1] - box[0][0], BOX_PIECE // max(row, 1))), row
 
     def _through_tiles(
         self,
@@ -322,8 +328,7 @@ class Tensor:
         and checks each tile's digest."""
         assert self.tiles is not None
         (first, last), width = box[0], box[1:]
-        row = math.prod(stop - start for start, stop in width) * self.dtype.itemsize
-        rows = max(1, min(last - first, BOX_PIECE // max(row, 1)))
+        rows = self._piece(box)[0]
         shape = (rows, *(stop - start for start, stop in width))
         raw = memory[: math.prod(shape) * self.dtype.itemsize]
         chunk = np.frombuffer(raw, self.dtype, math.prod(shape)).reshape(shape)
@@ -406,8 +411,7 @@ class Tensor:
         again once the caller asks for the next. When the box is the whole tensor, each
         piece's bytes are handed to `send` as they are read."""
         (first, last), width = box[0], box[1:]
-        row = math.prod(stop - start for start, stop in width) * self.dtype.itemsize
-        rows = max(1, min(last - first, BOX_PIECE // max(row, 1)))
+        rows, row = self._piece(box)
         chunk, raw = _buffer((rows, *(stop - start for start, stop in width)), self.dtype)
         whole = box == [(0, n) for n in self.shape]
         with open(self.file, "rb", buffering=0) as f:
