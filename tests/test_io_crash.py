@@ -6,6 +6,7 @@ original error and leaves the previous checkpoint byte for byte; the next save r
 a killed one left, and nothing else. The harness is tests/_crash.py; random kills are in
 property_tests/test_crash.py."""
 
+import errno
 import json
 import os
 import re
@@ -99,6 +100,88 @@ def test_a_write_that_fails_is_named_and_chained(tmp_path, monkeypatch):
     with pytest.raises(OSError, match=r"writing .*model\.safetensors: No space left") as info:
         save(tmp_path, version(2), None)
     assert isinstance(info.value.__cause__, RuntimeError)
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A folder on a file system of 1 MiB (a tmpfs; mounting one needs root)."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root; the injected faults below test the same")
+    folder = tmp_path / "small"
+    folder.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(folder)],
+        capture_output=True,
+        text=True,
+    )
+    assert mounted.returncode == 0, mounted.stderr
+    try:
+        yield folder
+    finally:
+        subprocess.run(["umount", str(folder)], check=True)
+
+
+@pytest.mark.parametrize("limit", [None, 25_000], ids=["one file", "shards"])
+def test_a_full_disk_raises_enospc_naming_the_file_and_keeps_the_checkpoint(small_disk, limit):
+    prepare(small_disk, limit)  # 45 KB, on a disk of 1 MiB
+    before = {p.name: p.read_bytes() for p in small_disk.iterdir()}
+    with pytest.raises(OSError, match=r"No space left on device .*left as it was") as info:
+        save(small_disk, version(2, 32), limit)  # 1.4 MB
+    assert info.value.errno == errno.ENOSPC
+    assert re.fullmatch(
+        r"model(-\d{5}-of-\d{5}(-[0-9a-f]{8})?)?\.safetensors", Path(info.value.filename).name
+    )
+    assert Path(info.value.filename).parent == small_disk
+    assert "os error 28" in str(info.value.__cause__)  # safetensors' own error, chained
+    assert {p.name: p.read_bytes() for p in small_disk.iterdir()} == before
+    assert loaded(small_disk / "model.safetensors") == as_loaded(version(1))
+
+
+def test_a_writer_that_fails_with_an_os_error_gives_its_errno(tmp_path, monkeypatch):
+    # what the safetensors writer raises when the disk is full, as the test above meets it
+    import safetensors
+    import safetensors.numpy
+
+    prepare(tmp_path, 25_000)
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    message = "Error while serializing: I/O error: No space left on device (os error 28)"
+
+    def full(tensors, filename, metadata=None):
+        Path(filename).write_bytes(b"partial")
+        raise safetensors.SafetensorError(message)
+
+    monkeypatch.setattr(safetensors.numpy, "save_file", full)
+    with pytest.raises(OSError, match=r"^\[Errno 28\] save_safetensors: No space left on") as info:
+        save(tmp_path, version(2), 25_000)
+    assert info.value.errno == errno.ENOSPC and type(info.value) is OSError
+    file = Path(info.value.filename)  # the first shard, under its name beside the old ones
+    assert file.parent == tmp_path
+    assert re.fullmatch(r"model-00001-of-\d{5}-[0-9a-f]{8}\.safetensors", file.name), file
+    assert isinstance(info.value.__cause__, safetensors.SafetensorError)
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+
+
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EDQUOT, errno.EIO])
+def test_an_index_that_cannot_be_written_gives_the_errno_and_names_the_index(
+    tmp_path, monkeypatch, code
+):
+    prepare(tmp_path, 25_000)
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    write = os.write
+    fault = OSError(code, os.strerror(code))
+
+    def failing(fd, data):
+        if os.readlink(f"/proc/self/fd/{fd}").endswith(".index.json"):
+            raise fault
+        return write(fd, data)
+
+    monkeypatch.setattr(os, "write", failing)
+    with pytest.raises(OSError, match=re.escape(os.strerror(code))) as info:
+        save(tmp_path, version(2), 25_000)
+    monkeypatch.undo()
+    assert info.value.errno == code and info.value.__cause__ is fault
+    assert info.value.filename == str(tmp_path / "model.safetensors.index.json")
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
 
 

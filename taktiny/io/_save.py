@@ -106,7 +106,8 @@ def save_safetensors(
             array spread over several processes.
         FileNotFoundError: the folder `path` names does not exist.
         OSError: a file operation that failed (the previous checkpoint is left as it was);
-            a failed write names the file.
+            a failed write names the file (``filename``) and keeps the system's ``errno``
+            (``errno.ENOSPC`` for a full disk), its error chained as the cause.
         ImportError: the safetensors package is not installed
             (``pip install 'taktiny[safetensors]'``).
     """
@@ -224,14 +225,17 @@ class _Commit:
             index = {"metadata": {"total_size": total}, "weight_map": weight_map}
             text = json.dumps(index, indent=2)
             temp = self.staging / self.index.name
-            fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
             try:
-                data = memoryview((text + "\n").encode())
-                while data:
-                    data = data[os.write(fd, data) :]
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+                fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+                try:
+                    data = memoryview((text + "\n").encode())
+                    while data:
+                        data = data[os.write(fd, data) :]
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+            except OSError as error:
+                raise _write_error(error, self.index) from error
             self._sync(self.folder)  # the shards' new names, before an index names them
             os.replace(temp, self.index)  # the commit, unless `target` is one file
             if self.target.exists():
@@ -284,7 +288,7 @@ class _Commit:
         try:
             safetensors.numpy.save_file(shard, temp, metadata=metadata)
         except Exception as error:
-            raise OSError(f"save_safetensors: writing {self.folder / name}: {error}") from error
+            raise _write_error(error, self.folder / name) from error
         # safetensors creates its files readable by their owner only; a checkpoint's are
         # 0o644 less the umask, as the index and torch.save's files are: the staging folder,
         # made 0o777 less the umask, has those bits
@@ -349,6 +353,27 @@ class _Commit:
 
 
 _TEMPORARY = re.compile(r"\..+\.[0-9a-f]{12}\.tmp")
+# how Rust's std::io::Error shows an error of the OS, which safetensors' writer reports
+# only in its message: "I/O error: No space left on device (os error 28)"
+_OS_ERROR = re.compile(r"\(os error (\d+)\)")
+
+
+def _write_error(error: Exception, file: Path) -> OSError:
+    """The error for a new file of the checkpoint that could not be written: an OSError
+    with the errno of the OS's error that stopped it (an OSError's own, or the one the
+    safetensors writer gives in its message) and the file's final name; without an errno,
+    the error's message."""
+    code = error.errno if isinstance(error, OSError) else None
+    if code is None and (found := _OS_ERROR.search(str(error))) is not None:
+        code = int(found.group(1))
+    if code is None:
+        return OSError(f"save_safetensors: writing {file}: {error}")
+    return OSError(
+        code,
+        f"save_safetensors: {os.strerror(code)} (the previous checkpoint is left as it was), "
+        f"writing",
+        str(file),
+    )
 
 
 @contextlib.contextmanager
