@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import safetensors.numpy
 
-from taktiny.io import SafetensorsError, open_safetensors, save_safetensors
+from taktiny.io import SafetensorsError, Tensor, open_safetensors, save_safetensors
 
 TENSORS = {"a": np.arange(16, dtype=np.float32).reshape(4, 4), "b": np.arange(3, dtype=np.int64)}
 
@@ -138,15 +138,24 @@ def test_readahead_asks_for_the_bytes_ahead_of_the_reader_once_each(tmp_path, mo
         ahead.reached(2)
         ahead.reached(3)
         assert len(asked) == 5  # each byte asked for once
-        (fd,) = {a[0] for a in asked}  # the file opened once
+        (fd,) = {a[0] for a in asked}  # the file opened once: as the checkpoint holds it
         assert os.path.samefile(f"/proc/self/fd/{fd}", path)
-    with pytest.raises(OSError):
-        os.fstat(fd)  # closed
+    assert os.path.samefile(f"/proc/self/fd/{fd}", path)  # the checkpoint's, still open
     asked.clear()
     with Readahead(tensors, window=64, chunk=64) as ahead:
         ahead.reached(3)  # a reader that overtook the requests: they start at its tensor
         ahead.reached(3)  # and go on from where they were
         assert [a[1:] for a in asked] == [(z, 64)]
+    del checkpoint, tensors, ahead
+    assert not os.path.exists(f"/proc/self/fd/{fd}")  # closed with the last of them
+    asked.clear()
+    made = [Tensor("z", (25,), np.float32, path, z), Tensor("y", (10,), np.float32, path, y)]
+    with Readahead(made, window=150, chunk=64) as ahead:  # tensors made by hand, not opened
+        ahead.reached(0)
+        assert [a[1:] for a in asked] == [(z, 64), (z + 64, 36), (y, 40)]
+        (fd,) = {a[0] for a in asked}  # their file opened once, by the readahead
+        assert os.path.samefile(f"/proc/self/fd/{fd}", path)
+    assert not os.path.exists(f"/proc/self/fd/{fd}")  # and closed with it
 
 
 def test_a_truncated_file(good):

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from .._messages import layout_text, short
 from . import _quantized_format as qz
 from ._header import HEADER_LIMIT, parse_json, read_header, unpaired_surrogate
-from ._read import SafetensorsError, Tensor
+from ._read import OpenFile, SafetensorsError, Tensor
 
 if TYPE_CHECKING:
     from ..state._schema import Schema
@@ -23,7 +23,9 @@ class Checkpoint(Mapping[str, Tensor]):
     """A safetensors checkpoint, opened: a read-only mapping from tensor names to
     :class:`Tensor` handles, in the order of their bytes on disk (file by file).
 
-    Made by :func:`open_safetensors`, which checks what it is built from.
+    Made by :func:`open_safetensors`, which checks what it is built from. It holds its
+    files open (one descriptor each) until it and all its tensors are dropped: reads give
+    the bytes the files had when it was opened, whatever saves did to their paths since.
 
     Args:
         path: the file or index the checkpoint was opened from.
@@ -107,6 +109,12 @@ def schema_part(checkpoint: Checkpoint, read: Callable[[str], Any]) -> Any:
 def open_safetensors(path: str | os.PathLike[str]) -> Checkpoint:
     """Opens a safetensors checkpoint, reading and checking its headers only.
 
+    Each file is held open from when its header is read, and the tensors read through it:
+    a save over `path` (:func:`save_safetensors`) at any moment leaves the checkpoint
+    opened whole, bitwise the one before the save or the one after. The shards of an index
+    are those of one save: when a save replaces the index (or removes a shard) while they
+    are opened, `path` is opened again. docs/safetensors.md gives the limits.
+
     Args:
         path: a ``.safetensors`` file; a Hugging Face index (``*.safetensors.index.json``,
             whose ``weight_map`` names each tensor's shard); the path a sharded checkpoint
@@ -125,13 +133,31 @@ def open_safetensors(path: str | os.PathLike[str]) -> Checkpoint:
             header whose shapes disagree with their bytes or whose ranges overlap or run
             past the file, a dtype safetensors does not define, an index naming a missing
             shard, the same shard twice or a shard outside its folder, or a tensor the
-            index and its shard disagree on.
+            index and its shard disagree on; a checkpoint that saves replaced 20 times in
+            a row while it was being opened.
     """
-    path = _resolve(Path(path))
-    if path.name.endswith(".json"):
-        return _open_index(path)
-    tensors, metadata = read_header(path)
-    return Checkpoint(path, tensors, metadata, _layouts(path, [(path, metadata)], tensors))
+    given = Path(path)
+    for _ in range(RETRIES):
+        found = _resolve(given)
+        try:
+            if found.name.endswith(".json"):
+                return _open_index(found)
+            tensors, metadata = read_header(found)
+        except (FileNotFoundError, _Replaced):  # a save replaced it: open what it saved
+            continue
+        return Checkpoint(found, tensors, metadata, _layouts(found, [(found, metadata)], tensors))
+    raise SafetensorsError(
+        f"{given}: the checkpoint was replaced {RETRIES} times while it was being opened (a "
+        f"save over it after another, each done before its headers were read); open it "
+        f"again, or once the saves pause."
+    )
+
+
+RETRIES = 20  # openings of a checkpoint that saves keep replacing before one gives up
+
+
+class _Replaced(Exception):
+    """The index being opened was replaced by a save: open the path again."""
 
 
 # a shard's file name, Hugging Face's or with a save's own suffix (see `_save`): its stem
@@ -209,7 +235,27 @@ def _layouts(
 
 
 def _open_index(index: Path) -> Checkpoint:
-    weight_map = read_weight_map(index)
+    """The checkpoint an index names, its shards opened while the index is the file that
+    was read. Raises `_Replaced` when a save renamed another index over it or removed it
+    meanwhile (the shards opened, or found missing, may be another save's: a problem is
+    the index's only while it stays), FileNotFoundError when it is gone already."""
+    held = OpenFile(index)  # (held open, its inode cannot become another file's meanwhile)
+    try:
+        try:
+            checkpoint = _open_shards(index, held)
+        except SafetensorsError:
+            if _replaced(index, held):
+                raise _Replaced from None
+            raise
+        if _replaced(index, held):
+            raise _Replaced
+        return checkpoint
+    finally:
+        held.close()
+
+
+def _open_shards(index: Path, held: OpenFile) -> Checkpoint:
+    weight_map = read_weight_map(index, held)
     folder = index.parent.resolve()
     files: dict[str, Path] = {}  # each shard's name, as the index gives it, and its file
     shards: dict[Path, str] = {}
@@ -225,7 +271,10 @@ def _open_index(index: Path) -> Checkpoint:
     tensors: dict[str, Tensor] = {}
     metas: list[tuple[Path, dict[str, str]]] = []
     for file, shard in sorted(shards.items(), key=lambda item: item[1]):
-        found, meta = read_header(file)
+        try:
+            found, meta = read_header(file)
+        except FileNotFoundError:  # (removed since `_shard` found it)
+            raise SafetensorsError(f"{index}: the shard {short(shard)} is missing.") from None
         metas.append((file, meta))
         for name, tensor in found.items():
             listed = weight_map.get(name)
@@ -245,14 +294,28 @@ def _open_index(index: Path) -> Checkpoint:
     return Checkpoint(index, tensors, metadata, _layouts(index, metas, tensors))
 
 
-def read_weight_map(index: Path) -> dict[str, str]:
+def _replaced(index: Path, held: OpenFile) -> bool:
+    """Whether `index` is no longer the file `held` opened (a save renamed a new index
+    over it, or removed it). A save never changes the shards of a committed index: while
+    the index is the same file, so are they."""
+    try:
+        now = os.stat(index)
+    except FileNotFoundError:
+        return True
+    then = os.fstat(held.fd)
+    return (now.st_dev, now.st_ino) != (then.st_dev, then.st_ino)
+
+
+def read_weight_map(index: Path, held: OpenFile | None = None) -> dict[str, str]:
     """The index's ``weight_map``, checked: JSON of no more bytes than a header may have,
-    a ``weight_map`` of names to strings, and ``metadata`` (when given) an object."""
-    size = index.stat().st_size
+    a ``weight_map`` of names to strings, and ``metadata`` (when given) an object. Read
+    through `held` (the index, opened), or the file opened here."""
+    held = OpenFile(index) if held is None else held
+    size = os.fstat(held.fd).st_size
     try:
         if size > HEADER_LIMIT:
             raise ValueError(f"{size} bytes, more than the {HEADER_LIMIT} a header may have")
-        content = parse_json(index.read_bytes(), "its JSON")
+        content = parse_json(held.read(size), "its JSON")
         if type(content) is not dict:
             raise ValueError(f"a JSON {type(content).__name__}, not an object")
         if "weight_map" not in content:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import itertools
 import json
 import operator
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -26,7 +27,7 @@ from .._messages import short
 from . import _checksum
 from . import _quantized_format as qz
 from ._dtypes import CODES
-from ._read import Packed, SafetensorsError, Tensor
+from ._read import OpenFile, Packed, SafetensorsError, Tensor
 
 _KNOWN = frozenset(CODES)  # the dtype codes a header may give (see _dtypes)
 _DTYPE, _SHAPE = operator.itemgetter("dtype"), operator.itemgetter("shape")
@@ -160,35 +161,37 @@ def _torch_kind(prefix: bytes) -> str:
 
 def read_header(file: Path) -> tuple[dict[str, Tensor], dict[str, str]]:
     """The tensors a safetensors file's header describes, in the order of their bytes,
-    and its metadata; every entry checked against the file's size."""
-    size = file.stat().st_size
+    and its metadata; every entry checked against the file's size. The file is opened
+    once, and its tensors read through that descriptor (`OpenFile`). Raises
+    FileNotFoundError when it is gone."""
+    held = OpenFile(file)  # (the tensors read through it: the file as it is now)
+    size = os.fstat(held.fd).st_size
 
     def bad(why: str) -> SafetensorsError:
         return SafetensorsError(f"{file}: {why}")
 
-    with open(file, "rb", buffering=0) as f:
-        prefix = f.read(8)
-        length = int.from_bytes(prefix, "little") if len(prefix) == 8 else -1
-        if not 0 < length <= min(size - 8, HEADER_LIMIT):
-            kind = _torch_kind(prefix)
-            if kind:
-                raise bad(
-                    f"not a safetensors file but, by its first bytes, a PyTorch file ({kind}): "
-                    f"read it with taktiny.io.read_torch(path), which loads its tensors "
-                    f"without running code, and load the result with load_state_dict or "
-                    f"taktiny.convert."
-                )
+    prefix = held.read(8)
+    length = int.from_bytes(prefix, "little") if len(prefix) == 8 else -1
+    if not 0 < length <= min(size - 8, HEADER_LIMIT):
+        kind = _torch_kind(prefix)
+        if kind:
             raise bad(
-                f"not a safetensors file: its first 8 bytes give a header of {length} bytes, "
-                f"and the file has {size}"
-                + (
-                    f"; a header may have at most {HEADER_LIMIT} bytes (the safetensors "
-                    f"library's limit). The file is corrupt."
-                    if length > HEADER_LIMIT
-                    else ". It is truncated or of another format."
-                )
+                f"not a safetensors file but, by its first bytes, a PyTorch file ({kind}): "
+                f"read it with taktiny.io.read_torch(path), which loads its tensors "
+                f"without running code, and load the result with load_state_dict or "
+                f"taktiny.convert."
             )
-        text = f.read(length)
+        raise bad(
+            f"not a safetensors file: its first 8 bytes give a header of {length} bytes, "
+            f"and the file has {size}"
+            + (
+                f"; a header may have at most {HEADER_LIMIT} bytes (the safetensors "
+                f"library's limit). The file is corrupt."
+                if length > HEADER_LIMIT
+                else ". It is truncated or of another format."
+            )
+        )
+    text = held.read(length)
     data, start = size - 8 - length, 8 + length
     names, dtypes, shapes, ranges, metadata = _fields(text, bad)
     begins, ends = list(map(_FIRST, ranges)), list(map(_SECOND, ranges))
@@ -221,6 +224,8 @@ def read_header(file: Path) -> tuple[dict[str, Tensor], dict[str, str]]:
         if not _covers([b for b, _, _ in order], [e for _, e, _ in order], data):
             _uncovered(order, tensors, ends, data, bad)
         found = {tensors[k].name: tensors[k] for _, _, k in order}
+    for tensor in tensors:
+        tensor._held = held
     found = _unpacked(found, metadata.get(qz.PACKED), bad)
     _checksum.attach(found, metadata, bad)  # (the lead's: keep it)
     return found, metadata
@@ -412,5 +417,7 @@ def _unpacked(tensors: dict[str, Tensor], packed: str | None, bad: Any) -> dict[
                 f"two per byte, which is stored as uint8{list(want)}, but the file holds "
                 f"{stored.dtype_name}{list(stored.shape)}; the header is inconsistent."
             )
-        tensors[name] = Packed(name, shape, dtype, stored.file, stored.offset)
+        unpacked = Packed(name, shape, dtype, stored.file, stored.offset)
+        unpacked._held = unpacked.stored._held = stored._held  # (read through its file)
+        tensors[name] = unpacked
     return tensors

@@ -58,7 +58,9 @@ def load_safetensors(
     is initialised only to be overwritten: each leaf is placed with its ``sharding``, or
     on the default device when it has none. Before any data is read, every name, shape and
     dtype kind is checked from the headers, with one error listing every problem. The host
-    holds about one tensor at a time; the model's own arrays are the only full copy.
+    holds about one tensor at a time; the model's own arrays are the only full copy. A
+    load of a path that a save replaces meanwhile gives the checkpoint before the save or
+    the one after, whole (see :func:`open_safetensors`).
 
     A quantized model (:func:`taktiny.quantize`) loads a checkpoint of its quantized parts
     (``<name>.value`` and ``<name>.scale``, 4-bit values unpacked), or a float checkpoint:

@@ -6,15 +6,22 @@ not 64-byte aligned, as NumPy's are), and no caller can write through it afterwa
 4-bit tensors that Taktiny stored packed two per byte are presented as what they are (see
 `_quantized`): their 4-bit dtype and logical shape, unpacked as they are read. A
 `Readahead` keeps the OS reading ahead of a reader that goes through tensors in order.
+
+The tensors of an opened checkpoint read through the files as they were opened (an
+`OpenFile` each), not through their paths: a save that replaces or removes a file after
+it was opened leaves its readers reading the old bytes (POSIX keeps an open file's bytes
+until its last descriptor is closed).
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import mmap
 import os
 import threading
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -42,6 +49,30 @@ class SafetensorsError(ValueError):
     missing shard or one outside its folder. The message names the file and tensor."""
 
 
+class OpenFile:
+    """A file held open for reading, by descriptor (``fd``), until nothing refers to it or
+    :meth:`close` is called: reads through it see the file that was at ``path`` when it
+    was opened, whatever is renamed over ``path`` or removed afterwards."""
+
+    __slots__ = ("__weakref__", "close", "fd", "path")
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.fd = os.open(path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
+        self.close = weakref.finalize(self, os.close, self.fd)  # (calling it closes, once)
+
+    def read(self, count: int) -> bytes:
+        """Up to `count` bytes from the descriptor's position (fewer at the end)."""
+        parts, left = [], count
+        while left:
+            part = os.read(self.fd, left)
+            if not part:
+                break
+            parts.append(part)
+            left -= len(part)
+        return b"".join(parts)
+
+
 class Tensor:
     """One tensor of a checkpoint, not yet read: ``name``, ``shape``, ``dtype`` (NumPy),
     ``nbytes``, the ``file`` holding it and its byte ``offset`` there.
@@ -59,7 +90,9 @@ class Tensor:
     wrote them (tensors of 128 KiB or more); a read of part of the tensor then checks the
     tiles it touches and reads only their bytes, instead of the whole tensor's.
 
-    Made by :func:`~taktiny.io.open_safetensors` from a file's header.
+    Made by :func:`~taktiny.io.open_safetensors` from a file's header. Such a tensor holds
+    its file open from then on and reads the bytes the file had when it was opened, even
+    once a save has renamed another file over its path or removed it (on POSIX systems).
 
     Args:
         name: the tensor's name in the checkpoint.
@@ -74,7 +107,17 @@ class Tensor:
         tiles: ``(parts per axis, the tiles' digests concatenated)``, or None.
     """
 
-    __slots__ = ("_dtype", "checksum", "file", "name", "nbytes", "offset", "shape", "tiles")
+    __slots__ = (
+        "_dtype",
+        "_held",
+        "checksum",
+        "file",
+        "name",
+        "nbytes",
+        "offset",
+        "shape",
+        "tiles",
+    )
 
     def __init__(
         self,
@@ -93,7 +136,18 @@ class Tensor:
         self.name, self.shape, self._dtype = name, shape, dtype
         self.file, self.offset, self.checksum = file, offset, checksum
         self.tiles: tuple[tuple[int, ...], str] | None = None
+        self._held: OpenFile | None = None  # the file, opened (else opened at each read)
         self.nbytes = math.prod(shape) * itemsize
+
+    @contextlib.contextmanager
+    def _opened(self) -> Iterator[int]:
+        """A descriptor of `file` to read from: the one held, else `file` opened for the
+        read."""
+        if self._held is not None:
+            yield self._held.fd
+            return
+        with open(self.file, "rb", buffering=0) as f:
+            yield f.fileno()
 
     @property
     def dtype(self) -> np.dtype:
@@ -294,9 +348,9 @@ class Tensor:
         # one buffer for the pieces of every run (mapping fresh pages for each costs more
         # than the reads themselves from the page cache)
         memory = _buffer((max(map(self._piece_bytes, boxes), default=0),), np.dtype(np.uint8))[1]
-        with open(self.file, "rb", buffering=0) as f:
+        with self._opened() as fd:
             for run, box in zip(runs, boxes, strict=True):
-                self._through_tiles(f.fileno(), run, box, size, digests, blocks, outs, memory)
+                self._through_tiles(fd, run, box, size, digests, blocks, outs, memory)
         for out in outs:
             out.flags.writeable = False
         return outs
@@ -414,14 +468,14 @@ class Tensor:
         rows, row = self._piece(box)
         chunk, raw = _buffer((rows, *(stop - start for start, stop in width)), self.dtype)
         whole = box == [(0, n) for n in self.shape]
-        with open(self.file, "rb", buffering=0) as f:
+        with self._opened() as fd:
             for r0 in range(first, last, rows):
                 r1 = min(r0 + rows, last)
                 piece = chunk[: r1 - r0]
                 if whole:  # the rows are one run of the file
-                    _pread(f.fileno(), raw[: (r1 - r0) * row], self.offset + r0 * row, self, send)
+                    _pread(fd, raw[: (r1 - r0) * row], self.offset + r0 * row, self, send)
                 else:
-                    self._fill(f.fileno(), [(r0, r1), *width], piece.shape, raw)
+                    self._fill(fd, [(r0, r1), *width], piece.shape, raw)
                 yield r0, r1, piece
 
     def _streams(
@@ -445,10 +499,10 @@ class Tensor:
         strides = [math.prod(self.shape[i + 1 :]) * self.dtype.itemsize for i in range(self.ndim)]
         starts = [sum(b[i][0] * strides[i] for i in range(self.ndim)) for b in blocks]
         outs: list[np.ndarray] = [np.empty(0)] * len(blocks)
-        with open(self.file, "rb", buffering=0) as f:
+        with self._opened() as fd:
             for k in sorted(range(len(blocks)), key=starts.__getitem__):
                 out, raw = _buffer(tuple(stop - start for start, stop in blocks[k]), self.dtype)
-                _pread(f.fileno(), raw, self.offset + starts[k], self, send)
+                _pread(fd, raw, self.offset + starts[k], self, send)
                 out.flags.writeable = False
                 outs[k] = out
         return outs
@@ -540,10 +594,10 @@ class Tensor:
         """Reads the stored bytes through the hash and checks them against ``checksum``."""
         stream = _checksum.streaming()
         piece = memoryview(bytearray(min(self.nbytes, _PIECE)))
-        with open(self.file, "rb", buffering=0) as f:
+        with self._opened() as fd:
             for at in range(0, self.nbytes, _PIECE):
                 part = piece[: min(_PIECE, self.nbytes - at)]
-                _pread(f.fileno(), part, self.offset + at, self)
+                _pread(fd, part, self.offset + at, self)
                 stream.update(part)
         got = stream.hexdigest()
         if got != self.checksum:
@@ -605,15 +659,15 @@ class Tensor:
             out = np.frombuffer(memory, self.dtype, math.prod(self.shape)).reshape(self.shape)
             raw = memoryview(memory).cast("B")[: self.nbytes]
         if self.nbytes:
-            with open(self.file, "rb", buffering=0) as f:
-                _pread(f.fileno(), raw, self.offset, self, send)
+            with self._opened() as fd:
+                _pread(fd, raw, self.offset, self, send)
         out.flags.writeable = False
         return out
 
     def _into(self, out: np.ndarray, raw: Any, bounds: list[tuple[int, int]]) -> np.ndarray:
         if out.size:
-            with open(self.file, "rb", buffering=0) as f:
-                self._fill(f.fileno(), bounds, out.shape, raw)
+            with self._opened() as fd:
+                self._fill(fd, bounds, out.shape, raw)
         out.flags.writeable = False
         return out
 
@@ -783,8 +837,8 @@ class Readahead:
             tensor = self.tensors[k]
             step = min(self.chunk, tensor.nbytes - self.done)
             if step and hasattr(os, "posix_fadvise"):
-                fd = self.fds.get(tensor.file)
-                if fd is None:
+                fd = tensor._held.fd if tensor._held is not None else self.fds.get(tensor.file)
+                if fd is None:  # (a tensor made by hand: its file opened once, here)
                     fd = self.fds[tensor.file] = os.open(tensor.file, os.O_RDONLY)
                 os.posix_fadvise(fd, tensor.offset + self.done, step, os.POSIX_FADV_WILLNEED)
             self.done += step
