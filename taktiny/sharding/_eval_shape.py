@@ -40,10 +40,13 @@ def eval_shape(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     target never guesses. A function that makes its own mesh and places its results on it
     (``tt.shard(Model(rngs=...), rules, jax.make_mesh(...))``) keeps that mesh, devices
     and all, where ``jax.eval_shape`` keeps only its axis sizes: such a function is
-    lowered (not compiled, not run) to find them. Should `fn` do something that
-    ``Explicit`` axes refuse as ambiguous (a contraction over two split axes, say), the
-    shardings are those the compiler chooses for ``jax.jit(fn)`` on the original mesh
-    instead (found by compiling it, still without running it).
+    lowered (not compiled, not run) to find them. (Only a mesh with ``Explicit`` axes,
+    ``jax.make_mesh``'s default, leaves its shardings in the traced types; one with
+    ``Auto`` axes made inside `fn` leaves none, so build under ``jax.set_mesh`` then.)
+    Should `fn` do something that ``Explicit`` axes refuse as ambiguous (a contraction
+    over two split axes, say), the shardings are those the compiler chooses for
+    ``jax.jit(fn)`` on the original mesh instead (found by compiling it, still without
+    running it).
 
     Args:
         fn: the function; its arguments may be arrays or ``jax.ShapeDtypeStruct``.
