@@ -290,14 +290,23 @@ def _number(value: float) -> str:
 _FACTORY = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")  # module:factory
 
 
-def schema_of(source: str, *, checkpoint: bool = True) -> Schema | None:
+class Side(NamedTuple):
+    """One side of `taktiny diff` compared by schemas (see :func:`schema_of`)."""
+
+    schema: Schema
+    model: Any  # the abstract model of a ``module:factory``; None for the others
+    saved: bool  # a schema a save recorded, with the state versions it was saved at
+
+
+def schema_of(source: str, *, checkpoint: bool = True) -> Side | None:
     """The schema of one side of `taktiny diff`: a schema file (the JSON of
     :meth:`taktiny.Schema.to_json`), a model made by ``module:factory`` (a function of no
     arguments, from the current folder or the installed packages; called under
-    ``jax.eval_shape``, so nothing is allocated), or a checkpoint: the schema a Taktiny
-    safetensors file records, else one made from its tensors' names, shapes and dtypes.
-    With `checkpoint` False, None for a checkpoint (compared tensor by tensor instead)."""
-    from .state._schema import FORMAT, Schema
+    :func:`taktiny.eval_shape`, so nothing is allocated), or a checkpoint: the schema a
+    Taktiny safetensors file records, else one made from its tensors' names, shapes and
+    dtypes. With `checkpoint` False, None for a checkpoint (compared tensor by tensor
+    instead)."""
+    from .state._schema import FORMAT, Schema, schema
 
     path = Path(source)
     if path.is_file() and path.suffix == ".json":
@@ -308,11 +317,12 @@ def schema_of(source: str, *, checkpoint: bool = True) -> Schema | None:
             value = None  # (an index that does not parse is reported as a checkpoint)
         if isinstance(value, dict) and value.get("format") == FORMAT:
             try:
-                return Schema.from_json(text)
+                return Side(Schema.from_json(text), None, True)
             except ValueError as error:
                 raise Unreadable(f"{path}: {error}.") from None
     elif not path.exists() and _FACTORY.fullmatch(source):
-        return _model_schema(source)
+        model = abstract_model(source)
+        return Side(schema(model), model, False)
     if not checkpoint:
         return None
     if not _is_orbax(path):
@@ -321,8 +331,8 @@ def schema_of(source: str, *, checkpoint: bool = True) -> Schema | None:
         _present(path)
         stored = open_safetensors(path).schema
         if stored is not None:
-            return stored
-    return Schema(
+            return Side(stored, None, True)
+    made = Schema(
         {
             e.name: {
                 "shape": list(e.shape),
@@ -333,13 +343,7 @@ def schema_of(source: str, *, checkpoint: bool = True) -> Schema | None:
             for e in entries(path)
         }
     )
-
-
-def _model_schema(source: str) -> Schema:
-    """The schema of the model ``module:factory`` makes (see :func:`schema_of`)."""
-    from .state._schema import schema
-
-    return schema(abstract_model(source))
+    return Side(made, None, False)
 
 
 def _imported(source: str) -> tuple[Any, str, Any]:
@@ -362,8 +366,9 @@ def _imported(source: str) -> tuple[Any, str, Any]:
 
 def abstract_model(source: str) -> Any:
     """The model ``module:factory`` makes, a function of no arguments called under
-    ``jax.eval_shape`` (nothing is allocated); Unreadable, saying why, when it cannot be."""
-    import jax
+    :func:`taktiny.eval_shape` (nothing is allocated; a mesh it shards the model on is
+    kept); Unreadable, saying why, when it cannot be."""
+    from .sharding._eval_shape import eval_shape
 
     if not _FACTORY.fullmatch(source):
         raise Unreadable(f"{source}: name the model's factory as module:function.")
@@ -374,7 +379,7 @@ def abstract_model(source: str) -> Any:
             f"arguments that returns the model."
         )
     try:
-        return jax.eval_shape(factory)
+        return eval_shape(factory)
     except Exception as error:  # noqa: BLE001
         why = f"{type(error).__name__}: {error}"
         raise Unreadable(f"{source}: calling {name}() failed: {why}") from None
@@ -383,8 +388,10 @@ def abstract_model(source: str) -> Any:
 def plan(path: str, model: str, rules: str | None) -> tuple[str, bool]:
     """The report `taktiny plan` prints (:func:`taktiny.io.plan_load` of the model
     ``module:factory`` makes, with the rules ``module:RULES`` names), and whether the load
-    would succeed."""
-    from .io import plan_load
+    would succeed. The model is made abstractly (:func:`abstract_model`, its shardings
+    kept) but planned as the concrete one the factory makes: the parameters a migration
+    adds keep that model's values."""
+    from .io._load_plan import planned
 
     found = None
     if rules is not None:
@@ -397,8 +404,8 @@ def plan(path: str, model: str, rules: str | None) -> tuple[str, bool]:
                 f"list or tuple of taktiny.convert rules."
             )
     _present(Path(path))
-    planned = plan_load(abstract_model(model), path, rules=found)
-    return str(planned), planned.ok
+    result = planned(abstract_model(model), path, (found, None, True, True), has_values=True)
+    return str(result), result.ok
 
 
 def diff(
@@ -408,7 +415,10 @@ def diff(
 
     When either side is a schema file or a model (``module:factory``), the two schemas are
     compared (see :func:`schema_of`): one line per name missing from `b`, added in it,
-    reshaped, recast, resharded or requantized (:meth:`taktiny.Schema.changes`).
+    reshaped, recast, resharded or requantized (:meth:`taktiny.Schema.changes`). A
+    schema a save recorded (a schema file, a Taktiny checkpoint's) compared with a model
+    is first migrated to the model's state versions, as a load would migrate it
+    (:func:`taktiny.migrate`), and the report says which migrations it applied.
     Otherwise both are checkpoints, compared tensor by tensor:
 
     Either checkpoint may be safetensors (a file, an index, or a folder holding one) or
@@ -457,12 +467,25 @@ def diff(
 
 
 def _schema_diff(
-    a: str, b: str, ours: Schema | None, theirs: Schema | None, pattern: str | None
+    a: str, b: str, left: Side | None, right: Side | None, pattern: str | None
 ) -> tuple[str, bool]:
-    """The report of two schemas compared, and whether they agree."""
+    """The report of two schemas compared (a saved one migrated to a model's state
+    versions first), and whether they agree."""
+    from .convert._migrate import migrated_schema, stages_text
     from .state._schema import KINDS, Schema
 
-    assert ours is not None and theirs is not None
+    assert left is not None and right is not None
+    ours, theirs = left.schema, right.schema
+    migrated = []
+    for saved, model, name, into in ((left, right, a, b), (right, left, b, a)):
+        if saved.saved and model.model is not None:
+            try:
+                made, found = migrated_schema(model.model, saved.schema)
+            except ValueError as error:  # a newer version, a migration's problems
+                raise Unreadable(f"{name} into {into}: {error}") from None
+            if found:
+                migrated.append(f"migrated {name} to {into}'s state versions: {stages_text(found)}")
+                ours, theirs = (made, theirs) if saved is left else (ours, made)
     if pattern is not None:
         regex = _patterns.compile_pattern(pattern)
         ours, theirs = (
@@ -470,10 +493,11 @@ def _schema_diff(
         )
     changes = ours.changes(theirs)
     if not changes:
-        return f"the schemas agree: {len(ours)} names, fingerprint {ours.fingerprint}", True
+        agree = f"the schemas agree: {len(ours)} names, fingerprint {ours.fingerprint}"
+        return "\n".join([*migrated, agree]), True
     counts = {kind: sum(c.kind == kind for c in changes) for kind in KINDS}
     said = ", ".join(f"{n} {kind}" for kind, n in counts.items() if n)
-    lines = [*map(str, changes), f"{len(changes)} changes from {a} to {b}: {said}"]
+    lines = [*migrated, *map(str, changes), f"{len(changes)} changes from {a} to {b}: {said}"]
     return "\n".join(lines), False
 
 

@@ -5,53 +5,20 @@ an Orbax restore, each checked against NumPy."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
 import numpy as np
 import pytest
+from _versions import TO_2, TO_3, BlockV1, BlockV2, BlockV3, Inner, Net, NetV1, NetV2
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import taktiny as tt
 from taktiny import convert, nn
 from taktiny.io import open_safetensors, save_safetensors
-
-# version 1 -> 2: the MLP is renamed to "ffn", and q, k, v are fused into one projection
-TO_2: list[Any] = [
-    convert.Rule("mlp.{p}", "ffn.{p}"),
-    convert.Rule(["q.kernel", "k.kernel", "v.kernel"], "qkv.kernel", convert.concatenate(axis=1)),
-]
-# version 2 -> 3: a gate is added, initialised by the model
-TO_3: list[Any] = [convert.Init("gate.kernel")]
-
-
-class BlockV1(nn.Module):
-    def __init__(self, *, rngs: nn.Rngs):
-        self.q = nn.Linear(8, 8, use_bias=False, rngs=rngs)
-        self.k = nn.Linear(8, 8, use_bias=False, rngs=rngs)
-        self.v = nn.Linear(8, 8, use_bias=False, rngs=rngs)
-        self.mlp = nn.Linear(8, 8, rngs=rngs)
-
-
-class BlockV2(nn.Module):
-    state_version: ClassVar[int] = 2
-    state_migrations: ClassVar[Sequence[Sequence[Any]]] = (TO_2,)
-
-    def __init__(self, *, rngs: nn.Rngs):
-        self.qkv = nn.Linear(8, 24, use_bias=False, rngs=rngs)
-        self.ffn = nn.Linear(8, 8, rngs=rngs)
-
-
-class BlockV3(nn.Module):
-    state_version: ClassVar[int] = 3
-    state_migrations: ClassVar[Sequence[Sequence[Any]]] = (TO_2, TO_3)
-
-    def __init__(self, *, rngs: nn.Rngs):
-        self.qkv = nn.Linear(8, 24, use_bias=False, rngs=rngs)
-        self.ffn = nn.Linear(8, 8, rngs=rngs)
-        self.gate = nn.Linear(8, 8, use_bias=False, rngs=rngs)
 
 
 def _numpy(model: Any) -> dict[str, np.ndarray]:
@@ -135,9 +102,14 @@ def test_plan_load_plans_the_migrated_load(tmp_path: Path, old: Any) -> None:
         assert made["qkv.kernel"][0] == ("q.kernel", "k.kernel", "v.kernel")
         assert "concatenate(axis=1)" in made["qkv.kernel"][1]
         assert made["ffn.bias"][0] == ("mlp.bias",)
+    assert planned.kept == ("gate.kernel",)
+    start = 1 if isinstance(old, BlockV1) else 2
+    assert planned.migrations == f"BlockV3's migrations from state version {start} to 3"
+    assert "kept from the model (added by a migration): gate.kernel" in str(planned)
     save_safetensors(tmp_path / "v3.safetensors", BlockV3(rngs=nn.Rngs(1)))
-    with pytest.raises(ValueError, match="saved at state version 3; BlockV2 is at version 2"):
-        tt.io.plan_load(BlockV2(rngs=nn.Rngs(0)), tmp_path / "v3.safetensors")
+    newer = tt.io.plan_load(BlockV2(rngs=nn.Rngs(0)), tmp_path / "v3.safetensors")
+    assert type(newer.error) is ValueError and newer.steps == ()
+    assert "saved at state version 3; BlockV2 is at version 2" in str(newer.error)
 
 
 def test_load_state_dict_after_migrate(old: Any) -> None:
@@ -186,19 +158,50 @@ def test_a_newer_checkpoint_is_refused(tmp_path: Path) -> None:
 
 def test_rules_with_an_older_checkpoint_are_refused(tmp_path: Path) -> None:
     save_safetensors(tmp_path / "v1.safetensors", BlockV1(rngs=nn.Rngs(1)))
-    with pytest.raises(ValueError, match="saved at state version 1 and the model's migrations"):
+    with pytest.raises(
+        ValueError,
+        match=r"saved at older state versions, which BlockV3's migrations from state version 1 to 3 convert; rules= converts",
+    ):
         tt.io.load_safetensors(
             BlockV3(rngs=nn.Rngs(0)), tmp_path / "v1.safetensors", rules=[convert.Rule("x", "y")]
         )
 
 
 def test_an_abstract_model_cannot_keep_an_added_parameter(tmp_path: Path) -> None:
+    """The load refuses, naming the leaf and the fix; the plan names the same problem and
+    still plans the other steps; a value given for the leaf first is kept."""
+    import equinox as eqx
     import jax
+    import jax.numpy as jnp
 
-    save_safetensors(tmp_path / "v2.safetensors", BlockV2(rngs=nn.Rngs(1)))
+    old = BlockV2(rngs=nn.Rngs(1))
+    save_safetensors(tmp_path / "v2.safetensors", old)
     abstract = jax.eval_shape(lambda: BlockV3(rngs=nn.Rngs(0)))
-    with pytest.raises(convert.ConversionError, match=r"'gate.kernel': an Init adds it.*abstract"):
+    message = (
+        r"(?s)load_safetensors\(BlockV3\): after BlockV3's migrations from state version 2 to "
+        r"3: 1 problem.*\[missing\] 'gate.kernel': an Init adds it, so it keeps the model's "
+        r"own value, but the model is abstract \(jax.eval_shape\) and has none: load into a "
+        r"concrete model \(made by its class\), or give this leaf of the abstract model a "
+        r"value first \(equinox.tree_at\)\.$"
+    )
+    with pytest.raises(convert.ConversionError, match=message) as raised:
         tt.io.load_safetensors(abstract, tmp_path / "v2.safetensors")
+    planned = tt.io.plan_load(abstract, tmp_path / "v2.safetensors")
+    assert planned.problems == raised.value.problems and str(planned.error) == str(raised.value)
+    assert sorted(t for s in planned.steps for t in s.targets) == [
+        "ffn.bias",
+        "ffn.kernel",
+        "qkv.kernel",
+    ]
+    assert planned.kept == ()
+    with pytest.raises(convert.ConversionError, match=r"'gate.kernel': an Init adds it"):
+        tt.migrate(abstract, tt.flat_state_dict(old), version=2)
+    gate = np.arange(64, dtype=np.float32).reshape(8, 8)
+    given = eqx.tree_at(lambda m: m.gate.kernel, abstract, jnp.asarray(gate))
+    loaded = tt.io.load_safetensors(given, tmp_path / "v2.safetensors")
+    np.testing.assert_array_equal(np.asarray(loaded.gate.kernel), gate)
+    np.testing.assert_array_equal(np.asarray(loaded.ffn.bias), np.asarray(old.ffn.bias))
+    assert tt.io.plan_load(given, tmp_path / "v2.safetensors").kept == ("gate.kernel",)
 
 
 def _versioned(migrations: Sequence[Sequence[Any]], version: int = 3) -> type:
@@ -350,3 +353,178 @@ def test_a_migrated_rename_or_transpose_reads_as_the_rule_would(tmp_path: Path) 
     loaded = tt.io.load_safetensors(Turned(), tmp_path / "v1.safetensors")
     np.testing.assert_array_equal(np.asarray(loaded.out["kernel"]), np.asarray(old.mlp.kernel).T)
     np.testing.assert_array_equal(np.asarray(loaded.out["bias"]), np.asarray(old.mlp.bias))
+
+
+# Nested versions: `Inner` (version 2) in a list of blocks of `Net` (no version of its own)
+# and of `NetV2` (version 2 itself), from a checkpoint of `NetV1` (every class at 1).
+
+
+def _nested_expected(old: Any, fresh: Any) -> dict[str, np.ndarray]:
+    """NumPy's migration of `old` (a NetV1) into `fresh` (a Net or NetV2): each block's MLP
+    renamed, its query kernel transposed, its gate (and NetV2's norm) the fresh model's."""
+    saved, kept = _numpy(old), _numpy(fresh)
+    out = {}
+    for i in range(len(old.blocks)):
+        block = f"blocks.{i}"
+        out[f"{block}.ffn.kernel"] = saved[f"{block}.mlp.kernel"]
+        out[f"{block}.ffn.bias"] = saved[f"{block}.mlp.bias"]
+        out[f"{block}.q_t"] = saved[f"{block}.q.kernel"].T
+        out[f"{block}.gate.kernel"] = kept[f"{block}.gate.kernel"]
+    head = "out" if "out.kernel" in kept else "head"
+    out[f"{head}.kernel"], out[f"{head}.bias"] = saved["head.kernel"], saved["head.bias"]
+    if "norm" in kept:
+        out["norm"] = kept["norm"]
+    return out
+
+
+def _check_all(loaded: Any, expected: dict[str, np.ndarray]) -> None:
+    got = _numpy(loaded)
+    assert sorted(got) == sorted(expected)
+    for name, value in expected.items():
+        np.testing.assert_array_equal(got[name], value, err_msg=name)
+
+
+INNER = "Inner's migrations from state version 1 to 2 at 'blocks.0', 'blocks.1', 'blocks.2'"
+
+
+@pytest.mark.parametrize("cls", [Net, NetV2])
+def test_nested_versions_are_recorded_by_path(cls: type) -> None:
+    schema = tt.schema(cls(rngs=nn.Rngs(0)))
+    assert dict(schema.versions) == {"blocks.0": 2, "blocks.1": 2, "blocks.2": 2}
+    assert schema.version == (2 if cls is NetV2 else None)
+    back = tt.Schema.from_json(schema.to_json())
+    assert back == schema and dict(back.versions) == dict(schema.versions)
+    assert tt.Schema(dict(schema), version=schema.version) != schema
+    assert tt.Schema(dict(schema), version=schema.version).fingerprint != schema.fingerprint
+    # a model without nested versions keeps the fingerprint of its entries (and version)
+    old = tt.schema(NetV1(rngs=nn.Rngs(0)))
+    assert dict(old.versions) == {} and old.fingerprint == tt.Schema(dict(old)).fingerprint
+    assert '"versions"' not in old.to_json()
+    with pytest.raises(ValueError, match=r"a schema's versions are by module path .* got ''"):
+        tt.Schema({}, versions={"": 2})
+    with pytest.raises(ValueError, match=r"a schema's version is an int >= 1 or None, got 0"):
+        tt.Schema({}, versions={"blocks.0": 0})
+
+
+@pytest.mark.parametrize("cls", [Net, NetV2], ids=["nested", "nested_and_top"])
+def test_a_nested_module_s_migrations_load_an_older_checkpoint(tmp_path: Path, cls: type) -> None:
+    old = NetV1(rngs=nn.Rngs(1))
+    path = tmp_path / "v1.safetensors"
+    save_safetensors(path, old)
+    fresh = cls(rngs=nn.Rngs(2))
+    expected = _nested_expected(old, fresh)
+    _check_all(tt.io.load_safetensors(fresh, path), expected)
+    saved = open_safetensors(path).schema
+    assert saved is not None
+    flat = tt.migrate(
+        fresh, tt.flat_state_dict(old), version=saved.version, versions=saved.versions
+    )
+    _check_all(tt.load_flat_state_dict(fresh, flat, strict=True), expected)
+    planned = tt.io.plan_load(fresh, path)
+    assert planned.ok
+    gates = tuple(f"blocks.{i}.gate.kernel" for i in range(3))
+    assert planned.kept == (*gates, "norm") if cls is NetV2 else gates
+    top = "; NetV2's migrations from state version 1 to 2" if cls is NetV2 else ""
+    assert planned.migrations == INNER + top
+    steps = {s.targets: s for s in planned.steps}
+    assert steps[("blocks.1.q_t",)].sources == ("blocks.1.q.kernel",)
+    assert steps[("blocks.1.q_t",)].way == "transposed"
+    head = "out" if cls is NetV2 else "head"
+    assert steps[(f"{head}.kernel",)].sources == ("head.kernel",)
+    # the model's own versions load as they are
+    save_safetensors(tmp_path / "v2.safetensors", fresh)
+    again = tt.io.plan_load(fresh, tmp_path / "v2.safetensors")
+    assert again.ok and again.migrations is None and again.kept == ()
+    assert (
+        tt.migrate(
+            fresh, flat, version=tt.schema(fresh).version, versions=tt.schema(fresh).versions
+        )
+        == flat
+    )
+
+
+def test_nested_and_newer_versions_are_refused_with_the_module_s_path(tmp_path: Path) -> None:
+    save_safetensors(tmp_path / "v2.safetensors", Net(rngs=nn.Rngs(1)))
+    newer = (
+        "taktiny.io.load_safetensors(NetV1): the state of 'blocks.0' was saved at state "
+        "version 2; InnerV1 is at version 1: load it with the newer code that saved it "
+        "(migrations only go forward)."
+    )
+    with pytest.raises(ValueError, match=re.escape(newer)):
+        tt.io.load_safetensors(NetV1(rngs=nn.Rngs(0)), tmp_path / "v2.safetensors")
+    planned = tt.io.plan_load(NetV1(rngs=nn.Rngs(0)), tmp_path / "v2.safetensors")
+    assert str(planned.error) == newer and planned.steps == ()
+    with pytest.raises(
+        ValueError,
+        match=r"taktiny.migrate\(Net\): the state of 'blocks.1' was saved at state version 3; "
+        r"Inner is at version 2",
+    ):
+        tt.migrate(Net(rngs=nn.Rngs(0)), {}, version=None, versions={"blocks.1": 3})
+    flat = tt.flat_state_dict(NetV1(rngs=nn.Rngs(1)))
+    with pytest.raises(
+        TypeError,
+        match=r"taktiny.migrate\(Net\): modules inside the model declare state versions of "
+        r"their own \('blocks.0', 'blocks.1', 'blocks.2'\): pass versions= too",
+    ):
+        tt.migrate(Net(rngs=nn.Rngs(0)), flat, version=None)
+
+
+def test_a_nested_migration_s_problems_name_the_module_s_path(tmp_path: Path) -> None:
+    old = NetV1(rngs=nn.Rngs(1))
+    save_safetensors(tmp_path / "v1.safetensors", old)
+    rules = Inner.state_migrations[0]
+
+    def net(migration: list[Any]) -> Any:
+        class Block(Inner):
+            state_migrations: ClassVar[Sequence[Sequence[Any]]] = (migration,)
+
+        class Model(nn.Module):
+            def __init__(self) -> None:
+                self.blocks = [Block(rngs=nn.Rngs(0)) for _ in range(3)]
+                self.head = nn.Linear(8, 4, rngs=nn.Rngs(0))
+
+        return Model()
+
+    typo = net([convert.Rule("mpl.{p}", "ffn.{p}"), *rules[1:]])
+    unmatched = (
+        r"(?s)Block.state_migrations\[0\] \(version 1 -> 2\) at 'blocks.0'.*"
+        r"\[unmatched\] 'blocks.0.mpl.\{p\}'"
+    )
+    with pytest.raises(convert.ConversionError, match=unmatched):
+        tt.io.load_safetensors(typo, tmp_path / "v1.safetensors")
+    with pytest.raises(convert.ConversionError, match=unmatched):
+        tt.migrate(typo, tt.flat_state_dict(old), version=None, versions={})
+    forgot = net(list(rules[:2]))  # the gate is not declared added
+    missing = (
+        r"(?s)after Block's migrations from state version 1 to 2 at 'blocks.0', 'blocks.1', "
+        r"'blocks.2': 3 problems.*\[missing\] 'blocks.0.gate.kernel': no migration makes it "
+        r"from the saved state"
+    )
+    with pytest.raises(convert.ConversionError, match=missing) as raised:
+        tt.io.load_safetensors(forgot, tmp_path / "v1.safetensors")
+    assert tt.io.plan_load(forgot, tmp_path / "v1.safetensors").problems == raised.value.problems
+
+
+def test_inner_modules_migrate_before_the_modules_that_hold_them(tmp_path: Path) -> None:
+    """An outer class's migration names its parts' leaves as their classes make them now
+    (``q_t``, which Inner's migration makes from ``q.kernel``): Inner's run first, then
+    the outer one's, composed into one conversion per saved tensor."""
+
+    class Flipped(nn.Module):  # version 2 stores each block's q_t transposed back
+        state_version: ClassVar[int] = 2
+        state_migrations: ClassVar[Sequence[Sequence[Any]]] = (
+            [convert.Rule("blocks.{i}.q_t", "blocks.{i}.q_t", convert.transpose((1, 0)))],
+        )
+
+        def __init__(self, *, rngs: nn.Rngs):
+            self.blocks = [Inner(rngs=rngs) for _ in range(3)]
+            self.head = nn.Linear(8, 4, rngs=rngs)
+
+    old = NetV1(rngs=nn.Rngs(1))
+    save_safetensors(tmp_path / "v1.safetensors", old)
+    fresh = Flipped(rngs=nn.Rngs(2))
+    expected = _nested_expected(old, fresh)
+    expected |= {f"blocks.{i}.q_t": _numpy(old)[f"blocks.{i}.q.kernel"] for i in range(3)}
+    _check_all(tt.io.load_safetensors(fresh, tmp_path / "v1.safetensors"), expected)
+    flat = tt.migrate(fresh, tt.flat_state_dict(old), version=None, versions={})
+    _check_all(tt.load_flat_state_dict(fresh, flat, strict=True), expected)

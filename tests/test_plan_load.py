@@ -5,6 +5,7 @@ goes (a scratch buffer, a transposition, a quantization); and checks that planni
 no tensor byte."""
 
 import os
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -12,11 +13,13 @@ import ml_dtypes
 import numpy as np
 import pytest
 from _reads import log_preads
+from _versions import BlockV1, BlockV2, BlockV3, Net, NetV1, NetV2
 from jax.sharding import NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
 import taktiny as tt
 from taktiny import convert as cv
+from taktiny import nn
 from taktiny._cli import main
 from taktiny.io import Tensor, load_safetensors, plan_load, save_safetensors
 
@@ -250,3 +253,171 @@ def test_the_plan_command(saved, tmp_path, monkeypatch, capsys):
     assert "has no function 'nothing'" in capsys.readouterr().err
     assert main(["plan", str(tmp_path / "absent.safetensors"), "--model", "plan_models:good"]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+# Plans of loads that migrate (tests/_versions.py's models), into concrete, abstract and
+# sharded models: each compared with the load it plans.
+
+
+@pytest.fixture(scope="module")
+def versioned(tmp_path_factory):
+    """A checkpoint of each version: {name: path}."""
+    folder = tmp_path_factory.mktemp("versions")
+    saved = {"block_v1": BlockV1, "block_v2": BlockV2, "block_v3": BlockV3}
+    saved |= {"net_v1": NetV1, "net": Net}
+    paths = {}
+    for name, cls in saved.items():
+        paths[name] = folder / f"{name}.safetensors"
+        save_safetensors(paths[name], cls(rngs=nn.Rngs(1)))
+    return paths
+
+
+def _sharded(make, rules):
+    """A function making the model `make` makes, sharded by `rules` on a mesh of its own."""
+    return lambda: tt.shard(make(), rules, jax.make_mesh((2, 4), ("data", "model")))
+
+
+def _block():
+    return BlockV3(rngs=nn.Rngs(2))
+
+
+def _net():
+    return Net(rngs=nn.Rngs(2))
+
+
+BLOCK_RULES = {"qkv.kernel": (None, "model"), "ffn.kernel": ("model", None)}
+NET_RULES = {"blocks.*.ffn.kernel": (None, "model"), "blocks.*.q_t": ("data", "model")}
+VERSIONED = {  # id -> (checkpoint, the model, load's arguments, (error type, steps))
+    "migrated": ("block_v1", _block, {}, (None, 3)),
+    "migrated from v2": ("block_v2", _block, {}, (None, 3)),
+    "migrated, quantized": ("block_v1", lambda: tt.quantize(_block()), {}, (None, 3)),
+    "migrated, not strict": ("block_v2", _block, {"strict": False}, (None, 3)),
+    "migrated, abstract": (
+        "block_v2",
+        lambda: jax.eval_shape(_block),
+        {},
+        (cv.ConversionError, 3),
+    ),
+    "migrated, sharded": ("block_v1", _sharded(_block, BLOCK_RULES), {}, (None, 3)),
+    "migrated, sharded abstract": (
+        "block_v1",
+        lambda: tt.eval_shape(_sharded(_block, BLOCK_RULES)),
+        {},
+        (cv.ConversionError, 3),
+    ),
+    "same version": ("block_v3", _block, {}, (None, 4)),
+    "newer": ("block_v3", lambda: BlockV2(rngs=nn.Rngs(2)), {}, (ValueError, 0)),
+    "rules for an older one": (
+        "block_v1",
+        _block,
+        {"rules": [cv.Rule("{p}", "{p}")]},
+        (ValueError, 0),
+    ),
+    "nested": ("net_v1", _net, {}, (None, 11)),
+    "nested and top": ("net_v1", lambda: NetV2(rngs=nn.Rngs(2)), {}, (None, 11)),
+    "nested, abstract": (
+        "net_v1",
+        lambda: jax.eval_shape(_net),
+        {},
+        (cv.ConversionError, 11),
+    ),
+    "nested, sharded": ("net_v1", _sharded(_net, NET_RULES), {}, (None, 11)),
+    "nested, sharded abstract": (
+        "net_v1",
+        lambda: tt.eval_shape(_sharded(_net, NET_RULES)),
+        {},
+        (cv.ConversionError, 11),
+    ),
+    "nested, newer": ("net", lambda: NetV1(rngs=nn.Rngs(2)), {}, (ValueError, 0)),
+}
+
+
+@pytest.mark.parametrize("case", list(VERSIONED))
+def test_a_plan_of_a_migrating_load_is_the_load_s(versioned, preads, monkeypatch, case):
+    """The plan's steps, bytes per device and read, the leaves it keeps and the error it
+    holds are those of the load it plans, whether the load succeeds or raises."""
+    name, make, kwargs, (expected, count) = VERSIONED[case]
+    path, model = versioned[name], make()
+    got = planned(model, path, monkeypatch, **kwargs)
+    assert len(got.steps) == count
+    preads.clear()
+    try:
+        loaded = load_safetensors(model, path, **kwargs)
+    except ValueError as error:
+        assert type(error) is expected and type(got.error) is expected
+        assert str(got.error) == str(error)
+        assert got.problems == getattr(error, "problems", (str(error),))
+        return
+    assert expected is None and got.ok
+    assert dict(got.device_bytes) == held(loaded)
+    assert dict(got.read_bytes) == {0: read(preads)}
+    before, after = tt.flat_state_dict(model), tt.flat_state_dict(loaded)
+    made = {t for s in got.steps for t in s.targets}
+    assert made.isdisjoint(got.kept) and made | set(got.kept) == set(after)
+    for leaf in got.kept:  # the leaves a migration adds keep the model's values
+        np.testing.assert_array_equal(np.asarray(after[leaf]), np.asarray(before[leaf]))
+    assert (got.migrations is None) == (case == "same version")
+
+
+def test_a_model_on_an_abstract_mesh_is_refused_naming_the_file_and_the_model(versioned):
+    """``jax.eval_shape`` of a function that shards keeps a mesh without devices: the load
+    and its plan refuse it alike, before anything, and say what to use instead;
+    ``tt.eval_shape`` of the same function keeps the mesh, and plans."""
+    make = _sharded(_block, BLOCK_RULES)
+    message = (
+        r"taktiny.io.load_safetensors\(BlockV3\): loading .*block_v3.safetensors: 4 leaves of "
+        r"the model \('qkv.kernel', 'ffn.kernel', 'ffn.bias', ...\) are sharded on an "
+        r"abstract mesh \({'data': 2, 'model': 4}\), which names no devices to place them on "
+        r"\(jax.eval_shape keeps only a mesh's axis sizes\): make the abstract model with "
+        r"taktiny.eval_shape, which keeps the mesh"
+    )
+    for call in (load_safetensors, plan_load):
+        with pytest.raises(ValueError, match=message):
+            call(jax.eval_shape(make), versioned["block_v3"])
+    got = plan_load(tt.eval_shape(make), versioned["block_v3"])
+    assert got.ok and len(got.device_bytes) == 8
+
+
+def test_the_plan_command_plans_migrated_and_sharded_models(
+    versioned, tmp_path, monkeypatch, capsys
+):
+    """``taktiny plan`` makes the model abstractly but plans the load into the concrete model
+    its factory makes: the leaves a migration adds are kept, and a sharded model is planned
+    with its shardings."""
+    (tmp_path / "versioned_models.py").write_text(
+        "import jax\n"
+        "import taktiny as tt\n"
+        "from taktiny import nn\n"
+        "from _versions import BlockV2, BlockV3, Net\n"
+        "def block():\n"
+        "    return BlockV3(rngs=nn.Rngs(0))\n"
+        "def old_block():\n"
+        "    return BlockV2(rngs=nn.Rngs(0))\n"
+        "def sharded():\n"
+        "    mesh = jax.make_mesh((2, 4), ('data', 'model'))\n"
+        "    rules = {'blocks.*.ffn.kernel': (None, 'model'), 'blocks.*.q_t': ('data', 'model')}\n"
+        "    return tt.shard(Net(rngs=nn.Rngs(0)), rules, mesh)\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delitem(sys.modules, "versioned_models", raising=False)
+    assert main(["plan", str(versioned["block_v1"]), "--model", "versioned_models:block"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert "kept from the model (added by a migration): gate.kernel" in out
+    assert "migrated: BlockV3's migrations from state version 1 to 3" in out
+    assert "3 steps, 1,056 bytes" in out and out[-1] == "the load would succeed"
+    assert main(["plan", str(versioned["net_v1"]), "--model", "versioned_models:sharded"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    import versioned_models
+
+    loaded = load_safetensors(versioned_models.sharded(), versioned["net_v1"])
+    held_bytes = [
+        f"device {d}: holds {n:,} bytes"
+        for d, n in sorted(held(loaded).items(), key=lambda i: i[0].id)
+    ]
+    assert [line for line in out if line.startswith("device ")] == held_bytes
+    assert len(held_bytes) == 8 and out[-1] == "the load would succeed"
+    assert main(["plan", str(versioned["block_v3"]), "--model", "versioned_models:old_block"]) == 1
+    out = capsys.readouterr().out
+    assert "the load would raise ValueError:" in out
+    assert "saved at state version 3; BlockV2 is at version 2" in out
+    monkeypatch.delitem(sys.modules, "versioned_models")

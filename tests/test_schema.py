@@ -185,7 +185,7 @@ def test_json_round_trips_and_what_is_edited_or_malformed_is_refused():
         (
             "[1]",
             r"a schema is a JSON object with 'format', 'fingerprint' and 'tensors' \(and "
-            r"optionally 'version'\), got \[1\]",
+            r"optionally 'version' and 'versions'\), got \[1\]",
         ),
         (
             '{"format": "x", "fingerprint": "", "tensors": {}}',
@@ -374,3 +374,84 @@ def test_taktiny_diff_names_a_side_it_cannot_read(models, capsys, side, message)
 def test_a_prng_key_array_is_described_by_jax_s_name_of_its_dtype():
     schema = tt.schema({"key": jax.random.key(0), "keys": jax.random.split(jax.random.key(1), 3)})
     assert dict(schema) == {"key": entry([], "key<fry>"), "keys": entry([3], "key<fry>")}
+
+
+VERSIONED = """
+from taktiny import nn
+from _versions import Net, NetV1, NetV2
+
+
+def net():
+    return Net(rngs=nn.Rngs(0))
+
+
+def net_v2():
+    return NetV2(rngs=nn.Rngs(0))
+
+
+def old():
+    return NetV1(rngs=nn.Rngs(0))
+"""
+
+
+def test_taktiny_diff_migrates_a_saved_schema_to_the_model_s_versions(models, capsys):
+    """A checkpoint of older versions that loads cleanly into a model shows no change: its
+    schema is migrated as the load would migrate it, and the report says by what."""
+    (models / "versioned.py").write_text(VERSIONED)
+    from _versions import Net, NetV1, NetV2
+
+    old = NetV1(rngs=nn.Rngs(1))
+    save_safetensors(models / "v1.safetensors", old)
+    (models / "v1.json").write_text(tt.schema(old).to_json())
+    inner = "Inner's migrations from state version 1 to 2 at 'blocks.0', 'blocks.1', 'blocks.2'"
+    net = tt.schema(Net(rngs=nn.Rngs(0)))
+    for a, b in [("v1.safetensors", "versioned:net"), ("versioned:net", "v1.json")]:
+        saved = a if a.startswith("v1") else b
+        code, out, _ = run_cli(capsys, "diff", a, b)
+        assert (code, out.splitlines()) == (
+            0,
+            [
+                f"migrated {saved} to versioned:net's state versions: {inner}",
+                f"the schemas agree: 14 names, fingerprint {net.fingerprint}",
+            ],
+        )
+    code, out, _ = run_cli(capsys, "diff", "v1.safetensors", "versioned:net_v2")
+    assert code == 0 and out.splitlines() == [
+        f"migrated v1.safetensors to versioned:net_v2's state versions: {inner}; "
+        "NetV2's migrations from state version 1 to 2",
+        f"the schemas agree: 15 names, fingerprint {tt.schema(NetV2(rngs=nn.Rngs(0))).fingerprint}",
+    ]
+    # with a filter: names compared after the migrations, which are still said
+    code, out, _ = run_cli(
+        capsys, "diff", "v1.safetensors", "versioned:net", "--filter", "blocks.0.**"
+    )
+    block = tt.Schema({n: e for n, e in net.items() if n.startswith("blocks.0.")})
+    assert (code, out.splitlines()) == (
+        0,
+        [
+            f"migrated v1.safetensors to versioned:net's state versions: {inner}",
+            f"the schemas agree: 4 names, fingerprint {block.fingerprint}",
+        ],
+    )
+    # a checkpoint of newer versions than the model's is refused, naming both and the module
+    save_safetensors(models / "v2.safetensors", Net(rngs=nn.Rngs(1)))
+    code, out, err = run_cli(capsys, "diff", "v2.safetensors", "versioned:old")
+    assert (code, out) == (2, "")
+    assert err == (
+        "taktiny: v2.safetensors into versioned:old: taktiny.migrate(NetV1): the state of "
+        "'blocks.0' was saved at state version 2; InnerV1 is at version 1: load it with the "
+        "newer code that saved it (migrations only go forward).\n"
+    )
+    # a file another program wrote has no versions: compared as it is
+    import safetensors.numpy
+
+    safetensors.numpy.save_file(
+        {n: np.asarray(v) for n, v in tt.flat_state_dict(old).items()}, models / "other.safetensors"
+    )
+    code, out, _ = run_cli(capsys, "diff", "other.safetensors", "versioned:net")
+    assert code == 1 and not out.startswith("migrated")
+    assert (
+        out.splitlines()[-1]
+        == "21 changes from other.safetensors to versioned:net: 9 missing, 12 added"
+    )
+    sys.modules.pop("versioned", None)

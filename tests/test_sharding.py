@@ -626,3 +626,28 @@ def test_eval_shape_under_a_default_platform_places_on_that_platforms_first_devi
         out = tt.eval_shape(lambda: jnp.zeros(3))
     assert out.sharding == SingleDeviceSharding(jax.devices("cpu")[0])
     assert tt.eval_shape(lambda: jnp.zeros(3)).sharding == SingleDeviceSharding(accelerator)
+
+
+def test_eval_shape_keeps_a_mesh_the_function_makes_itself_devices_and_all():
+    """A factory that shards onto a mesh of its own: ``jax.eval_shape`` keeps only the
+    mesh's axis sizes (an AbstractMesh, no devices to load onto); ``tt.eval_shape`` gives
+    each leaf the sharding the concrete model has, the mesh's device order included, and
+    leaves a result no one placed on the default device."""
+    devices = np.array(jax.devices("cpu")[::-1]).reshape(2, 4)  # not jax.devices()'s order
+    rules = {"encoder.*.up.kernel": (None, "model"), "embed.embedding": ("data", None)}
+
+    def make():
+        mesh = jax.sharding.Mesh(devices, ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
+        return {"net": tt.shard(Net(rngs=nn.Rngs(0)), rules, mesh), "step": jnp.zeros(())}
+
+    forgotten = jax.eval_shape(make)["net"].embed.embedding.sharding.mesh
+    assert isinstance(forgotten, jax.sharding.AbstractMesh)
+    concrete, abstract = make(), tt.eval_shape(make)
+    for made, kept in zip(jax.tree.leaves(concrete), jax.tree.leaves(abstract), strict=True):
+        assert isinstance(kept, jax.ShapeDtypeStruct) and kept.shape == made.shape
+        assert same(kept.sharding, made.sharding, made.ndim)
+        assert kept.sharding.devices_indices_map(kept.shape) == made.sharding.devices_indices_map(
+            made.shape
+        )
+    assert abstract["net"].encoder[1].up.kernel.sharding.spec == P(None, "model")
+    assert abstract["step"].sharding == SingleDeviceSharding(jax.devices()[0])

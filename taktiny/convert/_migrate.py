@@ -13,6 +13,13 @@ migrations. Two plain class variables, not a decorator: the schema walk reads
 ``state_version`` off the class without importing the module layer, and a reader sees
 both where the fields are.
 
+Any module of a model may declare them, not only the root: a ``Block`` held in
+``Model.blocks`` is at its own version, which the schema records under its path
+(``"blocks.0"``). Its rules name its own leaves (``"mlp.kernel"``) and are applied to each
+instance under its path (``"blocks.0.mlp.kernel"``), from the version recorded there (1
+when none is). Inner modules migrate first, each at the path the model holds it at, so the
+migrations of a module see its parts' names as their classes make them now.
+
 A migration lists only what changed: the rules (:class:`Rule`, :class:`Ignore`) apply
 to the names they match, and every other name passes through unchanged; :class:`Init`
 names the parameters it adds. Consecutive migrations compose: each is checked (a rule
@@ -25,12 +32,15 @@ and run as any conversion is (tensor by tensor by :func:`taktiny.io.load_safeten
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
 
+from ..state._names import flatten
+from ..state._schema import Schema, declared_versions, schema
 from ..state._tree import flat_state_dict
 from ._convert import Converted
 from ._coverage import ConversionError, ConversionProblem, plan, runner, spec
@@ -86,7 +96,54 @@ def declared(cls: type) -> tuple[int, tuple[Migration, ...]]:
     return version, tuple(migrations)
 
 
-def _start(cls: type, current: int, version: int | None, where: str) -> int:
+class Stage(NamedTuple):
+    """One module of a model whose state was saved at an older version of its class.
+
+    Attributes:
+        path: where the model holds it (``""``: the model itself; ``"blocks.0"``).
+        cls: its class.
+        start: the state version it was saved at.
+        current: its class's state version.
+    """
+
+    path: str
+    cls: type
+    start: int
+    current: int
+
+    def label(self, k: int) -> str:
+        """The name of its migration from version `k` to k + 1, in messages."""
+        at = f" at {self.path!r}" if self.path else ""
+        return f"{self.cls.__name__}.state_migrations[{k - 1}] (version {k} -> {k + 1}){at}"
+
+
+def stages(model: Any, version: int | None, versions: Mapping[str, int], where: str) -> list[Stage]:
+    """The modules of `model` to migrate from a state saved at `version` (the model's;
+    None: 1) and nested `versions` (by path; a path not there: 1), inner modules first
+    (a module's migrations then see its parts' names as their classes make them now), in
+    the model's order at each depth; each declaration checked (:func:`declared`).
+
+    Raises:
+        ValueError: a state saved at a newer version than its class's, naming the module.
+        TypeError: a malformed declaration.
+    """
+    out = []
+    for path, cls in flatten(model)[2].modules.items():
+        saved = version if not path else versions.get(path)
+        current, _ = declared(cls)
+        start = _start(cls, current, saved, where, path)
+        if start < current:
+            if any(c in path for c in "*?[]{}"):
+                raise ValueError(
+                    f"{where}: {cls.__name__} at {path!r} has migrations to apply, whose "
+                    f"names are written under its path, which holds a wildcard or a brace: "
+                    f"rename the key that holds it."
+                )
+            out.append(Stage(path, cls, start, current))
+    return sorted(out, key=lambda s: -len(s.path.split(".")) if s.path else 0)
+
+
+def _start(cls: type, current: int, version: int | None, where: str, path: str = "") -> int:
     """The version a state saved at `version` (None: undeclared, so 1) starts from."""
     start = 1 if version is None else version
     if type(start) is not int or start < 1:
@@ -95,52 +152,81 @@ def _start(cls: type, current: int, version: int | None, where: str) -> int:
             f"none), got {version!r}."
         )
     if start > current:
+        at = f" of {path!r}" if path else ""
         raise ValueError(
-            f"{where}: the state was saved at state version {start}; {cls.__name__} is at "
+            f"{where}: the state{at} was saved at state version {start}; {cls.__name__} is at "
             f"version {current}: load it with the newer code that saved it (migrations only "
             f"go forward)."
         )
     return start
 
 
-def migrate(model: Any, state: Mapping[str, Any], *, version: int | None) -> dict[str, Any]:
+def migrate(
+    model: Any,
+    state: Mapping[str, Any],
+    *,
+    version: int | None,
+    versions: Mapping[str, int] | None = None,
+) -> dict[str, Any]:
     """The flat state of `model` made from `state`, saved at state `version` of the
-    model's class, by the migrations the class declares (see the module's doc).
+    model's class (and `versions` of the versioned modules inside it), by the migrations
+    the classes declare (see the module's doc).
 
-    The one way to load an older state: pass the version its schema records
-    (``saved.version``; None for a model that declared none, which is version 1), then
-    load the result as any flat state, strict (``tt.load_flat_state_dict(model, flat,
-    strict=True)``). Parameters a migration adds (:class:`~taktiny.convert.Init`) take
-    `model`'s own values, so `model` must be concrete then. A state of the model's own
-    version is returned as it is (its load checks it).
-    :func:`taktiny.io.load_safetensors` migrates by itself, from the schema in the file.
+    The one way to load an older state: pass the versions its schema records
+    (``saved.version``, None for a model that declared none, which is version 1; and
+    ``saved.versions``), then load the result as any flat state, strict
+    (``tt.load_flat_state_dict(model, flat, strict=True)``). Parameters a migration adds
+    (:class:`~taktiny.convert.Init`) take `model`'s own values, so `model` must hold
+    them (be concrete) then. A state of the model's own versions is returned as it is
+    (its load checks it). :func:`taktiny.io.load_safetensors` migrates by itself, from
+    the schema in the file.
 
     Args:
-        model: the model (its class declares ``state_version`` and ``state_migrations``).
+        model: the model (its class, or those of modules inside it, declare
+            ``state_version`` and ``state_migrations``).
         state: the flat state as saved (``tt.flat_state_dict`` of a raw Orbax restore);
             its values may be arrays or anything with ``.shape`` and ``.dtype``.
-        version: the state version `state` was saved at.
+        version: the state version `state` was saved at (the saved schema's
+            ``version``).
+        versions: the state versions of the modules inside, by path, that `state` was
+            saved at (the saved schema's ``versions``; a path it lacks: version 1).
+            Required when a module inside `model` declares a version.
 
     Returns:
         ``{flat name: value}`` for every leaf of `model`, in its order.
 
     Raises:
-        ValueError: `version` is newer than the model's (or not a version).
-        TypeError: the class's declaration is malformed.
+        ValueError: a version newer than its class's (or not a version), naming the
+            module.
+        TypeError: a class's declaration is malformed; `versions` not given for a model
+            with versioned modules inside.
         taktiny.convert.ConversionError: listing every problem of the migrations (naming
-            the migration) or of the result against the model; nothing is converted.
+            the migration and the module's path) or of the result against the model (an
+            added parameter of an abstract model among them); nothing is converted.
     """
     where = f"taktiny.migrate({type(model).__name__})"
-    current, _ = declared(type(model))
-    if _start(type(model), current, version, where) == current:
+    if versions is None:
+        inside = [p for p in declared_versions(model) if p]
+        if inside:
+            raise TypeError(
+                f"{where}: modules inside the model declare state versions of their own "
+                f"({', '.join(map(repr, inside[:3]))}{', ...' if len(inside) > 3 else ''}): "
+                f"pass versions= too, the saved schema's versions (saved.versions; {{}} when "
+                f"the state was saved before they declared any)."
+            )
+    found = stages(model, version, versions or {}, where)
+    if not found:
         return dict(state)
     leaves = flat_state_dict(model)
-    rules, added = migration_rules(model, state, version, leaves, where)
+    rules, added = migration_rules(model, state, found, leaves, where)
+    problems = without_values(added, leaves)
+    if problems:
+        raise ConversionError(where, problems)
     target = {n: leaf for n, leaf in leaves.items() if n not in added}
     try:
         report, _ = plan(rules, state, target, PASS_ALLOWED, where)
     except ConversionError as error:
-        raise explained(error, type(model), version, where) from None
+        raise explained(error, found, where) from None
     converted = Converted(report.steps, state, target)
     return {n: leaves[n] if n in added else converted[n] for n in leaves}
 
@@ -148,86 +234,190 @@ def migrate(model: Any, state: Mapping[str, Any], *, version: int | None) -> dic
 def migration_rules(
     model: Any,
     source: Mapping[str, Any],
-    version: int | None,
+    found: Sequence[Stage],
     leaves: Mapping[str, Any],
     where: str,
 ) -> tuple[list[AnyRule], set[str]]:
-    """The rules that convert `source`, saved at `version`, to `model`'s current names in
-    one step each (for :func:`plan`, with :data:`PASS_ALLOWED`), and the names the
-    migrations add, each checked to be a leaf of `model` with a value to keep.
+    """The rules that convert `source`, saved before the migrations of `found`
+    (:func:`stages`), to `model`'s current names in one step each (for :func:`plan`, with
+    :data:`PASS_ALLOWED`), and the names the migrations add, each checked to be a leaf of
+    `model` (whether it has a value to keep: :func:`without_values`).
 
     Raises:
         ConversionError: every problem of a migration, or of the names it adds.
     """
-    cls = type(model)
-    current, migrations = declared(cls)
-    nodes: dict[str, _Node] = {name: ("source", name) for name in source}
-    specs: dict[_Node, Any] = {("source", n): spec(v) for n, v in source.items()}
-    applications: list[tuple[Transform, int | None, tuple[_Node, ...]]] = []
-    for k in range(_start(cls, current, version, where), current):
-        here = f"{where}: {cls.__name__}.state_migrations[{k - 1}] (version {k} -> {k + 1})"
-        migration = migrations[k - 1]
-        rules = [r for r in migration if not isinstance(r, Init)]
-        _check_added_kept(rules, nodes, here)
-        view = {n: _PLACEHOLDER if node[0] == "init" else specs[node] for n, node in nodes.items()}
-        report, _ = plan([*rules, PASS], view, {}, {"unknown": ["**"], **PASS_ALLOWED}, here)
-        made: dict[str, _Node] = {}
-        for step in report.steps:
-            inputs = tuple(nodes[n] for n in step.sources)
-            if isinstance(step.rule.transform, identity):  # a rename (or no change)
-                outputs = inputs
-            else:
-                count = None if step.rule.gathered else len(step.targets)
-                applications.append((step.rule.transform, count, inputs))
-                results = jax.eval_shape(
-                    runner(step.rule.transform, count), *(specs[i] for i in inputs)
-                )
-                outputs = tuple(("out", len(applications) - 1, j) for j in range(len(results)))
-                specs.update(zip(outputs, results, strict=True))
-            made.update(zip(step.targets, outputs, strict=True))
-        twice = [n for r in migration if isinstance(r, Init) for n in r.names if n in made]
-        if twice:
-            raise ConversionError(
-                here,
-                [
-                    ConversionProblem(
-                        "duplicate",
-                        n,
-                        "is added by an Init and also made from the saved state; drop one.",
-                    )
-                    for n in twice
-                ],
-            )
-        made.update((n, ("init", k)) for r in migration if isinstance(r, Init) for n in r.names)
-        nodes = made
+    nodes, _, applications = _walk(source, found)
     added = {n for n, node in nodes.items() if node[0] == "init"}
     _check_added(added, leaves, where)
     return _composed(source, nodes, applications), added
 
 
+_Applications = list[tuple[Transform, int | None, tuple[_Node, ...]]]
+
+
+def _walk(
+    source: Mapping[str, Any], found: Sequence[Stage]
+) -> tuple[dict[str, _Node], dict[_Node, Any], _Applications]:
+    """Each final name's node (a saved name, an added one, or a transform's output), the
+    spec of every node, and the transforms applied, through the migrations of `found`
+    in order, each checked from shapes alone."""
+    nodes: dict[str, _Node] = {name: ("source", name) for name in source}
+    specs: dict[_Node, Any] = {("source", n): spec(v) for n, v in source.items()}
+    applications: _Applications = []
+    for stage in found:
+        migrations = declared(stage.cls)[1]
+        prefix = f"{stage.path}." if stage.path else ""
+        for k in range(stage.start, stage.current):
+            here = f"{stage.label(k)}"
+            migration = [_prefixed(r, stage.path) for r in migrations[k - 1]]
+            rules = [r for r in migration if not isinstance(r, Init)]
+            mine = {n: node for n, node in nodes.items() if n.startswith(prefix)}
+            _check_added_kept(rules, mine, here)
+            view = {
+                n: _PLACEHOLDER if node[0] == "init" else specs[node] for n, node in mine.items()
+            }
+            report, _ = plan([*rules, PASS], view, {}, {"unknown": ["**"], **PASS_ALLOWED}, here)
+            made: dict[str, _Node] = {}
+            for step in report.steps:
+                inputs = tuple(mine[n] for n in step.sources)
+                if isinstance(step.rule.transform, identity):  # a rename (or no change)
+                    outputs = inputs
+                else:
+                    count = None if step.rule.gathered else len(step.targets)
+                    applications.append((step.rule.transform, count, inputs))
+                    results = jax.eval_shape(
+                        runner(step.rule.transform, count), *(specs[i] for i in inputs)
+                    )
+                    outputs = tuple(("out", len(applications) - 1, j) for j in range(len(results)))
+                    specs.update(zip(outputs, results, strict=True))
+                made.update(zip(step.targets, outputs, strict=True))
+            inits = [n for r in migration if isinstance(r, Init) for n in r.names]
+            twice = [n for n in inits if n in made]
+            if twice:
+                raise ConversionError(
+                    here,
+                    [
+                        ConversionProblem(
+                            "duplicate",
+                            n,
+                            "is added by an Init and also made from the saved state; drop one.",
+                        )
+                        for n in twice
+                    ],
+                )
+            made.update((n, ("init", k)) for n in inits)
+            nodes = {**{n: node for n, node in nodes.items() if n not in mine}, **made}
+    return nodes, specs, applications
+
+
+def _prefixed(rule: AnyRule | Init, path: str) -> AnyRule | Init:
+    """A nested module's rule, written for its own names, for its names under `path`."""
+    if not path:
+        return rule
+    if isinstance(rule, Init):
+        return Init(*(f"{path}.{n}" for n in rule.names))
+    if isinstance(rule, Ignore):
+        return Ignore(*(f"{path}.{p}" for p in rule.sources))
+    if isinstance(rule, Tie):  # (declared() refuses it in a migration)
+        return rule
+    sources = (
+        [re.escape(f"{path}.") + s.removeprefix("^") for s in rule.sources]
+        if rule.regex
+        else [f"{path}.{s}" for s in rule.sources]
+    )
+    targets = [f"{path}.{t}" for t in rule.targets]
+    return Rule(sources, targets, rule.transform, regex=rule.regex)
+
+
+def migrated_schema(model: Any, saved: Schema) -> tuple[Schema, list[Stage]]:
+    """`saved`, the schema of a state saved at older versions of `model`'s classes, as the
+    migrations make it: each name the migrations make from it with its shape and dtype
+    (a renamed leaf keeps its whole entry; a transformed one, on no mesh and unquantized,
+    keeps its source's sharding when its shape is its source's), each name they add with
+    `model`'s entry (a load keeps the model's value), and `model`'s versions; and the
+    modules migrated (:class:`Stage`), none when `saved` is at the model's versions.
+
+    Raises:
+        ValueError: a version newer than its class's, naming the module.
+        ConversionError: every problem of a migration, naming it.
+    """
+    where = f"taktiny.migrate({type(model).__name__})"
+    found = stages(model, saved.version, saved.versions, where)
+    if not found:
+        return saved, []
+    mine = schema(model)
+    source = {n: jax.ShapeDtypeStruct(e["shape"], _dtype(e["dtype"])) for n, e in saved.items()}
+    nodes, specs, applications = _walk(source, found)
+    entries: dict[str, Any] = {}
+    for name, node in nodes.items():
+        if node[0] == "init":
+            if name in mine:
+                entries[name] = mine[name]
+        elif node[0] == "source":
+            entries[name] = saved[node[1]]
+        else:
+            made = specs[node]
+            first = applications[node[1]][2][0]
+            like = saved[first[1]] if first[0] == "source" else None
+            kept = like is not None and like["shape"] == list(made.shape)
+            entries[name] = {
+                "shape": list(made.shape),
+                "dtype": np.dtype(made.dtype).name,
+                "sharding": like["sharding"] if kept and like is not None else None,
+                "quantization": None,
+            }
+    return Schema(entries, version=mine.version, versions=mine.versions), found
+
+
+def _dtype(name: str) -> Any:
+    """The dtype a schema names (a PRNG key's, which NumPy cannot name: as a float32, whose
+    shape alone the migrations' checks use)."""
+    try:
+        return jax.numpy.dtype(name)
+    except TypeError:
+        return np.float32
+
+
+def stages_text(found: Sequence[Stage]) -> str:
+    """The migrations of `found` in words: ``Block's migrations from state version 1 to 2
+    at 'blocks.0', 'blocks.1'; Model's migrations from state version 1 to 3``."""
+    groups: dict[tuple[type, int, int], list[str]] = {}
+    for s in found:
+        groups.setdefault((s.cls, s.start, s.current), []).append(s.path)
+    parts = []
+    for (cls, start, current), paths in groups.items():
+        shown = [repr(p) for p in paths if p]
+        if len(shown) > 4:
+            shown = [*shown[:2], "...", shown[-1], f"({len(shown)} modules)"]
+        at = f" at {', '.join(shown)}" if shown else ""
+        parts.append(f"{cls.__name__}'s migrations from state version {start} to {current}{at}")
+    return "; ".join(parts)
+
+
 def explained(
-    error: ConversionError, cls: type, version: int | None, where: str
+    error: ConversionError,
+    found: Sequence[Stage],
+    where: str,
+    more: Sequence[ConversionProblem] = (),
 ) -> ConversionError:
     """`error` of the check of migrated names against the model, its missing and unknown
     names explained as the migrations' (the fix is in a migration, not in a load's
-    options)."""
-    current, _ = declared(cls)
-    start = 1 if version is None else version
+    options), with `more` problems after them."""
+    one = found[0] if len(found) == 1 and not found[0].path else None
+    saved = f"a state of version {one.start}" if one is not None else "the saved state"
+    holder = one.cls.__name__ if one is not None else "the model"
     fixes = {
-        "missing": f"no migration makes it from a state of version {start}: add a Rule for "
-        f"it to the migration that renamed it, or an Init to the one that added it.",
-        "unknown": f"a state of version {start} still holds it after the migrations, but "
-        f"{cls.__name__} has no such leaf: add a Rule to the migration that renamed it, or "
-        f"an Ignore to the one that removed it.",
+        "missing": f"no migration makes it from {saved}: add a Rule for it to the migration "
+        f"that renamed it, or an Init to the one that added it.",
+        "unknown": f"{saved} still holds it after the migrations, but {holder} has no such "
+        f"leaf: add a Rule to the migration that renamed it, or an Ignore to the one that "
+        f"removed it.",
     }
     problems = [
         ConversionProblem(p.kind, p.name, fixes[p.kind]) if p.kind in fixes else p
         for p in error.problems
     ]
-    return ConversionError(
-        f"{where}: after {cls.__name__}'s migrations from state version {start} to {current}",
-        problems,
-    )
+    return ConversionError(f"{where}: after {stages_text(found)}", [*problems, *more])
 
 
 def _check_added_kept(rules: Sequence[AnyRule], nodes: Mapping[str, _Node], here: str) -> None:
@@ -254,29 +444,36 @@ def _check_added_kept(rules: Sequence[AnyRule], nodes: Mapping[str, _Node], here
 
 
 def _check_added(added: set[str], leaves: Mapping[str, Any], where: str) -> None:
-    problems = []
-    for name in sorted(added):
-        leaf = leaves.get(name, leaves.get(f"{name}.value"))  # (a quantized one: its parts)
-        if leaf is None:
-            problems.append(
-                ConversionProblem(
-                    "unknown",
-                    name,
-                    "an Init adds it, but the model has no such leaf: fix the name, or "
-                    "rename it in the migration that renamed the parameter.",
-                )
-            )
-        elif isinstance(leaf, jax.ShapeDtypeStruct):
-            problems.append(
-                ConversionProblem(
-                    "missing",
-                    name,
-                    "an Init adds it, so it keeps the model's initial value, but the model "
-                    "is abstract and has none: migrate into a concrete model.",
-                )
-            )
+    problems = [
+        ConversionProblem(
+            "unknown",
+            name,
+            "an Init adds it, but the model has no such leaf: fix the name, or "
+            "rename it in the migration that renamed the parameter.",
+        )
+        for name in sorted(added)
+        if name not in leaves and f"{name}.value" not in leaves  # (a quantized one: its parts)
+    ]
     if problems:
         raise ConversionError(where, problems)
+
+
+def without_values(added: set[str], leaves: Mapping[str, Any]) -> list[ConversionProblem]:
+    """A problem for each name in `added` (the parameters the migrations add, which keep
+    the model's values) whose leaf the model holds no value for (an abstract model's), in
+    the model's order."""
+    names = {f"{n}.value": n for n in added} | {n: n for n in added}
+    return [
+        ConversionProblem(
+            "missing",
+            names[name],
+            "an Init adds it, so it keeps the model's own value, but the model is abstract "
+            "(jax.eval_shape) and has none: load into a concrete model (made by its class), "
+            "or give this leaf of the abstract model a value first (equinox.tree_at).",
+        )
+        for name, leaf in leaves.items()
+        if name in names and isinstance(leaf, jax.ShapeDtypeStruct)
+    ]
 
 
 def _composed(

@@ -89,8 +89,8 @@ class Checkpoint(Mapping[str, Tensor]):
 
 
 def schema_part(checkpoint: Checkpoint, read: Callable[[str], Any]) -> Any:
-    """`read` (:meth:`taktiny.Schema.from_json`, or `_schema.recorded_version` for the
-    version alone) of the schema the checkpoint's header records; None without one.
+    """`read` (:meth:`taktiny.Schema.from_json`, or `_schema.recorded_versions` for the
+    versions alone) of the schema the checkpoint's header records; None without one.
     Raises SafetensorsError naming the file for one Taktiny did not write."""
     from ..state import _schema
 

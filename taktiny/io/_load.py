@@ -34,7 +34,7 @@ from ._place import (
     transformed,
     transposed_leaf,
 )
-from ._plan import migration_of, opened, steps_of, tensors_of
+from ._plan import migration_of, opened, steps_of, tensors_of, unkept
 from ._read import Readahead
 from ._readers import Readers
 
@@ -79,7 +79,9 @@ def load_safetensors(
             own flat names (:func:`taktiny.flat_state_dict`), or those of an older state
             version of its class: a checkpoint whose schema records an older version (no
             version: 1) is converted by the class's migrations (:func:`taktiny.migrate`),
-            checked as rules are, and the parameters they add keep the model's values.
+            those of each versioned module inside it too, from the versions its schema
+            records; checked as rules are, and the parameters they add keep the model's
+            values (an abstract model has none: an error names each such parameter).
         allow: with `rules`, problems to let through, as :func:`taktiny.convert.check`
             takes them (``{"unused": ["**.inv_freq"]}``). Leaves no rule makes are not
             `allow`'s but `strict`'s to decide, with rules or without.
@@ -107,13 +109,17 @@ def load_safetensors(
         SafetensorsError: for a corrupt checkpoint, naming the file and tensor; for
             damaged bytes, also both checksums. Nothing is returned then.
         ValueError: `allow` without `rules`; a checkpoint saved at a newer state version
-            than the model's; `rules` for a checkpoint of an older version.
+            than the model's (or a module's inside it); `rules` for a checkpoint of an older
+            version; a model sharded on an abstract mesh (``jax.eval_shape`` of a function
+            that shards: use :func:`taktiny.eval_shape`), naming the file and the model.
     """
     where, checkpoint, leaves, quantized = opened(model, path, rules, allow)
     migration = migration_of(where, model, checkpoint, leaves, quantized, rules)
     steps = steps_of(
         where, rules, allow, checkpoint, leaves, quantized, strict, migration=migration
     )
+    if (error := unkept(where, migration)) is not None:
+        raise error
     total = sum(t.nbytes for s in steps for t in tensors_of(checkpoint, s))
     order = [t for step in steps for t in tensors_of(checkpoint, step)]
     starts = list(itertools.accumulate((len(s.sources) for s in steps), initial=0))

@@ -23,7 +23,8 @@ import jax
 import numpy as np
 
 from .._messages import table
-from ..convert._coverage import ConversionError, ConversionProblem, Step, runner
+from ..convert._coverage import ConversionProblem, Step, runner
+from ..convert._migrate import stages_text
 from ..convert._rules import AnyRule
 from ..convert._transforms import identity
 from ..state import _problems as err
@@ -31,7 +32,16 @@ from ._checkpoint import Checkpoint
 from ._header_checks import spec_of
 from ._load import Ways
 from ._place import sharding_of
-from ._plan import IDENTITY, migration_of, opened, parts_of, plain_plan, steps_of, tensors_of
+from ._plan import (
+    IDENTITY,
+    migration_of,
+    opened,
+    parts_of,
+    plain_plan,
+    steps_of,
+    tensors_of,
+    unkept,
+)
 from ._read import BOX_PIECE, SafetensorsError, Tensor
 
 
@@ -83,8 +93,15 @@ class LoadPlan:
         ties: the tied pairs of names the rules declare; a load reads both and checks
             that they are equal, which the plan does not.
         error: the error the load would raise (:class:`~taktiny.StateDictError`,
-            :class:`~taktiny.convert.ConversionError`, or :class:`SafetensorsError`), not
-            raised; None when it would load. The steps are then those the headers allow.
+            :class:`~taktiny.convert.ConversionError`, :class:`SafetensorsError`, or a
+            ``ValueError`` for a checkpoint of a newer state version), not raised; None
+            when it would load. The steps are then those the headers allow.
+        kept: the leaves that keep the model's values: those the migrations of an older
+            checkpoint add (:class:`~taktiny.convert.Init`), when the model has values
+            for them (an abstract model's are in ``error`` instead).
+        migrations: the migrations the load applies to an older checkpoint, in words
+            (``"Block's migrations from state version 1 to 2 at 'blocks.0', 'blocks.1'"``);
+            None when it applies none.
     """
 
     steps: tuple[PlannedStep, ...]
@@ -94,6 +111,8 @@ class LoadPlan:
     peak_host_bytes: int
     ties: tuple[tuple[str, str], ...]
     error: Exception | None
+    kept: tuple[str, ...] = ()
+    migrations: str | None = None
 
     @property
     def problems(self) -> tuple[err.StateProblem | ConversionProblem | str, ...]:
@@ -127,6 +146,10 @@ class LoadPlan:
             f"({self.scratch_bytes:,} beyond the model's arrays)"
         )
         lines += [f"tied, checked when loading: {a} = {b}" for a, b in self.ties]
+        if self.migrations is not None:
+            lines.append(f"migrated: {self.migrations}")
+        if self.kept:
+            lines.append(f"kept from the model (added by a migration): {', '.join(self.kept)}")
         if self.error is None:
             lines.append("the load would succeed")
         else:
@@ -160,6 +183,9 @@ def plan_load(
     into place piece by piece, which go through the load's scratch buffers (two, or one
     for a quantizing load) to be transformed, cast or quantized. Its problems are those
     the load would raise before reading any data, the same records in the same order.
+    A checkpoint of older state versions is planned as the load migrates it: the steps
+    its migrations make, the leaves they add in ``kept`` (each an error instead when the
+    model is abstract and has no value for it, the other steps still planned).
 
     Args:
         model: the target, as :func:`load_safetensors` takes it: abstract, sharded or
@@ -176,16 +202,32 @@ def plan_load(
 
     Raises:
         SafetensorsError: the checkpoint's headers cannot be read (opening it fails).
-        ValueError: `allow` without `rules`; a checkpoint saved at a newer state version
-            than the model's; `rules` for a checkpoint of an older version (a plan of one
-            plans the load its class's migrations make, as the load does).
+        ValueError: `allow` without `rules`; a model sharded on an abstract mesh
+            (``jax.eval_shape`` of a function that shards: plan
+            :func:`taktiny.eval_shape`'s), naming the file and the model. What the load
+            would raise besides (a checkpoint of a newer state version, `rules` for one of
+            an older version, whose plan is the load its classes' migrations make) is the
+            plan's ``error``.
     """
+    return planned(model, path, (rules, allow, strict, verify), has_values=False)
+
+
+def planned(
+    model: Any, path: Any, options: tuple[Any, Any, bool, bool], *, has_values: bool
+) -> LoadPlan:
+    """:func:`plan_load` with its `options` (rules, allow, strict, verify); with
+    `has_values`, of the load into the concrete model that `model` describes (``taktiny
+    plan`` makes it abstractly, with :func:`taktiny.eval_shape` of its factory): the
+    leaves a migration adds keep the values that model has."""
+    rules, allow, strict, verify = options
     where, checkpoint, leaves, quantized = opened(model, path, rules, allow)
     ties: list[tuple[str, str]] = []
     error: Exception | None = None
     migration = None
     try:
-        migration = migration_of(where, model, checkpoint, leaves, quantized, rules)
+        migration = migration_of(
+            where, model, checkpoint, leaves, quantized, rules, has_values=has_values
+        )
         steps = steps_of(
             where,
             rules,
@@ -197,17 +239,22 @@ def plan_load(
             ties=ties,
             migration=migration,
         )
-    except (err.StateDictError, ConversionError, SafetensorsError) as raised:
+        error = unkept(where, migration)
+    except ValueError as raised:  # (a StateDictError, ConversionError, SafetensorsError too)
         error = raised
         steps = []
-        plain = rules is None and migration is None and not isinstance(raised, ConversionError)
+        plain = (
+            rules is None
+            and migration is None
+            and isinstance(raised, (err.StateDictError, SafetensorsError))
+        )
         if plain:  # the tensors that would load, beside the problems of the others
             try:
                 steps = plain_plan(checkpoint, leaves, quantized, strict)[0]
             except SafetensorsError:
                 pass
     ways = Ways(checkpoint, steps, leaves, quantized)
-    planned, scratch, temporaries = [], [0] * ways.buffers, []
+    steps_planned, scratch, temporaries = [], [0] * ways.buffers, []
     reads: dict[int, int] = {}
     for k, step in enumerate(steps):
         sources = tensors_of(checkpoint, step)
@@ -218,18 +265,24 @@ def plan_load(
         temporaries.append(temporary)
         for process, n in _read_by_process(ways.direct[k], sources, verify).items():
             reads[process] = reads.get(process, 0) + n
-        planned.append(_planned(step, sources, way, leaves, quantized))
+        steps_planned.append(_planned(step, sources, way, leaves, quantized))
     device_bytes = _device_bytes(leaves)
     extra = sum(scratch) + sum(sorted(temporaries)[-2:])
     on_host = sum(n for d, n in device_bytes.items() if d.platform == "cpu")
+    kept: tuple[str, ...] = ()
+    if migration is not None:
+        unvalued = {q for p in migration.problems for q in parts_of(p.name, quantized)}
+        kept = tuple(n for n in leaves if n in migration.added and n not in unvalued)
     return LoadPlan(
-        tuple(planned),
+        tuple(steps_planned),
         types.MappingProxyType(device_bytes),
         types.MappingProxyType(dict(sorted(reads.items()))),
         extra,
         extra + on_host,
         tuple(ties),
         error,
+        kept,
+        None if migration is None else stages_text(migration.stages),
     )
 
 

@@ -8,6 +8,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
+from jax.sharding import AbstractMesh
 
 from .._qarray import QArray
 from ..convert._convert import check_ties
@@ -19,8 +20,17 @@ from ..convert._coverage import (
     check_allow,
     plan,
 )
-from ..convert._migrate import PASS_ALLOWED, declared, explained, migration_rules
+from ..convert._migrate import (
+    PASS_ALLOWED,
+    Stage,
+    explained,
+    migration_rules,
+    stages,
+    stages_text,
+    without_values,
+)
 from ..convert._rules import AnyRule, Rule
+from ..sharding._specs import mesh_text
 from ..state import _problems as err
 from ..state import _schema, _tree, _values
 from . import _quantized_format as qz
@@ -46,30 +56,53 @@ def opened(
 ) -> tuple[str, Checkpoint, dict[str, Any], dict[str, QArray]]:
     """What a load (or its plan) starts from: the name it gives itself in messages, the
     checkpoint opened (its headers), the model's flat leaves and its quantized arrays.
-    Raises ValueError for `allow` without `rules`."""
+    Raises ValueError for `allow` without `rules`, and for leaves on an abstract mesh."""
     where = f"taktiny.io.load_safetensors({type(model).__name__})"
     if rules is None and allow is not None:
         raise ValueError(f"{where}: allow= applies to rules; pass rules= with it.")
     checkpoint = path if isinstance(path, Checkpoint) else open_safetensors(path)
-    return where, checkpoint, _tree.flat_state_dict(model), qz.quantized_arrays(model)
+    leaves = _tree.flat_state_dict(model)
+    abstract = [
+        (n, leaf.sharding.mesh)
+        for n, leaf in leaves.items()
+        if isinstance(getattr(getattr(leaf, "sharding", None), "mesh", None), AbstractMesh)
+    ]
+    if abstract:
+        names = ", ".join(repr(n) for n, _ in abstract[:3]) + (", ..." if len(abstract) > 3 else "")
+        raise ValueError(
+            f"{where}: loading {checkpoint.path}: {len(abstract)} leaves of the model ({names}) "
+            f"are sharded on an abstract mesh ({mesh_text(abstract[0][1])}), which names no "
+            f"devices to place them on (jax.eval_shape keeps only a mesh's axis sizes): make "
+            f"the abstract model with taktiny.eval_shape, which keeps the mesh, or place it "
+            f"with taktiny.shard(model, rules, mesh)."
+        )
+    return where, checkpoint, leaves, qz.quantized_arrays(model)
+
+
+def unkept(where: str, migration: Migration | None) -> ConversionError | None:
+    """The error for the leaves a migration adds that the model has no value for."""
+    if migration is None or not migration.problems:
+        return None
+    return ConversionError(f"{where}: after {stages_text(migration.stages)}", migration.problems)
 
 
 class Migration(NamedTuple):
-    """How a checkpoint of an older state version than the model's loads: by the rules its
-    class's migrations compose into (see :func:`taktiny.migrate`), the leaves they add
-    keeping the model's values.
+    """How a checkpoint saved at older state versions of the model's classes loads: by
+    the rules their migrations compose into (see :func:`taktiny.migrate`), the leaves they
+    add keeping the model's values.
 
     Attributes:
-        cls: the model's class.
-        version: the checkpoint's state version.
+        stages: the modules migrated, inner first (the model itself at path ``""``).
         rules: the composed rules, from the checkpoint's names to the model's.
         added: the leaves the migrations add (a quantized parameter's two parts).
+        problems: one for each added leaf the model has no value for (an abstract
+            model's); a load raises them once its steps are planned.
     """
 
-    cls: type
-    version: int
+    stages: list[Stage]
     rules: list[AnyRule]
     added: set[str]
+    problems: list[ConversionProblem]
 
 
 def migration_of(
@@ -79,28 +112,33 @@ def migration_of(
     leaves: Mapping[str, Any],
     quantized: Mapping[str, QArray],
     rules: Sequence[AnyRule] | None,
+    *,
+    has_values: bool = False,
 ) -> Migration | None:
     """The migration a load of `checkpoint` into `model` needs, when the schema in the
-    file records an older state version than the model's (a file with no schema is not
-    Taktiny's and has no version); None when it needs none. Raises ValueError for a newer
-    version, and for `rules` with an older one (user rules convert files that are not
-    Taktiny's; the migrations convert this one); ConversionError for a migration's
-    problems."""
+    file records an older state version of the model's class, or of a module inside it,
+    than the class's own (a file with no schema is not Taktiny's and has no version);
+    None when it needs none. Raises ValueError for a newer version, and for `rules` with
+    an older one (user rules convert files that are not Taktiny's; the migrations convert
+    this one); ConversionError for a migration's problems. With `has_values`, the model's
+    leaves stand for the values of the concrete model (as :func:`taktiny.eval_shape` of
+    its factory describes it): an added leaf keeps its value, whatever the leaf is."""
     if checkpoint.metadata.get(_schema.KEY) is None:  # not Taktiny's: no version
         return None
-    version = schema_part(checkpoint, _schema.recorded_version) or 1  # (its entries unread)
-    current = declared(type(model))[0]
-    if version == current:
+    version, versions = schema_part(checkpoint, _schema.recorded_versions)  # (entries unread)
+    found = stages(model, version, versions, where)  # (newer: raises)
+    if not found:
         return None
-    if rules is not None and version < current:
+    if rules is not None:
         raise ValueError(
-            f"{where}: {checkpoint.path} was saved at state version {version} and the model's "
-            f"migrations convert it; rules= converts a checkpoint that is not Taktiny's into "
-            f"the model's names: drop rules=."
+            f"{where}: {checkpoint.path} was saved at older state versions, which "
+            f"{stages_text(found)} convert; rules= converts a checkpoint that is not "
+            f"Taktiny's into the model's names: drop rules=."
         )
-    made, names = migration_rules(model, checkpoint, version, leaves, where)  # (newer: raises)
+    made, names = migration_rules(model, checkpoint, found, leaves, where)
     added = {p for n in names for p in parts_of(n, quantized)}
-    return Migration(type(model), version, made, added)
+    problems = [] if has_values else without_values(names, leaves)
+    return Migration(found, made, added, problems)
 
 
 def steps_of(
@@ -118,7 +156,9 @@ def steps_of(
     """The steps of a load, in the file's order, every problem the headers show raised
     first (a StateDictError or ConversionError). With `ties` (a list), the rules' tied
     pairs are put in it instead of being read and compared (a plan reads no data). With a
-    `migration`, its rules replace `rules`, and the leaves it adds need not be made."""
+    `migration`, its rules replace `rules`, and the leaves it adds need not be made; the
+    problems of those the model has no value for come with a ConversionError of the
+    rules', else are the caller's to raise (a plan keeps the steps)."""
     added: set[str] = set()
     if migration is not None:
         rules, added = migration.rules, migration.added
@@ -131,7 +171,7 @@ def steps_of(
         try:
             steps = ruled_steps(where, rules, allow, checkpoint, leaves, quantized, strict, ties)
         except ConversionError as error:
-            raise explained(error, migration.cls, migration.version, where) from None
+            raise explained(error, migration.stages, where, migration.problems) from None
     made = {p for s in steps for t in s.targets for p in parts_of(t, quantized)}
     problems = absent_leaves(leaves, made | added, strict)
     if problems:

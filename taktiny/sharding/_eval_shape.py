@@ -6,7 +6,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 
 from ._specs import ambient_mesh, mesh_text
 
@@ -37,10 +37,16 @@ def eval_shape(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
 
     Every leaf has a sharding: a result that no computation places is replicated on the
     mesh (or, without a mesh, on the default device), so an Orbax restore with it as the
-    target never guesses. Should `fn` do something that ``Explicit`` axes refuse as
-    ambiguous (a contraction over two split axes, say), the shardings are those the
-    compiler chooses for ``jax.jit(fn)`` on the original mesh instead (found by compiling
-    it, still without running it).
+    target never guesses. A function that makes its own mesh and places its results on it
+    (``tt.shard(Model(rngs=...), rules, jax.make_mesh(...))``) keeps that mesh, devices
+    and all, where ``jax.eval_shape`` keeps only its axis sizes: such a function is
+    lowered (not compiled, not run) to find them. (Only a mesh with ``Explicit`` axes,
+    ``jax.make_mesh``'s default, leaves its shardings in the traced types; one with
+    ``Auto`` axes made inside `fn` leaves none, so build under ``jax.set_mesh`` then.)
+    Should `fn` do something that ``Explicit`` axes refuse as ambiguous (a contraction
+    over two split axes, say), the shardings are those the compiler chooses for
+    ``jax.jit(fn)`` on the original mesh instead (found by compiling it, still without
+    running it).
 
     Args:
         fn: the function; its arguments may be arrays or ``jax.ShapeDtypeStruct``.
@@ -68,6 +74,17 @@ def eval_shape(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     if not meshes:
         out = jax.eval_shape(fn, *args, **kwargs)
         default = jax.sharding.SingleDeviceSharding(default_device())
+        if any(_on_abstract_mesh(s) for s in jax.tree.leaves(out)):
+            # `fn` places arrays on a mesh of its own (tt.shard(model, rules, mesh)), whose
+            # devices tracing forgets: lowering it (not compiling) gives them back
+            placed = jax.jit(fn).lower(*args, **kwargs).out_info
+
+            def found(s: jax.ShapeDtypeStruct, p: Any) -> jax.ShapeDtypeStruct:
+                if _on_abstract_mesh(s) and isinstance(p.sharding, NamedSharding):
+                    return _with(s, NamedSharding(p.sharding.mesh, s.sharding.spec))
+                return _with(s, p.sharding or default)
+
+            return jax.tree.map(found, out, placed)
         return jax.tree.map(lambda s: _with(s, s.sharding or default), out)
     mesh = meshes[0]
     explicit = Mesh(
@@ -109,6 +126,10 @@ def default_device() -> Any:
     if isinstance(default, str):
         return jax.local_devices(backend=default)[0]
     return default or jax.local_devices()[0]
+
+
+def _on_abstract_mesh(s: jax.ShapeDtypeStruct) -> bool:
+    return isinstance(getattr(s.sharding, "mesh", None), AbstractMesh)
 
 
 def _with(s: jax.ShapeDtypeStruct, sharding: Any) -> jax.ShapeDtypeStruct:

@@ -92,6 +92,7 @@ class Spec:
     index: dict[str, int]  # name -> leaf position
     template: dict[str, Entry]  # nested: key -> leaf position | sub-template | Custom
     plan: Any  # how to gather a full nested state's values in leaf order (None: can't)
+    modules: dict[str, type]  # the class of each module by its path ("": the root)
 
 
 ARRAY_TYPES = (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct)  # what is an array
@@ -150,7 +151,30 @@ def _make_spec(tree: Any) -> Spec:
     if len(index) != len(names):
         twice = sorted({n for n in names if names.count(n) > 1})
         raise TypeError(f"{where} gives two leaves the same name: {twice[:5]}.")
-    return Spec(tuple(names), index, template, _plan(template))
+    return Spec(tuple(names), index, template, _plan(template), _modules(tree, where))
+
+
+def _is_module(x: object) -> bool:
+    """A module (a dataclass node of Taktiny's), or any node whose class declares a state
+    version (see :func:`taktiny.migrate`)."""
+    return hasattr(type(x), "_taktiny_data") or hasattr(type(x), "state_version")
+
+
+def _modules(tree: Any, where: str) -> dict[str, type]:
+    """The class of every module of `tree` by its path, its keys joined with "." as the
+    names of its leaves are ("" for the root, when it is one), outer modules first."""
+    found: dict[str, type] = {}
+
+    def walk(node: Any, prefix: list[str]) -> None:
+        if _is_module(node):
+            found[".".join(prefix)] = type(node)
+        inner: Callable[[Any], bool] = lambda x: x is not node and _is_module(x)
+        for path, value in tree_util.tree_flatten_with_path(node, is_leaf=inner)[0]:
+            if value is not node and _is_module(value):
+                walk(value, [*prefix, *_names(path, where)])
+
+    walk(tree, [])
+    return found
 
 
 def _plan(template: dict[str, Entry]) -> Any:

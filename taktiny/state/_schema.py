@@ -6,16 +6,17 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Iterator, Mapping
+from types import MappingProxyType
 from typing import Any, NamedTuple, cast
 
 from .._messages import layout_text, short
 from .._qarray import QArray
-from . import _tree
+from . import _names, _tree
 
 FORMAT = "taktiny-schema/1"  # the JSON's "format": what its reader must know
 KEY = "taktiny_schema"  # the safetensors header metadata key a saved model's schema is under
 KINDS = ("missing", "added", "reshaped", "recast", "resharded", "requantized")
-_KEYS = {"format", "fingerprint", "tensors", "version"}
+_KEYS = {"format", "fingerprint", "tensors", "version", "versions"}
 _FIELDS = ("shape", "dtype", "sharding", "quantization")
 _KIND_OF = dict(zip(_FIELDS, KINDS[2:], strict=True))  # a changed field -> its change
 
@@ -35,7 +36,9 @@ class Schema(Mapping[str, Mapping[str, Any]]):
 
     ``version`` is the state version the tree's class declares (``state_version``, see
     :func:`taktiny.migrate`), or None when it declares none: a load of an older version
-    applies the class's migrations.
+    applies the class's migrations. ``versions`` holds the same for the modules inside the
+    tree whose classes declare one, by their paths (``{"blocks.0": 2, "blocks.1": 2}``):
+    each is migrated from its own version.
 
     Two schemas are equal when their entries and versions are (the order of names aside);
     the :attr:`fingerprint` says so in 32 hex digits. :meth:`to_json` and :meth:`from_json`
@@ -45,16 +48,19 @@ class Schema(Mapping[str, Mapping[str, Any]]):
     Args:
         entries: ``{flat name: entry}``, each entry as above.
         version: the state version (an int >= 1), or None.
+        versions: ``{path: state version}`` of the versioned modules inside the tree
+            (paths as flat names give them, never ``""``); None or ``{}`` for none.
 
     Attributes:
         version: the state version, or None.
+        versions: the versions of the modules inside, by path (read-only; empty for none).
 
     Raises:
         ValueError: an entry is not of that form, naming it and what is wrong; a version
-            that is not an int >= 1.
+            that is not an int >= 1, or a path that is not a name.
     """
 
-    __slots__ = ("_entries", "version")
+    __slots__ = ("_entries", "version", "versions")
 
     class Change(NamedTuple):
         """One difference between two schemas (see :meth:`Schema.changes`).
@@ -79,9 +85,16 @@ class Schema(Mapping[str, Mapping[str, Any]]):
                 return f"{self.kind:<11} {self.name}: {_entry_text(entry)}"
             return f"{self.kind:<11} {self.name}: {_text(self.before)} -> {_text(self.after)}"
 
-    def __init__(self, entries: Mapping[str, Mapping[str, Any]], *, version: int | None = None):
+    def __init__(
+        self,
+        entries: Mapping[str, Mapping[str, Any]],
+        *,
+        version: int | None = None,
+        versions: Mapping[str, int] | None = None,
+    ):
         self._entries = {name: _checked(name, entry) for name, entry in entries.items()}
         self.version = _checked_version(version)
+        self.versions: Mapping[str, int] = MappingProxyType(_checked_versions(versions))
 
     def __getitem__(self, name: str) -> Mapping[str, Any]:
         return self._entries[name]
@@ -95,7 +108,11 @@ class Schema(Mapping[str, Mapping[str, Any]]):
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Schema):
             return NotImplemented
-        return self._entries == other._entries and self.version == other.version
+        return (
+            self._entries == other._entries
+            and self.version == other.version
+            and self.versions == other.versions
+        )
 
     def __hash__(self) -> int:
         return hash(self.fingerprint)
@@ -105,10 +122,10 @@ class Schema(Mapping[str, Mapping[str, Any]]):
         """32 hex digits (SHA-256) of the entries in a canonical JSON form (names sorted):
         equal schemas have equal fingerprints on every machine, and any change of a
         name, shape, dtype, sharding, quantization or version changes it. A schema
-        without a version hashes its entries alone, as before versions were recorded."""
+        without versions hashes its entries alone, as before versions were recorded."""
         value: Any = self._entries
-        if self.version is not None:
-            value = {"tensors": self._entries, "version": self.version}
+        if self.version is not None or self.versions:
+            value = {"tensors": self._entries, **self._versions()}
         text = json.dumps(value, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(text.encode()).hexdigest()[:32]
 
@@ -117,17 +134,25 @@ class Schema(Mapping[str, Mapping[str, Any]]):
 
         Returns:
             One line: ``{"format": "taktiny-schema/1", "fingerprint": ..., "tensors":
-            {name: entry}}``, with ``"version"`` too when there is one, which
-            :meth:`from_json` reads.
+            {name: entry}}``, with ``"version"`` and ``"versions"`` too when there are
+            any, which :meth:`from_json` reads.
         """
         value: dict[str, Any] = {
             "format": FORMAT,
             "fingerprint": self.fingerprint,
             "tensors": self._entries,
+            **self._versions(),
         }
-        if self.version is not None:
-            value["version"] = self.version
         return json.dumps(value, separators=(",", ":"))
+
+    def _versions(self) -> dict[str, Any]:
+        """The versions as the JSON holds them: only those there are."""
+        out: dict[str, Any] = {}
+        if self.version is not None:
+            out["version"] = self.version
+        if self.versions:
+            out["versions"] = dict(self.versions)
+        return out
 
     @classmethod
     def from_json(cls, text: str) -> Schema:
@@ -149,7 +174,8 @@ class Schema(Mapping[str, Mapping[str, Any]]):
             raise ValueError(
                 f"the schema's 'tensors' must map names to entries, got {short(value['tensors'])}"
             )
-        schema = cls(tensors, version=_checked_version(value.get("version")))
+        version, versions = _recorded(value)
+        schema = cls(tensors, version=version, versions=versions)
         if value["fingerprint"] != schema.fingerprint:
             raise ValueError(
                 f"the schema's fingerprint {short(value['fingerprint'])} is not its entries' "
@@ -183,6 +209,8 @@ class Schema(Mapping[str, Mapping[str, Any]]):
 
     def __repr__(self) -> str:
         version = "" if self.version is None else f", version {self.version}"
+        if self.versions:
+            version += f", {len(self.versions)} versioned modules inside"
         return f"Schema({len(self)} leaves{version}, fingerprint {self.fingerprint})"
 
 
@@ -197,10 +225,11 @@ def schema(tree: Any) -> Schema:
 
     Returns:
         The :class:`Schema`; a :class:`~taktiny.QArray` is one entry under its name. Its
-        version is the ``state_version`` `tree`'s class declares, or None.
+        version is the ``state_version`` `tree`'s class declares, or None; its versions,
+        those the classes of the modules inside it declare, by path.
 
     Raises:
-        ValueError: the class declares a ``state_version`` that is not an int >= 1.
+        ValueError: a class declares a ``state_version`` that is not an int >= 1.
     """
     found: dict[str, dict[str, Any]] = {}
 
@@ -212,11 +241,28 @@ def schema(tree: Any) -> Schema:
                 found[prefix + key] = describe(value)
 
     walk(_tree.state_dict(tree), "")
-    cls = type(cast("object", tree))  # (the class declares it: see taktiny.migrate)
-    version: object = getattr(cls, "state_version", None)
-    if version is not None and (type(version) is not int or version < 1):
-        raise ValueError(f"{cls.__name__}.state_version must be an int >= 1, got {short(version)}")
-    return Schema(found, version=version)
+    versions = declared_versions(tree)
+    return Schema(found, version=versions.pop("", None), versions=versions)
+
+
+def declared_versions(tree: Any) -> dict[str, int]:
+    """The state version each module of `tree` declares (its class's ``state_version``),
+    by path (``""`` for the root), for those that declare one; outer modules first.
+
+    Raises:
+        ValueError: a ``state_version`` that is not an int >= 1, naming the class.
+    """
+    out: dict[str, int] = {}
+    for path, cls in _names.flatten(tree)[2].modules.items():
+        version: object = getattr(cls, "state_version", None)
+        if version is None:
+            continue
+        if type(version) is not int or version < 1:
+            raise ValueError(
+                f"{cls.__name__}.state_version must be an int >= 1, got {short(version)}"
+            )
+        out[path] = version
+    return out
 
 
 def describe(leaf: Any) -> dict[str, Any]:
@@ -267,15 +313,26 @@ def _sharding(sharding: Any, ndim: int) -> dict[str, Any] | None:
     return None if count == 1 else {"devices": count}
 
 
-def recorded_version(text: str) -> int | None:
-    """The state version the JSON of a schema records (None: none), checking the document
-    and its version but reading none of its entries: what a load needs to know, at a
-    fraction of :meth:`Schema.from_json`'s cost for a large model.
+def recorded_versions(text: str) -> tuple[int | None, dict[str, int]]:
+    """The state versions the JSON of a schema records (the tree's, None for none; those
+    of the modules inside, by path), checking the document and its versions but reading
+    none of its entries: what a load needs to know, at a fraction of
+    :meth:`Schema.from_json`'s cost for a large model.
 
     Raises:
-        ValueError: `text` is not a schema's JSON, or its version is not an int >= 1.
+        ValueError: `text` is not a schema's JSON, or a version is not an int >= 1.
     """
-    return _checked_version(_document(text).get("version"))
+    return _recorded(_document(text))
+
+
+def _recorded(value: Mapping[str, Any]) -> tuple[int | None, dict[str, int]]:
+    versions: object = value.get("versions")
+    found = _as_dict(versions)
+    if versions is not None and found is None:
+        raise ValueError(
+            f"a schema's 'versions' maps module paths to versions, got {short(versions)}"
+        )
+    return _checked_version(value.get("version")), _checked_versions(found)
 
 
 def _document(text: str) -> dict[Any, Any]:
@@ -288,13 +345,28 @@ def _document(text: str) -> dict[Any, Any]:
     if value is None or not {"format", "fingerprint", "tensors"} <= set(value) <= _KEYS:
         raise ValueError(
             "a schema is a JSON object with 'format', 'fingerprint' and 'tensors' (and "
-            f"optionally 'version'), got {short(parsed)}"
+            f"optionally 'version' and 'versions'), got {short(parsed)}"
         )
     if value["format"] != FORMAT:
         raise ValueError(
             f"the schema's format is {short(value['format'])}; this Taktiny reads {FORMAT!r}"
         )
     return value
+
+
+def _checked_versions(versions: Mapping[Any, object] | None) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for path, version in (versions or {}).items():
+        if not isinstance(path, str) or not path or "" in path.split("."):
+            raise ValueError(
+                f"a schema's versions are by module path (a flat name such as 'blocks.0'), "
+                f"got {short(path)}"
+            )
+        checked = _checked_version(version)
+        if checked is None:
+            raise ValueError(f"the schema's version of {path!r} is an int >= 1, got None")
+        out[path] = checked
+    return out
 
 
 def _checked_version(version: object) -> int | None:
