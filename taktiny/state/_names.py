@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol, cast
 
 import jax
@@ -151,6 +151,15 @@ def _make_spec(tree: Any) -> Spec:
         twice = sorted({n for n in names if names.count(n) > 1})
         raise TypeError(f"{where} gives two leaves the same name: {twice[:5]}.")
     return Spec(tuple(names), index, template, _plan(template))
+
+
+def customs(template: dict[str, Entry], path: tuple[str, ...] = ()) -> Iterator[tuple[str, Custom]]:
+    """The flat name and `Custom` entry of every custom parameter in a names template."""
+    for key, child in template.items():
+        if isinstance(child, Custom):
+            yield ".".join((*path, key)), child
+        elif isinstance(child, dict):
+            yield from customs(child, (*path, key))
 
 
 def _plan(template: dict[str, Entry]) -> Any:
