@@ -18,7 +18,7 @@ class Row:
     """One line of a :class:`Summary`: a parameter, or a group of them."""
 
     name: str
-    shape: tuple[int, ...] | None  # None for a group
+    shape: tuple[int, ...] | None  # None for a group (but a quantized weight's: its shape)
     dtype: str  # the dtype's name; for a group, its dtypes joined by "/"
     sharding: str  # how it is placed; "" on a single device
     trainable: bool | None  # None for a group that mixes both
@@ -49,13 +49,18 @@ def _row(name: str, leaf: Any, trained: bool) -> Row:
     return Row(name, shape, dtype.name, _placement(leaf)[0], trained, size, nbytes)
 
 
-def _group(name: str, rows: list[Row]) -> Row:
+def _group(name: str, rows: list[Row], param: Any = None) -> Row:
+    """The row of a group of `rows`. When they are the leaves of one custom parameter
+    `param` (a QArray), the row is that parameter's: its logical shape, and the placement
+    of its first leaf (a QArray's value, which its sharding rule splits)."""
     dtypes = "/".join(dict.fromkeys(r.dtype for r in rows))
     placements = {r.sharding for r in rows}
     flags = {r.trainable for r in rows}
+    if param is not None:
+        placements = {rows[0].sharding}
     return Row(
         name,
-        None,
+        None if param is None else tuple(param.shape),
         dtypes,
         placements.pop() if len(placements) == 1 else "mixed",
         flags.pop() if len(flags) == 1 else None,
@@ -71,7 +76,8 @@ class Summary:
     Attributes:
         title: the first line of the table (``"MLP summary"``: the tree's type).
         rows: one row per parameter (or per group of them, with ``depth``), each with
-            its ``name``, ``shape`` (None for a group), ``dtype``, ``sharding``,
+            its ``name``, ``shape`` (None for a group, except the group of a quantized
+            weight's value and scale, which has the weight's shape), ``dtype``, ``sharding``,
             ``trainable`` (None for a group that mixes both), ``size`` (elements) and
             ``nbytes``.
         params: the elements of every leaf.
@@ -149,7 +155,13 @@ def summary(tree: Any, *, depth: int | None = None) -> Summary:
         for row in rows:
             groups.setdefault(".".join(row.name.split(".")[:depth]), []).append(row)
         single = lambda g, rs: len(rs) == 1 and rs[0].name == g  # a group of one leaf
-        rows = [rs[0] if single(g, rs) else _group(g, rs) for g, rs in groups.items()]
+        params = {  # a group of one custom parameter's leaves is that parameter
+            name: custom.treedef.unflatten(leaves[custom.start : custom.stop])
+            for name, custom in _names.customs(spec.template)
+        }
+        rows = [
+            rs[0] if single(g, rs) else _group(g, rs, params.get(g)) for g, rs in groups.items()
+        ]
     return Summary(
         title=f"{type(tree).__name__} summary",
         rows=tuple(rows),

@@ -76,7 +76,7 @@ def fast_compile():
 
 @pytest.mark.parametrize("name", list(GROUPS))
 def test_benchmark_group_runs_on_tiny_sizes(name, tmp_path, request, fast_compile):
-    if name == "dispatch":  # its training steps use optax's Adam
+    if name in ("dispatch", "lora"):  # their training steps use optax's Adam
         request.getfixturevalue("optax_promotion")
     (tmp_path / "scratch").mkdir()
     group = GROUPS[name].run(Config("smoke", tmp_path / "scratch"))

@@ -1,7 +1,10 @@
 """Low-rank adapters: `tt.lora`, `tt.merge_lora`, `nn.LoRALinear` and `nn.LoRAEmbed` — their
-names, their start as the base, what trains, merging (float and quantized bases, against
-NumPy), saving the adapters alone (safetensors, Orbax), and their placement by `tt.shard`."""
+names, their start as the base, what trains (QLoRA included, on one device and sharded),
+the backward pass that forms no dense weight gradient, merging (float and quantized bases,
+against NumPy), saving the adapters alone (safetensors, Orbax), and their placement by
+`tt.shard`."""
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -131,7 +134,7 @@ def test_qlora_keeps_the_quantized_base_frozen_whole():
     assert np.array_equal(model(ids()), base(ids()))
     flags = tt.flat_state_dict(tt.trainable(model))
     assert flags["blocks.0.up.kernel.value"] is False
-    assert flags["blocks.0.up.kernel.scale"] is False  # trained in a plain QuantizedLinear
+    assert flags["blocks.0.up.kernel.scale"] is False
     assert flags["embed.embedding.scale"] is False
     assert flags["blocks.0.up.lora_a"] is True and flags["embed.lora_b"] is True
     up = randomised(model).blocks[0].up  # the adapted kernel: dequantized, plus scale * A @ B
@@ -140,6 +143,156 @@ def test_qlora_keeps_the_quantized_base_frozen_whole():
     with jax.default_matmul_precision("highest"):
         want = np.asarray(x) @ kernel + np.asarray(up.bias)
         np.testing.assert_allclose(up(x), want, rtol=1e-5, atol=1e-4)
+
+
+SHARDING_RULES = [  # (groups of 4 along a quantized axis never straddle devices)
+    ("blocks.*.up.kernel", (None, "model")),
+    ("blocks.*.down.kernel", ("model", None)),
+    ("embed.embedding", ("model", None)),
+]
+
+
+def partitioned_step(optimizer, loss):
+    """The training step docs/adapters.md shows: the gradients of the trained half only."""
+
+    @jax.jit
+    def step(params, frozen, opt_state, *batch):
+        value, grads = jax.value_and_grad(lambda p: loss(eqx.combine(p, frozen), *batch))(params)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, value
+
+    return step
+
+
+def train_partitioned(model, loss, batch, steps):
+    """`steps` steps of the documented recipe: the model split by tt.trainable, plain
+    jax.value_and_grad over the trained half, plain Adam on it."""
+    params, frozen = eqx.partition(model, tt.trainable(model))
+    assert all(jnp.issubdtype(p.dtype, jnp.floating) for p in jax.tree.leaves(params))
+    optimizer = optax.adam(1e-2)
+    step, opt_state, losses = partitioned_step(optimizer, loss), optimizer.init(params), []
+    for _ in range(steps):
+        params, opt_state, value = step(params, frozen, opt_state, *batch)
+        losses.append(float(value))
+    return eqx.combine(params, frozen), losses
+
+
+def train_filtered(model, loss, batch, steps):
+    """`steps` steps of equinox's idiom: eqx.filter_value_and_grad of the whole model (no
+    gradient for its integers), optax's multi_transform labelled by tt.trainable (called on
+    trees with holes), eqx.apply_updates."""
+    optimizer = optax.multi_transform(
+        {True: optax.adam(1e-2), False: optax.set_to_zero()}, tt.trainable
+    )
+    floats = lambda m: eqx.filter(m, eqx.is_inexact_array)
+
+    @jax.jit
+    def step(model, opt_state, *batch):
+        value, grads = eqx.filter_value_and_grad(loss)(model, *batch)
+        updates, opt_state = optimizer.update(grads, opt_state, floats(model))
+        return eqx.apply_updates(model, updates), opt_state, value
+
+    opt_state, losses = optimizer.init(floats(model)), []
+    for _ in range(steps):
+        model, opt_state, value = step(model, opt_state, *batch)
+        losses.append(float(value))
+    return model, losses
+
+
+@pytest.mark.parametrize(
+    ("train", "bits", "group_size", "sharded"),
+    [
+        pytest.param(train_partitioned, 8, None, False, id="docs-int8"),
+        pytest.param(train_partitioned, 8, None, True, id="docs-int8-sharded"),
+        pytest.param(train_partitioned, 4, 4, False, id="docs-int4"),
+        pytest.param(train_partitioned, 4, 4, True, id="docs-int4-sharded"),
+        pytest.param(train_filtered, 4, 4, False, id="equinox-int4"),
+        pytest.param(train_filtered, 8, None, True, id="equinox-int8-sharded"),
+    ],
+)
+def test_qlora_trains_the_factors_alone(train, bits, group_size, sharded, optax_promotion):
+    """20 steps on a quantized base: the loss falls and only lora_a / lora_b change; every
+    other leaf (the integers, their scales, the norm left without an adapter) stays
+    bitwise as it was, and the factors keep their placement."""
+    base = tt.quantize(Net(rngs=nn.Rngs(0)), bits=bits, group_size=group_size)
+    model = tt.lora(base, 4, targets=["blocks.*.*", "embed"], alpha=8, rngs=nn.Rngs(1))
+    mesh = mesh_of()
+    if sharded:
+        model = tt.shard(model, SHARDING_RULES, mesh)
+    target = jax.random.normal(jax.random.key(2), (*IDS.shape, 32))
+    loss = lambda m, ids, y: jnp.mean((m(ids) - y) ** 2)
+    if sharded:
+        with jax.set_mesh(mesh):
+            trained, losses = train(model, loss, (ids(), target), 20)
+    else:
+        trained, losses = train(model, loss, (ids(), target), 20)
+    assert losses[-1] < 0.8 * losses[0], losses
+    before, after = tt.flat_state_dict(model), tt.flat_state_dict(trained)
+    moved = [n for n in before if not np.array_equal(before[n], after[n])]
+    assert moved == [n for n in before if ".lora_" in n]
+    for name in before:
+        assert after[name].dtype == before[name].dtype, name
+        if ".lora_" not in name:
+            assert np.asarray(after[name]).tobytes() == np.asarray(before[name]).tobytes()
+    int_dtype = jnp.int8 if bits == 8 else jnp.int4
+    assert after["blocks.0.up.kernel.value"].dtype == int_dtype
+    if sharded:
+        for name in ("blocks.0.up.lora_b", "blocks.1.down.lora_a", "blocks.0.up.kernel.value"):
+            assert after[name].sharding.is_equivalent_to(before[name].sharding, 2), name
+
+
+def dot_shapes(jaxpr):
+    """The shape of every output of a dot_general in `jaxpr` and in the jaxprs inside it."""
+    shapes = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "dot_general":
+            shapes += [tuple(v.aval.shape) for v in eqn.outvars]
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (list, tuple)) else [param]:
+                if hasattr(sub, "eqns"):
+                    shapes += dot_shapes(sub)
+    return shapes
+
+
+class Wide(nn.Module):
+    """Every weight of its own shape, none sized like a batch or a rank: (24, 12), (12, 20),
+    (20, 12); ids [2, 3], rank 2."""
+
+    def __init__(self, *, rngs):
+        self.embed = nn.Embed(24, 12, rngs=rngs)
+        self.up = nn.Linear(12, 20, rngs=rngs)
+        self.down = nn.Linear(20, 12, rngs=rngs)
+
+    def __call__(self, ids):
+        x = self.embed(ids)
+        return self.embed.attend(x + self.down(jax.nn.relu(self.up(x))))
+
+
+@pytest.mark.parametrize("quantized", [False, True], ids=["float", "qlora"])
+def test_the_backward_pass_forms_no_dense_weight_gradient(quantized):
+    """No matrix product of the training step (forward or backward) has a frozen weight's
+    shape: the adapter's term goes through the rank, and no gradient of a frozen weight is
+    formed, whether the trained half alone is differentiated or the whole model (whose
+    frozen fields read through stop_gradient)."""
+    base = Wide(rngs=nn.Rngs(0))
+    base = tt.quantize(base, group_size=4) if quantized else base
+    model = randomised(tt.lora(base, 2, targets="*", rngs=nn.Rngs(1)))
+    ids = jnp.asarray([[0, 5, 23], [7, 7, 1]])
+    dense = {(24, 12), (12, 24), (12, 20), (20, 12)}
+    loss = lambda m: jnp.mean(m(ids) ** 2)
+    params, frozen = eqx.partition(model, tt.trainable(model))
+    partial = jax.make_jaxpr(jax.grad(lambda p: loss(eqx.combine(p, frozen))))(params)
+    whole = jax.make_jaxpr(eqx.filter_grad(loss))(model)
+    for jaxpr in (partial, whole):
+        shapes = dot_shapes(jaxpr)
+        assert {(2, 20), (20, 2)} & set(shapes)  # the factors' gradients are there
+        assert {(12, 2), (2, 12)} & set(shapes)
+        assert not dense & set(shapes), sorted(dense & set(shapes))
+    # one layer alone, its batch of 5
+    layer = model.up
+    x = jax.random.normal(jax.random.key(0), (5, 12))
+    shapes = dot_shapes(jax.make_jaxpr(eqx.filter_grad(lambda m: jnp.sum(m(x) ** 2)))(layer))
+    assert {(12, 2), (2, 12)} & set(shapes) and not {(12, 20), (20, 12)} & set(shapes)
 
 
 def test_merge_gives_the_original_names_and_structure_and_numpy_sums():
@@ -162,6 +315,41 @@ def test_merge_gives_the_original_names_and_structure_and_numpy_sums():
     assert jax.tree.structure(tt.merge_lora(model)) == jax.tree.structure(base)
 
 
+def exactly(kernel):
+    """A Linear's kernel [in, out] in float64: a QArray's integers times the scale of their
+    channel or of their group of rows (exact in float64)."""
+    if not isinstance(kernel, tt.QArray):
+        return np.asarray(kernel).astype(np.float64)
+    value, scale = np.asarray(kernel.value).astype(np.float64), np.asarray(kernel.scale, np.float64)
+    rows, columns = value.shape
+    groups = scale.shape[0]
+    return (value.reshape(groups, rows // groups, columns) * scale[:, None, :]).reshape(rows, -1)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_the_merge_report_is_the_exact_distance_from_the_adapted_weight(dtype):
+    """The report is the largest |merged weight - (W + scale * A @ B)|, the sum exact
+    (NumPy, float64): the rounding of the stored dtype, which is not zero for float32."""
+    base = {
+        "p": nn.Linear(12, 20, param_dtype=dtype, rngs=nn.Rngs(0)),
+        "e": nn.Embed(24, 12, param_dtype=dtype, rngs=nn.Rngs(1)),
+    }
+    model = randomised(tt.lora(base, 2, targets="*", alpha=3, rngs=nn.Rngs(2)))
+    merged, errors = tt.merge_lora(model, report=True)
+    assert list(errors) == ["e", "p"] and all(type(e) is float for e in errors.values())
+    for name, field in (("p", "kernel"), ("e", "embedding")):
+        layer = model[name]
+        a, b = (np.asarray(f).astype(np.float64) for f in (layer.lora_a, layer.lora_b))
+        exact = exactly(getattr(layer, field)) + 1.5 * a @ b
+        error = np.abs(exactly(getattr(merged[name], field)) - exact).max()
+        assert errors[name] == pytest.approx(error, rel=1e-12)
+        # the product's and the sum's roundings in float32, the store's in the dtype
+        largest = max(np.abs(exact).max(), np.abs(1.5 * a @ b).max())
+        assert 0 < errors[name] <= 2 * float(jnp.finfo(dtype).eps) * largest
+    with pytest.raises(TypeError, match=r"'e' holds traced values.*Call it outside jax.jit"):
+        jax.jit(lambda m: tt.merge_lora(m, report=True)[1])(model)
+
+
 @pytest.mark.parametrize(("bits", "group_size"), [(8, None), (4, 4)])
 def test_merging_onto_a_quantized_base_requantizes_and_reports_the_error(bits, group_size):
     base = tt.quantize(Net(rngs=nn.Rngs(0)), bits=bits, group_size=group_size)
@@ -170,10 +358,10 @@ def test_merging_onto_a_quantized_base_requantizes_and_reports_the_error(bits, g
     assert jax.tree.structure(merged) == jax.tree.structure(base)
     kernel, up = merged.blocks[0].up.kernel, model.blocks[0].up
     assert (kernel.bits, kernel.group_size) == (bits, group_size)
-    exact = np.asarray(up.kernel.dequantize(jnp.float32), np.float64)
+    exact = exactly(up.kernel)
     exact += np.asarray(up.lora_a, np.float64) @ np.asarray(up.lora_b, np.float64)
-    error = np.abs(np.asarray(kernel.dequantize(jnp.float32), np.float64) - exact).max()
-    assert float(errors["blocks.0.up"]) == pytest.approx(error, rel=1e-4, abs=1e-6)
+    error = np.abs(exactly(kernel) - exact).max()
+    assert errors["blocks.0.up"] == pytest.approx(error, rel=1e-12)
     step = np.asarray(kernel.scale, np.float64).max()
     assert 0 < error <= step / 2 * 1.001  # the re-quantization's rounding, at most half a step
 

@@ -3,6 +3,7 @@ with match_quantization=True), a quantized state into a float model (dequantized
 quantized another way (re-quantized); nested and flat, abstract and sharded targets; and
 the errors without the option, or for values that cannot be converted."""
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -475,8 +476,14 @@ def test_a_failed_load_changes_nothing():
     assert all(a is b for a, b in zip(jax.tree.leaves(model), before, strict=True))
 
 
-def test_integer_parts_of_a_qarray_are_not_trainable():
+def test_neither_part_of_a_qarray_is_trainable():
     model = nn.QuantizedLinear(8, 4, rngs=nn.Rngs(0))
     flags = tt.trainable(model)
-    assert flags.kernel.value is False and flags.kernel.scale is True and flags.bias is True
+    assert flags.kernel.value is False and flags.kernel.scale is False and flags.bias is True
     assert jax.tree.structure(flags) == jax.tree.structure(model)
+    # a tree with holes (None where the integers were: eqx.filter, or the gradients of
+    # eqx.filter_grad, on which optax calls its labels function) gets the same holes
+    floats = eqx.filter(model, eqx.is_inexact_array)
+    flags = tt.trainable(floats)
+    assert jax.tree.structure(flags) == jax.tree.structure(floats)
+    assert flags.kernel.value is None and flags.kernel.scale is False and flags.bias is True

@@ -207,3 +207,36 @@ def test_byte_counts_are_shown_in_binary_units_from_one_unit_up(nbytes, text):
     lines = str(summary).splitlines()
     assert lines[4].endswith(f"  {text}")
     assert lines[-1] == f"{nbytes:,} parameters ({text}): {nbytes:,} trainable, 0 not trained"
+
+
+class Tied(nn.Module):
+    def __init__(self, *, rngs):
+        self.embed = nn.Embed(32, 16, rngs=rngs)
+        self.proj = nn.Linear(16, 8, rngs=rngs)
+
+
+def test_a_quantized_weight_fills_every_column_and_is_not_trained():
+    """A group that is one quantized weight (its value and scale) is that weight's row:
+    its logical shape, both dtypes, its value's placement; neither part is trained."""
+    model = tt.quantize(Tied(rngs=nn.Rngs(0)), bits=4, group_size=4)
+    summary = tt.summary(model, depth=2)
+    assert [(r.name, r.shape, r.dtype, r.trainable, r.size, r.nbytes) for r in summary.rows] == [
+        ("embed.embedding", (32, 16), "int4/float32", False, 32 * 16 + 32 * 4, 256 + 512),
+        ("proj.kernel", (16, 8), "int4/float32", False, 16 * 8 + 4 * 8, 64 + 128),
+        ("proj.bias", (8,), "float32", True, 8, 32),
+    ]
+    assert str(summary).splitlines()[4].split()[:5] == [
+        "embed.embedding", "(32,", "16)", "int4/float32", "no",
+    ]  # fmt: skip
+    assert summary.trainable_params == tt.summary(model).trainable_params == 8  # the bias
+    # split: the value's spec (its rule's), though the scale's groups are not split
+    mesh = jax.make_mesh((2, 4), ("data", "model"), devices=cpus())
+    split = tt.shard(model, {"embed.embedding": (None, "model")}, mesh)
+    assert split.embed.embedding.scale.sharding.spec == PartitionSpec(None, None)
+    rows = tt.summary(split, depth=2).rows
+    assert (rows[0].name, rows[0].shape, rows[0].sharding) == (
+        "embed.embedding",
+        (32, 16),
+        "P(None, 'model')",
+    )
+    assert rows[1].sharding == "P()" and tt.summary(split, depth=1).rows[0].shape is None

@@ -16,7 +16,8 @@ _TRAINABLE: dict[Any, list[bool]] = {}  # tree structure -> trainable flag per l
 def _flags(node: Any, trainable: bool, out: list[bool], adapter: bool, marks: list[bool]) -> None:
     """Appends, in flatten order, whether each leaf under `node` is trained to `out`, and
     whether it is an adapter's (a field its class lists in ``_taktiny_adapters``) to
-    `marks`."""
+    `marks`. A hole (None where a leaf was, as in a gradient tree from
+    ``eqx.filter_grad``) has no leaf, so it appends nothing."""
     if isinstance(node, Module):
         declared = type(node)._taktiny_fields
         adapters = getattr(type(node), "_taktiny_adapters", ())
@@ -25,9 +26,9 @@ def _flags(node: Any, trainable: bool, out: list[bool], adapter: bool, marks: li
                 keep = trainable and getattr(declared.get(name), "trainable", True)
                 _flags(node.__dict__[name], keep, out, adapter or name in adapters, marks)
         return
-    if isinstance(node, QArray):  # its integers are no gradient's to update; its scale is
-        out.extend((False, trainable))
-        marks.extend((adapter, adapter))
+    if isinstance(node, QArray):  # neither its integers nor its scales are trained
+        _flags(node.value, False, out, adapter, marks)
+        _flags(node.scale, False, out, adapter, marks)
         return
     children, treedef = jax.tree_util.tree_flatten(node, is_leaf=lambda x: x is not node)
     if treedef.num_nodes == 1 and treedef.num_leaves == 1:  # a leaf
@@ -41,8 +42,10 @@ def _flags(node: Any, trainable: bool, out: list[bool], adapter: bool, marks: li
 def trainable(tree: Any) -> Any:
     """Which leaves of `tree` are trained: a tree of the same structure with ``True`` for
     parameters and ``False`` for the arrays of fields declared with
-    ``nn.field(trainable=False)`` (BatchNorm's running statistics, say) and for the integer
-    ``value`` of every :class:`~taktiny.QArray` (its float ``scale`` is trained).
+    ``nn.field(trainable=False)`` (BatchNorm's running statistics, say) and for both parts
+    of every :class:`~taktiny.QArray`: its integer ``value`` cannot take a gradient step,
+    and its ``scale`` only describes how the integers were rounded, so a quantized weight
+    is frozen whole (train an adapter on it, :func:`taktiny.lora`).
 
     A tree holding low-rank adapters (:func:`taktiny.lora`) trains its adapters only:
     every leaf outside them (the base weights of the adapted layers, and the norms,
@@ -57,6 +60,11 @@ def trainable(tree: Any) -> Any:
         optax.adamw(1e-3, mask=tt.trainable)       # no weight decay on statistics
         optax.multi_transform({True: optax.adam(1e-3), False: optax.set_to_zero()},
                               tt.trainable)
+
+    `tree` may have holes: None where a leaf was, as in the gradients that
+    ``eqx.filter_grad`` returns (None for every integer leaf) or a tree filtered by
+    ``eqx.filter``; the result has the same holes. So optax may call it on the updates
+    as well as on the parameters.
 
     Args:
         tree: a module, or any PyTree holding modules.

@@ -21,6 +21,7 @@ from typing import Any, ClassVar, Literal, overload
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.core import Tracer
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -34,8 +35,7 @@ from ..state._patterns import compile_pattern, unused_hint
 from ._embed import Embed
 from ._explicit import project
 from ._linear import Linear
-from ._precision import compute_dtype
-from ._quantized import QuantizedEmbed, QuantizedLinear, build, dequantized
+from ._quantized import QuantizedEmbed, QuantizedLinear, build
 
 # Adapters are stored in float32 whatever the base's dtype, as PEFT keeps them: a small
 # update to a bfloat16 adapter would otherwise be lost to rounding.
@@ -94,16 +94,20 @@ class _Adapter(Module):
 
 class LoRALinear(_Adapter):
     """A :class:`Linear` or :class:`QuantizedLinear` with a low-rank adapter:
-    ``y = x @ (kernel + scale * lora_a @ lora_b) + bias``.
+    ``y = x @ kernel + bias + scale * (x @ lora_a) @ lora_b``.
 
-    Each call forms the adapted kernel (the base's, dequantized for a quantized base, plus
-    the adapter's product: ``in * out * rank`` multiplications, whatever the batch) and
-    applies it as the base layer would. Its backward pass then costs what the base's
-    does, one ``[in, out]`` weight gradient, turned into the two factors' by two small
-    products: a training step stays within a few percent of the base's forward and
-    backward (``bench/lora.py``), where applying the factors to the activations
-    (``x @ lora_a @ lora_b``) adds four skinny products per layer and cost 1.2x on the
-    Llama example. At initialisation the kernel plus zeros is the kernel, bit for bit.
+    The base layer computes its output as it would alone (dequantizing a quantized
+    kernel), and the adapter's term is added to it, computed from the activations
+    through the rank: two skinny products, ``[*batch, in] @ [in, rank]`` then
+    ``[*batch, rank] @ [rank, out]``, in the dtype the base computes in, at its
+    precision. The adapted kernel ``kernel + scale * lora_a @ lora_b`` is never formed,
+    and nothing ``[in, out]``-sized is computed for the frozen kernel in the backward
+    pass: its gradient is not needed, and the factors' gradients come from the
+    activations, as the input's does. A training step then costs the base's forward
+    and the input's gradient, plus the skinny products (``bench/lora.py``): less than
+    full fine-tuning, which also forms each kernel's gradient and its optimiser update.
+    At initialisation ``lora_b`` is zeros, so the added term is zero and the output is
+    the base's exactly.
 
     The base's parameters are kept under their own names and declared
     ``trainable=False``: no gradient flows into them. :func:`taktiny.trainable` of a tree
@@ -164,19 +168,19 @@ class LoRALinear(_Adapter):
             ValueError: the last axis of `x` does not have ``in_features`` entries.
         """
         with jax.named_scope("LoRALinear"):
-            if isinstance(self.kernel, QArray):
-                dtype, kernel = dequantized(self.kernel, self.dtype, x)
-            else:
-                dtype, kernel = compute_dtype(self.dtype, self.kernel), self.kernel
-            delta = jnp.matmul(self.lora_a, self.lora_b, precision=self.precision)
-            kernel = kernel + (self.scale * delta).astype(kernel.dtype)
-            config = {"dtype": dtype, "precision": self.precision}
-            return build(Linear, kernel=kernel, bias=self.bias, **config)(x)
+            y = _base(self)(x)
+            down = project(x.astype(y.dtype), self.lora_a.astype(y.dtype), None, self.precision)
+            up = project(self.scale * down, self.lora_b.astype(y.dtype), None, self.precision)
+            return y + up
 
 
 class LoRAEmbed(_Adapter):
     """An :class:`Embed` or :class:`QuantizedEmbed` with a low-rank adapter: the table is
     ``embedding + scale * lora_a @ lora_b``, for lookups and for :meth:`attend` alike.
+
+    That table is never formed: a lookup adds ``scale * lora_a[ids] @ lora_b`` to the
+    base's rows, :meth:`attend` adds ``scale * (x @ lora_b.T) @ lora_a.T`` to the base's
+    scores, so training computes no ``[num_embeddings, features]`` gradient.
 
     Attributes:
         embedding: the base's table, ``[num_embeddings, features]``, a float array or a
@@ -226,9 +230,11 @@ class LoRAEmbed(_Adapter):
         """
         with jax.named_scope("LoRAEmbed"):
             rows = _base(self)(ids)
-            a = jnp.take(self.lora_a, ids, axis=0, mode="fill", fill_value=jnp.nan)
-            up = project(a.astype(rows.dtype), self.lora_b.astype(rows.dtype), None, None)
-            return rows + self.scale * up
+            config = {"dtype": rows.dtype, "precision": self.precision}
+            a = build(Embed, embedding=self.lora_a, **config)(ids)  # read as a table's rows
+            return rows + project(
+                self.scale * a, self.lora_b.astype(rows.dtype), None, self.precision
+            )
 
     def attend(self, x: Float[Array, "*batch features"]) -> Float[Array, "*batch num_embeddings"]:
         """Scores `x` against every row of the adapted table: the base's
@@ -246,8 +252,9 @@ class LoRAEmbed(_Adapter):
         with jax.named_scope("LoRAEmbed.attend"):
             y = _base(self).attend(x)
             down = project(x.astype(y.dtype), self.lora_b.astype(y.dtype).T, None, self.precision)
-            up = project(down, self.lora_a.astype(y.dtype).T, None, self.precision)
-            return y + self.scale * up
+            return y + project(
+                self.scale * down, self.lora_a.astype(y.dtype).T, None, self.precision
+            )
 
 
 _LINEARS = (Linear, QuantizedLinear)
@@ -386,11 +393,9 @@ def lora(
     return jax.tree_util.tree_map_with_path(swap, model, is_leaf=_is_layer)
 
 
-def _merged(layer: LoRALinear | LoRAEmbed, name: str) -> tuple[Module, jax.Array]:
+def _merged(layer: LoRALinear | LoRAEmbed, name: str) -> tuple[Module, Any, Any]:
     """The plain layer with ``scale * lora_a @ lora_b`` added to its weight (in float32),
-    placed as the weight was, and the largest absolute difference between the weight it
-    holds and the exact float32 sum (the rounding of the weight's dtype, or of the
-    re-quantization)."""
+    placed as the weight was; the weight it held, and the one it now holds."""
     base = _base(layer)
     field_name = "kernel" if isinstance(layer, LoRALinear) else "embedding"
     weight = getattr(base, field_name)
@@ -400,15 +405,40 @@ def _merged(layer: LoRALinear | LoRAEmbed, name: str) -> tuple[Module, jax.Array
         precision=jax.lax.Precision.HIGHEST,
     )
     if isinstance(weight, QArray):
-        exact = jnp.asarray(weight.dequantize(jnp.float32)) + layer.scale * delta
-        new = _placed_like(quantize_like(exact, weight, name=f"{name}.{field_name}"), weight)
-        got = new.dequantize(jnp.float32)
+        summed = jnp.asarray(weight.dequantize(jnp.float32)) + layer.scale * delta
+        new = _placed_like(quantize_like(summed, weight, name=f"{name}.{field_name}"), weight)
     else:
-        exact = weight.astype(jnp.float32) + layer.scale * delta
-        new = _placed_like(exact.astype(weight.dtype), weight)
-        got = new.astype(jnp.float32)
-    error = jnp.max(jnp.abs(got - exact))
-    return base.replace(**{field_name: new}), error
+        summed = weight.astype(jnp.float32) + layer.scale * delta
+        new = _placed_like(summed.astype(weight.dtype), weight)
+    return base.replace(**{field_name: new}), weight, new
+
+
+def _on_host(weight: Any) -> np.ndarray:
+    """`weight`'s values in float64 on the host: a QArray's integers times its scales,
+    which float64 holds exactly."""
+    if not isinstance(weight, QArray):
+        return np.asarray(weight).astype(np.float64)
+    value, scale = (np.asarray(p).astype(np.float64) for p in (weight.value, weight.scale))
+    if weight.group_size is not None:  # each scale over its group of entries along `axis`
+        scale = np.repeat(scale, weight.group_size, axis=weight.axis)
+    return value * scale
+
+
+def _merge_error(layer: LoRALinear | LoRAEmbed, weight: Any, new: Any, name: str) -> float:
+    """The largest absolute difference between `new`, the weight merged from `layer`
+    (whose base weight is `weight`), and ``weight + scale * lora_a @ lora_b`` computed
+    exactly (in float64 on the host)."""
+    parts = (layer.lora_a, layer.lora_b, *jax.tree.leaves((weight, new)))
+    if any(isinstance(p, Tracer) for p in parts):
+        raise TypeError(
+            f"taktiny.merge_lora(report=True): {name!r} holds traced values; the report "
+            f"compares each merged weight with the exact sum computed with NumPy on the "
+            f"host, so it takes concrete arrays. Call it outside jax.jit, or with "
+            f"report=False inside."
+        )
+    a, b = (np.asarray(f).astype(np.float64) for f in (layer.lora_a, layer.lora_b))
+    exact = _on_host(weight) + layer.scale * (a @ b)
+    return float(np.max(np.abs(_on_host(new) - exact), initial=0.0))
 
 
 def _placed_like(new: Any, old: Any) -> Any:
@@ -427,7 +457,7 @@ def _placed_like(new: Any, old: Any) -> Any:
 @overload
 def merge_lora(model: Any, *, report: Literal[False] = False) -> Any: ...
 @overload
-def merge_lora(model: Any, *, report: Literal[True]) -> tuple[Any, dict[str, jax.Array]]: ...
+def merge_lora(model: Any, *, report: Literal[True]) -> tuple[Any, dict[str, float]]: ...
 def merge_lora(model: Any, *, report: bool = False) -> Any:
     """`model` with every adapter merged into its base weight: each
     :class:`~taktiny.nn.LoRALinear` and :class:`~taktiny.nn.LoRAEmbed` becomes the plain
@@ -437,25 +467,38 @@ def merge_lora(model: Any, *, report: bool = False) -> Any:
     :func:`lora`. The sum is computed in float32 (at full matmul precision) and stored in
     the weight's dtype, placed as the weight was; a quantized weight (QLoRA) is
     dequantized, summed and quantized again with its own bits, axis, group size and scale
-    dtype, which rounds: ask for ``report=True`` to see by how much.
+    dtype. Both round: ask for ``report=True`` to see by how much.
 
     Args:
         model: a module, or any PyTree holding modules; it is not changed.
-        report: also return, for each merged layer's name, the largest absolute
-            difference between the weight it now holds and the exact float32 sum: float32
-            rounding (0 or close) for a float32 weight, up to half a quantization step for
-            a quantized one.
+        report: also return, for each merged layer's name, how far the merged layer is
+            from the adapted one: the largest absolute difference, entry by entry,
+            between the weight it now holds (dequantized exactly, for a quantized one)
+            and the weight the adapted layer stands for, ``W + scale * lora_a @ lora_b``
+            computed exactly (NumPy, float64, on the host; ``W`` dequantized exactly).
+            Float32 rounding for a float32 weight (a few units in the last place of its
+            largest entries), bfloat16 rounding for a bfloat16 one, up to about half a
+            quantization step for a quantized one. For an input ``x`` the outputs of the
+            two layers then differ by at most this times ``sum(abs(x))`` (plus the
+            rounding of the products themselves). The report takes concrete arrays (not
+            inside ``jax.jit``) and copies each weight to the host.
 
     Returns:
-        The merged model; with `report`, ``(model, {layer name: float32 scalar})``.
+        The merged model; with `report`, ``(model, {layer name: float})``.
+
+    Raises:
+        TypeError: `report` is true and the model holds traced values (inside
+            ``jax.jit``).
     """
-    errors: dict[str, jax.Array] = {}
+    errors: dict[str, float] = {}
 
     def swap(path: Any, layer: Any) -> Any:
         if not isinstance(layer, _ADAPTED):
             return layer
         name = ".".join(map(key_name, path))
-        merged, errors[name] = _merged(layer, name)
+        merged, weight, new = _merged(layer, name)
+        if report:
+            errors[name] = _merge_error(layer, weight, new, name)
         return merged
 
     is_adapted = lambda x: isinstance(x, _ADAPTED)

@@ -151,7 +151,7 @@ def _whole_parameters(
     first rule naming either the leaf or its parameter wins; a parameter's spec splits a
     leaf's axes that have the parameter's size (a QArray's value wholly; its scale on the
     axes it shares with the value, such as the output axis), and the others not at all."""
-    params = list(_customs(names.template, ()))
+    params = list(_names.customs(names.template))
     if not params:
         return found
     compiled = [_patterns.compile_pattern(pattern) for pattern, _ in rules]
@@ -220,15 +220,6 @@ def _adapters(
         values[i] = PartitionSpec(*((entry, None) if axis == 0 else (None, entry)))
         unmatched.discard(name)
     return _patterns.Match(values, [n for n in found.unmatched if n in unmatched], found.unused)
-
-
-def _customs(template: dict[str, Any], path: tuple[str, ...]) -> Any:
-    """The (name, `_names.Custom`) of every custom parameter in a names template."""
-    for key, child in template.items():
-        if isinstance(child, _names.Custom):
-            yield ".".join((*path, key)), child
-        elif isinstance(child, dict):
-            yield from _customs(child, (*path, key))
 
 
 def _follow(spec: PartitionSpec, shape: tuple[int, ...], whole: tuple[int, ...]) -> PartitionSpec:

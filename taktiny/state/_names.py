@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol, cast
 
 import jax
@@ -175,6 +175,15 @@ def _modules(tree: Any, where: str) -> dict[str, type]:
 
     walk(tree, [])
     return found
+
+
+def customs(template: dict[str, Entry], path: tuple[str, ...] = ()) -> Iterator[tuple[str, Custom]]:
+    """The flat name and `Custom` entry of every custom parameter in a names template."""
+    for key, child in template.items():
+        if isinstance(child, Custom):
+            yield ".".join((*path, key)), child
+        elif isinstance(child, dict):
+            yield from customs(child, (*path, key))
 
 
 def _plan(template: dict[str, Entry]) -> Any:
