@@ -31,7 +31,16 @@ from ._checkpoint import Checkpoint
 from ._header_checks import spec_of
 from ._load import Ways
 from ._place import sharding_of
-from ._plan import IDENTITY, migration_of, opened, parts_of, plain_plan, steps_of, tensors_of
+from ._plan import (
+    IDENTITY,
+    as_tree,
+    migration_of,
+    opened,
+    parts_of,
+    plain_plan,
+    steps_of,
+    tensors_of,
+)
 from ._read import BOX_PIECE, SafetensorsError, Tensor
 
 
@@ -180,6 +189,7 @@ def plan_load(
             than the model's; `rules` for a checkpoint of an older version (a plan of one
             plans the load its class's migrations make, as the load does).
     """
+    model = as_tree(model)  # (a flat dict: the nested dicts its names make)
     where, checkpoint, leaves, quantized = opened(model, path, rules, allow)
     ties: list[tuple[str, str]] = []
     error: Exception | None = None
