@@ -191,7 +191,8 @@ def plain_steps(
     shapes and dtype kinds in one StateDictError."""
     steps, problems = plain_plan(checkpoint, leaves, quantized, strict)
     if problems:
-        raise err.StateDictError(where, problems)
+        matched = len(checkpoint) - sum(p.kind == "unknown" for p in problems)
+        raise err.StateDictError(where, problems, matched=matched)
     return steps
 
 
