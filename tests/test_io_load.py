@@ -727,3 +727,21 @@ def test_a_flat_dict_target_is_checked_as_any_target_is(tmp_path):
         load_safetensors({"a": jnp.zeros(1), "a.b": jnp.zeros((2, 3))}, path)
     with pytest.raises(TypeError, match=r"names both 'a\.b' and 'a\.b\.c'"):
         load_safetensors({"a.b": jnp.zeros((2, 3)), "a.b.c": jnp.zeros(1)}, path)
+
+
+def test_rules_with_a_double_star_rename_every_depth_tensor_by_tensor(tmp_path, reads):
+    """`model.**.weight` -> `**.kernel` (transposed) and `model.**.bias` -> `**.bias` load
+    a torch-named checkpoint of nested layers at every depth, each tensor read once."""
+    model = MLP(rngs=nn.Rngs(1))
+    theirs = {}
+    for name, value in tt.flat_state_dict(model).items():
+        torch_name = "model." + name.replace("kernel", "weight")
+        theirs[torch_name] = np.asarray(value).T if name.endswith("kernel") else np.asarray(value)
+    path = tmp_path / "torch-names.safetensors"
+    save_safetensors(path, theirs)
+    rules = [cv.Rule("model.**.weight", "**.kernel", cv.transpose()),
+             cv.Rule("model.**.bias", "**.bias")]  # fmt: skip
+    reads.clear()
+    loaded = load_safetensors(jax.eval_shape(lambda: model), path, rules=rules, progress=False)
+    assert_same(loaded, flat_numpy(model))
+    assert sorted(name for name, _ in reads) == sorted(theirs)

@@ -350,3 +350,30 @@ def test_a_migrated_rename_or_transpose_reads_as_the_rule_would(tmp_path: Path) 
     loaded = tt.io.load_safetensors(Turned(), tmp_path / "v1.safetensors")
     np.testing.assert_array_equal(np.asarray(loaded.out["kernel"]), np.asarray(old.mlp.kernel).T)
     np.testing.assert_array_equal(np.asarray(loaded.out["bias"]), np.asarray(old.mlp.bias))
+
+
+class NestedV1(nn.Module):
+    def __init__(self, *, rngs: nn.Rngs):
+        self.encoder = {"blocks": [nn.Linear(2, 3, rngs=rngs)], "out": nn.Linear(3, 1, rngs=rngs)}
+
+
+class NestedV2(nn.Module):  # version 2: "encoder" renamed "backbone", at every depth below it
+    state_version: ClassVar[int] = 2
+    state_migrations: ClassVar[Sequence[Sequence[Any]]] = (
+        [convert.Rule("encoder.**", "backbone.**")],
+    )
+
+    def __init__(self, *, rngs: nn.Rngs):
+        self.backbone = {"blocks": [nn.Linear(2, 3, rngs=rngs)], "out": nn.Linear(3, 1, rngs=rngs)}
+
+
+def test_a_migration_renames_a_nested_prefix_with_one_double_star_rule(tmp_path):
+    old = NestedV1(rngs=nn.Rngs(0))
+    save_safetensors(tmp_path / "v1.safetensors", old)
+    new = NestedV2(rngs=nn.Rngs(1))
+    flat = tt.migrate(new, tt.flat_state_dict(old), version=1)
+    expected = {f"backbone.{n[len('encoder.') :]}": v for n, v in tt.flat_state_dict(old).items()}
+    assert sorted(flat) == sorted(expected)
+    loaded = tt.io.load_safetensors(new, tmp_path / "v1.safetensors", progress=False)
+    for name, value in tt.flat_state_dict(loaded).items():
+        np.testing.assert_array_equal(value, expected[name], err_msg=name)
