@@ -20,7 +20,13 @@ import pytest
 import torch
 
 from taktiny import _cli
-from taktiny.io import SafetensorsError, load_safetensors, open_safetensors, read_torch
+from taktiny.io import (
+    SafetensorsError,
+    load_safetensors,
+    open_safetensors,
+    plan_load,
+    read_torch,
+)
 from taktiny.io import _checkpoint as checkpoint_module
 
 LIMIT = 100_000_000  # the most bytes a header may have (safetensors' MAX_HEADER_SIZE)
@@ -357,6 +363,8 @@ def test_load_refuses_naming_the_file(tmp_path, make, content, message, abstract
     target = jax.eval_shape(model) if abstract else model()
     with pytest.raises(SafetensorsError, match=f"^{re.escape(str(path))}: .*{message}"):
         load_safetensors(target, path, progress=False)
+    with pytest.raises(SafetensorsError, match=f"^{re.escape(str(path))}: .*{message}"):
+        plan_load(target, path)  # (a plan opens the headers as the load does)
 
 
 def refused(capsys, argv, message):
