@@ -154,7 +154,8 @@ def hostile_files(draw: Any) -> tuple[bytes, str]:
                 header["__metadata__"][draw(st.sampled_from(("format", "k")))] = value
     elif change == "shape" and (not names or draw(st.booleans())):  # a zero-size tensor
         end = len(data)  # of axes whose product overflows, or another hostile shape
-        shape = draw(st.sampled_from([*HIDING, [0, 2**64], [2**63, 0], [0] * 65, [0, 3]]))
+        shapes = [*HIDING, [0, 2**64], [2**63, 0], [0] * 65, [0, 3], [0, 2**62], [0, 2**61 - 1]]
+        shape = draw(st.sampled_from(shapes))  # (the last two: 2**64 and 2**63 - 4 bytes)
         header["z"] = {"dtype": "F32", "shape": shape, "data_offsets": [end, end]}
     elif change == "shape":  # hostile shapes of the same element count
         entry = header[draw(st.sampled_from(names))]
@@ -240,8 +241,11 @@ def same_as_the_library(checkpoint: Any, raw: bytes) -> None:
     for name, tensor in checkpoint.items():
         theirs = library[name]
         stored = tensor.stored if tensor.packed else tensor
-        for shape in (tensor.shape, stored.shape):  # NumPy's bounds, zero axes or not
-            assert len(shape) <= 64 and math.prod(d or 1 for d in shape) < 2**63, shape
+        # NumPy's bounds, zero axes or not: 64 axes, and fewer than 2**63 bytes with every
+        # zero axis counted as one (a packed tensor unpacks through two bytes a byte stored)
+        unpacked = (stored.shape, 2) if tensor.packed else (tensor.shape, tensor.dtype.itemsize)
+        for shape, itemsize in ((stored.shape, stored.dtype.itemsize), unpacked):
+            assert len(shape) <= 64 and math.prod(d or 1 for d in shape) * itemsize < 2**63, shape
         assert stored.dtype == np.dtype(NUMPY.get(theirs["dtype"], np.uint8)), name
         assert list(stored.shape) == theirs["shape"], name
         expected = np.frombuffer(bytes(theirs["data"]), stored.dtype).reshape(stored.shape)

@@ -404,7 +404,31 @@ RULE_ERRORS = [  # (make the rule, its whole message)
      "a template without regex=True."),
     (lambda: cv.Rule("a.*", ["b", "c?"]),
      "Rule('a.*' -> ['b', 'c?'], identity()): the target 'c?' has a wildcard; a target names "
-     "one parameter, with {name} captures from the source only."),
+     "one parameter, with {name} captures from the source only (and a '**' part for the "
+     "parts the source's '**' matched)."),
+    (lambda: cv.Rule("a.**.b.**", "c.**"),
+     "Rule('a.**.b.**' -> 'c.**', identity()): a target's '**' stands for the parts the "
+     "source's '**' matched, so every source and every target needs exactly one '**' part, "
+     "and 'a.**.b.**' has 2; with two, which parts each stands for would be ambiguous: "
+     "capture single parts with {name} instead."),
+    (lambda: cv.Rule("a.w", "**.k"),
+     "Rule('a.w' -> '**.k', identity()): a target's '**' stands for the parts the source's "
+     "'**' matched, so every source and every target needs exactly one '**' part, and 'a.w' "
+     "has 0."),
+    (lambda: cv.Rule(["a.**.q", "a.**.k"], ["**.qk", "v"], cv.concatenate()),
+     "Rule(['a.**.q', 'a.**.k'] -> ['**.qk', 'v'], concatenate(axis=0)): a target's '**' "
+     "stands for the parts the source's '**' matched, so every source and every target needs "
+     "exactly one '**' part, and 'v' has 0."),
+    (lambda: cv.Rule("a.**", "b.x**"),
+     "Rule('a.**' -> 'b.x**', identity()): the target 'b.x**' has a wildcard; a target names "
+     "one parameter, with {name} captures from the source only (and a '**' part for the "
+     "parts the source's '**' matched)."),
+    (lambda: cv.Rule("a.**", "b.**."),
+     "Rule('a.**' -> 'b.**.', identity()): the template 'b.**.' has an empty part."),
+    (lambda: cv.Rule(r"a\.(?P<rest>.+)", "b.**", regex=True),
+     "Rule('a\\\\.(?P<rest>.+)' -> 'b.**', identity()): a target's '**' stands for the parts "
+     "a template's '**' matched; with regex=True, capture the parts in a named group "
+     "((?P<rest>.+)) and write {rest} in the target."),
     (lambda: cv.Rule(["a.{i}", "c"], "b.{i}"),
      "Rule(['a.{i}', 'c'] -> 'b.{i}', identity()): the target uses ['i'], which the source "
      "'c' does not capture."),
@@ -487,6 +511,45 @@ def test_rules_know_their_captures_and_whether_they_export():
         "its transform cast('float32') has no inverse"
     )
     assert repr(cv.Tie("a", same_as="b")) == "Tie('a', same_as='b')"  # fmt: skip
+
+
+def test_a_double_star_in_the_target_carries_the_parts_its_source_matched():
+    """A '**' in source and target renames a prefix at every depth, none included, and
+    exports back; it is a capture the targets keep (one step per path), and it gathers."""
+    rule = cv.Rule("model.**.weight", "**.kernel", cv.transpose())
+    assert rule.deep and rule.kept == ("__deep__",) and rule.gathered is None
+    assert rule.irreversible() is None
+    assert rule.target_names({"__deep__": "a.b"}) == ("a.b.kernel",)
+    assert rule.target_names({"__deep__": ""}) == ("kernel",)  # no part: the dot goes too
+    source = {
+        "model.weight": np.arange(6, dtype=np.float32).reshape(2, 3),
+        "model.a.weight": np.arange(4, dtype=np.float32).reshape(1, 4),
+        "model.a.b.c.weight": np.arange(10, dtype=np.float32).reshape(5, 2),
+    }
+    target = {"kernel": np.zeros((3, 2), np.float32), "a.kernel": np.zeros((4, 1), np.float32),
+              "a.b.c.kernel": np.zeros((2, 5), np.float32)}  # fmt: skip
+    flat = cv.convert([rule], source, target=target)
+    assert list(flat) == ["kernel", "a.kernel", "a.b.c.kernel"]
+    np.testing.assert_array_equal(flat["a.b.c.kernel"], source["model.a.b.c.weight"].T)
+    back = cv.export([rule], flat)
+    assert sorted(back) == sorted(source)
+    assert all(np.array_equal(back[n], source[n]) for n in source)
+    cv.round_trip_check([rule], flat)
+    prefix = cv.Rule("blocks.**", "layers.**")  # a prefix renamed, at the end of the names
+    named = {"blocks.0.attn.kernel": np.zeros(1), "blocks.1.norm.scale": np.zeros(1)}
+    made = cv.convert([prefix], named, target={"layers.0.attn.kernel": np.zeros(1),
+                                               "layers.1.norm.scale": np.zeros(1)})  # fmt: skip
+    assert sorted(made) == ["layers.0.attn.kernel", "layers.1.norm.scale"]
+    stacked = cv.Rule("h.{i}.**.w", "stack.**.w", cv.stack(0))  # gathers {i} per path
+    layers = {f"h.{i}.{path}.w": np.full(2, 10 * i + k, np.float32)
+              for i in range(3) for k, path in enumerate(("mlp", "attn.q"))}  # fmt: skip
+    made = cv.convert([stacked], layers, target={"stack.mlp.w": np.zeros((3, 2), np.float32),
+                                                 "stack.attn.q.w": np.zeros((3, 2), np.float32)})  # fmt: skip
+    np.testing.assert_array_equal(made["stack.attn.q.w"][:, 0], [1, 11, 21])
+    assert sorted(cv.export([stacked], made)) == sorted(layers)
+    matches = lambda rule, name: rule.patterns[0].fullmatch("." + name) is not None
+    assert matches(rule, "model.weight") and not matches(rule, "model.weight.x")
+    assert not matches(rule, "modelweight") and not matches(rule, "model..weight")
 
 
 def test_regex_rules_convert_but_do_not_export():

@@ -522,3 +522,40 @@ def test_parity_errors_of_empty_and_single_outputs():
     assert [(o.ours, o.theirs) for o in report.outputs] == [((0, 3), (0, 3)), ((1,), (1,))]
     float16 = np.full(2, 1 + 2**-10, np.float16)  # the difference is taken in float64
     assert cv.parity(lambda: float16, lambda: np.ones(2, np.float32)).max_error == 2**-10
+
+
+def test_a_load_of_transformers_names_without_rules_says_to_pass_them(tmp_path):
+    """Hugging Face's BERT names, loaded without rules=, differ from the model's in every
+    name: the error lists them and ends by saying to pass rules=, naming the presets and
+    the examples that hold such rules; with the example's rules the same file loads."""
+    import taktiny as tt
+    from examples import bert
+    from taktiny.io import load_safetensors, save_safetensors
+
+    config, theirs = hf_bert()
+    path = tmp_path / "model.safetensors"
+    save_safetensors(path, {k: numpy(v) for k, v in theirs.state_dict().items()})
+    abstract = jax.eval_shape(lambda: bert.Bert(config, rngs=nn.Rngs(0)))
+    given = len(theirs.state_dict())
+    advice = (
+        rf"\nNone of the {given} names given are the model's: they name its parameters "
+        r"another way, as PyTorch and Hugging Face checkpoints do\. Convert them with rules "
+        r"\(taktiny\.convert; docs/converting\.md\): load_safetensors\(model, path, "
+        r"rules=rules\), or convert\.convert\(rules, state, target=model\) to load the "
+        r"result\. convert\.pytorch\(model\) makes the rules for a model that mirrors a torch "
+        r"module, from the layer presets \(convert\.linear, convert\.embedding, "
+        r"convert\.layer_norm, \.\.\.\); examples/bert\.py, gpt2\.py and llama\.py hold the "
+        r"RULES of Hugging Face's BERT, GPT-2 and Llama \(vit\.py and resnet\.py: ViT and "
+        r"ResNet\)\.$"
+    )
+    problems = given + len(tt.flat_state_dict(abstract))  # every name unknown, every leaf missing
+    head = rf"(?s)^taktiny\.io\.load_safetensors\(Bert\): {problems} problems; nothing was loaded"
+    with pytest.raises(tt.StateDictError, match=head + ".*" + advice):
+        load_safetensors(abstract, path, progress=False)
+    flat = {k: numpy(v) for k, v in theirs.state_dict().items()}
+    with pytest.raises(
+        tt.StateDictError, match=r"(?s)^Bert\.load_flat_state_dict\(\): .*" + advice
+    ):
+        abstract.load_flat_state_dict(flat, strict=True)
+    loaded = load_safetensors(abstract, path, rules=bert.RULES, progress=False)
+    np.testing.assert_array_equal(loaded.word.embedding, flat["embeddings.word_embeddings.weight"])

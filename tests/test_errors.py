@@ -704,3 +704,49 @@ def test_every_problem_is_built_in_one_place():
         if "StateProblem(" in path.read_text()
     }
     assert makers == {"state/_problems.py"}
+
+
+@pytest.mark.parametrize(
+    ("matched", "unknown", "advice"),
+    [
+        (0, 3, "None of the 3 names given are the model's"),
+        (1, 9, "Only 1 of the 10 names given is the model's"),  # one in ten: nearly none
+        (2, 18, "Only 2 of the 20 names given are the model's"),
+        (2, 17, None),  # more than one in ten match
+        (0, 2, None),  # two unknown names are more likely typos than another naming
+        (None, 40, None),  # a load that does not count its names says nothing of it
+    ],
+)
+def test_a_load_whose_names_are_almost_all_unknown_is_told_to_convert_them(
+    matched, unknown, advice
+):
+    problems = [
+        _problems.StateProblem("unknown", f"u{i}", None, f"u{i}", "?") for i in range(unknown)
+    ]
+    problems += [_problems.StateProblem("missing", f"m{i}", None, None, "?") for i in range(3)]
+    message = str(_problems.StateDictError("f()", problems, matched=matched))
+    last = message.splitlines()[-1]
+    if advice is None:
+        assert "rules" not in message and last.startswith("  ")
+        return
+    assert last.startswith(advice + ": they name its parameters another way")
+    assert "load_safetensors(model, path, rules=rules)" in last and "examples/bert.py" in last
+
+
+def test_a_state_of_torch_names_loaded_into_a_module_is_told_to_convert_them():
+    model = MLP(rngs=nn.Rngs(0))
+    torch_names = {
+        f"{layer}.{p}": np.zeros(1) for layer in ("fc1", "fc2") for p in ("weight", "bias")
+    }
+    with pytest.raises(
+        tt.StateDictError,
+        match=r"(?s)^MLP\.load_flat_state_dict\(\): 4 problems;.*\nNone of the 4 names given "
+        r"are the model's: .* convert\.convert\(rules, state, target=model\) to load the result",
+    ):
+        model.load_flat_state_dict(torch_names)
+    typos = {**tt.flat_state_dict(model), "input.kernal": np.zeros(1), "output.bais": np.zeros(1)}
+    with pytest.raises(
+        tt.StateDictError, match=r"^MLP\.load_flat_state_dict\(\): 2 problems"
+    ) as caught:
+        model.load_flat_state_dict(typos)  # (4 of 6 names match: typos, not another naming)
+    assert "rules" not in str(caught.value)

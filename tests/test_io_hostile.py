@@ -20,10 +20,16 @@ import pytest
 import torch
 
 from taktiny import _cli
-from taktiny.io import SafetensorsError, load_safetensors, open_safetensors, read_torch
+from taktiny.io import (
+    SafetensorsError,
+    load_safetensors,
+    open_safetensors,
+    plan_load,
+    read_torch,
+)
 from taktiny.io import _checkpoint as checkpoint_module
 
-LIMIT = 100 * 2**20  # the most bytes a header may have
+LIMIT = 100_000_000  # the most bytes a header may have (safetensors' MAX_HEADER_SIZE)
 A = {"dtype": "F32", "shape": [4, 4], "data_offsets": [0, 64]}
 B = {"dtype": "I32", "shape": [3], "data_offsets": [64, 76]}
 VALUES = {"a": np.arange(16, dtype=np.float32).reshape(4, 4), "b": np.arange(3, dtype=np.int32)}
@@ -50,6 +56,13 @@ def meta(metadata, **entries):
 
 def entry(**changes):
     return {**A, **changes}
+
+
+def zero_size(shape, dtype="F32", b=B, **more):
+    """A file whose 'a' is a zero-size tensor of `shape` and whose 'b' covers the data,
+    with no gap: nothing wrong but the shape."""
+    a = {"dtype": dtype, "shape": shape, "data_offsets": [0, 0]}
+    return framed(js({**more, "a": a, "b": dict(b, data_offsets=[0, 12])}), VALUES["b"].tobytes())
 
 
 def deep(n=100_000):
@@ -97,6 +110,7 @@ FILES = [
     ("zero length", framed(b""), r"not a safetensors file: its first 8 bytes give a header of 0 bytes, and the file has 84\. It is truncated or of another format\.$"),
     ("length past the end", struct.pack("<Q", 2**64 - 1) + b"{}", r"not a safetensors file: its first 8 bytes give a header of 18446744073709551615 bytes, and the file has 10"),
     ("length over the limit", sparse(LIMIT + 1, LIMIT + 16), rf"not a safetensors file: .* bytes, and the file has {LIMIT + 16}; a header may have at most {LIMIT} bytes \(the safetensors library's limit\)\. The file is corrupt\.$"),
+    ("length of 100 MiB", sparse(100 * 2**20, 100 * 2**20 + 16), rf"not a safetensors file: its first 8 bytes give a header of {100 * 2**20} bytes, and the file has {100 * 2**20 + 16}; a header may have at most {LIMIT} bytes \(the safetensors library's limit\)\. The file is corrupt\.$"),
     ("length at the limit, past the end", sparse(LIMIT, LIMIT), rf"not a safetensors file: its first 8 bytes give a header of {LIMIT} bytes, and the file has {LIMIT}\. It is truncated or of another format\.$"),
     ("not JSON", framed(b"{oops"), r"the header is not valid: Expecting property name"),
     *[(f"a pickle of protocol {p}", b"\x80" + bytes([p]) + bytes(20), r"not a safetensors file but, by its first bytes, a PyTorch file \(a pickle, torch\.save's legacy format\): read it with taktiny\.io\.read_torch") for p in (2, 3, 4, 5)],
@@ -147,6 +161,12 @@ FILES = [
     ("a count of 2**63", header(a=entry(shape=[2**62, 2])), r"'a' has the shape \[4611686018427387904, 2\], whose element count reaches 2\*\*63; the header is corrupt\.$"),
     ("a count of 2**63 - 1", header(a=entry(dtype="U8", shape=[2**63 - 1])), r"the header gives 'a' the shape \[9223372036854775807\] of U8 \(9223372036854775807 bytes\) but 64 bytes \[0, 64\); the header disagrees with its bytes\.$"),
     ("a zero hiding 2**124", header(a=entry(shape=[0, 2**62, 2**62], data_offsets=[0, 0]), b=dict(B, data_offsets=[0, 12])), r"'a' has the shape \[0, 4611686018427387904, 4611686018427387904\], whose element count"),
+    ("a zero and 2**62 of F32, no gap", zero_size([0, 2**62]), r"'a' has the shape \[0, 4611686018427387904\] of F32 \(4 bytes an element\), whose size reaches 2\*\*63 bytes with its zero axes counted as one: NumPy makes no array of that shape, not even an empty one; the header is corrupt\.$"),
+    ("a zero and 2**61 of F32, no gap", zero_size([0, 2**61]), r"'a' has the shape \[0, 2305843009213693952\] of F32 \(4 bytes an element\), whose size reaches 2\*\*63 bytes"),
+    ("a zero and 2**31 twice of F32", zero_size([2**31, 0, 2**31]), r"'a' has the shape \[2147483648, 0, 2147483648\] of F32 \(4 bytes an element\), whose size reaches 2\*\*63 bytes"),
+    ("a zero and 61 twos of F64", zero_size([0] + [2] * 61, "F64"), r"'a' has the shape \[0, 2, 2, 2, 2, 2, 2, 2, \.\.\.\] of F64 \(8 bytes an element\), whose size reaches 2\*\*63 bytes"),
+    ("a zero and 63 twos", zero_size([0] + [2] * 63, "U8"), r"'a' has the shape \[0, 2, 2, 2, 2, 2, 2, 2, \.\.\.\], whose element count reaches 2\*\*63; the header is corrupt\.$"),
+    ("a zero and 2**62 of F32, entry by entry", zero_size([0, 2**62], b=dict(B, dtype="f32")), r"'a' has the shape \[0, 4611686018427387904\] of F32 \(4 bytes an element\), whose size reaches 2\*\*63 bytes"),
     ("65 axes", header(a=entry(shape=[1] * 65)), r"'a' has 65 axes, more than the 64 NumPy allows"),
     ("10,000 axes", header(a=entry(shape=[1] * 10_000)), r"'a' has 10000 axes, more than the 64"),
     ("10,000 axes and a zero", header(a=entry(shape=[0] * 10_000, data_offsets=[0, 0])), r"'a' has 10000 axes"),
@@ -185,6 +205,7 @@ FILES = [
     ("packed shape of 2**64", packed({"dtype": "int4", "shape": [2**64]}), r"gives 'a' the record .*; a packed tensor's record is"),
     ("packed shape of 2**63", packed({"dtype": "int4", "shape": [4, 2**63]}), r"the metadata 'taktiny_packed' gives 'a' the record \{'dtype': 'int4', 'shape': \[4, 9223372036854775808\]\}; a packed tensor's record is"),
     ("packed extra field", packed({"dtype": "int4", "shape": [4, 8], "axis": 0}), r"a packed tensor's record is"),
+    ("packed, a zero and 2**63 - 1", zero_size([0, 2**62], "U8", __metadata__={"taktiny_packed": json.dumps({"a": {"dtype": "int4", "shape": [0, 2**63 - 1]}})}), r"the metadata 'taktiny_packed' lists 'a' as int4\[0, 9223372036854775807\], which is unpacked through two bytes for each byte stored: 2\*\*63 bytes or more with its zero axes counted as one\. NumPy makes no array of that shape, not even an empty one; the header is corrupt\.$"),
     ("packed, stored otherwise", packed({"dtype": "int4", "shape": [4, 8]}), r"lists 'a' as int4\[4, 8\] packed two per byte, which is stored as uint8\[4, 4\], but the file holds float32\[4, 4\]"),
     # Taktiny's quantized layouts
     ("quantized not JSON", meta({"taktiny_quantized": "nope"}), r"the metadata 'taktiny_quantized' is not valid JSON"),
@@ -342,6 +363,8 @@ def test_load_refuses_naming_the_file(tmp_path, make, content, message, abstract
     target = jax.eval_shape(model) if abstract else model()
     with pytest.raises(SafetensorsError, match=f"^{re.escape(str(path))}: .*{message}"):
         load_safetensors(target, path, progress=False)
+    with pytest.raises(SafetensorsError, match=f"^{re.escape(str(path))}: .*{message}"):
+        plan_load(target, path)  # (a plan opens the headers as the load does)
 
 
 def refused(capsys, argv, message):
@@ -362,6 +385,7 @@ def test_the_command_prints_one_line_and_exits_with_2(tmp_path, capsys, make, co
     refused(capsys, ["inspect", str(path), "--json"], line)
     refused(capsys, ["diff", str(good), str(path)], line)
     refused(capsys, ["diff", str(path), str(good)], line)
+    refused(capsys, ["verify", str(path)], line)
 
 
 def test_the_command_runs_as_a_program_without_a_traceback(tmp_path):
@@ -426,6 +450,7 @@ WORKING = [
     ("zero-size tensors only", ZEROS, None, b""),
     ("zero-size between", {"a": VALUES["a"], **ZEROS, "b": VALUES["b"]}, None, b""),
     ("zero-size first and last", {**ZEROS, **VALUES, "z2": np.zeros((0, 2**40), np.uint8)}, None, b""),
+    ("zero-size, bytes just below 2**63 for the zero", {"f": np.zeros((0, 2**61 - 1), np.float32), "u": np.zeros((2**63 - 1, 0), np.uint8)}, None, b""),
     ("listed out of order", VALUES, ["b", "a"], b""),
     ("64 axes", {"a": np.zeros((1,) * 64, np.float32)}, None, b""),
     ("names of any text", {"": VALUES["b"], "\0": VALUES["a"], "é.日本": VALUES["b"], 'a"b\\': VALUES["b"]}, None, b""),
@@ -458,6 +483,11 @@ def test_count_is_the_element_count_of_a_shape_below_2_63():
     for shape in ([2**62, 2], [0, 2**62, 2], [2**32, 2**32]):  # a zero axis counts as one
         with pytest.raises(OverflowError):
             count(shape)
+    # with an item size, the bytes stay below 2**63 (NumPy's bound, empty arrays included)
+    assert count([3, 4], 8) == 12 and count([0, 2**61 - 1], 4) == 0 and count([2**60], 4) == 2**60
+    for shape, itemsize in (([0, 2**61], 4), ([2**62, 0], 2), ([0] + [2] * 61, 8)):
+        with pytest.raises(OverflowError):
+            count(shape, itemsize)
 
 
 def test_an_empty_header_loads_into_an_empty_model(tmp_path):

@@ -678,3 +678,70 @@ def test_64_bit_values_that_fit_load_into_what_jax_holds_them_in(tmp_path):
     assert loaded["f"].dtype == jnp.float32
     assert np.array_equal(loaded["f"], floats.astype(np.float32))
     assert loaded["s"].dtype == jnp.int32 and int(loaded["s"]) == 7
+
+
+def test_a_flat_dict_loads_back_as_a_flat_dict_of_its_own_keys(tmp_path):
+    """What save_safetensors saves of a flat {name: array} dict (part of a model, under its
+    flat names) loads back into a flat dict: concrete, abstract or sharded, in its own
+    order, each value cast to its target's dtype; the model then takes it as it is."""
+    model = MLP(rngs=nn.Rngs(1))
+    part = {k: v for k, v in tt.flat_state_dict(model).items() if k.startswith("output.")}
+    path = tmp_path / "part.safetensors"
+    save_safetensors(path, part)
+    target = {"output.kernel": jnp.zeros((64, 4), jnp.bfloat16), "output.bias": jnp.zeros(4)}
+    mesh = jax.make_mesh((8,), ("model",))
+    sharded = {
+        "output.kernel": jax.ShapeDtypeStruct((64, 4), jnp.float32, sharding=NamedSharding(mesh, P("model"))),
+        "output.bias": jax.ShapeDtypeStruct((4,), jnp.float32),
+    }  # fmt: skip
+    for into in (target, jax.eval_shape(lambda: target), sharded):
+        loaded = load_safetensors(into, path, progress=False)
+        assert list(loaded) == list(into)  # the target's keys, in its order
+        for name, value in loaded.items():
+            assert value.dtype == into[name].dtype, name
+            expected = np.asarray(part[name]).astype(into[name].dtype)
+            assert np.asarray(value).tobytes() == expected.tobytes(), name
+    assert loaded["output.kernel"].sharding == sharded["output.kernel"].sharding
+    assert target["output.kernel"].sum() == 0  # the target is left as it was
+    back = MLP(rngs=nn.Rngs(2)).load_flat_state_dict(load_safetensors(part, path, progress=False))
+    assert_same(back.output, flat_numpy(model.output))
+    plan = tt.io.plan_load(jax.eval_shape(lambda: target), path)
+    assert plan.error is None and sorted(t for s in plan.steps for t in s.targets) == sorted(part)
+
+
+def test_a_flat_dict_target_is_checked_as_any_target_is(tmp_path):
+    path = tmp_path / "part.safetensors"
+    save_safetensors(path, {"a.b": np.ones((2, 3), np.float32), "a.c": np.ones(3, np.int32)})
+    missing = r"(?s)^taktiny\.io\.load_safetensors\(dict\): 2 problems.*'a\.c': unknown key; did you mean 'a\.d'\?.*'a\.d': missing"
+    with pytest.raises(tt.StateDictError, match=missing):
+        load_safetensors({"a.b": jnp.zeros((2, 3)), "a.d": jnp.zeros(3, jnp.int32)}, path)
+    with pytest.raises(tt.StateDictError, match=r"(?s)'a\.b'.*expected \(3, 2\).*\(2, 3\)"):
+        load_safetensors({"a.b": jnp.zeros((3, 2)), "a.c": jnp.zeros(3, jnp.int32)}, path)
+    with pytest.raises(
+        TypeError,
+        match=r"^taktiny\.io\.load_safetensors\(dict\): the flat target names both 'a' and "
+        r"'a\.b'; a load names a tree's leaves by their paths, and no path ends at a leaf and "
+        r"goes on\. Read such a checkpoint without a target: \{n: np\.asarray\(t\) for n, t in "
+        r"open_safetensors\(path\)\.items\(\)\}\.$",
+    ):
+        load_safetensors({"a": jnp.zeros(1), "a.b": jnp.zeros((2, 3))}, path)
+    with pytest.raises(TypeError, match=r"names both 'a\.b' and 'a\.b\.c'"):
+        load_safetensors({"a.b": jnp.zeros((2, 3)), "a.b.c": jnp.zeros(1)}, path)
+
+
+def test_rules_with_a_double_star_rename_every_depth_tensor_by_tensor(tmp_path, reads):
+    """`model.**.weight` -> `**.kernel` (transposed) and `model.**.bias` -> `**.bias` load
+    a torch-named checkpoint of nested layers at every depth, each tensor read once."""
+    model = MLP(rngs=nn.Rngs(1))
+    theirs = {}
+    for name, value in tt.flat_state_dict(model).items():
+        torch_name = "model." + name.replace("kernel", "weight")
+        theirs[torch_name] = np.asarray(value).T if name.endswith("kernel") else np.asarray(value)
+    path = tmp_path / "torch-names.safetensors"
+    save_safetensors(path, theirs)
+    rules = [cv.Rule("model.**.weight", "**.kernel", cv.transpose()),
+             cv.Rule("model.**.bias", "**.bias")]  # fmt: skip
+    reads.clear()
+    loaded = load_safetensors(jax.eval_shape(lambda: model), path, rules=rules, progress=False)
+    assert_same(loaded, flat_numpy(model))
+    assert sorted(name for name, _ in reads) == sorted(theirs)

@@ -528,3 +528,30 @@ def test_inner_modules_migrate_before_the_modules_that_hold_them(tmp_path: Path)
     _check_all(tt.io.load_safetensors(fresh, tmp_path / "v1.safetensors"), expected)
     flat = tt.migrate(fresh, tt.flat_state_dict(old), version=None, versions={})
     _check_all(tt.load_flat_state_dict(fresh, flat, strict=True), expected)
+
+
+class NestedV1(nn.Module):
+    def __init__(self, *, rngs: nn.Rngs):
+        self.encoder = {"blocks": [nn.Linear(2, 3, rngs=rngs)], "out": nn.Linear(3, 1, rngs=rngs)}
+
+
+class NestedV2(nn.Module):  # version 2: "encoder" renamed "backbone", at every depth below it
+    state_version: ClassVar[int] = 2
+    state_migrations: ClassVar[Sequence[Sequence[Any]]] = (
+        [convert.Rule("encoder.**", "backbone.**")],
+    )
+
+    def __init__(self, *, rngs: nn.Rngs):
+        self.backbone = {"blocks": [nn.Linear(2, 3, rngs=rngs)], "out": nn.Linear(3, 1, rngs=rngs)}
+
+
+def test_a_migration_renames_a_nested_prefix_with_one_double_star_rule(tmp_path):
+    old = NestedV1(rngs=nn.Rngs(0))
+    save_safetensors(tmp_path / "v1.safetensors", old)
+    new = NestedV2(rngs=nn.Rngs(1))
+    flat = tt.migrate(new, tt.flat_state_dict(old), version=1)
+    expected = {f"backbone.{n[len('encoder.') :]}": v for n, v in tt.flat_state_dict(old).items()}
+    assert sorted(flat) == sorted(expected)
+    loaded = tt.io.load_safetensors(new, tmp_path / "v1.safetensors", progress=False)
+    for name, value in tt.flat_state_dict(loaded).items():
+        np.testing.assert_array_equal(value, expected[name], err_msg=name)

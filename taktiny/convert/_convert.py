@@ -22,7 +22,7 @@ from ._coverage import (
     spec,
 )
 from ._moments import owners, plan_state
-from ._rules import AnyRule, Ignore, Rule, Tie, capture_names, compile_template
+from ._rules import AnyRule, Ignore, Rule, Tie, capture_names, compile_template, fill
 
 
 def _leaves(target: Any) -> dict[str, Any]:
@@ -298,7 +298,7 @@ def export(rules: Sequence[AnyRule], model: Any) -> dict[str, Any]:
     for leaf in leaves:
         found = next(
             (
-                (i, j, m.groupdict())
+                (i, j, m.groupdict(""))
                 for i, ps in enumerate(inverse)
                 for j, p in enumerate(ps)
                 if (m := p.fullmatch("." + leaf)) is not None
@@ -339,11 +339,11 @@ def export(rules: Sequence[AnyRule], model: Any) -> dict[str, Any]:
         arrays = transform(tuple(leaves[n] for n in names if n is not None), count)
         if rule.gathered:
             made = [
-                rule.sources[0].format(**binding, **{rule.gathered: str(k)})
+                fill(rule.sources[0], {**binding, rule.gathered: str(k)})
                 for k in range(len(arrays))
             ]
         else:
-            made = [s.format(**binding) for s in rule.sources]
+            made = [fill(s, binding) for s in rule.sources]
         out.update(zip(made, arrays, strict=True))
     for ignore in (r for r in rules if isinstance(r, Ignore) and r.export is not None):
         for pattern in ignore.sources:
@@ -365,7 +365,7 @@ def export(rules: Sequence[AnyRule], model: Any) -> dict[str, Any]:
 
 
 def _compile_targets(rule: Rule) -> list[Any]:
-    return [compile_template(t, repr(rule)) for t in rule.targets]
+    return [compile_template(t, repr(rule), deep=rule.deep) for t in rule.targets]
 
 
 def round_trip_check(rules: Sequence[AnyRule], model: Any) -> None:

@@ -5,12 +5,18 @@ in ``tt.by_name``) in which ``{name}`` captures one part: ``layers.{i}.attn.weig
 The captures fill the target templates (``blocks.{i}.attention.kernel``); a capture the
 targets do not use is gathered over: the rule reads every name it matches, in the order
 0, 1, ..., n-1 of that capture, as one group (``stack`` them into one array).
+
+A ``**`` part in the targets is a capture too: it stands for the parts the one ``**`` of
+each source matched, none included (``model.**.weight`` -> ``**.kernel`` makes
+``a.b.kernel`` of ``model.a.b.weight`` and ``kernel`` of ``model.weight``). With one
+``**`` a template's other parts each match one part, so a name's match, and the name
+its target gives back on export, are unique.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -19,16 +25,18 @@ from ..state import _patterns
 from ._transforms import Transform, identity
 
 CAPTURE = re.compile(r"\{([A-Za-z_]\w*)\}")
+DEEP = "__deep__"  # the capture of a '**' part that the targets use: the parts, '.'-joined
 
 
-def compile_template(template: str, where: str) -> re.Pattern[str]:
-    """The regex (matched against ``"." + name``) of a name template."""
+def compile_template(template: str, where: str, *, deep: bool = False) -> re.Pattern[str]:
+    """The regex (matched against ``"." + name``) of a name template; with `deep`, its one
+    ``**`` part is the capture `DEEP` (the parts it matched, or "" for none)."""
     if not isinstance(template, str) or not template:
         raise ValueError(f"{where}: a name template is a non-empty string, got {template!r}.")
     out, seen = [], set()
     for part in template.split("."):
         if part == "**":
-            out.append(r"(?:\.[^.]+)*")
+            out.append(rf"(?:\.(?P<{DEEP}>[^.]+(?:\.[^.]+)*))?" if deep else r"(?:\.[^.]+)*")
             continue
         pieces, at = [], 0
         for found in [*CAPTURE.finditer(part), None]:
@@ -49,13 +57,30 @@ def compile_template(template: str, where: str) -> re.Pattern[str]:
     return re.compile("".join(out))
 
 
-def _literal(template: str) -> bool:
-    """Whether the template names one name once its captures are filled (no wildcards)."""
-    return not any(c in CAPTURE.sub("", template) for c in "*?[]{}")
+def _literal(template: str, deep: bool = False) -> bool:
+    """Whether the template names one name once its captures (with `deep`, its ``**``
+    part too) are filled: no wildcards."""
+    parts = [p for p in template.split(".") if not (deep and p == "**")]
+    return not any(c in CAPTURE.sub("", ".".join(parts)) for c in "*?[]{}")
 
 
 def capture_names(template: str) -> set[str]:
     return set(CAPTURE.findall(template))
+
+
+def _deep_parts(template: str) -> int:
+    return template.split(".").count("**")
+
+
+def fill(template: str, captures: Mapping[str, str]) -> str:
+    """The name `template` gives for one match's `captures`: each ``{name}`` filled, and a
+    ``**`` part replaced by the parts it stands for (with none, the part and its dot go)."""
+    parts = [
+        captures[DEEP] if part == "**" else CAPTURE.sub(lambda m: captures[m.group(1)], part)
+        for part in template.split(".")
+        if part != "**" or captures[DEEP]
+    ]
+    return ".".join(parts)
 
 
 def _tuple(value: str | Sequence[str]) -> tuple[str, ...]:
@@ -70,7 +95,9 @@ class Rule:
             order: ``concatenate`` them). With ``regex=True``, regular expressions
             matched against the whole name, whose named groups are the captures.
         target: a name template, or several (the transform makes one array for each:
-            ``split``). Captures only, no wildcards.
+            ``split``). Captures only, no wildcards; a ``**`` part stands for the parts
+            the ``**`` of the source matched (none included), and then every source and
+            every target has exactly one ``**`` part.
         transform: what to do to the arrays; ``identity()`` (a rename) by default.
         regex: whether ``source`` holds regular expressions (such a rule converts, but
             cannot export: it has no template to name the source).
@@ -81,14 +108,16 @@ class Rule:
         transform: the transform.
         patterns: one compiled regular expression per source, matched against
             ``"." + name``.
-        kept: the captures the targets use, sorted.
+        kept: the captures the targets use, sorted (``"__deep__"`` for a ``**``).
         gathered: the one capture of the source that the targets do not use (its matches
             are gathered into one target, in order: ``stack``), or None.
+        deep: whether the targets' ``**`` carries the parts the sources' ``**`` matched.
 
     Raises:
         ValueError: a rule without sources or targets; a source that is not a valid
             template (or regular expression); a target with wildcards, or with captures
-            a source lacks; or more than one capture to gather.
+            a source lacks; a ``**`` in a target without exactly one in every source and
+            target (or with ``regex=True``); or more than one capture to gather.
     """
 
     def __init__(
@@ -104,6 +133,29 @@ class Rule:
         self.regex = regex
         if not self.sources or not self.targets:
             raise ValueError(f"{self!r}: a rule needs at least one source and one target.")
+        self.deep = any(isinstance(t, str) and _deep_parts(t) for t in self.targets)
+        if self.deep and regex:
+            raise ValueError(
+                f"{self!r}: a target's '**' stands for the parts a template's '**' matched; "
+                f"with regex=True, capture the parts in a named group ((?P<rest>.+)) and "
+                f"write {{rest}} in the target."
+            )
+        wrong = [
+            t for t in (*self.sources, *self.targets) if isinstance(t, str) and _deep_parts(t) != 1
+        ]
+        if self.deep and wrong:
+            n = _deep_parts(wrong[0])
+            raise ValueError(
+                f"{self!r}: a target's '**' stands for the parts the source's '**' matched, "
+                f"so every source and every target needs exactly one '**' part, and "
+                f"{wrong[0]!r} has {n}"
+                + (
+                    "; with two, which parts each stands for would be ambiguous: capture "
+                    "single parts with {name} instead."
+                    if n > 1
+                    else "."
+                )
+            )
         if regex:
             try:
                 self.patterns = [
@@ -119,15 +171,18 @@ class Rule:
                 ) from None
             captures = [set(p.groupindex) for p in self.patterns]
         else:
-            self.patterns = [compile_template(s, repr(self)) for s in self.sources]
-            captures = [capture_names(s) for s in self.sources]
+            self.patterns = [compile_template(s, repr(self), deep=self.deep) for s in self.sources]
+            deep = {DEEP} if self.deep else set()
+            captures = [capture_names(s) | deep for s in self.sources]
         for target in self.targets:
-            if not _literal(target):
+            if not _literal(target, self.deep):
                 raise ValueError(
                     f"{self!r}: the target {target!r} has a wildcard; a target names one "
-                    f"parameter, with {{name}} captures from the source only."
+                    f"parameter, with {{name}} captures from the source only (and a '**' "
+                    f"part for the parts the source's '**' matched)."
                 )
-        kept = set().union(*map(capture_names, self.targets))
+            compile_template(target, repr(self))  # (an empty part, a '**' inside a part)
+        kept = set().union(*map(capture_names, self.targets)) | ({DEEP} if self.deep else set())
         for source, names in zip(self.sources, captures, strict=True):
             if not kept <= names:
                 raise ValueError(
@@ -152,7 +207,7 @@ class Rule:
         Returns:
             The target templates filled with `captures`, in order.
         """
-        return tuple(t.format(**captures) for t in self.targets)
+        return tuple(fill(t, captures) for t in self.targets)
 
     def irreversible(self) -> str | None:
         """Says whether this rule can export (run backwards).
@@ -162,7 +217,7 @@ class Rule:
         """
         if self.regex:
             return "its source is a regular expression, not a template that names one source"
-        if not all(map(_literal, self.sources)):
+        if not all(_literal(s, self.deep) for s in self.sources):
             return "its source has a wildcard, so it does not name one source"
         if self.transform.inverse is None:
             return f"its transform {self.transform!r} has no inverse"
@@ -300,5 +355,5 @@ def first_match(rules: Sequence[AnyRule], name: str) -> tuple[int, int, dict[str
         for j, pattern in enumerate(rule.patterns):
             found = pattern.fullmatch(dotted)
             if found is not None:
-                return i, j, found.groupdict()
+                return i, j, found.groupdict("")  # (a '**' that matched no part: "")
     return None

@@ -5,8 +5,9 @@ lists as packed 4-bit tensors are presented as such.
 
 Whatever the bytes, the result is a checked header or one `SafetensorsError`: the header
 must be UTF-8 JSON (no deeper than Python's JSON parser goes, no name twice), each entry an
-object of a known dtype, a shape of at most 64 ints below 2**63 whose element count is
-below 2**63, and data_offsets of two ints; the metadata maps strings to strings; and the
+object of a known dtype, a shape of at most 64 ints below 2**63 whose bytes are fewer than
+2**63 (a zero axis counted as one: NumPy makes no array, empty or not, whose other axes'
+bytes overflow), and data_offsets of two ints; the metadata maps strings to strings; and the
 tensors' byte ranges cover the data exactly, as the safetensors library requires (no
 overlaps, no gaps, nothing after the last). A header of 100,000 tensors is checked in a
 few passes of C-level work (bulk type and range checks over all entries at once); only a
@@ -34,7 +35,10 @@ _DTYPE, _SHAPE = operator.itemgetter("dtype"), operator.itemgetter("shape")
 _OFFSETS = operator.itemgetter("data_offsets")
 _FIRST, _SECOND = operator.itemgetter(0), operator.itemgetter(1)
 _NBYTES = operator.attrgetter("nbytes")
-HEADER_LIMIT = 100 * 2**20  # the safetensors library's own limit on a header
+# The safetensors library's own limit on a header: MAX_HEADER_SIZE in its Rust crate
+# (huggingface/safetensors, safetensors/src/tensor.rs), which refuses a longer one before
+# reading it.
+HEADER_LIMIT = 100_000_000
 MAX_RANK = 64  # NumPy's most axes
 _CONTAINERS_PER_ENTRY, _SPARE_CONTAINERS = 8, 1_000_000  # JSON lists and objects a header may hold
 LIMIT = 2**63  # dims, element counts and byte offsets stay below it (int64, as NumPy)
@@ -87,16 +91,17 @@ def _encodes(text: str) -> bool:
     return True
 
 
-def count(shape: Any) -> int:
-    """The element count of a checked `shape`: the product of its axes, each below 2**63,
-    with the count below 2**63 too (a zero axis counts as one in that bound, so that no
-    product of the others can overflow a 64-bit count anywhere)."""
-    n = 1
+def count(shape: Any, itemsize: int = 1) -> int:
+    """The element count of a checked `shape`: the product of its axes, each below 2**63.
+    Raises OverflowError when the bytes of `itemsize`-byte items reach 2**63 with every
+    zero axis counted as one: NumPy refuses a shape whose other axes' product times the
+    item size overflows its 64-bit size, even when a zero axis makes the array empty."""
+    n = itemsize
     for d in shape:
         n *= d or 1
         if n >= LIMIT:
             raise OverflowError
-    return 0 if 0 in shape else n
+    return 0 if 0 in shape else n // itemsize
 
 
 def _problem(name: str, entry: Any) -> str | None:
@@ -118,7 +123,7 @@ def _problem(name: str, entry: Any) -> str | None:
             f"{name!r} has the dtype {short(dtype)}, which Taktiny cannot read; it reads "
             f"{sorted(CODES)}."
         )
-    overflow = _overflow(name, shape)
+    overflow = _overflow(name, shape, dtype)
     if overflow:
         return overflow
     begin, end = offsets
@@ -127,13 +132,23 @@ def _problem(name: str, entry: Any) -> str | None:
     return None
 
 
-def _overflow(name: str, shape: Any) -> str | None:
+def _overflow(name: str, shape: Any, dtype: str) -> str | None:
+    """Why the checked `shape` of `dtype` (a code) is no array's, or None: its element
+    count, or its size in bytes, reaches 2**63 (each with zero axes counted as one)."""
     try:
-        count(shape)
+        count(shape, CODES[dtype][1])
     except OverflowError:
+        try:
+            count(shape)
+        except OverflowError:
+            return (
+                f"{name!r} has the shape {short(shape)}, whose element count reaches 2**63; "
+                f"the header is corrupt."
+            )
         return (
-            f"{name!r} has the shape {short(shape)}, whose element count reaches 2**63; the "
-            f"header is corrupt."
+            f"{name!r} has the shape {short(shape)} of {dtype} ({CODES[dtype][1]} bytes an "
+            f"element), whose size reaches 2**63 bytes with its zero axes counted as one: "
+            f"NumPy makes no array of that shape, not even an empty one; the header is corrupt."
         )
     return None
 
@@ -210,12 +225,12 @@ def read_header(file: Path) -> tuple[dict[str, Tensor], dict[str, str]]:
         for tensor, dtype, begin, end in zip(tensors, dtypes, begins, ends, strict=True):
             if end - begin != tensor.nbytes:
                 raise bad(
-                    _overflow(tensor.name, list(tensor.shape))
+                    _overflow(tensor.name, list(tensor.shape), dtype)
                     or _disagrees(tensor, dtype, begin, end)
                 )
     if 0 in sizes:  # a tensor of no bytes may still claim axes whose product overflows
-        for tensor in [t for t, n in zip(tensors, sizes, strict=True) if not n]:
-            if problem := _overflow(tensor.name, list(tensor.shape)):
+        for tensor, dtype, n in zip(tensors, dtypes, sizes, strict=True):
+            if not n and (problem := _overflow(tensor.name, list(tensor.shape), dtype)):
                 raise bad(problem)
     if _covers(begins, ends, data):  # in the header's order, as writers write it
         found = dict(zip(names, tensors, strict=True))
@@ -417,6 +432,15 @@ def _unpacked(tensors: dict[str, Tensor], packed: str | None, bad: Any) -> dict[
                 f"two per byte, which is stored as uint8{list(want)}, but the file holds "
                 f"{stored.dtype_name}{list(stored.shape)}; the header is inconsistent."
             )
+        try:  # unpacked through a buffer of two bytes for each byte stored
+            count(want, 2)
+        except OverflowError:
+            raise bad(
+                f"the metadata {qz.PACKED!r} lists {name!r} as {dtype.name}{short(list(shape))}, "
+                f"which is unpacked through two bytes for each byte stored: 2**63 bytes or more "
+                f"with its zero axes counted as one. NumPy makes no array of that shape, not "
+                f"even an empty one; the header is corrupt."
+            ) from None
         unpacked = Packed(name, shape, dtype, stored.file, stored.offset)
         unpacked._held = unpacked.stored._held = stored._held  # (read through its file)
         tensors[name] = unpacked

@@ -23,7 +23,7 @@ from typing import Any
 
 from ..convert._coverage import Step
 from ..convert._rules import AnyRule
-from ..state import _state
+from ..state import _state, _tree
 from ._checkpoint import Checkpoint
 from ._place import (
     Scratch,
@@ -34,7 +34,7 @@ from ._place import (
     transformed,
     transposed_leaf,
 )
-from ._plan import migration_of, opened, steps_of, tensors_of, unkept
+from ._plan import as_tree, migration_of, opened, steps_of, tensors_of, unkept
 from ._read import Readahead
 from ._readers import Readers
 
@@ -71,7 +71,10 @@ def load_safetensors(
     tensor at a time besides the quantized model.
 
     Args:
-        model: a module or any PyTree, concrete or abstract; it is not changed.
+        model: a module or any PyTree, concrete or abstract; it is not changed. Or a
+            flat ``{name: array}`` dict, as :func:`save_safetensors` saves one
+            (``{"encoder.lora_a": ...}``: adapters alone, say), whose keys are the names
+            to load; the load then returns a flat dict of the same keys.
         path: a ``.safetensors`` file, a ``*.safetensors.index.json``, a folder holding one
             of them (see :func:`open_safetensors`), or an opened :class:`Checkpoint`.
         rules: conversion rules (:mod:`taktiny.convert`) from the checkpoint's names to the
@@ -97,8 +100,9 @@ def load_safetensors(
             read it, as soon as it is read.
 
     Returns:
-        A new model of the same structure, holding the checkpoint's values cast to each
-        leaf's dtype (within its dtype kind, as every load casts).
+        A new model of the same structure (for a flat dict, a flat dict of its keys),
+        holding the checkpoint's values cast to each leaf's dtype (within its dtype kind,
+        as every load casts).
 
     Raises:
         taktiny.StateDictError: without `rules`, naming every unknown, missing, misshapen
@@ -112,7 +116,10 @@ def load_safetensors(
             than the model's (or a module's inside it); `rules` for a checkpoint of an older
             version; a model sharded on an abstract mesh (``jax.eval_shape`` of a function
             that shards: use :func:`taktiny.eval_shape`), naming the file and the model.
+        TypeError: a flat dict target that names both ``"a"`` and ``"a.b"``, which no
+            tree can hold.
     """
+    flat, model = model, as_tree(model)
     where, checkpoint, leaves, quantized = opened(model, path, rules, allow)
     migration = migration_of(where, model, checkpoint, leaves, quantized, rules)
     steps = steps_of(
@@ -179,7 +186,11 @@ def load_safetensors(
                 future.cancel()
     if migration is not None and migration.added:  # (they keep their values)
         strict = False  # (steps_of checked that every other leaf is made)
-    return _state.load(model, placed, strict=strict, flat=True, caller=where)
+    loaded = _state.load(model, placed, strict=strict, flat=True, caller=where)
+    if model is flat:
+        return loaded
+    named = _tree.flat_state_dict(loaded)
+    return {name: named[name] for name in flat}  # (a flat target: its own keys, in order)
 
 
 class Ways:

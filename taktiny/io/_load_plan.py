@@ -34,6 +34,7 @@ from ._load import Ways
 from ._place import sharding_of
 from ._plan import (
     IDENTITY,
+    as_tree,
     migration_of,
     opened,
     parts_of,
@@ -220,6 +221,7 @@ def planned(
     plan`` makes it abstractly, with :func:`taktiny.eval_shape` of its factory): the
     leaves a migration adds keep the values that model has."""
     rules, allow, strict, verify = options
+    model = as_tree(model)  # (a flat dict: the nested dicts its names make)
     where, checkpoint, leaves, quantized = opened(model, path, rules, allow)
     ties: list[tuple[str, str]] = []
     error: Exception | None = None

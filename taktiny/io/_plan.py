@@ -31,8 +31,8 @@ from ..convert._migrate import (
 )
 from ..convert._rules import AnyRule, Rule
 from ..sharding._specs import mesh_text
+from ..state import _names, _schema, _tree, _values
 from ..state import _problems as err
-from ..state import _schema, _tree, _values
 from . import _quantized_format as qz
 from ._checkpoint import Checkpoint, open_safetensors, schema_part
 from ._header_checks import (
@@ -49,6 +49,40 @@ from ._read import Tensor
 def parts_of(name: str, quantized: Mapping[str, QArray]) -> tuple[str, ...]:
     """The leaves a step's target fills: a quantized parameter's two parts, or itself."""
     return (f"{name}.value", f"{name}.scale") if name in quantized else (name,)
+
+
+def as_tree(model: Any) -> Any:
+    """The tree a load walks: `model`, or for a flat ``{"a.b": array}`` dict (as
+    `save_safetensors` saves one under its own keys) the nested dicts its names make,
+    ``{"a": {"b": array}}``, whose flat names are its keys. Raises TypeError for a name
+    that also begins another (``"a"`` and ``"a.b"``): no tree has both."""
+    if not (
+        _names.is_flat(model)
+        and all(type(k) is str for k in model)
+        and any("." in k for k in model)
+    ):
+        return model
+    out: dict[str, Any] = {}
+    for name, value in model.items():
+        *groups, last = name.split(".")
+        node = out
+        for depth, key in enumerate(groups):
+            node = node.setdefault(key, {})
+            if type(node) is not dict:
+                _clash(".".join(groups[: depth + 1]), name)
+        if last in node:
+            _clash(name, next(n for n in model if n.startswith(f"{name}.")))
+        node[last] = value
+    return out
+
+
+def _clash(leaf: str, longer: str) -> None:
+    raise TypeError(
+        f"taktiny.io.load_safetensors(dict): the flat target names both {leaf!r} and "
+        f"{longer!r}; a load names a tree's leaves by their paths, and no path ends at a "
+        f"leaf and goes on. Read such a checkpoint without a target: "
+        f"{{n: np.asarray(t) for n, t in open_safetensors(path).items()}}."
+    )
 
 
 def opened(
@@ -197,7 +231,8 @@ def plain_steps(
     shapes and dtype kinds in one StateDictError."""
     steps, problems = plain_plan(checkpoint, leaves, quantized, strict)
     if problems:
-        raise err.StateDictError(where, problems)
+        matched = len(checkpoint) - sum(p.kind == "unknown" for p in problems)
+        raise err.StateDictError(where, problems, matched=matched)
     return steps
 
 

@@ -23,7 +23,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from ..state import _schema, _tree
+from ..state import _names, _schema, _tree
 from . import _checksum
 from . import _quantized_format as qz
 from ._checkpoint import SHARD, read_weight_map
@@ -439,10 +439,7 @@ def _metadata(metadata: Mapping[str, str] | None) -> dict[str, str]:
 def _flat(tree: Any) -> Mapping[str, Any]:
     """Names and values: a mapping whose values are all leaves keeps its own keys (and is
     returned as it is)."""
-    if isinstance(tree, Mapping) and all(
-        jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(v)) and v is not None
-        for v in tree.values()
-    ):
+    if _names.is_flat(tree):
         for key in tree:
             if not isinstance(key, str):
                 raise TypeError(f"save_safetensors: tensor names must be strings, got {key!r}")

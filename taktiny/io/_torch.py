@@ -20,10 +20,10 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from ._header import parse_json
+from ._header import HEADER_LIMIT, parse_json
 
 _INDEX = ".bin.index.json"  # Hugging Face names it pytorch_model.bin.index.json
-_INDEX_LIMIT = 100 * 2**20  # as for a safetensors header; an index is a few kilobytes
+_INDEX_LIMIT = HEADER_LIMIT  # as for a safetensors header; an index is a few kilobytes
 _MAX_TENSORS = 2**20  # tensors a checkpoint may name (a repeated container once per path)
 _SAFETENSORS = (
     "save the tensors as safetensors where PyTorch is installed, for example with "

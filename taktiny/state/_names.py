@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-from collections.abc import Callable, Iterator
-from typing import Any, Protocol, cast
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, Protocol, TypeGuard, cast
 
 import jax
 import numpy as np
@@ -67,6 +67,17 @@ def is_param(x: object) -> bool:
         x is not None
         and not isinstance(x, (list, tuple, dict))
         and not hasattr(type(x), "_taktiny_data")
+    )
+
+
+def is_flat(tree: object) -> TypeGuard[Mapping[Any, Any]]:
+    """Whether `tree` is a flat ``{name: array}`` mapping (as `save_safetensors` saves
+    under its own keys): a mapping whose values are each one leaf."""
+    if not isinstance(tree, Mapping):
+        return False
+    values: list[Any] = list(cast(Mapping[Any, Any], tree).values())
+    return all(
+        v is not None and tree_util.treedef_is_leaf(tree_util.tree_structure(v)) for v in values
     )
 
 

@@ -105,22 +105,32 @@ class StateDictError(ValueError):
     :attr:`problems` (a tuple of :class:`StateProblem`), and by name in
     :attr:`missing_keys` and :attr:`unexpected_keys`.
 
+    When almost none of the names given is the model's (at most one in ten, and three or
+    more unknown: fewer are more likely typos), as in a checkpoint of another framework's
+    names, the message ends by saying how to convert them: rules (:mod:`taktiny.convert`),
+    their presets and the examples that hold them.
+
     Args:
         where: the call that failed, which starts the message
             (``"MLP.load_state_dict()"``).
         problems: every problem found, in any order.
+        matched: how many of the names given are the model's, when the load counts them
+            (None: not counted, and the message says nothing of conversion).
 
     Attributes:
         problems: the problems, ordered as above.
     """
 
-    def __init__(self, where: str, problems: Iterable[StateProblem]):
+    def __init__(self, where: str, problems: Iterable[StateProblem], *, matched: int | None = None):
         self.problems = tuple(sorted(problems, key=lambda p: _ORDER.get(p.kind, 1)))
         n = len(self.problems)
         lines = [f"{where}: {n} problem{'s' if n > 1 else ''}; nothing was loaded."]
         lines += [f"  - {p}" for p in self.problems[:SHOWN]]
         if n > SHOWN:
             lines.append(f"  ... and {n - SHOWN} more (all in .problems)")
+        unknown = sum(p.kind == "unknown" for p in self.problems)
+        if matched is not None and unknown >= 3 and 10 * matched <= matched + unknown:
+            lines.append(_renamed(matched, matched + unknown))
         super().__init__("\n".join(lines))
 
     @property
@@ -132,6 +142,21 @@ class StateDictError(ValueError):
     def unexpected_keys(self) -> tuple[str, ...]:
         """Names in the state that the module does not have."""
         return tuple(p.key for p in self.problems if p.kind in ("unknown", "key"))
+
+
+def _renamed(matched: int, given: int) -> str:
+    """The advice for a load whose names are almost all another naming's."""
+    return (
+        f"{'None' if not matched else f'Only {matched}'} of the {given} names given "
+        f"{'is' if matched == 1 else 'are'} the model's: they name its parameters another "
+        f"way, as PyTorch and Hugging Face checkpoints do. Convert them with rules "
+        f"(taktiny.convert; docs/converting.md): load_safetensors(model, path, rules=rules), "
+        f"or convert.convert(rules, state, target=model) to load the result. "
+        f"convert.pytorch(model) makes the rules for a model that mirrors a torch module, "
+        f"from the layer presets (convert.linear, convert.embedding, convert.layer_norm, "
+        f"...); examples/bert.py, gpt2.py and llama.py hold the RULES of Hugging Face's "
+        f"BERT, GPT-2 and Llama (vit.py and resnet.py: ViT and ResNet)."
+    )
 
 
 def describe(value: Any) -> str:

@@ -276,7 +276,10 @@ def _finish(
         converted = _represent.settle(view, other, match, problems)
         _check(view, converted, problems, into=checked)
     if problems:
-        raise StateDictError(caller(), problems)
+        matched = None
+        if found is not None:  # (the names of leaves, each value given once)
+            matched = len(found.supplied) + sum(len(o.wheres) for o in found.other.values())
+        raise StateDictError(caller(), problems, matched=matched)
     new = checked.new
     if checked.moves:
         _place(checked.moves, new)
