@@ -207,20 +207,17 @@ def plan_load(
             except SafetensorsError:
                 pass
     ways = Ways(checkpoint, steps, leaves, quantized)
-    planned, scratch, temporaries = [], [0] * ways.buffers, []
+    planned, temporaries = [], []
     reads: dict[int, int] = {}
     for k, step in enumerate(steps):
         sources = tensors_of(checkpoint, step)
         way, temporary = _way(k, ways, step, sources, leaves, quantized)
-        if k in ways.buffer_of:
-            held = sum(-(-t.nbytes // 64) * 64 for t in sources)
-            scratch[ways.buffer_of[k]] = max(scratch[ways.buffer_of[k]], held)
         temporaries.append(temporary)
         for process, n in _read_by_process(ways.direct[k], sources, verify).items():
             reads[process] = reads.get(process, 0) + n
         planned.append(_planned(step, sources, way, leaves, quantized))
     device_bytes = _device_bytes(leaves)
-    extra = sum(scratch) + sum(sorted(temporaries)[-2:])
+    extra = sum(ways.sizes) + sum(sorted(temporaries)[-2:])
     on_host = sum(n for d, n in device_bytes.items() if d.platform == "cpu")
     return LoadPlan(
         tuple(planned),
