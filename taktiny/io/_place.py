@@ -125,7 +125,7 @@ class Scratch:
         size: the bytes the largest of its steps reads.
     """
 
-    def __init__(self, size: int = 0) -> None:
+    def __init__(self, size: int) -> None:
         self.memory: Any = bytearray()  # (a step of zero-size tensors alone allocates none)
         self.start = self.size = 0
         self.capacity = size
