@@ -178,6 +178,12 @@ FILES = [
     ("bytes after the last", framed(js({"a": A, "b": B}), DATA + b"extra"), r"the data holds 5 bytes \[76, 81\) after the last tensor that no tensor's"),
     ("no tensors, some data", framed(b"{}", b"\0" * 8), r"the header lists no tensors, but the data holds 8 bytes"),
     ("overlapping", header(b=dict(B, data_offsets=[60, 72])), r"the bytes of 'a' and 'b' overlap"),
+    # ... overlapping where the sizes still sum to the data, the first range starts at 0 and the
+    # last ends at the data's end: only ranges that follow one another catch these
+    ("an overlap and a gap", framed(js({"a": A, "b": dict(B, data_offsets=[60, 72]), "c": {"dtype": "U8", "shape": [4], "data_offsets": [76, 80]}}), bytes(80)), r"the bytes of 'a' and 'b' overlap; the file is corrupt\.$"),
+    ("an overlap and a gap, listed backwards", framed(js({"c": {"dtype": "U8", "shape": [4], "data_offsets": [76, 80]}, "b": dict(B, data_offsets=[60, 72]), "a": A}), bytes(80)), r"the bytes of 'a' and 'b' overlap; the file is corrupt\.$"),
+    ("two tensors in one range", framed(js({"b": dict(B, data_offsets=[0, 12]), "b2": dict(B, data_offsets=[0, 12]), "a": entry(data_offsets=[24, 88])}), bytes(88)), r"the bytes of 'b' and 'b2' overlap; the file is corrupt\.$"),
+    ("a range inside another", framed(js({"a": A, "b": dict(B, data_offsets=[16, 28]), "c": dict(B, data_offsets=[76, 88])}), bytes(88)), r"the bytes of 'a' and 'b' overlap; the file is corrupt\.$"),
     ("past the end", header(b=dict(B, data_offsets=[76, 88])), r"the bytes of 'b' run to 88, past the end of the data \(76 bytes\)"),
     ("truncated", header()[:-4], r"the bytes of 'b' run to 76, past the end of the data \(72 bytes\)"),
     # __metadata__

@@ -7,6 +7,7 @@ import pickle
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 from jax.sharding import AxisType, NamedSharding
@@ -21,15 +22,19 @@ def weights(*shape, seed=0, dtype=np.float32):
     return np.random.default_rng(seed).normal(size=shape).astype(dtype)
 
 
-def oracle(w, bits, axis, group_size):
-    """Symmetric max-abs quantization in NumPy: (value, scale), scale of the reduced shape."""
-    qmax = 127 if bits == 8 else 7
+def oracle(w, bits, axis, group_size, by_stored=True):
+    """Symmetric max-abs quantization in NumPy: (value, scale), scale of the reduced shape
+    in `w`'s dtype, as it is stored; computed in float32, the values rounded by the scale
+    as stored (`by_stored=False`: by max|w| / qmax before it is rounded to its dtype, the
+    slip the half-precision tests below are made to tell apart)."""
+    qmax, dtype = (127 if bits == 8 else 7), w.dtype
     w = np.moveaxis(w.astype(np.float32), axis, 0)
     size = w.shape[0] if group_size is None else group_size
     grouped = w.reshape(w.shape[0] // size, size, *w.shape[1:])
-    scale = np.abs(grouped).max(axis=1, keepdims=True) / qmax
-    scale = np.where(scale == 0, 1, scale).astype(np.float32)
-    value = np.clip(np.round(grouped / scale), -qmax, qmax).reshape(w.shape)
+    exact = np.abs(grouped).max(axis=1, keepdims=True) / np.float32(qmax)
+    scale = np.where(exact == 0, 1, exact).astype(dtype)
+    by = scale.astype(np.float32) if by_stored else np.where(exact == 0, 1, exact)
+    value = np.clip(np.round(grouped / by), -qmax, qmax).reshape(w.shape)
     return np.moveaxis(value, 0, axis), np.moveaxis(scale[:, 0], 0, axis)
 
 
@@ -315,3 +320,94 @@ def test_inside_jit_on_auto_axes_a_split_array_quantizes_as_outside():
     expected = tt.QArray.quantize(w, bits=4, group_size=16)
     np.testing.assert_array_equal(np.asarray(q.value, np.int8), np.asarray(expected.value, np.int8))
     np.testing.assert_array_equal(q.scale, expected.scale)
+
+
+# Half-precision scales: the values are rounded by the scale as stored (max|w| / qmax rounded
+# to float16 or bfloat16), not by max|w| / qmax itself. Weights drawn at random rarely tell
+# the two apart (a float16 scale differs from its float32 value by at most 2**-11 of it),
+# so each group's values are picked from those of its dtype that round to another integer
+# by the one scale than by the other.
+
+
+def straddling(dtype, bits, n, rng):
+    """`n` values of `dtype` sharing one scale (their largest magnitude over qmax), all but
+    the largest rounding to another integer by the scale as stored than by its float32
+    value (found among all the values of `dtype` below the largest; some repeat), none
+    next to a tie; random signs and order."""
+    qmax = 127 if bits == 8 else 7
+    bits_of = np.arange(0x7C00 if dtype == np.float16 else 0x7F80, dtype=np.uint16)
+    pool = bits_of.view(dtype).astype(np.float32)[1:]  # every positive finite value
+    for _ in range(1000):
+        largest = rng.choice(pool[(pool > 1e-2) & (pool < 1e2)])
+        exact = largest / np.float32(qmax)
+        stored = exact.astype(dtype).astype(np.float32)
+        below = pool[pool < largest]
+        # (and not within 1e-4 of a tie by the stored scale: XLA divides by a scale it
+        # broadcasts as a product with its reciprocal, a last bit off the quotient)
+        clear = np.abs(below / stored % 1 - 0.5) > 1e-4
+        differ = below[clear & (np.round(below / stored) != np.round(below / exact))]
+        if len(differ) >= (3 if bits == 4 else 16):  # (at most one by each k + 1/2)
+            break
+    values = np.concatenate([[largest], rng.choice(differ, n - 1)])
+    values *= rng.choice(np.float32([-1, 1]), n)
+    return rng.permutation(values).astype(dtype)
+
+
+def straddled(dtype, bits, shape, axis, group_size, seed=0):
+    """An array of `shape` whose every channel (or group) along `axis` is `straddling`."""
+    rng = np.random.default_rng(seed)
+    size = shape[axis] if group_size is None else group_size
+    moved = (shape[axis], *shape[:axis], *shape[axis + 1 :])
+    count = int(np.prod(moved)) // size
+    groups = np.stack([straddling(dtype, bits, size, rng) for _ in range(count)], axis=-1)
+    w = groups.reshape(size, moved[0] // size, *moved[1:])  # (one group per column)
+    return np.moveaxis(w.swapaxes(0, 1).reshape(moved), 0, axis)
+
+
+HALF = [np.float16, ml_dtypes.bfloat16]
+HALF_LAYOUTS = [(8, 0, None), (4, 0, None), (8, 1, None), (4, 1, None), (8, 0, 8), (4, 1, 8)]
+
+
+@pytest.mark.parametrize("dtype", HALF, ids=["float16", "bfloat16"])
+@pytest.mark.parametrize("bits, axis, group_size", HALF_LAYOUTS)
+def test_values_are_rounded_by_the_half_precision_scale_as_stored(dtype, bits, axis, group_size):
+    w = straddled(dtype, bits, (32, 16), axis, group_size)
+    value, scale = oracle(w, bits, axis, group_size)
+    slipped, _ = oracle(w, bits, axis, group_size, by_stored=False)
+    # the inputs tell the two apart: all but each group's largest (and what clips)
+    assert np.mean(value != slipped) > 0.5
+    q = tt.QArray.quantize(w, bits=bits, axis=axis, group_size=group_size)
+    assert q.scale.dtype == dtype
+    assert np.asarray(q.scale).tobytes() == scale.tobytes()
+    np.testing.assert_array_equal(np.asarray(q.value).astype(np.int8), value)
+
+
+@pytest.mark.parametrize("stored", ["float32", "half"])
+@pytest.mark.parametrize("dtype", HALF, ids=["float16", "bfloat16"])
+@pytest.mark.parametrize("bits, group_size", [(8, None), (4, None), (8, 8), (4, 4)])
+def test_a_quantizing_load_rounds_by_the_scale_as_stored(tmp_path, dtype, bits, group_size, stored):
+    """A float checkpoint loaded into a quantized model (a Linear kernel, quantized along
+    its input axis, and an Embed table, along its features), from tensors of the model's
+    half-precision dtype or of float32 (cast to it as they load)."""
+    from taktiny.io import load_safetensors, save_safetensors
+
+    kernel = straddled(dtype, bits, (32, 12), 0, group_size, seed=1)
+    table = straddled(dtype, bits, (6, 16), 1, group_size, seed=2)
+
+    def make():
+        return {
+            "dense": nn.Linear(32, 12, use_bias=False, param_dtype=dtype, rngs=nn.Rngs(0)),
+            "embed": nn.Embed(6, 16, param_dtype=dtype, rngs=nn.Rngs(0)),
+        }
+
+    on_disk = np.float32 if stored == "float32" else dtype
+    path = tmp_path / "float.safetensors"
+    save_safetensors(path, {"dense.kernel": kernel.astype(on_disk),
+                            "embed.embedding": table.astype(on_disk)})  # fmt: skip
+    target = tt.quantize(jax.eval_shape(make), bits=bits, group_size=group_size)
+    loaded = load_safetensors(target, path)
+    for q, w, axis in [(loaded["dense"].kernel, kernel, 0), (loaded["embed"].embedding, table, 1)]:
+        value, scale = oracle(w, bits, axis, group_size)
+        assert (q.axis, q.scale.dtype) == (axis, dtype)
+        assert np.asarray(q.scale).tobytes() == scale.tobytes()
+        np.testing.assert_array_equal(np.asarray(q.value).astype(np.int8), value)

@@ -132,7 +132,7 @@ def load_safetensors(
     starts = list(itertools.accumulate((len(s.sources) for s in steps), initial=0))
     ways = Ways(checkpoint, steps, leaves, quantized)
     direct, permuted, buffer_of = ways.direct, ways.permuted, ways.buffer_of
-    scratch = tuple(Scratch() for _ in range(ways.buffers))
+    scratch = tuple(Scratch(size) for size in ways.sizes)
     holder: list[int | None] = [None] * len(scratch)  # the step whose sources a buffer holds
     sizes = [sum(t.nbytes for t in tensors_of(checkpoint, s)) for s in steps]
     readers = Readers()
@@ -202,7 +202,8 @@ class Ways:
     ``permuted``: the leaf, or None), so any number run together; a transforming step
     reads into a scratch buffer (``buffer_of``: step -> buffer), which is free again once
     the step before that used it has been transformed: two buffers, or one for a
-    quantizing load, which so keeps one float tensor at a time (``buffers``)."""
+    quantizing load, which so keeps one float tensor at a time (``buffers``), each mapped
+    once as large as the most that its steps read (``sizes``, in bytes)."""
 
     def __init__(
         self,
@@ -221,6 +222,10 @@ class Ways:
             for k in range(len(steps))
             if self.direct[k] is None and self.permuted[k] is None
         }
+        self.sizes = [0] * self.buffers
+        for k, buffer in self.buffer_of.items():
+            held = Scratch.bytes_for(tensors_of(checkpoint, steps[k]))
+            self.sizes[buffer] = max(self.sizes[buffer], held)
 
 
 class _Silent:

@@ -85,10 +85,12 @@ class LoadPlan:
         read_bytes: bytes each process reads from the files, by process index (each reads
             its own devices' blocks of a sharded leaf, and every other tensor whole).
         scratch_bytes: the host memory the load needs beyond the model's own arrays, at
-            its peak: its scratch buffers (kept to the end), and the largest two
-            temporaries of its steps in flight (a transform's result before its cast or
-            quantization, a whole array cut into another sharding's blocks, a 4 MiB piece
-            of a transposed or cut read).
+            its peak: its scratch buffers (kept to the end), and the temporaries of the
+            steps in flight at once: the result of the transform being made (before its
+            cast or quantization; one step at a time), and what the load's two readers
+            hold of the two steps after it (a whole array cut into another sharding's
+            blocks, a 4 MiB piece of a transposed or cut read). A load from a fast store,
+            which learns to read more steps at once, may hold those of more steps.
         peak_host_bytes: the host memory the load needs at its peak: ``scratch_bytes`` and
             the model's arrays on CPU devices, which live in host memory.
         ties: the tied pairs of names the rules declare; a load reads both and checks
@@ -256,20 +258,22 @@ def planned(
             except SafetensorsError:
                 pass
     ways = Ways(checkpoint, steps, leaves, quantized)
-    steps_planned, scratch, temporaries = [], [0] * ways.buffers, []
+    steps_planned, made, held = [], [], []
     reads: dict[int, int] = {}
     for k, step in enumerate(steps):
         sources = tensors_of(checkpoint, step)
         way, temporary = _way(k, ways, step, sources, leaves, quantized)
-        if k in ways.buffer_of:
-            held = sum(-(-t.nbytes // 64) * 64 for t in sources)
-            scratch[ways.buffer_of[k]] = max(scratch[ways.buffer_of[k]], held)
-        temporaries.append(temporary)
+        transforms = way in ("scratch", "quantized")  # (in the load's own thread)
+        made.append(temporary if transforms else 0)
+        held.append(0 if transforms else temporary)
         for process, n in _read_by_process(ways.direct[k], sources, verify).items():
             reads[process] = reads.get(process, 0) + n
         steps_planned.append(_planned(step, sources, way, leaves, quantized))
     device_bytes = _device_bytes(leaves)
-    extra = sum(scratch) + sum(sorted(temporaries)[-2:])
+    # at once: the result of the step being transformed, and what the two readers hold of
+    # the two steps after it (those read into scratch buffers hold nothing more)
+    made, held = [0, *made], [0, *held, 0, 0]
+    extra = sum(ways.sizes) + max(m + held[j + 1] + held[j + 2] for j, m in enumerate(made))
     on_host = sum(n for d, n in device_bytes.items() if d.platform == "cpu")
     kept: tuple[str, ...] = ()
     if migration is not None:

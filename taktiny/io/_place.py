@@ -113,22 +113,40 @@ def transformed(
 class Scratch:
     """One read buffer, reused by every transforming step: its sources are read into it
     (populated once, so its pages do not fault again), placed (JAX adopts them on CPU),
-    transformed into arrays of their own, and the buffer is free for the next step."""
+    transformed into arrays of their own, and the buffer is free for the next step.
 
-    def __init__(self) -> None:
+    It is mapped once, at its first read, as large as the most that any of its steps reads
+    (`size`, worked out from the headers: :meth:`bytes_for` of each step's sources). Grown
+    step by step, it would hold the smaller memory beside the larger one: JAX lets go of
+    the arrays it adopted from a buffer only at its next garbage collection. (A step that
+    needs more than `size` still gets it: the buffer is mapped again, larger.)
+
+    Args:
+        size: the bytes the largest of its steps reads.
+    """
+
+    def __init__(self, size: int) -> None:
         self.memory: Any = bytearray()  # (a step of zero-size tensors alone allocates none)
         self.start = self.size = 0
+        self.capacity = size
+
+    @staticmethod
+    def bytes_for(tensors: Sequence[Tensor]) -> int:
+        """The bytes a step reading `tensors` takes of a buffer: each at a multiple of 64."""
+        return sum(-(-t.nbytes // 64) * 64 for t in tensors)
 
     def read(self, tensors: Sequence[Tensor], verify: bool) -> list[np.ndarray]:
         """The tensors read into the buffer; with `verify`, each one's bytes hashed piece
         by piece as they are read, and checked."""
-        sizes = [-(-t.nbytes // 64) * 64 for t in tensors]  # each at a multiple of 64
-        if sum(sizes) > self.size:
-            self.size = sum(sizes)
+        needed = self.bytes_for(tensors)
+        if needed > self.size:
+            self.memory = bytearray()  # (let go first: not held beside the larger one)
+            self.size = max(needed, self.capacity)
             self.memory = mmap.mmap(-1, self.size, flags=_read.MAP_FLAGS)
             self.start = np.frombuffer(self.memory, np.uint8).ctypes.data
         view, at, out = memoryview(self.memory), 0, []
-        for tensor, size in zip(tensors, sizes, strict=True):
+        for tensor in tensors:
+            size = self.bytes_for([tensor])
             if size:
                 out.append(tensor.read_into(view[at : at + size], verify=verify))
             else:

@@ -191,22 +191,44 @@ def _overflow(name: str, value: jax.Array | np.ndarray, cast: Any) -> StateProbl
     """A problem when values of `value` too large for `cast`'s narrower float dtype lost
     their value in it: finite ones that became inf, or, in a dtype without inf, any but
     NaN that became NaN or were clipped to its largest. Checked on concrete values only:
-    inside jit the cast happens as written."""
-    xp = np if isinstance(value, np.ndarray) else jnp
+    inside jit the cast happens as written. A JAX float value is first checked by its
+    largest magnitude, in one pass that makes no array of its size (the check of each
+    value makes masks of its size, which a load casting a large tensor would hold besides
+    it); each value is checked only when that leaves it open."""
     into = _beyond(cast.dtype)
+    limit = _clip_limit(cast.dtype)
+    if not isinstance(value, np.ndarray) and jnp.issubdtype(value.dtype, jnp.floating):
+        if bool(_below(value, limit=limit)):
+            return None
+    xp = np if isinstance(value, np.ndarray) else jnp
     if into == "inf":
         bad = xp.isinf(cast) & xp.isfinite(value)
     elif into == "nan":
         bad = xp.isnan(cast) & ~xp.isnan(value)
     else:  # compared in float32 (float64 for float64 values), which holds every value of
         # the source and the limit exactly: JAX compares no float8 with a typed float64
-        wide = np.float64 if value.dtype == np.float64 else np.float32
-        limit = wide(_clip_limit(cast.dtype))
-        bad = (xp.abs(value.astype(wide)) > limit) & ~xp.isnan(value)
+        wide = _wide(value)
+        bad = (xp.abs(value.astype(wide)) > wide(limit)) & ~xp.isnan(value)
     if not bool(bad.any()):
         return None
     largest = float(np.max(np.abs(np.asarray(value)[np.asarray(bad)])))
     return err.overflow(name, cast.dtype, value.dtype, int(bad.sum()), largest, into)
+
+
+def _wide(value: Any) -> type[np.floating[Any]]:
+    """The dtype that holds every value of `value` and a clip limit exactly."""
+    return np.float64 if value.dtype == np.float64 else np.float32
+
+
+def _below_of(value: jax.Array, *, limit: float) -> jax.Array:
+    """Whether every value of `value` is below `limit` (a clip limit: those round to at
+    most the largest value of its dtype, losing none) in magnitude; False for a NaN. A
+    reduction of magnitudes alone, which XLA fuses into one pass (no mask is made)."""
+    largest = jnp.max(jnp.abs(value), initial=np.zeros((), value.dtype))
+    return largest.astype(_wide(value)) < _wide(value)(limit)
+
+
+_below: Callable[..., jax.Array] = jax.jit(_below_of, static_argnames="limit")  # pyright: ignore[reportUnknownMemberType]  (JAX leaves its parameters unannotated)
 
 
 # The kinds Python numbers may load into besides their own: an int list into a float or an

@@ -1,0 +1,61 @@
+"""The peak host memory ``plan_load`` predicts, against the peak a fresh interpreter measures
+(tests/_peak.py), for the loads that need memory beyond the model's arrays: casts and
+quantization through scratch buffers, transforms whose results are cast, transposes cut
+into several devices' blocks, blocks cut from rows. Within the bound the bench's plan group
+holds the 1 GB loads to (bench/load_plan.py)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from _peak import CASES, SHAPES
+
+from taktiny.io import save_safetensors
+
+HERE = Path(__file__).parent
+WITHIN = 0.10  # |predicted / measured - 1|, as bench/load_plan.py's WITHIN
+
+
+@pytest.mark.program
+@pytest.mark.skipif(
+    not Path("/proc/self/clear_refs").exists(), reason="measures with Linux's /proc"
+)
+def test_the_predicted_peak_of_loads_through_scratch_buffers_is_the_measured(tmp_path):
+    path = tmp_path / "f.safetensors"
+    rng = np.random.default_rng(0)
+    save_safetensors(path, {n: rng.standard_normal(s, np.float32) for n, s in SHAPES.items()})
+    env = {
+        **os.environ,
+        "JAX_PLATFORMS": "cpu",
+        "PYTHONPATH": str(HERE.parent),
+        "MALLOC_MMAP_THRESHOLD_": str(2**20),  # (see tests/_peak.py)
+    }
+    run = subprocess.run(
+        [sys.executable, str(HERE / "_peak.py"), str(path), *map(str, range(len(CASES)))],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+        cwd=HERE.parent,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    found = {r["case"]: r for r in map(json.loads, run.stdout.splitlines())}
+    assert list(found) == CASES
+    # each load needs memory beyond its arrays, in each of the ways a load holds it
+    ways = {name: r["ways"] for name, r in found.items()}
+    assert ways == {
+        CASES[0]: ["scratch"],
+        CASES[1]: ["quantized"],
+        CASES[2]: ["scratch"],
+        CASES[3]: ["transposed"],
+        CASES[4]: ["blocks"],
+    }
+    assert all(r["scratch"] > 0 for r in found.values())
+    off = {n: r["predicted"] / r["measured"] - 1 for n, r in found.items()}
+    said = {n: f"predicted {r['predicted']:,}, measured {r['measured']:,}, {off[n]:+.1%}"
+            for n, r in found.items()}  # fmt: skip
+    assert all(abs(x) <= WITHIN for x in off.values()), json.dumps(said, indent=1)
