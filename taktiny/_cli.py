@@ -7,14 +7,15 @@ range, so listing one reads kilobytes however large it is; a Hugging Face index 
 shard of each tensor; an Orbax checkpoint keeps a tree of array metadata. `diff` compares
 two checkpoints of either kind tensor by tensor, holding two tensors at a time: a tensor of
 a safetensors file is read from its byte range, an array of an Orbax checkpoint by a partial
-restore of that one array. `verify` reads every tensor of a safetensors checkpoint through
-the checksum its header records.
+restore of that one array. `verify` checks each header of a safetensors checkpoint (one
+Taktiny wrote records a digest of itself, its schema and checksums included), then reads
+every tensor through the checksum its header records.
 
-A checkpoint that cannot be read (a missing path, a corrupt or truncated file, a bad index,
-a damaged Orbax checkpoint) is one line on stderr, ``taktiny: <file>: <what is wrong>``, and
-exit status 2, never a traceback; as for ``diff(1)``, status 1 means that the checkpoints
-differ (``diff``), that a tensor is damaged (``verify``) or that the load would fail
-(``plan``).
+A checkpoint that cannot be read (a missing path, a corrupt, damaged or truncated file, a
+bad index, a damaged Orbax checkpoint) is one line on stderr, ``taktiny: <file>: <what is
+wrong>``, and exit status 2, never a traceback; as for ``diff(1)``, status 1 means that the
+checkpoints differ (``diff``), that a tensor's bytes are damaged (``verify``) or that the
+load would fail (``plan``).
 """
 
 from __future__ import annotations
@@ -532,8 +533,9 @@ def _schema_diff(
 def verify(path: str) -> tuple[str, bool]:
     """The report `taktiny verify` prints, and whether nothing is damaged: one line per
     damaged tensor (or Orbax array that does not restore), then the counts. A safetensors
-    checkpoint's tensors are read through the checksums in its headers; an Orbax
-    checkpoint's arrays are each restored."""
+    checkpoint's headers are checked (a damaged one raises, naming what in it changed),
+    then its tensors are read through the checksums in them; an Orbax checkpoint's arrays
+    are each restored."""
     from .io._verify import verify as check
 
     if _is_orbax(Path(path)):
@@ -606,9 +608,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     verified = _command(
         commands,
         "verify",
-        "read every tensor of a safetensors checkpoint through the checksum its header "
-        "records, and check the header's records themselves",
-        "0 if nothing is damaged, 1 if a tensor or a record is, 2 if the checkpoint cannot be read",
+        "check the headers of a safetensors checkpoint (each one Taktiny wrote against the "
+        "digest it records of itself), then read every tensor through the checksum its "
+        "header records",
+        "0 if nothing is damaged, 1 if a tensor's bytes are, 2 if the checkpoint cannot be "
+        "read or a header is damaged",
     )
     verified.add_argument("path", help="a .safetensors file, an index .json, or a folder")
     planned = _command(

@@ -662,3 +662,28 @@ def test_help_prints_whole_sentences(capsys, command):
         assert prose[1].startswith("A checkpoint that cannot be read") and "(plan)." in prose[1]
     else:
         assert prose[1].startswith("Exits with 0"), out
+
+
+def test_verify_tells_a_damaged_schema_or_checksum_record_from_damaged_bytes(tmp_path, capsys):
+    # a bit flipped in the schema passed verify ("every tensor matches"); one flipped in a
+    # recorded checksum was reported as damaged bytes
+    from taktiny.io import open_safetensors, save_safetensors
+
+    path = tmp_path / "model.safetensors"
+    save_safetensors(path, {"a": np.arange(64, dtype=np.float32), "b": np.ones(8, np.int8)})
+    original = path.read_bytes()
+    for found, offset, message in [
+        (b'\\"fingerprint\\":\\"', 18, r"its metadata entry 'taktiny_schema' is not the one Taktiny wrote"),
+        (open_safetensors(path)["a"].checksum.encode(), 0, r"the checksums it records for its tensors \('taktiny_checksums'\) are not those Taktiny wrote: that record is damaged, not \(as far as the header tells\) the tensors' bytes"),
+    ]:  # fmt: skip
+        data = bytearray(original)
+        data[data.index(found) + offset] ^= 1
+        path.write_bytes(bytes(data))
+        refused(
+            capsys,
+            ["verify", str(path)],
+            rf"model\.safetensors: the header is damaged: .*{message}",
+        )
+    path.write_bytes(original)
+    assert main(["verify", str(path)]) == 0
+    assert capsys.readouterr().out.startswith("2 tensors match their checksums, 0 damaged")

@@ -33,6 +33,12 @@ _DTYPE, _SHAPE = operator.itemgetter("dtype"), operator.itemgetter("shape")
 _OFFSETS = operator.itemgetter("data_offsets")
 _FIRST, _SECOND = operator.itemgetter(0), operator.itemgetter(1)
 _NBYTES = operator.attrgetter("nbytes")
+SCHEMA_KEY = "taktiny_schema"  # state._schema.KEY (whose module imports JAX)
+# Taktiny's own metadata keys
+_OWN = (
+    *(_checksum.KEY, _checksum.TILES_KEY, _checksum.HEADER_KEY, qz.PACKED, qz.QUANTIZED),
+    *(SCHEMA_KEY, "taktiny_version"),
+)
 HEADER_LIMIT = 100 * 2**20  # the safetensors library's own limit on a header
 MAX_RANK = 64  # NumPy's most axes
 _CONTAINERS_PER_ENTRY, _SPARE_CONTAINERS = 8, 1_000_000  # JSON lists and objects a header may hold
@@ -221,6 +227,8 @@ def read_header(file: Path) -> tuple[dict[str, Tensor], dict[str, str]]:
         if not _covers([b for b, _, _ in order], [e for _, e, _ in order], data):
             _uncovered(order, tensors, ends, data, bad)
         found = {tensors[k].name: tensors[k] for _, _, k in order}
+    if problem := _checksum.header_problem(prefix, text, metadata, _OWN):
+        raise bad(problem)  # (before its records are read: it names the damaged one)
     found = _unpacked(found, metadata.get(qz.PACKED), bad)
     _checksum.attach(found, metadata, bad)  # (the lead's: keep it)
     return found, metadata
