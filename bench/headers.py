@@ -211,9 +211,9 @@ def _factory(config: Config, root: Path, group: Group) -> Table:
     run = lambda argv: subprocess.run(
         argv, check=True, capture_output=True, cwd=root, env=_checkout()
     )
-    try:  # (each sample takes seconds: torch's import)
+    try:  # (each sample takes 10-20 s, torch's import: three are enough for a median)
         stats = compare({k: (lambda a=a: run(a)) for k, a in runs.items()},
-                        repeat=config.pick(5, 3, 1), warmup=config.pick(1, 1, 0))  # fmt: skip
+                        repeat=config.pick(3, 2, 1), warmup=0)  # fmt: skip
     finally:
         module.unlink(missing_ok=True)
         shutil.rmtree(root / "__pycache__", ignore_errors=True)
@@ -224,7 +224,7 @@ def _factory(config: Config, root: Path, group: Group) -> Table:
     )
     for system, argv in runs.items():
         s = stats[system]
-        call = " ".join([Path(argv[0]).name, *argv[1:3]])
+        call = " ".join([Path(argv[0]).name, *argv[1:]])
         table.add("Llama of examples/llama.py", system, call, s.median, (s.low, s.high))
     alone = f"{stats[ALONE].median:.1f} s" if ALONE in stats else "not measured"
     group.notes.append(
