@@ -13,11 +13,16 @@ Python). The target is 0.25 s.
 Then the command a user types: the wall time of ``taktiny inspect`` on a small bfloat16
 file, in a fresh process, against ``python -c "import numpy"`` and ``python -c "pass"`` (the
 floors it starts from). The target is 0.2 s.
+
+And ``taktiny diff`` of a model whose factory module builds on ``examples/llama.py`` (and so
+imports transformers' ``LlamaForCausalLM``, and torch), against ``python -c`` importing that
+module alone: what the command adds to the import a user's own Python makes. No target.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import struct
 import subprocess
@@ -29,6 +34,7 @@ import numpy as np
 import safetensors
 import safetensors.numpy
 
+from . import memory
 from ._results import Config, Group, Table, Target
 from ._timing import compare
 
@@ -123,8 +129,16 @@ def run(config: Config) -> Group:
         f"0.26-0.30 s running). Taktiny does not pause it: that is a process-wide switch."
     )
     group.tables.append(_command(config, root, group))
+    group.tables.append(_factory(config, root, group))
     group.seconds = time.perf_counter() - start
     return group
+
+
+def _checkout() -> dict[str, str]:
+    """The environment of a command that runs this checkout's taktiny (not the one an
+    editable install of another checkout would import)."""
+    path = os.pathsep.join([str(memory.ROOT), os.environ.get("PYTHONPATH", "")])
+    return {**os.environ, "PYTHONPATH": path}
 
 
 def _command(config: Config, root: Path, group: Group) -> Table:
@@ -140,7 +154,7 @@ def _command(config: Config, root: Path, group: Group) -> Table:
         "python -c 'import numpy'": [sys.executable, "-c", "import numpy"],
         "python -c 'pass'": [sys.executable, "-c", "pass"],
     }
-    run = lambda argv: subprocess.run(argv, check=True, capture_output=True)
+    run = lambda argv: subprocess.run(argv, check=True, capture_output=True, env=_checkout())
     try:
         stats = compare({k: (lambda a=a: run(a)) for k, a in runs.items()},
                         repeat=config.pick(11, 5, 1))  # fmt: skip
@@ -167,7 +181,58 @@ def _command(config: Config, root: Path, group: Group) -> Table:
         f"{median / COMMAND_TARGET_S:.2f}x the {COMMAND_TARGET_S} s target; a Python that "
         f"imports NumPy and nothing else takes {numpy.median * 1e3:.0f} ms, one that starts "
         f"and stops {python.median * 1e3:.0f} ms. The command imports neither JAX nor "
-        f"ml_dtypes (a header names dtypes: taktiny/io/_dtypes.py), but the header path "
-        f"still imports NumPy."
+        f"ml_dtypes (a header names dtypes: taktiny/io/_dtypes.py), nor NumPy, which it "
+        f"imports when a tensor is read (taktiny/_lazy.py)."
+    )
+    return table
+
+
+ALONE = "python -c 'import llama_factory'"
+FACTORY = """import sys
+sys.path.insert(0, {examples!r})
+from llama import Llama, llama_config  # (imports transformers' LlamaForCausalLM)
+from taktiny import nn
+
+
+def model():
+    return Llama(llama_config(True), rngs=nn.Rngs(0))
+"""
+
+
+def _factory(config: Config, root: Path, group: Group) -> Table:
+    """The wall time of `taktiny diff` of a model made by a factory module that imports
+    transformers' model classes, in a fresh process, and of importing that module alone."""
+    module = root / "llama_factory.py"
+    module.write_text(FACTORY.format(examples=str(Path(__file__).parent.parent / "examples")))
+    command = shutil.which("taktiny", path=str(Path(sys.executable).parent)) or "taktiny"
+    runs = {"taktiny diff": [command, "diff", "llama_factory:model", "llama_factory:model"]}
+    if config.pick(True, True, False):  # (the smoke test runs the command only)
+        runs[ALONE] = [sys.executable, "-c", "import llama_factory"]
+    run = lambda argv: subprocess.run(
+        argv, check=True, capture_output=True, cwd=root, env=_checkout()
+    )
+    try:  # (each sample takes 10-20 s, torch's import: three are enough for a median)
+        stats = compare({k: (lambda a=a: run(a)) for k, a in runs.items()},
+                        repeat=config.pick(3, 2, 1), warmup=0)  # fmt: skip
+    finally:
+        module.unlink(missing_ok=True)
+        shutil.rmtree(root / "__pycache__", ignore_errors=True)
+    table = Table(
+        "taktiny diff of a model whose module imports transformers' LlamaForCausalLM, "
+        "wall time of a fresh process",
+        list(runs),
+    )
+    for system, argv in runs.items():
+        s = stats[system]
+        call = " ".join([Path(argv[0]).name, *argv[1:]])
+        table.add("Llama of examples/llama.py", system, call, s.median, (s.low, s.high))
+    alone = f"{stats[ALONE].median:.1f} s" if ALONE in stats else "not measured"
+    group.notes.append(
+        f"taktiny diff llama_factory:model llama_factory:model (a module that builds on "
+        f"examples/llama.py, and so imports transformers' LlamaForCausalLM and torch): median "
+        f"{stats['taktiny diff'].median:.1f} s of wall time; Python importing the module "
+        f"alone {alone}. The command imports the module as Python does (it leaves no module "
+        f"loaded lazily in sys.modules, where one broke SciPy's import inside transformers'). "
+        f"No target."
     )
     return table

@@ -1,8 +1,11 @@
 """Checksums catch every damaged bit: whatever the tensors (dtypes including bfloat16, float8
 and packed int4, 0-d and zero-size arrays) and however they are sharded into files, a bit
 flipped anywhere in a file's data region is reported by ``load_safetensors`` (naming the
-tensor whose bytes hold it) and by ``taktiny verify``'s check, and nothing else is."""
+tensor whose bytes hold it) and by ``taktiny verify``'s check, and nothing else is; and a
+bit flipped anywhere in a file, its header included, is reported by ``taktiny verify``."""
 
+import contextlib
+import io
 import json
 import math
 import struct
@@ -17,6 +20,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from taktiny._cli import main
 from taktiny.io import SafetensorsError, load_safetensors, open_safetensors, save_safetensors
 from taktiny.io._verify import verify
 
@@ -79,6 +83,53 @@ def test_a_bit_flipped_anywhere_in_the_data_is_always_reported(case, where):
         report = verify(path)
         assert [line.split("'")[1] for line in report.damaged] == [hit]
         assert report.checked == len(tensors) - 1 and report.unchecked == 0
+
+
+@settings(max_examples=examples(30))
+@given(case=checkpoints(), where=st.data())
+def test_a_bit_flipped_anywhere_in_a_file_is_reported_by_taktiny_verify(case, where):
+    """Every byte of every file is a candidate: the 8-byte length prefix, the header's JSON
+    (names, shapes, byte ranges, the metadata records: the schema, the checksums, the
+    header's own digest), the spaces that pad it, and the data. A bit flipped in the data
+    is a damaged tensor (exit 1, the tensor named); anywhere before it, a damaged header
+    (exit 2, one line on stderr), even where the header stays valid JSON that means the
+    same (a zero-size tensor's other axis, a version string). Seen to catch: an open that
+    does not check the header's digest (a flipped schema then passed verify, and a flipped
+    recorded checksum was reported as damaged bytes)."""
+    tensors, limit = case
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "model.safetensors"
+        files = [
+            f for f in save_safetensors(path, tensors, max_shard_size=limit) if f.suffix != ".json"
+        ]
+        file = where.draw(st.sampled_from(files), label="file")
+        raw = bytearray(file.read_bytes())
+        (length,) = struct.unpack("<Q", raw[:8])
+        json_end = 8 + len(raw[8 : 8 + length].rstrip(b" "))
+        regions = {
+            "length prefix": (0, 8),
+            "header": (8, json_end),
+            "padding": (json_end, 8 + length),
+            "data": (8 + length, len(raw)),
+        }
+        region = where.draw(
+            st.sampled_from([r for r, (b, e) in regions.items() if e > b]), label="region"
+        )
+        begin, end = regions[region]
+        at = where.draw(st.integers(begin, end - 1), label="byte")
+        bit = where.draw(st.integers(0, 7), label="bit")
+        raw[at] ^= 1 << bit
+        file.write_bytes(bytes(raw))
+        out, err = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = main(["verify", str(path)])
+        if region == "data":
+            assert code == 1 and err.getvalue() == "", (out.getvalue(), err.getvalue())
+            assert "are damaged" in out.getvalue()
+        else:
+            assert code == 2 and out.getvalue() == "", (out.getvalue(), err.getvalue())
+            assert err.getvalue().startswith(f"taktiny: {file}: ")
+            assert "the bytes of" not in err.getvalue()
 
 
 @st.composite

@@ -7,14 +7,15 @@ range, so listing one reads kilobytes however large it is; a Hugging Face index 
 shard of each tensor; an Orbax checkpoint keeps a tree of array metadata. `diff` compares
 two checkpoints of either kind tensor by tensor, holding two tensors at a time: a tensor of
 a safetensors file is read from its byte range, an array of an Orbax checkpoint by a partial
-restore of that one array. `verify` reads every tensor of a safetensors checkpoint through
-the checksum its header records.
+restore of that one array. `verify` checks each header of a safetensors checkpoint (one
+Taktiny wrote records a digest of itself, its schema and checksums included), then reads
+every tensor through the checksum its header records.
 
-A checkpoint that cannot be read (a missing path, a corrupt or truncated file, a bad index,
-a damaged Orbax checkpoint) is one line on stderr, ``taktiny: <file>: <what is wrong>``, and
-exit status 2, never a traceback; as for ``diff(1)``, status 1 means that the checkpoints
-differ (``diff``), that a tensor is damaged (``verify``) or that the load would fail
-(``plan``).
+A checkpoint that cannot be read (a missing path, a corrupt, damaged or truncated file, a
+bad index, a damaged Orbax checkpoint) is one line on stderr, ``taktiny: <file>: <what is
+wrong>``, and exit status 2, never a traceback; as for ``diff(1)``, status 1 means that the
+checkpoints differ (``diff``), that a tensor's bytes are damaged (``verify``) or that the
+load would fail (``plan``).
 """
 
 from __future__ import annotations
@@ -348,20 +349,72 @@ def schema_of(source: str, *, checkpoint: bool = True) -> Side | None:
 
 def _imported(source: str) -> tuple[Any, str, Any]:
     """The module of ``module:name``, the name, and what the module holds under it (None
-    when nothing): the module found in the current folder or the installed packages."""
+    when nothing): the module found as ``python -c`` finds it, in the current folder or the
+    installed packages, imported by an ordinary import."""
     import importlib
-    import os
 
     module_name, name = source.split(":")
-    sys.path.insert(0, os.getcwd())  # as `python -m` finds a module of the current folder
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as error:  # noqa: BLE001  (whatever the import raises is reported)
-        why = f"{type(error).__name__}: {error}"
-        raise Unreadable(f"{source}: cannot import {module_name!r}: {why}") from None
-    finally:
-        sys.path.remove(os.getcwd())
+    with _current_folder() as folder:
+        try:
+            module = importlib.import_module(module_name)
+        except (Exception, SystemExit) as error:  # noqa: BLE001  (whatever the import raises)
+            why = _failure(error)
+            if isinstance(error, SystemExit):
+                why = (
+                    f"it exited while being imported, {why}; keep what runs as a script "
+                    f"under `if __name__ == '__main__':`"
+                )
+            elif isinstance(error, ModuleNotFoundError) and error.name == module_name:
+                why += f" (looked in the current folder, {folder}, and the installed packages)"
+            raise Unreadable(f"{source}: cannot import {module_name!r}: {why}") from None
     return module, name, getattr(module, name, None)
+
+
+@contextlib.contextmanager
+def _current_folder() -> Iterator[str]:
+    """The current folder first on ``sys.path`` (as ``python -c`` and ``python -m`` put it
+    there) while a model's module is imported and its factory called."""
+    import os
+
+    folder = os.getcwd()
+    sys.path.insert(0, folder)
+    try:
+        yield folder
+    finally:
+        with contextlib.suppress(ValueError):  # (unless the module took it off itself)
+            sys.path.remove(folder)
+
+
+def _failure(error: BaseException) -> str:
+    """An exception as a user needs it to find the cause: its type and message, then each
+    error it was raised from (transformers' lazy import raises "Could not import module
+    'LlamaForCausalLM'" from the real error), and the line that raised the first of them."""
+    import importlib
+    import os
+    import traceback
+
+    said, chain = [], [error]
+    while True:  # down the chain of causes, to the first error
+        e = chain[-1]
+        said.append(f"{type(e).__name__}: {e}" if str(e) else type(e).__name__)
+        if e.__cause__ is not None:
+            link, cause = "raised from", e.__cause__
+        elif e.__context__ is not None and not e.__suppress_context__:
+            link, cause = "raised while handling", e.__context__
+        else:
+            break
+        if cause in chain:
+            break
+        said.append(f"; {link} ")
+        chain.append(cause)
+    machinery = (__file__, os.path.dirname(importlib.__file__))  # (this file, the import system)
+    frames = [
+        f
+        for e in chain  # the first error's frames last: the line that raised it, if it was
+        for f in traceback.extract_tb(e.__traceback__)
+        if not f.filename.startswith(machinery) and not f.filename.startswith("<")
+    ]
+    return "".join(said) + (f" (at {frames[-1].filename}:{frames[-1].lineno})" if frames else "")
 
 
 def abstract_model(source: str) -> Any:
@@ -379,10 +432,10 @@ def abstract_model(source: str) -> Any:
             f"arguments that returns the model."
         )
     try:
-        return eval_shape(factory)
+        with _current_folder():  # (a factory may import its own modules)
+            return eval_shape(factory)
     except Exception as error:  # noqa: BLE001
-        why = f"{type(error).__name__}: {error}"
-        raise Unreadable(f"{source}: calling {name}() failed: {why}") from None
+        raise Unreadable(f"{source}: calling {name}() failed: {_failure(error)}") from None
 
 
 def plan(path: str, model: str, rules: str | None) -> tuple[str, bool]:
@@ -504,8 +557,9 @@ def _schema_diff(
 def verify(path: str) -> tuple[str, bool]:
     """The report `taktiny verify` prints, and whether nothing is damaged: one line per
     damaged tensor (or Orbax array that does not restore), then the counts. A safetensors
-    checkpoint's tensors are read through the checksums in its headers; an Orbax
-    checkpoint's arrays are each restored."""
+    checkpoint's headers are checked (a damaged one raises, naming what in it changed),
+    then its tensors are read through the checksums in them; an Orbax checkpoint's arrays
+    are each restored."""
     from .io._verify import verify as check
 
     if _is_orbax(Path(path)):
@@ -535,21 +589,37 @@ def _verify_orbax(path: Path) -> tuple[str, bool]:
     return "\n".join([*damaged, summary]), not damaged
 
 
+def _command(commands: Any, name: str, does: str, exits: str) -> argparse.ArgumentParser:
+    """The parser of the command `name`: what it `does` (a phrase) is its line in ``taktiny
+    --help`` and, as a sentence, its own ``--help``, followed by its exit statuses."""
+    return commands.add_parser(
+        name, help=does, description=f"{does[0].upper()}{does[1:]}.", epilog=f"Exits with {exits}."
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """The ``taktiny`` command (also ``python -m taktiny``)."""
     from .io import SafetensorsError
 
-    parser = argparse.ArgumentParser(prog="taktiny", description=(__doc__ or "").split("\n")[0])
+    # --help prints whole sentences: the first and last paragraphs of this file's docstring
+    paragraphs = [" ".join(p.replace("`", "").split()) for p in (__doc__ or "").split("\n\n")]
+    parser = argparse.ArgumentParser(
+        prog="taktiny", description=paragraphs[0], epilog=paragraphs[-1]
+    )
     commands = parser.add_subparsers(dest="command", required=True)
-    shown = commands.add_parser("inspect", help="list the tensors of a checkpoint")
+    shown = _command(
+        commands, "inspect", "list the tensors of a checkpoint", "0, or 2 if it cannot be read"
+    )
     shown.add_argument("path", help="a .safetensors file, an index .json, or a folder")
     shown.add_argument("--filter", help="only names matching this pattern ('encoder.**')")
     shown.add_argument("--json", action="store_true", help="print JSON")
-    compared = commands.add_parser(
+    compared = _command(
+        commands,
         "diff",
-        help="compare two checkpoints (safetensors or Orbax) tensor by tensor; or the "
-        "schemas of any two of a checkpoint, a schema file (.json) and a model "
-        "(module:factory), name by name",
+        "compare two checkpoints (safetensors or Orbax) tensor by tensor; or the schemas of "
+        "any two of a checkpoint, a schema file (.json) and a model (module:factory), name by "
+        "name",
+        "0 if the two agree, 1 if they differ, 2 if one cannot be read",
     )
     compared.add_argument("a", help="a checkpoint, a schema file, or module:factory")
     compared.add_argument("b", help="the same, to compare with")
@@ -559,17 +629,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     ):
         compared.add_argument(name, type=float, default=0.0, help=allowed)
     compared.add_argument("--filter", help="only names matching this pattern ('encoder.**')")
-    verified = commands.add_parser(
+    verified = _command(
+        commands,
         "verify",
-        help="read every tensor of a safetensors checkpoint through the checksum its header "
-        "records; exits with 1 if any is damaged",
+        "check the headers of a safetensors checkpoint (each one Taktiny wrote against the "
+        "digest it records of itself), then read every tensor through the checksum its "
+        "header records",
+        "0 if nothing is damaged, 1 if a tensor's bytes are, 2 if the checkpoint cannot be "
+        "read or a header is damaged",
     )
     verified.add_argument("path", help="a .safetensors file, an index .json, or a folder")
-    planned = commands.add_parser(
+    planned = _command(
+        commands,
         "plan",
-        help="plan loading a safetensors checkpoint into a model, from its headers: each "
-        "tensor's way, the bytes per device and process, the peak host memory, and every "
-        "problem; exits with 1 if the load would fail",
+        "plan loading a safetensors checkpoint into a model, from its headers: each tensor's "
+        "way, the bytes per device and process, the peak host memory, and every problem",
+        "0 if the load would succeed, 1 if it would fail, 2 if the checkpoint or the model "
+        "cannot be read",
     )
     planned.add_argument("path", help="a .safetensors file, an index .json, or a folder")
     planned.add_argument("--model", required=True, help="module:factory making the model")

@@ -1,11 +1,11 @@
-"""Public names imported when first used (PEP 562), for the packages' ``__init__`` files:
-the ``taktiny`` command, and a process that only opens safetensors headers, never import
-JAX."""
+"""Public names imported when first used (PEP 562), for the packages' ``__init__`` files,
+and modules imported when first used, for the header path: the ``taktiny`` command, and a
+process that only opens safetensors headers, never import JAX, and NumPy only to read a
+tensor."""
 
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import sys
 from collections.abc import Callable, Mapping, MutableMapping
 from typing import Any
@@ -35,17 +35,29 @@ def exports(
 
 
 def module(name: str) -> Any:
-    """The module `name`, imported now if it is already, else loaded when one of its
-    attributes is first read (``importlib.util.LazyLoader``): for modules, such as NumPy,
-    that a command may not need at all."""
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.find_spec(name)
-    if spec is None or spec.loader is None:
-        return importlib.import_module(name)  # (raises ModuleNotFoundError, naming it)
-    loader = importlib.util.LazyLoader(spec.loader)
-    spec.loader = loader
-    lazy = importlib.util.module_from_spec(spec)
-    sys.modules[name] = lazy
-    loader.exec_module(lazy)
-    return lazy
+    """The module `name` if it is imported already, else a stand-in that imports it when
+    one of its attributes is first read: for modules, such as NumPy, that a command may not
+    need at all (NumPy's import alone takes longer than ``taktiny inspect`` may).
+
+    The stand-in lives only in the globals of the module that asked for it: unlike
+    ``importlib.util.LazyLoader``, it puts nothing into ``sys.modules``, where a module
+    loaded lazily breaks whatever imports it, or its submodules, later (SciPy's import,
+    and so every transformers model class, fails on a lazily loaded NumPy)."""
+    return sys.modules.get(name) or _Deferred(name)
+
+
+class _Deferred:
+    """Stands in for the module it names: reading an attribute imports the module (an
+    ordinary import) and keeps the attribute's value on the stand-in, where the next read
+    finds it as fast as on the module itself."""
+
+    def __init__(self, name: str) -> None:
+        self.__module = name
+
+    def __getattr__(self, attribute: str) -> Any:
+        value = getattr(importlib.import_module(self.__module), attribute)
+        setattr(self, attribute, value)
+        return value
+
+    def __repr__(self) -> str:
+        return f"<module {self.__module!r}, imported when first used>"

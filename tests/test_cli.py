@@ -460,3 +460,230 @@ def test_inspect_and_diff_read_the_step_folders_of_a_checkpoint_manager(tmp_path
     refused(capsys, ["inspect", str(run)],
             rf"^taktiny: {re.escape(str(run))} holds the steps of an Orbax CheckpointManager "
             rf"\(100, 200\): name one, as in {re.escape(str(run / '200'))}\.$")  # fmt: skip
+
+
+# the model factories of `diff` and `plan`: imported as Python imports them
+
+LLAMA_MODELS = """
+import sys
+sys.path.insert(0, {examples!r})
+from transformers import LlamaForCausalLM  # the class every model of examples/llama.py loads
+
+from llama import Llama, llama_config
+from taktiny import nn
+
+
+def tied():
+    return Llama(llama_config(True), rngs=nn.Rngs(0))
+
+
+def untied():
+    return Llama(llama_config(False), rngs=nn.Rngs(0))
+"""
+
+
+@pytest.mark.program
+def test_diff_imports_a_factory_module_that_imports_transformers_model_classes(tmp_path):
+    # a lazily loaded NumPy left in sys.modules by the command made SciPy's import fail
+    # inside transformers' (module 'numpy._core' has no attribute '_multiarray_umath'),
+    # which transformers reported as "Could not import module 'LlamaForCausalLM'"
+    (tmp_path / "llama_models.py").write_text(LLAMA_MODELS.format(examples=str(ROOT / "examples")))
+    run = subprocess.run(
+        [sys.executable, "-m", "taktiny", "diff", "llama_models:tied", "llama_models:untied"],
+        capture_output=True, text=True, cwd=tmp_path, timeout=300,
+        env={**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)},
+    )  # fmt: skip
+    assert (run.returncode, run.stderr) == (1, ""), run.stderr
+    assert run.stdout.splitlines() == [
+        "added       lm_head.kernel: float32[64, 128]",
+        "1 changes from llama_models:tied to llama_models:untied: 1 added",
+    ]
+
+
+def test_no_lazily_loaded_module_is_left_in_sys_modules(tmp_path):
+    # in a fresh interpreter (NumPy not imported yet, as for the command): each command's
+    # main, in-process; then imports of NumPy's and SciPy's own modules, which a lazily
+    # loaded NumPy in sys.modules broke
+    from taktiny.io import save_safetensors
+
+    path = tmp_path / "a.safetensors"
+    save_safetensors(path, {"w": np.arange(6, dtype=np.float32).reshape(2, 3)})
+    code = (
+        "import importlib.util, sys\n"
+        "from taktiny._cli import main\n"
+        "def lazy():\n"
+        "    return sorted(name for name, m in list(sys.modules.items())\n"
+        "                  if type(m).__module__ == 'importlib.util'  # its _LazyModule\n"
+        "                  or isinstance(getattr(getattr(m, '__spec__', None), 'loader', None),\n"
+        "                                importlib.util.LazyLoader))\n"
+        f"assert main(['inspect', {str(path)!r}]) == 0\n"
+        "print('after inspect:', 'numpy' in sys.modules, lazy())\n"
+        f"assert main(['verify', {str(path)!r}]) == 0\n"
+        f"assert main(['diff', {str(path)!r}, {str(path)!r}]) == 0\n"
+        "print('after verify and diff:', 'numpy' in sys.modules, lazy())\n"
+        "import numpy.testing, scipy.linalg\n"
+        "numpy.testing.assert_array_equal(scipy.linalg.inv([[2.0]]), [[0.5]])\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=ROOT, timeout=120, check=False)  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    said = [line for line in run.stdout.splitlines() if line.startswith("after ")]
+    assert said == ["after inspect: False []", "after verify and diff: True []"], run.stdout
+
+
+def test_a_module_imported_when_first_used_never_enters_sys_modules_before(tmp_path, monkeypatch):
+    # importlib.util.LazyLoader put a module that loads on first use into sys.modules,
+    # where the import of its submodules by others (SciPy's of numpy.testing) failed
+    from taktiny import _lazy
+
+    package = tmp_path / "deferred_pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("VALUE = 41\n")
+    (package / "sub.py").write_text("from deferred_pkg import VALUE\nNEXT = VALUE + 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        deferred = _lazy.module("deferred_pkg")
+        assert "deferred_pkg" not in sys.modules
+        assert deferred.VALUE == 41  # the first read imports it, as `import` does
+        assert type(sys.modules["deferred_pkg"]) is type(sys)
+        import deferred_pkg.sub
+
+        assert deferred_pkg.sub.NEXT == 42
+        assert _lazy.module("deferred_pkg") is sys.modules["deferred_pkg"]  # imported: itself
+    finally:
+        for name in ("deferred_pkg", "deferred_pkg.sub"):
+            sys.modules.pop(name, None)
+
+
+FAILING_MODULES = {
+    "wrapping": "raise ModuleNotFoundError(\"Could not import module 'Thing'\") from (\n"
+    "    AttributeError('the real cause'))\n",
+    "needs_dependency": "import not_an_installed_dependency\n",
+    "handles_badly": "try:\n    import not_an_installed_dependency\nexcept ImportError:\n"
+    "    raise RuntimeError('handles_badly needs not_an_installed_dependency')\n",
+    "exits": "import sys\nsys.exit(3)\n",
+    "bad_syntax": "def model(:\n",
+    "factories": "def broken():\n    raise RuntimeError('no weights here')\n"
+    "def from_sibling():\n    import sibling\n    return sibling.model()\n",
+    "sibling": "import jax.numpy as jnp\ndef model():\n    return {'w': jnp.zeros((2, 3))}\n",
+}
+
+
+@pytest.fixture
+def failing(tmp_path, monkeypatch):
+    for name, text in FAILING_MODULES.items():
+        (tmp_path / f"{name}.py").write_text(text)
+    monkeypatch.chdir(tmp_path)
+    yield tmp_path
+    for name in FAILING_MODULES:
+        sys.modules.pop(name, None)
+
+
+@pytest.mark.parametrize(
+    ("factory", "message"),
+    [
+        (  # transformers' lazy import wraps the real error: both are shown, and where
+            "wrapping:model",
+            r"wrapping:model: cannot import 'wrapping': ModuleNotFoundError: Could not import "
+            r"module 'Thing'; raised from AttributeError: the real cause \(at \S+/wrapping\.py:1\)$",
+        ),
+        (  # a dependency of the module is missing, not the module
+            "needs_dependency:model",
+            r"needs_dependency:model: cannot import 'needs_dependency': ModuleNotFoundError: No "
+            r"module named 'not_an_installed_dependency' \(at \S+/needs_dependency\.py:1\)$",
+        ),
+        (
+            "handles_badly:model",
+            r"handles_badly:model: cannot import 'handles_badly': RuntimeError: handles_badly "
+            r"needs not_an_installed_dependency; raised while handling ModuleNotFoundError: No "
+            r"module named 'not_an_installed_dependency' \(at \S+/handles_badly\.py:2\)$",
+        ),
+        (
+            "absent_models:model",
+            r"absent_models:model: cannot import 'absent_models': ModuleNotFoundError: No module "
+            r"named 'absent_models' \(looked in the current folder, \S+, and the installed "
+            r"packages\)$",
+        ),
+        (
+            "exits:model",
+            r"exits:model: cannot import 'exits': it exited while being imported, SystemExit: 3 "
+            r"\(at \S+/exits\.py:2\); keep what runs as a script under "
+            r"`if __name__ == '__main__':`$",
+        ),
+        (
+            "bad_syntax:model",
+            r"bad_syntax:model: cannot import 'bad_syntax': SyntaxError: .*\(bad_syntax\.py, "
+            r"line 1\)$",
+        ),
+        (
+            "factories:broken",
+            r"factories:broken: calling broken\(\) failed: RuntimeError: no weights here \(at "
+            r"\S+/factories\.py:2\)$",
+        ),
+    ],
+)
+def test_a_factory_that_fails_shows_the_real_error_and_where(failing, capsys, factory, message):
+    refused(capsys, ["diff", factory, factory], rf"^taktiny: {message}")
+
+
+def test_a_factory_imports_as_python_does_while_it_runs(failing, capsys):
+    # the current folder stays on sys.path while the factory runs, which imports its own
+    # modules then; and is taken off afterwards
+    path = save(failing / "w.safetensors", {"w": np.zeros((2, 3), np.float32)})
+    before = list(sys.path)
+    assert main(["diff", path, "factories:from_sibling"]) == 0
+    assert capsys.readouterr().out.startswith("the schemas agree: 1 names")
+    assert main(["plan", path, "--model", "factories:from_sibling"]) == 0
+    assert "the load would succeed" in capsys.readouterr().out
+    assert sys.path == before
+    refused(
+        capsys,
+        ["plan", path, "--model", "wrapping:model"],
+        r"wrapping:model: cannot import 'wrapping': .*; raised from AttributeError: the real cause",
+    )
+
+
+@pytest.mark.parametrize("command", ["", "inspect", "diff", "verify", "plan"])
+def test_help_prints_whole_sentences(capsys, command):
+    # the description was the docstring's first line, cut mid-sentence; the commands' own
+    # --help had none
+    with pytest.raises(SystemExit, match=r"^0$"):
+        main([command, "--help"] if command else ["--help"])
+    out = capsys.readouterr().out
+    blocks = [" ".join(block.split()) for block in out.split("\n\n")]
+    prose = [b for b in blocks if not b.startswith(("usage:", "positional arguments:", "options:"))]
+    assert len(prose) == 2, out  # what the command does, then its exit statuses
+    for paragraph in prose:
+        assert paragraph.endswith(".") and "`" not in paragraph, paragraph
+        assert paragraph[0].isupper() or paragraph.startswith("taktiny "), paragraph
+    if not command:
+        first = " ".join(_cli.__doc__.split("\n\n")[0].replace("`", "").split())
+        assert prose[0] == first and first.endswith("would take."), out
+        assert prose[1].startswith("A checkpoint that cannot be read") and "(plan)." in prose[1]
+    else:
+        assert prose[1].startswith("Exits with 0"), out
+
+
+def test_verify_tells_a_damaged_schema_or_checksum_record_from_damaged_bytes(tmp_path, capsys):
+    # a bit flipped in the schema passed verify ("every tensor matches"); one flipped in a
+    # recorded checksum was reported as damaged bytes
+    from taktiny.io import open_safetensors, save_safetensors
+
+    path = tmp_path / "model.safetensors"
+    save_safetensors(path, {"a": np.arange(64, dtype=np.float32), "b": np.ones(8, np.int8)})
+    original = path.read_bytes()
+    for found, offset, message in [
+        (b'\\"fingerprint\\":\\"', 18, r"its metadata entry 'taktiny_schema' is not the one Taktiny wrote"),
+        (open_safetensors(path)["a"].checksum.encode(), 0, r"the checksums it records for its tensors \('taktiny_checksums'\) are not those Taktiny wrote: that record is damaged, not \(as far as the header tells\) the tensors' bytes"),
+    ]:  # fmt: skip
+        data = bytearray(original)
+        data[data.index(found) + offset] ^= 1
+        path.write_bytes(bytes(data))
+        refused(
+            capsys,
+            ["verify", str(path)],
+            rf"model\.safetensors: the header is damaged: .*{message}",
+        )
+    path.write_bytes(original)
+    assert main(["verify", str(path)]) == 0
+    assert capsys.readouterr().out.startswith("2 tensors match their checksums, 0 damaged")

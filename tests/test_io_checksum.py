@@ -159,6 +159,9 @@ def test_verify_false_reads_no_checksum_even_of_an_empty_source(tmp_path):
     record = json.loads(header["__metadata__"]["taktiny_checksums"])
     record["tensors"] = {name: "0" * 32 for name in record["tensors"]}  # every digest wrong
     header["__metadata__"]["taktiny_checksums"] = json.dumps(record)
+    # (without the header's own digest, as an older Taktiny wrote it: a header it seals is
+    # refused as damaged before a tensor's checksum is read)
+    del header["__metadata__"]["taktiny_header_checksums"]
     text = json.dumps(header).encode()
     path.write_bytes(struct.pack("<Q", len(text)) + text + data[8 + length :])
     rules = [cv.Rule(["e", "w"], "w", cv.concatenate())]
@@ -372,3 +375,182 @@ def test_each_source_of_a_step_is_verified_not_only_its_last(tmp_path):
     expected = flip(path, "a", byte=5)  # the first of the step's two sources
     with pytest.raises(SafetensorsError, match=damaged(path, "a", expected)):
         load_safetensors(target, path, rules=rules)
+
+
+# the header's own digest: a header Taktiny wrote is checked whole when the file is opened
+
+HEADER = "taktiny_header_checksums"
+
+
+@pytest.fixture
+def sealed(tmp_path):
+    """A file with tiles, a zero-size tensor and user metadata, and its tensors' and its
+    header's recorded digests."""
+    path = tmp_path / "sealed.safetensors"
+    tensors = {"big": np.arange(256 * 256, dtype=np.float32).reshape(256, 256),
+               "empty": np.zeros((0, 4), np.float32), "w": np.ones(3, np.int8)}  # fmt: skip
+    save_safetensors(path, tensors, metadata={"note": "kept"})
+    checkpoint = open_safetensors(path)
+    assert checkpoint["big"].tiles is not None
+    recorded = json.loads(checkpoint.metadata[HEADER])
+    return path, tensors, checkpoint["w"].checksum, checkpoint["big"].tiles[1], recorded
+
+
+def flip_after(path, found, offset=0, bit=0):
+    """Flips bit `bit` of the byte `offset` bytes after the start of the one occurrence of
+    `found` in the file (offset None: its first decimal digit, which stays one)."""
+    data = bytearray(path.read_bytes())
+    assert data.count(found) == 1, found
+    if offset is None:
+        offset = next(k for k, c in enumerate(found) if chr(c).isdigit())
+    data[data.index(found) + offset] ^= 1 << bit
+    path.write_bytes(bytes(data))
+
+
+def recorded_digest(sealed, which):
+    """The bytes to find in the header for each damaged place of the `sealed` file."""
+    _, _, digest, tiles, record = sealed
+    return {
+        "schema": b'\\"fingerprint\\":\\"',
+        "checksum": digest.encode(),
+        "tiles": tiles[32:64].encode(),
+        "empty shape": b'"empty":{"dtype":"F32","shape":[0,4]',
+        "record name": f'"{HEADER}":"'.encode(),
+        "record": b"metadata_digest",
+        "header digest": record["header"].encode(),
+        "note name": b'"note":"kept"',
+        "note": b'"note":"kept"',
+        "version": b'"taktiny_version":"',
+    }[which]
+
+
+@pytest.mark.parametrize(
+    ("which", "offset", "bit", "message"),
+    [
+        ("schema", 18, 0, r"its metadata entry 'taktiny_schema' is not the one Taktiny wrote\."),
+        (  # not "the bytes of 'w' are damaged": the record is, and the header says so
+            "checksum",
+            0,
+            0,
+            r"the checksums it records for its tensors \('taktiny_checksums'\) are not those "
+            r"Taktiny wrote: that record is damaged, not \(as far as the header tells\) the "
+            r"tensors' bytes\.",
+        ),
+        (
+            "tiles",
+            5,
+            1,
+            r"the checksums it records for its tensors' tiles \('taktiny_tile_checksums'\) "
+            r"are not those Taktiny wrote",
+        ),
+        (  # [0, 4] -> [0, 5]: as many bytes (none), and a header as valid as before
+            "empty shape",
+            34,
+            0,
+            r"its metadata entries are as Taktiny wrote them, so the damage lies in a tensor's entry",
+        ),
+        (
+            "record name",
+            3,
+            0,
+            rf"its metadata holds 'tajtiny_header_checksums', one bit from Taktiny's "
+            rf"'{HEADER}', which it lacks: that entry's name is damaged\.",
+        ),
+        (
+            "record",
+            1,
+            0,
+            rf"its record '{HEADER}' \(the digests of the header and of its metadata\) is "
+            r"not one Taktiny wrote\.",
+        ),
+        (
+            "header digest",
+            None,
+            0,
+            r"its bytes hash to [0-9a-f]{32}, and it records [0-9a-f]{32} "
+            r"\('taktiny_header_checksums', xxh3_128\); its metadata entries are as Taktiny "
+            r"wrote them",
+        ),
+        (
+            "note name",
+            2,
+            0,
+            r"its metadata entry 'nnte' was written as 'note': its name is damaged\.",
+        ),
+        ("note", 10, 0, r"its metadata entry 'note' is not the one Taktiny wrote\."),
+        (
+            "version",
+            19,
+            0,
+            r"its metadata entry 'taktiny_version' is not the one Taktiny wrote\.",
+        ),
+    ],
+)
+def test_a_bit_flipped_in_a_sealed_header_is_found_when_the_file_is_opened(
+    sealed, which, offset, bit, message
+):
+    path, tensors, *_ = sealed
+    flip_after(path, recorded_digest(sealed, which), offset, bit)
+    full = rf"{path}: the header is damaged: .*{message}.* copy it again or write it again\."
+    with pytest.raises(SafetensorsError, match=full):
+        open_safetensors(path)
+    target = {n: jax.ShapeDtypeStruct(t.shape, t.dtype) for n, t in tensors.items()}
+    for check in (True, False):  # (whatever verify= says: the header is read either way)
+        with pytest.raises(SafetensorsError, match=full):
+            load_safetensors(target, path, verify=check)
+    with pytest.raises(SafetensorsError, match=full):
+        verify(path)
+
+
+def test_a_sealed_header_opens_and_a_header_without_its_digest_opens_as_before(sealed):
+    # an older Taktiny's file records no digest of its header: it opens and loads as before
+    path, tensors, *_ = sealed
+    assert verify(path) == (3, 0, [])
+    data = path.read_bytes()
+    (length,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8 : 8 + length])
+    del header["__metadata__"][HEADER]
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    path.write_bytes(struct.pack("<Q", len(text)) + text + data[8 + length :])
+    assert HEADER not in open_safetensors(path).metadata
+    assert verify(path) == (3, 0, [])
+    target = {n: jax.ShapeDtypeStruct(t.shape, t.dtype) for n, t in tensors.items()}
+    loaded = load_safetensors(target, path)
+    assert all(np.array_equal(loaded[n], t) for n, t in tensors.items())
+    # the name of one of its records damaged, though, is damage: not a file without it
+    flip_after(path, b'"taktiny_checksums":"', 1, 1)
+    with pytest.raises(SafetensorsError, match=r"holds 'vaktiny_checksums', one bit from Taktiny's 'taktiny_checksums', which it lacks"):  # fmt: skip
+        open_safetensors(path)
+
+
+def test_an_older_file_s_damaged_schema_is_found_by_verify_through_its_fingerprint(sealed):
+    path, *_ = sealed
+    data = path.read_bytes()
+    (length,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8 : 8 + length])
+    del header["__metadata__"][HEADER]  # (an older Taktiny's file)
+    schema = json.loads(header["__metadata__"]["taktiny_schema"])
+    schema["tensors"]["w"]["shape"] = [4]
+    header["__metadata__"]["taktiny_schema"] = json.dumps(schema)
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    path.write_bytes(struct.pack("<Q", len(text)) + text + data[8 + length :])
+    open_safetensors(path)  # (the schema is read when asked for)
+    with pytest.raises(SafetensorsError, match=r"'taktiny_schema' is not a schema Taktiny wrote: the schema's fingerprint"):  # fmt: skip
+        verify(path)
+
+
+def test_other_programs_files_with_keys_like_taktiny_s_open(tmp_path):
+    path = tmp_path / "other.safetensors"
+    metadata = {"format": "pt", "taktiny_scheme": "theirs", "taktiny_checksumr": "x"}
+    safetensors.numpy.save_file({"w": np.ones(2, np.float32)}, path, metadata)
+    assert open_safetensors(path).metadata == metadata
+    assert verify(path) == (0, 1, [])
+
+
+def test_the_schema_key_the_header_path_knows_is_the_schema_s():
+    from taktiny.io import _header
+    from taktiny.state import _schema
+
+    assert _header.SCHEMA_KEY == _schema.KEY

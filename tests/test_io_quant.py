@@ -775,7 +775,10 @@ def test_inconsistent_layout_records_are_refused_when_opened(tmp_path):
     (length,) = struct.unpack("<Q", data[:8])
 
     def rewrite(layouts):
-        head = {**entries, "__metadata__": {**metadata, "taktiny_quantized": json.dumps(layouts)}}
+        # (an older Taktiny's header, without its own digest: a sealed one would be refused
+        # as damaged before its records are read)
+        own = {k: v for k, v in metadata.items() if k != "taktiny_header_checksums"}
+        head = {**entries, "__metadata__": {**own, "taktiny_quantized": json.dumps(layouts)}}
         text = json.dumps(head).encode()
         text += b" " * (-len(text) % 8)
         path.write_bytes(struct.pack("<Q", len(text)) + text + data[8 + length :])

@@ -119,6 +119,21 @@ def test_a_model_round_trips_bitwise_with_metadata_in_the_header(tmp_path):
     assert written == [path]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model.safetensors"]
     metadata, tensors = read(path)
+    sealed = json.loads(metadata.pop("taktiny_header_checksums"))
+    # the digest of each other metadata entry, and of the header's bytes (the length prefix,
+    # the JSON and its padding) with the 32 digits of that digest read as zeros
+    assert sealed["metadata"] == {
+        k: xxhash.xxh3_128_hexdigest(v.encode()) for k, v in metadata.items()
+    }
+    assert sealed["metadata_digest"] == xxhash.xxh3_128_hexdigest(
+        json.dumps(sealed["metadata"], separators=(",", ":")).encode()
+    )
+    data = path.read_bytes()
+    head = data[: 8 + struct.unpack("<Q", data[:8])[0]]
+    assert head.count(sealed["header"].encode()) == 1
+    zeroed = head.replace(sealed["header"].encode(), b"0" * 32)
+    assert sealed["header"] == xxhash.xxh3_128_hexdigest(zeroed)
+    assert sealed["algorithm"] == "xxh3_128" and len(sealed) == 4
     checksums = json.loads(metadata.pop("taktiny_checksums"))
     assert tt.Schema.from_json(metadata.pop("taktiny_schema")) == tt.schema(model)
     assert metadata == {"format": "taktiny", "taktiny_version": tt.__version__, "step": "12"}
@@ -335,7 +350,7 @@ def test_int4_is_packed_two_per_byte_and_listed_in_the_header(tmp_path):
 
 
 def test_the_quantization_metadata_keys_are_taktinys_own(tmp_path):
-    for key in ("taktiny_packed", "taktiny_quantized"):
+    for key in ("taktiny_packed", "taktiny_quantized", "taktiny_header_checksums"):
         with pytest.raises(ValueError, match=f"metadata key '{key}' is Taktiny's own"):
             save_safetensors(tmp_path / "m.safetensors", {"w": jnp.ones(2)}, metadata={key: "{}"})
     assert list(tmp_path.iterdir()) == []

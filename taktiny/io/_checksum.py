@@ -19,6 +19,15 @@ the entry ``"taktiny_tile_checksums"`` is ``{"algorithm": "xxh3_128", "tensors":
 into 1, 2, 4 or 8 equal parts (:func:`grid`), the first and last axes first, so that a split
 of the tensor into 2, 4 or 8 parts along any of them falls on tile edges; each tile's digest
 is over its bytes in row-major order, the tiles in row-major order of the grid.
+
+The header checks itself: the entry ``"taktiny_header_checksums"`` is ``{"algorithm":
+"xxh3_128", "header": 32 hex digits, "metadata": {key: 32 hex digits}, "metadata_digest":
+32 hex digits}``. ``header`` is the digest of the file's first bytes, the 8-byte length
+prefix and the header (its padding included), with the 32 digits of ``header`` itself read
+as ``0`` (the entry is written with a placeholder, and :func:`seal` writes the digest over
+it once the file is written); ``metadata`` the digest of each other metadata entry's value,
+and ``metadata_digest`` that of ``metadata`` (compact JSON), so that a damaged header names
+the entry that changed. A bit flipped anywhere in such a header fails the open.
 """
 
 from __future__ import annotations
@@ -42,6 +51,7 @@ else:
 
 KEY = "taktiny_checksums"
 TILES_KEY = "taktiny_tile_checksums"
+HEADER_KEY = "taktiny_header_checksums"
 ALGORITHM = "xxh3_128"
 _HEX = re.compile(r"[0-9a-f]{32}")
 _TILE_BYTES = 64 << 10  # the smallest tile the writer makes
@@ -52,8 +62,8 @@ _MOST_READ = 4096  # the most tiles a header may give a tensor (64 KiB of digest
 def digest(data: Any) -> str:
     """The checksum of `data`: bytes, a memoryview, or a C-contiguous NumPy array (of any
     dtype: its bytes)."""
-    if isinstance(data, np.ndarray):
-        data = data.reshape(-1).view(np.uint8)
+    if not isinstance(data, bytes | memoryview) and isinstance(data, np.ndarray):
+        data = data.reshape(-1).view(np.uint8)  # (bytes never import NumPy: a header's)
     return xxhash.xxh3_128_hexdigest(data)
 
 
@@ -213,3 +223,164 @@ def attach(tensors: Mapping[str, Any], metadata: Mapping[str, str], bad: Any) ->
             stored.checksum = hexdigest
     for name, tiles_of in grids.items():
         getattr(tensors[name], "stored", tensors[name]).tiles = tiles_of
+
+
+def header_record(metadata: Mapping[str, str]) -> str:
+    """The value of ``"taktiny_header_checksums"`` for a header whose other metadata is
+    `metadata`: each entry's digest, the digest of those digests, and a placeholder for
+    the header's own (32 hex digits unique to this save), which :func:`seal` replaces
+    once the file is written."""
+    import uuid  # (only a save needs it)
+
+    entries = {key: digest(value.encode()) for key, value in metadata.items()}
+    value = {
+        "algorithm": ALGORITHM,
+        "header": uuid.uuid4().hex,
+        "metadata": entries,
+        "metadata_digest": _entries_digest(entries),
+    }
+    return json.dumps(value, separators=(",", ":"))
+
+
+def _entries_digest(entries: Mapping[str, str]) -> str:
+    return digest(json.dumps(entries, separators=(",", ":")).encode())
+
+
+def seal(file: Any, metadata: Mapping[str, str]) -> None:
+    """Writes the digest of the header of `file` (written with `metadata`, which holds a
+    :func:`header_record`) over the record's placeholder: the digest of the file's first
+    bytes, its length prefix and header, with those 32 digits read as zeros."""
+    placeholder = json.loads(metadata[HEADER_KEY])["header"].encode()
+    with open(file, "r+b", buffering=0) as f:
+        prefix = f.read(8)
+        head = prefix + f.read(int.from_bytes(prefix, "little"))
+        at = head.find(placeholder)
+        if at < 0 or head.count(placeholder) != 1:  # pragma: no cover - the writer's fault
+            raise AssertionError(f"{file}: the header's placeholder digest is not found once")
+        f.seek(at)
+        f.write(_header_digest(head, at).encode())
+
+
+def _header_digest(head: bytes, at: int) -> str:
+    """The digest of `head` with the 32 bytes at `at` (where its digest is written) read as
+    zeros."""
+    stream = streaming()
+    view = memoryview(head)
+    stream.update(view[:at])
+    stream.update(b"0" * 32)
+    stream.update(view[at + 32 :])
+    return stream.hexdigest()
+
+
+def header_problem(
+    prefix: bytes, text: bytes, metadata: Mapping[str, str], own: Sequence[str]
+) -> str | None:
+    """What is wrong with a header Taktiny wrote, or None: `prefix` and `text` are the
+    file's first bytes (its length prefix, its header), `metadata` the header's, `own`
+    Taktiny's metadata keys.
+
+    A header Taktiny sealed (:func:`seal`) must hash to the digest it records; when it does
+    not, its metadata entries are checked against their digests, to name the one that
+    changed. A header without a record (another program's, or an older Taktiny's) has
+    nothing to hash against, but one of Taktiny's keys a bit away from its name (the
+    record's own name damaged, say) is damage all the same."""
+    stored = metadata.get(HEADER_KEY)
+    if stored is None:
+        return _renamed(metadata, own)
+    try:
+        record = json.loads(stored)
+        recorded, entries = record["header"], record["metadata"]
+        if (
+            set(record) != {"algorithm", "header", "metadata", "metadata_digest"}
+            or record["algorithm"] != ALGORITHM
+            or not isinstance(recorded, str)
+            or not _HEX.fullmatch(recorded)
+            or not isinstance(entries, dict)
+            or record["metadata_digest"] != _entries_digest(entries)
+        ):
+            raise ValueError
+    except (ValueError, TypeError, KeyError, RecursionError):
+        return (
+            f"the header is damaged: its record {HEADER_KEY!r} (the digests of the header "
+            f"and of its metadata) is not one Taktiny wrote. {_RESTORE}"
+        )
+    head = prefix + text
+    at = head.find(recorded.encode())
+    got = _header_digest(head, at) if at >= 0 and head.count(recorded.encode()) == 1 else None
+    if got == recorded:
+        return None
+    hashed = f"hash to {got}" if got else "do not hold that digest once"
+    return (
+        f"the header is damaged: its bytes {hashed}, and it records {recorded} "
+        f"({HEADER_KEY!r}, {ALGORITHM}); {_where(metadata, entries)}. {_RESTORE}"
+    )
+
+
+def _where(metadata: Mapping[str, str], entries: Mapping[str, str]) -> str:
+    """Where a sealed header whose bytes do not hash to its digest changed, told by its
+    metadata `entries` ({key: the digest of its value}, as written)."""
+    others = {key: value for key, value in metadata.items() if key != HEADER_KEY}
+    extra = [key for key in others if key not in entries]
+    lacking = [key for key in entries if key not in others]
+    found = []
+    for key in extra:
+        was = next((name for name in lacking if _one_bit(key, name)), None)
+        if was is not None:
+            found.append(f"its metadata entry {key!r} was written as {was!r}: its name is damaged")
+            lacking.remove(was)
+        else:
+            found.append(f"its metadata entry {key!r} is not one Taktiny wrote")
+    found += [f"it lacks the metadata entry {key!r} that Taktiny wrote" for key in lacking]
+    found += [
+        _changed(key)
+        for key, value in others.items()
+        if key in entries and digest(value.encode()) != entries[key]
+    ]
+    return "; ".join(found) or (
+        "its metadata entries are as Taktiny wrote them, so the damage lies in a tensor's "
+        "entry, in the JSON around the entries, or in the header's recorded digest"
+    )
+
+
+_RESTORE = (
+    "The file changed after it was written (a bad disk, an interrupted copy), or another "
+    "program rewrote its header; copy it again or write it again."
+)
+
+
+def _changed(key: str) -> str:
+    """The damage to the metadata entry `key`, whose value does not hash to its digest."""
+    if key == KEY:
+        return (
+            f"the checksums it records for its tensors ({KEY!r}) are not those Taktiny wrote: "
+            f"that record is damaged, not (as far as the header tells) the tensors' bytes"
+        )
+    if key == TILES_KEY:
+        return (
+            f"the checksums it records for its tensors' tiles ({TILES_KEY!r}) are not those "
+            f"Taktiny wrote: that record is damaged, not (as far as the header tells) the "
+            f"tensors' bytes"
+        )
+    return f"its metadata entry {key!r} is not the one Taktiny wrote"
+
+
+def _renamed(metadata: Mapping[str, str], own: Sequence[str]) -> str | None:
+    """The damage in a header whose metadata holds a key one bit from one of Taktiny's
+    `own` keys (which it lacks), when it also holds one of them; None otherwise."""
+    if not any(key in metadata for key in own):
+        return None  # another program's file
+    for key in metadata:
+        for name in own:
+            if name not in metadata and _one_bit(key, name):
+                return (
+                    f"the header is damaged: its metadata holds {key!r}, one bit from "
+                    f"Taktiny's {name!r}, which it lacks: that entry's name is damaged. "
+                    f"{_RESTORE}"
+                )
+    return None
+
+
+def _one_bit(a: str, b: str) -> bool:
+    """Whether `a` and `b` differ in exactly one bit of their UTF-8 bytes."""
+    x, y = a.encode(), b.encode()
+    return len(x) == len(y) and sum((p ^ q).bit_count() for p, q in zip(x, y, strict=True)) == 1

@@ -35,6 +35,12 @@ _DTYPE, _SHAPE = operator.itemgetter("dtype"), operator.itemgetter("shape")
 _OFFSETS = operator.itemgetter("data_offsets")
 _FIRST, _SECOND = operator.itemgetter(0), operator.itemgetter(1)
 _NBYTES = operator.attrgetter("nbytes")
+SCHEMA_KEY = "taktiny_schema"  # state._schema.KEY (whose module imports JAX)
+# Taktiny's own metadata keys
+_OWN = (
+    *(_checksum.KEY, _checksum.TILES_KEY, _checksum.HEADER_KEY, qz.PACKED, qz.QUANTIZED),
+    *(SCHEMA_KEY, "taktiny_version"),
+)
 # The safetensors library's own limit on a header: MAX_HEADER_SIZE in its Rust crate
 # (huggingface/safetensors, safetensors/src/tensor.rs), which refuses a longer one before
 # reading it.
@@ -241,6 +247,8 @@ def read_header(file: Path) -> tuple[dict[str, Tensor], dict[str, str]]:
         found = {tensors[k].name: tensors[k] for _, _, k in order}
     for tensor in tensors:
         tensor._held = held
+    if problem := _checksum.header_problem(prefix, text, metadata, _OWN):
+        raise bad(problem)  # (before its records are read: it names the damaged one)
     found = _unpacked(found, metadata.get(qz.PACKED), bad)
     _checksum.attach(found, metadata, bad)  # (the lead's: keep it)
     return found, metadata

@@ -37,6 +37,7 @@ _RESERVED = (
     qz.QUANTIZED,
     _checksum.KEY,
     _checksum.TILES_KEY,
+    _checksum.HEADER_KEY,
     _schema.KEY,
 )
 # numpy dtype names safetensors stores (its own names: F32, BF16, F8_E4M3, ...)
@@ -161,6 +162,7 @@ def save_safetensors(
         tiled = {n: t for n, a in shard.items() if (t := _checksum.tile_digests(a)) is not None}
         if tiled:
             own[_checksum.TILES_KEY] = _checksum.tiles_record(tiled)
+        own[_checksum.HEADER_KEY] = _checksum.header_record(own)  # (last: it covers the others)
         files.append((shard, own))
     commit = _Commit(target)
     written = commit.save(files)
@@ -293,6 +295,7 @@ class _Commit:
         # 0o644 less the umask, as the index and torch.save's files are: the staging folder,
         # made 0o777 less the umask, has those bits
         os.chmod(temp, self.staging.stat().st_mode & 0o644)
+        _checksum.seal(temp, metadata)  # the header's digest, into the header
         _fsync(temp)
         return temp
 
