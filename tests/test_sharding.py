@@ -651,3 +651,20 @@ def test_eval_shape_keeps_a_mesh_the_function_makes_itself_devices_and_all():
         )
     assert abstract["net"].encoder[1].up.kernel.sharding.spec == P(None, "model")
     assert abstract["step"].sharding == SingleDeviceSharding(jax.devices()[0])
+
+
+def test_eval_shape_of_a_model_it_closes_over_keeps_that_model_s_mesh():
+    """``tt.eval_shape(lambda: model)`` of a model already on a mesh with Explicit axes
+    (a scalar among its leaves, which lowering the function outside that mesh refuses):
+    each leaf keeps the concrete sharding the model's own leaf has."""
+    devices = np.array(jax.devices("cpu")[::-1])  # not jax.devices()'s order
+    mesh = jax.sharding.Mesh(devices, ("x",), axis_types=(AxisType.Explicit,))
+    model = {
+        "net": tt.shard(Net(rngs=nn.Rngs(0)), {"encoder.*.up.kernel": (None, "x")}, mesh),
+        "scale": jax.device_put(jnp.ones(()), NamedSharding(mesh, P())),
+    }
+    abstract = tt.eval_shape(lambda: model)
+    for made, kept in zip(jax.tree.leaves(model), jax.tree.leaves(abstract), strict=True):
+        assert isinstance(kept, jax.ShapeDtypeStruct) and kept.shape == made.shape
+        assert same(kept.sharding, made.sharding, made.ndim)
+        assert kept.sharding.mesh == mesh

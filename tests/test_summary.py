@@ -133,7 +133,7 @@ def test_depth_groups_names_by_their_first_parts():
         "step": jnp.zeros((), jnp.int32),
     }
     head_w = ("head.w", (4, 2), "float32", True, 8, 32)
-    step = ("step", (), "int32", True, 1, 4)
+    step = ("step", (), "int32", False, 1, 4)  # an integer: not trained
     norm = [
         (f"net.norm.{name}", (4,), "bfloat16", trained, 4, 8)
         for name, trained in [("scale", True), ("bias", True), ("mean", False), ("var", False)]
@@ -162,12 +162,12 @@ def test_depth_groups_names_by_their_first_parts():
         summary = tt.summary(tree, depth=depth)
         got = [(r.name, r.shape, r.dtype, r.trainable, r.size, r.nbytes) for r in summary.rows]
         assert got == rows, depth
-        assert (summary.params, summary.trainable_params) == (8 + 2388 + 1, 8 + 2380 + 1)
+        assert (summary.params, summary.trainable_params) == (8 + 2388 + 1, 8 + 2380)
     lines = str(tt.summary(tree, depth=1)).splitlines()
     assert [line.split() for line in lines[4:7]] == [
         ["head", "float32", "yes", "8", "32", "B"],
         ["net", "float32/bfloat16", "mixed", "2,388", "9.3", "KiB"],
-        ["step", "()", "int32", "yes", "1", "4", "B"],
+        ["step", "()", "int32", "no", "1", "4", "B"],
     ]
 
 
@@ -206,7 +206,7 @@ def test_byte_counts_are_shown_in_binary_units_from_one_unit_up(nbytes, text):
     assert summary.nbytes == nbytes
     lines = str(summary).splitlines()
     assert lines[4].endswith(f"  {text}")
-    assert lines[-1] == f"{nbytes:,} parameters ({text}): {nbytes:,} trainable, 0 not trained"
+    assert lines[-1] == f"{nbytes:,} parameters ({text}): 0 trainable, {nbytes:,} not trained"
 
 
 class Tied(nn.Module):

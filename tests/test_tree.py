@@ -281,5 +281,20 @@ def test_trainable_reaches_modules_inside_any_container():
             "models.0.norm.bias": True,
             "models.0.norm.mean": False,
             "models.0.norm.var": False,
-            "step": True,
+            "step": False,  # an integer: no gradient step changes it
         }
+
+
+def test_the_trained_leaves_are_those_a_gradient_can_be_taken_of():
+    """Partitioned by `tt.trainable`, the trained half of a tree holding an integer step
+    and a PRNG key differentiates with plain ``jax.grad``: neither is marked trained."""
+    import equinox as eqx
+
+    tree = {"net": Normed(rngs=nn.Rngs(0)), "step": jnp.zeros((), jnp.int32)}
+    tree["key"] = jax.random.key(0)
+    flags = tt.trainable(tree)
+    assert (flags["step"], flags["key"], flags["net"].linear.kernel) == (False, False, True)
+    params, frozen = eqx.partition(tree, flags)
+    grads = jax.grad(lambda p: jnp.sum(eqx.combine(p, frozen)["net"].linear.kernel))(params)
+    assert grads["step"] is None and grads["key"] is None
+    np.testing.assert_array_equal(grads["net"].linear.kernel, np.ones((3, 4)))

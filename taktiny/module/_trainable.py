@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 from .._qarray import QArray
 from ..state._names import CACHE_BOUND
@@ -45,7 +46,9 @@ def trainable(tree: Any) -> Any:
     ``nn.field(trainable=False)`` (BatchNorm's running statistics, say) and for both parts
     of every :class:`~taktiny.QArray`: its integer ``value`` cannot take a gradient step,
     and its ``scale`` only describes how the integers were rounded, so a quantized weight
-    is frozen whole (train an adapter on it, :func:`taktiny.lora`).
+    is frozen whole (train an adapter on it, :func:`taktiny.lora`). Any other leaf that is
+    not a float (an integer step counter, a PRNG key array) is ``False`` too, so that the
+    leaves marked ``True`` are exactly those a gradient can be taken of.
 
     A tree holding low-rank adapters (:func:`taktiny.lora`) trains its adapters only:
     every leaf outside them (the base weights of the adapted layers, and the norms,
@@ -82,4 +85,20 @@ def trainable(tree: Any) -> Any:
         if len(_TRAINABLE) >= CACHE_BOUND:
             _TRAINABLE.clear()
         _TRAINABLE[treedef] = flags
-    return treedef.unflatten(flags)
+    leaves = treedef.flatten_up_to(tree)
+    return treedef.unflatten([f and _inexact(x) for f, x in zip(flags, leaves, strict=True)])
+
+
+_INEXACT: dict[Any, bool] = {}  # dtype -> whether a gradient step can change it
+
+
+def _inexact(leaf: Any) -> bool:
+    """Whether `leaf` may be trained by its kind: a float or complex array (or a leaf
+    without a dtype, such as a Python float); an integer, bool or key array cannot be."""
+    dtype = getattr(leaf, "dtype", None)
+    if dtype is None:
+        return True
+    known = _INEXACT.get(dtype)
+    if known is None:
+        known = _INEXACT[dtype] = bool(jnp.issubdtype(dtype, jnp.inexact))
+    return known

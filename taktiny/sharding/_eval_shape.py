@@ -72,11 +72,23 @@ def eval_shape(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
             f"({'; '.join(mesh_text(m) for m in meshes)}); place them on one first."
         )
     if not meshes:
-        out = jax.eval_shape(fn, *args, **kwargs)
+        traced, out = jax.make_jaxpr(fn, return_shape=True)(*args, **kwargs)
         default = jax.sharding.SingleDeviceSharding(default_device())
-        if any(_on_abstract_mesh(s) for s in jax.tree.leaves(out)):
-            # `fn` places arrays on a mesh of its own (tt.shard(model, rules, mesh)), whose
-            # devices tracing forgets: lowering it (not compiling) gives them back
+        abstract = {s.sharding.mesh for s in jax.tree.leaves(out) if _on_abstract_mesh(s)}
+        # arrays on a mesh whose devices tracing forgets: the mesh of the arrays `fn`
+        # closes over (lambda: model), else the one it makes itself (tt.shard(model, rules,
+        # jax.make_mesh(...))), which lowering it (not compiling) gives back
+        known = {m.abstract_mesh: m for m in _meshes(list(traced.consts))}
+        if abstract and abstract <= known.keys():
+            return jax.tree.map(
+                lambda s: (
+                    _with(s, NamedSharding(known[s.sharding.mesh], s.sharding.spec))
+                    if _on_abstract_mesh(s)
+                    else _with(s, s.sharding or default)
+                ),
+                out,
+            )
+        if abstract:
             placed = jax.jit(fn).lower(*args, **kwargs).out_info
 
             def found(s: jax.ShapeDtypeStruct, p: Any) -> jax.ShapeDtypeStruct:
