@@ -197,13 +197,22 @@ from taktiny import nn
 def model():
     return Llama(llama_config(True), rngs=nn.Rngs(0))
 """
+# the smoke test's module: the same command on a model whose module imports no transformers
+# (tests/test_cli.py runs one that does; torch's import alone takes 20-50 s on 2 busy cores)
+SMOKE_FACTORY = """from taktiny import nn
+
+
+def model():
+    return nn.Linear(4, 2, rngs=nn.Rngs(0))
+"""
 
 
 def _factory(config: Config, root: Path, group: Group) -> Table:
     """The wall time of `taktiny diff` of a model made by a factory module that imports
     transformers' model classes, in a fresh process, and of importing that module alone."""
     module = root / "llama_factory.py"
-    module.write_text(FACTORY.format(examples=str(Path(__file__).parent.parent / "examples")))
+    source = config.pick(FACTORY, FACTORY, SMOKE_FACTORY)
+    module.write_text(source.format(examples=str(Path(__file__).parent.parent / "examples")))
     command = shutil.which("taktiny", path=str(Path(sys.executable).parent)) or "taktiny"
     runs = {"taktiny diff": [command, "diff", "llama_factory:model", "llama_factory:model"]}
     if config.pick(True, True, False):  # (the smoke test runs the command only)
