@@ -18,6 +18,7 @@ from bench import (
     dispatch,
     errors,
     headers,
+    load_overhead,
     load_plan,
     lora,
     memory,
@@ -46,6 +47,7 @@ GROUPS = {
     "headers": headers,
     "lora": lora,
     "plan": load_plan,
+    "overhead": load_overhead,
 }
 
 
