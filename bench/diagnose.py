@@ -250,7 +250,8 @@ def _phases() -> Any:
     """Adds up the seconds a load spends in each part of taktiny.io's read path (the
     device work blocked on, so that it is counted where it is started)."""
     from taktiny.convert import _transforms
-    from taktiny.io import _load, _read
+    from taktiny.io import _read
+    from taktiny.loading import _load, _readers
 
     spent: dict[str, float] = {}
 
@@ -268,7 +269,7 @@ def _phases() -> Any:
     patches = [
         (_read, "_buffer", "fresh buffers (mmap MAP_POPULATE)", False),
         (_read, "_pread", "preadv (disk wait + copy)", False),
-        (_read.Readahead, "reached", "readahead calls (WILLNEED)", False),
+        (_readers.Readahead, "reached", "readahead calls (WILLNEED)", False),
         (jax, "device_put", "jax.device_put (blocked)", True),
         (_transforms.transpose, "one", "transpose in XLA (blocked)", True),
         (_load._state, "load", "_state.load of the placed leaves", False),

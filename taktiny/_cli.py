@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import logging
 import math
 import re
 import sys
@@ -33,6 +32,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from . import _lazy
 from ._messages import table
+from .io import _orbax
 from .state import _patterns
 
 if TYPE_CHECKING:
@@ -58,139 +58,18 @@ class Unreadable(Exception):
     """A checkpoint the command cannot read; the message names it and says why."""
 
 
+def _orbax_entries(path: Path) -> Iterator[Entry]:
+    for array in _orbax.arrays(path):
+        nbytes = math.prod(array.shape) * array.dtype.itemsize
+        yield Entry(array.name, array.shape, array.dtype.name, nbytes, path, array.keys)
+
+
 def _safetensors_entries(path: Path) -> Iterator[Entry]:
     from .io import open_safetensors
 
     checkpoint = open_safetensors(path)  # a SafetensorsError names the file and tensor
     for t in sorted(checkpoint.values(), key=lambda t: t.name):  # as safetensors lists them
         yield Entry(t.name, t.shape, t.dtype_name, t.nbytes, t.file, t)
-
-
-class _Orbax:
-    """An Orbax checkpoint open for reading, one array at a time: each read is a partial
-    restore (``partial_restore=True``) of a tree that holds that array alone."""
-
-    def __init__(self, path: Path) -> None:
-        import orbax.checkpoint as ocp
-
-        self.path = path.absolute()  # Orbax takes absolute paths only
-        self.checkpointer = ocp.PyTreeCheckpointer()
-        try:
-            with _quiet():
-                metadata = self.checkpointer.metadata(self.path).item_metadata
-        except Exception as error:  # noqa: BLE001 - whatever Orbax raises for a damaged one
-            self.checkpointer.close()
-            raise Unreadable(f"{path}: not a readable Orbax checkpoint ({_why(error)}).") from None
-        if metadata is None:
-            self.checkpointer.close()
-            raise Unreadable(
-                f"{path}: an Orbax checkpoint without a readable tree of arrays (its metadata "
-                f"is missing or damaged)."
-            )
-        self.tree = metadata.tree
-
-    def __enter__(self) -> _Orbax:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.checkpointer.close()
-
-    def array(self, keys: tuple[str | int, ...]) -> np.ndarray:
-        """The array at `keys`, restored alone, as a NumPy array."""
-        import orbax.checkpoint as ocp
-
-        def alone(node: Any, keys: tuple[str | int, ...], leaf: Any) -> Any:
-            # `node`'s containers down `keys` with `leaf` at the end and nothing beside it
-            # (a list keeps its length: Orbax matches lists by length)
-            if not keys:
-                return leaf
-            inner = alone(node[keys[0]], keys[1:], leaf)
-            if isinstance(node, dict):
-                return {keys[0]: inner}
-            return [inner if i == keys[0] else None for i in range(len(node))]
-
-        args = ocp.args.PyTreeRestore(
-            item=alone(self.tree, keys, 0),  # any leaf: restore_args says what to make of it
-            restore_args=alone(self.tree, keys, ocp.RestoreArgs(restore_type=np.ndarray)),
-            partial_restore=True,
-        )
-        try:
-            with _quiet():
-                value = self.checkpointer.restore(self.path, args=args)
-            for key in keys:
-                value = value[key]
-            return np.asarray(value)
-        except Exception as error:  # noqa: BLE001 - whatever Orbax raises for a damaged one
-            name = ".".join(map(str, keys))
-            raise Unreadable(
-                f"{self.path}: the array {name!r} cannot be restored ({_why(error)})."
-            ) from None
-
-
-@contextlib.contextmanager
-def _quiet() -> Iterator[None]:
-    """Orbax's log lines off: a damaged checkpoint is the command's one line of its own."""
-    logger = logging.getLogger("absl")
-    disabled, logger.disabled = logger.disabled, True
-    try:
-        yield
-    finally:
-        logger.disabled = disabled
-
-
-def _why(error: BaseException) -> str:
-    """An exception in one line: its type and the first line of its message."""
-    lines = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
-
-
-def _orbax_entries(path: Path) -> Iterator[Entry]:
-    with _Orbax(path) as checkpoint:
-        tree = checkpoint.tree
-
-    def walk(node: Any, keys: tuple[str | int, ...]) -> Iterator[Entry]:
-        if isinstance(node, dict | list):
-            pairs = node.items() if isinstance(node, dict) else enumerate(node)
-            for key, value in pairs:
-                yield from walk(value, (*keys, key))
-            return
-        name = ".".join(map(str, keys))
-        try:
-            shape, dtype = tuple(map(int, node.shape)), np.dtype(node.dtype)
-        except (AttributeError, TypeError, ValueError) as error:
-            raise Unreadable(
-                f"{path}: the Orbax metadata of {name!r} gives no array shape and dtype "
-                f"({_why(error)}); the checkpoint is damaged."
-            ) from None
-        yield Entry(name, shape, dtype.name, math.prod(shape) * dtype.itemsize, path, keys)
-
-    yield from walk(tree, ())
-
-
-def _is_orbax(path: Path) -> bool:
-    return path.is_dir() and any((path / n).exists() for n in ("_CHECKPOINT_METADATA", "_METADATA"))
-
-
-def _orbax_items(path: Path) -> dict[str, Path]:
-    """The trees of arrays an Orbax folder holds, by the prefix their names take: ``{"":
-    path}`` for a checkpoint of one tree; for a step folder of a ``CheckpointManager``, each
-    item's folder under its item name (``""`` for a manager's one unnamed item,
-    ``default``, so that its names are those of a plain checkpoint)."""
-    if (path / "_METADATA").exists() or not (path / "_CHECKPOINT_METADATA").exists():
-        return {"": path}
-    items = {p.name: p for p in sorted(path.iterdir()) if p.is_dir() and _is_orbax(p)}
-    if not items:
-        raise Unreadable(
-            f"{path}: an Orbax step folder without an item holding a tree of arrays; its "
-            f"save is incomplete or damaged."
-        )
-    return {"": items["default"]} if list(items) == ["default"] else items
-
-
-def _orbax_steps(path: Path) -> list[str]:
-    """The step folders of a ``CheckpointManager``'s folder, in step order."""
-    steps = [p.name for p in path.iterdir() if p.name.isdigit() and _is_orbax(p)]
-    return sorted(steps, key=int)
 
 
 def entries(path: str | Path) -> list[Entry]:
@@ -200,13 +79,13 @@ def entries(path: str | Path) -> list[Entry]:
     in it; from their headers and metadata only. A folder's safetensors checkpoint is found
     as the loaders find it (:func:`taktiny.io.open_safetensors`)."""
     path = Path(path)
-    if _is_orbax(path):
+    if _orbax.is_orbax(path):
         return [
             entry._replace(name=f"{item}.{entry.name}" if item else entry.name)
-            for item, folder in _orbax_items(path).items()
+            for item, folder in _orbax.items(path).items()
             for entry in _orbax_entries(folder)
         ]
-    if path.is_dir() and (steps := _orbax_steps(path)):
+    if path.is_dir() and (steps := _orbax.steps(path)):
         raise Unreadable(
             f"{path} holds the steps of an Orbax CheckpointManager ({', '.join(steps)}): name "
             f"one, as in {path / steps[-1]}."
@@ -326,7 +205,7 @@ def schema_of(source: str, *, checkpoint: bool = True) -> Side | None:
         return Side(schema(model), model, False)
     if not checkpoint:
         return None
-    if not _is_orbax(path):
+    if not _orbax.is_orbax(path):
         from .io import open_safetensors
 
         _present(path)
@@ -444,7 +323,7 @@ def plan(path: str, model: str, rules: str | None) -> tuple[str, bool]:
     would succeed. The model is made abstractly (:func:`abstract_model`, its shardings
     kept) but planned as the concrete one the factory makes: the parameters a migration
     adds keep that model's values."""
-    from .io._load_plan import planned
+    from .loading._plan_load import planned
 
     found = None
     if rules is not None:
@@ -499,7 +378,7 @@ def diff(
         opened: dict[Path, Any] = {}  # each Orbax checkpoint opened once
         for entry in {e.file: e for e in [*left.values(), *right.values()]}.values():
             if isinstance(entry.source, tuple):
-                opened[entry.file] = stack.enter_context(_Orbax(entry.file))
+                opened[entry.file] = stack.enter_context(_orbax.OrbaxCheckpoint(entry.file))
         for name in (n for n in left if n in right):
             x, y = left[name], right[name]
             dtype = x.dtype if x.dtype == y.dtype else f"{x.dtype} vs {y.dtype}"
@@ -562,7 +441,7 @@ def verify(path: str) -> tuple[str, bool]:
     are each restored."""
     from .io._verify import verify as check
 
-    if _is_orbax(Path(path)):
+    if _orbax.is_orbax(Path(path)):
         return _verify_orbax(Path(path))
     _present(Path(path))
     result = check(path)
@@ -579,11 +458,11 @@ def _verify_orbax(path: Path) -> tuple[str, bool]:
     found = entries(path)
     damaged = []
     for folder in dict.fromkeys(entry.file for entry in found):
-        with _Orbax(folder) as opened:
+        with _orbax.OrbaxCheckpoint(folder) as opened:
             for entry in (e for e in found if e.file == folder):
                 try:
                     opened.array(entry.source)
-                except Unreadable as error:
+                except _orbax.OrbaxError as error:
                     damaged.append(str(error))
     summary = f"{len(found) - len(damaged)} arrays restore, {len(damaged)} do not"
     return "\n".join([*damaged, summary]), not damaged
@@ -661,7 +540,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             report, same = plan(args.path, args.model, args.rules)
         else:
             report, same = diff(args.a, args.b, atol=args.atol, rtol=args.rtol, pattern=args.filter)
-    except (SafetensorsError, Unreadable, OSError, ValueError) as error:
+    except (SafetensorsError, _orbax.OrbaxError, Unreadable, OSError, ValueError) as error:
         # a checkpoint that cannot be read (named, with why) or a bad --filter pattern
         print(f"taktiny: {' '.join(str(error).splitlines())}", file=sys.stderr)
         return 2

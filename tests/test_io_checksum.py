@@ -340,17 +340,17 @@ def test_a_read_that_fails_before_its_first_byte_raises_and_does_not_hang_the_lo
     import errno
     import threading
 
-    from taktiny.io import _read
+    from taktiny.loading import _readers
 
     _, path = saved
-    reached = _read.Readahead.reached
+    reached = _readers.Readahead.reached
 
     def failing(self, index):
         if index >= step:
             raise OSError(errno.EMFILE, "Too many open files")
         reached(self, index)
 
-    monkeypatch.setattr(_read.Readahead, "reached", failing)
+    monkeypatch.setattr(_readers.Readahead, "reached", failing)
     raised = []
 
     def load():

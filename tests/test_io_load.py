@@ -257,7 +257,7 @@ def test_transforms_are_told_how_many_arrays_to_make_as_convert_tells_them(tmp_p
 
 
 def test_transforming_steps_read_aligned_into_buffers_they_reuse(tmp_path, monkeypatch):
-    import taktiny.io._place as place
+    import taktiny.loading._place as place
 
     parts = {f"{n}.{i}": np.arange(5 + 2 * i, dtype=np.float32) + k for k, n in enumerate("pqr")
              for i in range(3)}  # fmt: skip
@@ -328,7 +328,7 @@ def test_with_one_buffer_a_step_is_read_into_it_only_once_the_step_before_is_pla
 ):
     # a quantizing load keeps one read buffer: the reader may read the next step into it
     # only once the step before has been transformed and placed, however soon it reads
-    import taktiny.io._load as load_module
+    import taktiny.loading._load as load_module
 
     monkeypatch.setattr(load_module, "ThreadPoolExecutor", Eager)
     model = MLP(rngs=nn.Rngs(8))
@@ -492,7 +492,7 @@ def test_progress_bar_names_the_file_and_is_off_when_asked(saved, capsys, monkey
     load_safetensors(abstract_mlp(), path, progress=False)
     load_safetensors(abstract_mlp(), path)  # small: no bar by default
     assert capsys.readouterr().err == ""
-    from taktiny.io import _load
+    from taktiny.loading import _load
 
     total = open_safetensors(path).nbytes
     monkeypatch.setattr(_load, "PROGRESS_BYTES", total)  # a bar for more bytes than this
@@ -508,7 +508,7 @@ def test_without_tqdm_a_bar_asked_for_is_an_error_and_a_default_one_is_left_out(
 ):
     import sys
 
-    from taktiny.io import _load
+    from taktiny.loading import _load
 
     model, path = saved
     monkeypatch.setitem(sys.modules, "tqdm.auto", None)  # `from tqdm.auto import ...` fails

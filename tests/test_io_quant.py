@@ -316,7 +316,7 @@ def test_quantizing_onto_a_mesh_places_value_and_scale_on_their_shardings(tmp_pa
 
 
 def test_a_quantizing_load_keeps_one_float_tensor_at_a_time(tmp_path, monkeypatch):
-    import taktiny.io._place as load_module
+    import taktiny.loading._place as load_module
 
     model = net()
     path = tmp_path / "f.safetensors"

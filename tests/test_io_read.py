@@ -113,7 +113,7 @@ def test_reads_take_one_contiguous_slice_per_axis(good):
 def test_readahead_asks_for_the_bytes_ahead_of_the_reader_once_each(tmp_path, monkeypatch):
     import os
 
-    from taktiny.io._read import Readahead
+    from taktiny.loading._readers import Readahead
 
     path = tmp_path / "four.safetensors"
     arrays = {"x": np.ones(25, np.float32), "empty": np.zeros(0, np.float32),

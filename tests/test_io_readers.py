@@ -9,8 +9,9 @@ import jax
 import numpy as np
 import pytest
 
-from taktiny.io import _load, _place, _readers, load_safetensors, save_safetensors
-from taktiny.io._readers import Readers
+from taktiny.io import load_safetensors, save_safetensors
+from taktiny.loading import _load, _place, _readers
+from taktiny.loading._readers import Readers
 
 MiB = 2**20
 

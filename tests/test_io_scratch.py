@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import taktiny as tt
-import taktiny.io._place as place
+import taktiny.loading._place as place
 from taktiny import convert as cv
 from taktiny import nn
 from taktiny.io import load_safetensors, save_safetensors

@@ -290,7 +290,7 @@ def test_a_transposing_rule_reads_into_the_leaves_not_a_scratch_buffer(
     own buffer (its peak memory is the model and one piece): no read buffer holds a whole
     tensor, on one device or sharded."""
     from taktiny import convert as cv
-    from taktiny.io import _place
+    from taktiny.loading import _place
 
     rng = np.random.default_rng(2)
     values = {"w": rng.standard_normal((64, 128), np.float32), "b": np.ones(64, np.float32)}

@@ -67,12 +67,12 @@ def test_no_module_of_the_package_imports_pickle():
     assert {name: hits for name, hits in found.items() if hits} == {}
 
 
-def taktiny_imports(path: Path) -> set[str]:
-    """The taktiny modules that the file at `path` imports (at any depth in it), as dotted
-    names."""
+def taktiny_imports(path: Path, source: str | None = None) -> set[str]:
+    """The taktiny modules that the file at `path` (or `source`, read as that file)
+    imports (at any depth in it), as dotted names."""
     package = ".".join(path.relative_to(ROOT).with_suffix("").parts[:-1])
     found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(ast.parse(path.read_text() if source is None else source)):
         if isinstance(node, ast.ImportFrom):
             base = package.rsplit(".", node.level - 1)[0] if node.level else ""
             module = ".".join(p for p in (base, node.module or "") if p)
@@ -80,6 +80,45 @@ def taktiny_imports(path: Path) -> set[str]:
         elif isinstance(node, ast.Import):
             found |= {alias.name for alias in node.names}
     return {name for name in found if name.split(".")[0] == "taktiny"}
+
+
+def runtime_imports(path: Path) -> set[str]:
+    """:func:`taktiny_imports` of the file at `path`, leaving out those in ``if
+    TYPE_CHECKING:`` blocks (names for type checkers, never imported when it runs)."""
+    tree = ast.parse(path.read_text())
+    for node in ast.walk(tree):
+        for field in ("body", "orelse"):
+            block = getattr(node, field, None)
+            if isinstance(block, list) and any(map(_type_checking, block)):
+                kept = [n for n in block if not _type_checking(n)]
+                setattr(node, field, kept or [ast.Pass()])
+    return taktiny_imports(path, ast.unparse(tree))
+
+
+def _type_checking(node: ast.AST) -> bool:
+    return isinstance(node, ast.If) and ast.unparse(node.test).endswith("TYPE_CHECKING")
+
+
+def test_the_file_formats_import_neither_the_load_nor_the_conversions():
+    """taktiny/io/ is what a file is (headers, reads, checksums, saves, torch files,
+    Orbax); the load (taktiny/loading/) joins it with taktiny/convert/ and the state walk.
+    No file of io/ imports either: io/'s face names the load's public names by module
+    path, imported when first used, and imports them for type checkers only."""
+    face = ROOT / "taktiny" / "io" / "__init__.py"
+    assert "taktiny.loading" in taktiny_imports(face)  # (for type checkers: left out)
+    assert "taktiny.loading" not in runtime_imports(face)
+    steps = ROOT / "taktiny" / "loading" / "_steps.py"
+    assert {"taktiny.convert._coverage", "taktiny.io._checkpoint"} <= runtime_imports(steps)
+    found = {
+        str(path.relative_to(ROOT)): sorted(
+            name
+            for name in runtime_imports(path)
+            if name.split(".")[1:2] in (["convert"], ["loading"])
+        )
+        for path in sorted((ROOT / "taktiny" / "io").glob("*.py"))
+    }
+    assert len(found) >= 10
+    assert {name: hits for name, hits in found.items() if hits} == {}
 
 
 def test_the_state_walk_never_imports_the_module_layer():

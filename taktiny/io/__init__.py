@@ -8,12 +8,12 @@ import typing as _typing
 from .. import _lazy
 
 if _typing.TYPE_CHECKING:
+    from ..loading import LoadPlan as LoadPlan
+    from ..loading import PlannedStep as PlannedStep
+    from ..loading import load_safetensors as load_safetensors
+    from ..loading import plan_load as plan_load
     from ._checkpoint import Checkpoint as Checkpoint
     from ._checkpoint import open_safetensors as open_safetensors
-    from ._load import load_safetensors as load_safetensors
-    from ._load_plan import LoadPlan as LoadPlan
-    from ._load_plan import PlannedStep as PlannedStep
-    from ._load_plan import plan_load as plan_load
     from ._read import SafetensorsError as SafetensorsError
     from ._read import Tensor as Tensor
     from ._save import save_safetensors as save_safetensors
@@ -23,10 +23,12 @@ if _typing.TYPE_CHECKING:
 _LAZY = {
     "Checkpoint": ("._checkpoint", "Checkpoint"),
     "open_safetensors": ("._checkpoint", "open_safetensors"),
-    "load_safetensors": ("._load", "load_safetensors"),
-    "LoadPlan": ("._load_plan", "LoadPlan"),
-    "PlannedStep": ("._load_plan", "PlannedStep"),
-    "plan_load": ("._load_plan", "plan_load"),
+    # the load, whose home is taktiny.loading (which imports this package, never the
+    # reverse: imported only when one of these is first used)
+    "load_safetensors": ("taktiny.loading", "load_safetensors"),
+    "LoadPlan": ("taktiny.loading", "LoadPlan"),
+    "PlannedStep": ("taktiny.loading", "PlannedStep"),
+    "plan_load": ("taktiny.loading", "plan_load"),
     "SafetensorsError": ("._read", "SafetensorsError"),
     "Tensor": ("._read", "Tensor"),
     "save_safetensors": ("._save", "save_safetensors"),

@@ -4,8 +4,7 @@ Reads go into page-aligned anonymous memory (``mmap``), filled with ``os.preadv`
 read-only: JAX's CPU client adopts such a buffer without copying it (it copies any buffer
 not 64-byte aligned, as NumPy's are), and no caller can write through it afterwards.
 4-bit tensors that Taktiny stored packed two per byte are presented as what they are (see
-`_quantized`): their 4-bit dtype and logical shape, unpacked as they are read. A
-`Readahead` keeps the OS reading ahead of a reader that goes through tensors in order.
+`_quantized`): their 4-bit dtype and logical shape, unpacked as they are read.
 
 The tensors of an opened checkpoint read through the files as they were opened (an
 `OpenFile` each), not through their paths: a save that replaces or removes a file after
@@ -20,7 +19,6 @@ import itertools
 import math
 import mmap
 import os
-import threading
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -805,50 +803,3 @@ def _pread(
             done += got
         if send is not None:
             send(into[start:end])
-
-
-class Readahead:
-    """Keeps the OS reading `window` bytes ahead of a reader that goes through `tensors` in
-    this order, so the disk works while the reader copies and places: each call to
-    :meth:`reached` (with the index of the tensor about to be read) asks for the bytes up
-    to `window` past it with ``posix_fadvise(WILLNEED)``, in `chunk`-byte requests (Linux
-    cuts each request to the disk's readahead size, a few MiB at most), never twice.
-    Several readers may call it at once; the loader sets `window` as it learns how fast
-    the file is read."""
-
-    def __init__(self, tensors: Sequence[Tensor], window: int = 256 * 2**20, chunk: int = 2**20):
-        self.tensors, self.window, self.chunk = tensors, window, chunk
-        self.starts = list(itertools.accumulate((t.nbytes for t in tensors), initial=0))
-        self.next, self.done = 0, 0  # the tensor being requested, and its bytes requested
-        self.fds: dict[Path, int] = {}
-        self.lock = threading.Lock()
-
-    def reached(self, index: int) -> None:
-        with self.lock:
-            self._request(index)
-
-    def _request(self, index: int) -> None:
-        if self.next < index:  # the reader overtook the requests
-            self.next, self.done = index, 0
-        k = self.next
-        while (
-            k < len(self.tensors) and self.starts[k] + self.done - self.starts[index] < self.window
-        ):
-            tensor = self.tensors[k]
-            step = min(self.chunk, tensor.nbytes - self.done)
-            if step and hasattr(os, "posix_fadvise"):
-                fd = tensor._held.fd if tensor._held is not None else self.fds.get(tensor.file)
-                if fd is None:  # (a tensor made by hand: its file opened once, here)
-                    fd = self.fds[tensor.file] = os.open(tensor.file, os.O_RDONLY)
-                os.posix_fadvise(fd, tensor.offset + self.done, step, os.POSIX_FADV_WILLNEED)
-            self.done += step
-            if self.done >= tensor.nbytes:
-                k, self.done = k + 1, 0
-        self.next = k
-
-    def __enter__(self) -> Readahead:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for fd in self.fds.values():
-            os.close(fd)

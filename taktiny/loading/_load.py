@@ -23,8 +23,8 @@ from typing import Any
 
 from ..convert._coverage import Step
 from ..convert._rules import AnyRule
+from ..io._checkpoint import Checkpoint
 from ..state import _state, _tree
-from ._checkpoint import Checkpoint
 from ._place import (
     Scratch,
     direct_leaf,
@@ -34,9 +34,8 @@ from ._place import (
     transformed,
     transposed_leaf,
 )
-from ._plan import as_tree, migration_of, opened, steps_of, tensors_of, unkept
-from ._read import Readahead
-from ._readers import Readers
+from ._readers import Readahead, Readers
+from ._steps import as_tree, migration_of, opened, steps_of, tensors_of, unkept
 
 PROGRESS_BYTES = 256 * 2**20  # loads of more bytes than this show a progress bar by default
 
@@ -60,7 +59,7 @@ def load_safetensors(
     dtype kind is checked from the headers, with one error listing every problem. The host
     holds about one tensor at a time; the model's own arrays are the only full copy. A
     load of a path that a save replaces meanwhile gives the checkpoint before the save or
-    the one after, whole (see :func:`open_safetensors`).
+    the one after, whole (see :func:`~taktiny.io.open_safetensors`).
 
     A quantized model (:func:`taktiny.quantize`) loads a checkpoint of its quantized parts
     (``<name>.value`` and ``<name>.scale``, 4-bit values unpacked), or a float checkpoint:
@@ -72,11 +71,11 @@ def load_safetensors(
 
     Args:
         model: a module or any PyTree, concrete or abstract; it is not changed. Or a
-            flat ``{name: array}`` dict, as :func:`save_safetensors` saves one
+            flat ``{name: array}`` dict, as :func:`~taktiny.io.save_safetensors` saves one
             (``{"encoder.lora_a": ...}``: adapters alone, say), whose keys are the names
             to load; the load then returns a flat dict of the same keys.
         path: a ``.safetensors`` file, a ``*.safetensors.index.json``, a folder holding one
-            of them (see :func:`open_safetensors`), or an opened :class:`Checkpoint`.
+            of them (see :func:`~taktiny.io.open_safetensors`), or an opened :class:`Checkpoint`.
         rules: conversion rules (:mod:`taktiny.convert`) from the checkpoint's names to the
             model's, applied tensor by tensor. Without rules the names must be the model's
             own flat names (:func:`taktiny.flat_state_dict`), or those of an older state

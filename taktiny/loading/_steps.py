@@ -30,12 +30,13 @@ from ..convert._migrate import (
     without_values,
 )
 from ..convert._rules import AnyRule, Rule
+from ..io import _quantized_format as qz
+from ..io._checkpoint import Checkpoint, open_safetensors, schema_part
+from ..io._read import Tensor
 from ..sharding._specs import mesh_text
 from ..state import _names, _schema, _tree, _values
 from ..state import _problems as err
-from . import _quantized_format as qz
-from ._checkpoint import Checkpoint, open_safetensors, schema_part
-from ._header_checks import (
+from ._checks import (
     absent_leaves,
     check_packed_listed,
     other_representation,
@@ -43,7 +44,6 @@ from ._header_checks import (
     spec_of,
     unquantizable,
 )
-from ._read import Tensor
 
 
 def parts_of(name: str, quantized: Mapping[str, QArray]) -> tuple[str, ...]:

@@ -3,7 +3,7 @@ do with each tensor, the bytes each device would hold and each process would rea
 host memory it would need at its peak, and every problem it would raise.
 
 The plan reuses the load's own decisions rather than restating them: the same steps and
-checks (`_plan.steps_of`, its error collected instead of raised), the same choice of how
+checks (`_steps.steps_of`, its error collected instead of raised), the same choice of how
 each step is read (`_load.Ways`), and the byte counts of `Tensor.bytes_read`, which
 follows the choices of `Tensor.read_blocks`. Nothing is read but headers: a rule's tied
 names, which a load reads and compares, are listed unchecked, and the problems only values
@@ -27,12 +27,13 @@ from ..convert._coverage import ConversionProblem, Step, runner
 from ..convert._migrate import stages_text
 from ..convert._rules import AnyRule
 from ..convert._transforms import identity
+from ..io._checkpoint import Checkpoint
+from ..io._read import BOX_PIECE, SafetensorsError, Tensor
 from ..state import _problems as err
-from ._checkpoint import Checkpoint
-from ._header_checks import spec_of
+from ._checks import spec_of
 from ._load import Ways
 from ._place import sharding_of
-from ._plan import (
+from ._steps import (
     IDENTITY,
     as_tree,
     migration_of,
@@ -43,7 +44,6 @@ from ._plan import (
     tensors_of,
     unkept,
 )
-from ._read import BOX_PIECE, SafetensorsError, Tensor
 
 
 @dataclasses.dataclass(frozen=True)

@@ -13,11 +13,11 @@ import numpy as np
 
 from .._messages import layout_text
 from .._qarray import QArray
+from ..io import _quantized_format as qz
+from ..io._checkpoint import Checkpoint
+from ..io._read import SafetensorsError, Tensor
 from ..state import _problems as err
 from ..state import _values
-from . import _quantized_format as qz
-from ._checkpoint import Checkpoint
-from ._read import SafetensorsError, Tensor
 
 
 def unquantizable(name: str, tensor: Tensor, like: QArray) -> err.StateProblem | None:

@@ -1,4 +1,5 @@
-"""How many of a load's steps are read at once, learned from what the file system delivers.
+"""How many of a load's steps are read at once, learned from what the file system delivers,
+and how far ahead of them the OS is asked to read (`Readahead`).
 
 A disk, an NVMe drive, a network file system and the page cache each want a different
 number of reads in flight: one sequential reader leaves most of a parallel store idle,
@@ -11,7 +12,14 @@ of reading ahead.
 
 from __future__ import annotations
 
+import itertools
+import os
+import threading
 import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from ..io._read import Tensor
 
 WINDOW = 128 * 2**20  # bytes read between two measurements
 GAIN = 1.1  # a doubling of the readers must read this much faster to stay
@@ -61,3 +69,50 @@ class Readers:
     def __repr__(self) -> str:
         rates = ", ".join(f"{w}: {r / 1e9:.2f} GB/s" for w, r in sorted(self.rates.items()))
         return f"Readers(width={self.width}, settled={self.settled}, rates={{{rates}}})"
+
+
+class Readahead:
+    """Keeps the OS reading `window` bytes ahead of a reader that goes through `tensors` in
+    this order, so the disk works while the reader copies and places: each call to
+    :meth:`reached` (with the index of the tensor about to be read) asks for the bytes up
+    to `window` past it with ``posix_fadvise(WILLNEED)``, in `chunk`-byte requests (Linux
+    cuts each request to the disk's readahead size, a few MiB at most), never twice.
+    Several readers may call it at once; the loader sets `window` as it learns how fast
+    the file is read."""
+
+    def __init__(self, tensors: Sequence[Tensor], window: int = 256 * 2**20, chunk: int = 2**20):
+        self.tensors, self.window, self.chunk = tensors, window, chunk
+        self.starts = list(itertools.accumulate((t.nbytes for t in tensors), initial=0))
+        self.next, self.done = 0, 0  # the tensor being requested, and its bytes requested
+        self.fds: dict[Path, int] = {}
+        self.lock = threading.Lock()
+
+    def reached(self, index: int) -> None:
+        with self.lock:
+            self._request(index)
+
+    def _request(self, index: int) -> None:
+        if self.next < index:  # the reader overtook the requests
+            self.next, self.done = index, 0
+        k = self.next
+        while (
+            k < len(self.tensors) and self.starts[k] + self.done - self.starts[index] < self.window
+        ):
+            tensor = self.tensors[k]
+            step = min(self.chunk, tensor.nbytes - self.done)
+            if step and hasattr(os, "posix_fadvise"):
+                fd = tensor._held.fd if tensor._held is not None else self.fds.get(tensor.file)
+                if fd is None:  # (a tensor made by hand: its file opened once, here)
+                    fd = self.fds[tensor.file] = os.open(tensor.file, os.O_RDONLY)
+                os.posix_fadvise(fd, tensor.offset + self.done, step, os.POSIX_FADV_WILLNEED)
+            self.done += step
+            if self.done >= tensor.nbytes:
+                k, self.done = k + 1, 0
+        self.next = k
+
+    def __enter__(self) -> Readahead:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for fd in self.fds.values():
+            os.close(fd)

@@ -17,12 +17,12 @@ import numpy as np
 from .._qarray import QArray, quantize_like
 from ..convert._coverage import Step
 from ..convert._transforms import identity, transpose
+from ..io import _read
+from ..io._read import Tensor
 from ..sharding._eval_shape import default_device
 from ..state import _problems as err
 from ..state import _values
-from . import _read
-from ._header_checks import spec_of
-from ._read import Tensor
+from ._checks import spec_of
 
 
 def direct_leaf(step: Step, sources: list[Tensor], leaves: Mapping[str, Any]) -> Any:
