@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING, Any
 from .._messages import layout_text, short
 from . import _quantized_format as qz
 from ._header import HEADER_LIMIT, parse_json, read_header, unpaired_surrogate
-from ._read import OpenFile, SafetensorsError, Tensor
+from ._read import SafetensorsError, Tensor
+from ._storage import OpenFile, read_range
 
 if TYPE_CHECKING:
     from ..state._schema import Schema
@@ -311,11 +312,11 @@ def read_weight_map(index: Path, held: OpenFile | None = None) -> dict[str, str]
     a ``weight_map`` of names to strings, and ``metadata`` (when given) an object. Read
     through `held` (the index, opened), or the file opened here."""
     held = OpenFile(index) if held is None else held
-    size = os.fstat(held.fd).st_size
+    size = held.size
     try:
         if size > HEADER_LIMIT:
             raise ValueError(f"{size} bytes, more than the {HEADER_LIMIT} a header may have")
-        content = parse_json(held.read(size), "its JSON")
+        content = parse_json(read_range(held, 0, size), "its JSON")
         if type(content) is not dict:
             raise ValueError(f"a JSON {type(content).__name__}, not an object")
         if "weight_map" not in content:

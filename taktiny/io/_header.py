@@ -19,7 +19,6 @@ from __future__ import annotations
 import itertools
 import json
 import operator
-import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -28,7 +27,8 @@ from .._messages import short
 from . import _checksum
 from . import _quantized_format as qz
 from ._dtypes import CODES
-from ._read import OpenFile, Packed, SafetensorsError, Tensor
+from ._read import Packed, SafetensorsError, Tensor
+from ._storage import OpenFile, read_range
 
 _KNOWN = frozenset(CODES)  # the dtype codes a header may give (see _dtypes)
 _DTYPE, _SHAPE = operator.itemgetter("dtype"), operator.itemgetter("shape")
@@ -186,12 +186,12 @@ def read_header(file: Path) -> tuple[dict[str, Tensor], dict[str, str]]:
     once, and its tensors read through that descriptor (`OpenFile`). Raises
     FileNotFoundError when it is gone."""
     held = OpenFile(file)  # (the tensors read through it: the file as it is now)
-    size = os.fstat(held.fd).st_size
+    size = held.size
 
     def bad(why: str) -> SafetensorsError:
         return SafetensorsError(f"{file}: {why}")
 
-    prefix = held.read(8)
+    prefix = read_range(held, 0, 8)
     length = int.from_bytes(prefix, "little") if len(prefix) == 8 else -1
     if not 0 < length <= min(size - 8, HEADER_LIMIT):
         kind = _torch_kind(prefix)
@@ -212,7 +212,7 @@ def read_header(file: Path) -> tuple[dict[str, Tensor], dict[str, str]]:
                 else ". It is truncated or of another format."
             )
         )
-    text = held.read(length)
+    text = read_range(held, 8, length)
     data, start = size - 8 - length, 8 + length
     names, dtypes, shapes, ranges, metadata = _fields(text, bad)
     begins, ends = list(map(_FIRST, ranges)), list(map(_SECOND, ranges))

@@ -6,8 +6,9 @@ not 64-byte aligned, as NumPy's are), and no caller can write through it afterwa
 4-bit tensors that Taktiny stored packed two per byte are presented as what they are (see
 `_quantized`): their 4-bit dtype and logical shape, unpacked as they are read.
 
-The tensors of an opened checkpoint read through the files as they were opened (an
-`OpenFile` each), not through their paths: a save that replaces or removes a file after
+Every read goes through the file's `Storage` (`_storage`: ranges of a named file). The
+tensors of an opened checkpoint read through the files as they were opened (an `OpenFile`
+each), not through their paths: a save that replaces or removes a file after
 it was opened leaves its readers reading the old bytes (POSIX keeps an open file's bytes
 until its last descriptor is closed).
 """
@@ -18,8 +19,6 @@ import contextlib
 import itertools
 import math
 import mmap
-import os
-import weakref
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -28,6 +27,7 @@ from .. import _lazy
 from . import _checksum
 from . import _quantized_format as qz
 from ._dtypes import CODES, numpy_dtype
+from ._storage import OpenFile, Storage
 
 if TYPE_CHECKING:
     import numpy as np
@@ -45,30 +45,6 @@ class SafetensorsError(ValueError):
     """A safetensors checkpoint that cannot be read as it claims: a truncated or corrupt
     file, a header whose byte ranges overlap or run past the file, an index naming a
     missing shard or one outside its folder. The message names the file and tensor."""
-
-
-class OpenFile:
-    """A file held open for reading, by descriptor (``fd``), until nothing refers to it or
-    :meth:`close` is called: reads through it see the file that was at ``path`` when it
-    was opened, whatever is renamed over ``path`` or removed afterwards."""
-
-    __slots__ = ("__weakref__", "close", "fd", "path")
-
-    def __init__(self, path: Path):
-        self.path = path
-        self.fd = os.open(path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
-        self.close = weakref.finalize(self, os.close, self.fd)  # (calling it closes, once)
-
-    def read(self, count: int) -> bytes:
-        """Up to `count` bytes from the descriptor's position (fewer at the end)."""
-        parts, left = [], count
-        while left:
-            part = os.read(self.fd, left)
-            if not part:
-                break
-            parts.append(part)
-            left -= len(part)
-        return b"".join(parts)
 
 
 class Tensor:
@@ -134,18 +110,26 @@ class Tensor:
         self.name, self.shape, self._dtype = name, shape, dtype
         self.file, self.offset, self.checksum = file, offset, checksum
         self.tiles: tuple[tuple[int, ...], str] | None = None
-        self._held: OpenFile | None = None  # the file, opened (else opened at each read)
+        self._held: Storage | None = None  # the file, opened (else opened at each read)
         self.nbytes = math.prod(shape) * itemsize
 
+    @property
+    def storage(self) -> Storage | None:
+        """The storage its bytes are read through: its file as it was when the checkpoint
+        was opened; None for a tensor made by hand, whose file is opened at each read."""
+        return self._held
+
     @contextlib.contextmanager
-    def _opened(self) -> Iterator[int]:
-        """A descriptor of `file` to read from: the one held, else `file` opened for the
-        read."""
+    def _opened(self) -> Iterator[Storage]:
+        """The storage to read from: the one held, else `file` opened for the read."""
         if self._held is not None:
-            yield self._held.fd
+            yield self._held
             return
-        with open(self.file, "rb", buffering=0) as f:
-            yield f.fileno()
+        opened = OpenFile(self.file)
+        try:
+            yield opened
+        finally:
+            opened.close()
 
     @property
     def dtype(self) -> np.dtype:
@@ -346,9 +330,9 @@ class Tensor:
         # one buffer for the pieces of every run (mapping fresh pages for each costs more
         # than the reads themselves from the page cache)
         memory = _buffer((max(map(self._piece_bytes, boxes), default=0),), np.dtype(np.uint8))[1]
-        with self._opened() as fd:
+        with self._opened() as storage:
             for run, box in zip(runs, boxes, strict=True):
-                self._through_tiles(fd, run, box, size, digests, blocks, outs, memory)
+                self._through_tiles(storage, run, box, size, digests, blocks, outs, memory)
         for out in outs:
             out.flags.writeable = False
         return outs
@@ -366,7 +350,7 @@ class Tensor:
 
     def _through_tiles(
         self,
-        fd: int,
+        storage: Storage,
         run: list[tuple[int, ...]],
         box: list[tuple[int, int]],
         size: list[int],
@@ -388,7 +372,7 @@ class Tensor:
         for r0 in range(first, last, rows):
             r1 = min(r0 + rows, last)
             piece = chunk[: r1 - r0]
-            self._fill(fd, [(r0, r1), *width], piece.shape, raw)
+            self._fill(storage, [(r0, r1), *width], piece.shape, raw)
             if len(run) == 1:
                 hashes[0].update(piece)
             else:
@@ -466,14 +450,14 @@ class Tensor:
         rows, row = self._piece(box)
         chunk, raw = _buffer((rows, *(stop - start for start, stop in width)), self.dtype)
         whole = box == [(0, n) for n in self.shape]
-        with self._opened() as fd:
+        with self._opened() as storage:
             for r0 in range(first, last, rows):
                 r1 = min(r0 + rows, last)
                 piece = chunk[: r1 - r0]
                 if whole:  # the rows are one run of the file
-                    _pread(fd, raw[: (r1 - r0) * row], self.offset + r0 * row, self, send)
+                    _pread(storage, raw[: (r1 - r0) * row], self.offset + r0 * row, self, send)
                 else:
-                    self._fill(fd, [(r0, r1), *width], piece.shape, raw)
+                    self._fill(storage, [(r0, r1), *width], piece.shape, raw)
                 yield r0, r1, piece
 
     def _streams(
@@ -497,10 +481,10 @@ class Tensor:
         strides = [math.prod(self.shape[i + 1 :]) * self.dtype.itemsize for i in range(self.ndim)]
         starts = [sum(b[i][0] * strides[i] for i in range(self.ndim)) for b in blocks]
         outs: list[np.ndarray] = [np.empty(0)] * len(blocks)
-        with self._opened() as fd:
+        with self._opened() as storage:
             for k in sorted(range(len(blocks)), key=starts.__getitem__):
                 out, raw = _buffer(tuple(stop - start for start, stop in blocks[k]), self.dtype)
-                _pread(fd, raw, self.offset + starts[k], self, send)
+                _pread(storage, raw, self.offset + starts[k], self, send)
                 out.flags.writeable = False
                 outs[k] = out
         return outs
@@ -592,10 +576,10 @@ class Tensor:
         """Reads the stored bytes through the hash and checks them against ``checksum``."""
         stream = _checksum.streaming()
         piece = memoryview(bytearray(min(self.nbytes, _PIECE)))
-        with self._opened() as fd:
+        with self._opened() as storage:
             for at in range(0, self.nbytes, _PIECE):
                 part = piece[: min(_PIECE, self.nbytes - at)]
-                _pread(fd, part, self.offset + at, self)
+                _pread(storage, part, self.offset + at, self)
                 stream.update(part)
         got = stream.hexdigest()
         if got != self.checksum:
@@ -657,20 +641,20 @@ class Tensor:
             out = np.frombuffer(memory, self.dtype, math.prod(self.shape)).reshape(self.shape)
             raw = memoryview(memory).cast("B")[: self.nbytes]
         if self.nbytes:
-            with self._opened() as fd:
-                _pread(fd, raw, self.offset, self, send)
+            with self._opened() as storage:
+                _pread(storage, raw, self.offset, self, send)
         out.flags.writeable = False
         return out
 
     def _into(self, out: np.ndarray, raw: Any, bounds: list[tuple[int, int]]) -> np.ndarray:
         if out.size:
-            with self._opened() as fd:
-                self._fill(fd, bounds, out.shape, raw)
+            with self._opened() as storage:
+                self._fill(storage, bounds, out.shape, raw)
         out.flags.writeable = False
         return out
 
     def _fill(
-        self, fd: int, bounds: list[tuple[int, int]], shape: tuple[int, ...], to: Any
+        self, storage: Storage, bounds: list[tuple[int, int]], shape: tuple[int, ...], to: Any
     ) -> None:
         # row-major: the axes after the last partial one are whole, so each run of the
         # block covers those axes and the partial one; runs repeat over the axes before it
@@ -687,7 +671,7 @@ class Tensor:
             steps = np.indices(shape[:partial], np.int64).reshape(partial, -1).T
             offsets = (first + steps @ np.array(strides[:partial], np.int64)).tolist()
         for k, at in enumerate(offsets):
-            _pread(fd, to[k * run : (k + 1) * run], at, self)
+            _pread(storage, to[k * run : (k + 1) * run], at, self)
 
     def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
         array = self.read()
@@ -786,15 +770,19 @@ def _box(blocks: Sequence[Sequence[tuple[int, int]]], ndim: int) -> list[tuple[i
 
 
 def _pread(
-    fd: int, into: memoryview, offset: int, tensor: Tensor, send: Callable[[Any], Any] | None = None
+    storage: Storage,
+    into: memoryview,
+    offset: int,
+    tensor: Tensor,
+    send: Callable[[Any], Any] | None = None,
 ) -> None:
-    """Fills `into` from the file at `offset`; with `send`, 4 MiB at a time, each piece
+    """Fills `into` from `storage` at `offset`; with `send`, 4 MiB at a time, each piece
     handed to `send` once it is read."""
     piece = _CHUNK if send is None else _PIECE
     for start in range(0, len(into), piece):
         end, done = min(start + piece, len(into)), start
         while done < end:
-            got = os.preadv(fd, [into[done:end]], offset + done)
+            got = storage.read_into(offset + done, into[done:end])
             if got == 0:
                 raise SafetensorsError(
                     f"{tensor.file}: the file ends inside the bytes of {tensor.name!r}; it "

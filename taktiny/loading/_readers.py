@@ -13,13 +13,13 @@ of reading ahead.
 from __future__ import annotations
 
 import itertools
-import os
 import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
 from ..io._read import Tensor
+from ..io._storage import OpenFile
 
 WINDOW = 128 * 2**20  # bytes read between two measurements
 GAIN = 1.1  # a doubling of the readers must read this much faster to stay
@@ -75,8 +75,9 @@ class Readahead:
     """Keeps the OS reading `window` bytes ahead of a reader that goes through `tensors` in
     this order, so the disk works while the reader copies and places: each call to
     :meth:`reached` (with the index of the tensor about to be read) asks for the bytes up
-    to `window` past it with ``posix_fadvise(WILLNEED)``, in `chunk`-byte requests (Linux
-    cuts each request to the disk's readahead size, a few MiB at most), never twice.
+    to `window` past it (its storage's ``advise``: ``posix_fadvise(WILLNEED)`` for a local
+    file), in `chunk`-byte requests (Linux cuts each request to the disk's readahead size,
+    a few MiB at most), never twice.
     Several readers may call it at once; the loader sets `window` as it learns how fast
     the file is read."""
 
@@ -84,7 +85,7 @@ class Readahead:
         self.tensors, self.window, self.chunk = tensors, window, chunk
         self.starts = list(itertools.accumulate((t.nbytes for t in tensors), initial=0))
         self.next, self.done = 0, 0  # the tensor being requested, and its bytes requested
-        self.fds: dict[Path, int] = {}
+        self.opened: dict[Path, OpenFile] = {}  # the files of tensors made by hand
         self.lock = threading.Lock()
 
     def reached(self, index: int) -> None:
@@ -100,11 +101,11 @@ class Readahead:
         ):
             tensor = self.tensors[k]
             step = min(self.chunk, tensor.nbytes - self.done)
-            if step and hasattr(os, "posix_fadvise"):
-                fd = tensor._held.fd if tensor._held is not None else self.fds.get(tensor.file)
-                if fd is None:  # (a tensor made by hand: its file opened once, here)
-                    fd = self.fds[tensor.file] = os.open(tensor.file, os.O_RDONLY)
-                os.posix_fadvise(fd, tensor.offset + self.done, step, os.POSIX_FADV_WILLNEED)
+            if step:
+                storage = tensor.storage or self.opened.get(tensor.file)
+                if storage is None:  # (a tensor made by hand: its file opened once, here)
+                    storage = self.opened[tensor.file] = OpenFile(tensor.file)
+                storage.advise(tensor.offset + self.done, step)
             self.done += step
             if self.done >= tensor.nbytes:
                 k, self.done = k + 1, 0
@@ -114,5 +115,5 @@ class Readahead:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        for fd in self.fds.values():
-            os.close(fd)
+        for opened in self.opened.values():
+            opened.close()

@@ -1,0 +1,83 @@
+"""Where the bytes of a checkpoint come from: one narrow interface, ranges of a named file.
+
+The format layer (a header read and checked, a tensor or a block of it read, hashed and
+unpacked) and the load above it ask a file for nothing else: its name, its size, the
+bytes at an offset into a buffer they own, and, as a hint, the bytes they will read next.
+`OpenFile` answers for a local file held open by its descriptor; another storage (an
+object store, say) answers the same four questions and the readers above it do not
+change.
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+from pathlib import Path
+from typing import Protocol, runtime_checkable
+
+
+@runtime_checkable
+class Storage(Protocol):
+    """A file's bytes, read by range: what every read of a checkpoint goes through."""
+
+    @property
+    def name(self) -> Path:
+        """The file, named for messages."""
+        ...
+
+    @property
+    def size(self) -> int:
+        """Its length in bytes."""
+        ...
+
+    def read_into(self, offset: int, buffer: memoryview) -> int:
+        """Reads bytes from `offset` into `buffer`; returns how many (fewer than asked at
+        the end of the file, 0 past it). A call may return fewer than the buffer holds;
+        the caller asks again for the rest."""
+        ...
+
+    def advise(self, offset: int, size: int) -> None:
+        """Says that the `size` bytes at `offset` will be read soon (a hint: fetching them
+        ahead of the read, or nothing)."""
+        ...
+
+
+class OpenFile:
+    """A local file held open for reading, by descriptor (``fd``), until nothing refers to
+    it or :meth:`close` is called: reads through it see the file that was at ``path``
+    when it was opened, whatever is renamed over ``path`` or removed afterwards (POSIX
+    keeps an open file's bytes until its last descriptor is closed). A `Storage`."""
+
+    __slots__ = ("__weakref__", "close", "fd", "path")
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.fd = os.open(path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
+        self.close = weakref.finalize(self, os.close, self.fd)  # (calling it closes, once)
+
+    @property
+    def name(self) -> Path:
+        return self.path
+
+    @property
+    def size(self) -> int:
+        return os.fstat(self.fd).st_size
+
+    def read_into(self, offset: int, buffer: memoryview) -> int:
+        return os.preadv(self.fd, [buffer], offset)
+
+    def advise(self, offset: int, size: int) -> None:
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(self.fd, offset, size, os.POSIX_FADV_WILLNEED)
+
+
+def read_range(storage: Storage, offset: int, count: int) -> bytes:
+    """Up to `count` bytes of `storage` from `offset` (fewer at its end)."""
+    buffer = bytearray(count)
+    view, done = memoryview(buffer), 0
+    while done < count:
+        got = storage.read_into(offset + done, view[done:])
+        if not got:
+            break
+        done += got
+    return bytes(view[:done])
