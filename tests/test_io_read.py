@@ -450,3 +450,58 @@ def test_a_good_header_takes_the_fast_parse_and_reads_as_a_full_parse_reads_it(
 
     monkeypatch.setattr(_header, "parse_json", unused)  # opening takes the fast parse
     assert sorted(open_safetensors(path)) == sorted(tensors)
+
+
+def test_every_byte_is_read_through_the_storage_interface(tmp_path, monkeypatch):
+    """Headers, indexes, tensors, blocks, tiles and the load's read-ahead reach a file only
+    through its `Storage` (`read_into`, `advise`): a storage other than a local file needs
+    nothing else. Every system call that reads or advises is logged with whether a
+    Storage method made it."""
+    import os
+    import threading
+
+    import jax
+
+    from taktiny.io import _storage, load_safetensors
+
+    path = tmp_path / "model.safetensors"
+    values = {"w": np.arange(64 * 1024, dtype=np.float32).reshape(256, 256)}
+    values |= {f"b{i}": np.full(16, i, np.float32) for i in range(6)}
+    save_safetensors(path, values, max_shard_size=64 * 1024)  # an index and its shards
+    inside, calls = threading.local(), []
+
+    def through(method):
+        def call(self, *args):
+            inside.n = getattr(inside, "n", 0) + 1
+            try:
+                return method(self, *args)
+            finally:
+                inside.n -= 1
+
+        return call
+
+    def logged(name):
+        real = getattr(os, name)
+
+        def call(fd, *args):
+            if os.path.realpath(f"/proc/self/fd/{fd}").startswith(str(tmp_path.resolve())):
+                calls.append((name, getattr(inside, "n", 0) > 0))
+            return real(fd, *args)
+
+        return call
+
+    for method in ("read_into", "advise"):
+        monkeypatch.setattr(_storage.OpenFile, method, through(getattr(_storage.OpenFile, method)))
+    for name in ("read", "readv", "pread", "preadv", "posix_fadvise"):
+        monkeypatch.setattr(os, name, logged(name))
+    checkpoint = open_safetensors(path)
+    assert np.array_equal(
+        checkpoint["w"].read([slice(3, 9), slice(100, 200)]), values["w"][3:9, 100:200]
+    )
+    blocks = checkpoint["w"].read_blocks([[(0, 128), (0, 256)], [(128, 256), (0, 256)]])
+    assert np.array_equal(np.concatenate(blocks), values["w"])
+    target = {n: jax.ShapeDtypeStruct(v.shape, v.dtype) for n, v in values.items()}
+    loaded = load_safetensors(target, path)
+    assert all(np.array_equal(loaded[n], v) for n, v in values.items())
+    assert {name for name, _ in calls} >= {"preadv", "posix_fadvise"}
+    assert [call for call in calls if not call[1]] == []
