@@ -21,7 +21,7 @@ import math
 import mmap
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from .. import _lazy
 from . import _checksum
@@ -45,6 +45,17 @@ class SafetensorsError(ValueError):
     """A safetensors checkpoint that cannot be read as it claims: a truncated or corrupt
     file, a header whose byte ranges overlap or run past the file, an index naming a
     missing shard or one outside its folder. The message names the file and tensor."""
+
+
+class _Way(NamedTuple):
+    """How a set of blocks of a tensor is read (`Tensor._way`), decided from the header
+    alone: the reads follow it, and `Tensor.bytes_read` counts what it reads."""
+
+    box: list[tuple[int, int]]  # the smallest block holding them all
+    by_rows: bool  # cut from the rows of `box`, a few MiB at a time
+    hashed: bool  # read as the whole tensor in the file's order, hashed as it is read
+    tiles: list[tuple[int, ...]] | None  # read through the digests of these tiles
+    checked_first: bool  # the whole tensor streamed through its checksum first
 
 
 class Tensor:
@@ -178,9 +189,10 @@ class Tensor:
         bounds = self._bounds(index)
         if all(b == (0, n) for b, n in zip(bounds, self.shape, strict=True)):
             return self._checked(None, verify)
-        if verify and self.tiles is not None:
-            return self._from_tiles([bounds])[0]
-        if verify:
+        way = self._way([bounds], verify)  # (one block: read straight into its buffer)
+        if way.tiles is not None:
+            return self._from_tiles([bounds], way.tiles)[0]
+        if way.checked_first:
             self.verify()
         shape = tuple(stop - start for start, stop in bounds)
         out, raw = _buffer(shape, self.dtype)
@@ -212,18 +224,15 @@ class Tensor:
         Raises:
             SafetensorsError: the bytes are damaged, or the file was truncated.
         """
-        box = _box(blocks, self.ndim)
-        by_rows = self._by_rows(blocks, box)
-        stream = None
-        if verify and self.checksum is not None and self._streams(blocks, box, by_rows):
-            stream = _checksum.streaming()
-        elif verify and self.tiles is not None:
-            return self._from_tiles(blocks)
-        elif verify:
+        way = self._way(blocks, verify)
+        if way.tiles is not None:
+            return self._from_tiles(blocks, way.tiles)
+        if way.checked_first:
             self.verify()
+        stream = _checksum.streaming() if way.hashed else None
         send = None if stream is None else stream.update
-        if by_rows:
-            outs = self._from_rows(blocks, box, send)
+        if way.by_rows:
+            outs = self._from_rows(blocks, way.box, send)
         elif send is not None:
             outs = self._in_order(blocks, send)
         else:
@@ -235,10 +244,11 @@ class Tensor:
         self, blocks: Sequence[Sequence[tuple[int, int]]] | None = None, *, verify: bool = True
     ) -> int:
         """The bytes :meth:`read_blocks` (`blocks`) or a whole read (None) takes from the
-        file, worked out from the header alone by the same choices those reads make: the
-        whole tensor once when it streams through its checksum; the tiles the blocks touch;
-        without tiles, the whole tensor through the hash first, then the blocks (their box
-        when they are cut from its rows). For :func:`taktiny.io.plan_load`.
+        file, worked out from the header alone by the choice those reads follow (one
+        function makes it for both): the whole tensor once when it streams through its
+        checksum; the tiles the blocks touch; without tiles, the whole tensor through the
+        hash first, then the blocks (their box when they are cut from its rows). For
+        :func:`taktiny.io.plan_load`.
 
         Args:
             blocks: disjoint blocks, each as ``(start, stop)`` per axis; None: the whole
@@ -250,14 +260,40 @@ class Tensor:
         """
         if blocks is None or not self.nbytes:
             return self.nbytes
+        way = self._way(blocks, verify)
+        item = self.dtype.itemsize
+        if way.tiles is not None:
+            return len(way.tiles) * math.prod(self._tile_shape()) * item
+        first = self.nbytes if way.checked_first else 0
+        # (streamed through the checksum, the blocks tile the tensor: its bytes, once)
+        read = [way.box] if way.by_rows else blocks
+        return first + sum(math.prod(stop - start for start, stop in b) for b in read) * item
+
+    def _way(self, blocks: Sequence[Sequence[tuple[int, int]]], verify: bool) -> _Way:
+        """How :meth:`read_blocks` reads `blocks` (and :meth:`read` a block): the one choice
+        that the reads follow and :meth:`bytes_read` counts. With `verify` and a checksum,
+        blocks read as the whole tensor in the file's order are hashed as they are read;
+        else, with tiles, read through the tiles they touch; else the whole tensor is
+        checked first. Blocks with many short runs that tile their box are cut from its
+        rows."""
         box = _box(blocks, self.ndim)
         by_rows = self._by_rows(blocks, box)
-        item = self.dtype.itemsize
         if verify and self.checksum is not None and self._streams(blocks, box, by_rows):
-            return self.nbytes
+            return _Way(box, by_rows, True, None, False)
         if verify and self.tiles is not None:
-            size = [n // p for n, p in zip(self.shape, self.tiles[0], strict=True)]
-            touched = {
+            return _Way(box, by_rows, False, self._touched(blocks), False)
+        return _Way(box, by_rows, False, None, verify and self.checksum is not None)
+
+    def _tile_shape(self) -> list[int]:
+        """The shape of each of the ``tiles``."""
+        assert self.tiles is not None
+        return [n // p for n, p in zip(self.shape, self.tiles[0], strict=True)]
+
+    def _touched(self, blocks: Sequence[Sequence[tuple[int, int]]]) -> list[tuple[int, ...]]:
+        """The index of every tile that a block of `blocks` touches, in the file's order."""
+        size = self._tile_shape()
+        return sorted(
+            {
                 index
                 for b in blocks
                 if all(lo < hi for lo, hi in b)
@@ -265,11 +301,7 @@ class Tensor:
                     *(range(lo // s, -(-hi // s)) for (lo, hi), s in zip(b, size, strict=True))
                 )
             }
-            return len(touched) * math.prod(size) * item
-        first = self.nbytes if verify and self.checksum is not None else 0
-        if by_rows:
-            return first + math.prod(stop - start for start, stop in box) * item
-        return first + sum(math.prod(stop - start for start, stop in b) for b in blocks) * item
+        )
 
     def _from_rows(
         self,
@@ -291,30 +323,18 @@ class Tensor:
         return outs
 
     def _from_tiles(
-        self, blocks: Sequence[Sequence[tuple[int, int]]], every: bool = False
+        self, blocks: Sequence[Sequence[tuple[int, int]]], touched: list[tuple[int, ...]]
     ) -> list[np.ndarray]:
-        """The blocks read through the digests of the ``tiles`` they touch (`every`: all
-        of them), reading only those tiles' bytes, in the file's order: the tiles next to
-        each other along the last axis together, a few MiB of their rows at a time, each
-        tile's bytes hashed as they come (from a copy when the rows span several tiles),
-        then cut into the blocks. Raises before returning when a tile's bytes are not its
-        digest's."""
+        """The blocks read through the digests of the tiles `touched` (those they touch,
+        in the file's order; or all of them), reading only those tiles' bytes, in the
+        file's order: the tiles next to each other along the last axis together, a few MiB
+        of their rows at a time, each tile's bytes hashed as they come (from a copy when
+        the rows span several tiles), then cut into the blocks. Raises before returning
+        when a tile's bytes are not its digest's."""
         assert self.tiles is not None
-        parts, digests = self.tiles
-        size = [n // p for n, p in zip(self.shape, parts, strict=True)]
+        digests = self.tiles[1]
+        size = self._tile_shape()
         outs = [_buffer(tuple(stop - start for start, stop in b), self.dtype)[0] for b in blocks]
-        touched = sorted(
-            itertools.product(*map(range, parts))
-            if every
-            else {
-                index
-                for b in blocks
-                if all(lo < hi for lo, hi in b)
-                for index in itertools.product(
-                    *(range(lo // s, -(-hi // s)) for (lo, hi), s in zip(b, size, strict=True))
-                )
-            }
-        )
         runs: list[list[tuple[int, ...]]] = []  # tiles side by side on the last axis
         for index in touched:
             if self.ndim > 1 and runs and runs[-1][-1][:-1] == index[:-1]:
@@ -570,7 +590,8 @@ class Tensor:
         if self.checksum is not None:
             self._whole_checked()
         if self.tiles is not None:  # a second pass, from the page cache: what a host
-            self._from_tiles([], every=True)  # reading part of the tensor will check
+            every = list(itertools.product(*map(range, self.tiles[0])))  # reading part of
+            self._from_tiles([], every)  # the tensor will check
 
     def _whole_checked(self) -> None:
         """Reads the stored bytes through the hash and checks them against ``checksum``."""
@@ -708,11 +729,22 @@ class Packed(Tensor):
         bounds = self._bounds(index)
         if not bounds:  # 0-d: one byte
             return qz.unpack(self.stored.read(verify=verify), self.dtype, 0, 1).reshape(())
+        stored, skip = self._stored_block(bounds)
+        raw = self.stored.read([slice(*b) for b in stored], verify=verify)
+        return qz.unpack(raw, self.dtype, skip, skip + bounds[-1][1] - bounds[-1][0])
+
+    def _stored_block(self, bounds: Sequence[tuple[int, int]]) -> tuple[list[tuple[int, int]], int]:
+        """The block of the stored bytes holding the block `bounds` (its rows, and the
+        bytes holding its columns, a half byte at each end included), and the elements
+        to skip at the start of each row once they are unpacked."""
         start, stop = bounds[-1]
-        first = start - start % 2  # the bytes holding elements start to stop of each row
-        rows = [slice(*b) for b in bounds[:-1]]
-        raw = self.stored.read([*rows, slice(first // 2, (stop + 1) // 2)], verify=verify)
-        return qz.unpack(raw, self.dtype, start - first, stop - first)
+        first = start - start % 2
+        return [*bounds[:-1], (first // 2, (stop + 1) // 2)], start - first
+
+    def _checked_first(self, verify: bool) -> bool:
+        """Whether :meth:`read_blocks` checks the stored bytes whole before reading the
+        blocks (with `verify`, when they have no tiles to check the blocks' bytes by)."""
+        return verify and self.stored.tiles is None
 
     def read_into(self, memory: Any, *, verify: bool = True) -> np.ndarray:
         return self._unpacked(self.stored.read_into(memory, verify=verify))
@@ -723,7 +755,7 @@ class Packed(Tensor):
     def read_blocks(
         self, blocks: Sequence[Sequence[tuple[int, int]]], *, verify: bool = True
     ) -> list[np.ndarray]:
-        if verify and self.stored.tiles is None:
+        if self._checked_first(verify):
             self.verify()  # then each block read (and unpacked) on its own
             verify = False
         return [self.read([slice(*x) for x in b], verify=verify) for b in blocks]
@@ -733,14 +765,12 @@ class Packed(Tensor):
     ) -> int:
         if blocks is None or not self.nbytes:
             return self.nbytes
-        first = 0
-        if verify and self.stored.tiles is None:
-            first, verify = (self.nbytes if self.stored.checksum is not None else 0), False
-        total = first
-        for b in blocks:  # each block's rows, and the bytes holding its half-byte columns
-            rows, (start, stop) = list(b[:-1]), b[-1]
-            columns = (start - start % 2) // 2, (stop + 1) // 2
-            total += self.stored.bytes_read(None if not b else [[*rows, columns]], verify=verify)
+        total = 0
+        if self._checked_first(verify):
+            total, verify = (self.nbytes if self.stored.checksum is not None else 0), False
+        for b in blocks:  # as read() reads each: its block of the stored bytes
+            stored = [self._stored_block(b)[0]] if b else None
+            total += self.stored.bytes_read(stored, verify=verify)
         return total
 
     def _unpacked(self, raw: np.ndarray) -> np.ndarray:
