@@ -251,7 +251,8 @@ def _phases() -> Any:
     device work blocked on, so that it is counted where it is started)."""
     from taktiny.convert import _transforms
     from taktiny.io import _read
-    from taktiny.loading import _load, _readers
+    from taktiny.loading import _readers
+    from taktiny.state import _state
 
     spent: dict[str, float] = {}
 
@@ -272,7 +273,7 @@ def _phases() -> Any:
         (_readers.Readahead, "reached", "readahead calls (WILLNEED)", False),
         (jax, "device_put", "jax.device_put (blocked)", True),
         (_transforms.transpose, "one", "transpose in XLA (blocked)", True),
-        (_load._state, "load", "_state.load of the placed leaves", False),
+        (_state, "load_resolved", "the placed leaves written into the model", False),
     ]
     saved = [(owner, name, getattr(owner, name)) for owner, name, _, _ in patches]
     for owner, name, label, block in patches:

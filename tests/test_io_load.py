@@ -361,13 +361,14 @@ def test_a_tensor_cast_on_loading_reaches_the_model_in_its_leaf_s_dtype(
     save_safetensors(path, state)
     mesh = jax.make_mesh((2, 4), ("rows", "cols"))
     target = tt.shard(abstract_mlp(), [("input.kernel", P(None, "cols"))], mesh)
-    given, load = [], state_module.load
+    given, load = [], state_module.load_resolved
 
-    def spied(tree, values, **kwargs):
-        given.append({k: v.dtype for k, v in values.items()})
-        return load(tree, values, **kwargs)
+    def spied(view, supplied):
+        supplied = list(supplied)
+        given.append({view.spec.names[i]: v.dtype for i, v in supplied})
+        return load(view, supplied)
 
-    monkeypatch.setattr(state_module, "load", spied)
+    monkeypatch.setattr(state_module, "load_resolved", spied)
     loaded = load_safetensors(target, path)
     assert_same(loaded, {k: v.astype(np.float32) for k, v in state.items()})
     assert loaded.input.kernel.sharding == NamedSharding(mesh, P(None, "cols"))

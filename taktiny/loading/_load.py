@@ -24,7 +24,6 @@ from typing import Any
 from ..convert._coverage import Step
 from ..convert._rules import AnyRule
 from ..io._checkpoint import Checkpoint
-from ..state import _state, _tree
 from ._place import (
     Scratch,
     direct_leaf,
@@ -35,7 +34,8 @@ from ._place import (
     transposed_leaf,
 )
 from ._readers import Readahead, Readers
-from ._steps import as_tree, migration_of, opened, steps_of, tensors_of, unkept
+from ._record import Load, loaded, migrated, open_load, unkept
+from ._steps import steps_of, tensors_of
 
 PROGRESS_BYTES = 256 * 2**20  # loads of more bytes than this show a progress bar by default
 
@@ -118,22 +118,18 @@ def load_safetensors(
         TypeError: a flat dict target that names both ``"a"`` and ``"a.b"``, which no
             tree can hold.
     """
-    flat, model = model, as_tree(model)
-    where, checkpoint, leaves, quantized = opened(model, path, rules, allow)
-    migration = migration_of(where, model, checkpoint, leaves, quantized, rules)
-    steps = steps_of(
-        where, rules, allow, checkpoint, leaves, quantized, strict, migration=migration
-    )
-    if (error := unkept(where, migration)) is not None:
+    load = open_load(model, path, rules=rules, allow=allow, strict=strict, verify=verify)
+    load = migrated(load)
+    steps = steps_of(load)
+    if (error := unkept(load)) is not None:
         raise error
-    total = sum(t.nbytes for s in steps for t in tensors_of(checkpoint, s))
-    order = [t for step in steps for t in tensors_of(checkpoint, step)]
-    starts = list(itertools.accumulate((len(s.sources) for s in steps), initial=0))
-    ways = Ways(checkpoint, steps, leaves, quantized)
-    direct, permuted, buffer_of = ways.direct, ways.permuted, ways.buffer_of
+    ways = Ways(load, steps)
+    direct, permuted, buffer_of, sources = ways.direct, ways.permuted, ways.buffer_of, ways.sources
+    order = [t for tensors in sources for t in tensors]
+    starts = list(itertools.accumulate(map(len, sources), initial=0))
+    sizes = [sum(t.nbytes for t in tensors) for tensors in sources]
     scratch = tuple(Scratch(size) for size in ways.sizes)
     holder: list[int | None] = [None] * len(scratch)  # the step whose sources a buffer holds
-    sizes = [sum(t.nbytes for t in tensors_of(checkpoint, s)) for s in steps]
     readers = Readers()
     placed: dict[str, Any] = {}
     running: dict[int, Future[Any]] = {}
@@ -141,13 +137,12 @@ def load_safetensors(
 
     def read(k: int) -> Any:  # in a reader thread: preadv, hashing and XLA release the GIL
         ahead.reached(starts[k])  # the disk reads on while this step is read and placed
-        step = steps[k]
-        sources = tensors_of(checkpoint, step)
+        step, tensors = steps[k], sources[k]
         if direct[k] is not None:  # renamed only: read and placed block by block, here
-            return {step.targets[0]: placed_by_device(sources[0], sharding_of(direct[k]), verify)}
+            return {step.targets[0]: placed_by_device(tensors[0], sharding_of(direct[k]), verify)}
         if permuted[k] is not None:  # transposed: piece by piece into place as it is read
-            return {step.targets[0]: placed_transposed(step, sources[0], permuted[k], verify)}
-        return scratch[buffer_of[k]].read(sources, verify)
+            return {step.targets[0]: placed_transposed(step, tensors[0], permuted[k], verify)}
+        return scratch[buffer_of[k]].read(tensors, verify)
 
     def start_more() -> None:  # in order, as many as the readers and the buffers allow
         nonlocal submitted
@@ -161,7 +156,7 @@ def load_safetensors(
             submitted += 1
 
     with (
-        _bar(progress, total, checkpoint) as bar,
+        _bar(progress, sum(sizes), load.checkpoint) as bar,
         Readahead(order) as ahead,
         ThreadPoolExecutor(readers.most, thread_name_prefix="taktiny-read") as pool,
     ):
@@ -174,7 +169,7 @@ def load_safetensors(
                 start_more()
                 if k in buffer_of:
                     buffer = scratch[buffer_of[k]]
-                    placed.update(transformed(step, data, leaves, quantized, buffer, where))
+                    placed.update(transformed(load, step, data, buffer))
                     holder[buffer_of[k]] = None
                     start_more()
                 else:
@@ -183,13 +178,7 @@ def load_safetensors(
         finally:  # on an error, the reads not started are dropped
             for future in running.values():
                 future.cancel()
-    if migration is not None and migration.added:  # (they keep their values)
-        strict = False  # (steps_of checked that every other leaf is made)
-    loaded = _state.load(model, placed, strict=strict, flat=True, caller=where)
-    if model is flat:
-        return loaded
-    named = _tree.flat_state_dict(loaded)
-    return {name: named[name] for name in flat}  # (a flat target: its own keys, in order)
+    return loaded(load, placed)  # (each leaf resolved, checked and placed: written in)
 
 
 class Ways:
@@ -204,16 +193,13 @@ class Ways:
     quantizing load, which so keeps one float tensor at a time (``buffers``), each mapped
     once as large as the most that its steps read (``sizes``, in bytes)."""
 
-    def __init__(
-        self,
-        checkpoint: Checkpoint,
-        steps: list[Step],
-        leaves: Mapping[str, Any],
-        quantized: Mapping[str, Any],
-    ) -> None:
-        self.direct = [direct_leaf(s, tensors_of(checkpoint, s), leaves) for s in steps]
-        self.permuted = [transposed_leaf(s, tensors_of(checkpoint, s), leaves) for s in steps]
-        shrinks = any(t in quantized for s in steps for t in s.targets)
+    def __init__(self, load: Load, steps: list[Step]) -> None:
+        leaves = load.leaves
+        self.sources = [tensors_of(load.checkpoint, s) for s in steps]  # (each step's tensors)
+        pairs = list(zip(steps, self.sources, strict=True))
+        self.direct = [direct_leaf(s, tensors, leaves) for s, tensors in pairs]
+        self.permuted = [transposed_leaf(s, tensors, leaves) for s, tensors in pairs]
+        shrinks = any(t in load.quantized for s in steps for t in s.targets)
         self.buffers = 1 if shrinks else 2
         uses = itertools.count()
         self.buffer_of = {
@@ -223,7 +209,7 @@ class Ways:
         }
         self.sizes = [0] * self.buffers
         for k, buffer in self.buffer_of.items():
-            held = Scratch.bytes_for(tensors_of(checkpoint, steps[k]))
+            held = Scratch.bytes_for(self.sources[k])
             self.sizes[buffer] = max(self.sizes[buffer], held)
 
 

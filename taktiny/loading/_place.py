@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._qarray import QArray, quantize_like
+from .._qarray import quantize_like
 from ..convert._coverage import Step
 from ..convert._transforms import identity, transpose
 from ..io import _read
@@ -23,6 +23,7 @@ from ..sharding._eval_shape import default_device
 from ..state import _problems as err
 from ..state import _values
 from ._checks import spec_of
+from ._record import Load
 
 
 def direct_leaf(step: Step, sources: list[Tensor], leaves: Mapping[str, Any]) -> Any:
@@ -65,17 +66,11 @@ def _canonical(names: Sequence[str], read: list[np.ndarray], problems: err.Probl
     return out
 
 
-def transformed(
-    step: Step,
-    read: list[np.ndarray],
-    leaves: Mapping[str, Any],
-    quantized: Mapping[str, QArray],
-    scratch: Scratch,
-    where: str,
-) -> dict[str, Any]:
+def transformed(load: Load, step: Step, read: list[np.ndarray], scratch: Scratch) -> dict[str, Any]:
     """A transforming step's targets, made from its sources (read into `scratch`) by XLA
     on the default device and placed on their leaves' shardings; a float array made for a
     quantized parameter is quantized as it is, and its parts placed."""
+    leaves, quantized, where = load.leaves, load.quantized, load.where
     count = None if step.rule.gathered else len(step.targets)
     here = jax.sharding.SingleDeviceSharding(default_device())
     problems = err.Problems()

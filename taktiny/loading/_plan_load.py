@@ -28,22 +28,13 @@ from ..convert._migrate import stages_text
 from ..convert._rules import AnyRule
 from ..convert._transforms import identity
 from ..io._checkpoint import Checkpoint
-from ..io._read import BOX_PIECE, SafetensorsError, Tensor
+from ..io._read import BOX_PIECE, Tensor
 from ..state import _problems as err
 from ._checks import spec_of
 from ._load import Ways
 from ._place import sharding_of
-from ._steps import (
-    IDENTITY,
-    as_tree,
-    migration_of,
-    opened,
-    parts_of,
-    plain_plan,
-    steps_of,
-    tensors_of,
-    unkept,
-)
+from ._record import migrated, open_load, parts_of, unkept
+from ._steps import IDENTITY, steps_of
 
 
 @dataclasses.dataclass(frozen=True)
@@ -223,45 +214,23 @@ def planned(
     plan`` makes it abstractly, with :func:`taktiny.eval_shape` of its factory): the
     leaves a migration adds keep the values that model has."""
     rules, allow, strict, verify = options
-    model = as_tree(model)  # (a flat dict: the nested dicts its names make)
-    where, checkpoint, leaves, quantized = opened(model, path, rules, allow)
+    load = open_load(model, path, rules=rules, allow=allow, strict=strict, verify=verify)
+    leaves, quantized = load.leaves, load.quantized
     ties: list[tuple[str, str]] = []
     error: Exception | None = None
-    migration = None
+    found: list[Step] = []  # the tensors that would load, beside the others' problems
     try:
-        migration = migration_of(
-            where, model, checkpoint, leaves, quantized, rules, has_values=has_values
-        )
-        steps = steps_of(
-            where,
-            rules,
-            allow,
-            checkpoint,
-            leaves,
-            quantized,
-            strict,
-            ties=ties,
-            migration=migration,
-        )
-        error = unkept(where, migration)
+        load = migrated(load, has_values=has_values)
+        steps = steps_of(load, ties=ties, found=found)
+        error = unkept(load)
     except ValueError as raised:  # (a StateDictError, ConversionError, SafetensorsError too)
-        error = raised
-        steps = []
-        plain = (
-            rules is None
-            and migration is None
-            and isinstance(raised, (err.StateDictError, SafetensorsError))
-        )
-        if plain:  # the tensors that would load, beside the problems of the others
-            try:
-                steps = plain_plan(checkpoint, leaves, quantized, strict)[0]
-            except SafetensorsError:
-                pass
-    ways = Ways(checkpoint, steps, leaves, quantized)
+        error, steps = raised, found
+    migration = load.migration
+    ways = Ways(load, steps)
     steps_planned, made, held = [], [], []
     reads: dict[int, int] = {}
     for k, step in enumerate(steps):
-        sources = tensors_of(checkpoint, step)
+        sources = ways.sources[k]
         way, temporary = _way(k, ways, step, sources, leaves, quantized)
         transforms = way in ("scratch", "quantized")  # (in the load's own thread)
         made.append(temporary if transforms else 0)

@@ -235,6 +235,19 @@ def load(
     return _finish(view, found.supplied.items(), found, named, match)
 
 
+def load_resolved(view: Flat, supplied: Iterable[tuple[int, Any]]) -> Any:
+    """The tree `view` flattened, with the leaf at each position in `supplied` replaced by
+    its value and the others kept: the one unflatten of a load whose caller has resolved
+    every name against the view's own (``view.spec.names``) and made every value as its
+    leaf is: its shape, its dtype, placed on its sharding (the safetensors load checks
+    them from a checkpoint's headers, then places what it reads). Nothing is resolved or
+    checked again."""
+    new = view.new()
+    for where, value in supplied:
+        new[where] = value
+    return view.write(new)
+
+
 def _caller(tree: Any, flat: bool) -> str:
     """How errors name a load: ``Type.load_state_dict()`` for a module,
     ``taktiny.load_state_dict(type)`` for another tree."""
