@@ -1,11 +1,12 @@
 """Logs of a load's reads: every outermost call of Tensor's read methods (a read that
-another read method makes on its behalf is part of that one), from any reader thread; and
-every os.preadv, the system call each read of a file's bytes makes."""
+another read method makes on its behalf is part of that one), from any reader thread, and
+each tensor of a `read_together` of several; and every os.preadv, the system call each
+read of a file's bytes makes."""
 
 import os
 import threading
 
-from taktiny.io import Tensor
+from taktiny.io import Tensor, _read
 
 METHODS = ("read", "read_into", "read_blocks", "read_transposed")
 
@@ -30,6 +31,19 @@ def log_reads(monkeypatch, entry):
 
     for name in METHODS:
         monkeypatch.setattr(Tensor, name, logged(getattr(Tensor, name)))
+    together = _read.read_together
+
+    def logged_together(tensors, **kwargs):
+        depth.n = getattr(depth, "n", 0) + 1
+        try:
+            outs = together(tensors, **kwargs)
+        finally:
+            depth.n -= 1
+        if depth.n == 0:
+            log.extend(entry(t, out) for t, out in zip(tensors, outs, strict=True))
+        return outs
+
+    monkeypatch.setattr(_read, "read_together", logged_together)
     return log
 
 

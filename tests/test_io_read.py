@@ -505,3 +505,54 @@ def test_every_byte_is_read_through_the_storage_interface(tmp_path, monkeypatch)
     assert all(np.array_equal(loaded[n], v) for n, v in values.items())
     assert {name for name, _ in calls} >= {"preadv", "posix_fadvise"}
     assert [call for call in calls if not call[1]] == []
+
+
+def test_small_tensors_read_together_one_read_for_each_run_of_neighbours(tmp_path, monkeypatch):
+    """read_together: each tensor as its own read gives it, at a multiple of 64 bytes of
+    one buffer, read-only; the tensors next to each other in a file read by one preadv,
+    a gap or another file starting a new one; damaged bytes named as a read names them,
+    and a file truncated since it was opened names the tensor it ends inside."""
+    import os
+
+    from taktiny.io._read import read_together
+
+    first, second = tmp_path / "a.safetensors", tmp_path / "b.safetensors"
+    values = {f"t{i}": np.arange(i * 7, i * 7 + 5 + i, dtype=np.float32) for i in range(5)}
+    values["i"] = np.arange(6, dtype=np.int64).reshape(2, 3)
+    save_safetensors(first, values)
+    save_safetensors(second, {"u": np.ones((3, 3), np.float16)})
+    checkpoint, other = open_safetensors(first), open_safetensors(second)
+    order = sorted(checkpoint.values(), key=lambda t: t.offset)
+    skipped = order[:2] + order[3:]  # a gap: the third tensor is left out
+    tensors = [*skipped, other["u"]]
+    calls = []
+    real = os.preadv
+
+    def logged(fd, buffers, offset, *flags):
+        calls.append(offset)
+        return real(fd, buffers, offset, *flags)
+
+    monkeypatch.setattr(os, "preadv", logged)
+    outs = read_together(tensors)
+    assert len(calls) == 3  # the first two, the rest of the file, the other file
+    monkeypatch.undo()
+    for tensor, out in zip(tensors, outs, strict=True):
+        assert out.dtype == tensor.dtype and not out.flags.writeable
+        assert out.tobytes() == np.asarray(tensor.read()).tobytes()
+        assert out.ctypes.data % 64 == 0
+    assert [o.ctypes.data - outs[0].ctypes.data for o in outs[:2]] == [0, 64]
+    # damaged bytes: the tensor, the file and both checksums, as a read names them
+    name = order[3].name
+    data = bytearray(first.read_bytes())
+    data[order[3].offset + 1] ^= 4
+    first.write_bytes(bytes(data))
+    damaged = open_safetensors(first)
+    with pytest.raises(SafetensorsError, match=rf"the bytes of '{name}' are damaged"):
+        read_together([damaged[t.name] for t in order])
+    assert len(read_together([damaged[t.name] for t in order], verify=False)) == len(order)
+    # truncated after it was opened: the tensor the file now ends inside
+    first.write_bytes(bytes(data[: order[-1].offset + 2]))
+    with pytest.raises(
+        SafetensorsError, match=rf"the file ends inside the bytes of '{order[-1].name}'"
+    ):
+        read_together([damaged[t.name] for t in order], verify=False)

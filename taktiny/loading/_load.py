@@ -23,11 +23,14 @@ from typing import Any
 
 from ..convert._coverage import Step
 from ..convert._rules import AnyRule
+from ..io import _read
 from ..io._checkpoint import Checkpoint
+from ..io._read import Tensor
 from ._place import (
     Scratch,
     direct_leaf,
     placed_by_device,
+    placed_together,
     placed_transposed,
     sharding_of,
     transformed,
@@ -125,19 +128,23 @@ def load_safetensors(
         raise error
     ways = Ways(load, steps)
     direct, permuted, buffer_of, sources = ways.direct, ways.permuted, ways.buffer_of, ways.sources
+    units = ways.units
     order = [t for tensors in sources for t in tensors]
     starts = list(itertools.accumulate(map(len, sources), initial=0))
-    sizes = [sum(t.nbytes for t in tensors) for tensors in sources]
+    sizes = [sum(sum(t.nbytes for t in sources[k]) for k in unit) for unit in units]
     scratch = tuple(Scratch(size) for size in ways.sizes)
     holder: list[int | None] = [None] * len(scratch)  # the step whose sources a buffer holds
     readers = Readers()
     placed: dict[str, Any] = {}
     running: dict[int, Future[Any]] = {}
-    submitted = 0
+    submitted = 0  # units
 
-    def read(k: int) -> Any:  # in a reader thread: preadv, hashing and XLA release the GIL
+    def read(u: int) -> Any:  # in a reader thread: preadv, hashing and XLA release the GIL
+        k = units[u][0]
         ahead.reached(starts[k])  # the disk reads on while this step is read and placed
         step, tensors = steps[k], sources[k]
+        if len(units[u]) > 1:  # small renamed tensors: read together, placed below
+            return _read.read_together([sources[j][0] for j in units[u]], verify=verify)
         if direct[k] is not None:  # renamed only: read and placed block by block, here
             return {step.targets[0]: placed_by_device(tensors[0], sharding_of(direct[k]), verify)}
         if permuted[k] is not None:  # transposed: piece by piece into place as it is read
@@ -146,8 +153,8 @@ def load_safetensors(
 
     def start_more() -> None:  # in order, as many as the readers and the buffers allow
         nonlocal submitted
-        while submitted < len(steps) and len(running) < readers.width:
-            buffer = buffer_of.get(submitted)
+        while submitted < len(units) and len(running) < readers.width:
+            buffer = buffer_of.get(units[submitted][0])
             if buffer is not None:
                 if holder[buffer] is not None:
                     return
@@ -162,19 +169,23 @@ def load_safetensors(
     ):
         try:
             start_more()
-            for k, step in enumerate(steps):
-                data = running.pop(k).result()
-                readers.finished(sizes[k])
+            for u, unit in enumerate(units):
+                data = running.pop(u).result()
+                readers.finished(sizes[u])
                 ahead.window = readers.ahead
                 start_more()
-                if k in buffer_of:
+                k = unit[0]
+                if len(unit) > 1:  # small renamed tensors read together: one transfer
+                    arrays = placed_together(data, [direct[j] for j in unit])
+                    placed.update(zip([steps[j].targets[0] for j in unit], arrays, strict=True))
+                elif k in buffer_of:
                     buffer = scratch[buffer_of[k]]
-                    placed.update(transformed(load, step, data, buffer))
+                    placed.update(transformed(load, steps[k], data, buffer))
                     holder[buffer_of[k]] = None
                     start_more()
                 else:
                     placed.update(data)
-                bar.update(sizes[k])
+                bar.update(sizes[u])
         finally:  # on an error, the reads not started are dropped
             for future in running.values():
                 future.cancel()
@@ -191,7 +202,14 @@ class Ways:
     reads into a scratch buffer (``buffer_of``: step -> buffer), which is free again once
     the step before that used it has been transformed: two buffers, or one for a
     quantizing load, which so keeps one float tensor at a time (``buffers``), each mapped
-    once as large as the most that its steps read (``sizes``, in bytes)."""
+    once as large as the most that its steps read (``sizes``, in bytes).
+
+    A reader takes a unit of steps at a time (``units``, in order): one step, or a run of
+    renamed tensors of at most `SMALL` bytes each, each placed whole (on one device, or
+    on every device of its sharding), up to `BATCH` bytes in all. Such a run is read into
+    one buffer (`read_together`: the tensors next to each other in the file by one read)
+    and placed by the loop with one transfer: for tensors of a few KiB, a mapping, a
+    transfer and a handoff to a reader each would cost far more than their bytes."""
 
     def __init__(self, load: Load, steps: list[Step]) -> None:
         leaves = load.leaves
@@ -207,10 +225,44 @@ class Ways:
             for k in range(len(steps))
             if self.direct[k] is None and self.permuted[k] is None
         }
+        self.units = _units(self.direct, self.sources)
         self.sizes = [0] * self.buffers
         for k, buffer in self.buffer_of.items():
             held = Scratch.bytes_for(self.sources[k])
             self.sizes[buffer] = max(self.sizes[buffer], held)
+
+
+SMALL = 4096  # a renamed tensor of at most this many bytes is read with its neighbours
+BATCH = 64 * 1024  # the most bytes of small tensors read together (and the most steps:
+BATCH_STEPS = 256  # tensors of no bytes take none)
+
+
+def _units(direct: list[Any], sources: list[list[Tensor]]) -> list[tuple[int, ...]]:
+    """The steps a reader takes at a time, in order: runs of small renamed tensors placed
+    whole (see :class:`Ways`), and every other step alone."""
+    units: list[tuple[int, ...]] = []
+    run: list[int] = []
+    held = 0
+    for k, leaf in enumerate(direct):
+        tensor = sources[k][0]
+        small = leaf is not None and tensor.nbytes <= SMALL and not tensor.packed and _whole(leaf)
+        if run and (not small or held + tensor.nbytes > BATCH or len(run) == BATCH_STEPS):
+            units.append(tuple(run))
+            run, held = [], 0
+        if small:
+            run.append(k)
+            held += tensor.nbytes
+        else:
+            units.append((k,))
+    if run:
+        units.append(tuple(run))
+    return units
+
+
+def _whole(leaf: Any) -> bool:
+    """Whether a leaf is placed whole: on one device, or the same on each of its devices."""
+    sharding = sharding_of(leaf)
+    return sharding.is_fully_replicated or len(sharding.device_set) == 1
 
 
 class _Silent:

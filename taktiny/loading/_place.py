@@ -183,6 +183,13 @@ def placed_by_device(tensor: Tensor, sharding: Any, verify: bool) -> jax.Array:
     return jax.make_array_from_single_device_arrays(tensor.shape, sharding, arrays)
 
 
+def placed_together(arrays: Sequence[np.ndarray], leaves: Sequence[Any]) -> list[jax.Array]:
+    """Small tensors read together (`read_together`), each placed whole with its leaf's
+    sharding by one batched transfer. The load's own thread makes it: transfers made from
+    two threads at once only queue for each other."""
+    return jax.device_put(list(arrays), [sharding_of(leaf) for leaf in leaves])
+
+
 def placed_transposed(step: Step, tensor: Tensor, leaf: Any, verify: bool) -> jax.Array:
     """`tensor` with its axes permuted by the step's transpose, read piece by piece into
     place (:meth:`Tensor.read_transposed`, checked as it is read with `verify`), then
