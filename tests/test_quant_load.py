@@ -110,7 +110,7 @@ def test_a_quantized_model_refuses_a_float_state_without_the_option():
     with pytest.raises(tt.StateDictError, match=message) as flat:
         model.load_flat_state_dict(source.flat_state_dict())
     for error in (nested, flat):
-        problems = [(p.key, p.kind) for p in error.value.problems]
+        problems = [(p.name, p.kind) for p in error.value.problems]
         assert problems == [("embed.embedding", "representation"),
                             ("encoder.0.kernel", "representation"),
                             ("encoder.1.kernel", "representation")]  # fmt: skip

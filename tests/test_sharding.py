@@ -314,7 +314,7 @@ def test_a_value_on_devices_outside_the_models_mesh_is_refused(axis_type):
             {"up": {"kernel": elsewhere}, "down": {"bias": other, "kernel": split}}
         )
     problems = info.value.problems
-    assert [(p.key, p.kind) for p in problems] == [
+    assert [(p.name, p.kind) for p in problems] == [
         ("up.kernel", "sharding"),
         ("down.bias", "sharding"),
         ("down.kernel", "sharding"),
