@@ -695,10 +695,11 @@ def test_problems_are_only_added_never_removed_or_changed():
 
 
 def test_every_problem_is_built_in_one_place():
-    """Each kind of a load's problem has one builder, in taktiny/state/_problems.py: no
-    other file of the package makes a StateProblem itself (io's header checks use the same
-    builders). A conversion's problems, the same record under the name convert has always
-    given it, are made in taktiny/convert/ alone."""
+    """Each kind of a load's or a selection's problem has one builder, in
+    taktiny/state/_problems.py: no other file of the package makes a StateProblem itself
+    (io's header checks, tt.by_name, tt.shard and the layer surgery use the builders). A
+    conversion's problems, the same record under the name convert has always given it, are
+    made in taktiny/convert/ alone."""
     root = pathlib.Path(tt.__file__).parent
     texts = {str(path.relative_to(root)): path.read_text() for path in root.rglob("*.py")}
     assert {path for path, text in texts.items() if "StateProblem(" in text} == {

@@ -295,9 +295,9 @@ def test_a_float_checkpoint_is_quantized_tensor_by_tensor(tmp_path, layout, read
     assert_bitwise(loaded, tt.quantize(model, bits=bits, group_size=group))
     assert sorted(reads) == sorted(tt.flat_state_dict(model))  # each float tensor read once
     # only some layers quantized: the others load as they are
-    partly = tt.quantize(abstract_net(), bits=bits, group_size=group, filter="hidden")
+    partly = tt.quantize(abstract_net(), bits=bits, group_size=group, where="hidden")
     loaded = load_safetensors(partly, path)
-    assert_bitwise(loaded, tt.quantize(model, bits=bits, group_size=group, filter="hidden"))
+    assert_bitwise(loaded, tt.quantize(model, bits=bits, group_size=group, where="hidden"))
 
 
 def test_quantizing_onto_a_mesh_places_value_and_scale_on_their_shardings(tmp_path):

@@ -1,16 +1,21 @@
-"""The problems a load or a conversion can find, and the error that lists a load's.
+"""The problems a load, a conversion or a selection by name can find, and the errors
+that list them.
 
 Every problem is a `StateProblem`, one immutable record of one shape (kind, name,
 expected, got, hint; read as ``'name': hint``), whatever found it: a load of a state dict
 (`_resolve`, `_values`, `_represent`) or of a checkpoint read from its headers
-(`taktiny.io`), or a conversion (`taktiny.convert` builds its own kinds, and names the
-record `ConversionProblem`). A load's problems are each built by exactly one function here
-(its builder). A load collects them and raises one `StateDictError` listing them all. The
-builders come in four groups: names and structure (unknown names, with the closest valid
-name as a suggestion; bad keys; a dict where an array belongs), values (not an array; a
-shape or dtype kind that differs; a cast that would change values; an array outside its
-leaf's mesh), quantized arrays (a float array where the model holds a `QArray` or the
-reverse; parts that make none) and checkpoints (what a checkpoint's headers already show).
+(`taktiny.io`), a conversion (`taktiny.convert` builds its own kinds, and names the
+record `ConversionProblem`), or a choice by name (`tt.by_name`, `tt.shard`, and the
+layer surgery of `tt.lora`, `tt.quantize` and their reverses). A load's and a selection's
+problems are each built by exactly one function here (its builder). A load collects them
+and raises one `StateDictError` listing them all; a selection raises one
+`SelectionError`. The builders come in five groups: names and structure (unknown names,
+with the closest valid name as a suggestion; bad keys; a dict where an array belongs),
+selections (a pattern that matches nothing; a leaf no rule reaches; a spec a leaf cannot
+take), values (not an array; a shape or dtype kind that differs; a cast that would change
+values; an array outside its leaf's mesh), quantized arrays (a float array where the model
+holds a `QArray` or the reverse; parts that make none) and checkpoints (what a
+checkpoint's headers already show).
 """
 
 from __future__ import annotations
@@ -31,10 +36,11 @@ from ..sharding._specs import mesh_text
 
 @dataclasses.dataclass(frozen=True, init=False)
 class StateProblem:
-    """One problem with a model's state: found while loading it (:class:`StateDictError`)
-    or converting it (``convert.ConversionError``, whose ``convert.ConversionProblem`` is
-    this class). Every one has the same fields, and reads as ``'name': what is wrong; the
-    fix``.
+    """One problem with a model's state, or with choosing from it by name: found while
+    loading it (:class:`StateDictError`), converting it (``convert.ConversionError``, whose
+    ``convert.ConversionProblem`` is this class) or choosing leaves and layers by name
+    (:class:`SelectionError`). Every one has the same fields, and reads as
+    ``'name': what is wrong; the fix``.
 
     Attributes:
         kind: what is wrong. A load's: ``"unknown"`` (no such name), ``"key"`` (a nested
@@ -50,8 +56,12 @@ class StateProblem:
             ``"sharding"`` (an array on devices outside the mesh of the leaf it replaces),
             ``"missing"`` (not supplied under ``strict=True``) or ``"abstract"`` (not
             supplied to an abstract model). A conversion's are listed by
-            ``convert.ConversionError``.
-        name: the flat name (``"layers.1.kernel"``) the problem is about.
+            ``convert.ConversionError``. A selection's: ``"unmatched"`` (a pattern that
+            matches nothing it could choose), ``"missing"`` (a leaf no rule reaches, where
+            every leaf must be), ``"sharding"`` (a spec a leaf cannot take) and ``"rule"``
+            (a rule whose pattern or value is not one).
+        name: the flat name (``"layers.1.kernel"``) the problem is about; for a pattern
+            that matches nothing, the pattern.
         expected: what belongs there (a shape, a dtype name, a description); None when
             the hint alone says it.
         got: what was given or found there; None when nothing was.
@@ -207,6 +217,35 @@ class StateDictError(ValueError):
     def unexpected_keys(self) -> tuple[str, ...]:
         """Names in the state that the module does not have."""
         return tuple(p.name for p in self.problems if p.kind in ("unknown", "key"))
+
+
+class SelectionError(ValueError):
+    """Raised once, listing every problem with choosing leaves or layers by name; nothing
+    was changed.
+
+    :func:`~taktiny.by_name`, :func:`~taktiny.shard` and :func:`~taktiny.sharding_plan`
+    raise it for their rules; :func:`~taktiny.lora`, :func:`~taktiny.merge_lora`,
+    :func:`~taktiny.quantize` and :func:`~taktiny.dequantize` for their `where`. Each
+    problem is a :class:`StateProblem`: ``"unmatched"`` for a pattern that matches nothing
+    it could choose (with what it matches instead, or the closest names), ``"missing"``
+    for a leaf no rule reaches where every leaf must be, ``"sharding"`` for a spec a leaf
+    cannot take, ``"rule"`` for a rule that is not one. The message shows the first 20; all
+    of them are in :attr:`problems`. It is a ``ValueError``, as these calls raised before.
+
+    Args:
+        where: the call that failed, which starts the message (``"taktiny.lora on Net"``).
+        problems: every problem found, in the order found.
+
+    Attributes:
+        problems: the problems, a tuple of :class:`StateProblem`.
+    """
+
+    def __init__(self, where: str, problems: Iterable[StateProblem]):
+        self.problems = tuple(problems)
+        n = len(self.problems)
+        super().__init__(
+            "\n".join(listed(f"{where}: {n} problem{'s' if n > 1 else ''}:", self.problems))
+        )
 
 
 def listed(head: str, problems: Sequence[StateProblem]) -> list[str]:
@@ -526,6 +565,36 @@ def abstract(name: str) -> StateProblem:
         None,
         "not supplied, and the model is abstract (from jax.eval_shape): a load into an abstract "
         "model must supply every parameter, or it would stay unfilled.",
+    )
+
+
+# --- Selections ----------------------------------------------------------------
+# What choosing by name finds: tt.by_name's and tt.shard's rules, and the `where` of the
+# layer surgery (tt.lora, tt.merge_lora, tt.quantize, tt.dequantize).
+
+
+def unmatched(pattern: str, what: str, why: str) -> StateProblem:
+    """A pattern that matches no `what` (``"name"``, ``"Linear or Embed layer"``), and
+    `why`: what it matches instead, or the closest names (``_patterns.unused_hint``)."""
+    end = "" if why.endswith("?") else "."
+    return StateProblem("unmatched", pattern, what, None, f"matches no {what}; {why}{end}")
+
+
+def unreached(name: str, fix: str) -> StateProblem:
+    """A leaf that no rule matches, where every leaf must be; `fix` says how to reach it."""
+    return StateProblem("missing", name, "a rule", None, f"no rule matches it; {fix}.")
+
+
+def bad_rule(pattern: str, why: str) -> StateProblem:
+    """A rule whose pattern or value is not one (`why`: the error that says so)."""
+    return StateProblem("rule", pattern, None, None, why)
+
+
+def unplaceable(name: str, shape: tuple[int, ...], spec: Any, mesh: str, why: str) -> StateProblem:
+    """A leaf of `shape` that the spec its rule gives cannot place on the mesh (`mesh`: its
+    text), and `why`."""
+    return StateProblem(
+        "sharding", name, spec, shape, f"shape {shape} by {spec} on the mesh {mesh}: {why}."
     )
 
 
