@@ -58,7 +58,7 @@ def run(config: Config) -> Group:
     assert len(error.problems) == len(typos)
     suggested = [p for p in error.problems if p.expected is not None]
     assert len(suggested) == min(100, len(typos)), len(suggested)
-    wrong = [(p.key, p.expected) for p in suggested if p.expected != typos[p.key]]
+    wrong = [(p.name, p.expected) for p in suggested if p.expected != typos[p.name]]
     assert not wrong, f"wrong suggestions: {wrong[:5]}"
 
     stats = compare({SYSTEM: lambda: _load(model, state)}, repeat=config.pick(7, 3, 1))

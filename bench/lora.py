@@ -16,7 +16,7 @@ every projection of attention and MLP, against the plain forward and backward of
 model:
 
 - LoRA step: ``jax.jit`` of ``jax.value_and_grad`` of the mean squared logits of the adapted
-  model (``tt.lora(model, 8, targets=["layers.*.attention.*", "layers.*.mlp.*"])``) with
+  model (``tt.lora(model, 8, where=["layers.*.attention.*", "layers.*.mlp.*"])``) with
   respect to the leaves ``tt.trainable`` marks (the adapters only): the model is
   split by ``eqx.partition(model, tt.trainable(model))`` and the frozen half passed as a
   second argument, as a masked optimiser would use it.
@@ -70,7 +70,7 @@ def _training_steps(config: Config, group: Group) -> None:
     the bytes each keeps: parameters, gradients and Adam state."""
     width, batch = config.pick((4096, 128), (4096, 64), (64, 4))
     model = _nets.build("taktiny", "mlp", {"mlp": [width] * (DEPTH + 1)})
-    adapted = tt.lora(model, RANK, targets="layers.*", alpha=16, rngs=tt.nn.Rngs(1))
+    adapted = tt.lora(model, RANK, where="layers.*", alpha=16, rngs=tt.nn.Rngs(1))
     rng = np.random.default_rng(0)
     x, y = (jnp.asarray(rng.normal(size=(batch, width)), jnp.float32) for _ in range(2))
     loss = lambda model, x, y: _nets.loss("mlp", model, (x, y))
@@ -192,7 +192,7 @@ def _llama_step(config: Config, group: Group) -> None:
     batch, length = config.pick((8, 128), (8, 128), (2, 8))
     llama_config = llama.llama_config(tied=False)
     base = llama.Llama(llama_config, rngs=llama.nn.Rngs(0))
-    adapted = tt.lora(base, 8, targets=TARGETS, alpha=16, rngs=llama.nn.Rngs(1))
+    adapted = tt.lora(base, 8, where=TARGETS, alpha=16, rngs=llama.nn.Rngs(1))
     ids = jnp.asarray(np.random.default_rng(0).integers(0, 128, (batch, length)), jnp.int32)
 
     loss = lambda model, ids: jnp.mean(model(ids) ** 2)

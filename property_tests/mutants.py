@@ -73,7 +73,7 @@ def _first_problem(model: Any, state: Any, error: Any, flat: bool) -> Any:
 
 def _half_applied(model: Any, state: Any, error: Any, flat: bool) -> Any:
     """Writes the values that passed the checks into the module in place, then raises."""
-    bad = {p.key for p in error.problems}
+    bad = {p.name for p in error.problems}
     for name, value in state.items() if flat else _flat_items(state):
         *path, last = name.split(".")
         try:

@@ -97,7 +97,7 @@ def test_unknown_keys_always_fail_and_are_all_listed(platform, data):
     with pytest.raises(tt.StateDictError, match=r"problems?; nothing was loaded") as info:
         load(model, state, nested=nested, strict=strict)
     error = info.value
-    assert [(p.key, p.kind) for p in error.problems if p.kind != "missing"] == expected
+    assert [(p.name, p.kind) for p in error.problems if p.kind != "missing"] == expected
     assert error.unexpected_keys == tuple(n for n, kind in expected if kind != "structure")
     missing = tuple(name for name in names if name not in supplied) if strict else ()
     assert error.missing_keys == missing
@@ -139,7 +139,7 @@ def test_bad_values_are_all_listed_and_nothing_is_loaded(platform, data):
     loader = lambda m, s: load(m, s, nested=nested, strict=False)
     with pytest.raises(tt.StateDictError, match=r"problems?; nothing was loaded") as info:
         (jax.jit(loader) if traced else loader)(model, state)
-    got = {p.key: p.kind for p in info.value.problems}
+    got = {p.name: p.kind for p in info.value.problems}
     assert len(got) == len(info.value.problems)
     assert got == {name: kind for name, (_, kind) in values.items()}
     assert identities(model) == before and identities(state) == given_state

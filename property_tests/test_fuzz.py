@@ -139,7 +139,7 @@ def test_any_input_loads_or_raises_one_state_dict_error(platform, data):
     try:  # as the methods call it: their `Mapping[str, Any]` would stop beartype here first
         loaded = _state.load(model, state, strict=strict, flat=not nested)
     except tt.StateDictError as error:
-        assert error.problems and all(isinstance(p.key, str) and p.hint for p in error.problems)
+        assert error.problems and all(isinstance(p.name, str) and p.hint for p in error.problems)
         assert str(error).count("\n  - ") == min(len(error.problems), 20)
     else:
         given = dict(_flat(state)) if nested else state

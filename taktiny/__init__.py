@@ -15,14 +15,15 @@ if _typing.TYPE_CHECKING:
     from ._summary import summary as summary
     from .convert._migrate import migrate as migrate
     from .module._trainable import trainable as trainable
-    from .nn._lora import lora as lora
-    from .nn._lora import merge_lora as merge_lora
-    from .nn._quantized import dequantize as dequantize
-    from .nn._quantized import quantize as quantize
+    from .nn._surgery import dequantize as dequantize
+    from .nn._surgery import lora as lora
+    from .nn._surgery import merge_lora as merge_lora
+    from .nn._surgery import quantize as quantize
     from .sharding._eval_shape import eval_shape as eval_shape
     from .sharding._plan import ShardingPlan as ShardingPlan
     from .sharding._plan import shard as shard
     from .sharding._plan import sharding_plan as sharding_plan
+    from .state._problems import SelectionError as SelectionError
     from .state._problems import StateDictError as StateDictError
     from .state._problems import StateProblem as StateProblem
     from .state._schema import Schema as Schema
@@ -39,6 +40,7 @@ _LAZY = {
     "io": (".io", None),
     "nn": (".nn", None),
     "eval_shape": (".sharding._eval_shape", "eval_shape"),
+    "SelectionError": (".state._problems", "SelectionError"),
     "StateDictError": (".state._problems", "StateDictError"),
     "StateProblem": (".state._problems", "StateProblem"),
     "Schema": (".state._schema", "Schema"),
@@ -55,11 +57,11 @@ _LAZY = {
     "load_state_dict": (".state._tree", "load_state_dict"),
     "state_dict": (".state._tree", "state_dict"),
     "trainable": (".module._trainable", "trainable"),
-    "dequantize": (".nn._quantized", "dequantize"),
-    "lora": (".nn._lora", "lora"),
-    "merge_lora": (".nn._lora", "merge_lora"),
+    "dequantize": (".nn._surgery", "dequantize"),
+    "lora": (".nn._surgery", "lora"),
+    "merge_lora": (".nn._surgery", "merge_lora"),
     "migrate": (".convert._migrate", "migrate"),
-    "quantize": (".nn._quantized", "quantize"),
+    "quantize": (".nn._surgery", "quantize"),
 }
 
 __version__ = "0.1.0"
@@ -67,6 +69,7 @@ __version__ = "0.1.0"
 __all__ = [
     "QArray",
     "Schema",
+    "SelectionError",
     "ShardingPlan",
     "StateDictError",
     "StateProblem",

@@ -188,14 +188,14 @@ def test_a_step_count_passes_through_and_must_be_in_the_source(adam_state):
     with pytest.raises(convert.ConversionError, match=r"'0.count': this leaf .* no moment"):
         convert.convert(RULES, source, target=target)
     source["0.count"] = np.zeros(2, np.int32)
-    with pytest.raises(convert.ConversionError, match=r"\[shape\] '0.count'.*int32\[2\]"):
+    with pytest.raises(convert.ConversionError, match=r"'0.count'.*int32\[2\]"):
         convert.convert(RULES, source, target=target)
 
 
 def test_a_name_of_another_optimizer_is_unused(adam_state):
     _, start, source = adam_state
     sgd = optax.sgd(1e-2, momentum=0.9).init(start)
-    with pytest.raises(convert.ConversionError, match=r"\[unused\] '0.count'.*same optimizer"):
+    with pytest.raises(convert.ConversionError, match=r"'0.count'.*same optimizer"):
         convert.convert(RULES, source, target=sgd)
     moments = {"0.trace." + n[5:]: v for n, v in source.items() if n.startswith("0.mu.")}
     report = convert.check(
@@ -209,7 +209,10 @@ def test_a_model_target_converts_as_before(adam_state):
     # a model is told apart from an optimizer state: a Rule that matches nothing is
     # still a problem there
     source = tt.flat_state_dict(to_source(start))
-    with pytest.raises(convert.ConversionError, match=r"\[unmatched\] 'nothing.w'"):
+    with pytest.raises(
+        convert.ConversionError,
+        match=r"  - 'nothing.w': Rule\('nothing.w' -> .* matched no source name",
+    ):
         convert.convert([*RULES, convert.Rule("nothing.w", "dense.bias")], source, target=start)
 
 

@@ -526,7 +526,7 @@ def test_each_problem_word_for_word(case):
     with pytest.raises(tt.StateDictError) as info:
         load()
     error = info.value
-    got = [(p.kind, p.key, p.expected, p.got, p.hint) for p in error.problems]
+    got = [(p.kind, p.name, p.expected, p.got, p.hint) for p in error.problems]
     assert got == expected
     count = f"{len(expected)} problem{'s' if len(expected) > 1 else ''}"
     lines = str(error).splitlines()
@@ -553,7 +553,7 @@ def test_problems_sort_by_group_and_keep_their_order_within_one():
         "f()", [p("missing", "m"), p("shape", "s"), p("unknown", "u"), p("value", "v"),
                 p("key", "k"), p("abstract", "a"), p("dtype", "d"), p("structure", "t")]
     )  # fmt: skip
-    assert [q.key for q in error.problems] == ["u", "k", "t", "s", "v", "d", "m", "a"]
+    assert [q.name for q in error.problems] == ["u", "k", "t", "s", "v", "d", "m", "a"]
     assert str(error).splitlines()[1] == "  - 'u': u"
 
 
@@ -672,7 +672,7 @@ def test_a_flat_key_that_is_not_a_string_is_refused_by_its_type(without_type_che
         with pytest.raises(tt.StateDictError) as info:
             model.load_flat_state_dict({key: np.zeros((3, 64))})
         (problem,) = info.value.problems
-        assert (problem.kind, problem.key) == ("key", repr(key))
+        assert (problem.kind, problem.name) == ("key", repr(key))
         assert problem.hint == f"flat state keys must be strings, {hint}"
         assert info.value.unexpected_keys == (repr(key),)
 
@@ -684,7 +684,7 @@ def test_problems_are_only_added_never_removed_or_changed():
     found = _problems.Problems([first])
     found.append(_problems.missing("b"))
     found += [_problems.abstract("c")]
-    assert [p.key for p in found] == ["a", "b", "c"] and len(found) == 3 and found
+    assert [p.name for p in found] == ["a", "b", "c"] and len(found) == 3 and found
     assert not _problems.Problems()
     for change in ("__setitem__", "__delitem__", "pop", "remove", "clear", "insert", "sort"):
         assert not hasattr(found, change), change
@@ -695,15 +695,19 @@ def test_problems_are_only_added_never_removed_or_changed():
 
 
 def test_every_problem_is_built_in_one_place():
-    """Each kind of problem has one builder, in taktiny/state/_problems.py: no other file of
-    the package makes a StateProblem itself (io's header checks use the same builders)."""
+    """Each kind of a load's or a selection's problem has one builder, in
+    taktiny/state/_problems.py: no other file of the package makes a StateProblem itself
+    (io's header checks, tt.by_name, tt.shard and the layer surgery use the builders). A
+    conversion's problems, the same record under the name convert has always given it, are
+    made in taktiny/convert/ alone."""
     root = pathlib.Path(tt.__file__).parent
-    makers = {
-        str(path.relative_to(root))
-        for path in root.rglob("*.py")
-        if "StateProblem(" in path.read_text()
+    texts = {str(path.relative_to(root)): path.read_text() for path in root.rglob("*.py")}
+    assert {path for path, text in texts.items() if "StateProblem(" in text} == {
+        "state/_problems.py"
     }
-    assert makers == {"state/_problems.py"}
+    converting = {path for path, text in texts.items() if "ConversionProblem(" in text}
+    converting -= {"state/_problems.py"}  # (whose docs name the form of earlier releases)
+    assert converting and all(path.startswith(("convert/", "loading/_steps.py")) for path in converting)
 
 
 @pytest.mark.parametrize(

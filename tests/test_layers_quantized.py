@@ -164,43 +164,46 @@ def test_quantize_swaps_every_linear_and_embed_and_leaves_the_model_alone():
 
 def test_a_filter_picks_layers_by_pattern_or_predicate():
     net = Net(rngs=nn.Rngs(0))
-    by_pattern = tt.quantize(net, bits=4, group_size=16, filter="encoder.**")
+    by_pattern = tt.quantize(net, bits=4, group_size=16, where="encoder.**")
     assert [type(layer).__name__ for layer in by_pattern.encoder] == ["QuantizedLinear"] * 2
     assert by_pattern.head is net.head and by_pattern.embed is net.embed
     assert by_pattern.encoder[0].kernel.bits == 4
     seen = []
-    kept = tt.quantize(net, filter=lambda name, layer: seen.append(name) or name != "head")
+    kept = tt.quantize(net, where=lambda name, layer: seen.append(name) or name != "head")
     assert seen == ["embed", "encoder.0", "encoder.1", "head"]
     assert kept.head is net.head and isinstance(kept.embed, nn.QuantizedEmbed)
     assert tt.quantize(nn.Linear(4, 2, rngs=nn.Rngs(0))).kernel.shape == (4, 2)  # the root
 
 
-def test_quantize_refuses_filters_and_group_sizes_that_cannot_work(without_type_checks):
+def test_quantize_refuses_selections_and_group_sizes_that_cannot_work(without_type_checks):
     net = Net(rngs=nn.Rngs(0))
     with pytest.raises(
-        ValueError,
-        match=r"the filter 'heads' matches no Linear or Embed layer \(\['embed', 'encoder\.0', 'encoder\.1', 'head'\]\); did you mean 'head'\?$",
+        tt.SelectionError,
+        match=r"^taktiny\.quantize on Net: 1 problem:\n  - 'heads': matches no Linear or Embed "
+        r"layer; did you mean 'head'\?$",
     ):
-        tt.quantize(net, filter="heads")
+        tt.quantize(net, where="heads")
     with pytest.raises(
-        TypeError, match=r"filter is a name pattern \('encoder\.\*\*'\) or a function"
+        TypeError,
+        match=r"^taktiny\.quantize: where is a pattern over layer names \('\*\*\.attention\.\*'\), "
+        r"a non-empty list of them, or a function \(name, layer\) -> bool; got 3\.$",
     ):
-        tt.quantize(net, filter=3)  # pyright: ignore[reportArgumentType]
+        tt.quantize(net, where=3)  # pyright: ignore[reportArgumentType]
     with pytest.raises(
         ValueError,
         match=r"cannot quantize encoder\.1\.kernel of shape \(64, 32\): group_size must divide axis 0 \(size 64\).*got 24",
     ):
-        tt.quantize(net, group_size=24, filter="encoder.1")
+        tt.quantize(net, group_size=24, where="encoder.1")
     with pytest.raises(
         ValueError,
         match=r"cannot quantize head\.kernel of shape \(32, 8\): bits must be 8 or 4, got 2",
     ):
-        tt.quantize(net, bits=2, filter="head")
+        tt.quantize(net, bits=2, where="head")
 
 
 def test_dequantize_gives_float_layers_back():
     net = Net(rngs=nn.Rngs(0))
-    q = tt.quantize(net, bits=4, group_size=8, filter=lambda name, _: name != "head")
+    q = tt.quantize(net, bits=4, group_size=8, where=lambda name, _: name != "head")
     back = tt.dequantize(q)
     # the layers a float build has (JAX's treedef equality alone ignores the field order)
     assert [type(x) for x in (back.embed, *back.encoder)] == [
@@ -210,7 +213,7 @@ def test_dequantize_gives_float_layers_back():
     np.testing.assert_array_equal(back.encoder[1].kernel, q.encoder[1].kernel.dequantize())
     np.testing.assert_array_equal(back.embed.embedding, q.embed.embedding.dequantize())
     assert back.head is net.head and back.encoder[0].bias is net.encoder[0].bias
-    again = tt.quantize(back, bits=4, group_size=8, filter="e*.**")  # the same values again
+    again = tt.quantize(back, bits=4, group_size=8, where="e*.**")  # the same values again
     assert jax.tree.structure(again) == jax.tree.structure(q)
     for a, b in zip(jax.tree.leaves(again), jax.tree.leaves(q), strict=True):
         assert a.dtype == b.dtype
@@ -493,28 +496,31 @@ def test_a_float_array_where_a_qarray_belongs_is_refused(layers):
 
 def test_a_predicate_sees_each_layer_and_may_choose_none():
     net = Net(rngs=nn.Rngs(0))
-    embeds = tt.quantize(net, filter=lambda name, layer: isinstance(layer, nn.Embed))
+    embeds = tt.quantize(net, where=lambda name, layer: isinstance(layer, nn.Embed))
     assert isinstance(embeds.embed, nn.QuantizedEmbed) and embeds.head is net.head
     assert all(q is f for q, f in zip(embeds.encoder, net.encoder, strict=True))
     # a function that picks nothing is a choice, not a mistake: the model comes back as is
-    none = tt.quantize(net, filter=lambda name, layer: False)
+    none = tt.quantize(net, where=lambda name, layer: False)
     assert none.embed is net.embed and none.head is net.head
 
 
-def test_a_pattern_that_matches_nothing_lists_the_layers(without_type_checks):
+def test_a_pattern_that_matches_nothing_names_the_closest_layer_or_lists_them(
+    without_type_checks,
+):
     with pytest.raises(
         ValueError,
-        match=r"^taktiny\.quantize: the filter 'x' matches no Linear or Embed layer \(\[\]\); "
-        r"the model has none\.$",
+        match=r"^taktiny\.quantize on list: 1 problem:\n  - 'x': matches no Linear or Embed "
+        r"layer; the model has none\.$",
     ):
-        tt.quantize([jnp.ones(3)], filter="x")
+        tt.quantize([jnp.ones(3)], where="x")
     five = [nn.Linear(2, 2, rngs=nn.Rngs(i)) for i in range(5)]
     with pytest.raises(
         ValueError,
-        match=r"^taktiny\.quantize: the filter 'x' matches no Linear or Embed layer "
-        r"\(\['0', '1', '2', '3'\], \.\.\.\); ",
+        match=r"^taktiny\.quantize on list: 1 problem:\n  - 'x': matches no Linear or Embed "
+        r"layer; no name is close to it; the layers it may name: '0', '1', '2', '3' and 1 "
+        r"more\.$",
     ):
-        tt.quantize(five, filter="x")
+        tt.quantize(five, where="x")
 
 
 def test_quantize_errors_name_the_weight_from_the_models_root():

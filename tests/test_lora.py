@@ -59,7 +59,7 @@ def randomised(model, seed=0):
 
 def test_adapters_are_named_under_their_layers_and_the_output_starts_as_the_base():
     base = Net(rngs=nn.Rngs(0))
-    model = tt.lora(base, 4, targets=["blocks.*.*", "embed"], rngs=nn.Rngs(1))
+    model = tt.lora(base, 4, where=["blocks.*.*", "embed"], rngs=nn.Rngs(1))
     names = list(tt.flat_state_dict(model))
     assert names == [
         "embed.embedding", "embed.lora_a", "embed.lora_b",
@@ -77,7 +77,7 @@ def test_adapters_are_named_under_their_layers_and_the_output_starts_as_the_base
     assert up.kernel is base.blocks[0].up.kernel  # the base's own arrays
     assert not np.any(np.asarray(up.lora_b))
     # PEFT's lora_A: kaiming-uniform with a = sqrt(5), uniform on ±1/sqrt(in_features)
-    big = tt.lora({"p": nn.Linear(400, 30, rngs=nn.Rngs(0))}, 64, targets="p", rngs=nn.Rngs(2))
+    big = tt.lora({"p": nn.Linear(400, 30, rngs=nn.Rngs(0))}, 64, where="p", rngs=nn.Rngs(2))
     a = np.asarray(big["p"].lora_a)
     assert np.abs(a).max() <= 1 / 20 and np.abs(a).max() > 0.99 / 20
     assert abs(a.std() - 1 / 20 / np.sqrt(3)) < 1e-3
@@ -88,7 +88,7 @@ def test_adapters_are_named_under_their_layers_and_the_output_starts_as_the_base
 
 def test_the_adapter_adds_scale_times_x_a_b_to_the_base():
     base = Net(rngs=nn.Rngs(0))
-    model = randomised(tt.lora(base, 2, targets="**", alpha=6, rngs=nn.Rngs(1)))
+    model = randomised(tt.lora(base, 2, where="**", alpha=6, rngs=nn.Rngs(1)))
     layer, plain = model.blocks[0].up, base.blocks[0].up
     assert layer.scale == 3.0
     x = np.random.default_rng(1).normal(size=(3, 8)).astype(np.float32)
@@ -108,7 +108,7 @@ def test_only_the_adapters_train(optax_promotion):
     their factors, the adapted layers' base weights get no gradient at all, and optax
     labelled by tt.trainable changes nothing else (the norm and the layers left without an
     adapter included). The merged model trains whole again."""
-    model = randomised(tt.lora(Net(rngs=nn.Rngs(0)), 4, targets="blocks.**", rngs=nn.Rngs(1)))
+    model = randomised(tt.lora(Net(rngs=nn.Rngs(0)), 4, where="blocks.**", rngs=nn.Rngs(1)))
     flags = tt.flat_state_dict(tt.trainable(model))
     assert [n for n, f in flags.items() if f] == [n for n in flags if ".lora_" in n]
     assert {"embed.embedding", "norm.scale", "blocks.0.up.kernel"} <= set(flags)
@@ -129,7 +129,7 @@ def test_only_the_adapters_train(optax_promotion):
 
 def test_qlora_keeps_the_quantized_base_frozen_whole():
     base = tt.quantize(Net(rngs=nn.Rngs(0)), bits=4, group_size=4)
-    model = tt.lora(base, 4, targets="**", rngs=nn.Rngs(1))
+    model = tt.lora(base, 4, where="**", rngs=nn.Rngs(1))
     assert isinstance(model.blocks[0].up.kernel, tt.QArray)
     assert np.array_equal(model(ids()), base(ids()))
     flags = tt.flat_state_dict(tt.trainable(model))
@@ -215,7 +215,7 @@ def test_qlora_trains_the_factors_alone(train, bits, group_size, sharded, optax_
     other leaf (the integers, their scales, the norm left without an adapter) stays
     bitwise as it was, and the factors keep their placement."""
     base = tt.quantize(Net(rngs=nn.Rngs(0)), bits=bits, group_size=group_size)
-    model = tt.lora(base, 4, targets=["blocks.*.*", "embed"], alpha=8, rngs=nn.Rngs(1))
+    model = tt.lora(base, 4, where=["blocks.*.*", "embed"], alpha=8, rngs=nn.Rngs(1))
     mesh = mesh_of()
     if sharded:
         model = tt.shard(model, SHARDING_RULES, mesh)
@@ -276,7 +276,7 @@ def test_the_backward_pass_forms_no_dense_weight_gradient(quantized):
     frozen fields read through stop_gradient)."""
     base = Wide(rngs=nn.Rngs(0))
     base = tt.quantize(base, group_size=4) if quantized else base
-    model = randomised(tt.lora(base, 2, targets="*", rngs=nn.Rngs(1)))
+    model = randomised(tt.lora(base, 2, where="*", rngs=nn.Rngs(1)))
     ids = jnp.asarray([[0, 5, 23], [7, 7, 1]])
     dense = {(24, 12), (12, 24), (12, 20), (20, 12)}
     loss = lambda m: jnp.mean(m(ids) ** 2)
@@ -297,7 +297,7 @@ def test_the_backward_pass_forms_no_dense_weight_gradient(quantized):
 
 def test_merge_gives_the_original_names_and_structure_and_numpy_sums():
     base = Net(rngs=nn.Rngs(0))
-    model = randomised(tt.lora(base, 4, targets="**", alpha=8, rngs=nn.Rngs(1)))
+    model = randomised(tt.lora(base, 4, where="**", alpha=8, rngs=nn.Rngs(1)))
     merged, errors = tt.merge_lora(model, report=True)
     assert jax.tree.structure(merged) == jax.tree.structure(base)
     assert list(tt.flat_state_dict(merged)) == list(tt.flat_state_dict(base))
@@ -334,7 +334,7 @@ def test_the_merge_report_is_the_exact_distance_from_the_adapted_weight(dtype):
         "p": nn.Linear(12, 20, param_dtype=dtype, rngs=nn.Rngs(0)),
         "e": nn.Embed(24, 12, param_dtype=dtype, rngs=nn.Rngs(1)),
     }
-    model = randomised(tt.lora(base, 2, targets="*", alpha=3, rngs=nn.Rngs(2)))
+    model = randomised(tt.lora(base, 2, where="*", alpha=3, rngs=nn.Rngs(2)))
     merged, errors = tt.merge_lora(model, report=True)
     assert list(errors) == ["e", "p"] and all(type(e) is float for e in errors.values())
     for name, field in (("p", "kernel"), ("e", "embedding")):
@@ -353,7 +353,7 @@ def test_the_merge_report_is_the_exact_distance_from_the_adapted_weight(dtype):
 @pytest.mark.parametrize(("bits", "group_size"), [(8, None), (4, 4)])
 def test_merging_onto_a_quantized_base_requantizes_and_reports_the_error(bits, group_size):
     base = tt.quantize(Net(rngs=nn.Rngs(0)), bits=bits, group_size=group_size)
-    model = randomised(tt.lora(base, 4, targets="blocks.**", rngs=nn.Rngs(1)))
+    model = randomised(tt.lora(base, 4, where="blocks.**", rngs=nn.Rngs(1)))
     merged, errors = tt.merge_lora(model, report=True)
     assert jax.tree.structure(merged) == jax.tree.structure(base)
     kernel, up = merged.blocks[0].up.kernel, model.blocks[0].up
@@ -368,39 +368,43 @@ def test_merging_onto_a_quantized_base_requantizes_and_reports_the_error(bits, g
 
 def test_merging_a_bfloat16_base_reports_its_rounding():
     base = {"p": nn.Linear(8, 8, param_dtype=jnp.bfloat16, rngs=nn.Rngs(0))}
-    model = randomised(tt.lora(base, 2, targets="p", rngs=nn.Rngs(1)))
+    model = randomised(tt.lora(base, 2, where="p", rngs=nn.Rngs(1)))
     assert model["p"].lora_a.dtype == jnp.float32
     merged, errors = tt.merge_lora(model, report=True)
     assert merged["p"].kernel.dtype == jnp.bfloat16
     assert 0 < float(errors["p"]) < 0.05
 
 
-def test_targets_that_adapt_nothing_are_refused_by_name(without_type_checks):
+def test_where_that_adapts_nothing_is_refused_by_name(without_type_checks):
     model = Net(rngs=nn.Rngs(0))
     cases = {
-        "norm": "'norm': it matches 'norm', a LayerNorm, which is not an adaptable layer",
+        "norm": "'norm': matches no Linear, QuantizedLinear, Embed or QuantizedEmbed layer; it "
+        "matches 'norm', a LayerNorm\\.$",
         "blocks.0.up.kernel": "the parameter 'blocks.0.up.kernel', not a layer; name the layer "
         "\\('blocks.0.up'\\)",
         "blokcs.*.up": "did you mean 'blocks.\\*.up'\\?",
-        "blocks.0": "'blocks.0', a Block, which is not an adaptable layer",
+        "blocks.0": "'blocks.0', a Block; name the layers inside it \\('blocks.0.\\*' or "
+        "'blocks.0.\\*\\*'\\)\\.$",
     }
     for target, message in cases.items():
-        with pytest.raises(ValueError, match=message):
-            tt.lora(model, 4, targets=["embed", target], rngs=nn.Rngs(1))
-    adapted = tt.lora(model, 4, targets="embed", rngs=nn.Rngs(1))
-    with pytest.raises(ValueError, match="'embed', which already has an adapter"):
-        tt.lora(adapted, 4, targets="embed", rngs=nn.Rngs(1))
+        with pytest.raises(tt.SelectionError, match=message):
+            tt.lora(model, 4, where=["embed", target], rngs=nn.Rngs(1))
+    adapted = tt.lora(model, 4, where="embed", rngs=nn.Rngs(1))
+    with pytest.raises(ValueError, match="'embed', a LoRAEmbed, which already has an adapter"):
+        tt.lora(adapted, 4, where="embed", rngs=nn.Rngs(1))
     with pytest.raises(ValueError, match="rank is a positive int"):
-        tt.lora(model, 0, targets="embed", rngs=nn.Rngs(1))
-    with pytest.raises(TypeError, match="targets is a layer-name pattern"):
-        tt.lora(model, 4, targets=[], rngs=nn.Rngs(1))
+        tt.lora(model, 0, where="embed", rngs=nn.Rngs(1))
+    with pytest.raises(TypeError, match="where is a pattern over layer names"):
+        tt.lora(model, 4, where=[], rngs=nn.Rngs(1))
+    with pytest.raises(TypeError, match=r"^taktiny\.lora: where= names the layers to adapt"):
+        tt.lora(model, 4, rngs=nn.Rngs(1))
     with pytest.raises(TypeError, match="LoRALinear adapts a Linear or QuantizedLinear"):
         nn.LoRALinear(model.embed, 4, rngs=nn.Rngs(1))
 
 
 def test_abstract_models_get_abstract_adapters():
     abstract = jax.eval_shape(lambda: Net(rngs=nn.Rngs(0)))
-    model = tt.lora(abstract, 4, targets="**", rngs=nn.Rngs(1))
+    model = tt.lora(abstract, 4, where="**", rngs=nn.Rngs(1))
     up = model.blocks[0].up
     assert isinstance(up.lora_a, jax.ShapeDtypeStruct) and up.lora_a.shape == (8, 4)
     assert up.lora_b.dtype == jnp.float32
@@ -409,13 +413,13 @@ def test_abstract_models_get_abstract_adapters():
 def test_the_adapters_alone_save_and_load_onto_a_base_loaded_apart(tmp_path):
     base = Net(rngs=nn.Rngs(0))
     save_safetensors(tmp_path / "base.safetensors", base)
-    model = randomised(tt.lora(base, 4, targets="**", rngs=nn.Rngs(1)))
+    model = randomised(tt.lora(base, 4, where="**", rngs=nn.Rngs(1)))
     adapters = {k: v for k, v in tt.flat_state_dict(model).items() if ".lora_" in k}
     save_safetensors(tmp_path / "adapters.safetensors", adapters)
 
     fresh = Net(rngs=nn.Rngs(5))  # other weights everywhere
     fresh = load_safetensors(fresh, tmp_path / "base.safetensors")
-    fresh = tt.lora(fresh, 4, targets="**", rngs=nn.Rngs(7))
+    fresh = tt.lora(fresh, 4, where="**", rngs=nn.Rngs(7))
     fresh = load_safetensors(fresh, tmp_path / "adapters.safetensors", strict=False)
     for name, value in tt.flat_state_dict(model).items():
         assert np.array_equal(tt.flat_state_dict(fresh)[name], value), name
@@ -424,7 +428,7 @@ def test_the_adapters_alone_save_and_load_onto_a_base_loaded_apart(tmp_path):
     path = (tmp_path / "orbax").absolute()
     with ocp.StandardCheckpointer() as checkpointer:
         checkpointer.save(path, adapters)
-    again = tt.lora(base, 4, targets="**", rngs=nn.Rngs(9))
+    again = tt.lora(base, 4, where="**", rngs=nn.Rngs(9))
     with ocp.StandardCheckpointer() as checkpointer:
         target = {k: v for k, v in tt.flat_state_dict(again).items() if ".lora_" in k}
         restored = checkpointer.restore(path, target=target)
@@ -440,7 +444,7 @@ def mesh_of():
 
 def test_shard_rules_for_the_base_place_the_adapters_on_the_matching_axes():
     mesh = mesh_of()
-    model = tt.lora(Net(rngs=nn.Rngs(0)), 4, targets="**", rngs=nn.Rngs(1))
+    model = tt.lora(Net(rngs=nn.Rngs(0)), 4, where="**", rngs=nn.Rngs(1))
     rules = [
         ("blocks.*.up.kernel", (None, "model")),
         ("blocks.*.down.kernel", ("model", None)),
@@ -464,7 +468,7 @@ def test_shard_rules_for_the_base_place_the_adapters_on_the_matching_axes():
     last = tt.sharding_plan(model, [*rules, ("**.lora_b", ("data", None))], mesh).specs
     assert last["blocks.0.up.lora_b"] == P(None, "model")
     # a quantized base: the factors follow its value
-    quantized = tt.lora(tt.quantize(Net(rngs=nn.Rngs(0))), 4, targets="**", rngs=nn.Rngs(1))
+    quantized = tt.lora(tt.quantize(Net(rngs=nn.Rngs(0))), 4, where="**", rngs=nn.Rngs(1))
     specs = tt.sharding_plan(quantized, rules, mesh).specs
     assert specs["blocks.0.up.lora_b"] == P(None, "model")
     assert specs["blocks.0.down.lora_a"] == P("model", None)
@@ -474,7 +478,7 @@ def test_adapters_of_a_model_built_split_are_split_as_its_kernels():
     mesh = mesh_of()
     with jax.set_mesh(mesh):
         base = Net(rngs=nn.Rngs(0), kernel_sharding=(None, "model"))
-        model = tt.lora(base, 4, targets="blocks.*.up", rngs=nn.Rngs(1))
+        model = tt.lora(base, 4, where="blocks.*.up", rngs=nn.Rngs(1))
         up = model.blocks[0].up
         assert up.lora_b.sharding.is_equivalent_to(NamedSharding(mesh, P(None, "model")), 2)
         assert up.lora_a.sharding.is_equivalent_to(NamedSharding(mesh, P()), 2)

@@ -82,7 +82,7 @@ def test_a_peft_adapter_loads_onto_the_adapted_model_and_gives_peft_logits(llama
                 parameter.copy_(torch.randn_like(parameter) * 0.1)
     peft_model.save_pretrained(tmp_path)
 
-    adapted = tt.lora(model, 4, targets=[f"layers.*.{t}" for t in TARGETS.values()],
+    adapted = tt.lora(model, 4, where=[f"layers.*.{t}" for t in TARGETS.values()],
                       alpha=8, rngs=nn.Rngs(0))  # fmt: skip
     adapted = load_safetensors(
         adapted, tmp_path / "adapter_model.safetensors", rules=peft_rules(), strict=False
@@ -103,7 +103,7 @@ def test_taktiny_adapters_export_into_a_folder_peft_loads(llama, tmp_path):
     reference, model, config = llama
     rank, alpha = 2, 6
     targets = [f"layers.*.{t}" for t in TARGETS.values()]
-    adapted = tt.lora(model, rank, targets=targets, alpha=alpha, rngs=nn.Rngs(0))
+    adapted = tt.lora(model, rank, where=targets, alpha=alpha, rngs=nn.Rngs(0))
     rng = np.random.default_rng(3)
     flat = {k: v for k, v in tt.flat_state_dict(adapted).items() if ".lora_" in k}
     adapted = adapted.load_flat_state_dict(

@@ -334,6 +334,7 @@ def test_public_surface_is_short_and_documented():
     assert public == [
         "QArray",
         "Schema",
+        "SelectionError",
         "ShardingPlan",
         "StateDictError",
         "StateProblem",

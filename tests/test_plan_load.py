@@ -264,7 +264,7 @@ def test_the_plan_command(saved, tmp_path, monkeypatch, capsys):
         main(["plan", str(path), "--model", "plan_models:good", "--rules", "plan_models:RULES"])
         == 1
     )
-    assert "[unused]" in capsys.readouterr().out
+    assert "no rule consumes or ignores this source name" in capsys.readouterr().out
     assert main(["plan", str(path), "--model", "plan_models:nothing"]) == 2
     assert "has no function 'nothing'" in capsys.readouterr().err
     assert main(["plan", str(tmp_path / "absent.safetensors"), "--model", "plan_models:good"]) == 2

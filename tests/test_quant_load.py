@@ -37,7 +37,7 @@ class Net(nn.Module):
 
 def quantized(model, **kw):
     """`model` quantized in int4 groups of 16, its head left in float."""
-    return tt.quantize(model, bits=4, group_size=16, filter=lambda name, _: name != "head", **kw)
+    return tt.quantize(model, bits=4, group_size=16, where=lambda name, _: name != "head", **kw)
 
 
 def bitwise_equal(a, b):
@@ -87,7 +87,7 @@ def test_only_the_parameters_named_are_quantized():
 
 def test_quantizing_on_load_keeps_the_layout_and_scale_dtype_of_each_leaf():
     source = Net(rngs=nn.Rngs(0))
-    model = tt.quantize(Net(param_dtype=jnp.bfloat16, rngs=nn.Rngs(1)), bits=8, filter="encoder.**")
+    model = tt.quantize(Net(param_dtype=jnp.bfloat16, rngs=nn.Rngs(1)), bits=8, where="encoder.**")
     loaded = model.load_state_dict(source.state_dict(), **MATCH)
     kernel = loaded.encoder[1].kernel
     assert (kernel.bits, kernel.axis, kernel.group_size) == (8, 0, None)
@@ -110,7 +110,7 @@ def test_a_quantized_model_refuses_a_float_state_without_the_option():
     with pytest.raises(tt.StateDictError, match=message) as flat:
         model.load_flat_state_dict(source.flat_state_dict())
     for error in (nested, flat):
-        problems = [(p.key, p.kind) for p in error.value.problems]
+        problems = [(p.name, p.kind) for p in error.value.problems]
         assert problems == [("embed.embedding", "representation"),
                             ("encoder.0.kernel", "representation"),
                             ("encoder.1.kernel", "representation")]  # fmt: skip

@@ -307,7 +307,7 @@ def test_all_problems_are_reported_at_once_and_nothing_is_applied():
     )
     # structural problems come first, then problems with values, then missing names
     assert [p.kind for p in err.problems] == ["unknown", "shape", "value"]
-    assert [p.key for p in err.problems] == ["extra", "output.bias", "input.bias"]
+    assert [p.name for p in err.problems] == ["extra", "output.bias", "input.bias"]
     assert str(err).startswith("MLP.load_flat_state_dict(): 3 problems; nothing was loaded.")
     assert err.problems[1].expected == (4,) and err.problems[1].got == (9,)
     assert m.input.kernel is before
@@ -968,7 +968,7 @@ def test_a_load_resolves_its_names_once(monkeypatch, view, dotted, strict, abstr
         kind = "missing" if strict else "abstract"
         with pytest.raises(tt.StateDictError, match=r"2 problems") as caught:
             _state.load(tree, state, strict=strict, flat=dotted)
-        assert [(p.kind, p.key) for p in caught.value.problems] == [(kind, "a"), (kind, "b.d")]
+        assert [(p.kind, p.name) for p in caught.value.problems] == [(kind, "a"), (kind, "b.d")]
     else:
         loaded = _state.load(tree, state, strict=strict, flat=dotted)
         assert np.asarray(loaded["b"]["c"]).tolist() == [0.0, 0.0]

@@ -32,7 +32,7 @@ def refused(kind, key, match, load):
     """Runs `load`, which must raise one problem of `kind` about `key`, matching `match`."""
     with pytest.raises(tt.StateDictError, match=match) as info:
         load()
-    assert [(p.kind, p.key) for p in info.value.problems] == [(kind, key)]
+    assert [(p.kind, p.name) for p in info.value.problems] == [(kind, key)]
 
 
 # --- floats without inf ---------------------------------------------------------------
@@ -125,7 +125,7 @@ def test_a_float6_value_is_checked_against_half_the_step_below_its_largest():
         state = {"w": np.array([value], np.float32), "u": np.zeros(1, np.float32)}
         with pytest.raises(tt.StateDictError) as info:
             tt.load_state_dict(tree, state)
-        assert [(p.kind, p.key) for p in info.value.problems] == kinds
+        assert [(p.kind, p.name) for p in info.value.problems] == kinds
 
 
 @pytest.mark.parametrize("where", ["numpy", "jax"])
@@ -338,7 +338,7 @@ def test_a_state_that_contains_itself_is_refused_where_it_does(strict):
         message = f"'{key}': its value is {got}, which contains it: a state that contains itself"
         with pytest.raises(tt.StateDictError, match=re.escape(message)) as info:
             d.load_state_dict(state, strict=strict)
-        problems = [(p.kind, p.key) for p in info.value.problems]
+        problems = [(p.kind, p.name) for p in info.value.problems]
         assert problems[0] == ("structure", key)
         assert {kind for kind, _ in problems[1:]} == ({"missing"} if strict else set())
     leaf = {}

@@ -209,16 +209,18 @@ def test_by_name_rules_are_ordered_globs_over_state_names():
 def test_by_name_refuses_rules_that_match_nothing_and_names_left_unlabelled():
     model = Classifier(3, rngs=nn.Rngs(0))
     with pytest.raises(
-        ValueError,
-        match=r"the rule 'encoder' matches no name; it matches the group 'encoder', not a "
-        r"parameter: 'encoder\.\*\*' matches everything in it",
+        tt.SelectionError,
+        match=r"  - 'encoder': matches no name; it matches the group 'encoder', not a "
+        r"parameter: 'encoder\.\*\*' matches everything in it\.$",
     ):
         tt.by_name({"encoder": 1}, default=0)(model)
     with pytest.raises(
-        ValueError, match=r"the rule 'haed\.\*\*' matches no name; did you mean 'head\.\*\*'\?"
+        ValueError, match=r"  - 'haed\.\*\*': matches no name; did you mean 'head\.\*\*'\?$"
     ):
         tt.by_name({"haed.**": 1}, default=0)(model)
-    with pytest.raises(ValueError, match=r"no rule matches 'encoder\.input\.kernel'.*default="):
+    with pytest.raises(
+        ValueError, match=r"  - 'encoder\.input\.kernel': no rule matches it; .* pass default="
+    ):
         tt.by_name({"head.**": 1})(model)
     with pytest.raises(ValueError, match=r"'\*\*' matches whole parts"):
         tt.by_name({"enc**": 1})
@@ -251,20 +253,34 @@ def test_by_name_rules_must_be_pairs(without_type_checks):
 
 
 @pytest.mark.parametrize(
-    ("unlabelled", "more"), [(1, ""), (10, ""), (11, " and 1 more"), (12, " and 2 more")]
+    ("unlabelled", "more"),
+    [
+        (1, ""),
+        (19, ""),
+        (20, "  ... and 1 more (all in .problems)"),
+        (21, "  ... and 2 more (all in .problems)"),
+    ],
 )
-def test_by_name_lists_the_first_ten_unlabelled_names_and_counts_the_rest(unlabelled, more):
+def test_by_name_lists_each_unlabelled_name_and_counts_those_past_twenty(unlabelled, more):
     names = [f"p{i:02d}" for i in range(unlabelled)]
     tree = {"keep": jnp.ones(1), **{name: jnp.ones(1) for name in names}}
-    listed = ", ".join(repr(name) for name in names[:10])
-    with pytest.raises(ValueError) as info:
+    with pytest.raises(tt.SelectionError) as info:
         tt.by_name({"keep": 1, "kep": 2})(tree)
-    assert str(info.value) == (
-        "taktiny.by_name on dict:\n"
-        f"  - no rule matches {listed}{more}; add a rule for them (a last rule '**' matches "
-        "everything), or pass default=...\n"
-        "  - the rule 'kep' matches no name; did you mean 'keep'?"
+    fix = (
+        "no rule matches it; add a rule for it (a last rule '**' matches everything), or "
+        "pass default= (the value of the names no rule matches)."
     )
+    count = 1 + unlabelled
+    assert str(info.value).splitlines() == [
+        f"taktiny.by_name on dict: {count} problem{'s' if count > 1 else ''}:",
+        "  - 'kep': matches no name; did you mean 'keep'?",
+        *(f"  - {name!r}: {fix}" for name in names[:19]),
+        *([more] if more else []),
+    ]
+    assert [(p.kind, p.name) for p in info.value.problems] == [
+        ("unmatched", "kep"),
+        *(("missing", name) for name in names),
+    ]
 
 
 def test_trainable_reaches_modules_inside_any_container():

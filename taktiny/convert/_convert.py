@@ -206,7 +206,7 @@ def resume(
 def check_ties(ties: Sequence[tuple[str, str]], source: Mapping[str, Any], where: str) -> None:
     """Raises when a tied pair of source names holds different values (reads both)."""
     unequal = [
-        ConversionProblem("tie", name, f"is tied to {other!r}, but their values differ.")
+        ConversionProblem("tie", name, hint=f"is tied to {other!r}, but their values differ.")
         for name, other in ties
         if not np.array_equal(_read(source[name]), _read(source[other]))
     ]
@@ -310,7 +310,7 @@ def export(rules: Sequence[AnyRule], model: Any) -> dict[str, Any]:
                 ConversionProblem(
                     "missing",
                     leaf,
-                    "no rule produces this leaf, so export cannot name it; add a Rule.",
+                    hint="no rule produces this leaf, so export cannot name it; add a Rule.",
                 )
             )
             continue
@@ -327,7 +327,7 @@ def export(rules: Sequence[AnyRule], model: Any) -> dict[str, Any]:
             why = f"the model lacks {lacking}"
         if why is not None:
             problems.extend(
-                ConversionProblem("irreversible", n, f"{rule!r} cannot export it: {why}.")
+                ConversionProblem("irreversible", n, hint=f"{rule!r} cannot export it: {why}.")
                 for n in names
                 if n is not None
             )
@@ -391,6 +391,6 @@ def round_trip_check(rules: Sequence[AnyRule], model: Any) -> None:
                 f"than the model's {a.dtype.name}{list(a.shape)}; a transform and its inverse "
                 f"disagree."
             )
-            problems.append(ConversionProblem("round_trip", name, why))
+            problems.append(ConversionProblem("round_trip", name, hint=why))
     if problems:
         raise ConversionError("convert.round_trip_check", problems)

@@ -3,7 +3,6 @@ before any array is converted or loaded; every problem in one `ConversionError`.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -11,6 +10,7 @@ import jax
 import numpy as np
 
 from ..state import _patterns, _problems, _values
+from ..state._problems import StateProblem as ConversionProblem
 from ._rules import CAPTURE, AnyRule, Ignore, Rule, Tie, first_match
 from ._transforms import Transform
 
@@ -19,32 +19,20 @@ KINDS = ("unused", "missing", "unknown", "unmatched")  # those `allow` may allow
 # "round_trip"
 
 
-@dataclasses.dataclass(frozen=True)
-class ConversionProblem:
-    """One problem with a conversion.
-
-    Attributes:
-        kind: ``"unused"`` (a source name no rule consumed or ignored), ``"missing"`` (a
-            target leaf no rule produced), ``"unknown"`` (a produced name the target does
-            not have), ``"unmatched"`` (a rule that matched no name), ``"duplicate"`` (a
-            name produced twice), ``"shape"``, ``"dtype"`` (a change of dtype kind),
-            ``"transform"`` (the transform failed on these arrays), ``"incomplete"`` (a
-            rule found some of its sources only), ``"gather"`` (gathered captures not 0..n-1),
-            ``"tie"``, ``"irreversible"`` (export), ``"round_trip"``.
-        name: the name (or rule) the problem is about.
-        hint: the full explanation, with the fix.
-    """
-
-    kind: str
-    name: str
-    hint: str
-
-    def __str__(self) -> str:
-        return f"[{self.kind}] {self.name!r}: {self.hint}"
-
-
 class ConversionError(ValueError):
     """Raised once, listing every problem of a conversion; nothing was converted.
+
+    Each problem is a :class:`ConversionProblem`, the record every problem of a state is
+    (:class:`taktiny.StateProblem`: the same class, under the name this module has always
+    used), read as ``'name': what is wrong; the fix``. Its ``kind`` is one of
+    ``"unused"`` (a source name no rule consumed or ignored), ``"missing"`` (a target leaf
+    no rule produced), ``"unknown"`` (a produced name the target does not have),
+    ``"unmatched"`` (a rule that matched no name), ``"duplicate"`` (a name produced twice),
+    ``"shape"``, ``"dtype"`` (a change of dtype kind; these two with ``expected`` and
+    ``got``), ``"transform"`` (the transform failed on these arrays), ``"incomplete"`` (a
+    rule found some of its sources only), ``"gather"`` (gathered captures not 0..n-1),
+    ``"tie"``, ``"irreversible"`` (export) or ``"round_trip"``; its ``name`` is the name
+    (or the rule's sources) it is about. The first four are those ``allow`` may allow.
 
     Args:
         where: the call that failed, which starts the message.
@@ -149,8 +137,8 @@ def plan(
     `unmatched`: whether a Rule that matched no source name is a problem."""
     problems: list[ConversionProblem] = []
 
-    def add(kind: str, name: str, hint: str) -> None:
-        problems.append(ConversionProblem(kind, name, hint))
+    def add(kind: str, name: str, hint: str, expected: Any = None, got: Any = None) -> None:
+        problems.append(ConversionProblem(kind, name, expected, got, hint))
 
     hits, groups, ties, ignored = [0] * len(rules), {}, [], []
     for name in source:
@@ -231,20 +219,24 @@ def plan(
                 f"produced from {list(made[0][0])}, but the target has no such leaf; {hint}",
             )
         elif tuple(got.shape) != tuple(leaves[target].shape):
+            want, have = _show(leaves[target]), _show(got)
             add(
                 "shape",
                 target,
-                f"shape mismatch: the target holds "
-                f"{_show(leaves[target])}, the rule makes {_show(got)} from "
+                f"shape mismatch: the target holds {want}, the rule makes {have} from "
                 f"{list(made[0][0])}; fix its transform.",
+                want,
+                have,
             )
         elif _values.kind(got.dtype) != _values.kind(leaves[target].dtype):
+            want, have = _show(leaves[target]), _show(got)
             add(
                 "dtype",
                 target,
-                f"dtype kind changes: the target holds "
-                f"{_show(leaves[target])}, the rule makes {_show(got)}; add "
+                f"dtype kind changes: the target holds {want}, the rule makes {have}; add "
                 f"a cast, or fix the rule.",
+                want,
+                have,
             )
     keep = (
         "load with strict=False to keep the model's value"

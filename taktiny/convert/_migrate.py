@@ -32,6 +32,7 @@ and run as any conversion is (tensor by tensor by :func:`taktiny.io.load_safeten
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
@@ -300,7 +301,8 @@ def _walk(
                         ConversionProblem(
                             "duplicate",
                             n,
-                            "is added by an Init and also made from the saved state; drop one.",
+                            hint="is added by an Init and also made from the saved state; drop "
+                            "one.",
                         )
                         for n in twice
                     ],
@@ -414,8 +416,7 @@ def explained(
         f"removed it.",
     }
     problems = [
-        ConversionProblem(p.kind, p.name, fixes[p.kind]) if p.kind in fixes else p
-        for p in error.problems
+        dataclasses.replace(p, hint=fixes[p.kind]) if p.kind in fixes else p for p in error.problems
     ]
     return ConversionError(f"{where}: after {stages_text(found)}", [*problems, *more])
 
@@ -434,7 +435,7 @@ def _check_added_kept(rules: Sequence[AnyRule], nodes: Mapping[str, _Node], here
                 ConversionProblem(
                     "transform",
                     name,
-                    f"{rule!r} transforms it, but migration {node[1]} -> {node[1] + 1} added "
+                    hint=f"{rule!r} transforms it, but migration {node[1]} -> {node[1] + 1} added "
                     f"it (Init), so an older state has no value for it: only rename it here, "
                     f"or Init the new name instead.",
                 )
@@ -448,7 +449,7 @@ def _check_added(added: set[str], leaves: Mapping[str, Any], where: str) -> None
         ConversionProblem(
             "unknown",
             name,
-            "an Init adds it, but the model has no such leaf: fix the name, or "
+            hint="an Init adds it, but the model has no such leaf: fix the name, or "
             "rename it in the migration that renamed the parameter.",
         )
         for name in sorted(added)
@@ -467,7 +468,7 @@ def without_values(added: set[str], leaves: Mapping[str, Any]) -> list[Conversio
         ConversionProblem(
             "missing",
             names[name],
-            "an Init adds it, so it keeps the model's own value, but the model is abstract "
+            hint="an Init adds it, so it keeps the model's own value, but the model is abstract "
             "(jax.eval_shape) and has none: load into a concrete model (made by its class), "
             "or give this leaf of the abstract model a value first (equinox.tree_at).",
         )

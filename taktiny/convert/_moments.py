@@ -34,6 +34,7 @@ through too.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -158,7 +159,7 @@ def plan_state(
             ConversionProblem(
                 "unused",
                 name,
-                f"is under none of the moment prefixes {list(moments)} and the target has no "
+                hint=f"is under none of the moment prefixes {list(moments)} and the target has no "
                 f"such name; convert a state of the same optimizer, or allow it "
                 f"(allow={{'unused': [{name!r}]}}).",
             )
@@ -193,7 +194,7 @@ def _named(problem: ConversionProblem, moments: Sequence[str], loaded: bool) -> 
         f"no rule makes this {prefix!r} moment of the parameter {name!r}, as the source "
         f"lacks the moment its rule reads; {fix}."
     )
-    return ConversionProblem("missing", problem.name, hint)
+    return dataclasses.replace(problem, hint=hint)
 
 
 def _scalar(name: str, source: Mapping[str, Any], leaf: Any) -> ConversionProblem | None:
@@ -202,7 +203,7 @@ def _scalar(name: str, source: Mapping[str, Any], leaf: Any) -> ConversionProble
         return ConversionProblem(
             "missing",
             name,
-            "this leaf of the optimizer state is no moment of a parameter (a step count, a "
+            hint="this leaf of the optimizer state is no moment of a parameter (a step count, a "
             "hyperparameter), so it passes through by name, but the source lacks it; "
             "convert a state of the same optimizer.",
         )
@@ -211,7 +212,7 @@ def _scalar(name: str, source: Mapping[str, Any], leaf: Any) -> ConversionProble
         return ConversionProblem(
             "shape" if got.shape != want.shape else "dtype",
             name,
-            f"passes through unchanged, but the source holds {got.dtype.name}"
+            hint=f"passes through unchanged, but the source holds {got.dtype.name}"
             f"{list(got.shape)} where the target holds {want.dtype.name}{list(want.shape)}.",
         )
     return None

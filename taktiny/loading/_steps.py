@@ -172,7 +172,7 @@ def ruled_steps(
                 ConversionProblem(
                     "duplicate",
                     name,
-                    f"made both as a float array (quantized on load) and as its quantized "
+                    hint=f"made both as a float array (quantized on load) and as its quantized "
                     f"parts {parts}; make the rules produce one of them.",
                 )
             )
@@ -181,7 +181,7 @@ def ruled_steps(
                 ConversionProblem(
                     "missing",
                     part,
-                    f"no rule produces this target leaf, nor the float array {name!r} its "
+                    hint=f"no rule produces this target leaf, nor the float array {name!r} its "
                     f"quantized parameter is made from on load; add a Rule, or load with "
                     f"strict=False to keep the model's value.",
                 )

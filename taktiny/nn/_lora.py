@@ -1,6 +1,6 @@
 """Low-rank adapters (LoRA): `LoRALinear` and `LoRAEmbed`, which add ``scale * A @ B`` to a
-frozen base weight, and `lora` / `merge_lora`, which put them into a whole model and take
-them out again.
+frozen base weight. `tt.lora` and `tt.merge_lora` (``_surgery.py``) put them into a whole
+model and take them out again.
 
 An adapted layer keeps its base's fields under the same names (``kernel`` and ``bias``, or
 ``embedding``), declared ``trainable=False``, and adds ``lora_a`` and ``lora_b`` beside
@@ -16,22 +16,18 @@ initialisation (``lora_b`` zeros) its output equals the base's bit for bit.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator, Sequence
-from typing import Any, ClassVar, Literal, overload
+from collections.abc import Callable
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-from jax.core import Tracer
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Integer
 
-from .._qarray import QArray, quantize_like
-from ..module._module import Module, field, fields_of
+from .._qarray import QArray
+from ..module._module import Module, field
 from ..module._rngs import Rngs
-from ..state._names import flatten, key_name
-from ..state._patterns import compile_pattern, unused_hint
 from ._embed import Embed
 from ._explicit import project
 from ._linear import Linear
@@ -272,235 +268,3 @@ def _base(layer: LoRALinear | LoRAEmbed) -> Any:
         return build(cls, kernel=layer.kernel, bias=layer.bias, **config)
     cls = QuantizedEmbed if isinstance(layer.embedding, QArray) else Embed
     return build(cls, embedding=layer.embedding, **config)
-
-
-def _modules(tree: Any, prefix: str = "") -> Iterator[tuple[str, Module]]:
-    """Every module in `tree` with its flat name, outer ones first."""
-    found = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: isinstance(x, Module))[0]
-    for path, node in found:
-        if isinstance(node, Module):
-            name = ".".join([*([prefix] if prefix else []), *map(key_name, path)])
-            yield name, node
-            for field_name, value in fields_of(node).items():
-                yield from _modules(value, f"{name}.{field_name}" if name else field_name)
-
-
-def _is_layer(x: Any) -> bool:
-    return isinstance(x, Module) and type(x)._taktiny_base in (*_ADAPTABLE, *_ADAPTED)
-
-
-def _why_not(pattern: str, modules: dict[str, Module], leaves: Sequence[str]) -> str:
-    """Why the target `pattern` adapts nothing: what it matches instead, or the closest name."""
-    regex = compile_pattern(pattern)
-    for name, module in modules.items():
-        if regex.fullmatch("." + name):
-            kind = type(module)._taktiny_base
-            if kind in _ADAPTED:
-                return (
-                    f"it matches {name!r}, which already has an adapter ({kind.__name__}); "
-                    f"merge it first (taktiny.merge_lora) or leave it out of the targets"
-                )
-            return (
-                f"it matches {name!r}, a {kind.__name__}, which is not an adaptable layer "
-                f"(Linear, QuantizedLinear, Embed, QuantizedEmbed); name the layers inside "
-                f"it ('{pattern}.*' or '{pattern}.**')"
-            )
-    leaf = next((n for n in leaves if regex.fullmatch("." + n)), None)
-    if leaf is not None:
-        layer = leaf.rsplit(".", 1)[0] if "." in leaf else leaf
-        return f"it matches the parameter {leaf!r}, not a layer; name the layer ({layer!r})"
-    return unused_hint(pattern, list(modules)) if modules else "the model has no modules"
-
-
-def lora(
-    model: Any,
-    rank: int,
-    *,
-    targets: str | Sequence[str],
-    alpha: float | int | None = None,
-    rngs: Rngs,
-) -> Any:
-    """`model` with a low-rank adapter on every layer that `targets` names: each
-    :class:`~taktiny.nn.Linear` and :class:`~taktiny.nn.QuantizedLinear` becomes a
-    :class:`~taktiny.nn.LoRALinear`, each :class:`~taktiny.nn.Embed` and
-    :class:`~taktiny.nn.QuantizedEmbed` a :class:`~taktiny.nn.LoRAEmbed`.
-
-    The base weights keep their flat names and are not trained; each adapted layer gains
-    ``<layer>.lora_a`` and ``<layer>.lora_b``, with ``lora_b`` zeros, so the model's
-    output is unchanged until it is trained. The adapters are placed as their base weights
-    are (``lora_a`` split as the weight's first axis, ``lora_b`` as its second). Layers
-    are adapted in the order of their names, each drawing one key from `rngs`. Works on
-    an abstract model (from ``jax.eval_shape``), whose adapters are then abstract too.
-
-    Args:
-        model: a module, or any PyTree holding modules; it is not changed.
-        rank: the rank of every adapter.
-        targets: a pattern over layer names, or a list of them, in the language of
-            :func:`taktiny.shard` (``"layers.*.attention.query"``,
-            ``"**.attention.*"``, ``"**.mlp.*"``); each must match at least one adaptable
-            layer.
-        alpha: the scale's numerator, ``scale = alpha / rank``; None for ``alpha = rank``.
-        rngs: the key stream the adapters are drawn from.
-
-    Returns:
-        The adapted model.
-
-    Raises:
-        ValueError: a target matches no adaptable layer (the error names it, and what it
-            matches instead: a module of another kind, a parameter, an adapted layer, or
-            the closest name), a target is not a valid pattern, or `rank` is not a
-            positive int.
-        TypeError: `targets` is not a string or a list of strings, or `alpha` is not a
-            number.
-    """
-    patterns = [targets] if isinstance(targets, str) else list(targets)
-    if not patterns or not all(isinstance(p, str) for p in patterns):
-        raise TypeError(
-            f"taktiny.lora: targets is a layer-name pattern ('**.attention.*') or a non-empty "
-            f"list of them, got {targets!r}."
-        )
-    _scale(rank, alpha, "taktiny.lora")
-    compiled = [compile_pattern(p) for p in patterns]
-    found = jax.tree_util.tree_flatten_with_path(model, is_leaf=_is_layer)[0]
-    layers = {
-        ".".join(map(key_name, path)): x
-        for path, x in found
-        if _is_layer(x) and type(x)._taktiny_base in _ADAPTABLE
-    }
-    chosen = {n for n in layers if any(r.fullmatch("." + n) for r in compiled)}
-    hits = {
-        p: any(r.fullmatch("." + n) for n in layers)
-        for p, r in zip(patterns, compiled, strict=True)
-    }
-    problems = [p for p, hit in hits.items() if not hit]
-    if problems:
-        modules = dict(_modules(model))
-        leaves = flatten(model)[2].names
-        lines = "".join(f"\n  - {p!r}: {_why_not(p, modules, leaves)}" for p in problems)
-        raise ValueError(
-            f"taktiny.lora: {len(problems)} target(s) match no Linear, QuantizedLinear, Embed "
-            f"or QuantizedEmbed layer, so nothing would be adapted there:{lines}"
-        )
-    keys = {name: rngs() for name in sorted(chosen)}
-
-    def swap(path: Any, layer: Any) -> Any:
-        name = ".".join(map(key_name, path))
-        if name not in keys:
-            return layer
-        adapter = _ADAPTABLE[type(layer)._taktiny_base]
-        return adapter(layer, rank, alpha=alpha, rngs=Rngs(keys[name]))
-
-    return jax.tree_util.tree_map_with_path(swap, model, is_leaf=_is_layer)
-
-
-def _merged(layer: LoRALinear | LoRAEmbed, name: str) -> tuple[Module, Any, Any]:
-    """The plain layer with ``scale * lora_a @ lora_b`` added to its weight (in float32),
-    placed as the weight was; the weight it held, and the one it now holds."""
-    base = _base(layer)
-    field_name = "kernel" if isinstance(layer, LoRALinear) else "embedding"
-    weight = getattr(base, field_name)
-    delta = jnp.matmul(
-        layer.lora_a.astype(jnp.float32),
-        layer.lora_b.astype(jnp.float32),
-        precision=jax.lax.Precision.HIGHEST,
-    )
-    if isinstance(weight, QArray):
-        summed = jnp.asarray(weight.dequantize(jnp.float32)) + layer.scale * delta
-        new = _placed_like(quantize_like(summed, weight, name=f"{name}.{field_name}"), weight)
-    else:
-        summed = weight.astype(jnp.float32) + layer.scale * delta
-        new = _placed_like(summed.astype(weight.dtype), weight)
-    return base.replace(**{field_name: new}), weight, new
-
-
-def _on_host(weight: Any) -> np.ndarray:
-    """`weight`'s values in float64 on the host: a QArray's integers times its scales,
-    which float64 holds exactly."""
-    if not isinstance(weight, QArray):
-        return np.asarray(weight).astype(np.float64)
-    value, scale = (np.asarray(p).astype(np.float64) for p in (weight.value, weight.scale))
-    if weight.group_size is not None:  # each scale over its group of entries along `axis`
-        scale = np.repeat(scale, weight.group_size, axis=weight.axis)
-    return value * scale
-
-
-def _merge_error(layer: LoRALinear | LoRAEmbed, weight: Any, new: Any, name: str) -> float:
-    """The largest absolute difference between `new`, the weight merged from `layer`
-    (whose base weight is `weight`), and ``weight + scale * lora_a @ lora_b`` computed
-    exactly (in float64 on the host)."""
-    parts = (layer.lora_a, layer.lora_b, *jax.tree.leaves((weight, new)))
-    if any(isinstance(p, Tracer) for p in parts):
-        raise TypeError(
-            f"taktiny.merge_lora(report=True): {name!r} holds traced values; the report "
-            f"compares each merged weight with the exact sum computed with NumPy on the "
-            f"host, so it takes concrete arrays. Call it outside jax.jit, or with "
-            f"report=False inside."
-        )
-    a, b = (np.asarray(f).astype(np.float64) for f in (layer.lora_a, layer.lora_b))
-    exact = _on_host(weight) + layer.scale * (a @ b)
-    return float(np.max(np.abs(_on_host(new) - exact), initial=0.0))
-
-
-def _placed_like(new: Any, old: Any) -> Any:
-    """`new` (an array or a QArray) with each leaf placed as the same leaf of `old` is,
-    where that is a ``NamedSharding`` (inside a trace, as the computation placed it)."""
-
-    def place(n: Any, o: Any) -> Any:
-        sharding = getattr(o, "sharding", None)
-        if isinstance(sharding, NamedSharding) and not isinstance(n, Tracer):
-            return jax.device_put(n, sharding)
-        return n
-
-    return jax.tree.map(place, new, old)
-
-
-@overload
-def merge_lora(model: Any, *, report: Literal[False] = False) -> Any: ...
-@overload
-def merge_lora(model: Any, *, report: Literal[True]) -> tuple[Any, dict[str, float]]: ...
-def merge_lora(model: Any, *, report: bool = False) -> Any:
-    """`model` with every adapter merged into its base weight: each
-    :class:`~taktiny.nn.LoRALinear` and :class:`~taktiny.nn.LoRAEmbed` becomes the plain
-    layer it was made from, holding ``W + scale * lora_a @ lora_b``.
-
-    The result has exactly the flat names and tree structure of the model before
-    :func:`lora`. The sum is computed in float32 (at full matmul precision) and stored in
-    the weight's dtype, placed as the weight was; a quantized weight (QLoRA) is
-    dequantized, summed and quantized again with its own bits, axis, group size and scale
-    dtype. Both round: ask for ``report=True`` to see by how much.
-
-    Args:
-        model: a module, or any PyTree holding modules; it is not changed.
-        report: also return, for each merged layer's name, how far the merged layer is
-            from the adapted one: the largest absolute difference, entry by entry,
-            between the weight it now holds (dequantized exactly, for a quantized one)
-            and the weight the adapted layer stands for, ``W + scale * lora_a @ lora_b``
-            computed exactly (NumPy, float64, on the host; ``W`` dequantized exactly).
-            Float32 rounding for a float32 weight (a few units in the last place of its
-            largest entries), bfloat16 rounding for a bfloat16 one, up to about half a
-            quantization step for a quantized one. For an input ``x`` the outputs of the
-            two layers then differ by at most this times ``sum(abs(x))`` (plus the
-            rounding of the products themselves). The report takes concrete arrays (not
-            inside ``jax.jit``) and copies each weight to the host.
-
-    Returns:
-        The merged model; with `report`, ``(model, {layer name: float})``.
-
-    Raises:
-        TypeError: `report` is true and the model holds traced values (inside
-            ``jax.jit``).
-    """
-    errors: dict[str, float] = {}
-
-    def swap(path: Any, layer: Any) -> Any:
-        if not isinstance(layer, _ADAPTED):
-            return layer
-        name = ".".join(map(key_name, path))
-        merged, weight, new = _merged(layer, name)
-        if report:
-            errors[name] = _merge_error(layer, weight, new, name)
-        return merged
-
-    is_adapted = lambda x: isinstance(x, _ADAPTED)
-    merged = jax.tree_util.tree_map_with_path(swap, model, is_leaf=is_adapted)
-    return (merged, errors) if report else merged

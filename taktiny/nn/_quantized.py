@@ -1,10 +1,10 @@
-"""`QuantizedLinear` and `QuantizedEmbed`: `Linear` and `Embed` with `QArray` weights; and
-`quantize` / `dequantize`, which swap them for the float layers in a whole model."""
+"""`QuantizedLinear` and `QuantizedEmbed`: `Linear` and `Embed` with `QArray` weights.
+`tt.quantize` and `tt.dequantize` (``_surgery.py``) swap them for the float layers in a
+whole model."""
 
 from __future__ import annotations
 
 import types
-from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -17,12 +17,8 @@ from .._qarray import QArray, dequantize_array, quantized
 from ..module._module import Module, finalise
 from ..module._rngs import Rngs
 from ..sharding._specs import Spec
-from ..state._names import key_name
-from ..state._patterns import compile_pattern, unused_hint
-from ._embed import Embed
 from ._explicit import explicit_axes, free, project, typed_spec
 from ._layer_checks import check_features, check_ids
-from ._linear import Linear
 from ._precision import DTYPE, PRECISION, compute_dtype, static_dtype, static_precision
 from ._random import lecun_normal, normal, zero_bias
 
@@ -238,106 +234,3 @@ def build(cls: type[Module], **fields: Any) -> Any:
     obj: Any = types.SimpleNamespace.__new__(cls)
     obj.__dict__.update(fields)
     return finalise(obj)
-
-
-def _is_float_layer(x: Any) -> bool:
-    return isinstance(x, Module) and type(x)._taktiny_base in (Linear, Embed)
-
-
-def quantize(
-    model: Any,
-    *,
-    bits: int = 8,
-    group_size: int | None = None,
-    filter: str | Callable[[str, Any], bool] | None = None,
-) -> Any:
-    """`model` with its :class:`Linear` and :class:`Embed` layers replaced by
-    :class:`QuantizedLinear` and :class:`QuantizedEmbed` holding their weights quantized.
-
-    A ``Linear`` kernel ``[in, out]`` is quantized along its input axis (scales ``[1, out]``,
-    or ``[in // group_size, out]``), an ``Embed`` table ``[num, features]`` per row (scales
-    ``[num, 1]`` or ``[num, features // group_size]``); biases stay as they are, and so
-    do the shardings (each scale split as its weight on the other axis). Works on
-    abstract models (from ``jax.eval_shape``) too. The model given is not changed.
-
-    Args:
-        model: a module, or any PyTree holding modules.
-        bits: 8 (int8) or 4 (``jnp.int4``).
-        group_size: entries per scale along the quantized axis; None for one per channel.
-        filter: which layers to quantize: a pattern over the layers' names (``"encoder.**"``,
-            ``"blocks.*.mlp.*"``; see :class:`taktiny.by_name`), or a function
-            ``(name, layer) -> bool`` (``lambda name, layer: name != "head"``). None: all.
-
-    Returns:
-        The quantized model.
-
-    Raises:
-        TypeError: `filter` is neither a pattern, a function nor None; or a weight is not
-            a float array.
-        ValueError: a pattern `filter` matches no ``Linear`` or ``Embed`` layer, `bits`
-            is not 8 or 4, or `group_size` does not divide the quantized axis (or would
-            split a group across devices).
-    """
-    if isinstance(filter, str):
-        regex = compile_pattern(filter)
-        select = lambda name, layer: regex.fullmatch("." + name) is not None
-    elif filter is None or callable(filter):
-        select = filter or (lambda name, layer: True)
-    else:
-        raise TypeError(
-            f"taktiny.quantize: filter is a name pattern ('encoder.**') or a function "
-            f"(name, layer) -> bool, got {filter!r}."
-        )
-    found = jax.tree_util.tree_flatten_with_path(model, is_leaf=_is_float_layer)[0]
-    layers = {".".join(map(key_name, path)): x for path, x in found if _is_float_layer(x)}
-    chosen = {name for name, layer in layers.items() if select(name, layer)}
-    if isinstance(filter, str) and not chosen:
-        names = list(layers)
-        hint = unused_hint(filter, names) if names else "the model has none"
-        raise ValueError(
-            f"taktiny.quantize: the filter {filter!r} matches no Linear or Embed layer "
-            f"({names[:4]}{', ...' if len(names) > 4 else ''}); {hint}"
-            + ("" if hint.endswith("?") else ".")
-        )
-
-    def swap(path: Any, layer: Any) -> Any:
-        name = ".".join(map(key_name, path))
-        if not _is_float_layer(layer) or name not in chosen:
-            return layer
-        prefix = f"{name}." if name else ""
-        how = {"bits": bits, "group_size": group_size}
-        config = {"dtype": layer.dtype, "precision": layer.precision}
-        if isinstance(layer, Linear):
-            kernel = quantized(layer.kernel, axis=0, name=f"{prefix}kernel", **how)
-            return build(QuantizedLinear, kernel=kernel, bias=layer.bias, **config)
-        table = quantized(layer.embedding, axis=1, name=f"{prefix}embedding", **how)
-        return build(QuantizedEmbed, embedding=table, **config)
-
-    return jax.tree_util.tree_map_with_path(swap, model, is_leaf=_is_float_layer)
-
-
-def dequantize(model: Any) -> Any:
-    """`model` with its :class:`QuantizedLinear` and :class:`QuantizedEmbed` layers replaced
-    by :class:`Linear` and :class:`Embed` holding the dequantized weights (in the scales'
-    dtype, split as the quantized values were). The reverse of :func:`quantize`, up to
-    the rounding it did.
-
-    Args:
-        model: a module, or any PyTree holding modules; it is not changed.
-
-    Returns:
-        The model with float layers in place of the quantized ones.
-    """
-    bases = (Linear, Embed, QuantizedLinear, QuantizedEmbed)  # not walked into, float or not
-    is_layer = lambda x: isinstance(x, Module) and type(x)._taktiny_base in bases
-
-    def swap(layer: Any) -> Any:
-        base = type(layer)._taktiny_base if is_layer(layer) else None
-        config = {"dtype": layer.dtype, "precision": layer.precision} if base else {}
-        if base is QuantizedLinear:
-            return build(Linear, kernel=layer.kernel.dequantize(), bias=layer.bias, **config)
-        if base is QuantizedEmbed:
-            return build(Embed, embedding=layer.embedding.dequantize(), **config)
-        return layer
-
-    return jax.tree.map(swap, model, is_leaf=is_layer)

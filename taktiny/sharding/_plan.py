@@ -11,6 +11,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ..state import _names, _patterns
+from ..state import _problems as err
+from ..state._problems import SelectionError
 from ..state._values import placeable
 from ._specs import ambient_mesh, as_spec, mesh_text, spec_problems
 
@@ -76,11 +78,13 @@ def sharding_plan(
         A :class:`ShardingPlan`.
 
     Raises:
-        ValueError: listing every leaf whose spec names an axis the mesh lacks, has more
-            entries than the leaf has axes, or splits an axis that does not divide evenly,
-            with the leaf's shape, the spec and the mesh; every pattern that is not
-            valid; every rule that matches no leaf, with the closest name; and, with
-            `strict`, the leaves no rule matches.
+        taktiny.SelectionError: (a ``ValueError``) listing every rule whose pattern or
+            spec is not valid; every rule that matches no leaf, with the closest name;
+            every leaf whose spec names an axis the mesh lacks, has more entries than
+            the leaf has axes, or splits an axis that does not divide evenly, with the
+            leaf's shape, the spec and the mesh; and, with `strict`, the leaves no rule
+            matches.
+        ValueError: no `mesh` is given and no ``jax.set_mesh`` encloses the call.
     """
     return _plan(tree, rules, mesh, strict)[0]
 
@@ -90,44 +94,40 @@ def _plan(
 ) -> tuple[ShardingPlan, list[Any], Any, list[NamedSharding]]:
     """The plan, with the tree's leaves, its treedef and each leaf's sharding."""
     caller = "taktiny.sharding_plan" if not strict else "taktiny.sharding_plan(strict=True)"
+    where = f"{caller} on {type(tree).__name__}"
     pairs = _patterns.rule_list(rules, "taktiny.sharding_plan")
     problems = []
     checked = []
     for pattern, spec in pairs:
         try:
             _patterns.compile_pattern(pattern)
-            checked.append((pattern, as_spec(spec, f"the rule {pattern!r}")))
+            checked.append((pattern, as_spec(spec, "its spec")))
         except (ValueError, TypeError) as error:
-            problems.append(str(error))
+            problems.append(err.bad_rule(str(pattern), str(error)))
     if problems:
-        raise ValueError(_listing(caller, tree, problems))
+        raise SelectionError(where, problems)
     mesh = _concrete_mesh(mesh, caller)
     leaves, treedef, names = _names.flatten(tree)
     found = _patterns.match(checked, names.names, PartitionSpec())
     found = _whole_parameters(checked, names, leaves, found)
     found = _adapters(checked, names.names, found)
+    # a rule that matches nothing is a typo, most often: never silently left out
+    problems = _patterns.problems(found, checked, names.names, None)
     # models repeat a few shapes and specs: each pair is checked, and each spec made into a
     # sharding, once (PartitionSpecs are hashable; the rules hold the same few objects)
     checks: dict[tuple[Any, ...], list[str]] = {}
+    text = mesh_text(mesh)
     for name, leaf, spec in zip(names.names, leaves, found.values, strict=True):
         shape = tuple(np.shape(leaf))
         key = (shape, spec)
         if key not in checks:
             checks[key] = spec_problems(shape, spec, mesh)
-        for problem in checks[key]:
-            problems.append(
-                f"{name} of shape {shape} by {spec} on the mesh {mesh_text(mesh)}: {problem}"
-            )
-    if strict and found.unmatched:
-        problems.append(
-            f"no rule matches {', '.join(map(repr, found.unmatched))}; add a rule for them (a "
-            f"last rule '**' matches everything), or pass strict=False to replicate them"
-        )
-    for pattern in found.unused:  # a typo, most often: never silently left out
-        hint = _patterns.unused_hint(pattern, names.names, [p for p, _ in checked])
-        problems.append(f"the rule {pattern!r} matches no name; {hint}")
+        problems += [err.unplaceable(name, shape, spec, text, why) for why in checks[key]]
+    if strict:
+        fix = "add a rule for it (a last rule '**' matches everything), or pass strict=False"
+        problems += [err.unreached(name, f"{fix} to replicate it") for name in found.unmatched]
     if problems:
-        raise ValueError(_listing(caller, tree, problems))
+        raise SelectionError(where, problems)
     made: dict[PartitionSpec, NamedSharding] = {}
     shardings = [
         made.get(spec) or made.setdefault(spec, NamedSharding(mesh, spec)) for spec in found.values
@@ -236,11 +236,6 @@ def _follow(spec: PartitionSpec, shape: tuple[int, ...], whole: tuple[int, ...])
     return PartitionSpec(*kept)
 
 
-def _listing(caller: str, tree: Any, problems: list[str]) -> str:
-    lines = "\n".join(f"  - {p}" for p in problems)
-    return f"{caller} on {type(tree).__name__}: {len(problems)} problem(s):\n{lines}"
-
-
 def shard(
     tree: Any, rules: _patterns.Rules, mesh: Mesh | None = None, *, strict: bool = False
 ) -> Any:
@@ -263,7 +258,7 @@ def shard(
         A new tree of the same structure.
 
     Raises:
-        ValueError: as :func:`sharding_plan` does, before anything moves.
+        taktiny.SelectionError: as :func:`sharding_plan` raises it, before anything moves.
     """
     _, leaves, treedef, shardings = _plan(tree, rules, mesh, strict)
     moving = [i for i, leaf in enumerate(leaves) if not isinstance(leaf, jax.ShapeDtypeStruct)]

@@ -112,6 +112,42 @@ def match(rules: list[tuple[str, Any]], names: Sequence[str], default: Any) -> M
     return Match(values, unmatched, unused)
 
 
+def problems(
+    found: Match, rules: Sequence[tuple[str, Any]], names: Sequence[str], fix: str | None
+) -> list[Any]:
+    """The problems of what ordered `rules` `found` among `names`: each rule that matches
+    no name, with the closest names (``unused_hint``), then, when every name must be
+    reached (`fix`: how to reach it; None: need not be), each name no rule matches."""
+    from . import _problems as err  # (see unused_hint)
+
+    patterns = [pattern for pattern, _ in rules]
+    out = [err.unmatched(p, "name", unused_hint(p, names, patterns)) for p in found.unused]
+    if fix is not None:
+        out += [err.unreached(name, fix) for name in found.unmatched]
+    return out
+
+
+def select(patterns: Sequence[str], names: Sequence[str]) -> Match:
+    """Which of `names` any of `patterns` matches (values True or False), and the patterns
+    that match none. Unlike rules, each pattern is tried on its own: one whose names an
+    earlier one matched too still counts as used."""
+    compiled = [compile_pattern(pattern) for pattern in patterns]
+    used = [False] * len(compiled)
+    values: list[Any] = []
+    unmatched: list[str] = []
+    for name in names:
+        dotted = "." + name
+        hit = False
+        for i, regex in enumerate(compiled):
+            if regex.fullmatch(dotted):
+                used[i] = hit = True
+        values.append(hit)
+        if not hit:
+            unmatched.append(name)
+    unused = [pattern for pattern, hit in zip(patterns, used, strict=True) if not hit]
+    return Match(values, unmatched, unused)
+
+
 def unused_hint(pattern: str, names: Sequence[str], patterns: Sequence[str] = ()) -> str:
     """Why `pattern` may have matched nothing, and what might have been meant; `patterns`
     are those of all the rules, in order (an earlier one may have taken its names)."""

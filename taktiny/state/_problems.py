@@ -1,20 +1,28 @@
-"""The problems a load can find, and the error that lists them.
+"""The problems a load, a conversion or a selection by name can find, and the errors
+that list them.
 
-Every problem is a `StateProblem`, an immutable record built by exactly one function
-here (its builder), whether the load is of a state dict (`_resolve`, `_values`,
-`_represent`) or of a checkpoint read from its headers (`taktiny.io`). A load collects
-them and raises one `StateDictError` listing them all. The builders come in four groups:
-names and structure (unknown names, with the closest valid name as a suggestion; bad keys;
-a dict where an array belongs), values (not an array; a shape or dtype kind that differs;
-a cast that would change values; an array outside its leaf's mesh), quantized arrays (a
-float array where the model holds a `QArray` or the reverse; parts that make none) and
-checkpoints (what a checkpoint's headers already show).
+Every problem is a `StateProblem`, one immutable record of one shape (kind, name,
+expected, got, hint; read as ``'name': hint``), whatever found it: a load of a state dict
+(`_resolve`, `_values`, `_represent`) or of a checkpoint read from its headers
+(`taktiny.io`), a conversion (`taktiny.convert` builds its own kinds, and names the
+record `ConversionProblem`), or a choice by name (`tt.by_name`, `tt.shard`, and the
+layer surgery of `tt.lora`, `tt.quantize` and their reverses). A load's and a selection's
+problems are each built by exactly one function here (its builder). A load collects them
+and raises one `StateDictError` listing them all; a selection raises one
+`SelectionError`. The builders come in five groups: names and structure (unknown names,
+with the closest valid name as a suggestion; bad keys; a dict where an array belongs),
+selections (a pattern that matches nothing; a leaf no rule reaches; a spec a leaf cannot
+take), values (not an array; a shape or dtype kind that differs; a cast that would change
+values; an array outside its leaf's mesh), quantized arrays (a float array where the model
+holds a `QArray` or the reverse; parts that make none) and checkpoints (what a
+checkpoint's headers already show).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import warnings
 from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from typing import Any, cast
 
@@ -26,38 +34,106 @@ from .._qarray import PARTS, QArray
 from ..sharding._specs import mesh_text
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, init=False)
 class StateProblem:
-    """One problem found while loading a state.
+    """One problem with a model's state, or with choosing from it by name: found while
+    loading it (:class:`StateDictError`), converting it (``convert.ConversionError``, whose
+    ``convert.ConversionProblem`` is this class) or choosing leaves and layers by name
+    (:class:`SelectionError`). Every one has the same fields, and reads as
+    ``'name': what is wrong; the fix``.
 
     Attributes:
-        kind: ``"unknown"`` (no such name), ``"key"`` (a nested key that is not a
-            string, or contains ``"."``), ``"structure"`` (a dict where one array
-            belongs, or the reverse; a state that contains itself, or nests too deeply),
-            ``"shape"``, ``"dtype"`` (a change of dtype kind, or a cast to a narrower
-            dtype that would change values: an integer out of range, a float too large
-            that would become inf, or NaN or its largest value in a dtype without inf),
-            ``"value"`` (not an array, or one that holds no values: a deleted array, a
+        kind: what is wrong. A load's: ``"unknown"`` (no such name), ``"key"`` (a nested
+            key that is not a string, or contains ``"."``), ``"structure"`` (a dict where
+            one array belongs, or the reverse; a state that contains itself, or nests too
+            deeply), ``"shape"``, ``"dtype"`` (a change of dtype kind, or a cast to a
+            narrower dtype that would change values: an integer out of range, a float too
+            large that would become inf, or NaN or its largest value in a dtype without
+            inf), ``"value"`` (not an array, or one that holds no values: a deleted array, a
             tracer leaked out of a finished transformation; or a NumPy masked array),
             ``"representation"`` (a float array where the model holds a
-            :class:`~taktiny.QArray`, or the reverse, or a QArray quantized another
-            way), ``"sharding"`` (an array on devices outside the mesh of the leaf it
-            replaces), ``"missing"`` (not supplied under ``strict=True``) or
-            ``"abstract"`` (not supplied to an abstract model).
-        key: the flat name (``"layers.1.kernel"``) the problem is about.
-        expected: what the model holds there (a shape, a dtype name, a suggestion).
-        got: what the state supplied.
+            :class:`~taktiny.QArray`, or the reverse, or a QArray quantized another way),
+            ``"sharding"`` (an array on devices outside the mesh of the leaf it replaces),
+            ``"missing"`` (not supplied under ``strict=True``) or ``"abstract"`` (not
+            supplied to an abstract model). A conversion's are listed by
+            ``convert.ConversionError``. A selection's: ``"unmatched"`` (a pattern that
+            matches nothing it could choose), ``"missing"`` (a leaf no rule reaches, where
+            every leaf must be), ``"sharding"`` (a spec a leaf cannot take) and ``"rule"``
+            (a rule whose pattern or value is not one).
+        name: the flat name (``"layers.1.kernel"``) the problem is about; for a pattern
+            that matches nothing, the pattern.
+        expected: what belongs there (a shape, a dtype name, a description); None when
+            the hint alone says it.
+        got: what was given or found there; None when nothing was.
         hint: the full explanation, with the fix.
+
+    Args:
+        kind: as above.
+        name: as above.
+        expected: as above.
+        got: as above.
+        hint: as above.
+        key: the name, under its old keyword (deprecated: pass `name`).
+
+    ``ConversionProblem(kind, name, hint)``, the form of earlier releases, still makes the
+    record, with a ``DeprecationWarning``: pass ``hint=`` by keyword.
+
+    Raises:
+        TypeError: `name` or `hint` is not given, or both `name` and `key` are.
     """
 
     kind: str
-    key: str
+    name: str
     expected: Any
     got: Any
     hint: str
 
+    def __init__(
+        self,
+        kind: str,
+        name: str | None = None,
+        expected: Any = None,
+        got: Any = None,
+        hint: str | None = None,
+        *,
+        key: str | None = None,
+    ) -> None:
+        if key is not None:
+            if name is not None:
+                raise TypeError("StateProblem takes the name once: pass name=, not also key=.")
+            warnings.warn(_KEY_RENAMED, DeprecationWarning, stacklevel=2)
+            name = key
+        if hint is None and got is None and isinstance(expected, str):
+            warnings.warn(_HINT_MOVED, DeprecationWarning, stacklevel=2)
+            expected, hint = None, expected  # ConversionProblem(kind, name, hint), as it was
+        if name is None or hint is None:
+            raise TypeError(
+                f"StateProblem(kind, name, expected=None, got=None, hint) needs a name and a "
+                f"hint, got name={name!r}, hint={hint!r}."
+            )
+        values = (kind, name, expected, got, hint)
+        for field, value in zip(("kind", "name", "expected", "got", "hint"), values, strict=True):
+            object.__setattr__(self, field, value)  # (frozen: set once, here)
+
+    @property
+    def key(self) -> str:
+        """The name, under its old attribute (deprecated: read ``name``)."""
+        warnings.warn(_KEY_RENAMED, DeprecationWarning, stacklevel=2)
+        return self.name
+
     def __str__(self) -> str:
-        return f"{self.key!r}: {self.hint}"
+        return f"{self.name!r}: {self.hint}"
+
+
+_HINT_MOVED = (
+    "ConversionProblem(kind, name, hint) is now the record of every problem, "
+    "StateProblem(kind, name, expected=None, got=None, hint): pass hint= by keyword. The "
+    "three-argument form goes in the next release."
+)
+_KEY_RENAMED = (
+    "StateProblem.key is now StateProblem.name (the same flat name, as ConversionProblem "
+    "calls it); read and pass name. key goes in the next release."
+)
 
 
 _ORDER = {"unknown": 0, "key": 0, "structure": 0, "missing": 2, "abstract": 2}  # values: 1
@@ -124,10 +200,9 @@ class StateDictError(ValueError):
     def __init__(self, where: str, problems: Iterable[StateProblem], *, matched: int | None = None):
         self.problems = tuple(sorted(problems, key=lambda p: _ORDER.get(p.kind, 1)))
         n = len(self.problems)
-        lines = [f"{where}: {n} problem{'s' if n > 1 else ''}; nothing was loaded."]
-        lines += [f"  - {p}" for p in self.problems[:SHOWN]]
-        if n > SHOWN:
-            lines.append(f"  ... and {n - SHOWN} more (all in .problems)")
+        lines = listed(
+            f"{where}: {n} problem{'s' if n > 1 else ''}; nothing was loaded.", self.problems
+        )
         unknown = sum(p.kind == "unknown" for p in self.problems)
         if matched is not None and unknown >= 3 and 10 * matched <= matched + unknown:
             lines.append(_renamed(matched, matched + unknown))
@@ -136,12 +211,49 @@ class StateDictError(ValueError):
     @property
     def missing_keys(self) -> tuple[str, ...]:
         """Names the load needed but the state did not supply."""
-        return tuple(p.key for p in self.problems if p.kind in ("missing", "abstract"))
+        return tuple(p.name for p in self.problems if p.kind in ("missing", "abstract"))
 
     @property
     def unexpected_keys(self) -> tuple[str, ...]:
         """Names in the state that the module does not have."""
-        return tuple(p.key for p in self.problems if p.kind in ("unknown", "key"))
+        return tuple(p.name for p in self.problems if p.kind in ("unknown", "key"))
+
+
+class SelectionError(ValueError):
+    """Raised once, listing every problem with choosing leaves or layers by name; nothing
+    was changed.
+
+    :func:`~taktiny.by_name`, :func:`~taktiny.shard` and :func:`~taktiny.sharding_plan`
+    raise it for their rules; :func:`~taktiny.lora`, :func:`~taktiny.merge_lora`,
+    :func:`~taktiny.quantize` and :func:`~taktiny.dequantize` for their `where`. Each
+    problem is a :class:`StateProblem`: ``"unmatched"`` for a pattern that matches nothing
+    it could choose (with what it matches instead, or the closest names), ``"missing"``
+    for a leaf no rule reaches where every leaf must be, ``"sharding"`` for a spec a leaf
+    cannot take, ``"rule"`` for a rule that is not one. The message shows the first 20; all
+    of them are in :attr:`problems`. It is a ``ValueError``, as these calls raised before.
+
+    Args:
+        where: the call that failed, which starts the message (``"taktiny.lora on Net"``).
+        problems: every problem found, in the order found.
+
+    Attributes:
+        problems: the problems, a tuple of :class:`StateProblem`.
+    """
+
+    def __init__(self, where: str, problems: Iterable[StateProblem]):
+        self.problems = tuple(problems)
+        n = len(self.problems)
+        super().__init__(
+            "\n".join(listed(f"{where}: {n} problem{'s' if n > 1 else ''}:", self.problems))
+        )
+
+
+def listed(head: str, problems: Sequence[StateProblem]) -> list[str]:
+    """The lines of an error's message: `head`, then the first `SHOWN` problems, one a line."""
+    lines = [head, *(f"  - {p}" for p in problems[:SHOWN])]
+    if len(problems) > SHOWN:
+        lines.append(f"  ... and {len(problems) - SHOWN} more (all in .problems)")
+    return lines
 
 
 def _renamed(matched: int, given: int) -> str:
@@ -456,6 +568,36 @@ def abstract(name: str) -> StateProblem:
     )
 
 
+# --- Selections ----------------------------------------------------------------
+# What choosing by name finds: tt.by_name's and tt.shard's rules, and the `where` of the
+# layer surgery (tt.lora, tt.merge_lora, tt.quantize, tt.dequantize).
+
+
+def unmatched(pattern: str, what: str, why: str) -> StateProblem:
+    """A pattern that matches no `what` (``"name"``, ``"Linear or Embed layer"``), and
+    `why`: what it matches instead, or the closest names (``_patterns.unused_hint``)."""
+    end = "" if why.endswith("?") else "."
+    return StateProblem("unmatched", pattern, what, None, f"matches no {what}; {why}{end}")
+
+
+def unreached(name: str, fix: str) -> StateProblem:
+    """A leaf that no rule matches, where every leaf must be; `fix` says how to reach it."""
+    return StateProblem("missing", name, "a rule", None, f"no rule matches it; {fix}.")
+
+
+def bad_rule(pattern: str, why: str) -> StateProblem:
+    """A rule whose pattern or value is not one (`why`: the error that says so)."""
+    return StateProblem("rule", pattern, None, None, why)
+
+
+def unplaceable(name: str, shape: tuple[int, ...], spec: Any, mesh: str, why: str) -> StateProblem:
+    """A leaf of `shape` that the spec its rule gives cannot place on the mesh (`mesh`: its
+    text), and `why`."""
+    return StateProblem(
+        "sharding", name, spec, shape, f"shape {shape} by {spec} on the mesh {mesh}: {why}."
+    )
+
+
 # --- Values ------------------------------------------------------------------
 
 
@@ -669,7 +811,7 @@ def unfit_parts(name: str, got: Mapping[str, Any], why: str) -> StateProblem:
 
 def in_quantized(problem: StateProblem, param: str, q: QArray) -> StateProblem:
     """`problem`, about a part of the QArray `q` at `param`, told as a problem with `q`."""
-    part = problem.key[len(param) + 1 :]
+    part = problem.name[len(param) + 1 :]
     how = (
         f"A checkpoint quantized another way loads whole, as tt.QArray(value, scale, bits=..., "
         f"axis=..., group_size=...), with {_MATCH}, which re-quantizes it as the model's is; "

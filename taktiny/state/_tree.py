@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from . import _names, _patterns, _state
+from ._problems import SelectionError
 
 MISSING: Any = dataclasses.MISSING  # no default given
 
@@ -145,25 +146,21 @@ class by_name:  # a class used as a function: tt.by_name(rules)(model)
             at each leaf.
 
         Raises:
-            ValueError: listing the names no rule matches (without `default`) and every
-                rule that matches no name, with the closest name.
+            taktiny.SelectionError: listing every rule that matches no name, with the
+                closest names, and (without `default`) every name no rule matches; a
+                ``ValueError``.
         """
         _, treedef, spec = _names.flatten(tree)
         found = _patterns.match(self.rules, spec.names, self.default)
-        problems: list[str] = []
-        if found.unmatched and self.default is MISSING:
-            listed = ", ".join(repr(n) for n in found.unmatched[:10])
-            more = f" and {len(found.unmatched) - 10} more" if len(found.unmatched) > 10 else ""
-            problems.append(
-                f"no rule matches {listed}{more}; add a rule for them (a last rule '**' "
-                f"matches everything), or pass default=..."
+        fix = None
+        if self.default is MISSING:
+            fix = (
+                "add a rule for it (a last rule '**' matches everything), or pass default= "
+                "(the value of the names no rule matches)"
             )
-        for pattern in found.unused:
-            hint = _patterns.unused_hint(pattern, spec.names, [p for p, _ in self.rules])
-            problems.append(f"the rule {pattern!r} matches no name; {hint}")
+        problems = _patterns.problems(found, self.rules, spec.names, fix)
         if problems:
-            lines = "\n".join(f"  - {p}" for p in problems)
-            raise ValueError(f"taktiny.by_name on {type(tree).__name__}:\n{lines}")
+            raise SelectionError(f"taktiny.by_name on {type(tree).__name__}", problems)
         return treedef.unflatten(found.values)
 
     def __repr__(self) -> str:

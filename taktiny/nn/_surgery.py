@@ -1,0 +1,467 @@
+"""Model surgery: choosing layers by name and swapping them, as `tt.lora`, `tt.merge_lora`,
+`tt.quantize` and `tt.dequantize` do.
+
+Each call names the layer classes it can change (its candidates: ``Linear`` and ``Embed``
+for `quantize`) and takes one selection, ``where``: a pattern over the layers' flat names
+in the language of `tt.by_name` and `tt.shard` (``state/_patterns.py``), a list of
+them, or a function ``(name, layer) -> bool``; None chooses every candidate. A pattern
+must match at least one candidate: one that matches none is a problem saying what it
+matches instead (a module of another kind, a parameter) or naming the closest candidates,
+and every such problem is raised at once, as one `SelectionError`. A function chooses
+what it chooses, none included. The swap then replaces the chosen layers, each found by
+its name; every other layer stays the very object it was.
+
+The keyword is ``where`` in all four calls, as equinox's ``tree_at(where, ...)`` names
+the parts of a model to replace: the calls read as a clause, ``tt.quantize(model,
+where="encoder.**")``. `tt.by_name` and `tt.shard` take ``{pattern: value}`` rules
+instead, whose patterns are the same language, matched and reported by the same code.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, Literal, overload
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.core import Tracer
+from jax.sharding import NamedSharding
+
+from .._qarray import QArray, quantize_like, quantized
+from ..module._module import Module, fields_of
+from ..module._rngs import Rngs
+from ..state import _patterns
+from ..state import _problems as err
+from ..state._names import flatten, key_name
+from ._embed import Embed
+from ._linear import Linear
+from ._lora import _ADAPTABLE, _ADAPTED, _EMBEDS, _LINEARS, LoRAEmbed, LoRALinear, _base, _scale
+from ._quantized import QuantizedEmbed, QuantizedLinear, build
+
+Selection = str | Sequence[str] | Callable[[str, Any], bool]
+_LAYERS = (Linear, Embed, QuantizedLinear, QuantizedEmbed, LoRALinear, LoRAEmbed)
+
+
+def renamed(where: Any, old: Any, old_name: str, caller: str) -> Any:
+    """The selection passed as `where`, or under its deprecated keyword `old_name` (with a
+    ``DeprecationWarning`` naming ``where``)."""
+    if old is None:
+        return where
+    if where is not None:
+        raise TypeError(
+            f"{caller}: pass the selection once, as where=; {old_name}= is its old name."
+        )
+    warnings.warn(
+        f"{caller}: {old_name}= is now where= (the same patterns, or a function "
+        f"(name, layer) -> bool); {old_name}= goes in the next release.",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    return old
+
+
+def _is_layer(x: Any) -> bool:
+    """Whether `x` is a layer of a family the surgery swaps: such a layer holds no module,
+    so no walk goes into it, and one left alone stays the same object."""
+    return isinstance(x, Module) and type(x)._taktiny_base in _LAYERS
+
+
+def swap(model: Any, chosen: Mapping[str, Module], make: Callable[[str, Any], Any]) -> Any:
+    """`model` with each `chosen` layer (by flat name) replaced by ``make(name, layer)``."""
+
+    def replace(path: Any, layer: Any) -> Any:
+        if not _is_layer(layer):
+            return layer
+        name = ".".join(map(key_name, path))
+        return make(name, layer) if name in chosen else layer
+
+    return jax.tree_util.tree_map_with_path(replace, model, is_leaf=_is_layer)
+
+
+def choose(
+    model: Any,
+    where: Selection | None,
+    candidates: Sequence[type[Module]],
+    caller: str,
+    others: Mapping[Any, str] | None = None,  # {layer class: what is wrong with it}
+) -> dict[str, Module]:
+    """The layers of `model` of the `candidates` classes (or their subclasses) that
+    `where` chooses, by flat name in the order of the tree. `others` says, for a layer
+    class a pattern may match instead, what is wrong with it (``"already has an adapter;
+    ..."``). Raises a TypeError for a `where` that is no selection, and one
+    SelectionError naming each pattern that matches no candidate."""
+    bases = tuple(candidates)
+    found = jax.tree_util.tree_flatten_with_path(model, is_leaf=_is_layer)[0]
+    layers = {
+        ".".join(map(key_name, p)): x
+        for p, x in found
+        if _is_layer(x) and type(x)._taktiny_base in bases
+    }
+    if where is None:
+        return layers
+    if not isinstance(where, str) and callable(where):
+        return {name: layer for name, layer in layers.items() if where(name, layer)}
+    patterns = [where] if isinstance(where, str) else where
+    if (
+        not isinstance(patterns, Sequence)
+        or not patterns
+        or not all(isinstance(p, str) for p in patterns)
+    ):
+        raise TypeError(
+            f"{caller}: where is a pattern over layer names ('**.attention.*'), a non-empty "
+            f"list of them, or a function (name, layer) -> bool; got {where!r:.80}."
+        )
+    selected = _patterns.select(patterns, list(layers))
+    if selected.unused:
+        what = _kinds(bases)
+        why = _Why(model, layers, others or {})
+        problems = [err.unmatched(p, what, why(p)) for p in dict.fromkeys(selected.unused)]
+        raise err.SelectionError(f"{caller} on {type(model).__name__}", problems)
+    hits = zip(layers.items(), selected.values, strict=True)
+    return {name: layer for (name, layer), hit in hits if hit}
+
+
+def _kinds(bases: Sequence[type]) -> str:
+    """``"Linear or Embed layer"``, ``"A, B, C or D layer"``."""
+    names = [b.__name__ for b in bases]
+    return f"{', '.join(names[:-1])} or {names[-1]} layer" if len(names) > 1 else names[0]
+
+
+class _Why:
+    """Why a pattern matches no candidate layer: what it matches instead (a module of
+    another kind, a parameter), or the closest candidates."""
+
+    def __init__(self, model: Any, layers: Mapping[str, Module], others: Mapping[type, str]):
+        self.model, self.layers, self.others = model, layers, others
+        self.modules = dict(_modules(model))
+
+    def __call__(self, pattern: str) -> str:
+        regex = _patterns.compile_pattern(pattern)
+        for name, module in self.modules.items():
+            if name and regex.fullmatch("." + name):  # (not the root: only "**" matches it)
+                kind = type(module)._taktiny_base
+                if kind in self.others:
+                    return f"it matches {name!r}, a {kind.__name__}, which {self.others[kind]}"
+                inside = any(n.startswith(f"{name}.") for n in self.layers)
+                tail = f"; name the layers inside it ('{pattern}.*' or '{pattern}.**')"
+                return f"it matches {name!r}, a {kind.__name__}{tail if inside else ''}"
+        if not self.layers:
+            return "the model has none"
+        leaves = flatten(self.model)[2].names
+        leaf = next((n for n in leaves if regex.fullmatch("." + n)), None)
+        if leaf is not None:
+            if "." not in leaf:
+                return f"it matches the parameter {leaf!r} of the model, a layer itself ('**')"
+            layer = leaf.rsplit(".", 1)[0]
+            return f"it matches the parameter {leaf!r}, not a layer; name the layer ({layer!r})"
+        names = list(self.layers)
+        hint = _patterns.unused_hint(pattern, names)
+        if hint.startswith("no name is close"):  # then the names it may choose from
+            more = f" and {len(names) - 4} more" if len(names) > 4 else ""
+            hint += f"; the layers it may name: {', '.join(map(repr, names[:4]))}{more}"
+        return hint
+
+
+def _modules(tree: Any, prefix: str = "") -> Iterator[tuple[str, Module]]:
+    """Every module in `tree` with its flat name, outer ones first."""
+    is_module = lambda x: isinstance(x, Module)
+    for path, node in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_module)[0]:
+        if isinstance(node, Module):
+            name = ".".join([*([prefix] if prefix else []), *map(key_name, path)])
+            yield name, node
+            for field_name, value in fields_of(node).items():
+                yield from _modules(value, f"{name}.{field_name}" if name else field_name)
+
+
+# --- Adapters -----------------------------------------------------------------
+
+_ADAPTED_ALREADY = (
+    "already has an adapter; merge it first (taktiny.merge_lora) or leave it out of where"
+)
+_NO_ADAPTER = "has no adapter"
+
+
+def lora(
+    model: Any,
+    rank: int,
+    *,
+    where: Selection | None = None,
+    alpha: float | int | None = None,
+    rngs: Rngs,
+    targets: Selection | None = None,
+) -> Any:
+    """`model` with a low-rank adapter on every layer that `where` chooses: each
+    :class:`~taktiny.nn.Linear` and :class:`~taktiny.nn.QuantizedLinear` becomes a
+    :class:`~taktiny.nn.LoRALinear`, each :class:`~taktiny.nn.Embed` and
+    :class:`~taktiny.nn.QuantizedEmbed` a :class:`~taktiny.nn.LoRAEmbed`.
+
+    The base weights keep their flat names and are not trained; each adapted layer gains
+    ``<layer>.lora_a`` and ``<layer>.lora_b``, with ``lora_b`` zeros, so the model's
+    output is unchanged until it is trained. The adapters are placed as their base weights
+    are (``lora_a`` split as the weight's first axis, ``lora_b`` as its second). Layers
+    are adapted in the order of their names, each drawing one key from `rngs`. Works on
+    an abstract model (from ``jax.eval_shape``), whose adapters are then abstract too.
+
+    Args:
+        model: a module, or any PyTree holding modules; it is not changed.
+        rank: the rank of every adapter.
+        where: the layers to adapt (required): a pattern over their flat names, in the
+            language of :func:`taktiny.shard` and :class:`taktiny.by_name`
+            (``"layers.*.attention.query"``, ``"**.attention.*"``), or a list of them,
+            each of which must match at least one adaptable layer; or a function
+            ``(name, layer) -> bool``, called with each adaptable layer.
+        alpha: the scale's numerator, ``scale = alpha / rank``; None for ``alpha = rank``.
+        rngs: the key stream the adapters are drawn from.
+        targets: the old name of `where` (deprecated: it warns, and goes in the next
+            release).
+
+    Returns:
+        The adapted model.
+
+    Raises:
+        taktiny.SelectionError: (a ``ValueError``) naming every pattern that matches no
+            adaptable layer, and what it matches instead: a module of another kind, a
+            parameter, an adapted layer, or the closest names.
+        ValueError: a pattern is not valid, or `rank` is not a positive int.
+        TypeError: `where` is missing, or is no pattern, list of them or function; or
+            `alpha` is not a number.
+    """
+    where = renamed(where, targets, "targets", "taktiny.lora")
+    if where is None:
+        raise TypeError(
+            "taktiny.lora: where= names the layers to adapt: a pattern over their names "
+            "('**.attention.*'), a list of them, or a function (name, layer) -> bool."
+        )
+    _scale(rank, alpha, "taktiny.lora")
+    others = dict.fromkeys(_ADAPTED, _ADAPTED_ALREADY)
+    chosen = choose(model, where, list(_ADAPTABLE), "taktiny.lora", others)
+    keys = {name: rngs() for name in sorted(chosen)}
+
+    def adapt(name: str, layer: Any) -> Any:
+        adapter = _ADAPTABLE[type(layer)._taktiny_base]
+        return adapter(layer, rank, alpha=alpha, rngs=Rngs(keys[name]))
+
+    return swap(model, chosen, adapt)
+
+
+def _merged(layer: LoRALinear | LoRAEmbed, name: str) -> tuple[Module, Any, Any]:
+    """The plain layer with ``scale * lora_a @ lora_b`` added to its weight (in float32),
+    placed as the weight was; the weight it held, and the one it now holds."""
+    base = _base(layer)
+    field_name = "kernel" if isinstance(layer, LoRALinear) else "embedding"
+    weight = getattr(base, field_name)
+    delta = jnp.matmul(
+        layer.lora_a.astype(jnp.float32),
+        layer.lora_b.astype(jnp.float32),
+        precision=jax.lax.Precision.HIGHEST,
+    )
+    if isinstance(weight, QArray):
+        summed = jnp.asarray(weight.dequantize(jnp.float32)) + layer.scale * delta
+        new = _placed_like(quantize_like(summed, weight, name=f"{name}.{field_name}"), weight)
+    else:
+        summed = weight.astype(jnp.float32) + layer.scale * delta
+        new = _placed_like(summed.astype(weight.dtype), weight)
+    return base.replace(**{field_name: new}), weight, new
+
+
+def _on_host(weight: Any) -> np.ndarray:
+    """`weight`'s values in float64 on the host: a QArray's integers times its scales,
+    which float64 holds exactly."""
+    if not isinstance(weight, QArray):
+        return np.asarray(weight).astype(np.float64)
+    value, scale = (np.asarray(p).astype(np.float64) for p in (weight.value, weight.scale))
+    if weight.group_size is not None:  # each scale over its group of entries along `axis`
+        scale = np.repeat(scale, weight.group_size, axis=weight.axis)
+    return value * scale
+
+
+def _merge_error(layer: LoRALinear | LoRAEmbed, weight: Any, new: Any, name: str) -> float:
+    """The largest absolute difference between `new`, the weight merged from `layer`
+    (whose base weight is `weight`), and ``weight + scale * lora_a @ lora_b`` computed
+    exactly (in float64 on the host)."""
+    parts = (layer.lora_a, layer.lora_b, *jax.tree.leaves((weight, new)))
+    if any(isinstance(p, Tracer) for p in parts):
+        raise TypeError(
+            f"taktiny.merge_lora(report=True): {name!r} holds traced values; the report "
+            f"compares each merged weight with the exact sum computed with NumPy on the "
+            f"host, so it takes concrete arrays. Call it outside jax.jit, or with "
+            f"report=False inside."
+        )
+    a, b = (np.asarray(f).astype(np.float64) for f in (layer.lora_a, layer.lora_b))
+    exact = _on_host(weight) + layer.scale * (a @ b)
+    return float(np.max(np.abs(_on_host(new) - exact), initial=0.0))
+
+
+def _placed_like(new: Any, old: Any) -> Any:
+    """`new` (an array or a QArray) with each leaf placed as the same leaf of `old` is,
+    where that is a ``NamedSharding`` (inside a trace, as the computation placed it)."""
+
+    def place(n: Any, o: Any) -> Any:
+        sharding = getattr(o, "sharding", None)
+        if isinstance(sharding, NamedSharding) and not isinstance(n, Tracer):
+            return jax.device_put(n, sharding)
+        return n
+
+    return jax.tree.map(place, new, old)
+
+
+@overload
+def merge_lora(
+    model: Any, *, where: Selection | None = None, report: Literal[False] = False
+) -> Any: ...
+@overload
+def merge_lora(
+    model: Any, *, where: Selection | None = None, report: Literal[True]
+) -> tuple[Any, dict[str, float]]: ...
+def merge_lora(model: Any, *, where: Selection | None = None, report: bool = False) -> Any:
+    """`model` with the adapters `where` chooses (all, by default) merged into their base
+    weights: each such :class:`~taktiny.nn.LoRALinear` and :class:`~taktiny.nn.LoRAEmbed`
+    becomes the plain layer it was made from, holding ``W + scale * lora_a @ lora_b``.
+
+    Merging every adapter gives exactly the flat names and tree structure of the model
+    before :func:`lora`. The sum is computed in float32 (at full matmul precision) and
+    stored in the weight's dtype, placed as the weight was; a quantized weight (QLoRA) is
+    dequantized, summed and quantized again with its own bits, axis, group size and scale
+    dtype. Both round: ask for ``report=True`` to see by how much.
+
+    Args:
+        model: a module, or any PyTree holding modules; it is not changed.
+        where: the adapted layers to merge, chosen as :func:`lora` chooses (a pattern
+            over their flat names, or a list of them, each of which must match at least
+            one adapted layer; or a function ``(name, layer) -> bool``); None: all of
+            them. The others keep their adapters.
+        report: also return, for each merged layer's name, how far the merged layer is
+            from the adapted one: the largest absolute difference, entry by entry,
+            between the weight it now holds (dequantized exactly, for a quantized one)
+            and the weight the adapted layer stands for, ``W + scale * lora_a @ lora_b``
+            computed exactly (NumPy, float64, on the host; ``W`` dequantized exactly).
+            Float32 rounding for a float32 weight (a few units in the last place of its
+            largest entries), bfloat16 rounding for a bfloat16 one, up to about half a
+            quantization step for a quantized one. For an input ``x`` the outputs of the
+            two layers then differ by at most this times ``sum(abs(x))`` (plus the
+            rounding of the products themselves). The report takes concrete arrays (not
+            inside ``jax.jit``) and copies each weight to the host.
+
+    Returns:
+        The merged model; with `report`, ``(model, {layer name: float})``.
+
+    Raises:
+        taktiny.SelectionError: (a ``ValueError``) naming every pattern of `where` that
+            matches no adapted layer, and what it matches instead.
+        ValueError: a pattern is not valid.
+        TypeError: `where` is no pattern, list of them or function; or `report` is true
+            and the model holds traced values (inside ``jax.jit``).
+    """
+    others = dict.fromkeys(_LINEARS + _EMBEDS, _NO_ADAPTER)
+    chosen = choose(model, where, _ADAPTED, "taktiny.merge_lora", others)
+    errors: dict[str, float] = {}
+
+    def merge(name: str, layer: Any) -> Any:
+        merged, weight, new = _merged(layer, name)
+        if report:
+            errors[name] = _merge_error(layer, weight, new, name)
+        return merged
+
+    merged = swap(model, chosen, merge)
+    return (merged, errors) if report else merged
+
+
+# --- Quantization -------------------------------------------------------------
+
+_QUANTIZED_ALREADY = "is quantized already"
+_NOT_QUANTIZED = "is not quantized"
+
+
+def quantize(
+    model: Any,
+    *,
+    bits: int = 8,
+    group_size: int | None = None,
+    where: Selection | None = None,
+    filter: Selection | None = None,
+) -> Any:
+    """`model` with the :class:`~taktiny.nn.Linear` and :class:`~taktiny.nn.Embed` layers
+    `where` chooses (all, by default) replaced by :class:`~taktiny.nn.QuantizedLinear` and
+    :class:`~taktiny.nn.QuantizedEmbed` holding their weights quantized.
+
+    A ``Linear`` kernel ``[in, out]`` is quantized along its input axis (scales ``[1, out]``,
+    or ``[in // group_size, out]``), an ``Embed`` table ``[num, features]`` per row (scales
+    ``[num, 1]`` or ``[num, features // group_size]``); biases stay as they are, and so
+    do the shardings (each scale split as its weight on the other axis). Works on
+    abstract models (from ``jax.eval_shape``) too. The model given is not changed.
+
+    Args:
+        model: a module, or any PyTree holding modules.
+        bits: 8 (int8) or 4 (``jnp.int4``).
+        group_size: entries per scale along the quantized axis; None for one per channel.
+        where: the layers to quantize: a pattern over their flat names (``"encoder.**"``,
+            ``"blocks.*.mlp.*"``, in the language of :class:`taktiny.by_name`), or a list
+            of them, each of which must match at least one ``Linear`` or ``Embed``; or a
+            function ``(name, layer) -> bool``, called with each of them
+            (``lambda name, layer: name != "head"``). None: all of them.
+        filter: the old name of `where` (deprecated: it warns, and goes in the next
+            release).
+
+    Returns:
+        The quantized model.
+
+    Raises:
+        taktiny.SelectionError: (a ``ValueError``) naming every pattern that matches no
+            ``Linear`` or ``Embed`` layer, and what it matches instead.
+        TypeError: `where` is no pattern, list of them or function; or a weight is not a
+            float array.
+        ValueError: a pattern is not valid, `bits` is not 8 or 4, or `group_size` does
+            not divide the quantized axis (or would split a group across devices).
+    """
+    where = renamed(where, filter, "filter", "taktiny.quantize")
+    others = {QuantizedLinear: _QUANTIZED_ALREADY, QuantizedEmbed: _QUANTIZED_ALREADY}
+    chosen = choose(model, where, (Linear, Embed), "taktiny.quantize", others)
+    how = {"bits": bits, "group_size": group_size}
+
+    def quantized_layer(name: str, layer: Any) -> Any:
+        prefix = f"{name}." if name else ""
+        config = {"dtype": layer.dtype, "precision": layer.precision}
+        if isinstance(layer, Linear):
+            kernel = quantized(layer.kernel, axis=0, name=f"{prefix}kernel", **how)
+            return build(QuantizedLinear, kernel=kernel, bias=layer.bias, **config)
+        table = quantized(layer.embedding, axis=1, name=f"{prefix}embedding", **how)
+        return build(QuantizedEmbed, embedding=table, **config)
+
+    return swap(model, chosen, quantized_layer)
+
+
+def dequantize(model: Any, *, where: Selection | None = None) -> Any:
+    """`model` with the :class:`~taktiny.nn.QuantizedLinear` and
+    :class:`~taktiny.nn.QuantizedEmbed` layers `where` chooses (all, by default) replaced
+    by :class:`~taktiny.nn.Linear` and :class:`~taktiny.nn.Embed` holding the dequantized
+    weights (in the scales' dtype, split as the quantized values were). The reverse of
+    :func:`quantize`, up to the rounding it did.
+
+    Args:
+        model: a module, or any PyTree holding modules; it is not changed.
+        where: the layers to dequantize, chosen as :func:`quantize` chooses (a pattern
+            over their flat names, or a list of them, each of which must match at least
+            one quantized layer; or a function ``(name, layer) -> bool``); None: all of
+            them.
+
+    Returns:
+        The model with float layers in place of the quantized ones.
+
+    Raises:
+        taktiny.SelectionError: (a ``ValueError``) naming every pattern that matches no
+            ``QuantizedLinear`` or ``QuantizedEmbed`` layer, and what it matches instead.
+        ValueError: a pattern is not valid.
+        TypeError: `where` is no pattern, list of them or function.
+    """
+    others = {Linear: _NOT_QUANTIZED, Embed: _NOT_QUANTIZED}
+    chosen = choose(model, where, (QuantizedLinear, QuantizedEmbed), "taktiny.dequantize", others)
+
+    def float_layer(name: str, layer: Any) -> Any:
+        config = {"dtype": layer.dtype, "precision": layer.precision}
+        if isinstance(layer, QuantizedLinear):
+            return build(Linear, kernel=layer.kernel.dequantize(), bias=layer.bias, **config)
+        return build(Embed, embedding=layer.embedding.dequantize(), **config)
+
+    return swap(model, chosen, float_layer)
