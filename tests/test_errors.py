@@ -707,7 +707,9 @@ def test_every_problem_is_built_in_one_place():
     }
     converting = {path for path, text in texts.items() if "ConversionProblem(" in text}
     converting -= {"state/_problems.py"}  # (whose docs name the form of earlier releases)
-    assert converting and all(path.startswith(("convert/", "loading/_steps.py")) for path in converting)
+    assert converting and all(
+        path.startswith(("convert/", "loading/_steps.py")) for path in converting
+    )
 
 
 @pytest.mark.parametrize(
