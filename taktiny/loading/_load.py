@@ -78,7 +78,7 @@ def load_safetensors(
             (``{"encoder.lora_a": ...}``: adapters alone, say), whose keys are the names
             to load; the load then returns a flat dict of the same keys.
         path: a ``.safetensors`` file, a ``*.safetensors.index.json``, a folder holding one
-            of them (see :func:`~taktiny.io.open_safetensors`), or an opened :class:`Checkpoint`.
+            of them (see :func:`~taktiny.io.open_safetensors`), or an opened :class:`~taktiny.io.Checkpoint`.
         rules: conversion rules (:mod:`taktiny.convert`) from the checkpoint's names to the
             model's, applied tensor by tensor. Without rules the names must be the model's
             own flat names (:func:`taktiny.flat_state_dict`), or those of an older state

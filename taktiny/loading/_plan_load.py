@@ -87,7 +87,7 @@ class LoadPlan:
         ties: the tied pairs of names the rules declare; a load reads both and checks
             that they are equal, which the plan does not.
         error: the error the load would raise (:class:`~taktiny.StateDictError`,
-            :class:`~taktiny.convert.ConversionError`, :class:`SafetensorsError`, or a
+            :class:`~taktiny.convert.ConversionError`, :class:`~taktiny.io.SafetensorsError`, or a
             ``ValueError`` for a checkpoint of a newer state version), not raised; None
             when it would load. The steps are then those the headers allow.
         kept: the leaves that keep the model's values: those the migrations of an older
