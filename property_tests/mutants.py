@@ -2,7 +2,7 @@
 docstring names.
 
 Nothing here changes the package: each variant monkeypatches `taktiny.state._state`,
-`taktiny.state._values`, `taktiny.state._patterns` or `taktiny.sharding._eval_shape` for one pytest run, as a plugin
+`taktiny.state._values`, `taktiny.state._patterns` or `taktiny.arrays._eval_shape` for one pytest run, as a plugin
 (pytest does not collect this file as tests). Run one variant against one property, or every
 variant against the properties expected to catch it:
 
@@ -105,13 +105,14 @@ def _flat_items(state: dict, prefix: str = "") -> list:
 
 def _mutants() -> dict[str, Any]:
     """Each variant's name and the patches (module, attribute, value) it makes."""
-    from taktiny.sharding import _eval_shape as _abstract
+    from taktiny.arrays import _eval_shape as _abstract
+    from taktiny.module import _module
     from taktiny.state import _patterns, _state, _tree, _values
 
     match = _patterns.match
 
     flat_state_dict, state_dict = _tree.flat_state_dict, _tree.state_dict
-    flat_read, nested_read, convert = _tree.flat_state_dict, _tree.state_dict, _values.convert
+    flat_read, nested_read, convert = _tree.flat_state_dict, _tree.state_dict, _values.checked_value
 
     def drop_sharding(model: Any, state: Any, result: Any, flat: bool) -> Any:
         if _traced(result):
@@ -177,9 +178,19 @@ def _mutants() -> dict[str, Any]:
     nested_sorted = lambda m: jax.tree.map(lambda x: x, nested_read(m))
     state_copies = lambda m: jax.tree.map(np.asarray, nested_read(m))
     return {
-        "flat_sorted": [(_tree, "flat_state_dict", flat_sorted)],
-        "nested_sorted": [(_tree, "state_dict", nested_sorted)],
-        "state_copies": [(_tree, "state_dict", state_copies)],
+        # (Module's methods call state's functions by the names module/ imported them as)
+        "flat_sorted": [
+            (_tree, "flat_state_dict", flat_sorted),
+            (_module, "tree_flat_state_dict", flat_sorted),
+        ],
+        "nested_sorted": [
+            (_tree, "state_dict", nested_sorted),
+            (_module, "tree_state_dict", nested_sorted),
+        ],
+        "state_copies": [
+            (_tree, "state_dict", state_copies),
+            (_module, "tree_state_dict", state_copies),
+        ],
         "lists_ignored": [(_state, "load", _wrap_load(before=no_lists))],
         "drop_sharding": [(_state, "load", _wrap_load(after=drop_sharding))],
         "keep_value_sharding": [(_state, "load", _wrap_load(after=keep_value_sharding))],
@@ -189,9 +200,9 @@ def _mutants() -> dict[str, Any]:
         "unknown_ignored": [(_state, "load", _wrap_load(before=unknown_ignored))],
         "strict_ignored_nested": [(_state, "load", _wrap_load(before=no_strict_nested))],
         "stop_gradient": [(_state, "load", _wrap_load(after=stop))],
-        "no_cast_in_jit": [(_values, "convert", no_cast_in_jit)],
-        "no_range_check": [(_values, "convert", no_range_check)],
-        "no_shape_check": [(_values, "convert", no_shape_check)],
+        "no_cast_in_jit": [(_values, "checked_value", no_cast_in_jit)],
+        "no_range_check": [(_values, "checked_value", no_range_check)],
+        "no_shape_check": [(_values, "checked_value", no_shape_check)],
         "last_rule_wins": [(_patterns, "match", last_rule_wins)],
         "eval_shape_ignores_mesh": [(_abstract, "_meshes", lambda leaves: [])],
     }

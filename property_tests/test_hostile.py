@@ -37,7 +37,7 @@ from hypothesis import strategies as st
 
 from taktiny.io import SafetensorsError, _checksum, load_safetensors, open_safetensors
 from taktiny.io import _checkpoint as checkpoint_module
-from taktiny.io import _quantized_format as qz
+from taktiny.quant import _format as qz
 
 from .budget import examples
 

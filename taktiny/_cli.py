@@ -32,13 +32,14 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from . import _lazy
 from ._messages import table
-from .io import _orbax
-from .state import _patterns
+from .io import OrbaxCheckpoint, OrbaxError, arrays, is_orbax, items
+from .io import steps as orbax_steps
+from .state import compile_pattern
 
 if TYPE_CHECKING:
     import numpy as np
 
-    from .state._schema import Schema
+    from .state import Schema
 else:
     np = _lazy.module("numpy")  # (a header needs no NumPy: imported when a tensor is read)
 
@@ -59,7 +60,7 @@ class Unreadable(Exception):
 
 
 def _orbax_entries(path: Path) -> Iterator[Entry]:
-    for array in _orbax.arrays(path):
+    for array in arrays(path):
         nbytes = math.prod(array.shape) * array.dtype.itemsize
         yield Entry(array.name, array.shape, array.dtype.name, nbytes, path, array.keys)
 
@@ -79,13 +80,13 @@ def entries(path: str | Path) -> list[Entry]:
     in it; from their headers and metadata only. A folder's safetensors checkpoint is found
     as the loaders find it (:func:`taktiny.io.open_safetensors`)."""
     path = Path(path)
-    if _orbax.is_orbax(path):
+    if is_orbax(path):
         return [
             entry._replace(name=f"{item}.{entry.name}" if item else entry.name)
-            for item, folder in _orbax.items(path).items()
+            for item, folder in items(path).items()
             for entry in _orbax_entries(folder)
         ]
-    if path.is_dir() and (steps := _orbax.steps(path)):
+    if path.is_dir() and (steps := orbax_steps(path)):
         raise Unreadable(
             f"{path} holds the steps of an Orbax CheckpointManager ({', '.join(steps)}): name "
             f"one, as in {path / steps[-1]}."
@@ -110,7 +111,7 @@ def inspect(path: str, pattern: str | None, as_json: bool) -> str:
     """The listing `taktiny inspect` prints."""
     found = entries(path)
     if pattern is not None:
-        regex = _patterns.compile_pattern(pattern)
+        regex = compile_pattern(pattern)
         found = [e for e in found if regex.fullmatch("." + e.name)]
     count = sum(math.prod(e.shape) for e in found)
     total = sum(e.nbytes for e in found)
@@ -186,7 +187,7 @@ def schema_of(source: str, *, checkpoint: bool = True) -> Side | None:
     Taktiny safetensors file records, else one made from its tensors' names, shapes and
     dtypes. With `checkpoint` False, None for a checkpoint (compared tensor by tensor
     instead)."""
-    from .state._schema import FORMAT, Schema, schema
+    from .state import FORMAT, Schema, schema
 
     path = Path(source)
     if path.is_file() and path.suffix == ".json":
@@ -205,7 +206,7 @@ def schema_of(source: str, *, checkpoint: bool = True) -> Side | None:
         return Side(schema(model), model, False)
     if not checkpoint:
         return None
-    if not _orbax.is_orbax(path):
+    if not is_orbax(path):
         from .io import open_safetensors
 
         _present(path)
@@ -300,7 +301,7 @@ def abstract_model(source: str) -> Any:
     """The model ``module:factory`` makes, a function of no arguments called under
     :func:`taktiny.eval_shape` (nothing is allocated; a mesh it shards the model on is
     kept); Unreadable, saying why, when it cannot be."""
-    from .sharding._eval_shape import eval_shape
+    from .arrays import eval_shape
 
     if not _FACTORY.fullmatch(source):
         raise Unreadable(f"{source}: name the model's factory as module:function.")
@@ -323,7 +324,7 @@ def plan(path: str, model: str, rules: str | None) -> tuple[str, bool]:
     would succeed. The model is made abstractly (:func:`abstract_model`, its shardings
     kept) but planned as the concrete one the factory makes: the parameters a migration
     adds keep that model's values."""
-    from .loading._plan_load import planned
+    from .loading import planned
 
     found = None
     if rules is not None:
@@ -368,7 +369,7 @@ def diff(
     left = {e.name: e for e in entries(a)}
     right = {e.name: e for e in entries(b)}
     if pattern is not None:
-        regex = _patterns.compile_pattern(pattern)
+        regex = compile_pattern(pattern)
         left = {n: e for n, e in left.items() if regex.fullmatch("." + n)}
         right = {n: e for n, e in right.items() if regex.fullmatch("." + n)}
     lines = [f"only in {a}: {name}" for name in left if name not in right]
@@ -378,7 +379,7 @@ def diff(
         opened: dict[Path, Any] = {}  # each Orbax checkpoint opened once
         for entry in {e.file: e for e in [*left.values(), *right.values()]}.values():
             if isinstance(entry.source, tuple):
-                opened[entry.file] = stack.enter_context(_orbax.OrbaxCheckpoint(entry.file))
+                opened[entry.file] = stack.enter_context(OrbaxCheckpoint(entry.file))
         for name in (n for n in left if n in right):
             x, y = left[name], right[name]
             dtype = x.dtype if x.dtype == y.dtype else f"{x.dtype} vs {y.dtype}"
@@ -403,8 +404,8 @@ def _schema_diff(
 ) -> tuple[str, bool]:
     """The report of two schemas compared (a saved one migrated to a model's state
     versions first), and whether they agree."""
-    from .convert._migrate import migrated_schema, stages_text
-    from .state._schema import KINDS, Schema
+    from .convert import migrated_schema, stages_text
+    from .state import KINDS, Schema
 
     assert left is not None and right is not None
     ours, theirs = left.schema, right.schema
@@ -419,7 +420,7 @@ def _schema_diff(
                 migrated.append(f"migrated {name} to {into}'s state versions: {stages_text(found)}")
                 ours, theirs = (made, theirs) if saved is left else (ours, made)
     if pattern is not None:
-        regex = _patterns.compile_pattern(pattern)
+        regex = compile_pattern(pattern)
         ours, theirs = (
             Schema({n: e for n, e in s.items() if regex.fullmatch("." + n)}) for s in (ours, theirs)
         )
@@ -439,9 +440,9 @@ def verify(path: str) -> tuple[str, bool]:
     checkpoint's headers are checked (a damaged one raises, naming what in it changed),
     then its tensors are read through the checksums in them; an Orbax checkpoint's arrays
     are each restored."""
-    from .io._verify import verify as check
+    from .io import verify as check
 
-    if _orbax.is_orbax(Path(path)):
+    if is_orbax(Path(path)):
         return _verify_orbax(Path(path))
     _present(Path(path))
     result = check(path)
@@ -458,11 +459,11 @@ def _verify_orbax(path: Path) -> tuple[str, bool]:
     found = entries(path)
     damaged = []
     for folder in dict.fromkeys(entry.file for entry in found):
-        with _orbax.OrbaxCheckpoint(folder) as opened:
+        with OrbaxCheckpoint(folder) as opened:
             for entry in (e for e in found if e.file == folder):
                 try:
                     opened.array(entry.source)
-                except _orbax.OrbaxError as error:
+                except OrbaxError as error:
                     damaged.append(str(error))
     summary = f"{len(found) - len(damaged)} arrays restore, {len(damaged)} do not"
     return "\n".join([*damaged, summary]), not damaged
@@ -540,7 +541,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             report, same = plan(args.path, args.model, args.rules)
         else:
             report, same = diff(args.a, args.b, atol=args.atol, rtol=args.rtol, pattern=args.filter)
-    except (SafetensorsError, _orbax.OrbaxError, Unreadable, OSError, ValueError) as error:
+    except (SafetensorsError, OrbaxError, Unreadable, OSError, ValueError) as error:
         # a checkpoint that cannot be read (named, with why) or a bad --filter pattern
         print(f"taktiny: {' '.join(str(error).splitlines())}", file=sys.stderr)
         return 2

@@ -1,22 +1,46 @@
-"""Public names imported when first used (PEP 562), for the packages' ``__init__`` files,
+"""Names imported when first used (PEP 562), for the packages' faces (their ``__init__``),
 and modules imported when first used, for the header path: the ``taktiny`` command, and a
 process that only opens safetensors headers, never import JAX, and NumPy only to read a
 tensor."""
 
 from __future__ import annotations
 
+import ast
 import importlib
 import sys
-from collections.abc import Callable, Mapping, MutableMapping
+from collections.abc import Callable, MutableMapping
 from typing import Any
 
 
-def exports(
-    package: str, names: Mapping[str, tuple[str, str | None]], found: MutableMapping[str, Any]
-) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
-    """The ``__getattr__`` and ``__dir__`` of `package`, whose public `names` map to (the
-    module defining each, relative to the package; its name there, or None for the module
-    itself). A name, once imported, goes into `found` (the package's globals)."""
+def face(
+    package: str, init: str, found: MutableMapping[str, Any]
+) -> tuple[Callable[[str], Any], Callable[[], list[str]], list[str]]:
+    """The ``__getattr__``, ``__dir__`` and ``__all__`` of `package`, whose ``__init__``
+    file is `init`: every name is written once, in the stub beside it (``__init__.pyi``,
+    which type checkers read), as ``from .module import name as name``; a name is imported
+    when first used, and then kept in `found` (the package's globals).
+
+    The stub's names after its first string statement below the docstring (its heading
+    for them) are those only Taktiny's own packages use: importable, but not public, so
+    left out of ``__all__`` and ``dir()``."""
+    names: dict[str, tuple[str, str | None]] = {}  # name -> (its module, its name there)
+    public: list[str] = []
+    with open(init[: -len(".py")] + ".pyi", encoding="utf-8") as stub:
+        body = ast.parse(stub.read()).body
+    inside = True
+    for statement in body[1:]:
+        if isinstance(statement, ast.Expr) and isinstance(statement.value, ast.Constant):
+            inside = False
+        elif isinstance(statement, ast.ImportFrom):
+            dots = "." * statement.level
+            for alias in statement.names:
+                name = alias.asname or alias.name
+                if statement.module is None:  # (`from . import module as module`)
+                    names[name] = (dots + alias.name, None)
+                else:
+                    names[name] = (dots + statement.module, alias.name)
+                if inside and not name.startswith("_"):
+                    public.append(name)
 
     def __getattr__(name: str) -> Any:
         if name not in names:
@@ -29,9 +53,10 @@ def exports(
         return value
 
     def __dir__() -> list[str]:
-        return sorted({*found, *names})
+        hidden = names.keys() - set(public)
+        return sorted({*found, *public} - hidden)
 
-    return __getattr__, __dir__
+    return __getattr__, __dir__, sorted(public)
 
 
 def module(name: str) -> Any:

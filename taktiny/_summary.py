@@ -9,8 +9,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from .module._trainable import trainable
-from .state import _names
+from .module import trainable
+from .state import customs, flatten
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,7 +144,7 @@ def summary(tree: Any, *, depth: int | None = None) -> Summary:
     Raises:
         ValueError: `depth` is less than 1.
     """
-    leaves, _, spec = _names.flatten(tree)
+    leaves, _, spec = flatten(tree)
     flags = jax.tree_util.tree_leaves(trainable(tree))
     rows = [_row(n, leaf, t) for n, leaf, t in zip(spec.names, leaves, flags, strict=True)]
     sharded = any(_placement(leaf)[1] for leaf in leaves)
@@ -157,7 +157,7 @@ def summary(tree: Any, *, depth: int | None = None) -> Summary:
         single = lambda g, rs: len(rs) == 1 and rs[0].name == g  # a group of one leaf
         params = {  # a group of one custom parameter's leaves is that parameter
             name: custom.treedef.unflatten(leaves[custom.start : custom.stop])
-            for name, custom in _names.customs(spec.template)
+            for name, custom in customs(spec.template)
         }
         rows = [
             rs[0] if single(g, rs) else _group(g, rs, params.get(g)) for g, rs in groups.items()

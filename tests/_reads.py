@@ -6,7 +6,8 @@ read of a file's bytes makes."""
 import os
 import threading
 
-from taktiny.io import Tensor, _read
+from taktiny.io import Tensor
+from taktiny.loading import _load
 
 METHODS = ("read", "read_into", "read_blocks", "read_transposed")
 
@@ -31,7 +32,7 @@ def log_reads(monkeypatch, entry):
 
     for name in METHODS:
         monkeypatch.setattr(Tensor, name, logged(getattr(Tensor, name)))
-    together = _read.read_together
+    together = _load.read_together  # (the load's own name for io's read_together)
 
     def logged_together(tensors, **kwargs):
         depth.n = getattr(depth, "n", 0) + 1
@@ -43,7 +44,7 @@ def log_reads(monkeypatch, entry):
             log.extend(entry(t, out) for t, out in zip(tensors, outs, strict=True))
         return outs
 
-    monkeypatch.setattr(_read, "read_together", logged_together)
+    monkeypatch.setattr(_load, "read_together", logged_together)
     return log
 
 

@@ -691,7 +691,8 @@ def test_the_guard_against_headers_of_lists_at_its_bounds(
 
 
 def test_a_header_naming_every_dtype_opens(tmp_path):
-    from taktiny.io._dtypes import CODES, numpy_dtype
+    from taktiny.arrays._dtypes import numpy_dtype
+    from taktiny.io._dtypes import CODES
 
     entries, at = {}, 0
     for code, (_, itemsize) in sorted(CODES.items()):

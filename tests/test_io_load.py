@@ -355,7 +355,7 @@ def test_a_tensor_cast_on_loading_reaches_the_model_in_its_leaf_s_dtype(
     # a tensor renamed into a leaf of another dtype is read whole into the read buffer and
     # cast as it streams in: the load never holds a second copy of the model in the
     # checkpoint's dtype (only a tensor of the leaf's own dtype is read device by device)
-    import taktiny.state._state as state_module
+    import taktiny.loading._record as record_module  # (the load's name for state's)
 
     model = MLP(rngs=nn.Rngs(9))
     state = {k: v.astype(ml_dtypes.bfloat16) for k, v in flat_numpy(model).items()}
@@ -363,14 +363,14 @@ def test_a_tensor_cast_on_loading_reaches_the_model_in_its_leaf_s_dtype(
     save_safetensors(path, state)
     mesh = jax.make_mesh((2, 4), ("rows", "cols"))
     target = tt.shard(abstract_mlp(), [("input.kernel", P(None, "cols"))], mesh)
-    given, load = [], state_module.load_resolved
+    given, load = [], record_module.load_resolved
 
     def spied(view, supplied):
         supplied = list(supplied)
         given.append({view.spec.names[i]: v.dtype for i, v in supplied})
         return load(view, supplied)
 
-    monkeypatch.setattr(state_module, "load_resolved", spied)
+    monkeypatch.setattr(record_module, "load_resolved", spied)
     loaded = load_safetensors(target, path)
     assert_same(loaded, {k: v.astype(np.float32) for k, v in state.items()})
     assert loaded.input.kernel.sharding == NamedSharding(mesh, P(None, "cols"))

@@ -13,8 +13,8 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from taktiny import nn
+from taktiny.arrays._specs import part
 from taktiny.nn import _random
-from taktiny.sharding._specs import part
 
 AXES = [AxisType.Auto, AxisType.Explicit]
 HEADS = {f"{p}_kernel_sharding": (None, "model") for p in ("query", "key", "value")}

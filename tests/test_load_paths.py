@@ -152,7 +152,7 @@ def test_a_full_load_in_leaf_order_resolves_no_name_and_converts_no_array(flat, 
         raise AssertionError("a full load in leaf order took the slow path")
 
     monkeypatch.setattr(_state, "resolve", slow_path)
-    monkeypatch.setattr(_values, "convert", slow_path)
+    monkeypatch.setattr(_values, "checked_value", slow_path)
     new = (
         m.load_flat_state_dict(state, strict=True)
         if flat

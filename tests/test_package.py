@@ -30,7 +30,10 @@ def test_the_wheel_holds_the_package_its_type_marker_and_nothing_else(tmp_path):
     (wheel,) = tmp_path.glob("taktiny-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     package = sorted(n for n in names if not n.startswith("taktiny-"))
-    sources = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "taktiny").rglob("*.py"))
+    # the faces' stubs (__init__.pyi) too: the lazy loader reads them when importing
+    files = [*(ROOT / "taktiny").rglob("*.py"), *(ROOT / "taktiny").rglob("*.pyi")]
+    sources = sorted(str(p.relative_to(ROOT)) for p in files)
+    assert any(name.endswith("__init__.pyi") for name in sources)
     assert package == sorted([*sources, "taktiny/py.typed"])
     metadata = {n.split("/", 1)[1] for n in names if n.startswith("taktiny-")}
     assert metadata == {"METADATA", "WHEEL", "top_level.txt", "RECORD", "entry_points.txt"}
@@ -102,13 +105,12 @@ def _type_checking(node: ast.AST) -> bool:
 def test_the_file_formats_import_neither_the_load_nor_the_conversions():
     """taktiny/io/ is what a file is (headers, reads, checksums, saves, torch files,
     Orbax); the load (taktiny/loading/) joins it with taktiny/convert/ and the state walk.
-    No file of io/ imports either: io/'s face names the load's public names by module
-    path, imported when first used, and imports them for type checkers only."""
-    face = ROOT / "taktiny" / "io" / "__init__.py"
-    assert "taktiny.loading" in taktiny_imports(face)  # (for type checkers: left out)
-    assert "taktiny.loading" not in runtime_imports(face)
+    No file of io/ imports either at run time: io/'s face names the load's public names
+    in its stub, imported when first used."""
+    face = ROOT / "taktiny" / "io" / "__init__.pyi"
+    assert "taktiny.loading" in taktiny_imports(face)
     steps = ROOT / "taktiny" / "loading" / "_steps.py"
-    assert {"taktiny.convert._coverage", "taktiny.io._checkpoint"} <= runtime_imports(steps)
+    assert {"taktiny.convert", "taktiny.io"} <= runtime_imports(steps)
     found = {
         str(path.relative_to(ROOT)): sorted(
             name
@@ -119,6 +121,143 @@ def test_the_file_formats_import_neither_the_load_nor_the_conversions():
     }
     assert len(found) >= 10
     assert {name: hits for name, hits in found.items() if hits} == {}
+
+
+# The floors of the house, from the ground up (docs/architecture.md draws them): a file
+# imports from its own package, or from a package on a lower floor, never from one above.
+# The ground is the root package's own helpers, which import nothing of Taktiny's; the top
+# is the root's files that join everything (the ``taktiny`` namespace, summaries, the CLI).
+FLOORS = [
+    ("_lazy", "_messages", "_version"),
+    ("arrays",),
+    ("quant",),
+    ("state",),
+    ("sharding",),
+    ("module",),
+    ("io",),
+    ("nn",),
+    ("convert",),
+    ("loading",),
+    ("__init__", "__main__", "_summary", "_cli"),
+]
+FLOOR = {unit: floor for floor, units in enumerate(FLOORS) for unit in units}
+GROUND = {f"taktiny.{name}" for name in FLOORS[0]}
+
+
+def _unit(module: str) -> str:
+    """The package (or root module) of taktiny that `module` belongs to."""
+    parts = module.split(".")
+    return "__init__" if len(parts) == 1 else parts[1]
+
+
+def _package(unit: str) -> str:
+    """The package a unit is part of: the root's own files are the root package's."""
+    return "taktiny" if unit in FLOORS[0] + FLOORS[-1] else unit
+
+
+def _house() -> list[tuple[str, str, str]]:
+    """(file, its unit, a taktiny module it imports) for every import of every file."""
+    found = []
+    for path in sorted([*(ROOT / "taktiny").rglob("*.py"), *(ROOT / "taktiny").rglob("*.pyi")]):
+        relative = path.relative_to(ROOT / "taktiny")
+        unit = relative.parts[0] if len(relative.parts) > 1 else relative.stem
+        for module in taktiny_imports(path) - {"taktiny"}:  # (`from .. import x`: x counts)
+            found.append((str(path.relative_to(ROOT)), unit, module))
+    return found
+
+
+def test_every_package_and_root_module_has_a_floor():
+    units = {unit for _, unit, _ in _house()} | {_unit(m) for _, _, m in _house()}
+    assert units == set(FLOOR)
+    assert [
+        p.name for p in sorted((ROOT / "taktiny").iterdir()) if (p / "__init__.py").exists()
+    ] == sorted(u for units in FLOORS[1:-1] for u in units)
+
+
+def test_no_import_climbs_a_floor():
+    """Every import runs down the floors or stays in its package (at any depth in a file,
+    and for type checkers too), but one: io's face keeps the load's public names where
+    users import them (``taktiny.io.load_safetensors``), by name, imported when first used
+    (tests above: io/ imports no module of the load)."""
+    climbs = sorted(
+        (path, module) for path, unit, module in _house() if FLOOR[_unit(module)] > FLOOR[unit]
+    )
+    assert {(path, ".".join(module.split(".")[:2])) for path, module in climbs} == {
+        ("taktiny/io/__init__.pyi", "taktiny.loading")
+    }
+    # a climb is found: the check sees what it is for
+    assert FLOOR["state"] < FLOOR["sharding"] and FLOOR["quant"] < FLOOR["state"]
+
+
+def test_packages_import_each_other_only_through_their_faces():
+    """A package uses another's names through its face (``from ..state import flatten``),
+    never by reaching into a private module of it (``from ..state._names import flatten``);
+    the ground's helpers are the root package's own, which every floor may use."""
+    reaching = sorted(
+        (path, module)
+        for path, unit, module in _house()
+        if _package(_unit(module)) != _package(unit)
+        and ".".join(module.split(".")[:2]) not in GROUND
+        and any(part.startswith("_") for part in module.split(".")[2:])
+    )
+    assert reaching == []
+    faces = {module for _, unit, module in _house() if _unit(module) != unit}
+    assert {"taktiny.state", "taktiny.arrays", "taktiny.quant", "taktiny.module"} <= faces
+
+
+def _face(package: str) -> tuple[list[str], list[str]]:
+    """The public and the internal names the stub of `package`'s face lists."""
+    stub = ROOT / "taktiny" / package / "__init__.pyi"
+    public, internal, inside = [], [], True
+    for statement in ast.parse(stub.read_text()).body[1:]:
+        if isinstance(statement, ast.Expr):
+            inside = False
+        elif isinstance(statement, ast.ImportFrom):
+            names = [a.asname for a in statement.names]
+            (public if inside else internal).extend(n for n in names if not n.startswith("_"))
+    return sorted(public), sorted(internal)
+
+
+@pytest.mark.parametrize(
+    "package",
+    ["", "arrays", "quant", "state", "sharding", "module", "io", "nn", "convert", "loading"],
+)
+def test_each_face_writes_each_name_once_in_its_stub(package):
+    """A package's ``__init__.py`` holds no name, only the call that reads its stub
+    (``__init__.pyi``, which type checkers read): each name is written once. The stub's
+    names after its heading are for Taktiny's own packages: importable, not public."""
+    import importlib
+
+    init = ROOT / "taktiny" / package / "__init__.py"
+    body = ast.parse(init.read_text()).body
+    assert [type(s).__name__ for s in body] == ["Expr", "ImportFrom", "Assign"]
+    assert "_lazy.face(__name__, __file__, globals())" in ast.unparse(body[2])
+    public, internal = _face(package)
+    assert public
+    module = importlib.import_module("taktiny" + (f".{package}" if package else ""))
+    assert module.__all__ == public
+    for name in public + internal:
+        assert getattr(module, name) is not None
+    shown = {n for n in dir(module) if not n.startswith("_")}
+    assert set(public) <= shown and not shown & set(internal)
+    with pytest.raises(AttributeError, match=r"has no attribute 'missing_name'"):
+        module.missing_name  # noqa: B018
+
+
+def test_the_version_is_written_once_in_pyproject():
+    import importlib.metadata
+
+    import taktiny
+
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert taktiny.__version__ == config["project"]["version"]
+    assert taktiny.__version__ == importlib.metadata.version("taktiny")
+    written = [
+        str(path.relative_to(ROOT))
+        for path in (ROOT / "taktiny").rglob("*.py*")
+        if path.is_file() and f'"{taktiny.__version__}"' in path.read_text(errors="replace")
+    ]
+    assert written == []
 
 
 def test_the_state_walk_never_imports_the_module_layer():
@@ -135,7 +274,7 @@ def test_the_state_walk_never_imports_the_module_layer():
     assert len(found) >= 8
     assert {name: hits for name, hits in found.items() if hits} == {}
     module = taktiny_imports(ROOT / "taktiny" / "module" / "_module.py")
-    assert "taktiny.state._tree" in module
+    assert "taktiny.state" in module
 
 
 def test_pyright_checks_the_state_walk_in_strict_mode():

@@ -14,8 +14,8 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import taktiny as tt
-from taktiny import _qarray as _quant
 from taktiny import nn
+from taktiny.quant import _qarray as _quant
 
 
 def weights(*shape, seed=0, dtype=np.float32):

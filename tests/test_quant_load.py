@@ -12,8 +12,8 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import taktiny as tt
-from taktiny import _qarray as _quant
 from taktiny import nn
+from taktiny.quant import _qarray as _quant
 from taktiny.state import _state
 
 MATCH = {"match_quantization": True}

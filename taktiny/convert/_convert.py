@@ -9,8 +9,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from ..state import _values
-from ..state._tree import flat_state_dict, load_flat_state_dict
+from ..state import flat_state_dict, host_array, load_flat_state_dict
 from ._coverage import (
     ConversionError,
     ConversionProblem,
@@ -270,7 +269,7 @@ def _read(value: Any) -> Any:
         return value
     if isinstance(value, jax.ShapeDtypeStruct):
         return spec(value)
-    return _values.host_array(value)
+    return host_array(value)
 
 
 def export(rules: Sequence[AnyRule], model: Any) -> dict[str, Any]:

@@ -9,8 +9,10 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from ..state import _patterns, _problems, _values
-from ..state._problems import StateProblem as ConversionProblem
+from ..state import StateProblem as ConversionProblem
+from ..state import compile_pattern, dtype_of, host_array, unused_hint
+from ..state import kind as values_kind
+from ..state import problems as _problems
 from ._rules import CAPTURE, AnyRule, Ignore, Rule, Tie, first_match
 from ._transforms import Transform
 
@@ -87,9 +89,9 @@ def spec(value: Any) -> jax.ShapeDtypeStruct:
     try:
         if shape is None or dtype is None:
             raise TypeError
-        shape, dtype = tuple(shape), _values.dtype_of(dtype)
+        shape, dtype = tuple(shape), dtype_of(dtype)
     except TypeError:  # a list, a number: read it
-        array = _values.host_array(value)
+        array = host_array(value)
         shape, dtype = array.shape, array.dtype
     return jax.ShapeDtypeStruct(shape, jax.dtypes.canonicalize_dtype(dtype))
 
@@ -105,7 +107,7 @@ def _show(s: Any) -> str:
 
 def allowed_by(kind: str, name: str, allow: Mapping[str, Sequence[str]]) -> bool:
     return any(
-        pattern == name or _patterns.compile_pattern(pattern).fullmatch("." + name)
+        pattern == name or compile_pattern(pattern).fullmatch("." + name)
         for pattern in allow.get(kind, ())
     )
 
@@ -228,7 +230,7 @@ def plan(
                 want,
                 have,
             )
-        elif _values.kind(got.dtype) != _values.kind(leaves[target].dtype):
+        elif values_kind(got.dtype) != values_kind(leaves[target].dtype):
             want, have = _show(leaves[target]), _show(got)
             add(
                 "dtype",
@@ -294,6 +296,6 @@ def _why(rule: AnyRule, names: Iterable[str]) -> str:
     if isinstance(rule, Rule) and rule.regex:
         return "check the regular expression against the names"
     try:
-        return _patterns.unused_hint(CAPTURE.sub("*", rule.sources[0]), list(names))
+        return unused_hint(CAPTURE.sub("*", rule.sources[0]), list(names))
     except ValueError:
         return "check the pattern against the names"

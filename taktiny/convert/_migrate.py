@@ -40,9 +40,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from ..state._names import flatten
-from ..state._schema import Schema, declared_versions, schema
-from ..state._tree import flat_state_dict
+from ..state import Schema, declared_versions, flat_state_dict, flatten, schema
 from ._convert import Converted
 from ._coverage import ConversionError, ConversionProblem, plan, runner, spec
 from ._rules import AnyRule, Ignore, Init, Rule, Tie, first_match

@@ -38,7 +38,7 @@ import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from ..state import _values
+from ..state import kind as values_kind
 from ._coverage import ConversionError, ConversionProblem, Report, Step, allowed_by, plan, spec
 from ._rules import AnyRule, Ignore, Rule, Tie, compile_template
 
@@ -208,7 +208,7 @@ def _scalar(name: str, source: Mapping[str, Any], leaf: Any) -> ConversionProble
             "convert a state of the same optimizer.",
         )
     got, want = spec(source[name]), spec(leaf)
-    if got.shape != want.shape or _values.kind(got.dtype) != _values.kind(want.dtype):
+    if got.shape != want.shape or values_kind(got.dtype) != values_kind(want.dtype):
         return ConversionProblem(
             "shape" if got.shape != want.shape else "dtype",
             name,

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from .. import nn
-from ..state import _names
+from ..state import fields as names_fields
 from ._rules import AnyRule, Ignore, Rule
 from ._transforms import Transform, chain, concatenate, flip, split, transpose
 
@@ -333,7 +333,7 @@ def _walk(node: Any, source: str, target: str, rules: list[AnyRule]) -> None:
     elif isinstance(node, nn.Sequential):
         for i, layer in enumerate(node.layers):
             _walk(layer, _at(source, str(i)), _at(target, f"layers.{i}"), rules)
-    elif (fields := _names.fields(node)) is not None:
+    elif (fields := names_fields(node)) is not None:
         for name, value in fields.items():
             _walk(value, _at(source, name), _at(target, name), rules)
     elif isinstance(node, (list, tuple, dict)):

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from ..state import _patterns
+from ..state import part_regex
 from ._transforms import Transform, identity
 
 CAPTURE = re.compile(r"\{([A-Za-z_]\w*)\}")
@@ -43,7 +43,7 @@ def compile_template(template: str, where: str, *, deep: bool = False) -> re.Pat
             end = len(part) if found is None else found.start()
             if end > at:
                 try:
-                    pieces.append(_patterns.part_regex(template, part[at:end]))
+                    pieces.append(part_regex(template, part[at:end]))
                 except ValueError as error:
                     raise ValueError(f"{where}: {error}") from None
             if found is not None:

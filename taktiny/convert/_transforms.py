@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._qarray import dequantize_array, quantize_array
+from ..quant import dequantize_array, quantize_array
 
 
 def _xp(array: Any) -> Any:

@@ -11,13 +11,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .._messages import layout_text, short
-from . import _quantized_format as qz
+from ..quant import QUANTIZED, check_quantized, quantized_record
 from ._header import HEADER_LIMIT, parse_json, read_header, unpaired_surrogate
 from ._read import SafetensorsError, Tensor
 from ._storage import OpenFile, read_range
 
 if TYPE_CHECKING:
-    from ..state._schema import Schema
+    from ..state import Schema
 
 
 class Checkpoint(Mapping[str, Tensor]):
@@ -81,28 +81,28 @@ class Checkpoint(Mapping[str, Tensor]):
             SafetensorsError: the recorded schema is malformed, or its fingerprint is not
                 its entries' (it was edited), naming the file.
         """
-        from ..state import _schema
+        from ..state import Schema
 
-        return schema_part(self, _schema.Schema.from_json)
+        return schema_part(self, Schema.from_json)
 
     def __repr__(self) -> str:
         return f"Checkpoint({str(self.path)!r}, {len(self)} tensors, {self.nbytes:,} bytes)"
 
 
 def schema_part(checkpoint: Checkpoint, read: Callable[[str], Any]) -> Any:
-    """`read` (:meth:`taktiny.Schema.from_json`, or `_schema.recorded_versions` for the
+    """`read` (:meth:`taktiny.Schema.from_json`, or `recorded_versions` for the
     versions alone) of the schema the checkpoint's header records; None without one.
     Raises SafetensorsError naming the file for one Taktiny did not write."""
-    from ..state import _schema
+    from ..state import KEY
 
-    text = checkpoint.metadata.get(_schema.KEY)
+    text = checkpoint.metadata.get(KEY)
     if text is None:
         return None
     try:
         return read(text)
     except ValueError as error:
         raise SafetensorsError(
-            f"{checkpoint.path}: the header metadata {_schema.KEY!r} is not a schema Taktiny "
+            f"{checkpoint.path}: the header metadata {KEY!r} is not a schema Taktiny "
             f"wrote: {error}. Save the checkpoint again, or ignore its schema."
         ) from None
 
@@ -218,16 +218,16 @@ def _layouts(
     against its parts."""
     out: dict[str, dict[str, Any]] = {}
     for file, meta in metadata:
-        if qz.QUANTIZED in meta:
+        if QUANTIZED in meta:
             try:
-                out.update(qz.quantized_record(qz.QUANTIZED, meta[qz.QUANTIZED]))
+                out.update(quantized_record(QUANTIZED, meta[QUANTIZED]))
             except ValueError as error:
                 raise SafetensorsError(f"{file}: {error}; the header is corrupt.") from None
     for name, record in out.items():
-        problem = qz.check_quantized(name, record, tensors)
+        problem = check_quantized(name, record, tensors)
         if problem:
             raise SafetensorsError(
-                f"{where}: the metadata {qz.QUANTIZED!r} records {name!r} as quantized "
+                f"{where}: the metadata {QUANTIZED!r} records {name!r} as quantized "
                 f"{layout_text(record['bits'], record['axis'], record['group_size'])} of shape "
                 f"{record['shape']}, but {problem}. The checkpoint is inconsistent; write it "
                 f"again with taktiny.io.save_safetensors."

@@ -1,24 +1,6 @@
 """Safetensors' dtype codes: each one's NumPy name and item size, known without importing
-anything, and its NumPy dtype, made when first asked for.
-
-The bfloat16 and float8 dtypes come from ml_dtypes, whose import registers NumPy loops for
-every type it defines and takes about a second here, and NumPy's own import takes a
-fifth of one; a header names dtypes, so opening one (and `taktiny inspect`) needs only the
-names and sizes. NumPy, and ml_dtypes for its dtypes, are imported when a tensor is first
-asked for its NumPy dtype (to be read, say).
-"""
-
-from __future__ import annotations
-
-import functools
-from typing import TYPE_CHECKING
-
-from .. import _lazy
-
-if TYPE_CHECKING:
-    import numpy as np
-else:
-    np = _lazy.module("numpy")  # (a header needs no NumPy: imported when a tensor is read)
+anything (a header names dtypes, so opening one, and `taktiny inspect`, needs only the
+names and sizes; `taktiny.arrays`' `numpy_dtype` makes the dtype when a tensor is read)."""
 
 # code -> (NumPy's name of the dtype, its size in bytes), laid out by hand as a
 # table of four codes a line (kept from the formatter)
@@ -29,13 +11,3 @@ CODES = {
     "C64": ("complex64", 8), "BF16": ("bfloat16", 2), "F8_E4M3": ("float8_e4m3fn", 1),
     "F8_E5M2": ("float8_e5m2", 1),
 }  # fmt: skip
-
-
-@functools.cache
-def numpy_dtype(name: str) -> np.dtype:
-    """The NumPy dtype of NumPy's `name` for it (``"bfloat16"``: ml_dtypes', imported now)."""
-    if name in np.sctypeDict:
-        return np.dtype(name)
-    import ml_dtypes  # (slow to import, and needed only here)
-
-    return np.dtype(getattr(ml_dtypes, name))

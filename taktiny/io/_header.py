@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from .._messages import short
+from ..quant import PACKED, QUANTIZED, packed_record, packed_shape
 from . import _checksum
-from . import _quantized_format as qz
 from ._dtypes import CODES
 from ._read import Packed, SafetensorsError, Tensor
 from ._storage import OpenFile, read_range
@@ -38,7 +38,7 @@ _NBYTES = operator.attrgetter("nbytes")
 SCHEMA_KEY = "taktiny_schema"  # state._schema.KEY (whose module imports JAX)
 # Taktiny's own metadata keys
 _OWN = (
-    *(_checksum.KEY, _checksum.TILES_KEY, _checksum.HEADER_KEY, qz.PACKED, qz.QUANTIZED),
+    *(_checksum.KEY, _checksum.TILES_KEY, _checksum.HEADER_KEY, PACKED, QUANTIZED),
     *(SCHEMA_KEY, "taktiny_version"),
 )
 # The safetensors library's own limit on a header: MAX_HEADER_SIZE in its Rust crate
@@ -249,7 +249,7 @@ def read_header(file: Path) -> tuple[dict[str, Tensor], dict[str, str]]:
         tensor._held = held
     if problem := _checksum.header_problem(prefix, text, metadata, _OWN):
         raise bad(problem)  # (before its records are read: it names the damaged one)
-    found = _unpacked(found, metadata.get(qz.PACKED), bad)
+    found = _unpacked(found, metadata.get(PACKED), bad)
     _checksum.attach(found, metadata, bad)  # (the lead's: keep it)
     return found, metadata
 
@@ -423,20 +423,20 @@ def _unpacked(tensors: dict[str, Tensor], packed: str | None, bad: Any) -> dict[
     if packed is None:
         return tensors
     try:
-        records = qz.packed_record(qz.PACKED, packed)
+        records = packed_record(PACKED, packed)
     except ValueError as error:
         raise bad(f"{error}; the header is corrupt.") from None
     for name, (dtype, shape) in records.items():
         stored = tensors.get(name)
-        want = qz.packed_shape(shape)
+        want = packed_shape(shape)
         if stored is None:
             raise bad(
-                f"the metadata {qz.PACKED!r} lists {name!r} as a packed {dtype.name}{list(shape)}, "
+                f"the metadata {PACKED!r} lists {name!r} as a packed {dtype.name}{list(shape)}, "
                 f"but the file holds no tensor of that name; the header is inconsistent."
             )
         if stored.dtype_name != "uint8" or stored.shape != want:
             raise bad(
-                f"the metadata {qz.PACKED!r} lists {name!r} as {dtype.name}{list(shape)} packed "
+                f"the metadata {PACKED!r} lists {name!r} as {dtype.name}{list(shape)} packed "
                 f"two per byte, which is stored as uint8{list(want)}, but the file holds "
                 f"{stored.dtype_name}{list(stored.shape)}; the header is inconsistent."
             )
@@ -444,7 +444,7 @@ def _unpacked(tensors: dict[str, Tensor], packed: str | None, bad: Any) -> dict[
             count(want, 2)
         except OverflowError:
             raise bad(
-                f"the metadata {qz.PACKED!r} lists {name!r} as {dtype.name}{short(list(shape))}, "
+                f"the metadata {PACKED!r} lists {name!r} as {dtype.name}{short(list(shape))}, "
                 f"which is unpacked through two bytes for each byte stored: 2**63 bytes or more "
                 f"with its zero axes counted as one. NumPy makes no array of that shape, not "
                 f"even an empty one; the header is corrupt."

@@ -24,9 +24,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from .. import _lazy
+from ..arrays import numpy_dtype
+from ..quant import packed_shape, unpack
 from . import _checksum
-from . import _quantized_format as qz
-from ._dtypes import CODES, numpy_dtype
+from ._dtypes import CODES
 from ._storage import OpenFile, Storage
 
 if TYPE_CHECKING:
@@ -712,7 +713,7 @@ class Packed(Tensor):
 
     def __init__(self, name: str, shape: tuple[int, ...], dtype: Any, file: Path, offset: int):
         super().__init__(name, shape, dtype, file, offset)
-        self.stored = Tensor(name, qz.packed_shape(shape), np.uint8, file, offset)  # the bytes
+        self.stored = Tensor(name, packed_shape(shape), np.uint8, file, offset)  # the bytes
         self.nbytes = self.stored.nbytes
 
     @property
@@ -728,10 +729,10 @@ class Packed(Tensor):
     def read(self, index: Sequence[slice] | None = None, *, verify: bool = True) -> np.ndarray:
         bounds = self._bounds(index)
         if not bounds:  # 0-d: one byte
-            return qz.unpack(self.stored.read(verify=verify), self.dtype, 0, 1).reshape(())
+            return unpack(self.stored.read(verify=verify), self.dtype, 0, 1).reshape(())
         stored, skip = self._stored_block(bounds)
         raw = self.stored.read([slice(*b) for b in stored], verify=verify)
-        return qz.unpack(raw, self.dtype, skip, skip + bounds[-1][1] - bounds[-1][0])
+        return unpack(raw, self.dtype, skip, skip + bounds[-1][1] - bounds[-1][0])
 
     def _stored_block(self, bounds: Sequence[tuple[int, int]]) -> tuple[list[tuple[int, int]], int]:
         """The block of the stored bytes holding the block `bounds` (its rows, and the
@@ -775,8 +776,8 @@ class Packed(Tensor):
 
     def _unpacked(self, raw: np.ndarray) -> np.ndarray:
         if not self.shape:
-            return qz.unpack(raw, self.dtype, 0, 1).reshape(())
-        return qz.unpack(raw, self.dtype, 0, self.shape[-1])
+            return unpack(raw, self.dtype, 0, 1).reshape(())
+        return unpack(raw, self.dtype, 0, self.shape[-1])
 
 
 def read_together(tensors: Sequence[Tensor], *, verify: bool = True) -> list[np.ndarray]:

@@ -23,9 +23,10 @@ from typing import Any
 import jax
 import numpy as np
 
-from ..state import _names, _schema, _tree
+from .._version import __version__
+from ..quant import FOUR_BIT, PACKED, QUANTIZED, QArray, layout, pack
+from ..state import KEY, Schema, flat_state_dict, is_flat, leaf_entry, schema, state_dict
 from . import _checksum
-from . import _quantized_format as qz
 from ._checkpoint import SHARD, read_weight_map
 from ._read import SafetensorsError
 
@@ -33,12 +34,12 @@ _SUFFIX = ".safetensors"
 _RESERVED = (
     "format",
     "taktiny_version",
-    qz.PACKED,
-    qz.QUANTIZED,
+    PACKED,
+    QUANTIZED,
     _checksum.KEY,
     _checksum.TILES_KEY,
     _checksum.HEADER_KEY,
-    _schema.KEY,
+    KEY,
 )
 # numpy dtype names safetensors stores (its own names: F32, BF16, F8_E4M3, ...)
 _STORED = frozenset(
@@ -120,8 +121,6 @@ def save_safetensors(
             "pip install 'taktiny[safetensors]'."
         ) from None
 
-    from .. import __version__
-
     target = Path(path)
     if target.name == _SUFFIX or not target.name.endswith(_SUFFIX):
         raise ValueError(f"save_safetensors: the path must name a '*.safetensors' file: {path}")
@@ -132,32 +131,28 @@ def save_safetensors(
         )
     header = {"format": "taktiny", "taktiny_version": __version__, **_metadata(metadata)}
     flat = _flat(tree)
-    layouts = (
-        {} if flat is tree else {n: qz.layout(q) for n, q in qz.quantized_arrays(tree).items()}
-    )
+    layouts = {} if flat is tree else {n: layout(q) for n, q in quantized_arrays(tree).items()}
     if layouts:
-        header[qz.QUANTIZED] = json.dumps(layouts)
+        header[QUANTIZED] = json.dumps(layouts)
     tensors: dict[str, np.ndarray] = {}
     packed: dict[str, dict[str, Any]] = {}
     for name, value in flat.items():
         array = _host(name, value)
-        if array.dtype.name in qz.FOUR_BIT:
+        if array.dtype.name in FOUR_BIT:
             packed[name] = {"dtype": array.dtype.name, "shape": list(array.shape)}
-            array = qz.pack(array)
+            array = pack(array)
         tensors[name] = array
     described = (  # after the values' checks: what cannot be saved is named first
-        _schema.Schema({n: _schema.describe(v) for n, v in flat.items()})
-        if flat is tree
-        else _schema.schema(tree)
+        Schema({n: leaf_entry(v) for n, v in flat.items()}) if flat is tree else schema(tree)
     )
-    header[_schema.KEY] = described.to_json()
+    header[KEY] = described.to_json()
     shards = _split(tensors, _size(max_shard_size))
     files: list[tuple[dict[str, np.ndarray], dict[str, str]]] = []
     for shard in shards:
         own = dict(header)
         records = {n: packed[n] for n in shard if n in packed}
         if records:
-            own[qz.PACKED] = json.dumps(records)
+            own[PACKED] = json.dumps(records)
         own[_checksum.KEY] = _checksum.record({n: _checksum.digest(a) for n, a in shard.items()})
         tiled = {n: t for n, a in shard.items() if (t := _checksum.tile_digests(a)) is not None}
         if tiled:
@@ -442,12 +437,12 @@ def _metadata(metadata: Mapping[str, str] | None) -> dict[str, str]:
 def _flat(tree: Any) -> Mapping[str, Any]:
     """Names and values: a mapping whose values are all leaves keeps its own keys (and is
     returned as it is)."""
-    if _names.is_flat(tree):
+    if is_flat(tree):
         for key in tree:
             if not isinstance(key, str):
                 raise TypeError(f"save_safetensors: tensor names must be strings, got {key!r}")
         return tree
-    return _tree.flat_state_dict(tree)
+    return flat_state_dict(tree)
 
 
 def _host(name: str, value: Any) -> np.ndarray:
@@ -465,10 +460,10 @@ def _host(name: str, value: Any) -> np.ndarray:
             f"jax.experimental.multihost_utils.process_allgather), or save from each process"
         )
     array = np.asarray(value, order="C")  # (np.ascontiguousarray makes a 0-d array 1-d)
-    if array.dtype.name not in _STORED and array.dtype.name not in qz.FOUR_BIT:
+    if array.dtype.name not in _STORED and array.dtype.name not in FOUR_BIT:
         raise TypeError(
             f"save_safetensors: {name!r} has dtype {array.dtype.name}, which safetensors cannot "
-            f"store; it stores {', '.join(sorted(_STORED))}, and {', '.join(qz.FOUR_BIT)} "
+            f"store; it stores {', '.join(sorted(_STORED))}, and {', '.join(FOUR_BIT)} "
             f"packed two per byte"
         )
     return array
@@ -505,3 +500,19 @@ def _split(tensors: dict[str, np.ndarray], limit: int | None) -> list[dict[str, 
         shards[-1][name] = array
         used += array.nbytes
     return shards
+
+
+def quantized_arrays(tree: Any) -> dict[str, QArray]:
+    """The `QArray` parameters of `tree` by flat name (their parts are ``<name>.value`` and
+    ``<name>.scale`` in :func:`taktiny.flat_state_dict`)."""
+    out: dict[str, QArray] = {}
+
+    def walk(node: Mapping[str, Any], prefix: str) -> None:
+        for key, value in node.items():
+            if isinstance(value, QArray):
+                out[prefix + key] = value
+            elif isinstance(value, Mapping):
+                walk(value, f"{prefix}{key}.")
+
+    walk(state_dict(tree), "")
+    return out

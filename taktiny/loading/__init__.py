@@ -3,7 +3,6 @@ that joins the file format (`taktiny.io`), the conversion rules (`taktiny.conver
 the state walk (`taktiny.state`); its public names are `taktiny.io`'s
 (``taktiny.io.load_safetensors``, ``taktiny.io.plan_load``)."""
 
-from ._load import load_safetensors as load_safetensors
-from ._plan_load import LoadPlan as LoadPlan
-from ._plan_load import PlannedStep as PlannedStep
-from ._plan_load import plan_load as plan_load
+from .. import _lazy
+
+__getattr__, __dir__, __all__ = _lazy.face(__name__, __file__, globals())

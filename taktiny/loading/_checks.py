@@ -12,18 +12,16 @@ import jax
 import numpy as np
 
 from .._messages import layout_text
-from .._qarray import QArray
-from ..io import _quantized_format as qz
-from ..io._checkpoint import Checkpoint
-from ..io._read import SafetensorsError, Tensor
-from ..state import _problems as err
-from ..state import _values
+from ..io import Checkpoint, SafetensorsError, Tensor
+from ..quant import FOUR_BIT, PACKED, QArray, packed_shape
+from ..state import kind
+from ..state import problems as err
 
 
 def unquantizable(name: str, tensor: Tensor, like: QArray) -> err.StateProblem | None:
     """What stops a float tensor from being quantized into the QArray `like` (None: nothing)."""
     layout = layout_text(like.bits, like.axis, like.group_size)
-    if _values.kind(tensor.dtype) != "floating":
+    if kind(tensor.dtype) != "floating":
         return err.stored_not_float(name, layout, tensor.dtype, tuple(tensor.shape))
     if tuple(tensor.shape) != like.shape:
         return err.stored_shape(name, layout, like.shape, tuple(tensor.shape))
@@ -76,12 +74,12 @@ def _meta(record: Mapping[str, Any]) -> tuple[int, int, int | None]:
 def check_packed_listed(tensor: Tensor, shape: tuple[int, ...], dtype: np.dtype) -> None:
     """Raises when a uint8 tensor stands where the model holds a 4-bit array of which it
     could be the packed bytes, but its file does not list it as packed."""
-    if dtype.name in qz.FOUR_BIT and tensor.dtype == np.uint8 and not tensor.packed:
-        if tuple(tensor.shape) == qz.packed_shape(shape):
+    if dtype.name in FOUR_BIT and tensor.dtype == np.uint8 and not tensor.packed:
+        if tuple(tensor.shape) == packed_shape(shape):
             raise SafetensorsError(
                 f"{tensor.file}: {tensor.name!r} is stored as uint8{list(tensor.shape)}, where "
                 f"the model holds {dtype.name}{list(shape)}: 4-bit tensors are stored packed "
-                f"two per byte, but the header metadata {qz.PACKED!r}, which lists each packed "
+                f"two per byte, but the header metadata {PACKED!r}, which lists each packed "
                 f"tensor with its dtype and shape, does not list it, so it cannot be unpacked. "
                 f"Write the checkpoint with taktiny.io.save_safetensors, which records it."
             )

@@ -21,11 +21,8 @@ from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from ..convert._coverage import Step
-from ..convert._rules import AnyRule
-from ..io import _read
-from ..io._checkpoint import Checkpoint
-from ..io._read import Tensor
+from ..convert import AnyRule, Step
+from ..io import Checkpoint, Tensor, read_together
 from ._place import (
     Scratch,
     direct_leaf,
@@ -78,7 +75,8 @@ def load_safetensors(
             (``{"encoder.lora_a": ...}``: adapters alone, say), whose keys are the names
             to load; the load then returns a flat dict of the same keys.
         path: a ``.safetensors`` file, a ``*.safetensors.index.json``, a folder holding one
-            of them (see :func:`~taktiny.io.open_safetensors`), or an opened :class:`~taktiny.io.Checkpoint`.
+            of them (see :func:`~taktiny.io.open_safetensors`), or an opened
+            :class:`~taktiny.io.Checkpoint`.
         rules: conversion rules (:mod:`taktiny.convert`) from the checkpoint's names to the
             model's, applied tensor by tensor. Without rules the names must be the model's
             own flat names (:func:`taktiny.flat_state_dict`), or those of an older state
@@ -144,7 +142,7 @@ def load_safetensors(
         ahead.reached(starts[k])  # the disk reads on while this step is read and placed
         step, tensors = steps[k], sources[k]
         if len(units[u]) > 1:  # small renamed tensors: read together, placed below
-            return _read.read_together([sources[j][0] for j in units[u]], verify=verify)
+            return read_together([sources[j][0] for j in units[u]], verify=verify)
         if direct[k] is not None:  # renamed only: read and placed block by block, here
             return {step.targets[0]: placed_by_device(tensors[0], sharding_of(direct[k]), verify)}
         if permuted[k] is not None:  # transposed: piece by piece into place as it is read

@@ -14,14 +14,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._qarray import quantize_like
-from ..convert._coverage import Step
-from ..convert._transforms import identity, transpose
-from ..io import _read
-from ..io._read import Tensor
-from ..sharding._eval_shape import default_device
-from ..state import _problems as err
-from ..state import _values
+from ..arrays import default_device
+from ..convert import Step, identity, transpose
+from ..io import MAP_FLAGS, Tensor
+from ..quant import quantize_like
+from ..state import checked_value, placeable
+from ..state import problems as err
 from ._checks import spec_of
 from ._record import Load
 
@@ -61,7 +59,7 @@ def _canonical(names: Sequence[str], read: list[np.ndarray], problems: err.Probl
     for name, array in zip(names, read, strict=True):
         dtype = jax.dtypes.canonicalize_dtype(array.dtype)
         if dtype != array.dtype:
-            array = _values.convert(name, array, jax.ShapeDtypeStruct(array.shape, dtype), problems)
+            array = checked_value(name, array, jax.ShapeDtypeStruct(array.shape, dtype), problems)
         out.append(array)
     return out
 
@@ -83,7 +81,7 @@ def transformed(load: Load, step: Step, read: list[np.ndarray], scratch: Scratch
         like = quantized.get(name)
         if like is not None:  # checked and cast as for the float model, then quantized
             logical = jax.ShapeDtypeStruct(like.shape, like.dtype)
-            result = _values.convert(name, result, logical, problems)
+            result = checked_value(name, result, logical, problems)
             if result is None:
                 continue
             q = quantize_like(result, like, name)
@@ -91,13 +89,13 @@ def transformed(load: Load, step: Step, read: list[np.ndarray], scratch: Scratch
         else:
             made = [(name, result)] if name in leaves else []
         for part, value in made:
-            value = _values.convert(part, value, leaves[part], problems)
+            value = checked_value(part, value, leaves[part], problems)
             if value is None:
                 continue
             target = sharding_of(leaves[part])
             if not target.is_fully_addressable:  # it spans processes: each places its own
                 value = np.asarray(value)  # devices' parts of the (equal) host value
-            value = jax.device_put(_values.placeable(value), target)
+            value = jax.device_put(placeable(value), target)
             out[part] = jnp.copy(value) if scratch.holds(value) else value  # (an identity)
     jax.block_until_ready(out)  # the scratch is free again once the results exist
     if problems:
@@ -137,7 +135,7 @@ class Scratch:
         if needed > self.size:
             self.memory = bytearray()  # (let go first: not held beside the larger one)
             self.size = max(needed, self.capacity)
-            self.memory = mmap.mmap(-1, self.size, flags=_read.MAP_FLAGS)
+            self.memory = mmap.mmap(-1, self.size, flags=MAP_FLAGS)
             self.start = np.frombuffer(self.memory, np.uint8).ctypes.data
         view, at, out = memoryview(self.memory), 0, []
         for tensor in tensors:

@@ -23,13 +23,9 @@ import jax
 import numpy as np
 
 from .._messages import table
-from ..convert._coverage import ConversionProblem, Step, runner
-from ..convert._migrate import stages_text
-from ..convert._rules import AnyRule
-from ..convert._transforms import identity
-from ..io._checkpoint import Checkpoint
-from ..io._read import BOX_PIECE, Tensor
-from ..state import _problems as err
+from ..convert import AnyRule, ConversionProblem, Step, identity, runner, stages_text
+from ..io import BOX_PIECE, Checkpoint, Tensor
+from ..state import problems as err
 from ._checks import spec_of
 from ._load import Ways
 from ._place import sharding_of

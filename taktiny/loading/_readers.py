@@ -18,8 +18,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from ..io._read import Tensor
-from ..io._storage import OpenFile
+from ..io import OpenFile, Tensor
 
 WINDOW = 128 * 2**20  # bytes read between two measurements
 GAIN = 1.1  # a doubling of the readers must read this much faster to stay

@@ -17,17 +17,23 @@ from typing import Any, NamedTuple
 
 from jax.sharding import AbstractMesh
 
-from .._qarray import QArray
-from ..convert._coverage import ConversionError, ConversionProblem
-from ..convert._migrate import Stage, migration_rules, stages, stages_text, without_values
-from ..convert._rules import AnyRule
-from ..io._checkpoint import Checkpoint, open_safetensors, schema_part
-from ..sharding._specs import mesh_text
-from ..state import _names, _schema, _state
-from ..state._views import Flat
+from ..arrays import mesh_text
+from ..convert import (
+    AnyRule,
+    ConversionError,
+    ConversionProblem,
+    Stage,
+    migration_rules,
+    stages,
+    stages_text,
+    without_values,
+)
+from ..io import Checkpoint, open_safetensors, schema_part
+from ..quant import QArray
+from ..state import KEY, Flat, customs, is_flat, load_resolved, recorded_versions
 
 
-class Migration(NamedTuple):
+class Migrated(NamedTuple):
     """How a checkpoint saved at older state versions of the model's classes loads: by
     the rules their migrations compose into (see :func:`taktiny.migrate`), the leaves they
     add keeping the model's values.
@@ -82,7 +88,7 @@ class Load:
     allow: Mapping[str, Sequence[str]] | None
     strict: bool
     verify: bool
-    migration: Migration | None = None
+    migration: Migrated | None = None
 
 
 def open_load(
@@ -120,7 +126,7 @@ def open_load(
             f"with taktiny.shard(model, rules, mesh)."
         )
     quantized = {}
-    for name, custom in _names.customs(view.spec.template):
+    for name, custom in customs(view.spec.template):
         value = custom.treedef.unflatten(view.olds[custom.start : custom.stop])
         if isinstance(value, QArray):
             quantized[name] = value
@@ -135,11 +141,7 @@ def as_tree(model: Any) -> Any:
     `save_safetensors` saves one under its own keys) the nested dicts its names make,
     ``{"a": {"b": array}}``, whose flat names are its keys. Raises TypeError for a name
     that also begins another (``"a"`` and ``"a.b"``): no tree has both."""
-    if not (
-        _names.is_flat(model)
-        and all(type(k) is str for k in model)
-        and any("." in k for k in model)
-    ):
+    if not (is_flat(model) and all(type(k) is str for k in model) and any("." in k for k in model)):
         return model
     out: dict[str, Any] = {}
     for name, value in model.items():
@@ -179,9 +181,9 @@ def migrated(load: Load, *, has_values: bool = False) -> Load:
     the concrete model (as :func:`taktiny.eval_shape` of its factory describes it): an
     added leaf keeps its value, whatever the leaf is."""
     checkpoint, where = load.checkpoint, load.where
-    if checkpoint.metadata.get(_schema.KEY) is None:  # not Taktiny's: no version
+    if checkpoint.metadata.get(KEY) is None:  # not Taktiny's: no version
         return load
-    version, versions = schema_part(checkpoint, _schema.recorded_versions)  # (entries unread)
+    version, versions = schema_part(checkpoint, recorded_versions)  # (entries unread)
     tree = load.tree
     found = stages(tree, version, versions, where)  # (newer: raises)
     if not found:
@@ -195,7 +197,7 @@ def migrated(load: Load, *, has_values: bool = False) -> Load:
     made, names = migration_rules(tree, checkpoint, found, load.leaves, where)
     added = {p for n in names for p in parts_of(n, load.quantized)}
     problems = [] if has_values else without_values(names, load.leaves)
-    return dataclasses.replace(load, migration=Migration(found, made, added, problems))
+    return dataclasses.replace(load, migration=Migrated(found, made, added, problems))
 
 
 def unkept(load: Load) -> ConversionError | None:
@@ -215,4 +217,4 @@ def loaded(load: Load, placed: Mapping[str, Any]) -> Any:
     if load.keys is not None:
         return {name: placed.get(name, load.leaves[name]) for name in load.keys}
     index = load.view.spec.index
-    return _state.load_resolved(load.view, [(index[n], value) for n, value in placed.items()])
+    return load_resolved(load.view, [(index[n], value) for n, value in placed.items()])

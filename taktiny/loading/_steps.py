@@ -10,21 +10,22 @@ from typing import Any
 
 import jax
 
-from ..convert._convert import check_ties
-from ..convert._coverage import (
+from ..convert import (
+    PASS_ALLOWED,
+    AnyRule,
     ConversionError,
     ConversionProblem,
+    Rule,
     Step,
     allowed_by,
     check_allow,
+    check_ties,
+    explained,
     plan,
 )
-from ..convert._migrate import PASS_ALLOWED, explained
-from ..convert._rules import AnyRule, Rule
-from ..io._checkpoint import Checkpoint
-from ..io._read import Tensor
-from ..state import _problems as err
-from ..state import _values
+from ..io import Checkpoint, Tensor
+from ..state import kind
+from ..state import problems as err
 from ._checks import (
     absent_leaves,
     check_packed_listed,
@@ -126,9 +127,7 @@ def plain_plan(load: Load) -> tuple[list[Step], err.Problems]:
         if tuple(tensor.shape) != shape:
             problems.append(err.shape(name, shape, tuple(tensor.shape)))
             continue
-        want, have = (
-            kinds.get(d) or kinds.setdefault(d, _values.kind(d)) for d in (dtype, tensor.dtype)
-        )
+        want, have = (kinds.get(d) or kinds.setdefault(d, kind(d)) for d in (dtype, tensor.dtype))
         if want != have:
             problems.append(err.dtype_kind(name, dtype, tensor.dtype, str(want), str(have)))
         else:

@@ -22,8 +22,11 @@ import jax.numpy as jnp
 import wadler_lindig as wl
 from jax.core import Tracer
 
-from ..state import _tree
-from ..state._names import ARRAY_TYPES, SCALARS
+from ..arrays import ARRAY_TYPES, SCALARS
+from ..state import flat_state_dict as tree_flat_state_dict
+from ..state import load_flat_state_dict as tree_load_flat_state_dict
+from ..state import load_state_dict as tree_load_state_dict
+from ..state import state_dict as tree_state_dict
 from . import _field_checks
 from ._fields import MISSING, Field, declared_fields, field, generated_init
 from ._rngs import Rngs
@@ -390,7 +393,7 @@ class Module(types.SimpleNamespace, metaclass=_ModuleMeta):
         Returns:
             Nested dicts, one level per module, list or dict, with arrays as leaves.
         """
-        return _tree.state_dict(self)
+        return tree_state_dict(self)
 
     def flat_state_dict(self) -> dict[str, Any]:
         """The parameters as one dict from dotted names (``"layers.0.kernel"``) to arrays.
@@ -402,7 +405,7 @@ class Module(types.SimpleNamespace, metaclass=_ModuleMeta):
         Returns:
             ``{dotted name: array}``, the module's own arrays (no copies).
         """
-        return _tree.flat_state_dict(self)
+        return tree_flat_state_dict(self)
 
     def load_state_dict(
         self, state: Mapping[str, Any], *, strict: bool = False, match_quantization: bool = False
@@ -438,7 +441,7 @@ class Module(types.SimpleNamespace, metaclass=_ModuleMeta):
         Raises:
             taktiny.StateDictError: listing every problem; nothing is loaded.
         """
-        return _tree.load_state_dict(
+        return tree_load_state_dict(
             self, state, strict=strict, match_quantization=match_quantization
         )
 
@@ -461,7 +464,7 @@ class Module(types.SimpleNamespace, metaclass=_ModuleMeta):
         Raises:
             taktiny.StateDictError: as :meth:`load_state_dict` raises it.
         """
-        return _tree.load_flat_state_dict(
+        return tree_load_flat_state_dict(
             self, flat, strict=strict, match_quantization=match_quantization
         )
 

@@ -7,8 +7,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from .._qarray import QArray
-from ..state._names import CACHE_BOUND
+from ..arrays import CACHE_BOUND
+from ..quant import QArray
 from ._module import Module
 
 _TRAINABLE: dict[Any, list[bool]] = {}  # tree structure -> trainable flag per leaf

@@ -12,9 +12,8 @@ from jax.sharding import PartitionSpec as P
 from jax.typing import DTypeLike
 from jaxtyping import Array, Bool, Float, Int
 
-from ..module._module import Module
-from ..module._rngs import Rngs
-from ..sharding._specs import Spec, placement
+from ..arrays import Spec, placement
+from ..module import Module, Rngs
 from ._cache import KVCache, check_cache, empty_cache, visible, write
 from ._dot_product_attention import attend, check_inputs, fold_mask, split_heads
 from ._explicit import explicit_axes, typed_spec

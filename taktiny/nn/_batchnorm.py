@@ -10,9 +10,8 @@ from jax.sharding import PartitionSpec as P
 from jax.typing import DTypeLike
 from jaxtyping import Array, Float
 
-from ..module._module import Module, field
-from ..module._rngs import Rngs
-from ..sharding._specs import Spec
+from ..arrays import Spec
+from ..module import Module, Rngs, field
 from ._explicit import explicit_axes, follow, typed_spec
 from ._norm import output_dtype, statistics_dtype
 from ._precision import DTYPE, static_dtype

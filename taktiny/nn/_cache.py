@@ -11,8 +11,8 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Bool, Float, Int
 
-from ..module._module import Module
-from ..sharding._specs import Spec
+from ..arrays import Spec
+from ..module import Module
 from ._explicit import explicit_axes, typed_spec
 from ._random import constant
 

@@ -9,8 +9,8 @@ import jax.numpy as jnp
 from jax.typing import DTypeLike
 from jaxtyping import Array, Float
 
-from ..module._rngs import Rngs
-from ..sharding._specs import Spec
+from ..arrays import Spec
+from ..module import Rngs
 from ._convolution import (
     Padding,
     _Convolution,

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float
 
-from ..module._module import Module
+from ..module import Module
 from ._explicit import explicit_axes, follow, free, merged, typed_spec
 from ._layer_checks import check_features
 from ._precision import compute_dtype

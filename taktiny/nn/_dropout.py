@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
-from ..module._module import Module
+from ..module import Module
 from ._random import keep_mask
 
 

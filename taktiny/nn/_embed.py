@@ -8,9 +8,8 @@ from jax.sharding import PartitionSpec as P
 from jax.typing import DTypeLike
 from jaxtyping import Array, Float, Integer
 
-from ..module._module import Module
-from ..module._rngs import Rngs
-from ..sharding._specs import Spec
+from ..arrays import Spec
+from ..module import Module, Rngs
 from ._explicit import explicit_axes, free, project, typed_spec
 from ._layer_checks import check_features, check_ids
 from ._precision import DTYPE, PRECISION, compute_dtype, static_dtype, static_precision

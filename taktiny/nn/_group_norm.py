@@ -10,9 +10,8 @@ from jax.sharding import PartitionSpec as P
 from jax.typing import DTypeLike
 from jaxtyping import Array, Float
 
-from ..module._module import Module
-from ..module._rngs import Rngs
-from ..sharding._specs import Spec
+from ..arrays import Spec
+from ..module import Module, Rngs
 from ._explicit import explicit_axes, typed_spec
 from ._layer_checks import divisors
 from ._norm import output_dtype, scale_and_shift, standardise, statistics_dtype

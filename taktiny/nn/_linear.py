@@ -7,9 +7,8 @@ import jax.numpy as jnp
 from jax.typing import DTypeLike
 from jaxtyping import Array, Float
 
-from ..module._module import Module
-from ..module._rngs import Rngs
-from ..sharding._specs import Spec
+from ..arrays import Spec
+from ..module import Module, Rngs
 from ._explicit import project
 from ._layer_checks import check_features
 from ._precision import DTYPE, PRECISION, compute_dtype, static_dtype, static_precision

@@ -25,9 +25,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Integer
 
-from .._qarray import QArray
-from ..module._module import Module, field
-from ..module._rngs import Rngs
+from ..module import Module, Rngs, field
+from ..quant import QArray
 from ._embed import Embed
 from ._explicit import project
 from ._linear import Linear

@@ -11,7 +11,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float
 
-from ..module._module import Module
+from ..module import Module
 from ._explicit import explicit_axes, typed_spec
 from ._norm import statistics_dtype
 

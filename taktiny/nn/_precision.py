@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 from jax.typing import DTypeLike
 
-from ..module._module import field
+from ..module import field
 
 # Declarations for a layer's class body: shown in its repr only when they are set.
 DTYPE: Any = field(static=True, default=None)

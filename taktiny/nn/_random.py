@@ -23,7 +23,7 @@ from jax.core import Tracer
 from jax.sharding import Mesh
 from jax.typing import DTypeLike
 
-from ..sharding._specs import Spec, part, placement
+from ..arrays import Spec, part, placement
 
 # The standard deviation of a standard normal truncated to [-2, 2]; dividing by it
 # keeps the requested variance, as jax.nn.initializers.variance_scaling does.

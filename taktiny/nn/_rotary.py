@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
-from ..module._module import Module
+from ..module import Module
 
 
 def check_positions(layer: str, positions: Any, target: tuple[int, ...], axes: str) -> jax.Array:

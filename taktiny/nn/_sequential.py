@@ -10,7 +10,7 @@ from typing import Any, overload
 import jax
 import wadler_lindig as wl
 
-from ..module._module import Module, field
+from ..module import Module, field
 
 
 def _name(fn: Any) -> str:

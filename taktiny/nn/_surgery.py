@@ -29,12 +29,10 @@ import numpy as np
 from jax.core import Tracer
 from jax.sharding import NamedSharding
 
-from .._qarray import QArray, quantize_like, quantized
-from ..module._module import Module, fields_of
-from ..module._rngs import Rngs
-from ..state import _patterns
-from ..state import _problems as err
-from ..state._names import flatten, key_name
+from ..module import Module, Rngs, fields_of
+from ..quant import QArray, quantize_like, quantized
+from ..state import compile_pattern, flatten, key_name, select, unused_hint
+from ..state import problems as err
 from ._embed import Embed
 from ._linear import Linear
 from ._lora import _ADAPTABLE, _ADAPTED, _EMBEDS, _LINEARS, LoRAEmbed, LoRALinear, _base, _scale
@@ -113,7 +111,7 @@ def choose(
             f"{caller}: where is a pattern over layer names ('**.attention.*'), a non-empty "
             f"list of them, or a function (name, layer) -> bool; got {where!r:.80}."
         )
-    selected = _patterns.select(patterns, list(layers))
+    selected = select(patterns, list(layers))
     if selected.unused:
         what = _kinds(bases)
         why = _Why(model, layers, others or {})
@@ -138,7 +136,7 @@ class _Why:
         self.modules = dict(_modules(model))
 
     def __call__(self, pattern: str) -> str:
-        regex = _patterns.compile_pattern(pattern)
+        regex = compile_pattern(pattern)
         for name, module in self.modules.items():
             if name and regex.fullmatch("." + name):  # (not the root: only "**" matches it)
                 kind = type(module)._taktiny_base
@@ -157,7 +155,7 @@ class _Why:
             layer = leaf.rsplit(".", 1)[0]
             return f"it matches the parameter {leaf!r}, not a layer; name the layer ({layer!r})"
         names = list(self.layers)
-        hint = _patterns.unused_hint(pattern, names)
+        hint = unused_hint(pattern, names)
         if hint.startswith("no name is close"):  # then the names it may choose from
             more = f" and {len(names) - 4} more" if len(names) > 4 else ""
             hint += f"; the layers it may name: {', '.join(map(repr, names[:4]))}{more}"

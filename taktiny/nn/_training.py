@@ -9,7 +9,7 @@ from typing import Any
 import jax
 from jax.core import Tracer
 
-from ..module._module import Module
+from ..module import Module
 
 # While train_forward runs: id(layer) -> (layer, its successor), filled by the layers it
 # calls. Read at trace time only, inside one call: nothing leaks between jit traces.

@@ -1,4 +1,8 @@
-"""Sharding: PartitionSpecs and the ambient mesh (`_specs`), placing a tree by rules over
-its names (`_plan`: ``tt.shard``, ``tt.sharding_plan``) and abstract trees that keep their
-shardings (`_eval_shape`: ``tt.eval_shape``). The public names are re-exported by
-``taktiny``; this package's ``__init__`` imports nothing."""
+"""Placing a tree on devices by ordered rules over its leaves' flat names (`_shard.py`:
+``tt.shard``, ``tt.sharding_plan``, `ShardingPlan`). The specs, meshes and abstract arrays
+it builds on are `taktiny.arrays`'. Other packages import through this face; the public
+names are re-exported by ``taktiny``. Each name is imported when first used."""
+
+from .. import _lazy
+
+__getattr__, __dir__, __all__ = _lazy.face(__name__, __file__, globals())

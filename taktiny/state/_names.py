@@ -20,8 +20,9 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Protocol, TypeGuard, cast
 
 import jax
-import numpy as np
 from jax.tree_util import DictKey, FlattenedIndexKey, GetAttrKey, SequenceKey
+
+from ..arrays import CACHE_BOUND
 
 
 class _TreeUtil(Protocol):
@@ -106,10 +107,7 @@ class Spec:
     modules: dict[str, type]  # the class of each module by its path ("": the root)
 
 
-ARRAY_TYPES = (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct)  # what is an array
-SCALARS = (bool, int, float, complex)  # the Python numbers a tree may hold as leaves
 _SPECS: dict[Any, Spec] = {}  # tree structure -> its description
-CACHE_BOUND = 4096  # structures a cache keeps before it starts again
 
 
 def key_name(key: Any) -> str:

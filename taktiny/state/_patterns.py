@@ -112,13 +112,13 @@ def match(rules: list[tuple[str, Any]], names: Sequence[str], default: Any) -> M
     return Match(values, unmatched, unused)
 
 
-def problems(
+def rule_problems(
     found: Match, rules: Sequence[tuple[str, Any]], names: Sequence[str], fix: str | None
 ) -> list[Any]:
     """The problems of what ordered `rules` `found` among `names`: each rule that matches
     no name, with the closest names (``unused_hint``), then, when every name must be
     reached (`fix`: how to reach it; None: need not be), each name no rule matches."""
-    from . import _problems as err  # (see unused_hint)
+    import taktiny.state._problems as err  # (see unused_hint)
 
     patterns = [pattern for pattern, _ in rules]
     out = [err.unmatched(p, "name", unused_hint(p, names, patterns)) for p in found.unused]
@@ -151,7 +151,7 @@ def select(patterns: Sequence[str], names: Sequence[str]) -> Match:
 def unused_hint(pattern: str, names: Sequence[str], patterns: Sequence[str] = ()) -> str:
     """Why `pattern` may have matched nothing, and what might have been meant; `patterns`
     are those of all the rules, in order (an earlier one may have taken its names)."""
-    from . import _problems as err  # (only errors need it: it imports JAX)
+    import taktiny.state._problems as err  # (only errors need it: it imports JAX)
 
     regex = compile_pattern(pattern)
     mine = [n for n in names if regex.fullmatch("." + n)]
@@ -190,7 +190,7 @@ def _respelt(parts: Sequence[str], names: Sequence[str]) -> str | None:
     """The pattern of `parts` with each plain part that no name has replaced by the
     closest part that one has (``*.dwon.bias``: ``*.down.bias``), if that matches a name;
     None otherwise."""
-    from . import _problems as err  # (see unused_hint)
+    import taktiny.state._problems as err  # (see unused_hint)
 
     known = sorted({part for name in names for part in name.split(".")})
     have = set(known)

@@ -30,8 +30,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._qarray import PARTS, QArray
-from ..sharding._specs import mesh_text
+from ..arrays import mesh_text
+from ..quant import PARTS, QArray
 
 
 @dataclasses.dataclass(frozen=True, init=False)
@@ -809,7 +809,7 @@ def unfit_parts(name: str, got: Mapping[str, Any], why: str) -> StateProblem:
     return StateProblem("representation", name, "a value and a scale", given, hint)
 
 
-def in_quantized(problem: StateProblem, param: str, q: QArray) -> StateProblem:
+def quantized_problem(problem: StateProblem, param: str, q: QArray) -> StateProblem:
     """`problem`, about a part of the QArray `q` at `param`, told as a problem with `q`."""
     part = problem.name[len(param) + 1 :]
     how = (

@@ -19,10 +19,12 @@ import numpy as np
 from jax.core import Tracer
 from jax.sharding import NamedSharding
 
-from .._qarray import PARTS, QArray, parts_layout, quantize_like
-from . import _problems as err
-from . import _values
-from ._names import SCALARS, tree_util
+import taktiny.state._problems as err
+import taktiny.state._values as _values
+
+from ..arrays import SCALARS
+from ..quant import PARTS, QArray, parts_layout, quantize_like
+from ._names import tree_util
 from ._problems import Problems, StateProblem
 from ._views import View
 
@@ -87,7 +89,7 @@ def _plan(other: Other, match: bool, problems: Problems) -> Any:
         # the shape checked; quantized from float32 (not the scale's narrower dtype)
         wide = jnp.dtype(old.dtype) if jnp.dtype(old.dtype).itemsize > 4 else jnp.float32
         logical = jax.ShapeDtypeStruct(old.shape, wide)
-        array = _values.convert(name, given, logical, problems)
+        array = _values.checked_value(name, given, logical, problems)
         return None if array is None else lambda: _quantized(other, array)
     if is_quantized(given) and tree_util.treedef_is_leaf(tree_util.tree_structure(old)):
         return _dequantized(other, match, problems)
@@ -175,5 +177,5 @@ def in_quantized(
         return list(problems)
     param, q = found
     told: Callable[[StateProblem], StateProblem]
-    told = lambda p: err.in_quantized(p, param, q) if p.kind in _CHECKED_KINDS else p
+    told = lambda p: err.quantized_problem(p, param, q) if p.kind in _CHECKED_KINDS else p
     return [told(p) for p in problems]

@@ -8,8 +8,9 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from typing import Any, NamedTuple, cast
 
-from .._qarray import PARTS
-from . import _problems as err
+import taktiny.state._problems as err
+
+from ..quant import PARTS
 from ._names import tree_util
 from ._problems import StateProblem
 from ._represent import Other

@@ -9,9 +9,11 @@ from collections.abc import Iterator, Mapping
 from types import MappingProxyType
 from typing import Any, NamedTuple, cast
 
+import taktiny.state._names as _names
+import taktiny.state._tree as _tree
+
 from .._messages import layout_text, short
-from .._qarray import QArray
-from . import _names, _tree
+from ..quant import QArray
 
 FORMAT = "taktiny-schema/1"  # the JSON's "format": what its reader must know
 KEY = "taktiny_schema"  # the safetensors header metadata key a saved model's schema is under
@@ -238,7 +240,7 @@ def schema(tree: Any) -> Schema:
             if isinstance(value, Mapping):
                 walk(cast("Mapping[str, Any]", value), f"{prefix}{key}.")
             else:
-                found[prefix + key] = describe(value)
+                found[prefix + key] = leaf_entry(value)
 
     walk(_tree.state_dict(tree), "")
     versions = declared_versions(tree)
@@ -265,7 +267,7 @@ def declared_versions(tree: Any) -> dict[str, int]:
     return out
 
 
-def describe(leaf: Any) -> dict[str, Any]:
+def leaf_entry(leaf: Any) -> dict[str, Any]:
     """The schema entry of one leaf: an array, an abstract array or a QArray (anything
     else as NumPy makes an array of it: a Python number)."""
     import numpy as np

@@ -16,8 +16,11 @@ import jax.numpy as jnp
 from jax.core import Tracer
 from jax.sharding import NamedSharding
 
-from . import _names, _represent, _values
-from . import _problems as err
+import taktiny.state._names as _names
+import taktiny.state._problems as err
+import taktiny.state._represent as _represent
+import taktiny.state._values as _values
+
 from ._problems import Problems, StateDictError, StateProblem
 from ._represent import Other
 from ._resolve import Resolved, resolve
@@ -89,7 +92,7 @@ def _check(
             into.other.append(Other(view.name(where), old, (where,), value))
             continue
         found = Problems()
-        given, value = value, _values.convert(view.name(where), value, old, found)
+        given, value = value, _values.checked_value(view.name(where), value, old, found)
         if value is None:
             problems.extend(_represent.in_quantized(view, where, found))
             continue

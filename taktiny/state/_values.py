@@ -14,8 +14,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.core import Tracer
 
-from . import _problems as err
-from ._names import SCALARS
+import taktiny.state._problems as err
+
+from ..arrays import SCALARS
 from ._problems import Problems, StateProblem
 
 
@@ -250,7 +251,7 @@ def _exact(name: str, value: np.ndarray, dtype: Any, problems: Problems) -> Any:
     return cast
 
 
-def convert(name: str, value: Any, old: Any, problems: Problems) -> Any:
+def checked_value(name: str, value: Any, old: Any, problems: Problems) -> Any:
     """`value` checked against the leaf `old` it replaces and cast to its dtype; None (and a
     problem recorded) when it can't be."""
     value, python_numbers = _as_array(name, value, problems)

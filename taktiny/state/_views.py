@@ -15,8 +15,10 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any, Protocol, TypeVar, cast, runtime_checkable
 
-from .._qarray import PARTS, QArray
-from . import _names
+import taktiny.state._names as _names
+
+from ..arrays import ARRAY_TYPES, SCALARS
+from ..quant import PARTS, QArray
 from ._names import Custom, Entry, tree_util
 from ._values import array_type
 
@@ -90,7 +92,7 @@ class View(Protocol[Where]):
 
 
 # (typed as plain classes: a child found one stays Any, not a half-known ndarray[Unknown])
-_LEAF_TYPES: tuple[type[Any], ...] = (*_names.ARRAY_TYPES, *_names.SCALARS)
+_LEAF_TYPES: tuple[type[Any], ...] = (*ARRAY_TYPES, *SCALARS)
 
 
 class Flat:

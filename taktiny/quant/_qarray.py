@@ -19,9 +19,7 @@ import wadler_lindig as wl
 from jax.core import Tracer
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
-from .sharding._eval_shape import eval_shape
-from .sharding._specs import mesh_text
-from .state._names import ARRAY_TYPES, CACHE_BOUND
+from ..arrays import ARRAY_TYPES, CACHE_BOUND, eval_shape, mesh_text
 
 INT_DTYPES = {8: jnp.dtype(jnp.int8), 4: jnp.dtype(jnp.int4)}
 _QMAX = {8: 127, 4: 7}

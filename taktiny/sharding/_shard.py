@@ -10,11 +10,21 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from ..state import _names, _patterns
-from ..state import _problems as err
-from ..state._problems import SelectionError
-from ..state._values import placeable
-from ._specs import ambient_mesh, as_spec, mesh_text, spec_problems
+from ..arrays import ambient_mesh, as_spec, mesh_text, spec_problems
+from ..state import (
+    Match,
+    Rules,
+    SelectionError,
+    Spec,
+    compile_pattern,
+    customs,
+    flatten,
+    match,
+    placeable,
+    rule_list,
+    rule_problems,
+)
+from ..state import problems as err
 
 
 class ShardingPlan(NamedTuple):
@@ -49,7 +59,7 @@ def _concrete_mesh(mesh: Mesh | None, caller: str) -> Mesh:
 
 
 def sharding_plan(
-    tree: Any, rules: _patterns.Rules, mesh: Mesh | None = None, *, strict: bool = False
+    tree: Any, rules: Rules, mesh: Mesh | None = None, *, strict: bool = False
 ) -> ShardingPlan:
     """The sharding of each leaf of `tree` by ordered rules over its flat state names.
 
@@ -90,29 +100,29 @@ def sharding_plan(
 
 
 def _plan(
-    tree: Any, rules: _patterns.Rules, mesh: Mesh | None, strict: bool
+    tree: Any, rules: Rules, mesh: Mesh | None, strict: bool
 ) -> tuple[ShardingPlan, list[Any], Any, list[NamedSharding]]:
     """The plan, with the tree's leaves, its treedef and each leaf's sharding."""
     caller = "taktiny.sharding_plan" if not strict else "taktiny.sharding_plan(strict=True)"
     where = f"{caller} on {type(tree).__name__}"
-    pairs = _patterns.rule_list(rules, "taktiny.sharding_plan")
+    pairs = rule_list(rules, "taktiny.sharding_plan")
     problems = []
     checked = []
     for pattern, spec in pairs:
         try:
-            _patterns.compile_pattern(pattern)
+            compile_pattern(pattern)
             checked.append((pattern, as_spec(spec, "its spec")))
         except (ValueError, TypeError) as error:
             problems.append(err.bad_rule(str(pattern), str(error)))
     if problems:
         raise SelectionError(where, problems)
     mesh = _concrete_mesh(mesh, caller)
-    leaves, treedef, names = _names.flatten(tree)
-    found = _patterns.match(checked, names.names, PartitionSpec())
+    leaves, treedef, names = flatten(tree)
+    found = match(checked, names.names, PartitionSpec())
     found = _whole_parameters(checked, names, leaves, found)
     found = _adapters(checked, names.names, found)
     # a rule that matches nothing is a typo, most often: never silently left out
-    problems = _patterns.problems(found, checked, names.names, None)
+    problems = rule_problems(found, checked, names.names, None)
     # models repeat a few shapes and specs: each pair is checked, and each spec made into a
     # sharding, once (PartitionSpecs are hashable; the rules hold the same few objects)
     checks: dict[tuple[Any, ...], list[str]] = {}
@@ -142,19 +152,19 @@ def _plan(
 
 def _whole_parameters(
     rules: list[tuple[str, PartitionSpec]],
-    names: _names.Spec,
+    names: Spec,
     leaves: list[Any],
-    found: _patterns.Match,
-) -> _patterns.Match:
+    found: Match,
+) -> Match:
     """`found` with the rules that name a custom parameter whole (``"*.kernel"`` for a
     QArray's ``kernel.value`` and ``kernel.scale``) applied to its leaves. For each leaf the
     first rule naming either the leaf or its parameter wins; a parameter's spec splits a
     leaf's axes that have the parameter's size (a QArray's value wholly; its scale on the
     axes it shares with the value, such as the output axis), and the others not at all."""
-    params = list(_names.customs(names.template))
+    params = list(customs(names.template))
     if not params:
         return found
-    compiled = [_patterns.compile_pattern(pattern) for pattern, _ in rules]
+    compiled = [compile_pattern(pattern) for pattern, _ in rules]
     values, unmatched = list(found.values), set(found.unmatched)
     used: set[str] = set()  # patterns whose first rule names a parameter whole
     for name, node in params:
@@ -175,7 +185,7 @@ def _whole_parameters(
     for pattern in used:
         if unused.count(pattern) == patterns.count(pattern):
             unused.remove(pattern)  # (its first: unused is in rule order)
-    return _patterns.Match(values, [n for n in found.unmatched if n in unmatched], unused)
+    return Match(values, [n for n in found.unmatched if n in unmatched], unused)
 
 
 # A low-rank adapter's factors (``nn.LoRALinear``, ``nn.LoRAEmbed``) and the axis of their
@@ -185,9 +195,7 @@ _ADAPTER_AXES = {"lora_a": 0, "lora_b": 1}
 _ADAPTED_WEIGHTS = ("kernel", "embedding")
 
 
-def _adapters(
-    rules: list[tuple[str, PartitionSpec]], names: Sequence[str], found: _patterns.Match
-) -> _patterns.Match:
+def _adapters(rules: list[tuple[str, PartitionSpec]], names: Sequence[str], found: Match) -> Match:
     """`found` with each adapter factor (``<layer>.lora_a``, ``<layer>.lora_b``) placed as
     its layer's weight (``<layer>.kernel`` or ``<layer>.embedding``, a QArray's value for a
     quantized one) on the axis it shares with it, when the first rule naming the weight
@@ -197,7 +205,7 @@ def _adapters(
     factors = [(i, n) for i, n in enumerate(names) if n.rsplit(".", 1)[-1] in _ADAPTER_AXES]
     if not factors:
         return found
-    compiled = [_patterns.compile_pattern(pattern) for pattern, _ in rules]
+    compiled = [compile_pattern(pattern) for pattern, _ in rules]
 
     def first(*candidates: str) -> int:  # the first rule matching any of them
         dotted = ["." + c for c in candidates]
@@ -219,7 +227,7 @@ def _adapters(
         entry = (*values[index[leaf]], None, None)[axis]
         values[i] = PartitionSpec(*((entry, None) if axis == 0 else (None, entry)))
         unmatched.discard(name)
-    return _patterns.Match(values, [n for n in found.unmatched if n in unmatched], found.unused)
+    return Match(values, [n for n in found.unmatched if n in unmatched], found.unused)
 
 
 def _follow(spec: PartitionSpec, shape: tuple[int, ...], whole: tuple[int, ...]) -> PartitionSpec:
@@ -236,9 +244,7 @@ def _follow(spec: PartitionSpec, shape: tuple[int, ...], whole: tuple[int, ...])
     return PartitionSpec(*kept)
 
 
-def shard(
-    tree: Any, rules: _patterns.Rules, mesh: Mesh | None = None, *, strict: bool = False
-) -> Any:
+def shard(tree: Any, rules: Rules, mesh: Mesh | None = None, *, strict: bool = False) -> Any:
     """Returns `tree` with every leaf placed by ordered rules over its flat state names.
 
     The rules are those of :func:`sharding_plan`: leaves no rule matches are replicated

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, TypeGuard
 
 from .. import _lazy
 from .._messages import short
-from ._dtypes import numpy_dtype
+from ..arrays import numpy_dtype
 
 if TYPE_CHECKING:
     import numpy as np
@@ -33,7 +33,7 @@ else:
     np = _lazy.module("numpy")  # (a header needs no NumPy: imported when a tensor is read)
 
 if TYPE_CHECKING:
-    from .._qarray import QArray
+    from ._qarray import QArray
 
 # (JAX and the quantized arrays are imported where a load needs them: opening a file, and
 # listing it with `taktiny inspect`, imports neither)
@@ -109,7 +109,7 @@ def quantized_record(key: str, text: str) -> dict[str, dict[str, Any]]:
                 f"parameter's record is {{'bits': int, 'axis': int, 'group_size': int or null, "
                 f"'shape': a list of ints}}"
             )
-        from .._qarray import check_layout  # (imports JAX: see the top)
+        from ._qarray import check_layout  # (imports JAX: see the top)
 
         problem = check_layout(tuple(shape), record["bits"], record["axis"], record["group_size"])
         if problem:
@@ -150,7 +150,7 @@ def check_quantized(name: str, record: Mapping[str, Any], tensors: Mapping[str, 
     assert value is not None and scale is not None
     import jax.numpy as jnp  # (see the top)
 
-    from .._qarray import INT_DTYPES, scale_shape
+    from ._qarray import INT_DTYPES, scale_shape
 
     want = INT_DTYPES[bits]
     if value.dtype != want:
@@ -177,22 +177,3 @@ def check_quantized(name: str, record: Mapping[str, Any], tensors: Mapping[str, 
 def layout(q: QArray) -> dict[str, Any]:
     """The `QUANTIZED` record of `q`."""
     return {"bits": q.bits, "axis": q.axis, "group_size": q.group_size, "shape": list(q.shape)}
-
-
-def quantized_arrays(tree: Any) -> dict[str, QArray]:
-    """The `QArray` parameters of `tree` by flat name (their parts are ``<name>.value`` and
-    ``<name>.scale`` in :func:`taktiny.flat_state_dict`)."""
-    from .._qarray import QArray
-    from ..state import _tree  # (see the top)
-
-    out: dict[str, QArray] = {}
-
-    def walk(node: Mapping[str, Any], prefix: str) -> None:
-        for key, value in node.items():
-            if isinstance(value, QArray):
-                out[prefix + key] = value
-            elif isinstance(value, Mapping):
-                walk(value, f"{prefix}{key}.")
-
-    walk(_tree.state_dict(tree), "")
-    return out

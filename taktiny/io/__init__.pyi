@@ -1,0 +1,33 @@
+"""Safetensors files: write a model's state to one file or to indexed shards, open a
+checkpoint by its headers, and stream one into a model tensor by tensor.
+
+Every name is imported when it is first used (the stub beside this file lists each
+once): opening a header imports no JAX. The load's names are `taktiny.loading`'s, kept
+here, where users import them; `taktiny.loading` imports this package, never the reverse
+(these four are imported only when first used)."""
+
+from ..loading import LoadPlan as LoadPlan
+from ..loading import PlannedStep as PlannedStep
+from ..loading import load_safetensors as load_safetensors
+from ..loading import plan_load as plan_load
+from ._checkpoint import Checkpoint as Checkpoint
+from ._checkpoint import open_safetensors as open_safetensors
+from ._read import SafetensorsError as SafetensorsError
+from ._read import Tensor as Tensor
+from ._save import save_safetensors as save_safetensors
+from ._torch import read_torch as read_torch
+
+"For Taktiny's own packages (importable, not public):"
+
+from ._checkpoint import schema_part as schema_part
+from ._orbax import OrbaxCheckpoint as OrbaxCheckpoint
+from ._orbax import OrbaxError as OrbaxError
+from ._orbax import arrays as arrays
+from ._orbax import is_orbax as is_orbax
+from ._orbax import items as items
+from ._orbax import steps as steps
+from ._read import BOX_PIECE as BOX_PIECE
+from ._read import MAP_FLAGS as MAP_FLAGS
+from ._read import read_together as read_together
+from ._storage import OpenFile as OpenFile
+from ._verify import verify as verify

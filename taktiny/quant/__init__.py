@@ -1,0 +1,9 @@
+"""Quantized arrays: the `QArray` (its parts, its layout checks, quantizing and
+dequantizing) and its format in safetensors files (4-bit tensors packed two per byte,
+the layout recorded in the header). The quantized layers are in `taktiny.nn`, the
+surgery (``tt.quantize``) in `taktiny.nn` too. Every name is imported when first used:
+reading a file's quantized records imports no JAX."""
+
+from .. import _lazy
+
+__getattr__, __dir__, __all__ = _lazy.face(__name__, __file__, globals())

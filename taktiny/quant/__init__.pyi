@@ -1,0 +1,23 @@
+"""Quantized arrays: the `QArray` (its parts, its layout checks, quantizing and
+dequantizing) and its format in safetensors files (4-bit tensors packed two per byte,
+the layout recorded in the header). The quantized layers are in `taktiny.nn`, the
+surgery (``tt.quantize``) in `taktiny.nn` too. Every name is imported when first used:
+reading a file's quantized records imports no JAX."""
+
+from ._format import FOUR_BIT as FOUR_BIT
+from ._format import PACKED as PACKED
+from ._format import QUANTIZED as QUANTIZED
+from ._format import check_quantized as check_quantized
+from ._format import layout as layout
+from ._format import pack as pack
+from ._format import packed_record as packed_record
+from ._format import packed_shape as packed_shape
+from ._format import quantized_record as quantized_record
+from ._format import unpack as unpack
+from ._qarray import PARTS as PARTS
+from ._qarray import QArray as QArray
+from ._qarray import dequantize_array as dequantize_array
+from ._qarray import parts_layout as parts_layout
+from ._qarray import quantize_array as quantize_array
+from ._qarray import quantize_like as quantize_like
+from ._qarray import quantized as quantized
