@@ -32,8 +32,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from . import _lazy
 from ._messages import table
-from .io import OrbaxCheckpoint, OrbaxError, arrays, is_orbax, items
-from .io import steps as orbax_steps
+from .io import OrbaxCheckpoint, OrbaxError, is_orbax, orbax_arrays, orbax_items, orbax_steps
 from .state import compile_pattern
 
 if TYPE_CHECKING:
@@ -60,7 +59,7 @@ class Unreadable(Exception):
 
 
 def _orbax_entries(path: Path) -> Iterator[Entry]:
-    for array in arrays(path):
+    for array in orbax_arrays(path):
         nbytes = math.prod(array.shape) * array.dtype.itemsize
         yield Entry(array.name, array.shape, array.dtype.name, nbytes, path, array.keys)
 
@@ -83,7 +82,7 @@ def entries(path: str | Path) -> list[Entry]:
     if is_orbax(path):
         return [
             entry._replace(name=f"{item}.{entry.name}" if item else entry.name)
-            for item, folder in items(path).items()
+            for item, folder in orbax_items(path).items()
             for entry in _orbax_entries(folder)
         ]
     if path.is_dir() and (steps := orbax_steps(path)):

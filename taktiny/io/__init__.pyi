@@ -22,10 +22,10 @@ from ._torch import read_torch as read_torch
 from ._checkpoint import schema_part as schema_part
 from ._orbax import OrbaxCheckpoint as OrbaxCheckpoint
 from ._orbax import OrbaxError as OrbaxError
-from ._orbax import arrays as arrays
 from ._orbax import is_orbax as is_orbax
-from ._orbax import items as items
-from ._orbax import steps as steps
+from ._orbax import orbax_arrays as orbax_arrays
+from ._orbax import orbax_items as orbax_items
+from ._orbax import orbax_steps as orbax_steps
 from ._read import BOX_PIECE as BOX_PIECE
 from ._read import MAP_FLAGS as MAP_FLAGS
 from ._read import read_together as read_together

@@ -114,7 +114,7 @@ def _why(error: BaseException) -> str:
     return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
 
 
-def arrays(path: Path) -> Iterator[Array]:
+def orbax_arrays(path: Path) -> Iterator[Array]:
     """The arrays of the Orbax checkpoint (one tree) at `path`, from its metadata, in the
     order of its tree. Raises OrbaxError for a checkpoint whose metadata is unreadable or
     gives an array no shape and dtype."""
@@ -145,7 +145,7 @@ def is_orbax(path: Path) -> bool:
     return path.is_dir() and any((path / n).exists() for n in ("_CHECKPOINT_METADATA", "_METADATA"))
 
 
-def items(path: Path) -> dict[str, Path]:
+def orbax_items(path: Path) -> dict[str, Path]:
     """The trees of arrays an Orbax folder holds, by the prefix their names take: ``{"":
     path}`` for a checkpoint of one tree; for a step folder of a ``CheckpointManager``, each
     item's folder under its item name (``""`` for a manager's one unnamed item,
@@ -161,7 +161,7 @@ def items(path: Path) -> dict[str, Path]:
     return {"": items["default"]} if list(items) == ["default"] else items
 
 
-def steps(path: Path) -> list[str]:
+def orbax_steps(path: Path) -> list[str]:
     """The step folders of a ``CheckpointManager``'s folder, in step order."""
     steps = [p.name for p in path.iterdir() if p.name.isdigit() and is_orbax(p)]
     return sorted(steps, key=int)
