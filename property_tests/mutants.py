@@ -107,6 +107,7 @@ def _mutants() -> dict[str, Any]:
     """Each variant's name and the patches (module, attribute, value) it makes."""
     from taktiny.arrays import _eval_shape as _abstract
     from taktiny.module import _module
+    from taktiny.sharding import _shard
     from taktiny.state import _patterns, _state, _tree, _values
 
     match = _patterns.match
@@ -203,7 +204,8 @@ def _mutants() -> dict[str, Any]:
         "no_cast_in_jit": [(_values, "checked_value", no_cast_in_jit)],
         "no_range_check": [(_values, "checked_value", no_range_check)],
         "no_shape_check": [(_values, "checked_value", no_shape_check)],
-        "last_rule_wins": [(_patterns, "match", last_rule_wins)],
+        # (tt.shard calls the name sharding/ imported from state's face)
+        "last_rule_wins": [(_patterns, "match", last_rule_wins), (_shard, "match", last_rule_wins)],
         "eval_shape_ignores_mesh": [(_abstract, "_meshes", lambda leaves: [])],
     }
 
