@@ -20,10 +20,12 @@ demo: $(STAMP)
 
 # the format, lint and type checks first (about 15 s): a lint or type error fails CI
 test: lint
-	$(PY) -m pytest -q -n 2 --dist worksteal --durations=25
+	$(PY) -m pytest -q -n 2 --dist worksteal --durations=25 -m "not thorough"
 
+# the Hypothesis suite with its thorough profile, then the tests marked thorough
 property: $(STAMP)
 	$(PY) -m pytest -q property_tests --hypothesis-profile=thorough
+	$(PY) -m pytest -q -n 2 -m thorough tests
 
 # Mutation testing (docs/testing.md): the mutants of taktiny/ not judged yet (all of them the
 # first time; then those of changed functions), the survivors again against today's tests,

@@ -76,7 +76,13 @@ def fast_compile():
         jax.config.update("jax_disable_most_optimizations", False)
 
 
-@pytest.mark.parametrize("name", list(GROUPS))
+# the groups whose smoke runs load in many fresh processes: `make property` runs them
+SLOW = ("streaming", "plan")
+
+
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=pytest.mark.thorough) if n in SLOW else n for n in GROUPS]
+)
 def test_benchmark_group_runs_on_tiny_sizes(name, tmp_path, request, fast_compile):
     if name in ("dispatch", "lora"):  # their training steps use optax's Adam
         request.getfixturevalue("optax_promotion")
