@@ -20,17 +20,18 @@ def face(
     which type checkers read), as ``from .module import name as name``; a name is imported
     when first used, and then kept in `found` (the package's globals).
 
-    The stub's names after its first string statement below the docstring (its heading
-    for them) are those only Taktiny's own packages use: importable, but not public, so
+    The stub's names after its first string statement below its docstring (their
+    heading) are those only Taktiny's own packages use: importable, but not public, so
     left out of ``__all__`` and ``dir()``."""
     names: dict[str, tuple[str, str | None]] = {}  # name -> (its module, its name there)
     public: list[str] = []
     with open(init[: -len(".py")] + ".pyi", encoding="utf-8") as stub:
         body = ast.parse(stub.read()).body
     inside = True
-    for statement in body[1:]:
+    docstring = bool(body) and ast.get_docstring(ast.Module(body[:1], [])) is not None
+    for statement in body[docstring:]:
         if isinstance(statement, ast.Expr) and isinstance(statement.value, ast.Constant):
-            inside = False
+            inside = False  # (the heading of the names for Taktiny's own packages)
         elif isinstance(statement, ast.ImportFrom):
             dots = "." * statement.level
             for alias in statement.names:

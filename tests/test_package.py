@@ -209,7 +209,9 @@ def _face(package: str) -> tuple[list[str], list[str]]:
     """The public and the internal names the stub of `package`'s face lists."""
     stub = ROOT / "taktiny" / package / "__init__.pyi"
     public, internal, inside = [], [], True
-    for statement in ast.parse(stub.read_text()).body[1:]:
+    body = ast.parse(stub.read_text()).body
+    assert ast.get_docstring(ast.Module(body, [])), stub  # (every face says what it holds)
+    for statement in body[1:]:
         if isinstance(statement, ast.Expr):
             inside = False
         elif isinstance(statement, ast.ImportFrom):
