@@ -32,7 +32,16 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from . import _lazy
 from ._messages import table
-from .io import OrbaxCheckpoint, OrbaxError, is_orbax, orbax_arrays, orbax_items, orbax_steps
+from .io import (
+    OrbaxCheckpoint,
+    OrbaxError,
+    Url,
+    is_orbax,
+    locate,
+    orbax_arrays,
+    orbax_items,
+    orbax_steps,
+)
 from .state import compile_pattern
 
 if TYPE_CHECKING:
@@ -50,7 +59,7 @@ class Entry(NamedTuple):
     shape: tuple[int, ...]
     dtype: str  # NumPy's name, whatever the format
     nbytes: int
-    file: Path  # the safetensors file holding it, or the Orbax checkpoint folder
+    file: Path | Url  # the safetensors file (or object) holding it, or the Orbax folder
     source: Any  # its :class:`taktiny.io.Tensor`, or its path in an Orbax checkpoint's tree
 
 
@@ -64,7 +73,7 @@ def _orbax_entries(path: Path) -> Iterator[Entry]:
         yield Entry(array.name, array.shape, array.dtype.name, nbytes, path, array.keys)
 
 
-def _safetensors_entries(path: Path) -> Iterator[Entry]:
+def _safetensors_entries(path: str | Path) -> Iterator[Entry]:
     from .io import open_safetensors
 
     checkpoint = open_safetensors(path)  # a SafetensorsError names the file and tensor
@@ -77,8 +86,12 @@ def entries(path: str | Path) -> list[Entry]:
     an Orbax checkpoint: a checkpoint's folder, a ``CheckpointManager``'s step folder (every
     item, each name prefixed by its item's: ``state.encoder.kernel``) or one item's folder
     in it; from their headers and metadata only. A folder's safetensors checkpoint is found
-    as the loaders find it (:func:`taktiny.io.open_safetensors`)."""
-    path = Path(path)
+    as the loaders find it (:func:`taktiny.io.open_safetensors`); a URL names a safetensors
+    checkpoint in object storage."""
+    where = locate(path)
+    if isinstance(where, Url):
+        return list(_safetensors_entries(path))
+    path = where
     if is_orbax(path):
         return [
             entry._replace(name=f"{item}.{entry.name}" if item else entry.name)
@@ -94,8 +107,11 @@ def entries(path: str | Path) -> list[Entry]:
     return list(_safetensors_entries(path))
 
 
-def _present(path: Path) -> None:
-    """Raises Unreadable when `path` names nothing a safetensors reader could open."""
+def _present(path: Path | Url) -> None:
+    """Raises Unreadable when `path` names nothing a safetensors reader could open (a URL:
+    opening it says)."""
+    if isinstance(path, Url):
+        return
     if path.is_dir() and not any(
         p.name.endswith(".safetensors") or p.name.endswith(".json") for p in path.iterdir()
     ):
@@ -125,7 +141,7 @@ def inspect(path: str, pattern: str | None, as_json: bool) -> str:
     return f"{table(rows)}\n{len(found)} tensors, {count:,} parameters, {total:,} bytes"
 
 
-def _read(entry: Entry, opened: Mapping[Path, Any]) -> np.ndarray:
+def _read(entry: Entry, opened: Mapping[Path | Url, Any]) -> np.ndarray:
     """The values of one tensor, in its own dtype, from its open file or checkpoint."""
     if isinstance(entry.source, tuple):  # a path in an Orbax checkpoint
         return np.asarray(opened[entry.file].array(entry.source))
@@ -188,8 +204,8 @@ def schema_of(source: str, *, checkpoint: bool = True) -> Side | None:
     instead)."""
     from .state import FORMAT, Schema, schema
 
-    path = Path(source)
-    if path.is_file() and path.suffix == ".json":
+    path = locate(source)
+    if isinstance(path, Path) and path.is_file() and path.suffix == ".json":
         text = path.read_text(errors="replace")
         try:
             value = json.loads(text)
@@ -200,16 +216,16 @@ def schema_of(source: str, *, checkpoint: bool = True) -> Side | None:
                 return Side(Schema.from_json(text), None, True)
             except ValueError as error:
                 raise Unreadable(f"{path}: {error}.") from None
-    elif not path.exists() and _FACTORY.fullmatch(source):
+    elif isinstance(path, Path) and not path.exists() and _FACTORY.fullmatch(source):
         model = abstract_model(source)
         return Side(schema(model), model, False)
     if not checkpoint:
         return None
-    if not is_orbax(path):
+    if isinstance(path, Url) or not is_orbax(path):
         from .io import open_safetensors
 
         _present(path)
-        stored = open_safetensors(path).schema
+        stored = open_safetensors(source).schema
         if stored is not None:
             return Side(stored, None, True)
     made = Schema(
@@ -220,7 +236,7 @@ def schema_of(source: str, *, checkpoint: bool = True) -> Side | None:
                 "sharding": None,
                 "quantization": None,
             }
-            for e in entries(path)
+            for e in entries(source)
         }
     )
     return Side(made, None, False)
@@ -335,7 +351,7 @@ def plan(path: str, model: str, rules: str | None) -> tuple[str, bool]:
                 f"{rules}: {module.__name__!r} has no list of rules named {name!r}; name a "
                 f"list or tuple of taktiny.convert rules."
             )
-    _present(Path(path))
+    _present(locate(path))
     result = planned(abstract_model(model), path, (found, None, True, True), has_values=True)
     return str(result), result.ok
 
@@ -375,9 +391,9 @@ def diff(
     lines += [f"only in {b}: {name}" for name in right if name not in left]
     rows = [["name", "shape", "dtype", "max |a - b|", "max |a - b| / |b|"]]
     with contextlib.ExitStack() as stack:
-        opened: dict[Path, Any] = {}  # each Orbax checkpoint opened once
+        opened: dict[Path | Url, Any] = {}  # each Orbax checkpoint opened once
         for entry in {e.file: e for e in [*left.values(), *right.values()]}.values():
-            if isinstance(entry.source, tuple):
+            if isinstance(entry.source, tuple) and isinstance(entry.file, Path):
                 opened[entry.file] = stack.enter_context(OrbaxCheckpoint(entry.file))
         for name in (n for n in left if n in right):
             x, y = left[name], right[name]
@@ -441,9 +457,10 @@ def verify(path: str) -> tuple[str, bool]:
     are each restored."""
     from .io import verify as check
 
-    if is_orbax(Path(path)):
-        return _verify_orbax(Path(path))
-    _present(Path(path))
+    where = locate(path)
+    if isinstance(where, Path) and is_orbax(where):
+        return _verify_orbax(where)
+    _present(where)
     result = check(path)
     summary = (
         f"{result.checked} tensors match their checksums, {len(result.damaged)} damaged, "
@@ -457,7 +474,7 @@ def _verify_orbax(path: Path) -> tuple[str, bool]:
     holding one at a time."""
     found = entries(path)
     damaged = []
-    for folder in dict.fromkeys(entry.file for entry in found):
+    for folder in dict.fromkeys(e.file for e in found if isinstance(e.file, Path)):
         with OrbaxCheckpoint(folder) as opened:
             for entry in (e for e in found if e.file == folder):
                 try:

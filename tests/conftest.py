@@ -24,3 +24,39 @@ def without_type_checks():
         yield
     finally:
         jaxtyping.config.update("jaxtyping_disable", False)
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """moto's S3 server on 127.0.0.1, one per test process (tests/_s3.py)."""
+    from _s3 import Server
+
+    server = Server()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def s3(s3_server, monkeypatch):
+    """A new empty bucket's URL (``s3://b-...``), the environment pointing obstore (here and
+    in subprocesses) at the test server."""
+    for key, value in s3_server.environment().items():
+        monkeypatch.setenv(key, value)
+    return f"s3://{s3_server.bucket()}"
+
+
+@pytest.fixture
+def s3_proxy(s3_server, monkeypatch):
+    """A bucket reached through a fault-injecting proxy (tests/_s3.py `Proxy`): the bucket's
+    URL and the proxy."""
+    from _s3 import Proxy
+
+    proxy = Proxy(s3_server.url)
+    for key, value in s3_server.environment(proxy.url).items():
+        monkeypatch.setenv(key, value)
+    try:
+        yield f"s3://{s3_server.bucket()}", proxy
+    finally:
+        proxy.stop()

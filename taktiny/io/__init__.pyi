@@ -19,7 +19,11 @@ from ._torch import read_torch as read_torch
 
 "For Taktiny's own packages (importable, not public):"
 
+from ._checkpoint import RETRIES as RETRIES
 from ._checkpoint import schema_part as schema_part
+from ._object_store import Replaced as Replaced
+from ._object_store import Url as Url
+from ._object_store import locate as locate
 from ._orbax import OrbaxCheckpoint as OrbaxCheckpoint
 from ._orbax import OrbaxError as OrbaxError
 from ._orbax import is_orbax as is_orbax
@@ -30,4 +34,6 @@ from ._read import BOX_PIECE as BOX_PIECE
 from ._read import MAP_FLAGS as MAP_FLAGS
 from ._read import read_together as read_together
 from ._storage import OpenFile as OpenFile
+from ._storage import Storage as Storage
+from ._storage import open_storage as open_storage
 from ._verify import verify as verify

@@ -13,8 +13,9 @@ from typing import TYPE_CHECKING, Any
 from .._messages import layout_text, short
 from ..quant import QUANTIZED, check_quantized, quantized_record
 from ._header import HEADER_LIMIT, parse_json, read_header, unpaired_surrogate
+from ._object_store import Url, listing, locate
 from ._read import SafetensorsError, Tensor
-from ._storage import OpenFile, read_range
+from ._storage import Storage, open_storage, read_range
 
 if TYPE_CHECKING:
     from ..state import Schema
@@ -47,7 +48,7 @@ class Checkpoint(Mapping[str, Tensor]):
 
     def __init__(
         self,
-        path: Path,
+        path: Path | Url,
         tensors: dict[str, Tensor],
         metadata: dict[str, str],
         quantized: dict[str, dict[str, Any]] | None = None,
@@ -137,7 +138,7 @@ def open_safetensors(path: str | os.PathLike[str]) -> Checkpoint:
             index and its shard disagree on; a checkpoint that saves replaced 20 times in
             a row while it was being opened.
     """
-    given = Path(path)
+    given = locate(path)
     for _ in range(RETRIES):
         found = _resolve(given)
         try:
@@ -166,9 +167,11 @@ SHARD = re.compile(r"(.+)-\d{5}-of-\d{5}(?:-[0-9a-f]{8})?\.safetensors")
 _INDEX = ".index.json"
 
 
-def _resolve(path: Path) -> Path:
+def _resolve(path: Path | Url) -> Path | Url:
     """The file to read for `path`: the file itself; for the path of a sharded save, its
     index; for a folder, its one checkpoint (see :func:`open_safetensors`)."""
+    if isinstance(path, Url):
+        return _find_object(path)
     try:
         return _find(path)
     except (OSError, ValueError) as error:  # a name too long, a NUL byte, a loop of links
@@ -211,8 +214,38 @@ def _find(path: Path) -> Path:
     return path
 
 
+def _find_object(url: Url) -> Url:
+    """`_find` for a URL: the object, the index of a sharded save, or a prefix's one
+    checkpoint (a URL ending in ``/``)."""
+    if url.folder:
+        names = {m["path"].rsplit("/", 1)[-1] for m in listing(url)}
+        files = [n for n in names if not n.startswith(".")]
+        singles = {n for n in files if n.endswith(".safetensors") and not SHARD.fullmatch(n)}
+        stems = singles | {n[: -len(_INDEX)] for n in files if n.endswith(f".safetensors{_INDEX}")}
+        if len(stems) != 1:
+            raise SafetensorsError(
+                f"{url}: a prefix holding one checkpoint (one *.safetensors.index.json, one "
+                f"*.safetensors object, or both of one name) was expected; it holds "
+                f"{len(stems)}: {sorted(stems)[:5]}. Name the object or index to read."
+            )
+        (stem,) = stems
+        return url / stem if stem in singles else url / f"{stem}{_INDEX}"
+    candidates = [url]
+    if url.name.endswith(".safetensors"):
+        candidates.append(url.with_name(f"{url.name}{_INDEX}"))
+    for candidate in candidates:
+        try:
+            open_storage(candidate)
+        except FileNotFoundError:
+            continue
+        return candidate
+    raise SafetensorsError(f"{url}: no such object.")
+
+
 def _layouts(
-    where: Path, metadata: list[tuple[Path, dict[str, str]]], tensors: Mapping[str, Tensor]
+    where: Path | Url,
+    metadata: list[tuple[Path | Url, dict[str, str]]],
+    tensors: Mapping[str, Tensor],
 ) -> dict[str, dict[str, Any]]:
     """The quantized layouts the files record (every file records them all), each checked
     against its parts."""
@@ -235,31 +268,31 @@ def _layouts(
     return out
 
 
-def _open_index(index: Path) -> Checkpoint:
+def _open_index(index: Path | Url) -> Checkpoint:
     """The checkpoint an index names, its shards opened while the index is the file that
     was read. Raises `_Replaced` when a save renamed another index over it or removed it
     meanwhile (the shards opened, or found missing, may be another save's: a problem is
     the index's only while it stays), FileNotFoundError when it is gone already."""
-    held = OpenFile(index)  # (held open, its inode cannot become another file's meanwhile)
+    held = open_storage(index)  # (held open: its inode cannot become another file's meanwhile)
     try:
         try:
             checkpoint = _open_shards(index, held)
         except SafetensorsError:
-            if _replaced(index, held):
+            if held.replaced():
                 raise _Replaced from None
             raise
-        if _replaced(index, held):
+        if held.replaced():
             raise _Replaced
         return checkpoint
     finally:
         held.close()
 
 
-def _open_shards(index: Path, held: OpenFile) -> Checkpoint:
+def _open_shards(index: Path | Url, held: Storage) -> Checkpoint:
     weight_map = read_weight_map(index, held)
-    folder = index.parent.resolve()
-    files: dict[str, Path] = {}  # each shard's name, as the index gives it, and its file
-    shards: dict[Path, str] = {}
+    folder = index.parent if isinstance(index, Url) else index.parent.resolve()
+    files: dict[str, Path | Url] = {}  # each shard's name, as the index gives it, and its file
+    shards: dict[Path | Url, str] = {}
     for name, shard in weight_map.items():
         if shard in files:
             continue
@@ -270,12 +303,15 @@ def _open_shards(index: Path, held: OpenFile) -> Checkpoint:
                 f"each shard one name."
             )
     tensors: dict[str, Tensor] = {}
-    metas: list[tuple[Path, dict[str, str]]] = []
+    metas: list[tuple[Path | Url, dict[str, str]]] = []
     for file, shard in sorted(shards.items(), key=lambda item: item[1]):
         try:
             found, meta = read_header(file)
-        except FileNotFoundError:  # (removed since `_shard` found it)
-            raise SafetensorsError(f"{index}: the shard {short(shard)} is missing.") from None
+        except FileNotFoundError:  # (removed since `_shard` found it; an object: not found)
+            first = next(n for n, s in weight_map.items() if s == shard)
+            raise SafetensorsError(
+                f"{index}: the shard {short(shard)} (of {first!r}) is missing."
+            ) from None
         metas.append((file, meta))
         for name, tensor in found.items():
             listed = weight_map.get(name)
@@ -295,23 +331,11 @@ def _open_shards(index: Path, held: OpenFile) -> Checkpoint:
     return Checkpoint(index, tensors, metadata, _layouts(index, metas, tensors))
 
 
-def _replaced(index: Path, held: OpenFile) -> bool:
-    """Whether `index` is no longer the file `held` opened (a save renamed a new index
-    over it, or removed it). A save never changes the shards of a committed index: while
-    the index is the same file, so are they."""
-    try:
-        now = os.stat(index)
-    except FileNotFoundError:
-        return True
-    then = os.fstat(held.fd)
-    return (now.st_dev, now.st_ino) != (then.st_dev, then.st_ino)
-
-
-def read_weight_map(index: Path, held: OpenFile | None = None) -> dict[str, str]:
+def read_weight_map(index: Path | Url, held: Storage | None = None) -> dict[str, str]:
     """The index's ``weight_map``, checked: JSON of no more bytes than a header may have,
     a ``weight_map`` of names to strings, and ``metadata`` (when given) an object. Read
     through `held` (the index, opened), or the file opened here."""
-    held = OpenFile(index) if held is None else held
+    held = open_storage(index) if held is None else held
     size = held.size
     try:
         if size > HEADER_LIMIT:
@@ -345,14 +369,22 @@ def read_weight_map(index: Path, held: OpenFile | None = None) -> dict[str, str]
     return weight_map
 
 
-def _shard(index: Path, folder: Path, name: str, shard: str) -> Path:
+def _shard(index: Path | Url, folder: Path | Url, name: str, shard: str) -> Path | Url:
     """The file of the shard `shard` (the first tensor it holds: `name`), resolved and
-    checked to be a file inside `folder`, before anything opens it."""
+    checked to be a file inside `folder`, before anything opens it (an object: a name
+    with no ``/``, checked to exist as it is opened)."""
     if not shard or "\x00" in shard:
         raise SafetensorsError(
             f"{index}: the weight_map gives {name!r} the shard {shard!r}, which is no file "
             f"name; it maps each tensor name to the file beside the index holding it."
         )
+    if isinstance(folder, Url):
+        if "/" in shard or "\\" in shard or shard in (".", ".."):
+            raise SafetensorsError(
+                f"{index}: the shard {short(shard)} of {name!r} is outside the index's folder "
+                f"{folder}; an index may name only objects beside it."
+            )
+        return folder / shard
     try:
         file = (folder / shard).resolve()
     except (OSError, RuntimeError) as error:  # a symlink loop is a RuntimeError

@@ -21,14 +21,17 @@ import json
 import operator
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .._messages import short
 from ..quant import PACKED, QUANTIZED, packed_record, packed_shape
 from . import _checksum
 from ._dtypes import CODES
 from ._read import Packed, SafetensorsError, Tensor
-from ._storage import OpenFile, read_range
+from ._storage import open_storage, read_range
+
+if TYPE_CHECKING:
+    from ._object_store import Url
 
 _KNOWN = frozenset(CODES)  # the dtype codes a header may give (see _dtypes)
 _DTYPE, _SHAPE = operator.itemgetter("dtype"), operator.itemgetter("shape")
@@ -180,12 +183,12 @@ def _torch_kind(prefix: bytes) -> str:
     return ""
 
 
-def read_header(file: Path) -> tuple[dict[str, Tensor], dict[str, str]]:
+def read_header(file: Path | Url) -> tuple[dict[str, Tensor], dict[str, str]]:
     """The tensors a safetensors file's header describes, in the order of their bytes,
-    and its metadata; every entry checked against the file's size. The file is opened
-    once, and its tensors read through that descriptor (`OpenFile`). Raises
+    and its metadata; every entry checked against the file's size. The file (or object)
+    is opened once, and its tensors read through that storage (`open_storage`). Raises
     FileNotFoundError when it is gone."""
-    held = OpenFile(file)  # (the tensors read through it: the file as it is now)
+    held = open_storage(file)  # (the tensors read through it: the file as it is now)
     size = held.size
 
     def bad(why: str) -> SafetensorsError:

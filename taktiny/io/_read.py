@@ -28,10 +28,12 @@ from ..arrays import numpy_dtype
 from ..quant import packed_shape, unpack
 from . import _checksum
 from ._dtypes import CODES
-from ._storage import OpenFile, Storage
+from ._storage import Storage, open_storage
 
 if TYPE_CHECKING:
     import numpy as np
+
+    from ._object_store import Url
 else:
     np = _lazy.module("numpy")  # (a header needs no NumPy: imported when a tensor is read)
 
@@ -110,7 +112,7 @@ class Tensor:
         name: str,
         shape: tuple[int, ...],
         dtype: Any,
-        file: Path,
+        file: Path | Url,
         offset: int,
         checksum: str | None = None,
     ):
@@ -137,7 +139,7 @@ class Tensor:
         if self._held is not None:
             yield self._held
             return
-        opened = OpenFile(self.file)
+        opened = open_storage(self.file)
         try:
             yield opened
         finally:
@@ -711,7 +713,9 @@ class Packed(Tensor):
 
     __slots__ = ("stored",)
 
-    def __init__(self, name: str, shape: tuple[int, ...], dtype: Any, file: Path, offset: int):
+    def __init__(
+        self, name: str, shape: tuple[int, ...], dtype: Any, file: Path | Url, offset: int
+    ):
         super().__init__(name, shape, dtype, file, offset)
         self.stored = Tensor(name, packed_shape(shape), np.uint8, file, offset)  # the bytes
         self.nbytes = self.stored.nbytes
@@ -866,6 +870,11 @@ def _pread(
     """Fills `into` from `storage` at `offset`; with `send`, 4 MiB at a time, each piece
     handed to `send` once it is read."""
     piece = _CHUNK if send is None else _PIECE
+    if storage.large_reads and send is not None:  # one request for it all (in parts), then
+        _pread(storage, into, offset, tensor)  # each piece hashed in turn
+        for start in range(0, len(into), piece):
+            send(into[start : start + piece])
+        return
     for start in range(0, len(into), piece):
         end, done = min(start + piece, len(into)), start
         while done < end:

@@ -28,6 +28,8 @@ from ..quant import FOUR_BIT, PACKED, QUANTIZED, QArray, layout, pack
 from ..state import KEY, Schema, flat_state_dict, is_flat, leaf_entry, schema, state_dict
 from . import _checksum
 from ._checkpoint import SHARD, read_weight_map
+from ._object_commit import ObjectCommit
+from ._object_store import Url, locate
 from ._read import SafetensorsError
 
 _SUFFIX = ".safetensors"
@@ -56,7 +58,7 @@ def save_safetensors(
     *,
     max_shard_size: int | str | None = None,
     metadata: Mapping[str, str] | None = None,
-) -> list[Path]:
+) -> list[Path] | list[Url]:
     """Saves a model, any PyTree of arrays, or a flat ``{name: array}`` mapping as
     safetensors.
 
@@ -121,10 +123,10 @@ def save_safetensors(
             "pip install 'taktiny[safetensors]'."
         ) from None
 
-    target = Path(path)
+    target = locate(path)
     if target.name == _SUFFIX or not target.name.endswith(_SUFFIX):
         raise ValueError(f"save_safetensors: the path must name a '*.safetensors' file: {path}")
-    if not target.parent.is_dir():
+    if isinstance(target, Path) and not target.parent.is_dir():
         raise FileNotFoundError(
             f"save_safetensors: the folder {target.parent} does not exist; create it first "
             f"(os.makedirs(..., exist_ok=True))"
@@ -159,7 +161,7 @@ def save_safetensors(
             own[_checksum.TILES_KEY] = _checksum.tiles_record(tiled)
         own[_checksum.HEADER_KEY] = _checksum.header_record(own)  # (last: it covers the others)
         files.append((shard, own))
-    commit = _Commit(target)
+    commit = ObjectCommit(target, write_sealed) if isinstance(target, Url) else _Commit(target)
     written = commit.save(files)
     for message in commit.warnings:  # (warned here, so that they point at the caller)
         warnings.warn(message, stacklevel=2)
@@ -279,18 +281,12 @@ class _Commit:
         return [f"{n[: -len(_SUFFIX)]}-{token}{_SUFFIX}" for n in plain]
 
     def _write(self, name: str, shard: dict[str, np.ndarray], metadata: dict[str, str]) -> Path:
-        import safetensors.numpy
-
         temp = self.staging / name
-        try:
-            safetensors.numpy.save_file(shard, temp, metadata=metadata)
-        except Exception as error:
-            raise _write_error(error, self.folder / name) from error
+        write_sealed(temp, shard, metadata, self.folder / name)
         # safetensors creates its files readable by their owner only; a checkpoint's are
         # 0o644 less the umask, as the index and torch.save's files are: the staging folder,
         # made 0o777 less the umask, has those bits
         os.chmod(temp, self.staging.stat().st_mode & 0o644)
-        _checksum.seal(temp, metadata)  # the header's digest, into the header
         _fsync(temp)
         return temp
 
@@ -350,13 +346,31 @@ class _Commit:
             _fsync(folder)
 
 
+def write_sealed(
+    file: Path,
+    shard: dict[str, np.ndarray],
+    metadata: dict[str, str],
+    final: Path | Url | None = None,
+) -> None:
+    """Writes `shard` as a safetensors file with `metadata`, and seals its header (writes
+    the header's digest into it: `_checksum.seal`). A failure is an OSError naming the
+    file's `final` name (`_write_error`)."""
+    import safetensors.numpy
+
+    try:
+        safetensors.numpy.save_file(shard, file, metadata=metadata)
+    except Exception as error:
+        raise _write_error(error, final or file) from error
+    _checksum.seal(file, metadata)  # the header's digest, into the header
+
+
 _TEMPORARY = re.compile(r"\..+\.[0-9a-f]{12}\.tmp")
 # how Rust's std::io::Error shows an error of the OS, which safetensors' writer reports
 # only in its message: "I/O error: No space left on device (os error 28)"
 _OS_ERROR = re.compile(r"\(os error (\d+)\)")
 
 
-def _write_error(error: Exception, file: Path) -> OSError:
+def _write_error(error: Exception, file: Path | Url) -> OSError:
     """The error for a new file of the checkpoint that could not be written: an OSError
     with the errno of the OS's error that stopped it (an OSError's own, or the one the
     safetensors writer gives in its message) and the file's final name; without an errno,

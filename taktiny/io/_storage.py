@@ -3,9 +3,8 @@
 The format layer (a header read and checked, a tensor or a block of it read, hashed and
 unpacked) and the load above it ask a file for nothing else: its name, its size, the
 bytes at an offset into a buffer they own, and, as a hint, the bytes they will read next.
-`OpenFile` answers for a local file held open by its descriptor; another storage (an
-object store, say) answers the same four questions and the readers above it do not
-change.
+`OpenFile` answers for a local file held open by its descriptor, `RemoteFile`
+(`_object_store`) for an object in a bucket; the readers above them do not change.
 """
 
 from __future__ import annotations
@@ -13,15 +12,22 @@ from __future__ import annotations
 import os
 import weakref
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, ClassVar, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from ._object_store import Url
 
 
 @runtime_checkable
 class Storage(Protocol):
     """A file's bytes, read by range: what every read of a checkpoint goes through."""
 
+    large_reads: ClassVar[bool]
+    """Whether one read of many bytes beats several of a few MiB (an object store's: each
+    read is a request, and a large one is fetched in parallel parts)."""
+
     @property
-    def name(self) -> Path:
+    def name(self) -> Path | Url:
         """The file, named for messages."""
         ...
 
@@ -41,6 +47,19 @@ class Storage(Protocol):
         ahead of the read, or nothing)."""
         ...
 
+    def replaced(self) -> bool:
+        """Whether its name now names another file than the one opened, or none."""
+        ...
+
+    def interrupt(self) -> None:
+        """Stops the reads in flight, when they can be stopped (a load's error or Ctrl-C
+        does not wait for them)."""
+        ...
+
+    def close(self) -> None:
+        """Lets go of what it holds (a descriptor); reads after it fail."""
+        ...
+
 
 class OpenFile:
     """A local file held open for reading, by descriptor (``fd``), until nothing refers to
@@ -49,6 +68,7 @@ class OpenFile:
     keeps an open file's bytes until its last descriptor is closed). A `Storage`."""
 
     __slots__ = ("__weakref__", "close", "fd", "path")
+    large_reads: ClassVar[bool] = False
 
     def __init__(self, path: Path):
         self.path = path
@@ -69,6 +89,27 @@ class OpenFile:
     def advise(self, offset: int, size: int) -> None:
         if hasattr(os, "posix_fadvise"):
             os.posix_fadvise(self.fd, offset, size, os.POSIX_FADV_WILLNEED)
+
+    def replaced(self) -> bool:
+        try:
+            now = os.stat(self.path)
+        except FileNotFoundError:
+            return True
+        then = os.fstat(self.fd)
+        return (now.st_dev, now.st_ino) != (then.st_dev, then.st_ino)
+
+    def interrupt(self) -> None:
+        """Nothing: a local read is short."""
+
+
+def open_storage(file: Path | Url) -> Storage:
+    """The storage of a local file (`OpenFile`) or of an object (`RemoteFile`), opened.
+    Raises FileNotFoundError when there is none."""
+    if isinstance(file, Path):
+        return OpenFile(file)
+    from ._object_store import RemoteFile
+
+    return RemoteFile(file)
 
 
 def read_range(storage: Storage, offset: int, count: int) -> bytes:

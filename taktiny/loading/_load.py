@@ -22,7 +22,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from ..convert import AnyRule, Step
-from ..io import Checkpoint, Tensor, read_together
+from ..io import RETRIES, Checkpoint, Replaced, Tensor, read_together
 from ._place import (
     Scratch,
     direct_leaf,
@@ -119,6 +119,25 @@ def load_safetensors(
         TypeError: a flat dict target that names both ``"a"`` and ``"a.b"``, which no
             tree can hold.
     """
+    for attempt in range(1, RETRIES + 1):
+        try:
+            return _load(model, path, rules, allow, strict, progress, verify)
+        except Replaced:  # a save replaced an object of the checkpoint while it was read
+            if isinstance(path, Checkpoint) or attempt == RETRIES:
+                raise
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _load(
+    model: Any,
+    path: str | os.PathLike[str] | Checkpoint,
+    rules: Sequence[AnyRule] | None,
+    allow: Mapping[str, Sequence[str]] | None,
+    strict: bool,
+    progress: bool | None,
+    verify: bool,
+) -> Any:
+    """`load_safetensors`, once."""
     load = open_load(model, path, rules=rules, allow=allow, strict=strict, verify=verify)
     load = migrated(load)
     steps = steps_of(load)
@@ -184,9 +203,12 @@ def load_safetensors(
                 else:
                     placed.update(data)
                 bar.update(sizes[u])
-        finally:  # on an error, the reads not started are dropped
+        except BaseException:  # the reads not started are dropped, those in flight stopped
             for future in running.values():
                 future.cancel()
+            for storage in {id(t.storage): t.storage for t in order if t.storage}.values():
+                storage.interrupt()
+            raise
     return loaded(load, placed)  # (each leaf resolved, checked and placed: written in)
 
 

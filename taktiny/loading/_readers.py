@@ -18,7 +18,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from ..io import OpenFile, Tensor
+from ..io import Storage, Tensor, Url, open_storage
 
 WINDOW = 128 * 2**20  # bytes read between two measurements
 GAIN = 1.1  # a doubling of the readers must read this much faster to stay
@@ -84,7 +84,7 @@ class Readahead:
         self.tensors, self.window, self.chunk = tensors, window, chunk
         self.starts = list(itertools.accumulate((t.nbytes for t in tensors), initial=0))
         self.next, self.done = 0, 0  # the tensor being requested, and its bytes requested
-        self.opened: dict[Path, OpenFile] = {}  # the files of tensors made by hand
+        self.opened: dict[Path | Url, Storage] = {}  # the files of tensors made by hand
         self.lock = threading.Lock()
 
     def reached(self, index: int) -> None:
@@ -103,7 +103,7 @@ class Readahead:
             if step:
                 storage = tensor.storage or self.opened.get(tensor.file)
                 if storage is None:  # (a tensor made by hand: its file opened once, here)
-                    storage = self.opened[tensor.file] = OpenFile(tensor.file)
+                    storage = self.opened[tensor.file] = open_storage(tensor.file)
                 storage.advise(tensor.offset + self.done, step)
             self.done += step
             if self.done >= tensor.nbytes:

@@ -1,0 +1,350 @@
+"""Checkpoints in object storage: ``s3://``, ``gs://``, ``az://`` and ``https://`` URLs, read
+by ranges and written whole, through obstore (the ``taktiny[cloud]`` extra).
+
+A `Url` names an object as a `Path` names a file (its ``name``, its ``parent``, a name
+beside it), so that the code that finds a checkpoint's files and names them in messages
+takes either. `RemoteFile` is the `Storage` (`_storage`) of one object: it reads the
+object that was there when it was opened, by its ETag (``If-Match``), so a save that
+replaces or removes it meanwhile makes the read fail with `Replaced` rather than hand back
+a mix of two checkpoints; the load opens the checkpoint again then. A large read is cut
+into parts fetched at once, at most `IN_FLIGHT` parts per process at a time, each retried
+with backoff when the server throttles, fails or drops the connection.
+
+Nothing here imports obstore until a URL is read or written: local paths never need it.
+Credentials and endpoints come from the environment, as obstore reads them (``AWS_*``,
+``AWS_ENDPOINT_URL``, ``GOOGLE_*``, ``AZURE_*``); an ``http://`` endpoint (a local test
+server) is allowed when the environment names one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import os
+import random
+import re
+import threading
+from collections.abc import Awaitable, Callable, Coroutine, Iterator
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, ClassVar, TypeVar
+
+from ._read import SafetensorsError
+
+SCHEMES = ("s3", "s3a", "gs", "az", "abfs", "abfss", "azure", "http", "https")
+_URL = re.compile(rf"({'|'.join(SCHEMES)})://([^/]+)/(.*)", re.IGNORECASE)
+PART = 8 << 20  # bytes per ranged GET of a large read
+IN_FLIGHT = 32  # ranged GETs in flight per process at most (PART bytes each)
+ATTEMPTS = 6  # tries of a ranged GET that fails for a reason a retry may cure
+BACKOFF = (0.1, 5.0)  # the first wait between tries, and the longest, in seconds
+TIMEOUT = "60s"  # the most one request may take (a stalled server is retried after it)
+_T = TypeVar("_T")
+
+
+class Url:
+    """An object's URL (``s3://bucket/prefix/model.safetensors``), with the parts of the
+    `Path` API that naming a checkpoint's files needs: ``name``, ``parent``, ``/`` and
+    ``with_name``. ``str()`` gives the URL back."""
+
+    __slots__ = ("bucket", "key", "scheme")
+
+    def __init__(self, url: str):
+        found = _URL.fullmatch(url)
+        if found is None:
+            raise ValueError(f"{url!r} is not an object-store URL (scheme://bucket/key)")
+        self.scheme, self.bucket, self.key = found.group(1).lower(), found.group(2), found.group(3)
+
+    @property
+    def root(self) -> str:
+        """The store's URL: ``s3://bucket``."""
+        return f"{self.scheme}://{self.bucket}"
+
+    @property
+    def name(self) -> str:
+        """The last part of the key (``model.safetensors``)."""
+        return self.key.rstrip("/").rsplit("/", 1)[-1]
+
+    @property
+    def parent(self) -> Url:
+        """The "folder": the key up to its last ``/``."""
+        head = self.key.rstrip("/").rpartition("/")[0]
+        return Url(f"{self.root}/{head}/" if head else f"{self.root}/")
+
+    @property
+    def folder(self) -> bool:
+        """Whether the URL names a prefix (ends with ``/``) rather than an object."""
+        return self.key == "" or self.key.endswith("/")
+
+    def __truediv__(self, name: str) -> Url:
+        return Url(f"{self.root}/{self.key.rstrip('/') + '/' if self.key.strip('/') else ''}{name}")
+
+    def with_name(self, name: str) -> Url:
+        return self.parent / name
+
+    def __str__(self) -> str:
+        return f"{self.root}/{self.key}"
+
+    def __repr__(self) -> str:
+        return f"Url({str(self)!r})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Url) and str(self) == str(other)
+
+    def __hash__(self) -> int:
+        return hash(str(self))
+
+    def __lt__(self, other: Url) -> bool:
+        return str(self) < str(other)
+
+
+def locate(path: str | os.PathLike[str]) -> Path | Url:
+    """`path` as a local `Path`, or a `Url` for a string with an object store's scheme."""
+    if isinstance(path, Url):
+        return path
+    if isinstance(path, str) and _URL.fullmatch(path):
+        return Url(path)
+    if isinstance(path, str) and re.match(r"[a-zA-Z][a-zA-Z0-9+.-]*://", path):
+        scheme = path.split("://", 1)[0]
+        raise ValueError(
+            f"{path!r}: the scheme {scheme!r} is not one Taktiny reads; name a local path, or a "
+            f"URL of {', '.join(s + '://' for s in SCHEMES)} with a bucket and a key"
+        )
+    return Path(path)
+
+
+class Replaced(SafetensorsError):
+    """An object of an opened checkpoint was replaced or removed (by a save) since it was
+    opened: its bytes are no longer those its header described. Open it again."""
+
+
+def store(url: Url) -> Any:
+    """The obstore store of `url`'s bucket, made once per bucket and environment."""
+    key = (url.root, *(os.environ.get(k) for k in _ENVIRONMENT))
+    with _LOCK:
+        found = _STORES.get(key)
+        if found is None:
+            found = _STORES[key] = _make_store(url)
+        return found
+
+
+_ENVIRONMENT = ("AWS_ENDPOINT_URL", "AWS_ENDPOINT", "AWS_ACCESS_KEY_ID", "AWS_REGION")
+_STORES: dict[tuple[str | None, ...], Any] = {}
+_LOCK = threading.Lock()
+
+
+def _make_store(url: Url) -> Any:
+    try:
+        from obstore.store import from_url
+    except ImportError:
+        raise ImportError(
+            f"{url}: reading and writing object storage needs obstore: pip install 'taktiny[cloud]'"
+        ) from None
+    endpoint = os.environ.get("AWS_ENDPOINT_URL") or os.environ.get("AWS_ENDPOINT") or ""
+    options: dict[str, Any] = {"timeout": TIMEOUT, "connect_timeout": "10s"}
+    if url.scheme == "http" or endpoint.startswith("http://"):
+        options["allow_http"] = True
+    retry = {"max_retries": 4, "retry_timeout": timedelta(seconds=120)}
+    import obstore.exceptions as failed
+
+    try:
+        return from_url(url.root, client_options=options, retry_config=retry)  # pyright: ignore
+    except (failed.BaseError, ValueError) as error:
+        raise ValueError(f"{url}: cannot open the object store: {error}") from None
+
+
+class _Loop:
+    """One asyncio loop on a daemon thread, on which every ranged GET of the process runs
+    (obstore's requests are coroutines), at most `IN_FLIGHT` at once."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.slots = asyncio.Semaphore(IN_FLIGHT)
+        threading.Thread(target=self.loop.run_forever, name="taktiny-objects", daemon=True).start()
+
+    def submit(self, coroutine: Coroutine[Any, Any, _T]) -> concurrent.futures.Future[_T]:
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop)
+
+
+_loop: _Loop | None = None
+
+
+def _running() -> _Loop:
+    global _loop
+    with _LOCK:
+        if _loop is None:
+            _loop = _Loop()
+        return _loop
+
+
+class RemoteFile:
+    """One object, opened: its size and ETag read once (a ``HEAD``), and every read of it a
+    ranged ``GET`` that must match that ETag. A `Storage`.
+
+    Raises FileNotFoundError (naming the URL) when there is no such object."""
+
+    __slots__ = ("__weakref__", "etag", "futures", "path", "size", "url")
+    large_reads: ClassVar[bool] = True
+
+    def __init__(self, url: Url):
+        self.url, self.path = url, url
+        import obstore
+
+        meta = call(url, "HEAD", lambda: obstore.head_async(store(url), url.key))
+        self.size: int = meta["size"]
+        self.etag: str | None = meta["e_tag"]
+        self.futures: set[concurrent.futures.Future[Any]] = set()
+
+    @property
+    def name(self) -> Url:
+        return self.url
+
+    def read_into(self, offset: int, buffer: memoryview) -> int:
+        count = max(0, min(len(buffer), self.size - offset))
+        if not count:
+            return 0
+        loop = _running()
+        futures = [
+            loop.submit(
+                self._part(loop, at, buffer[at - offset : min(at + PART, offset + count) - offset])
+            )
+            for at in range(offset, offset + count, PART)
+        ]
+        self.futures.update(futures)
+        try:
+            for future in futures:
+                future.result()
+        except BaseException:
+            for future in futures:
+                future.cancel()
+            raise
+        finally:
+            self.futures.difference_update(futures)
+        return count
+
+    async def _part(self, loop: _Loop, offset: int, into: memoryview) -> None:
+        import obstore
+
+        options: dict[str, Any] = {"range": (offset, offset + len(into))}
+        if self.etag is not None:
+            options["if_match"] = self.etag
+
+        async def get() -> Any:
+            result = await obstore.get_async(store(self.url), self.url.key, options=options)  # pyright: ignore
+            data = await result.bytes_async()
+            if len(data) != len(into):  # (a connection dropped mid-body: tried again)
+                raise ConnectionError(f"{len(data)} bytes came back for {len(into)} asked")
+            return data
+
+        async with loop.slots:
+            try:
+                data = await _tried(self.url, "GET", get)
+            except FileNotFoundError:
+                raise _gone(self.url) from None
+            into[:] = memoryview(data)
+
+    def advise(self, offset: int, size: int) -> None:
+        """Nothing: a read of an object fetches its parts at once when it is made."""
+
+    def interrupt(self) -> None:
+        """Cancels the reads in flight (they raise CancelledError): a load stopped by an
+        error or Ctrl-C does not wait for them."""
+        for future in list(self.futures):
+            future.cancel()
+
+    def replaced(self) -> bool:
+        """Whether the URL now names another object than the one opened (or none)."""
+        import obstore
+
+        try:
+            meta = call(self.url, "HEAD", lambda: obstore.head_async(store(self.url), self.url.key))
+        except FileNotFoundError:
+            return True
+        return meta["e_tag"] != self.etag
+
+    def close(self) -> None:
+        """Nothing to release: requests are made per read."""
+
+
+def _wait(attempt: int) -> float:
+    """Seconds before try `attempt + 2`: exponential, with full jitter."""
+    return random.uniform(0, min(BACKOFF[1], BACKOFF[0] * 2**attempt))
+
+
+def _final(url: Url, method: str, error: Exception, attempt: int) -> BaseException | None:
+    """The error to raise for a request that failed with `error` on try `attempt + 1`, or
+    None to try again."""
+    import obstore.exceptions as failed
+
+    if isinstance(error, failed.PreconditionError):
+        return _gone(url)
+    text = str(error)
+    if isinstance(error, failed.PermissionDeniedError | failed.UnauthenticatedError) or re.search(
+        r"status code: 40[13]\b", text
+    ):
+        return PermissionError(
+            f"{url}: {method} was refused ({type(error).__name__}); check the credentials "
+            f"in the environment (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_PROFILE, ...) "
+            f"and the bucket's policy. {_first_line(error)}"
+        )
+    if not isinstance(error, failed.BaseError | OSError):  # not the server's: a bug, raised
+        return error
+    if isinstance(error, failed.InvalidPathError | failed.UnknownConfigurationKeyError):
+        return ValueError(f"{url}: {_first_line(error)}")
+    if attempt + 1 >= ATTEMPTS:
+        return ConnectionError(
+            f"{url}: {method} failed {ATTEMPTS} times, the last with {type(error).__name__}: "
+            f"{_first_line(error)}. The server keeps failing; try again later."
+        )
+    return None
+
+
+def _gone(url: Url) -> Replaced:
+    return Replaced(
+        f"{url}: the object was replaced or removed since the checkpoint was opened (a save "
+        f"over it); open the checkpoint again."
+    )
+
+
+def _first_line(error: BaseException) -> str:
+    return str(error).strip().split("\n", 1)[0][:300]
+
+
+def call(url: Url, method: str, request: Callable[[], Awaitable[_T]]) -> _T:
+    """The result of `request()` (an obstore coroutine on `url`; `method` names it in
+    messages), run on the loop's thread and retried as the ranged GETs are; a missing
+    object is FileNotFoundError naming the URL. The caller waits for it as for a lock:
+    Ctrl-C interrupts the wait, and the request is cancelled."""
+    future = _running().submit(_tried(url, method, request))
+    try:
+        return future.result()
+    except BaseException:
+        future.cancel()
+        raise
+
+
+async def _tried(url: Url, method: str, request: Callable[[], Awaitable[_T]]) -> _T:
+    import obstore.exceptions as failed
+
+    for attempt in range(ATTEMPTS):
+        try:
+            return await request()
+        except (FileNotFoundError, failed.NotFoundError):  # (obstore raises the first)
+            raise FileNotFoundError(f"{url}: no such object.") from None
+        except Exception as error:  # noqa: BLE001 - `_final` raises what is not the server's
+            final = _final(url, method, error, attempt)
+            if final is not None:
+                raise final from None
+            await asyncio.sleep(_wait(attempt))
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def listing(folder: Url) -> Iterator[Any]:
+    """The objects directly under `folder` (a prefix ending in ``/``): obstore's metadata
+    of each (``path``, ``size``, ``e_tag``)."""
+    import obstore
+
+    prefix = folder.key.rstrip("/")
+    found = call(
+        folder, "LIST", lambda: obstore.list_with_delimiter_async(store(folder), prefix or None)
+    )
+    yield from found["objects"]

@@ -1,0 +1,334 @@
+"""Checkpoints in object storage, against a real S3-compatible server (moto's, started on
+127.0.0.1 by the fixtures in conftest.py; tests/_s3.py): saves and loads by URL, bitwise as
+local files; the commit without rename (what each save leaves in the bucket, what a load
+that a save overtakes reads); faults through the real HTTP path (a proxy that answers 503
+or 403, drops connections, stalls); hostile objects refused as files are; the command.
+
+The races, kills and multi-process loads are in tests/test_io_object_store_races.py.
+"""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import jax.numpy as jnp
+import numpy as np
+import obstore
+import pytest
+from obstore.store import from_url
+from test_io_hostile import FILES, INDEXES, framed, js
+
+import taktiny as tt
+from taktiny import _cli
+from taktiny.io import (
+    SafetensorsError,
+    load_safetensors,
+    open_safetensors,
+    plan_load,
+    save_safetensors,
+)
+from taktiny.io import _object_store as objects
+from taktiny.io._object_store import Replaced
+
+pytestmark = pytest.mark.program  # (a server process; too slow to repeat for each mutant)
+
+
+def values(version: int) -> dict[str, np.ndarray]:
+    """A flat checkpoint whose every value says its version: 3 tensors, ~1.2 MiB."""
+    rng = np.random.default_rng(version)
+    return {
+        "embed": rng.standard_normal((256, 512), np.float32),
+        "head.kernel": rng.standard_normal((512, 64), np.float32),
+        "head.bias": np.full((64,), version, np.float32),
+    }
+
+
+def target() -> dict[str, jnp.ndarray]:
+    return {k: jnp.zeros(v.shape, v.dtype) for k, v in values(0).items()}
+
+
+def names(bucket: str, prefix: str = "") -> list[str]:
+    """The objects in the bucket, under `prefix`."""
+    found = obstore.list(from_url(bucket), prefix or None).collect()
+    return sorted(m["path"] for m in found)
+
+
+def put(url: str, data: bytes) -> None:
+    where = objects.Url(url)
+    obstore.put(objects.store(where), where.key, data)
+
+
+def drop(metadata: dict[str, str]) -> dict[str, str]:
+    return {k: v for k, v in metadata.items() if k != "taktiny_header_checksums"}
+
+
+def same(loaded, expected) -> bool:
+    return all(np.asarray(loaded[k]).tobytes() == v.tobytes() for k, v in expected.items())
+
+
+@pytest.mark.parametrize("shard", [None, "400KB"], ids=["one object", "shards"])
+def test_a_save_to_a_url_loads_bitwise_as_the_local_file(s3, tmp_path, shard):
+    url = f"{s3}/run/model.safetensors"
+    written = save_safetensors(url, values(1), max_shard_size=shard)
+    local = save_safetensors(tmp_path / "model.safetensors", values(1), max_shard_size=shard)
+    assert [str(w) for w in written] == (
+        [f"{s3}/run/model.safetensors"]
+        if shard is None
+        else [*(str(w) for w in written[:-1]), f"{url}.index.json"]
+    )
+    assert len(written) == len(local)
+    assert names(s3) == sorted(objects.Url(str(w)).key for w in written)
+    remote, disk = open_safetensors(url), open_safetensors(local[-1])
+    assert list(remote) == list(disk)
+    # (the header's own digest differs: safetensors writes the metadata in hash-map order)
+    assert drop(remote.metadata) == drop(disk.metadata)
+    for name in disk:
+        assert remote[name].read().tobytes() == disk[name].read().tobytes()
+        assert remote[name].checksum == disk[name].checksum is not None
+    assert same(load_safetensors(target(), url, progress=False), values(1))
+    assert same(load_safetensors(target(), f"{s3}/run/", progress=False), values(1))  # a prefix
+
+
+def test_a_model_round_trips_with_its_schema(s3):
+    model = tt.nn.Linear(16, 8, rngs=tt.nn.Rngs(0))
+    save_safetensors(f"{s3}/m.safetensors", model)
+    assert open_safetensors(f"{s3}/m.safetensors").schema == tt.schema(model)
+    loaded = load_safetensors(tt.eval_shape(lambda: model), f"{s3}/m.safetensors")
+    assert tt.flat_state_dict(loaded).keys() == tt.flat_state_dict(model).keys()
+    for (_, a), (_, b) in zip(
+        tt.flat_state_dict(loaded).items(), tt.flat_state_dict(model).items(), strict=True
+    ):
+        assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
+
+
+def test_each_save_leaves_exactly_its_own_objects(s3):
+    """One object over shards, shards over one object, shards over shards: after each save
+    the bucket holds the new checkpoint's objects and nothing else, and loads it."""
+    url = f"{s3}/ck/model.safetensors"
+    for version, shard in enumerate([None, "400KB", "300KB", None, "400KB"], start=1):
+        written = save_safetensors(url, values(version), max_shard_size=shard)
+        assert names(s3) == sorted(objects.Url(str(w)).key for w in written), version
+        assert same(load_safetensors(target(), url, progress=False), values(version))
+
+
+def test_a_save_removes_what_a_failed_save_left(s3):
+    url = f"{s3}/ck/model.safetensors"
+    save_safetensors(url, values(1), max_shard_size="400KB")
+    put(f"{s3}/ck/model-00001-of-00002-0123abcd.safetensors", b"left by a killed save")
+    put(f"{s3}/ck/notes.txt", b"the user's own")  # not the checkpoint's: stays
+    assert same(load_safetensors(target(), url, progress=False), values(1))  # ignored
+    written = save_safetensors(url, values(2))
+    assert names(s3) == ["ck/model.safetensors", "ck/notes.txt"]
+    assert [str(w) for w in written] == [url]
+
+
+def test_a_read_of_a_replaced_object_fails_and_the_opened_checkpoint_says_so(s3):
+    url = f"{s3}/model.safetensors"
+    save_safetensors(url, values(1))
+    opened = open_safetensors(url)
+    save_safetensors(url, values(2))
+    with pytest.raises(Replaced, match=rf"^{re.escape(url)}: the object was replaced or removed"):
+        opened["embed"].read()
+    with pytest.raises(Replaced, match="open the checkpoint again"):
+        load_safetensors(target(), opened, progress=False)  # an opened checkpoint: not reopened
+
+
+@pytest.mark.parametrize("shard", [None, "400KB"], ids=["one object", "shards"])
+def test_a_load_that_a_save_overtakes_opens_the_checkpoint_again(s3, monkeypatch, shard):
+    """A save commits after the load opened the checkpoint and before it reads: the load
+    reads the new checkpoint whole (the old objects are replaced, or removed)."""
+    import taktiny.loading._record as record
+
+    url = f"{s3}/model.safetensors"
+    save_safetensors(url, values(1), max_shard_size=shard)
+    opened = record.open_load
+    opens = []
+
+    def overtaken(*args, **kwargs):
+        load = opened(*args, **kwargs)
+        opens.append(load)
+        if len(opens) == 1:
+            save_safetensors(url, values(2), max_shard_size=shard)
+        return load
+
+    monkeypatch.setattr("taktiny.loading._load.open_load", overtaken)
+    assert same(load_safetensors(target(), url, progress=False), values(2))
+    assert len(opens) == 2
+
+
+def test_a_damaged_object_is_caught_naming_the_tensor(s3, tmp_path):
+    local = save_safetensors(tmp_path / "m.safetensors", values(1))[0]
+    data = bytearray(local.read_bytes())
+    data[-5] ^= 0x01  # a bit of the last tensor's bytes
+    put(f"{s3}/m.safetensors", bytes(data))
+    with pytest.raises(
+        SafetensorsError, match=r"m\.safetensors: the bytes of 'head\.kernel' are dam"
+    ):
+        load_safetensors(target(), f"{s3}/m.safetensors", progress=False)
+
+
+BYTES = [(n, c, m) for n, c, m in FILES if isinstance(c, bytes)]
+# the index cases whose files exist in a bucket as they do on disk (no links, no names the
+# file system refuses): the shards of tests/test_io_hostile.py's `shards`
+REMOTE_INDEXES = [
+    (n, c, m) for n, c, m in INDEXES if isinstance(c, bytes) and n not in ("shard name too long",)
+]
+
+
+@pytest.mark.parametrize(("content", "message"), [pytest.param(c, m, id=n) for n, c, m in BYTES])
+def test_a_hostile_object_is_refused_as_the_file_is(s3, content, message):
+    url = f"{s3}/bad.safetensors"
+    put(url, content)
+    with pytest.raises(SafetensorsError, match=f"^{re.escape(url)}: .*{message}"):
+        load_safetensors({"a": jnp.zeros((4, 4))}, url, progress=False)
+
+
+@pytest.mark.parametrize(
+    ("content", "message"), [pytest.param(c, m, id=n) for n, c, m in REMOTE_INDEXES]
+)
+def test_a_hostile_index_is_refused_as_the_file_is(s3, content, message):
+    from test_io_hostile import DATA, A, B
+
+    put(f"{s3}/ck/one.safetensors", framed(js({"a": A}), DATA[:64]))
+    put(f"{s3}/ck/two.safetensors", framed(js({"b": dict(B, data_offsets=[0, 12])}), DATA[64:]))
+    url = f"{s3}/ck/model.safetensors.index.json"
+    put(url, content)
+    with pytest.raises(SafetensorsError, match=f"^{re.escape(url)}: .*{message}"):
+        open_safetensors(url)
+
+
+@pytest.mark.parametrize("shard", ["../outside.safetensors", "/etc/passwd", ".", "a/b.safetensors"])
+def test_an_index_may_name_only_objects_beside_it(s3, shard):
+    url = f"{s3}/ck/model.safetensors.index.json"
+    put(url, js({"weight_map": {"b": shard}}))
+    with pytest.raises(SafetensorsError, match=r"is outside the index's folder .*; an index may"):
+        open_safetensors(url)
+
+
+def test_missing_objects_and_unknown_schemes_are_named(s3):
+    with pytest.raises(SafetensorsError, match=rf"^{re.escape(s3)}/none\.safetensors: no such"):
+        open_safetensors(f"{s3}/none.safetensors")
+    with pytest.raises(ValueError, match=r"'ftp://x/y': the scheme 'ftp' is not one Taktiny"):
+        open_safetensors("ftp://x/y")
+    with pytest.raises(ValueError, match=r"the path must name a '\*\.safetensors' file"):
+        save_safetensors(f"{s3}/model.bin", values(1))
+
+
+def test_throttling_errors_and_dropped_connections_are_retried(s3_proxy):
+    bucket, proxy = s3_proxy
+    url = f"{bucket}/model.safetensors"
+    proxy.busy = 3  # the first requests of the save answered 503 SlowDown
+    save_safetensors(url, values(1), max_shard_size="400KB")
+    assert proxy.busy == 0
+    proxy.busy, proxy.drop = 2, 2
+    assert same(load_safetensors(target(), url, progress=False), values(1))
+    assert proxy.busy == proxy.drop == 0
+
+
+def test_a_denied_request_names_the_url_and_the_credentials(s3_proxy):
+    bucket, proxy = s3_proxy
+    proxy.deny = True
+    with pytest.raises(
+        PermissionError,
+        match=rf"^{re.escape(bucket)}/m\.safetensors: HEAD was refused .*AWS_ACCESS_KEY_ID",
+    ):
+        open_safetensors(f"{bucket}/m.safetensors")
+
+
+def test_a_server_that_keeps_failing_is_named_after_the_retries(s3_proxy, monkeypatch):
+    bucket, proxy = s3_proxy
+    url = f"{bucket}/model.safetensors"
+    save_safetensors(url, values(1))
+    monkeypatch.setattr(objects, "BACKOFF", (0.01, 0.02))
+    opened = open_safetensors(url)
+    proxy.busy = 10**6
+    started = time.monotonic()
+    with pytest.raises(
+        ConnectionError, match=rf"^{re.escape(url)}: GET failed 6 times, .*keeps failing"
+    ):
+        opened["embed"].read()
+    assert time.monotonic() - started < 60
+
+
+@pytest.mark.parametrize("failing", ["a shard", "the index"])
+def test_a_save_whose_upload_fails_leaves_the_previous_checkpoint(s3_proxy, failing):
+    """A refused upload of a new shard, or of the index (the commit): the save raises, and
+    the bucket holds the previous checkpoint's objects alone (the new shards removed)."""
+    bucket, proxy = s3_proxy
+    url = f"{bucket}/ck/model.safetensors"
+    first = save_safetensors(url, values(1), max_shard_size="400KB")
+    shard = re.compile(r"/ck/model-00002-of-0000\d-[0-9a-f]{8}\.safetensors")
+    if failing == "a shard":  # the second new shard refused
+        proxy.only = lambda method, path: method == "PUT" and shard.search(path) is not None
+    else:
+        proxy.only = lambda method, path: method == "PUT" and path.endswith("index.json")
+    proxy.deny = True
+    with pytest.raises(PermissionError, match=rf"^{re.escape(bucket)}/ck/model.* PUT was refused"):
+        save_safetensors(url, values(2), max_shard_size="300KB")
+    assert names(bucket) == sorted(objects.Url(str(w)).key for w in first)
+    assert same(load_safetensors(target(), url, progress=False), values(1))
+
+
+def test_nothing_imports_obstore_for_local_paths(tmp_path):
+    script = (
+        "import sys, numpy as np, jax.numpy as jnp\n"
+        "from taktiny.io import save_safetensors, load_safetensors\n"
+        f"p = {str(tmp_path / 'm.safetensors')!r}\n"
+        "save_safetensors(p, {'a': np.ones(3, np.float32)})\n"
+        "load_safetensors({'a': jnp.zeros(3)}, p)\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'obstore'))\n"
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "[]"
+
+
+def test_ctrl_c_stops_a_load_promptly(s3_proxy, tmp_path):
+    bucket, proxy = s3_proxy
+    url = f"{bucket}/model.safetensors"
+    save_safetensors(url, values(1))
+    proxy.stall = 30.0  # every request held back: the load waits on its reads
+    script = (
+        "import jax.numpy as jnp, numpy as np, sys\n"
+        "from taktiny.io import load_safetensors\n"
+        "print('loading', flush=True)\n"
+        f"load_safetensors({{'embed': jnp.zeros((256, 512))}}, {url!r}, strict=False)\n"
+    )
+    job = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True, env=os.environ)  # fmt: skip
+    assert job.stdout.readline() == "loading\n"
+    time.sleep(2)
+    job.send_signal(signal.SIGINT)
+    started = time.monotonic()
+    _, err = job.communicate(timeout=20)
+    assert time.monotonic() - started < 5
+    assert job.returncode != 0 and "KeyboardInterrupt" in err, err
+
+
+def test_the_command_takes_urls(s3, tmp_path, capsys):
+    url = f"{s3}/model.safetensors"
+    save_safetensors(url, values(1))
+    local = save_safetensors(tmp_path / "model.safetensors", values(1))[0]
+    assert _cli.main(["inspect", url, "--json"]) == 0
+    listed = json.loads(capsys.readouterr().out)
+    assert [t["name"] for t in listed["tensors"]] == ["embed", "head.bias", "head.kernel"]
+    assert _cli.main(["verify", url]) == 0
+    assert "3 tensors match their checksums, 0 damaged" in capsys.readouterr().out
+    assert _cli.main(["diff", url, str(local)]) == 0
+    capsys.readouterr()
+    save_safetensors(url, values(2))
+    assert _cli.main(["diff", url, str(local)]) == 1
+    assert "head.bias" in capsys.readouterr().out
+
+
+def test_plan_load_reads_a_url(s3):
+    url = f"{s3}/model.safetensors"
+    save_safetensors(url, values(1), max_shard_size="400KB")
+    plan = plan_load(target(), url)
+    assert plan.ok and plan.read_bytes == {0: sum(v.nbytes for v in values(1).values())}
