@@ -37,7 +37,9 @@ def spec(name: str, ndim: int) -> P:
 
 def counted(load, *args, **kwargs):
     """What `load(*args, **kwargs)` returns, and the bytes it read with os.preadv (which
-    every read of a load uses)."""
+    every read of a load from a local file uses), or by ranged GETs (an object's reads)."""
+    if "://" in str(args[1]):
+        return _counted_remote(load, *args, **kwargs)
     read, real = [], os.preadv
 
     def preadv(fd, buffers, offset, *flags):
@@ -50,6 +52,23 @@ def counted(load, *args, **kwargs):
         return load(*args, **kwargs), sum(read)
     finally:
         os.preadv = real
+
+
+def _counted_remote(load, *args, **kwargs):
+    from taktiny.io._object_store import RemoteFile
+
+    read, real = [], RemoteFile.read_into
+
+    def read_into(self, offset, buffer):
+        got = real(self, offset, buffer)
+        read.append(got)
+        return got
+
+    RemoteFile.read_into = read_into
+    try:
+        return load(*args, **kwargs), sum(read)
+    finally:
+        RemoteFile.read_into = real
 
 
 def main():

@@ -12,6 +12,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 import uuid
@@ -30,10 +31,11 @@ class Server:
     def __init__(self) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        self.log = tempfile.TemporaryFile()  # (a file: a full pipe would block the server)
         self.process = subprocess.Popen(
             [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
             env={**os.environ, "MOTO_S3_DEFAULT_KEY_BUFFER_SIZE": str(64 << 20)},
         )
         deadline = time.monotonic() + 60
@@ -43,7 +45,9 @@ class Server:
                 return
             except OSError:
                 if self.process.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"moto's server did not start on {self.url}") from None
+                    self.log.seek(0)
+                    said = self.log.read().decode(errors="replace")[-3000:]
+                    raise RuntimeError(f"moto's server did not start on {self.url}:\n{said}")
                 time.sleep(0.1)
 
     def environment(self, endpoint: str | None = None) -> dict[str, str]:
