@@ -36,39 +36,26 @@ def spec(name: str, ndim: int) -> P:
 
 
 def counted(load, *args, **kwargs):
-    """What `load(*args, **kwargs)` returns, and the bytes it read with os.preadv (which
-    every read of a load from a local file uses), or by ranged GETs (an object's reads)."""
+    """What `load(*args, **kwargs)` returns, and the bytes it read: with os.preadv, which
+    every read of a load from a local file uses; for a URL, by its ranged GETs."""
     if "://" in str(args[1]):
-        return _counted_remote(load, *args, **kwargs)
-    read, real = [], os.preadv
+        from taktiny.io._object_store import RemoteFile
 
-    def preadv(fd, buffers, offset, *flags):
-        got = real(fd, buffers, offset, *flags)
+        owner, name = RemoteFile, "read_into"  # (called as a method: self first)
+    else:
+        owner, name = os, "preadv"
+    read, real = [], getattr(owner, name)
+
+    def counting(*call):
+        got = real(*call)
         read.append(got)
         return got
 
-    os.preadv = preadv
+    setattr(owner, name, counting)
     try:
         return load(*args, **kwargs), sum(read)
     finally:
-        os.preadv = real
-
-
-def _counted_remote(load, *args, **kwargs):
-    from taktiny.io._object_store import RemoteFile
-
-    read, real = [], RemoteFile.read_into
-
-    def read_into(self, offset, buffer):
-        got = real(self, offset, buffer)
-        read.append(got)
-        return got
-
-    RemoteFile.read_into = read_into
-    try:
-        return load(*args, **kwargs), sum(read)
-    finally:
-        RemoteFile.read_into = real
+        setattr(owner, name, real)
 
 
 def main():

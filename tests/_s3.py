@@ -47,7 +47,9 @@ class Server:
                 if self.process.poll() is not None or time.monotonic() > deadline:
                     self.log.seek(0)
                     said = self.log.read().decode(errors="replace")[-3000:]
-                    raise RuntimeError(f"moto's server did not start on {self.url}:\n{said}")
+                    raise RuntimeError(
+                        f"moto's server did not start on {self.url}:\n{said}"
+                    ) from None
                 time.sleep(0.1)
 
     def environment(self, endpoint: str | None = None) -> dict[str, str]:
@@ -74,6 +76,7 @@ class Server:
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait()
+        self.log.close()
 
 
 class Proxy:

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import obstore
 import pytest
+from _s3_saver import version
 from obstore.store import from_url
 from test_io_hostile import FILES, INDEXES, framed, js
 
@@ -37,14 +38,9 @@ from taktiny.io._object_store import Replaced
 pytestmark = pytest.mark.program  # (a server process; too slow to repeat for each mutant)
 
 
-def values(version: int) -> dict[str, np.ndarray]:
-    """A flat checkpoint whose every value says its version: 3 tensors, ~1.2 MiB."""
-    rng = np.random.default_rng(version)
-    return {
-        "embed": rng.standard_normal((256, 512), np.float32),
-        "head.kernel": rng.standard_normal((512, 64), np.float32),
-        "head.bias": np.full((64,), version, np.float32),
-    }
+def values(number: int) -> dict[str, np.ndarray]:
+    """A flat checkpoint whose every value says its version: 3 tensors, ~390 KB."""
+    return version(number)
 
 
 def target() -> dict[str, jnp.ndarray]:
@@ -70,7 +66,7 @@ def same(loaded, expected) -> bool:
     return all(np.asarray(loaded[k]).tobytes() == v.tobytes() for k, v in expected.items())
 
 
-@pytest.mark.parametrize("shard", [None, "400KB"], ids=["one object", "shards"])
+@pytest.mark.parametrize("shard", [None, "150KB"], ids=["one object", "shards"])
 def test_a_save_to_a_url_loads_bitwise_as_the_local_file(s3, tmp_path, shard):
     url = f"{s3}/run/model.safetensors"
     written = save_safetensors(url, values(1), max_shard_size=shard)
@@ -109,15 +105,15 @@ def test_each_save_leaves_exactly_its_own_objects(s3):
     """One object over shards, shards over one object, shards over shards: after each save
     the bucket holds the new checkpoint's objects and nothing else, and loads it."""
     url = f"{s3}/ck/model.safetensors"
-    for version, shard in enumerate([None, "400KB", "300KB", None, "400KB"], start=1):
-        written = save_safetensors(url, values(version), max_shard_size=shard)
-        assert names(s3) == sorted(objects.Url(str(w)).key for w in written), version
-        assert same(load_safetensors(target(), url, progress=False), values(version))
+    for number, shard in enumerate([None, "150KB", "200KB", None, "150KB"], start=1):
+        written = save_safetensors(url, values(number), max_shard_size=shard)
+        assert names(s3) == sorted(objects.Url(str(w)).key for w in written), number
+        assert same(load_safetensors(target(), url, progress=False), values(number))
 
 
 def test_a_save_removes_what_a_failed_save_left(s3):
     url = f"{s3}/ck/model.safetensors"
-    save_safetensors(url, values(1), max_shard_size="400KB")
+    save_safetensors(url, values(1), max_shard_size="150KB")
     put(f"{s3}/ck/model-00001-of-00002-0123abcd.safetensors", b"left by a killed save")
     put(f"{s3}/ck/notes.txt", b"the user's own")  # not the checkpoint's: stays
     assert same(load_safetensors(target(), url, progress=False), values(1))  # ignored
@@ -137,7 +133,7 @@ def test_a_read_of_a_replaced_object_fails_and_the_opened_checkpoint_says_so(s3)
         load_safetensors(target(), opened, progress=False)  # an opened checkpoint: not reopened
 
 
-@pytest.mark.parametrize("shard", [None, "400KB"], ids=["one object", "shards"])
+@pytest.mark.parametrize("shard", [None, "150KB"], ids=["one object", "shards"])
 def test_a_load_that_a_save_overtakes_opens_the_checkpoint_again(s3, monkeypatch, shard):
     """A save commits after the load opened the checkpoint and before it reads: the load
     reads the new checkpoint whole (the old objects are replaced, or removed)."""
@@ -222,7 +218,7 @@ def test_throttling_errors_and_dropped_connections_are_retried(s3_proxy):
     bucket, proxy = s3_proxy
     url = f"{bucket}/model.safetensors"
     proxy.busy = 3  # the first requests of the save answered 503 SlowDown
-    save_safetensors(url, values(1), max_shard_size="400KB")
+    save_safetensors(url, values(1), max_shard_size="150KB")
     assert proxy.busy == 0
     proxy.busy, proxy.drop = 2, 2
     assert same(load_safetensors(target(), url, progress=False), values(1))
@@ -260,7 +256,7 @@ def test_a_save_whose_upload_fails_leaves_the_previous_checkpoint(s3_proxy, fail
     the bucket holds the previous checkpoint's objects alone (the new shards removed)."""
     bucket, proxy = s3_proxy
     url = f"{bucket}/ck/model.safetensors"
-    first = save_safetensors(url, values(1), max_shard_size="400KB")
+    first = save_safetensors(url, values(1), max_shard_size="150KB")
     shard = re.compile(r"/ck/model-00002-of-0000\d-[0-9a-f]{8}\.safetensors")
     if failing == "a shard":  # the second new shard refused
         proxy.only = lambda method, path: method == "PUT" and shard.search(path) is not None
@@ -268,7 +264,7 @@ def test_a_save_whose_upload_fails_leaves_the_previous_checkpoint(s3_proxy, fail
         proxy.only = lambda method, path: method == "PUT" and path.endswith("index.json")
     proxy.deny = True
     with pytest.raises(PermissionError, match=rf"^{re.escape(bucket)}/ck/model.* PUT was refused"):
-        save_safetensors(url, values(2), max_shard_size="300KB")
+        save_safetensors(url, values(2), max_shard_size="200KB")
     assert names(bucket) == sorted(objects.Url(str(w)).key for w in first)
     assert same(load_safetensors(target(), url, progress=False), values(1))
 
@@ -298,7 +294,7 @@ def test_ctrl_c_stops_a_load_promptly(s3_proxy, tmp_path):
         "import jax.numpy as jnp, numpy as np, sys\n"
         "from taktiny.io import load_safetensors\n"
         "print('loading', flush=True)\n"
-        f"load_safetensors({{'embed': jnp.zeros((256, 512))}}, {url!r}, strict=False)\n"
+        f"load_safetensors({{'embed': jnp.zeros((128, 512))}}, {url!r}, strict=False)\n"
     )
     job = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE,
                            stderr=subprocess.PIPE, text=True, env=os.environ)  # fmt: skip
@@ -329,6 +325,6 @@ def test_the_command_takes_urls(s3, tmp_path, capsys):
 
 def test_plan_load_reads_a_url(s3):
     url = f"{s3}/model.safetensors"
-    save_safetensors(url, values(1), max_shard_size="400KB")
+    save_safetensors(url, values(1), max_shard_size="150KB")
     plan = plan_load(target(), url)
     assert plan.ok and plan.read_bytes == {0: sum(v.nbytes for v in values(1).values())}
