@@ -125,7 +125,10 @@ def open_safetensors(path: str | os.PathLike[str]) -> Checkpoint:
             checkpoint: one index, one ``.safetensors`` file, or both (a file and an index
             of the same name: the file is read, as Hugging Face's loaders read it). Shard
             files (``*-00001-of-00003.safetensors``) and the hidden temporaries of a killed
-            save are not checkpoints of their own: name a lone shard to read it.
+            save are not checkpoints of their own: name a lone shard to read it. Or the
+            same in object storage: an ``s3://``, ``gs://``, ``az://`` or ``https://`` URL
+            (a prefix ending in ``/`` for a folder; docs/storage.md), whose objects are
+            then read by their ETags: once a save replaces one, its reads raise.
 
     Returns:
         A :class:`Checkpoint`: ``{name: Tensor}``, read tensor by tensor on demand.

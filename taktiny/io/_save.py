@@ -80,7 +80,10 @@ def save_safetensors(
     header. :func:`open_safetensors` and :func:`load_safetensors` unpack it.
 
     Args:
-        path: the ``.safetensors`` file to write (its directory must exist).
+        path: the ``.safetensors`` file to write (its directory must exist), or an
+            object-store URL (``s3://bucket/run/model.safetensors``; ``gs://``, ``az://``;
+            the ``taktiny[cloud]`` extra), committed without rename as docs/storage.md
+            describes.
         tree: a module or a container of arrays, saved under the names
             :func:`taktiny.flat_state_dict` gives; or a dict of string names to arrays
             (values that are all arrays), saved under its own keys.
@@ -101,19 +104,24 @@ def save_safetensors(
     removed. docs/safetensors.md describes the steps.
 
     Returns:
-        The files written: the shards, then the index; or the one file.
+        The files written: the shards, then the index; or the one file (for a URL, the
+        objects, whose ``str()`` is their URL).
 
     Raises:
         TypeError: a name or metadata entry that is not a string, or a tensor whose dtype
             safetensors cannot store (PRNG keys, say), named in the message.
-        ValueError: a path not ending in ``.safetensors``, a bad `max_shard_size`, an
-            array spread over several processes.
+        ValueError: a path not ending in ``.safetensors``, a URL of a scheme Taktiny does
+            not write, a bad `max_shard_size`, an array spread over several processes.
         FileNotFoundError: the folder `path` names does not exist.
         OSError: a file operation that failed (the previous checkpoint is left as it was);
             a failed write names the file (``filename``) and keeps the system's ``errno``
             (``errno.ENOSPC`` for a full disk), its error chained as the cause.
+        PermissionError: for a URL, a request the store refused, naming the URL and the
+            credentials to check (the previous checkpoint is left as it was).
+        ConnectionError: for a URL, a store that kept failing after the retries.
         ImportError: the safetensors package is not installed
-            (``pip install 'taktiny[safetensors]'``).
+            (``pip install 'taktiny[safetensors]'``); for a URL, obstore is not
+            (``pip install 'taktiny[cloud]'``).
     """
     try:
         import safetensors.numpy  # noqa: F401  (imported here: an extra, only saving needs it)

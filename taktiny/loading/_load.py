@@ -75,8 +75,11 @@ def load_safetensors(
             (``{"encoder.lora_a": ...}``: adapters alone, say), whose keys are the names
             to load; the load then returns a flat dict of the same keys.
         path: a ``.safetensors`` file, a ``*.safetensors.index.json``, a folder holding one
-            of them (see :func:`~taktiny.io.open_safetensors`), or an opened
-            :class:`~taktiny.io.Checkpoint`.
+            of them (see :func:`~taktiny.io.open_safetensors`), the same in object storage
+            (an ``s3://``, ``gs://``, ``az://`` or ``https://`` URL, read by ranged requests
+            in parallel: docs/storage.md), or an opened :class:`~taktiny.io.Checkpoint`.
+            A checkpoint at a URL that a save replaces while it is read is opened again
+            and read whole (an opened Checkpoint is not: its reads raise SafetensorsError).
         rules: conversion rules (:mod:`taktiny.convert`) from the checkpoint's names to the
             model's, applied tensor by tensor. Without rules the names must be the model's
             own flat names (:func:`taktiny.flat_state_dict`), or those of an older state
@@ -112,20 +115,16 @@ def load_safetensors(
             for an older checkpoint, every problem of the migrations, naming the one to fix.
         SafetensorsError: for a corrupt checkpoint, naming the file and tensor; for
             damaged bytes, also both checksums. Nothing is returned then.
-        ValueError: `allow` without `rules`; a checkpoint saved at a newer state version
-            than the model's (or a module's inside it); `rules` for a checkpoint of an older
-            version; a model sharded on an abstract mesh (``jax.eval_shape`` of a function
-            that shards: use :func:`taktiny.eval_shape`), naming the file and the model.
-        TypeError: a flat dict target that names both ``"a"`` and ``"a.b"``, which no
-            tree can hold.
+        PermissionError: for a URL, a request the store refused, naming the URL and the
+            credentials to check.
+        ConnectionError: for a URL, a store that kept failing after the retries.
     """
-    for attempt in range(1, RETRIES + 1):
+    for attempt in itertools.count(1):
         try:
             return _load(model, path, rules, allow, strict, progress, verify)
         except Replaced:  # a save replaced an object of the checkpoint while it was read
             if isinstance(path, Checkpoint) or attempt == RETRIES:
                 raise
-    raise AssertionError("unreachable")  # pragma: no cover
 
 
 def _load(
