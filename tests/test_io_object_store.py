@@ -328,3 +328,18 @@ def test_plan_load_reads_a_url(s3):
     save_safetensors(url, values(1), max_shard_size="150KB")
     plan = plan_load(target(), url)
     assert plan.ok and plan.read_bytes == {0: sum(v.nbytes for v in values(1).values())}
+
+
+def test_a_large_object_goes_up_in_parallel_parts(s3_proxy, monkeypatch):
+    from taktiny.io import _object_commit
+
+    bucket, proxy = s3_proxy
+    monkeypatch.setattr(_object_commit, "MULTIPART", 8 << 20)
+    monkeypatch.setattr(_object_commit, "PART", 5 << 20)  # (S3's smallest part)
+    big = {"w": np.random.default_rng(0).standard_normal((3, 1 << 20), np.float32)}  # 12 MiB
+    save_safetensors(f"{bucket}/big.safetensors", big)
+    parts = [p for m, p in proxy.requests if m == "PUT" and "partNumber=" in p]
+    assert len(parts) == 3, proxy.requests
+    assert any(m == "POST" and "uploads" in p for m, p in proxy.requests)
+    loaded = load_safetensors({"w": jnp.zeros((3, 1 << 20))}, f"{bucket}/big.safetensors")
+    assert np.asarray(loaded["w"]).tobytes() == big["w"].tobytes()
