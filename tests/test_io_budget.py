@@ -269,3 +269,9 @@ def test_without_a_budget_the_load_keeps_no_books(saved, monkeypatch):
     monkeypatch.setattr(load_module, "Budget", refuse)
     loaded = load_safetensors(target(), path, rules=RULES)
     assert set(loaded) == set(NAMES)
+
+
+def test_a_budget_of_another_type_is_refused_naming_it(saved, without_type_checks):
+    _, path = saved
+    with pytest.raises(TypeError, match=r"max_host_bytes takes a number of bytes .* got 15000000\.0 \(float\)"):
+        load_safetensors(target(), path, rules=RULES, max_host_bytes=1.5e7)  # type: ignore[arg-type]

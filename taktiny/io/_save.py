@@ -483,8 +483,14 @@ def byte_size(value: int | str | None, where: str) -> int | None:
         The bytes, or None.
 
     Raises:
+        TypeError: neither an int, a string nor None.
         ValueError: a string that is not a size, or a size that is not positive.
     """
+    if isinstance(value, bool) or not isinstance(value, int | str | None):
+        raise TypeError(
+            f"{where} takes a number of bytes (an int) or a string such as '500MB' or "
+            f"'2GiB', got {value!r} ({type(value).__name__})"
+        )
     if value is None or isinstance(value, int):
         size = value
     else:

@@ -199,12 +199,12 @@ def _mib(n: int) -> str:
 def _held(load: Load, steps: list[Step], ways: Ways, unit: tuple[int, ...]) -> int:
     """The host bytes `unit` holds from the start of its read until it is placed, beyond
     the model's arrays and the scratch buffers (see the module's docstring)."""
-    if len(unit) > 1:  # small tensors read together: staging, then their buffer
-        tensors = [ways.sources[k][0] for k in unit]
-        staging = sum(t.nbytes for t in tensors)
-        adopted = all(_adopting(ways.direct[k]) for k in unit)
-        return staging + (0 if adopted else sum(-(-t.nbytes // 64) * 64 for t in tensors))
     k = unit[0]
+    if len(unit) > 1:  # small tensors read together: staging, then their buffer
+        tensors = [ways.sources[j][0] for j in unit]
+        staging = sum(t.nbytes for t in tensors)
+        adopted = all(_adopting(ways.direct[j]) for j in unit)
+        return staging + (0 if adopted else sum(-(-t.nbytes // 64) * 64 for t in tensors))
     if ways.direct[k] is not None:
         tensor, leaf = ways.sources[k][0], ways.direct[k]
         sharding = sharding_of(leaf)
