@@ -273,5 +273,30 @@ def test_without_a_budget_the_load_keeps_no_books(saved, monkeypatch):
 
 def test_a_budget_of_another_type_is_refused_naming_it(saved, without_type_checks):
     _, path = saved
-    with pytest.raises(TypeError, match=r"max_host_bytes takes a number of bytes .* got 15000000\.0 \(float\)"):
+    with pytest.raises(
+        TypeError, match=r"max_host_bytes takes a number of bytes .* got 15000000\.0 \(float\)"
+    ):
         load_safetensors(target(), path, rules=RULES, max_host_bytes=1.5e7)  # type: ignore[arg-type]
+
+
+def test_the_plan_command_plans_within_a_budget(saved, tmp_path, monkeypatch, capsys):
+    from taktiny._cli import main
+
+    _, path = saved
+    (tmp_path / "budget_models.py").write_text(
+        "import jax.numpy as jnp\n"
+        "from taktiny import convert as cv\n"
+        f"def half():\n    return {{n: jnp.zeros((2048, 1024), jnp.bfloat16) for n in {NAMES!r}}}\n"
+        "RULES = [cv.Rule('{n}', '{n}', cv.chain(cv.transpose(), cv.cast(jnp.bfloat16)))]\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    command = ["plan", str(path), "--model", "budget_models:half", "--rules", "budget_models:RULES"]
+    assert main(command) == 0
+    assert "scratch and steps in flight): 25,165,824 bytes\n" in capsys.readouterr().out
+    assert main([*command, "--max-host-bytes", "20MiB"]) == 0
+    out = capsys.readouterr().out
+    assert "16,777,216 bytes, max_host_bytes 20,971,520" in out and "would succeed" in out
+    assert main([*command, "--max-host-bytes", "10485760"]) == 1
+    assert "Raise max_host_bytes to at least 16,777,216" in capsys.readouterr().out
+    assert main([*command, "--max-host-bytes", "5 parsecs"]) == 2
+    assert "--max-host-bytes '5 parsecs' is not a size" in capsys.readouterr().err
