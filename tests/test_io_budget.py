@@ -180,8 +180,8 @@ def test_a_budget_one_step_cannot_fit_in_is_refused_before_a_byte_is_read(saved,
         r"max_host_bytes=10,485,760 \(10\.0 MiB\) is too small for 'w0' \(into 'w0'\): "
         r"loading it needs 16,777,216 bytes \(16\.0 MiB\) of host memory beyond the "
         r"model's arrays \(a scratch buffer of 8,388,608 bytes for its sources; 8,388,608 "
-        r"bytes in flight .*\)\. Nothing was read\. Raise max_host_bytes to at least "
-        r"16,777,216"
+        r"bytes of arrays its transform makes that are not leaves\)\. Nothing was read\. "
+        r"Raise max_host_bytes to at least 16,777,216"
     )
     with pytest.raises(ValueError, match=error):
         load_safetensors(target(), path, rules=RULES, max_host_bytes=10 * MiB)
@@ -236,6 +236,11 @@ def test_reads_in_flight_stay_within_the_budget(tmp_path, monkeypatch):
         assert loaded[name].sharding.is_equivalent_to(everywhere, 1)
     plan = plan_load(model, path, max_host_bytes=budget)
     assert plan.held_bytes == MiB
+    with pytest.raises(
+        ValueError,
+        match=r"'t0' \(into 't0'\): loading it needs 1,048,576 bytes .*1,048,576 bytes in flight, not its leaf's",
+    ):
+        load_safetensors(model, path, max_host_bytes=MiB - 1)
     assert plan_load(model, path).held_bytes == 6 * MiB  # (as many readers as it may use)
 
 

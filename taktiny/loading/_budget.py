@@ -39,12 +39,11 @@ from ..convert import Step, Transform, chain, identity, runner
 from ..io import BOX_PIECE, Tensor
 from ._checks import spec_of
 from ._place import Scratch, sharding_of
+from ._readers import Readers
 from ._record import Load
 
 if TYPE_CHECKING:
     from ._load import Ways
-
-MOST_READERS = 16  # the most steps a load reads at once (`Readers`' most)
 
 
 class Budget:
@@ -109,13 +108,15 @@ class Budget:
         """Counts `unit` as placed: what it held is free."""
         self.flying.remove(unit)
 
-    def planned_peak(self, width: int = MOST_READERS) -> int:
+    def planned_peak(self, width: int | None = None) -> int:
         """The most the load counts at once, worked out from the headers by the load's own
         order of starts (:func:`~taktiny.io.load_safetensors`: in file order, while the
-        readers, a free scratch buffer and the budget allow) with `width` readers. The
-        load starts with two and doubles them while that pays, up to `width`: a narrower
-        load starts no unit earlier, so this bounds its peak, and never exceeds the
-        budget. (A budget that is refused: the peak without it.)"""
+        readers, a free scratch buffer and the budget allow) with `width` readers (None:
+        the most a load uses, `Readers`' ``most``). The load starts with two and doubles
+        them while that pays, up to that most: a narrower load starts no unit earlier, so
+        this bounds its peak, and never exceeds the budget. (A budget that is refused:
+        the peak without it.)"""
+        width = Readers().most if width is None else width
         sim = Budget.__new__(Budget)
         sim.__dict__.update(self.__dict__)
         sim.flying, sim.peak = [], self.scratch
@@ -177,8 +178,10 @@ def _refusal(load: Load, steps: list[Step], budget: Budget, limit: int) -> Value
             f"beside the scratch buffer of {budget.scratch:,} bytes the load keeps for "
             f"{', '.join(map(repr, steps[biggest].sources))}"
         )
-    if held[u]:
-        parts.append(f"{held[u]:,} bytes in flight while it is read, transformed and placed")
+    if held[u] and budget.making[u]:
+        parts.append(f"{held[u]:,} bytes of arrays its transform makes that are not leaves")
+    elif held[u]:
+        parts.append(f"{held[u]:,} bytes in flight, not its leaf's, while it is read and placed")
     return ValueError(
         f"{load.where}: max_host_bytes={limit:,} ({_mib(limit)}) is too small for {named} "
         f"(into {into}): loading it needs {needed:,} bytes ({_mib(needed)}) of host memory "
