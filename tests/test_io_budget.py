@@ -217,7 +217,7 @@ def test_reads_in_flight_stay_within_the_budget(tmp_path, monkeypatch):
             reading["now"] += self.nbytes
             reading["peak"] = max(reading["peak"], reading["now"])
         try:
-            time.sleep(0.05)
+            time.sleep(0.2)
             return read(self, *args, **kwargs)
         finally:
             with lock:

@@ -10,7 +10,8 @@ a tensor the rules only transpose is read into its leaf's buffer piece by piece.
 else a rule transforms is read whole into a reused buffer, transformed by XLA and placed
 with ``jax.device_put``. A float tensor loaded into a quantized parameter (a `QArray`) is
 quantized as it is placed, so a quantizing load holds one float tensor at a time besides
-the quantized model.
+the quantized model. Under a budget (``max_host_bytes``, `_budget`), a step starts only
+while what the load holds beyond the model's arrays stays within it.
 """
 
 from __future__ import annotations
@@ -232,8 +233,9 @@ class Ways:
     ``permuted``: the leaf, or None), so any number run together; a transforming step
     reads into a scratch buffer (``buffer_of``: step -> buffer), which is free again once
     the step before that used it has been transformed: two buffers, or one for a
-    quantizing load, which so keeps one float tensor at a time (``buffers``), each mapped
-    once as large as the most that its steps read (``sizes``, in bytes).
+    quantizing load, which so keeps one float tensor at a time, or for a load within a
+    budget too small for two (``buffers``), each mapped once as large as the most that
+    its steps read (``sizes``, in bytes).
 
     A reader takes a unit of steps at a time (``units``, in order): one step, or a run of
     renamed tensors of at most `SMALL` bytes each, each placed whole (on one device, or
