@@ -305,3 +305,75 @@ def test_the_plan_command_plans_within_a_budget(saved, tmp_path, monkeypatch, ca
     assert "Raise max_host_bytes to at least 16,777,216" in capsys.readouterr().out
     assert main([*command, "--max-host-bytes", "5 parsecs"]) == 2
     assert "--max-host-bytes '5 parsecs' is not a size" in capsys.readouterr().err
+
+
+def _mesh_leaf(shape, dtype, spec):
+    return jax.ShapeDtypeStruct(
+        shape, dtype, sharding=NamedSharding(jax.make_mesh((8,), ("x",)), spec)
+    )
+
+
+MIXED = {  # name -> (shape, dtype) in the file
+    "inner": ((256, 1024), np.float32),
+    "outer": ((512, 256), np.float32),
+    "turned": ((64, 1024), np.float32),
+    "everywhere": ((128, 128), np.float32),
+    "halved": ((96, 512), np.float32),
+    "b0": ((64,), np.float32),
+    "b1": ((64,), np.float32),
+}
+CASES = {  # each load's target and rules
+    "blocks, whole and together": (
+        lambda: {
+            "inner": _mesh_leaf((256, 1024), jnp.float32, P(None, "x")),
+            "outer": _mesh_leaf((512, 256), jnp.float32, P("x")),
+            "turned": jax.ShapeDtypeStruct((64, 1024), jnp.float32),
+            "everywhere": _mesh_leaf((128, 128), jnp.float32, P()),
+            "halved": jax.ShapeDtypeStruct((96, 512), jnp.bfloat16),
+            "b0": jax.ShapeDtypeStruct((64,), jnp.float32),
+            "b1": jax.ShapeDtypeStruct((64,), jnp.float32),
+        },
+        None,
+    ),
+    "transposed onto eight devices, and a transform": (
+        lambda: {
+            "inner": _mesh_leaf((1024, 256), jnp.float32, P("x")),
+            "outer": jax.ShapeDtypeStruct((256, 512), jnp.float32),
+            "turned": _mesh_leaf((1024, 64), jnp.float32, P(None, "x")),
+            "everywhere": jax.ShapeDtypeStruct((128, 128), jnp.float32),
+            "halved": jax.ShapeDtypeStruct((512, 96), jnp.bfloat16),
+            "b0": jax.ShapeDtypeStruct((64,), jnp.float32),
+            "b1": jax.ShapeDtypeStruct((64,), jnp.float32),
+        },
+        [
+            cv.Rule("halved", "halved", cv.chain(cv.transpose(), cv.cast(jnp.bfloat16))),
+            cv.Rule("b{k}", "b{k}"),
+            cv.Rule("{n}", "{n}", cv.transpose()),
+        ],
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_budget_a_refusal_names_is_enough_and_one_byte_less_is_not(tmp_path, case):
+    rng = np.random.default_rng(2)
+    values = {n: rng.standard_normal(s).astype(d) for n, (s, d) in MIXED.items()}
+    path = tmp_path / "mixed.safetensors"
+    save_safetensors(path, values)
+    make, rules = CASES[case]
+    refused = plan_load(make(), path, rules=rules, max_host_bytes=1)
+    assert not refused.ok
+    (problem,) = refused.problems
+    least = int(problem.split("at least ")[1].split(" ")[0].replace(",", ""))
+    assert least > 0
+    plan = plan_load(make(), path, rules=rules, max_host_bytes=least)
+    assert plan.ok and plan.held_bytes <= least
+    free = load_safetensors(make(), path, rules=rules)
+    loaded = load_safetensors(make(), path, rules=rules, max_host_bytes=least)
+    for name in MIXED:
+        assert (
+            loaded[name].dtype == free[name].dtype and loaded[name].sharding == free[name].sharding
+        )
+        assert np.asarray(loaded[name]).tobytes() == np.asarray(free[name]).tobytes(), name
+    with pytest.raises(ValueError, match=f"at least {least:,} "):
+        load_safetensors(make(), path, rules=rules, max_host_bytes=least - 1)

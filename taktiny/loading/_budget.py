@@ -196,7 +196,11 @@ def _names(names: list[str]) -> str:
 
 
 def _mib(n: int) -> str:
-    return f"{n / 2**20:.1f} MiB"
+    """`n` bytes in the unit that reads best: ``16.0 MiB``, ``192.0 KiB``, ``1 byte``."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n} byte" + ("" if n == 1 else "s")
 
 
 def _held(load: Load, steps: list[Step], ways: Ways, unit: tuple[int, ...]) -> int:
