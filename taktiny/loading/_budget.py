@@ -71,7 +71,8 @@ class Budget:
 
     def __init__(self, limit: int | None, load: Load, steps: list[Step], ways: Ways) -> None:
         self.limit, self.ways = limit, ways
-        self.held = [_held(load, steps, ways, unit) for unit in ways.units]
+        shapes: dict[Any, Any] = {}  # (a transform, its inputs) -> its outputs' shapes
+        self.held = [_held(load, steps, ways, unit, shapes) for unit in ways.units]
         self.making = [unit[0] in ways.buffer_of for unit in ways.units]  # (transformed)
         most = max(self.held, default=0)
         if limit is not None and ways.buffers > 1 and sum(ways.sizes) + most > limit:
@@ -203,9 +204,12 @@ def _mib(n: int) -> str:
     return f"{n} byte" + ("" if n == 1 else "s")
 
 
-def _held(load: Load, steps: list[Step], ways: Ways, unit: tuple[int, ...]) -> int:
+def _held(
+    load: Load, steps: list[Step], ways: Ways, unit: tuple[int, ...], shapes: dict[Any, Any]
+) -> int:
     """The host bytes `unit` holds from the start of its read until it is placed, beyond
-    the model's arrays and the scratch buffers (see the module's docstring)."""
+    the model's arrays and the scratch buffers (see the module's docstring); `shapes`
+    keeps the shapes transforms make, worked out once for each transform and inputs."""
     k = unit[0]
     if len(unit) > 1:  # small tensors read together: staging, then their buffer
         tensors = [ways.sources[j][0] for j in unit]
@@ -225,7 +229,7 @@ def _held(load: Load, steps: list[Step], ways: Ways, unit: tuple[int, ...]) -> i
         if tensor.packed:  # unpacked whole, then transposed into a copy
             return 2 * math.prod(tensor.shape) + whole
         return (0 if tensor.ndim < 2 else _piece(tensor)) + whole
-    return _transformed(load, steps[k], ways.sources[k])
+    return _transformed(load, steps[k], ways.sources[k], shapes)
 
 
 def _adopting(leaf: Any) -> bool:
@@ -242,7 +246,7 @@ def _piece(tensor: Tensor) -> int:
     return min(tensor.nbytes, max(BOX_PIECE, row))
 
 
-def _transformed(load: Load, step: Step, sources: list[Tensor]) -> int:
+def _transformed(load: Load, step: Step, sources: list[Tensor], shapes: dict[Any, Any]) -> int:
     """The host bytes a transforming step's transform makes besides its leaves (see the
     module's docstring), worked out from the shapes: for an unknown transform, what it
     makes (its own working memory is not counted)."""
@@ -259,7 +263,10 @@ def _transformed(load: Load, step: Step, sources: list[Tensor]) -> int:
     made = tuple(specs)
     stages = _stages(step.rule.transform)
     for k, stage in enumerate(stages):
-        made = jax.eval_shape(runner(stage, count), *made)
+        key = (stage, count, tuple((m.shape, np.dtype(m.dtype)) for m in made))
+        if key not in shapes:
+            shapes[key] = jax.eval_shape(runner(stage, count), *made)
+        made = shapes[key]
         if k < len(stages) - 1:  # a chain's intermediate results
             held += sum(_nbytes(m) for m in made)
     kept = not stages  # the results are the sources, in scratch
