@@ -333,13 +333,19 @@ def abstract_model(source: str) -> Any:
         raise Unreadable(f"{source}: calling {name}() failed: {_failure(error)}") from None
 
 
-def plan(path: str, model: str, rules: str | None) -> tuple[str, bool]:
+def plan(
+    path: str, model: str, rules: str | None, max_host_bytes: str | None = None
+) -> tuple[str, bool]:
     """The report `taktiny plan` prints (:func:`taktiny.io.plan_load` of the model
-    ``module:factory`` makes, with the rules ``module:RULES`` names), and whether the load
-    would succeed. The model is made abstractly (:func:`abstract_model`, its shardings
-    kept) but planned as the concrete one the factory makes: the parameters a migration
-    adds keep that model's values."""
+    ``module:factory`` makes, with the rules ``module:RULES`` names, under the budget
+    `max_host_bytes` when given: ``"2GiB"``), and whether the load would succeed. The
+    model is made abstractly (:func:`abstract_model`, its shardings kept) but planned as
+    the concrete one the factory makes: the parameters a migration adds keep that model's
+    values."""
+    from .io import byte_size
     from .loading import planned
+
+    limit = byte_size(max_host_bytes, "taktiny plan --max-host-bytes")
 
     found = None
     if rules is not None:
@@ -352,7 +358,8 @@ def plan(path: str, model: str, rules: str | None) -> tuple[str, bool]:
                 f"list or tuple of taktiny.convert rules."
             )
     _present(locate(path))
-    result = planned(abstract_model(model), path, (found, None, True, True), has_values=True)
+    options = (found, None, True, True)
+    result = planned(abstract_model(model), path, options, has_values=True, max_host_bytes=limit)
     return str(result), result.ok
 
 
@@ -546,6 +553,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     planned.add_argument("path", help="a .safetensors file, an index .json, or a folder")
     planned.add_argument("--model", required=True, help="module:factory making the model")
     planned.add_argument("--rules", help="module:NAME of a list of conversion rules")
+    planned.add_argument(
+        "--max-host-bytes",
+        help="plan the load within this budget of host memory beyond the model's arrays "
+        "(bytes, or 512MiB, 2GB: load_safetensors' max_host_bytes)",
+    )
     args = parser.parse_args(argv)
     try:
         if args.command == "inspect":
@@ -554,7 +566,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "verify":
             report, same = verify(args.path)
         elif args.command == "plan":
-            report, same = plan(args.path, args.model, args.rules)
+            report, same = plan(args.path, args.model, args.rules, args.max_host_bytes)
         else:
             report, same = diff(args.a, args.b, atol=args.atol, rtol=args.rtol, pattern=args.filter)
     except (SafetensorsError, OrbaxError, Unreadable, OSError, ValueError) as error:

@@ -156,7 +156,7 @@ def save_safetensors(
         Schema({n: leaf_entry(v) for n, v in flat.items()}) if flat is tree else schema(tree)
     )
     header[KEY] = described.to_json()
-    shards = _split(tensors, _size(max_shard_size))
+    shards = _split(tensors, byte_size(max_shard_size, "save_safetensors: max_shard_size"))
     files: list[tuple[dict[str, np.ndarray], dict[str, str]]] = []
     for shard in shards:
         own = dict(header)
@@ -491,23 +491,40 @@ def _host(name: str, value: Any) -> np.ndarray:
     return array
 
 
-def _size(max_shard_size: int | str | None) -> int | None:
-    """`max_shard_size` in bytes."""
-    if max_shard_size is None or isinstance(max_shard_size, int):
-        size = max_shard_size
+def byte_size(value: int | str | None, where: str) -> int | None:
+    """`value` in bytes: an int, or a string such as ``"500MB"`` or ``"2GiB"`` (units of
+    1000 and of 1024); None stays None. For `save_safetensors`' ``max_shard_size`` and the
+    load's ``max_host_bytes``.
+
+    Args:
+        value: the size given.
+        where: the function and keyword, for messages (``"save_safetensors:
+            max_shard_size"``).
+
+    Returns:
+        The bytes, or None.
+
+    Raises:
+        TypeError: neither an int, a string nor None.
+        ValueError: a string that is not a size, or a size that is not positive.
+    """
+    if isinstance(value, bool) or not isinstance(value, int | str | None):
+        raise TypeError(
+            f"{where} takes a number of bytes (an int) or a string such as '500MB' or "
+            f"'2GiB', got {value!r} ({type(value).__name__})"
+        )
+    if value is None or isinstance(value, int):
+        size = value
     else:
-        match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", max_shard_size)
+        match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", value)
         unit = match and _UNITS.get(match.group(2).upper())
         if not match or unit is None:
             raise ValueError(
-                f"save_safetensors: max_shard_size {max_shard_size!r} is not a size such as "
-                f"'500MB', '2GiB' or a number of bytes"
+                f"{where} {value!r} is not a size such as '500MB', '2GiB' or a number of bytes"
             )
         size = int(float(match.group(1)) * unit)
     if size is not None and size <= 0:
-        raise ValueError(
-            f"save_safetensors: max_shard_size must be positive, got {max_shard_size!r}"
-        )
+        raise ValueError(f"{where} must be positive, got {value!r}")
     return size
 
 

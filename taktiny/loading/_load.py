@@ -10,7 +10,8 @@ a tensor the rules only transpose is read into its leaf's buffer piece by piece.
 else a rule transforms is read whole into a reused buffer, transformed by XLA and placed
 with ``jax.device_put``. A float tensor loaded into a quantized parameter (a `QArray`) is
 quantized as it is placed, so a quantizing load holds one float tensor at a time besides
-the quantized model.
+the quantized model. Under a budget (``max_host_bytes``, `_budget`), a step starts only
+while what the load holds beyond the model's arrays stays within it.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from ..convert import AnyRule, Step
-from ..io import RETRIES, Checkpoint, Replaced, Tensor, read_together
+from ..io import RETRIES, Checkpoint, Replaced, Tensor, byte_size, read_together
+from ._budget import Budget
 from ._place import (
     Scratch,
     direct_leaf,
@@ -49,6 +51,7 @@ def load_safetensors(
     strict: bool = True,
     progress: bool | None = None,
     verify: bool = True,
+    max_host_bytes: int | str | None = None,
 ) -> Any:
     """Returns `model` with its parameters read from a safetensors checkpoint, streamed
     tensor by tensor straight onto each leaf's devices.
@@ -101,6 +104,22 @@ def load_safetensors(
             header when it saved the file (files without checksums, such as Hugging
             Face's, load unchecked). Each piece of a tensor is hashed by the reader that
             read it, as soon as it is read.
+        max_host_bytes: the most host memory the load may hold beyond the model's own
+            arrays, in bytes (an int, or a string such as ``"512MiB"`` or ``"2GB"``, as
+            :func:`~taktiny.io.save_safetensors`' ``max_shard_size``). What counts: the
+            scratch buffers, as mapped (one instead of two when two do not fit), and what
+            each step holds while it is in flight: a buffer it reads into that is not its
+            leaf's own (staging on its way to other devices, the rows read a few MiB at a
+            time to be cut or transposed, small tensors read together), and the arrays a
+            transform makes that are not the leaves (a chain's intermediates, results
+            cast, quantized or moved afterwards). A step starts only while the scratch,
+            the steps in flight and its own bytes stay within the budget, and the
+            read-ahead asked of the OS stays within what is left (the page cache it fills
+            is the kernel's, not counted). Not counted: the model's arrays, which are the
+            result, and XLA's working memory inside one operation. A budget too small for
+            one step is refused before a byte is read. :func:`~taktiny.io.plan_load`
+            says what a load needs (``held_bytes``). None (the default): no budget, as
+            many steps in flight as the readers read at once.
 
     Returns:
         A new model of the same structure (for a flat dict, a flat dict of its keys),
@@ -115,13 +134,24 @@ def load_safetensors(
             for an older checkpoint, every problem of the migrations, naming the one to fix.
         SafetensorsError: for a corrupt checkpoint, naming the file and tensor; for
             damaged bytes, also both checksums. Nothing is returned then.
+        ValueError: `allow` without `rules`; a checkpoint saved at a newer state version
+            than the model's (or a module's inside it); `rules` for a checkpoint of an older
+            version; a model sharded on an abstract mesh (``jax.eval_shape`` of a function
+            that shards: use :func:`taktiny.eval_shape`), naming the file and the model.
+            With `max_host_bytes`: one step that cannot fit in it beside the scratch
+            buffer the load keeps, raised before any tensor is read, naming its tensor
+            and leaf, the bytes it needs and the budget to raise to; or a budget that is
+            not a positive size.
+        TypeError: a flat dict target that names both ``"a"`` and ``"a.b"``, which no
+            tree can hold.
         PermissionError: for a URL, a request the store refused, naming the URL and the
             credentials to check.
         ConnectionError: for a URL, a store that kept failing after the retries.
     """
+    limit = byte_size(max_host_bytes, "taktiny.io.load_safetensors: max_host_bytes")
     for attempt in itertools.count(1):
         try:
-            return _load(model, path, rules, allow, strict, progress, verify)
+            return _load(model, path, rules, allow, strict, progress, verify, limit)
         except Replaced:  # a save replaced an object of the checkpoint while it was read
             if isinstance(path, Checkpoint) or attempt == RETRIES:
                 raise
@@ -135,14 +165,18 @@ def _load(
     strict: bool,
     progress: bool | None,
     verify: bool,
+    limit: int | None,
 ) -> Any:
-    """`load_safetensors`, once."""
+    """`load_safetensors`, once (`limit`: its budget in bytes)."""
     load = open_load(model, path, rules=rules, allow=allow, strict=strict, verify=verify)
     load = migrated(load)
     steps = steps_of(load)
     if (error := unkept(load)) is not None:
         raise error
     ways = Ways(load, steps)
+    budget = None if limit is None else Budget(limit, load, steps, ways)  # (may use one buffer)
+    if budget is not None and budget.error is not None:
+        raise budget.error
     direct, permuted, buffer_of, sources = ways.direct, ways.permuted, ways.buffer_of, ways.sources
     units = ways.units
     order = [t for tensors in sources for t in tensors]
@@ -167,20 +201,24 @@ def _load(
             return {step.targets[0]: placed_transposed(step, tensors[0], permuted[k], verify)}
         return scratch[buffer_of[k]].read(tensors, verify)
 
-    def start_more() -> None:  # in order, as many as the readers and the buffers allow
+    def start_more() -> None:  # in order, as many as the readers, buffers and budget allow
         nonlocal submitted
         while submitted < len(units) and len(running) < readers.width:
             buffer = buffer_of.get(units[submitted][0])
-            if buffer is not None:
-                if holder[buffer] is not None:
+            if buffer is not None and holder[buffer] is not None:
+                return
+            if budget is not None:
+                if not budget.fits(submitted):
                     return
+                budget.take(submitted)
+            if buffer is not None:
                 holder[buffer] = submitted
             running[submitted] = pool.submit(read, submitted)
             submitted += 1
 
     with (
         _bar(progress, sum(sizes), load.checkpoint) as bar,
-        Readahead(order) as ahead,
+        Readahead(order, _ahead(budget, 256 * 2**20)) as ahead,
         ThreadPoolExecutor(readers.most, thread_name_prefix="taktiny-read") as pool,
     ):
         try:
@@ -188,7 +226,7 @@ def _load(
             for u, unit in enumerate(units):
                 data = running.pop(u).result()
                 readers.finished(sizes[u])
-                ahead.window = readers.ahead
+                ahead.window = _ahead(budget, readers.ahead)
                 start_more()
                 k = unit[0]
                 if len(unit) > 1:  # small renamed tensors read together: one transfer
@@ -198,9 +236,12 @@ def _load(
                     buffer = scratch[buffer_of[k]]
                     placed.update(transformed(load, steps[k], data, buffer))
                     holder[buffer_of[k]] = None
-                    start_more()
                 else:
                     placed.update(data)
+                if budget is not None:
+                    budget.release(u)  # (placed: what it held is free)
+                if budget is not None or k in buffer_of:
+                    start_more()
                 bar.update(sizes[u])
         except BaseException:  # the reads not started are dropped, those in flight stopped
             for future in running.values():
@@ -220,8 +261,9 @@ class Ways:
     ``permuted``: the leaf, or None), so any number run together; a transforming step
     reads into a scratch buffer (``buffer_of``: step -> buffer), which is free again once
     the step before that used it has been transformed: two buffers, or one for a
-    quantizing load, which so keeps one float tensor at a time (``buffers``), each mapped
-    once as large as the most that its steps read (``sizes``, in bytes).
+    quantizing load, which so keeps one float tensor at a time, or for a load within a
+    budget too small for two (``buffers``), each mapped once as large as the most that
+    its steps read (``sizes``, in bytes).
 
     A reader takes a unit of steps at a time (``units``, in order): one step, or a run of
     renamed tensors of at most `SMALL` bytes each, each placed whole (on one device, or
@@ -237,15 +279,20 @@ class Ways:
         self.direct = [direct_leaf(s, tensors, leaves) for s, tensors in pairs]
         self.permuted = [transposed_leaf(s, tensors, leaves) for s, tensors in pairs]
         shrinks = any(t in load.quantized for s in steps for t in s.targets)
-        self.buffers = 1 if shrinks else 2
+        self.units = _units(self.direct, self.sources)
+        self.use_buffers(1 if shrinks else 2)
+
+    def use_buffers(self, buffers: int) -> None:
+        """Sends the transforming steps through `buffers` scratch buffers, taking turns in
+        file order (a load under a memory budget too small for two uses one)."""
+        self.buffers = buffers
         uses = itertools.count()
         self.buffer_of = {
-            k: next(uses) % self.buffers
-            for k in range(len(steps))
+            k: next(uses) % buffers
+            for k in range(len(self.sources))
             if self.direct[k] is None and self.permuted[k] is None
         }
-        self.units = _units(self.direct, self.sources)
-        self.sizes = [0] * self.buffers
+        self.sizes = [0] * buffers
         for k, buffer in self.buffer_of.items():
             held = Scratch.bytes_for(self.sources[k])
             self.sizes[buffer] = max(self.sizes[buffer], held)
@@ -282,6 +329,14 @@ def _whole(leaf: Any) -> bool:
     """Whether a leaf is placed whole: on one device, or the same on each of its devices."""
     sharding = sharding_of(leaf)
     return sharding.is_fully_replicated or len(sharding.device_set) == 1
+
+
+def _ahead(budget: Budget | None, window: int) -> int:
+    """The read-ahead window: `window`, within what the budget leaves. (The page cache it
+    fills is the kernel's, not the process's; capped all the same, for a storage whose
+    read-ahead would fetch into the process.)"""
+    room = None if budget is None else budget.room()
+    return window if room is None else min(window, room)
 
 
 class _Silent:

@@ -24,8 +24,9 @@ import numpy as np
 
 from .._messages import table
 from ..convert import AnyRule, ConversionProblem, Step, identity, runner, stages_text
-from ..io import BOX_PIECE, Checkpoint, Tensor
+from ..io import BOX_PIECE, Checkpoint, Tensor, byte_size
 from ..state import problems as err
+from ._budget import Budget
 from ._checks import spec_of
 from ._load import Ways
 from ._place import sharding_of
@@ -92,6 +93,15 @@ class LoadPlan:
         migrations: the migrations the load applies to an older checkpoint, in words
             (``"Block's migrations from state version 1 to 2 at 'blocks.0', 'blocks.1'"``);
             None when it applies none.
+        held_bytes: the most host memory the load holds at once of what
+            ``max_host_bytes`` counts (its scratch buffers and the bytes of the steps in
+            flight; see :func:`load_safetensors`), by the load's own order of starts with
+            as many readers as it ever uses (16): an upper bound of what it holds, never
+            above the budget when one is given. The budget to give a load for it to run
+            as it would without one.
+        max_host_bytes: the budget planned for, in bytes; None: none. A budget one step
+            cannot fit in is the plan's ``error`` (a ``ValueError`` naming the step, the
+            bytes it needs and the budget to raise to).
     """
 
     steps: tuple[PlannedStep, ...]
@@ -103,6 +113,8 @@ class LoadPlan:
     error: Exception | None
     kept: tuple[str, ...] = ()
     migrations: str | None = None
+    held_bytes: int = 0
+    max_host_bytes: int | None = None
 
     @property
     def problems(self) -> tuple[err.StateProblem | ConversionProblem | str, ...]:
@@ -135,6 +147,11 @@ class LoadPlan:
             f"peak host memory: {self.peak_host_bytes:,} bytes "
             f"({self.scratch_bytes:,} beyond the model's arrays)"
         )
+        within = "" if self.max_host_bytes is None else f", max_host_bytes {self.max_host_bytes:,}"
+        lines.append(
+            f"held at once beyond the model's arrays (scratch and steps in flight): "
+            f"{self.held_bytes:,} bytes{within}"
+        )
         lines += [f"tied, checked when loading: {a} = {b}" for a, b in self.ties]
         if self.migrations is not None:
             lines.append(f"migrated: {self.migrations}")
@@ -163,6 +180,7 @@ def plan_load(
     allow: Mapping[str, Sequence[str]] | None = None,
     strict: bool = True,
     verify: bool = True,
+    max_host_bytes: int | str | None = None,
 ) -> LoadPlan:
     """Plans ``load_safetensors(model, path, ...)`` from the checkpoint's headers, reading
     none of its tensors: before a 100 GB load starts, what each device will hold, what each
@@ -186,29 +204,43 @@ def plan_load(
         strict: whether every leaf must be loaded.
         verify: whether the load checks checksums (a block read may then read the whole
             tensor first, which `read_bytes` counts).
+        max_host_bytes: the load's budget of host memory beyond the model's arrays, as
+            :func:`load_safetensors` takes it: the plan follows the load's choices under
+            it (one scratch buffer instead of two when two do not fit), says the most the
+            load holds of it (``held_bytes``), and, when one step cannot fit in it, has
+            the load's refusal as its ``error``.
 
     Returns:
         A :class:`LoadPlan`; its ``error`` holds what the load would raise.
 
     Raises:
         SafetensorsError: the checkpoint's headers cannot be read (opening it fails).
-        ValueError: `allow` without `rules`; a model sharded on an abstract mesh
+        ValueError: `allow` without `rules`; a `max_host_bytes` that is not a positive
+            size; a model sharded on an abstract mesh
             (``jax.eval_shape`` of a function that shards: plan
             :func:`taktiny.eval_shape`'s), naming the file and the model. What the load
             would raise besides (a checkpoint of a newer state version, `rules` for one of
             an older version, whose plan is the load its classes' migrations make) is the
             plan's ``error``.
     """
-    return planned(model, path, (rules, allow, strict, verify), has_values=False)
+    limit = byte_size(max_host_bytes, "taktiny.io.plan_load: max_host_bytes")
+    options = (rules, allow, strict, verify)
+    return planned(model, path, options, has_values=False, max_host_bytes=limit)
 
 
 def planned(
-    model: Any, path: Any, options: tuple[Any, Any, bool, bool], *, has_values: bool
+    model: Any,
+    path: Any,
+    options: tuple[Any, Any, bool, bool],
+    *,
+    has_values: bool,
+    max_host_bytes: int | None = None,
 ) -> LoadPlan:
     """:func:`plan_load` with its `options` (rules, allow, strict, verify); with
     `has_values`, of the load into the concrete model that `model` describes (``taktiny
     plan`` makes it abstractly, with :func:`taktiny.eval_shape` of its factory): the
-    leaves a migration adds keep the values that model has."""
+    leaves a migration adds keep the values that model has; under the budget
+    `max_host_bytes` (bytes), or none."""
     rules, allow, strict, verify = options
     load = open_load(model, path, rules=rules, allow=allow, strict=strict, verify=verify)
     leaves, quantized = load.leaves, load.quantized
@@ -223,6 +255,9 @@ def planned(
         error, steps = raised, found
     migration = load.migration
     ways = Ways(load, steps)
+    budget = Budget(max_host_bytes, load, steps, ways)  # (may use one buffer instead of two)
+    if error is None:
+        error = budget.error
     steps_planned, made, held = [], [], []
     reads: dict[int, int] = {}
     for k, step in enumerate(steps):
@@ -254,6 +289,8 @@ def planned(
         error,
         kept,
         None if migration is None else stages_text(migration.stages),
+        budget.planned_peak(),
+        max_host_bytes,
     )
 
 
