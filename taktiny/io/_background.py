@@ -102,7 +102,7 @@ class BackgroundSave(Generic[T]):
         self._warnings: list[str] = []
         self._reported = False  # whether its outcome (error, warnings) reached anyone
 
-    def result(self, timeout: float | None = None) -> list[T]:
+    def result(self, timeout: float | int | None = None) -> list[T]:
         """Waits for the save to end, and gives what it wrote.
 
         Args:
