@@ -182,16 +182,44 @@ def test_an_unreported_failure_is_raised_by_the_next_save_to_the_path(
     assert later.value is info.value
 
 
-def test_a_save_to_a_path_waits_for_the_one_in_flight_to_it(tmp_path, gate):
+@pytest.fixture
+def held_checksums(monkeypatch):
+    """Holds background saves in their checksums, before they write or lock anything,
+    until the test opens the gate (the folder's lock alone would make saves to one folder
+    take turns); saves that wait are not held."""
+    from taktiny.io import _checksum
+
+    opened = threading.Event()
+    real = _checksum.digest
+
+    def held(data):
+        if threading.current_thread().name.startswith("taktiny save"):
+            assert opened.wait(30), "the test never opened the gate"
+        return real(data)
+
+    monkeypatch.setattr(_checksum, "digest", held)
+    yield opened
+    opened.set()
+
+
+@pytest.mark.parametrize("wait", [True, False], ids=["a save that waits", "in background"])
+def test_a_save_to_a_path_waits_for_the_one_in_flight_to_it(tmp_path, held_checksums, wait):
+    gate = held_checksums
     path = tmp_path / "model.safetensors"
     first = save_safetensors(path, version(2), wait=False)
-    returned = []
-    second = threading.Thread(target=lambda: returned.append(save_safetensors(path, version(3))))
-    second.start()
-    second.join(0.5)
-    assert second.is_alive() and not returned and not first.done()
+    called, returned = [], []
+
+    def second():
+        got = save_safetensors(path, version(3), wait=wait)
+        called.append(got)
+        returned.append(got.result(timeout=30) if isinstance(got, BackgroundSave) else got)
+
+    thread = threading.Thread(target=second)
+    thread.start()
+    thread.join(0.5)
+    assert thread.is_alive() and not called and not first.done()  # (the call itself waits)
     gate.set()
-    second.join(30)
+    thread.join(30)
     assert first.result(timeout=30) == [path] and returned == [[path]]
     assert loaded(path) == as_loaded(version(3))  # the later save, last
 
