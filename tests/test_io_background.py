@@ -146,6 +146,26 @@ def test_result_raises_the_saves_own_error(tmp_path, fill_disk):
     assert third.value is not info.value and not getattr(third.value, "__notes__", None)
 
 
+def test_a_failed_save_keeps_no_copy_of_the_arrays_while_its_error_waits(tmp_path, fill_disk):
+    import gc
+    import tracemalloc
+
+    fill_disk()
+    tensors = {f"w{i}": np.ones((512, 1024), np.float32) for i in range(8)}  # 16 MiB
+    tracemalloc.start()
+    try:
+        saving = save_safetensors(tmp_path / "m.safetensors", tensors, wait=False)
+        while not saving.done():
+            time.sleep(0.01)
+        gc.collect()
+        held, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert held < 2**20  # (the error's frames held the copies: 16 MiB)
+    with pytest.raises(OSError, match=r"No space left on device"):
+        saving.result()
+
+
 @pytest.mark.parametrize("wait", [True, False], ids=["then a save that waits", "in background"])
 def test_an_unreported_failure_is_raised_by_the_next_save_to_the_path(
     tmp_path, monkeypatch, fill_disk, wait

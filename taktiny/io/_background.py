@@ -156,6 +156,7 @@ class BackgroundSave(Generic[T]):
             self._warnings = list(self._commit.warnings)
         except BaseException as error:  # noqa: BLE001 - reported by result(), or later
             self._error = error
+            _forget_locals(error)  # (its frames would keep the host copies until reported)
         finally:
             del files
             self._finished.set()
@@ -273,6 +274,20 @@ def _turn(path: Path, save: BackgroundSave[Any] | None) -> None:
             if note not in getattr(error, "__notes__", ()):
                 error.add_note(note)
             raise error
+
+
+def _forget_locals(error: BaseException) -> None:
+    """Clears the local variables of the frames `error` and the errors it chains passed
+    through (the traceback still shows where they were raised)."""
+    seen: set[int] = set()
+    todo: list[BaseException | None] = [error]
+    while todo:
+        each = todo.pop()
+        if each is None or id(each) in seen:
+            continue
+        seen.add(id(each))
+        traceback.clear_frames(each.__traceback__)
+        todo += [each.__cause__, each.__context__]
 
 
 def _key(path: Path) -> Path:
