@@ -2,36 +2,41 @@
 against a plain copy of the same arrays to host memory (the issue's target: at most 1.2x),
 and what the whole save takes (the call, then ``result()``) against a save that waits.
 
-    python -m bench.background_save                   # 200 MiB of float32, 7 rounds
-    python -m bench.background_save --mib 50 --rounds 3 --scratch /tmp/bg
+    python bench/run.py --only background --out /tmp/report   # in the report
+    python -m bench.background_save                            # 200 MiB, printed
 
-The tree is a flat dict of JAX arrays on the CPU device (4 MiB each). The host copy is
-``np.array(x, copy=True)`` of each, what a background save must do before it returns
-(``np.asarray`` of a CPU array may be a view of its buffer). Each save goes over the
-checkpoint the previous one left (a training loop's saves), fsyncs included. Rounds are
-interleaved; each ratio is the median of per-round ratios. Not part of ``bench/run.py``'s
-report (yet): it prints its table.
+- The tree: a flat dict of float32 JAX arrays on the CPU device, 4 MiB each (200 MiB in
+  a full run).
+- The host copy: ``np.array(x, copy=True)`` of each array, what a background save must do
+  before it returns (``np.asarray`` of an array on the CPU device may be a view of its
+  buffer).
+- Each save goes over the checkpoint the previous one left (a training loop's saves),
+  fsyncs included. Interleaved rounds; each ratio is the median of per-round ratios.
 """
 
 from __future__ import annotations
 
-import argparse
 import os
-import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
-HERE = Path(__file__).resolve().parent
 if __package__ in (None, ""):  # run as a script: make the project root importable
-    sys.path.insert(0, str(HERE.parent))
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
+import jax
+import numpy as np
 
-TARGET = 1.2  # the issue's bound: blocking time / host copy time
+from bench import _disk
+from bench._results import Config, Group, Table, Target
+from bench._timing import Case, compare, paired_ratio
+
+COPY = "np.array(x, copy=True) of each"
+CALL = "save_safetensors(..., wait=False) returns"
+TOTAL = "save_safetensors(..., wait=False).result()"
+WAITS = "save_safetensors(...) (waits)"
+TARGET = 1.2  # the issue's bound: the call's time / the host copy's
 
 
 def tree(mib: int) -> dict[str, jax.Array]:
@@ -39,62 +44,89 @@ def tree(mib: int) -> dict[str, jax.Array]:
     key = jax.random.key(0)
     return {
         f"layers.{i}.kernel": jax.random.normal(jax.random.fold_in(key, i), (1024, 1024))
-        for i in range(mib // 4)
+        for i in range(max(mib // 4, 1))
     }
 
 
-def run(mib: int, rounds: int, scratch: Path) -> dict[str, float]:
+def run(config: Config) -> Group:
     from taktiny.io import save_safetensors
 
-    arrays = tree(mib)
-    jax.block_until_ready(arrays)
-    path = scratch / "model.safetensors"
-    save_safetensors(path, arrays)  # (the first save: the rounds save over it)
-    samples: dict[str, list[float]] = {"copy": [], "call": [], "total": [], "blocking": []}
-    for _ in range(rounds + 1):  # (the first round warms up, and is dropped)
-        start = time.perf_counter()
-        copies = {k: np.array(v, copy=True) for k, v in arrays.items()}
-        samples["copy"].append(time.perf_counter() - start)
-        del copies
-        start = time.perf_counter()
-        saving = save_safetensors(path, arrays, wait=False)
-        samples["call"].append(time.perf_counter() - start)
-        saving.result()
-        samples["total"].append(time.perf_counter() - start)
-        start = time.perf_counter()
+    start = time.perf_counter()
+    mib = config.pick(200, 64, 4)
+    arrays = jax.block_until_ready(tree(mib))
+    nbytes = sum(a.nbytes for a in arrays.values())
+    root = Path(config.scratch)
+    root.mkdir(parents=True, exist_ok=True)
+    path = root / "background.safetensors"
+
+    def copies(kept: list[Any]) -> None:  # (kept until after the sample, as a save keeps them)
+        kept.extend(np.array(value, copy=True) for value in arrays.values())
+
+    def call(handles: list[Any]) -> None:
+        handles.append(save_safetensors(path, arrays, wait=False))
+
+    def total(_: Any) -> None:
+        save_safetensors(path, arrays, wait=False).result()
+
+    def waits(_: Any) -> None:
         save_safetensors(path, arrays)
-        samples["blocking"].append(time.perf_counter() - start)
-    kept = {name: times[1:] for name, times in samples.items()}
 
-    def ratio(a: str, b: str) -> float:
-        return statistics.median(x / y for x, y in zip(kept[a], kept[b], strict=True))
-
-    return {
-        **{f"{name} s": statistics.median(times) for name, times in kept.items()},
-        "call / copy": ratio("call", "copy"),
-        "total / blocking": ratio("total", "blocking"),
-    }
+    try:
+        save_safetensors(path, arrays)  # (the rounds save over it)
+        times = compare(
+            {
+                COPY: Case(copies, list, lambda kept: kept.clear()),
+                CALL: Case(call, list, lambda handles: handles[0].result()),
+                TOTAL: Case(total, lambda: None),
+                WAITS: Case(waits, lambda: None),
+            },
+            repeat=config.pick(9, 3, 1),
+        )
+    finally:
+        _disk.remove(path)
+    blocking = paired_ratio(times[CALL], times[COPY])
+    whole = paired_ratio(times[TOTAL], times[WAITS])
+    group = Group("background", f"Background saves of {nbytes / 2**20:,.0f} MiB of float32")
+    table = Table(
+        f"{len(arrays)} float32 arrays of 4 MiB on the CPU device",
+        ["Taktiny"],
+        reference="Taktiny",
+    )
+    for name, st in times.items():
+        table.add(name, "Taktiny", name, st.median, (st.low, st.high))
+    group.tables.append(table)
+    group.targets.append(
+        Target(
+            f"a background save blocks its caller at most {TARGET}x a host copy of the arrays",
+            blocking,
+            TARGET,
+            False,
+            "save_safetensors(..., wait=False)'s time / the host copies', median of per-round "
+            "ratios",
+        )
+    )
+    group.notes.append(
+        f"The whole background save (the call, then result()) / a save that waits: "
+        f"{whole:.2f}x: it copies the arrays first (a save that waits writes from views of "
+        f"them) and shares the cores with its caller. Load average at the end "
+        f"{', '.join(f'{x:.2f}' for x in os.getloadavg())} on {os.cpu_count()} cores."
+    )
+    group.seconds = time.perf_counter() - start
+    return group
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--mib", type=int, default=200)
-    parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--scratch", type=Path, default=None)
-    args = parser.parse_args()
-    with tempfile.TemporaryDirectory(dir=args.scratch) as folder:
-        results = run(args.mib, args.rounds, Path(folder))
-    print(f"{args.mib} MiB of float32 ({args.mib // 4} arrays of 4 MiB), {args.rounds} rounds, "
-          f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f}")  # fmt: skip
-    print(f"  host copy (np.array(x, copy=True) of each)   {results['copy s'] * 1e3:8.1f} ms")
-    print(f"  save_safetensors(..., wait=False) returns    {results['call s'] * 1e3:8.1f} ms")
-    print(f"    ... and its result() (the whole save)      {results['total s'] * 1e3:8.1f} ms")
-    print(f"  save_safetensors(...) (waits)                {results['blocking s'] * 1e3:8.1f} ms")
-    verdict = "meets" if results["call / copy"] <= TARGET else "misses"
-    print(f"  blocking / host copy: {results['call / copy']:.2f}x ({verdict} the {TARGET}x target)")
-    print(f"  background total / blocking save: {results['total / blocking']:.2f}x")
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as folder:
+        group = run(Config("full", Path(folder)))
+    print(group.title)
+    for op, row in group.tables[0].rows.items():
+        print(f"  {op:<46} {row['Taktiny'].value * 1e3:8.1f} ms")
+    for target in group.targets:
+        print(f"  {'met' if target.met else 'MISSED'}: {target.goal}: {target.value:.2f}x")
+    print(f"  {group.notes[0]}")
 
 
 if __name__ == "__main__":
-    jnp.zeros(())  # (the backend, before the timings)
     main()
