@@ -339,6 +339,28 @@ def test_warnings_after_the_commit_come_from_result(tmp_path, monkeypatch):
     ]
 
 
+def test_any_commit_with_save_and_warnings_runs_in_the_background(tmp_path):
+    # (a commit to an object store, say: the machinery takes files and a commit, not a folder)
+    class Commit:
+        def __init__(self):
+            self.warnings = ["save_safetensors: s3://bucket/m.safetensors is saved, but slowly."]
+            self.saved = []
+
+        def save(self, files):
+            self.saved = [(sorted(tensors), metadata) for tensors, metadata in files]
+            return ["s3://bucket/m.safetensors"]
+
+    commit = Commit()
+    files = [({"w": np.ones(2, np.float32)}, {"format": "taktiny"})]
+    path = tmp_path / "m.safetensors"
+    assert isinstance(commit, _background.Commit)
+    saving = _background.start(path, lambda: files, commit)
+    with pytest.warns(UserWarning, match=r"^save_safetensors: s3://bucket/m\.safetensors is"):
+        assert saving.result(timeout=30) == ["s3://bucket/m.safetensors"]
+    assert commit.saved == [(["w"], {"format": "taktiny"})]
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_result_waits_at_most_its_timeout(tmp_path, gate):
     saving = save_safetensors(tmp_path / "m.safetensors", {"w": np.ones(2)}, wait=False)
     start = time.perf_counter()
