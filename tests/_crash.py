@@ -5,7 +5,7 @@ leave nothing of the failed one behind.
 
 Used in process by tests/test_io_crash.py (faults raised at each step) and run as a program
 for the kills (``python tests/_crash.py steps``, ``background [SCENARIO...]`` for
-background saves, or ``random N SEED``): the program imports
+background saves, or ``random N SEED [background]``): the program imports
 Taktiny without starting JAX's backend, then forks one child per save, which is killed
 with SIGKILL (right after the step it was told, or when the parent's timer runs out), and
 prints a JSON summary of the outcomes.
@@ -218,9 +218,10 @@ def kill_after_each_step(
     return results
 
 
-def kill_at_random(folder: Path, kills: int, seed: int) -> dict[str, Any]:
+def kill_at_random(folder: Path, kills: int, seed: int, wait: bool = True) -> dict[str, Any]:
     """`kills` saves of a larger checkpoint (shards over shards, or a layout drawn at
-    random) killed at a random moment of their run, each then loaded and tidied."""
+    random) killed at a random moment of their run, each then loaded and tidied; with
+    `wait` False, background saves (the child waits for their result)."""
     draw = random.Random(seed)
     results: dict[str, Any] = {"kills": 0, "old": 0, "new": 0, "failures": []}
     layouts = [ONE, 600_000, 1_500_000]
@@ -228,7 +229,7 @@ def kill_at_random(folder: Path, kills: int, seed: int) -> dict[str, Any]:
         old_layout, limit = draw.choice(layouts), draw.choice(layouts)
 
         def run(limit: Any = limit) -> None:
-            save(folder, version(2, 64), limit)
+            save(folder, version(2, 64), limit, wait)
 
         prepare(folder, old_layout, seed=1, scale=64)
         start = time.perf_counter()
@@ -258,8 +259,8 @@ def main(argv: list[str]) -> None:
         results = kill_after_each_step(folder)
     elif argv[0] == "background":  # background saves of the scenarios named after the folder
         results = kill_after_each_step(folder, argv[2:] or None, wait=False)
-    else:
-        results = kill_at_random(folder, int(argv[2]), int(argv[3]))
+    else:  # random N SEED [background]
+        results = kill_at_random(folder, int(argv[2]), int(argv[3]), argv[4:5] != ["background"])
     print(json.dumps(results))
 
 
