@@ -484,6 +484,47 @@ def test_a_save_still_running_at_the_exit_is_waited_for(tmp_path):
     assert len(json.loads(Path(f"{path}.index.json").read_text())["weight_map"]) == 8
 
 
+@pytest.mark.program
+def test_a_child_forked_during_a_save_does_not_hold_its_folders_lock(tmp_path):
+    # the lock belongs to the open folder, which a forked child shares: were the child's
+    # copy kept open, the parent's next save would wait for the child to exit
+    script = """
+        import os, signal, sys, threading, time
+        import numpy as np
+        import safetensors.numpy
+        from taktiny.io import save_safetensors
+
+        path = sys.argv[1]
+        opened = threading.Event()
+        real = safetensors.numpy.save_file
+
+        def held(tensors, filename, metadata=None):
+            opened.wait(30)
+            real(tensors, filename, metadata=metadata)
+
+        safetensors.numpy.save_file = held
+        saving = save_safetensors(path, {"w": np.ones(4, np.float32)}, wait=False)
+        time.sleep(0.3)  # the save holds its folder's lock, waiting to write
+        pid = os.fork()
+        if pid == 0:  # a worker that lives on (a data loader's, say)
+            time.sleep(60)
+            os._exit(0)
+        opened.set()
+        saving.result()
+        after = threading.Thread(target=save_safetensors, args=(path, {"w": np.zeros(4)}))
+        after.start()
+        after.join(5)
+        print("blocked" if after.is_alive() else "saved")
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        after.join()
+    """
+    run = run_python(script, str(tmp_path / "model.safetensors"))
+    assert run.returncode == 0, run.stderr
+    assert run.stdout == "saved\n"
+    assert values(tmp_path / "model.safetensors")["w"].tolist() == [0.0] * 4
+
+
 def _kill_background_saves(folder, scenarios):
     run = subprocess.run(
         [sys.executable, str(HERE / "_crash.py"), "background", str(folder), *scenarios],

@@ -15,6 +15,7 @@ import json
 import os
 import re
 import shutil
+import threading
 import uuid
 import warnings
 from collections.abc import Iterator, Mapping
@@ -455,13 +456,45 @@ def _locked(folder: Path) -> Iterator[None]:
     except ImportError:  # pragma: no cover - not on Windows
         yield
         return
-    fd = os.open(folder, os.O_RDONLY)
+    with _opening:
+        fd = os.open(folder, os.O_RDONLY)
+        _held.add(fd)
     try:
         with contextlib.suppress(OSError):  # a filesystem without locks: saves as before
             fcntl.flock(fd, fcntl.LOCK_EX)
         yield
     finally:
-        os.close(fd)  # (closing releases the lock)
+        with _opening:
+            _held.discard(fd)
+            os.close(fd)  # (closing releases the lock)
+
+
+# The descriptors this process holds a folder's lock through. A lock belongs to the open
+# file, which a forked child shares through its copy of the descriptor: the lock would
+# stay held until the child too closed it (a data loader's worker forked while a save
+# runs in the background lives on), and the parent's next save in that folder would wait
+# for the child to exit. So the child closes its copies at once (closing one copy leaves
+# the parent's lock as it is); `_opening` keeps a fork from falling between a descriptor's
+# opening and its listing.
+_held: set[int] = set()
+_opening = threading.Lock()
+
+
+def _closed_in_child() -> None:
+    global _opening
+    for fd in _held:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    _held.clear()
+    _opening = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(
+        before=lambda: _opening.acquire(),
+        after_in_parent=lambda: _opening.release(),
+        after_in_child=_closed_in_child,
+    )
 
 
 def _fsync(path: Path) -> None:
