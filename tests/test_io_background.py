@@ -371,6 +371,55 @@ def test_result_waits_at_most_its_timeout(tmp_path, gate):
     assert saving.result(timeout=30) == [tmp_path / "m.safetensors"]
 
 
+def test_the_exit_handler_reports_what_nobody_was_given(tmp_path, monkeypatch, capsys):
+    # (in process, the handler's own steps; the tests below exit real interpreters)
+    import logging
+
+    from taktiny.io import _save
+
+    exits, shutdowns = [], []
+    monkeypatch.setattr(os, "_exit", exits.append)
+    monkeypatch.setattr(logging, "shutdown", lambda: shutdowns.append(True))
+    path = tmp_path / "model.safetensors"
+    save_safetensors(path, version(2), wait=False).result(timeout=30)
+    _background._at_exit()  # nothing unreported: nothing said, no exit
+    assert exits == [] and capsys.readouterr().err == ""
+    real = safetensors.numpy.save_file
+
+    def full(tensors, filename, metadata=None):
+        raise safetensors.SafetensorError(ENOSPC)
+
+    monkeypatch.setattr(safetensors.numpy, "save_file", full)
+    failing = save_safetensors(path, version(3), wait=False)
+    while not failing.done():
+        time.sleep(0.01)
+    monkeypatch.setattr(safetensors.numpy, "save_file", real)
+    other = tmp_path / "other.safetensors"
+    sync = _save._Commit._sync
+
+    def flush(folder):  # a second path, saved with warnings only: its folder's flushes fail
+        if folder == tmp_path:
+            raise OSError("the disk is gone")
+        sync(folder)
+
+    monkeypatch.setattr(_save._Commit, "_sync", staticmethod(flush))
+    warned = save_safetensors(other, version(4), wait=False)
+    _background._at_exit()  # (it waits for the save still running first)
+    assert warned.done()
+    err = capsys.readouterr().err
+    assert exits == [1] and shutdowns == [True]
+    assert (
+        f"taktiny.io: warning: the background save to {path} failed, and nobody asked for its "
+        f"result(): OSError: [Errno 28] save_safetensors: No space left on device"
+    ) in err
+    assert f"taktiny.io: warning: save_safetensors: {other} is saved, but flushing" in err
+    assert "(the process exits with status 1)" in err and "Traceback" in err
+    _background._at_exit()  # reported now: said once
+    assert exits == [1] and capsys.readouterr().err == ""
+    with pytest.raises(OSError, match=r"No space left on device"):
+        failing.result()
+
+
 def run_python(script: str, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-c", textwrap.dedent(script), *args],
