@@ -9,6 +9,7 @@ import inspect
 import json
 import os
 import re
+import struct
 import subprocess
 import sys
 import textwrap
@@ -94,6 +95,42 @@ def test_the_call_returns_a_running_save_and_result_gives_the_files(tmp_path, ga
     assert loaded(path) == as_loaded(version(3))
     assert save_safetensors(path, version(4)) == [path]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model.safetensors"]
+
+
+def contents(file):
+    """A file's header (but the digest of its own bytes, which depend on the order that
+    safetensors' writer gives the metadata, a hash map's) and its tensors' bytes."""
+    data = file.read_bytes()
+    if file.suffix == ".json":
+        return json.loads(data)
+    (length,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8 : 8 + length])
+    sealed = json.loads(header["__metadata__"].pop("taktiny_header_checksums"))
+    del sealed["header"]
+    return header, sealed, data[8 + length :]
+
+
+@pytest.mark.parametrize("limit", [None, 500], ids=["one file", "shards"])
+def test_a_background_save_writes_what_a_save_that_waits_writes(tmp_path, limit):
+    # a model with 4-bit quantized layers (packed two per byte) and float32 ones
+    import taktiny as tt
+    from taktiny import nn
+
+    model = tt.quantize(
+        nn.Sequential(nn.Linear(32, 64, rngs=nn.Rngs(0)), nn.Linear(64, 5, rngs=nn.Rngs(1))),
+        bits=4,
+        group_size=16,
+    )
+    (tmp_path / "waits").mkdir()
+    (tmp_path / "background").mkdir()
+    waited = save_safetensors(tmp_path / "waits" / "m.safetensors", model, max_shard_size=limit)
+    saving = save_safetensors(
+        tmp_path / "background" / "m.safetensors", model, max_shard_size=limit, wait=False
+    )
+    written = saving.result(timeout=30)
+    assert [p.name for p in written] == [p.name for p in waited]
+    assert len(written) == (1 if limit is None else 5)  # (4 shards and the index)
+    assert [contents(p) for p in written] == [contents(p) for p in waited]
 
 
 def test_the_save_holds_the_values_at_the_call(tmp_path, gate):
