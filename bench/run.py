@@ -23,7 +23,9 @@ bytes of parameters, gradients and Adam state; and a LoRA training step of the L
 against the base's forward and backward), plan (the peak host memory
 taktiny.io.plan_load predicts for the plain, sharded, transposing and quantizing loads of
 the 1 GB checkpoint, against the measured), overhead (what load_safetensors spends
-outside reading bytes on a warm checkpoint of 3,000 small tensors). A full run takes
+outside reading bytes on a warm checkpoint of 3,000 small tensors), background (how long
+save_safetensors(..., wait=False) blocks its caller, against a host copy of the arrays, and
+the whole save against one that waits). A full run takes
 under 25 minutes on 2 cores.
 """
 
@@ -46,6 +48,7 @@ import jax  # noqa: E402
 jax.config.update("jax_num_cpu_devices", 8)
 
 from bench import (  # noqa: E402
+    background_save,
     checkpoint,
     checksums,
     decoding,
@@ -79,6 +82,7 @@ GROUPS = {
     "lora": lora.run,
     "plan": load_plan.run,
     "overhead": load_overhead.run,
+    "background": background_save.run,
 }
 
 

@@ -4,7 +4,8 @@ loads that must give exactly one of the two versions, bitwise, and by a save tha
 leave nothing of the failed one behind.
 
 Used in process by tests/test_io_crash.py (faults raised at each step) and run as a program
-for the kills (``python tests/_crash.py steps`` or ``random N SEED``): the program imports
+for the kills (``python tests/_crash.py steps``, ``background [SCENARIO...]`` for
+background saves, or ``random N SEED [background]``): the program imports
 Taktiny without starting JAX's backend, then forks one child per save, which is killed
 with SIGKILL (right after the step it was told, or when the parent's timer runs out), and
 prints a JSON summary of the outcomes.
@@ -55,10 +56,17 @@ def version(seed: int, scale: int = 1) -> dict[str, np.ndarray]:
     }
 
 
-def save(folder: Path, tensors: dict[str, np.ndarray], limit: int | None) -> list[Path]:
+def save(
+    folder: Path, tensors: dict[str, np.ndarray], limit: int | None, wait: bool = True
+) -> list[Path]:
+    """Saves `tensors` as the folder's checkpoint; with `wait` False, in the background (the
+    steps then run on the save's own thread), waiting for its result."""
     from taktiny.io import save_safetensors
 
-    return save_safetensors(folder / "model.safetensors", tensors, max_shard_size=limit)
+    path = folder / "model.safetensors"
+    if not wait:
+        return save_safetensors(path, tensors, max_shard_size=limit, wait=False).result()
+    return save_safetensors(path, tensors, max_shard_size=limit)
 
 
 def prepare(folder: Path, old: Any, seed: int = 1, scale: int = 1) -> None:
@@ -171,11 +179,15 @@ def _killed_child(run: Callable[[], None]) -> int:
     return pid
 
 
-def kill_after_each_step(folder: Path) -> dict[str, Any]:
-    """For each scenario and each step of its save: a child killed right after that step,
-    then the loads and the next save checked."""
+def kill_after_each_step(
+    folder: Path, scenarios: list[str] | None = None, wait: bool = True
+) -> dict[str, Any]:
+    """For each scenario (all, unless named) and each step of its save: a child killed
+    right after that step, then the loads and the next save checked. With `wait` False the
+    saves run in the background, and the save's own thread kills the child."""
     results: dict[str, Any] = {"kills": 0, "old": 0, "new": 0, "failures": []}
-    for scenario, (old_layout, limit) in SCENARIOS.items():
+    for scenario in scenarios or list(SCENARIOS):
+        old_layout, limit = SCENARIOS[scenario]
         made = count_steps(folder, scenario)
         old = None if old_layout == "none" else as_loaded(version(1))
         new = as_loaded(version(2))
@@ -188,7 +200,7 @@ def kill_after_each_step(folder: Path) -> dict[str, Any]:
                         os.kill(os.getpid(), signal.SIGKILL)
 
                 with steps(hook):
-                    save(folder, version(2), limit)
+                    save(folder, version(2), limit, wait)
 
             _, status = os.waitpid(_killed_child(run), 0)
             if not os.WIFSIGNALED(status):
@@ -206,9 +218,10 @@ def kill_after_each_step(folder: Path) -> dict[str, Any]:
     return results
 
 
-def kill_at_random(folder: Path, kills: int, seed: int) -> dict[str, Any]:
+def kill_at_random(folder: Path, kills: int, seed: int, wait: bool = True) -> dict[str, Any]:
     """`kills` saves of a larger checkpoint (shards over shards, or a layout drawn at
-    random) killed at a random moment of their run, each then loaded and tidied."""
+    random) killed at a random moment of their run, each then loaded and tidied; with
+    `wait` False, background saves (the child waits for their result)."""
     draw = random.Random(seed)
     results: dict[str, Any] = {"kills": 0, "old": 0, "new": 0, "failures": []}
     layouts = [ONE, 600_000, 1_500_000]
@@ -216,7 +229,7 @@ def kill_at_random(folder: Path, kills: int, seed: int) -> dict[str, Any]:
         old_layout, limit = draw.choice(layouts), draw.choice(layouts)
 
         def run(limit: Any = limit) -> None:
-            save(folder, version(2, 64), limit)
+            save(folder, version(2, 64), limit, wait)
 
         prepare(folder, old_layout, seed=1, scale=64)
         start = time.perf_counter()
@@ -244,8 +257,10 @@ def main(argv: list[str]) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     if argv[0] == "steps":
         results = kill_after_each_step(folder)
-    else:
-        results = kill_at_random(folder, int(argv[2]), int(argv[3]))
+    elif argv[0] == "background":  # background saves of the scenarios named after the folder
+        results = kill_after_each_step(folder, argv[2:] or None, wait=False)
+    else:  # random N SEED [background]
+        results = kill_at_random(folder, int(argv[2]), int(argv[3]), argv[4:5] != ["background"])
     print(json.dumps(results))
 
 

@@ -11,6 +11,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # bench/ is not installed
 
 from bench import (
+    background_save,
     checkpoint,
     checksums,
     decoding,
@@ -48,6 +49,7 @@ GROUPS = {
     "lora": lora,
     "plan": load_plan,
     "overhead": load_overhead,
+    "background": background_save,
 }
 
 

@@ -343,3 +343,20 @@ def test_a_large_object_goes_up_in_parallel_parts(s3_proxy, monkeypatch):
     assert any(m == "POST" and "uploads" in p for m, p in proxy.requests)
     loaded = load_safetensors({"w": jnp.zeros((3, 1 << 20))}, f"{bucket}/big.safetensors")
     assert np.asarray(loaded["w"]).tobytes() == big["w"].tobytes()
+
+
+def test_a_background_save_to_a_url_commits_and_its_error_is_raised(s3_proxy):
+    bucket, proxy = s3_proxy
+    url = f"{bucket}/bg/model.safetensors"
+    handle = save_safetensors(url, values(1), max_shard_size="150KB", wait=False)
+    written = handle.result(timeout=60)
+    assert names(bucket) == sorted(w.key for w in written)
+    assert same(load_safetensors(target(), url, progress=False), values(1))
+    proxy.only = lambda method, path: method == "PUT" and path.endswith("index.json")
+    proxy.deny = True  # the commit refused: raised by result(), the first save left
+    failed = save_safetensors(url, values(2), max_shard_size="150KB", wait=False)
+    with pytest.raises(PermissionError, match=rf"^{re.escape(url)}\.index\.json: PUT was refused"):
+        failed.result(timeout=60)
+    proxy.deny = False
+    assert names(bucket) == sorted(w.key for w in written)
+    assert same(load_safetensors(target(), url, progress=False), values(1))

@@ -10,6 +10,7 @@ from ..loading import LoadPlan as LoadPlan
 from ..loading import PlannedStep as PlannedStep
 from ..loading import load_safetensors as load_safetensors
 from ..loading import plan_load as plan_load
+from ._background import BackgroundSave as BackgroundSave
 from ._checkpoint import Checkpoint as Checkpoint
 from ._checkpoint import open_safetensors as open_safetensors
 from ._read import SafetensorsError as SafetensorsError

@@ -10,15 +10,17 @@ header (see `_quantized`).
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import re
 import shutil
+import threading
 import uuid
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, overload
 
 import jax
 import numpy as np
@@ -26,7 +28,8 @@ import numpy as np
 from .._version import __version__
 from ..quant import FOUR_BIT, PACKED, QUANTIZED, QArray, layout, pack
 from ..state import KEY, Schema, flat_state_dict, is_flat, leaf_entry, schema, state_dict
-from . import _checksum
+from . import _background, _checksum
+from ._background import BackgroundSave, Commit, Files, T
 from ._checkpoint import SHARD, read_weight_map
 from ._object_commit import ObjectCommit
 from ._object_store import Url, locate
@@ -52,13 +55,47 @@ _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
 _UNITS |= {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 
 
+@overload
 def save_safetensors(
     path: str | os.PathLike[str],
     tree: Any,
     *,
     max_shard_size: int | str | None = None,
     metadata: Mapping[str, str] | None = None,
-) -> list[Path] | list[Url]:
+    wait: Literal[True] = True,
+) -> list[Path] | list[Url]: ...
+
+
+@overload
+def save_safetensors(
+    path: str | os.PathLike[str],
+    tree: Any,
+    *,
+    max_shard_size: int | str | None = None,
+    metadata: Mapping[str, str] | None = None,
+    wait: Literal[False],
+) -> BackgroundSave[Path] | BackgroundSave[Url]: ...
+
+
+@overload
+def save_safetensors(
+    path: str | os.PathLike[str],
+    tree: Any,
+    *,
+    max_shard_size: int | str | None = None,
+    metadata: Mapping[str, str] | None = None,
+    wait: bool = True,
+) -> list[Path] | list[Url] | BackgroundSave[Path] | BackgroundSave[Url]: ...
+
+
+def save_safetensors(
+    path: str | os.PathLike[str],
+    tree: Any,
+    *,
+    max_shard_size: int | str | None = None,
+    metadata: Mapping[str, str] | None = None,
+    wait: bool = True,
+) -> list[Path] | list[Url] | BackgroundSave[Path] | BackgroundSave[Url]:
     """Saves a model, any PyTree of arrays, or a flat ``{name: array}`` mapping as
     safetensors.
 
@@ -92,6 +129,13 @@ def save_safetensors(
         metadata: strings to add to each file's header, besides ``"format": "taktiny"``,
             ``"taktiny_version"`` and the tree's :func:`~taktiny.schema`
             (``"taktiny_schema"``, which ``open_safetensors(path).schema`` reads).
+        wait: True (the default) returns once the checkpoint is saved. False returns as
+            soon as the arrays' bytes are copied to host memory (copies the save owns:
+            the model's buffers may be donated or overwritten at once), with a
+            :class:`BackgroundSave`; a thread of the save's own then computes the
+            checksums, writes the files and commits them, with the same guarantees. What
+            can be checked before (the path, its folder, the names, dtypes, metadata and
+            `max_shard_size`) is still raised by this call.
 
     Each file's header also records a checksum (XXH3-128) of every tensor's bytes, which
     every read verifies, and for each tensor of 128 KiB or more the checksums of its tiles
@@ -103,9 +147,18 @@ def save_safetensors(
     of the save's own), and the files of the previous checkpoint, or of a killed save, are
     removed. docs/safetensors.md describes the steps.
 
+    Saves to one path take turns: a save (waiting or not) to a path that a save of this
+    process is still writing waits for that one to end. A background save's error is
+    never lost: :meth:`BackgroundSave.result` raises it; if nobody has called it when the
+    next save to the same path begins, that save raises it (and does not start); if
+    nobody ever does, the interpreter's exit waits for the save, writes its error to stderr
+    and exits with status 1.
+
     Returns:
-        The files written: the shards, then the index; or the one file (for a URL, the
-        objects, whose ``str()`` is their URL).
+        With `wait` True: the files written (the shards, then the index; or the one
+        file; for a URL, the objects, whose ``str()`` is their URL). With `wait` False: a
+        :class:`BackgroundSave`, whose :meth:`~BackgroundSave.result` gives those files
+        once the save has ended.
 
     Raises:
         TypeError: a name or metadata entry that is not a string, or a tensor whose dtype
@@ -122,6 +175,12 @@ def save_safetensors(
         ImportError: the safetensors package is not installed
             (``pip install 'taktiny[safetensors]'``); for a URL, obstore is not
             (``pip install 'taktiny[cloud]'``).
+        BaseException: the error of an earlier background save to `path` whose
+            :meth:`~BackgroundSave.result` nobody called (an ``OSError`` for a full disk,
+            say), as it was raised, with a note naming that save; this save did not start.
+
+    With `wait` False, the errors of the writes and the commit (the ``OSError`` above) are
+    raised by :meth:`BackgroundSave.result` instead.
     """
     try:
         import safetensors.numpy  # noqa: F401  (imported here: an extra, only saving needs it)
@@ -139,6 +198,7 @@ def save_safetensors(
             f"save_safetensors: the folder {target.parent} does not exist; create it first "
             f"(os.makedirs(..., exist_ok=True))"
         )
+    _background.settle(target)  # (an earlier background save's error, before this starts)
     header = {"format": "taktiny", "taktiny_version": __version__, **_metadata(metadata)}
     flat = _flat(tree)
     layouts = {} if flat is tree else {n: layout(q) for n, q in quantized_arrays(tree).items()}
@@ -147,7 +207,7 @@ def save_safetensors(
     tensors: dict[str, np.ndarray] = {}
     packed: dict[str, dict[str, Any]] = {}
     for name, value in flat.items():
-        array = _host(name, value)
+        array = _host(name, value, copy=not wait)
         if array.dtype.name in FOUR_BIT:
             packed[name] = {"dtype": array.dtype.name, "shape": list(array.shape)}
             array = pack(array)
@@ -157,7 +217,34 @@ def save_safetensors(
     )
     header[KEY] = described.to_json()
     shards = _split(tensors, byte_size(max_shard_size, "save_safetensors: max_shard_size"))
-    files: list[tuple[dict[str, np.ndarray], dict[str, str]]] = []
+    files = functools.partial(_files, shards, header, packed)
+    if isinstance(target, Url):
+        done, said = _committed(target, files, ObjectCommit(target, write_sealed), wait)
+    else:
+        done, said = _committed(target, files, _Commit(target), wait)
+    for message in said:  # (warned here, so that they point at the caller)
+        warnings.warn(message, stacklevel=2)
+    return done
+
+
+def _committed(
+    target: Path | Url, files: Callable[[], Files], commit: Commit[T], wait: bool
+) -> tuple[list[T] | BackgroundSave[T], list[str]]:
+    """The save of `files` by `commit`, done here (with the warnings it gave), or started
+    in the background (whose warnings its result gives)."""
+    if not wait:  # the checksums, the writes and the commit: on the save's own thread
+        return _background.start(target, files, commit), []
+    with _background.waiting(target):
+        written = commit.save(files())
+    return written, commit.warnings
+
+
+def _files(
+    shards: list[dict[str, np.ndarray]], header: dict[str, str], packed: dict[str, dict[str, Any]]
+) -> Files:
+    """Each shard with its header metadata: `header`, its packed tensors' records, and the
+    checksums of its tensors and of the header itself."""
+    files: Files = []
     for shard in shards:
         own = dict(header)
         records = {n: packed[n] for n in shard if n in packed}
@@ -169,11 +256,7 @@ def save_safetensors(
             own[_checksum.TILES_KEY] = _checksum.tiles_record(tiled)
         own[_checksum.HEADER_KEY] = _checksum.header_record(own)  # (last: it covers the others)
         files.append((shard, own))
-    commit = ObjectCommit(target, write_sealed) if isinstance(target, Url) else _Commit(target)
-    written = commit.save(files)
-    for message in commit.warnings:  # (warned here, so that they point at the caller)
-        warnings.warn(message, stacklevel=2)
-    return written
+    return files
 
 
 class _Commit:
@@ -208,11 +291,11 @@ class _Commit:
         self.shards: list[str] = []  # the new shards' names
         self.warnings: list[str] = []  # what went wrong after the commit, for the caller
 
-    def save(self, files: list[tuple[dict[str, np.ndarray], dict[str, str]]]) -> list[Path]:
+    def save(self, files: Files) -> list[Path]:
         with _locked(self.folder):  # one save at a time in a folder, from any process
             return self._save(files)
 
-    def _save(self, files: list[tuple[dict[str, np.ndarray], dict[str, str]]]) -> list[Path]:
+    def _save(self, files: Files) -> list[Path]:
         old = self._tidy()
         names = self._names(len(files))
         try:
@@ -406,13 +489,45 @@ def _locked(folder: Path) -> Iterator[None]:
     except ImportError:  # pragma: no cover - not on Windows
         yield
         return
-    fd = os.open(folder, os.O_RDONLY)
+    with _opening:
+        fd = os.open(folder, os.O_RDONLY)
+        _held.add(fd)
     try:
         with contextlib.suppress(OSError):  # a filesystem without locks: saves as before
             fcntl.flock(fd, fcntl.LOCK_EX)
         yield
     finally:
-        os.close(fd)  # (closing releases the lock)
+        with _opening:
+            _held.discard(fd)
+            os.close(fd)  # (closing releases the lock)
+
+
+# The descriptors this process holds a folder's lock through. A lock belongs to the open
+# file, which a forked child shares through its copy of the descriptor: the lock would
+# stay held until the child too closed it (a data loader's worker forked while a save
+# runs in the background lives on), and the parent's next save in that folder would wait
+# for the child to exit. So the child closes its copies at once (closing one copy leaves
+# the parent's lock as it is); `_opening` keeps a fork from falling between a descriptor's
+# opening and its listing.
+_held: set[int] = set()
+_opening = threading.Lock()
+
+
+def _closed_in_child() -> None:
+    global _opening
+    for fd in _held:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    _held.clear()
+    _opening = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(
+        before=lambda: _opening.acquire(),
+        after_in_parent=lambda: _opening.release(),
+        after_in_child=_closed_in_child,
+    )
 
 
 def _fsync(path: Path) -> None:
@@ -467,8 +582,10 @@ def _flat(tree: Any) -> Mapping[str, Any]:
     return flat_state_dict(tree)
 
 
-def _host(name: str, value: Any) -> np.ndarray:
-    """`value` as a contiguous host array that safetensors can store."""
+def _host(name: str, value: Any, copy: bool = False) -> np.ndarray:
+    """`value` as a contiguous host array that safetensors can store; with `copy`, one of
+    the save's own (``np.asarray`` of an array on JAX's CPU device may be a view of its
+    buffer, and of a NumPy array is that array)."""
     dtype = getattr(value, "dtype", None)
     if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
         raise TypeError(
@@ -481,7 +598,8 @@ def _host(name: str, value: Any) -> np.ndarray:
             f"holds only part of it; gather it first (for example with "
             f"jax.experimental.multihost_utils.process_allgather), or save from each process"
         )
-    array = np.asarray(value, order="C")  # (np.ascontiguousarray makes a 0-d array 1-d)
+    # (np.ascontiguousarray makes a 0-d array 1-d)
+    array = np.array(value, order="C", copy=True) if copy else np.asarray(value, order="C")
     if array.dtype.name not in _STORED and array.dtype.name not in FOUR_BIT:
         raise TypeError(
             f"save_safetensors: {name!r} has dtype {array.dtype.name}, which safetensors cannot "
