@@ -48,6 +48,9 @@ def _etag(stat: os.stat_result) -> str:
 
 class Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
+    # TCP_NODELAY: a small answer is written as headers then body, and with Nagle's
+    # algorithm the body's segment waits for the client's delayed ACK (40 ms a request)
+    disable_nagle_algorithm = True
     root: Path = Path(".")  # set on the server's subclass
 
     def log_message(self, *args: object) -> None:
@@ -265,6 +268,8 @@ class Stub:
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait()
+        if self.process.stdout is not None:
+            self.process.stdout.close()
 
     def __enter__(self) -> Stub:
         return self

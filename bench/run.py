@@ -23,8 +23,10 @@ bytes of parameters, gradients and Adam state; and a LoRA training step of the L
 against the base's forward and backward), plan (the peak host memory
 taktiny.io.plan_load predicts for the plain, sharded, transposing and quantizing loads of
 the 1 GB checkpoint, against the measured), overhead (what load_safetensors spends
-outside reading bytes on a warm checkpoint of 3,000 small tensors). A full run takes
-under 25 minutes on 2 cores.
+outside reading bytes on a warm checkpoint of 3,000 small tensors), storage (load_safetensors
+of a 512 MiB checkpoint from an s3:// URL served by a local S3 stub, against concurrent
+ranged GETs of the same object with obstore, Run:ai's Model Streamer and s3fs, and its peak
+host memory). A full run takes under 25 minutes on 2 cores.
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ from bench import (  # noqa: E402
     report,
     sharded,
     state,
+    storage,
     streaming,
 )
 from bench._results import Config, Group, fmt_ratio  # noqa: E402
@@ -79,6 +82,7 @@ GROUPS = {
     "lora": lora.run,
     "plan": load_plan.run,
     "overhead": load_overhead.run,
+    "storage": storage.run,
 }
 
 

@@ -26,6 +26,7 @@ from bench import (
     report,
     sharded,
     state,
+    storage,
     streaming,
 )
 from bench._results import Config, Group, Table, Target
@@ -48,6 +49,7 @@ GROUPS = {
     "lora": lora,
     "plan": load_plan,
     "overhead": load_overhead,
+    "storage": storage,
 }
 
 
@@ -76,8 +78,9 @@ def fast_compile():
         jax.config.update("jax_disable_most_optimizations", False)
 
 
-# the groups whose smoke runs load in many fresh processes: `make property` runs them
-SLOW = ("streaming", "plan")
+# the groups whose smoke runs load in many fresh processes (storage: and start an S3 stub,
+# ~20 s): `make property` runs them
+SLOW = ("streaming", "plan", "storage")
 
 
 @pytest.mark.parametrize(
