@@ -11,6 +11,9 @@ server on 127.0.0.1.
 - raw: every 8 MiB part of the object fetched with ``obstore.get_range_async`` behind an
   ``asyncio.Semaphore(N)`` and copied into one preallocated, already faulted-in buffer; N
   is 8, 16 and 32, and the fastest (by median) is the limit the others are held against.
+  Beside it, for context (no target): the same reads (N=8) into fresh memory mapped for
+  each sample as the loader maps a tensor's (``MAP_POPULATE``): a load makes the model's
+  memory, which the preallocated buffer does not (FINDINGS.md, section 10).
 - Taktiny: ``load_safetensors(abstract_model, "s3://bench/model.safetensors")`` with
   ``verify=True`` (the default: every tensor's checksum) and ``verify=False``.
 - Run:ai's Model Streamer (``runai_model_streamer.SafetensorsStreamer``, its C++ S3 reader),
@@ -55,14 +58,19 @@ URL = f"s3://{BUCKET}/{KEY}"
 PART = 8 * MiB  # the raw reads' part, as Taktiny's
 IN_FLIGHT = (8, 16, 32)  # the raw reads' concurrency, the best taken
 RAW = "raw obstore ranged GETs"
+RAW_FRESH = "raw, into fresh memory"
+FRESH_N = 8  # the fresh-memory raw reads' concurrency
 TT, TT_FAST = "Taktiny", "Taktiny, verify=False"
 RUNAI, S3FS = "Run:ai Model Streamer", "s3fs + safetensors"
-SYSTEMS = [RAW, TT, TT_FAST, RUNAI, S3FS]
+SYSTEMS = [RAW, RAW_FRESH, TT, TT_FAST, RUNAI, S3FS]
+MEASURED = [RAW, TT, TT_FAST, RUNAI, S3FS]  # in the memory workers
 PEERS = [RUNAI, S3FS]
 SHARE, GROWTH = 0.85, 1.05  # the targets of issue 38 point 7
 CALLS = {
     RAW: "obstore.get_range_async(store, key, start, end) of every 8 MiB part, N at a time "
     "(asyncio.Semaphore), each copied into one preallocated buffer",
+    RAW_FRESH: f"the same, N={FRESH_N}, into mmap(-1, size, MAP_PRIVATE | MAP_ANONYMOUS | "
+    "MAP_POPULATE) made for each sample",
     TT: f"taktiny.io.load_safetensors(abstract, {URL!r}, progress=False)",
     TT_FAST: f"taktiny.io.load_safetensors(abstract, {URL!r}, progress=False, verify=False)",
     RUNAI: f"SafetensorsStreamer().stream_file({URL!r}); "
@@ -91,21 +99,28 @@ class Raw:
         self.buffer = np.empty(size, np.uint8)
         self.buffer.fill(0)  # faulted in: the reads land in resident pages
 
-    def __call__(self, n: int) -> np.ndarray:
+    def __call__(self, n: int, fresh: bool = False) -> np.ndarray:
+        import mmap
+
         import obstore
+
+        buffer = self.buffer
+        if fresh:  # as the loader maps a tensor's memory (taktiny/io/_read.py, _buffer)
+            flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
+            buffer = np.frombuffer(mmap.mmap(-1, self.size, flags=flags), np.uint8)
 
         async def part(slots: asyncio.Semaphore, start: int) -> None:
             end = min(start + PART, self.size)
             async with slots:
                 data = await obstore.get_range_async(self.store, KEY, start=start, end=end)
-                self.buffer[start:end] = np.frombuffer(data, np.uint8)
+                buffer[start:end] = np.frombuffer(data, np.uint8)
 
         async def main() -> None:
             slots = asyncio.Semaphore(n)
             await asyncio.gather(*(part(slots, at) for at in range(0, self.size, PART)))
 
         asyncio.run(main())
-        return self.buffer
+        return buffer
 
 
 def load_taktiny(abstract: Any, verify: bool = True) -> Any:
@@ -208,7 +223,7 @@ def _check(want: dict[str, np.ndarray], loaders: dict[str, Any], size: int) -> N
     """Every system's load gives the checkpoint's values (checked once, before the timing)."""
     for system, load in loaders.items():
         got = load()
-        if system.startswith(RAW):
+        if system.startswith((RAW, RAW_FRESH)):
             head = 8 + int.from_bytes(got[:8].tobytes(), "little")
             assert len(got) == size and head < size, system
             continue
@@ -251,6 +266,7 @@ def run(config: Config) -> Group:
             raws = {f"{RAW}, N={n}": (lambda n=n: raw(n)) for n in IN_FLIGHT}
             loaders = {
                 **raws,
+                RAW_FRESH: lambda: raw(FRESH_N, fresh=True),
                 TT: lambda: load_taktiny(abstract, True),
                 TT_FAST: lambda: load_taktiny(abstract, False),
                 RUNAI: load_runai,
@@ -262,7 +278,7 @@ def run(config: Config) -> Group:
             best = min(raws, key=lambda name: stats[name].median)
             n = int(best.rsplit("=", 1)[1])
             stats[RAW] = stats[best]
-            systems = [TT] if config.mode == "smoke" else SYSTEMS
+            systems = [TT] if config.mode == "smoke" else MEASURED
             memories = {s: _measure(s, width, depth, size, n, env) for s in systems}
     finally:
         for k, v in saved.items():
@@ -369,7 +385,11 @@ def run(config: Config) -> Group:
     group.notes += [
         f"Throughput (MiB/s, median): {', '.join(rate(s) for s in SYSTEMS)}; raw by N: "
         + ", ".join(f"N={k} {mib / stats[f'{RAW}, N={k}'].median:,.0f}" for k in IN_FLIGHT)
-        + f". Object: {size:,} B ({nbytes:,} B of tensors, {2 * depth} tensors).",
+        + f". Object: {size:,} B ({nbytes:,} B of tensors, {2 * depth} tensors). Against "
+        f"{RAW_FRESH} (N={FRESH_N}), raw-fresh time / time: Taktiny "
+        f"{paired_ratio(stats[RAW_FRESH], stats[TT]):.2f}, verify=False "
+        f"{paired_ratio(stats[RAW_FRESH], stats[TT_FAST]):.2f} (the model's memory is made by "
+        "every load, not by the preallocated raw reads: FINDINGS.md, section 10).",
         "Server: bench/_s3_stub.py (read-only S3 stub: HEAD, ranged GET with If-Match, "
         "ListObjectsV2; bodies sent with sendfile from the page cache) in its own process on "
         "127.0.0.1, sharing the machine's cores with the client; the checkpoint written into "
