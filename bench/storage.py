@@ -363,7 +363,7 @@ def run(config: Config) -> Group:
             f"Taktiny load from S3: peak RSS growth <= {GROWTH:g}x the model + the in-flight "
             f"budget ({budget // MiB} MiB: {budget / nbytes:.2f}x this model)",
             growth[TT],
-            GROWTH + budget / nbytes,
+            round(GROWTH + budget / nbytes, 3),
             False,
             "(peak RSS - RSS just before the load) / model bytes",
         ),
