@@ -119,7 +119,14 @@ def _run(args: argparse.Namespace, abstract: Any, size: int, depth: int) -> None
         "Taktiny, verify=False": taktiny(False),
     }
     if args.sweep:
-        for part, most in ((4 * MiB, 32), (16 * MiB, 32), (8 * MiB, 8), (8 * MiB, 16)):
+        for part, most in (
+            (1 * MiB, 32),
+            (2 * MiB, 32),
+            (4 * MiB, 32),
+            (16 * MiB, 32),
+            (8 * MiB, 8),
+            (8 * MiB, 16),
+        ):
             name = f"Taktiny, verify, PART {part // MiB} MiB, IN_FLIGHT {most}"
             cases[name] = taktiny(True, part, most)
     if args.huge:
