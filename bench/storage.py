@@ -258,7 +258,7 @@ def run(config: Config) -> Group:
         nbytes = sum(v.nbytes for v in want.values())
         abstract = _formats.abstract(width, depth)
         with Stub(folder) as stub:
-            env = stub.environment()
+            env = {**stub.environment(), "RUNAI_STREAMER_LOG_LEVEL": "WARNING"}  # (its INFO lines)
             saved = {k: os.environ.get(k) for k in env}
             os.environ.update(env)
             raw = Raw(size)
