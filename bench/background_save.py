@@ -137,7 +137,8 @@ def run(config: Config) -> Group:
         f"{whole:.2f}x; it takes {extra * 1e3:.0f} ms more, and the host copy takes "
         f"{times['copy'].median * 1e3:.0f} ms: on the CPU device a save that waits writes from "
         f"views of the arrays' own buffers, which a background save may not keep (the caller "
-        f"may donate them), so it pays the copy the other does not (see bench/FINDINGS.md). "
+        f"may donate them), so it pays the copy the other does not (bench/FINDINGS.md, "
+        f"section 11). "
         f"Load average at the end {', '.join(f'{x:.2f}' for x in os.getloadavg())} on "
         f"{os.cpu_count()} cores."
     )

@@ -25,8 +25,11 @@ taktiny.io.plan_load predicts for the plain, sharded, transposing and quantizing
 the 1 GB checkpoint, against the measured), overhead (what load_safetensors spends
 outside reading bytes on a warm checkpoint of 3,000 small tensors), background (how long
 save_safetensors(..., wait=False) blocks its caller, against a host copy of the arrays, and
-the whole save against one that waits). A full run takes
-under 25 minutes on 2 cores.
+the whole save against one that waits, and a training loop saving in the background,
+with saves that wait and without), storage (load_safetensors of a 512 MiB checkpoint from
+an s3:// URL served by a local S3 stub, against concurrent ranged GETs of the same object
+with obstore, Run:ai's Model Streamer and s3fs, and its peak host memory). A full run
+takes under 25 minutes on 2 cores.
 """
 
 from __future__ import annotations
@@ -63,6 +66,7 @@ from bench import (  # noqa: E402
     report,
     sharded,
     state,
+    storage,
     streaming,
 )
 from bench._results import Config, Group, fmt_ratio  # noqa: E402
@@ -83,6 +87,7 @@ GROUPS = {
     "plan": load_plan.run,
     "overhead": load_overhead.run,
     "background": background_save.run,
+    "storage": storage.run,
 }
 
 

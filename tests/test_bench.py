@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import jax
+import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # bench/ is not installed
@@ -27,6 +28,7 @@ from bench import (
     report,
     sharded,
     state,
+    storage,
     streaming,
 )
 from bench._results import Config, Group, Table, Target
@@ -50,6 +52,7 @@ GROUPS = {
     "plan": load_plan,
     "overhead": load_overhead,
     "background": background_save,
+    "storage": storage,
 }
 
 
@@ -79,6 +82,7 @@ def fast_compile():
 
 
 # the groups whose smoke runs load in many fresh processes: `make property` runs them
+# (storage's, one fresh process and an S3 stub, takes about 6 s: it stays in `make test`)
 SLOW = ("streaming", "plan")
 
 
@@ -179,3 +183,40 @@ def test_streaming_profile_runs(capsys):
     out = capsys.readouterr().out
     assert "one posix_fadvise(WILLNEED) over all of" in out and "load_safetensors as is" in out
     assert "preadv (disk wait + copy)" in out and "reader thread 2 ahead" in out
+
+
+def test_s3_stub_speaks_enough_s3(tmp_path, monkeypatch):
+    """The storage group's server answers what obstore and Taktiny ask of S3: HEAD, ranged
+    GETs, If-Match (412 on another ETag), a listing by prefix and delimiter."""
+    import obstore
+    import obstore.exceptions
+    from obstore.store import from_url
+
+    import taktiny.io as tio
+    from bench._s3_stub import Stub
+
+    data = bytes(range(256)) * 64
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "x.bin").write_bytes(data)
+    tio.save_safetensors(tmp_path / "model.safetensors", {"w": np.arange(6, dtype=np.float32)})
+    with Stub(tmp_path) as stub:
+        for name, value in stub.environment().items():
+            monkeypatch.setenv(name, value)
+        store = from_url("s3://any", client_options={"allow_http": True})
+        meta = obstore.head(store, "sub/x.bin")
+        assert meta["size"] == len(data) and meta["e_tag"]
+        assert bytes(obstore.get_range(store, "sub/x.bin", start=10, end=300)) == data[10:300]
+        ok = {"if_match": meta["e_tag"], "range": (5, 9)}
+        assert bytes(obstore.get(store, "sub/x.bin", options=ok).bytes()) == data[5:9]
+        with pytest.raises(obstore.exceptions.PreconditionError):
+            obstore.get(store, "sub/x.bin", options={"if_match": '"other"'})
+        with pytest.raises(FileNotFoundError):
+            obstore.head(store, "nothing")
+        top = obstore.list_with_delimiter(store, None)
+        assert top["common_prefixes"] == ["sub"]
+        assert [o["path"] for o in top["objects"]] == ["model.safetensors"]
+        assert [o["path"] for o in obstore.list_with_delimiter(store, "sub")["objects"]] == [
+            "sub/x.bin"
+        ]
+        flat = tio.load_safetensors({"w": np.zeros(6, np.float32)}, "s3://any/", progress=False)
+        assert np.array_equal(np.asarray(flat["w"]), np.arange(6, dtype=np.float32))
