@@ -360,3 +360,18 @@ def test_a_background_save_to_a_url_commits_and_its_error_is_raised(s3_proxy):
     proxy.deny = False
     assert names(bucket) == sorted(w.key for w in written)
     assert same(load_safetensors(target(), url, progress=False), values(1))
+
+
+def test_a_plain_http_url_is_read(tmp_path, monkeypatch):
+    """An object served over HTTP(S) without a bucket API (``https://host/path``): read
+    by ranged GETs with its ETag, as a bucket's objects are (served here by the read-only
+    server of bench/_s3_stub.py, from a folder)."""
+    from bench._s3_stub import Stub
+
+    for key in ("AWS_ENDPOINT_URL", "AWS_ENDPOINT"):
+        monkeypatch.delenv(key, raising=False)
+    save_safetensors(tmp_path / "model.safetensors", values(1))
+    with Stub(tmp_path) as stub:  # (its objects: /<any bucket>/<the file's name>)
+        plain = f"{stub.url}/weights/model.safetensors"
+        assert same(load_safetensors(target(), plain, progress=False), values(1))
+        assert _cli.main(["verify", plain]) == 0
