@@ -375,3 +375,24 @@ def test_a_plain_http_url_is_read(tmp_path, monkeypatch):
         plain = f"{stub.url}/weights/model.safetensors"
         assert same(load_safetensors(target(), plain, progress=False), values(1))
         assert _cli.main(["verify", plain]) == 0
+
+
+def test_a_save_aborts_the_multipart_uploads_a_killed_save_left(s3):
+    """What a process killed during a multipart upload leaves (an upload begun, a part
+    sent, never completed) is aborted by the next save to the same path; another key's
+    upload is left alone."""
+    import boto3
+
+    client = boto3.client("s3")
+    bucket = s3.removeprefix("s3://")
+    left = {}
+    for key in ("ck/model-00001-of-00002-0123abcd.safetensors", "ck/model.safetensors",
+                "ck/other.bin"):  # fmt: skip
+        upload = client.create_multipart_upload(Bucket=bucket, Key=key)["UploadId"]
+        client.upload_part(Bucket=bucket, Key=key, UploadId=upload, PartNumber=1, Body=b"x")
+        left[key] = upload
+    save_safetensors(f"{s3}/ck/model.safetensors", values(1), max_shard_size="150KB")
+    remaining = client.list_multipart_uploads(Bucket=bucket).get("Uploads", [])
+    assert [(u["Key"], u["UploadId"]) for u in remaining] == [
+        ("ck/other.bin", left["ck/other.bin"])
+    ]

@@ -394,8 +394,8 @@ def test_public_surface_is_short_and_documented():
     with pytest.raises(AttributeError, match="module 'taktiny' has no attribute 'laod_state_di"):
         tt.laod_state_dict  # noqa: B018
     assert _public(tt.io) == sorted([
-        "Checkpoint", "LoadPlan", "PlannedStep", "SafetensorsError", "Tensor", "load_safetensors",
-        "open_safetensors", "plan_load", "read_torch", "save_safetensors",
+        "BackgroundSave", "Checkpoint", "LoadPlan", "PlannedStep", "SafetensorsError", "Tensor",
+        "load_safetensors", "open_safetensors", "plan_load", "read_torch", "save_safetensors",
     ])  # fmt: skip
     assert _public(tt.convert) == sorted([
         "ConversionError", "ConversionProblem", "Converted", "Ignore", "Init", "Report", "Rule", "Step", "Tie",

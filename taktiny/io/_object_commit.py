@@ -16,9 +16,13 @@ sees at once. So a save writes what no reader reads yet, then commits with one r
 
 A reader that opened the previous checkpoint reads its objects by their ETags: once they
 are replaced or removed its reads fail with `Replaced`, and the load opens the checkpoint
-again (see `_object_store`). Incomplete multipart uploads of a killed process are not
-visible to obstore (it cannot list them): a bucket lifecycle rule removes them
-(docs/storage.md).
+again (see `_object_store`).
+
+A process killed during a multipart upload leaves the upload's parts on the server,
+invisible to listings. obstore 0.12 can neither list nor abort such uploads, so step 1
+does it for an ``s3://`` URL through boto3 (part of the ``taktiny[cloud]`` extra, imported
+only then): the incomplete uploads of this checkpoint's names are aborted. Elsewhere a
+bucket lifecycle rule removes them (docs/storage.md).
 """
 
 from __future__ import annotations
@@ -102,7 +106,45 @@ class ObjectCommit:
         else:
             old, leftovers = [], shards
         self._delete([self.folder / n for n in sorted(leftovers)])
+        self._abort_uploads()
         return present - leftovers, old
+
+    def _abort_uploads(self) -> None:
+        """Aborts the incomplete multipart uploads of this checkpoint's names (a killed
+        save's), for an ``s3://`` URL; a failure to list or abort them is a warning."""
+        if self.target.scheme not in ("s3", "s3a"):
+            return
+        try:
+            import boto3
+        except ImportError:
+            self.warnings.append(
+                f"save_safetensors: {self.target}: boto3 is not installed, so incomplete "
+                f"multipart uploads of killed saves are not removed: pip install "
+                f"'taktiny[cloud]', or configure the bucket's lifecycle rule for them."
+            )
+            return
+        prefix = self.folder.key
+        try:
+            client = boto3.client("s3")  # (endpoint, keys and region from the environment)
+            pages = client.get_paginator("list_multipart_uploads")
+            for page in pages.paginate(Bucket=self.target.bucket, Prefix=prefix):
+                for upload in page.get("Uploads", []):
+                    name = upload["Key"][len(prefix) :]
+                    if "/" not in name and self._ours(name):
+                        client.abort_multipart_upload(
+                            Bucket=self.target.bucket,
+                            Key=upload["Key"],
+                            UploadId=upload["UploadId"],
+                        )
+        except Exception as error:  # noqa: BLE001 - botocore's errors share no base it exports
+            self.warnings.append(
+                f"save_safetensors: {self.target}: incomplete multipart uploads of killed saves "
+                f"could not be removed ({type(error).__name__}: {error}); configure the "
+                f"bucket's lifecycle rule for them."
+            )
+
+    def _ours(self, name: str) -> bool:
+        return name in (self.target.name, self.index.name) or self._shard(name)
 
     def _named(self) -> set[str]:
         """The shards the committed index names (none when it is unreadable: then no shard
