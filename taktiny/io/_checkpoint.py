@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from .._messages import layout_text, short
 from ..quant import QUANTIZED, check_quantized, quantized_record
 from ._header import HEADER_LIMIT, parse_json, read_header, unpaired_surrogate
-from ._object_store import Url, listing, locate
+from ._object_store import Replaced, Url, listing, locate
 from ._read import SafetensorsError, Tensor
 from ._storage import Storage, open_storage, read_range
 
@@ -148,7 +148,7 @@ def open_safetensors(path: str | os.PathLike[str]) -> Checkpoint:
             if found.name.endswith(".json"):
                 return _open_index(found)
             tensors, metadata = read_header(found)
-        except (FileNotFoundError, _Replaced):  # a save replaced it: open what it saved
+        except (FileNotFoundError, _Replaced, Replaced):  # a save replaced it: open what it saved
             continue
         return Checkpoint(found, tensors, metadata, _layouts(found, [(found, metadata)], tensors))
     raise SafetensorsError(
