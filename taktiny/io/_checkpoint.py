@@ -206,10 +206,13 @@ def _find(path: Path) -> Path:
             f"*.safetensors file, or a file and an index of the same name) was expected; it "
             f"holds {len(stems)}: {sorted(stems)[:5]}. Name the file or index to read."
         )
-    if not path.is_file() and path.name.endswith(".safetensors"):
+    if path.name.endswith(".safetensors"):
         index = path.with_name(f"{path.name}{_INDEX}")
-        if index.is_file():
-            return index  # the path a sharded checkpoint was saved to
+        for _ in range(RETRIES):  # (saves switching between the two: one is there each instant)
+            if path.is_file():
+                return path
+            if index.is_file():
+                return index  # the path a sharded checkpoint was saved to
     if not path.is_file():
         raise SafetensorsError(
             f"{str(path)!r}: no such file." if "\0" in str(path) else f"{path}: no such file."
