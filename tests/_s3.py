@@ -3,7 +3,8 @@ in a process of its own (pinned in the dev extra), and a bucket per test.
 
 `Server` starts it on a free port and stops it; `environment` gives the variables a
 client (obstore, in a test or in a subprocess) reads to reach it. Buckets are made with
-one plain HTTP request (moto accepts unsigned ones), so the tests use no second client.
+one plain HTTP request (moto accepts unsigned ones). `Proxy` stands between the client and
+the server to inject faults through the real HTTP path.
 """
 
 from __future__ import annotations
