@@ -1,6 +1,9 @@
 """Fixtures of the unit tests. The strict JAX settings they run under live in the repository's
 root ``conftest.py``, shared with ``property_tests/``."""
 
+import os
+import subprocess
+
 import jax
 import jaxtyping
 import pytest
@@ -60,3 +63,23 @@ def s3_proxy(s3_server, monkeypatch):
         yield f"s3://{s3_server.bucket()}", proxy
     finally:
         proxy.stop()
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A folder on a file system of 1 MiB (a tmpfs; mounting one needs root, which the
+    tests have: elsewhere the tests with injected faults cover the same)."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root; the tests with injected faults cover it")
+    folder = tmp_path / "small"
+    folder.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(folder)],
+        capture_output=True,
+        text=True,
+    )
+    assert mounted.returncode == 0, mounted.stderr
+    try:
+        yield folder
+    finally:
+        subprocess.run(["umount", str(folder)], check=True)

@@ -513,25 +513,6 @@ def test_a_failure_the_program_asked_for_is_the_programs_to_handle(tmp_path):
     assert asked.stdout == "caught 28\nthe program ends\n"
 
 
-@pytest.fixture
-def small_disk(tmp_path):
-    """A folder on a file system of 1 MiB (a tmpfs; mounting one needs root)."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root; the test above fails the writer instead")
-    folder = tmp_path / "small"
-    folder.mkdir()
-    mounted = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(folder)],
-        capture_output=True,
-        text=True,
-    )
-    assert mounted.returncode == 0, mounted.stderr
-    try:
-        yield folder
-    finally:
-        subprocess.run(["umount", str(folder)], check=True)
-
-
 @pytest.mark.program
 def test_a_full_disk_nobody_asked_about_makes_the_process_exit_with_status_1(small_disk):
     prepare(small_disk, None)  # 45 KB on a disk of 1 MiB

@@ -103,25 +103,6 @@ def test_a_write_that_fails_is_named_and_chained(tmp_path, monkeypatch):
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
 
 
-@pytest.fixture
-def small_disk(tmp_path):
-    """A folder on a file system of 1 MiB (a tmpfs; mounting one needs root)."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root; the injected faults below test the same")
-    folder = tmp_path / "small"
-    folder.mkdir()
-    mounted = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(folder)],
-        capture_output=True,
-        text=True,
-    )
-    assert mounted.returncode == 0, mounted.stderr
-    try:
-        yield folder
-    finally:
-        subprocess.run(["umount", str(folder)], check=True)
-
-
 @pytest.mark.parametrize("limit", [None, 25_000], ids=["one file", "shards"])
 def test_a_full_disk_raises_enospc_naming_the_file_and_keeps_the_checkpoint(small_disk, limit):
     prepare(small_disk, limit)  # 45 KB, on a disk of 1 MiB
