@@ -252,6 +252,25 @@ def kill_at_random(folder: Path, kills: int, seed: int, wait: bool = True) -> di
     return results
 
 
+def run_program(*argv: str, timeout: float = 600) -> dict[str, Any]:
+    """Runs this file as a program (``steps FOLDER``, ``random ...``, ``background ...``)
+    without a device platform to start; returns its JSON summary, after checking that it
+    exited cleanly and that no killed save left anything but one whole version."""
+    import subprocess
+
+    run = subprocess.run(
+        [sys.executable, __file__, *argv],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    )
+    assert run.returncode == 0, run.stderr
+    results = json.loads(run.stdout)
+    assert results["failures"] == [], results["failures"]
+    return results
+
+
 def main(argv: list[str]) -> None:
     folder = Path(argv[1])
     folder.mkdir(parents=True, exist_ok=True)

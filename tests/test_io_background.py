@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import safetensors.numpy
-from _crash import SCENARIOS, as_loaded, loaded, prepare, version
+from _crash import SCENARIOS, as_loaded, loaded, prepare, run_program, version
 
 from taktiny.io import BackgroundSave, _background, open_safetensors, save_safetensors
 
@@ -597,16 +597,7 @@ def test_a_child_forked_during_a_save_does_not_hold_its_folders_lock(tmp_path):
 
 
 def _kill_background_saves(folder, scenarios):
-    run = subprocess.run(
-        [sys.executable, str(HERE / "_crash.py"), "background", str(folder), *scenarios],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**os.environ, "JAX_PLATFORMS": "cpu"},
-    )
-    assert run.returncode == 0, run.stderr
-    results = json.loads(run.stdout)
-    assert results["failures"] == []
+    results = run_program("background", str(folder), *scenarios)
     assert results["old"] and results["new"]
     return results
 

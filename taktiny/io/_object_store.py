@@ -93,9 +93,6 @@ class Url:
     def __hash__(self) -> int:
         return hash(str(self))
 
-    def __lt__(self, other: Url) -> bool:
-        return str(self) < str(other)
-
 
 def locate(path: str | os.PathLike[str]) -> Path | Url:
     """`path` as a local `Path`, or a `Url` for a string with an object store's scheme."""
@@ -182,14 +179,12 @@ class RemoteFile:
 
     Raises FileNotFoundError (naming the URL) when there is no such object."""
 
-    __slots__ = ("__weakref__", "etag", "futures", "path", "size", "url")
+    __slots__ = ("__weakref__", "etag", "futures", "size", "url")
     large_reads: ClassVar[bool] = True
 
     def __init__(self, url: Url):
-        self.url, self.path = url, url
-        import obstore
-
-        meta = call(url, "HEAD", lambda: obstore.head_async(store(url), url.key))
+        self.url = url
+        meta = _head(url)
         self.size: int = meta["size"]
         self.etag: str | None = meta["e_tag"]
         self.futures: set[concurrent.futures.Future[Any]] = set()
@@ -253,16 +248,20 @@ class RemoteFile:
 
     def replaced(self) -> bool:
         """Whether the URL now names another object than the one opened (or none)."""
-        import obstore
-
         try:
-            meta = call(self.url, "HEAD", lambda: obstore.head_async(store(self.url), self.url.key))
+            return _head(self.url)["e_tag"] != self.etag
         except FileNotFoundError:
             return True
-        return meta["e_tag"] != self.etag
 
     def close(self) -> None:
         """Nothing to release: requests are made per read."""
+
+
+def _head(url: Url) -> Any:
+    """The object's metadata (``size``, ``e_tag``), by a HEAD; FileNotFoundError without one."""
+    import obstore
+
+    return call(url, "HEAD", lambda: obstore.head_async(store(url), url.key))
 
 
 def _wait(attempt: int) -> float:
