@@ -80,26 +80,41 @@ class DecoderLayer(nn.Module):
 
 class Llama(nn.Module):
     """Token ids [batch, length] -> next-token logits [batch, length, vocab]; with
-    `caches` (one KVCache per layer, from `init_caches`), (logits, the caches advanced)."""
+    `caches` (from `init_caches`), (logits, the caches advanced).
 
-    def __init__(self, config: LlamaConfig, *, rngs: nn.Rngs):
-        hidden, vocab = config.hidden_size, config.vocab_size
+    `scanned=True` holds the decoder layers as one `nn.Stack` (each parameter
+    [layers, ...]) run by `jax.lax.scan`: jit compiles one layer whatever the depth, and the
+    caches are one stacked KVCache. Its per-layer names (`layers.3.attention.query.kernel`)
+    are those of the list of layers, so the same rules load and export both."""
+
+    def __init__(self, config: LlamaConfig, *, rngs: nn.Rngs, scanned: bool = False):
+        hidden, vocab, count = config.hidden_size, config.vocab_size, config.num_hidden_layers
         self.embed = nn.Embed(vocab, hidden, rngs=rngs)
-        self.layers = [DecoderLayer(config, rngs=rngs) for _ in range(config.num_hidden_layers)]
+        if scanned:
+            self.layers = nn.Stack(lambda rngs: DecoderLayer(config, rngs=rngs), count, rngs=rngs)
+        else:
+            self.layers = [DecoderLayer(config, rngs=rngs) for _ in range(count)]
         self.norm = nn.RMSNorm(hidden, epsilon=config.rms_norm_eps)
         tied = config.tie_word_embeddings  # tied: the output projection is the embedding
         self.lm_head = None if tied else nn.Linear(hidden, vocab, use_bias=False, rngs=rngs)
 
-    def init_caches(self, batch: int, max_length: int) -> list[nn.KVCache]:
-        """Empty caches for `batch` sequences of up to `max_length` tokens in all."""
-        return [layer.attention.init_cache(batch, max_length) for layer in self.layers]
+    def init_caches(self, batch: int, max_length: int) -> Any:
+        """Empty caches for `batch` sequences of up to `max_length` tokens in all: a list
+        of KVCaches, one per layer; scanned, one KVCache stacked [layers, ...]."""
+        make = lambda layer: layer.attention.init_cache(batch, max_length)
+        if isinstance(self.layers, nn.Stack):
+            return self.layers.map(make)
+        return [make(layer) for layer in self.layers]
 
     def __call__(self, ids, *, caches=None):
         x = self.embed(ids)
-        advanced = []
-        for i, layer in enumerate(self.layers):
-            x, cache = layer(x, None if caches is None else caches[i])
-            advanced.append(cache)
+        if isinstance(self.layers, nn.Stack):  # each layer gets its slice of the caches
+            x, advanced = self.layers(x) if caches is None else self.layers(x, caches)
+        else:
+            advanced = []
+            for i, layer in enumerate(self.layers):
+                x, cache = layer(x, None if caches is None else caches[i])
+                advanced.append(cache)
         x = self.norm(x)
         logits = self.embed.attend(x) if self.lm_head is None else self.lm_head(x)
         return logits if caches is None else (logits, advanced)
@@ -181,9 +196,11 @@ def greedy(model: Llama, prompt: np.ndarray, new_tokens: int) -> tuple[np.ndarra
     return np.asarray(jnp.concatenate(tokens, axis=1)), traces
 
 
-def compare(tied: bool):
-    """Converts, checks and exports the model with a tied or an untied head, then decodes."""
+def compare(tied: bool, scanned: bool = False):
+    """Converts, checks and exports the model with a tied or an untied head (scanned: its
+    layers one `nn.Stack`), then decodes."""
     head, rules = ("tied", TIED_RULES) if tied else ("untied", UNTIED_RULES)
+    head += ", scanned" if scanned else ""
     config = llama_config(tied)
     torch.manual_seed(0)
     reference = hugging_face(config)
@@ -193,7 +210,8 @@ def compare(tied: bool):
 
     with tempfile.TemporaryDirectory() as folder:
         reference.save_pretrained(folder)  # the files people download
-        abstract = jax.eval_shape(lambda: Llama(config, rngs=nn.Rngs(0)))  # no initialisation
+        # no initialisation; scanned, each layer's tensors stream into their slices
+        abstract = jax.eval_shape(lambda: Llama(config, rngs=nn.Rngs(0), scanned=scanned))
         # every name checked (used once, every leaf made, shapes right) before anything loads
         model = load_safetensors(abstract, folder, rules=rules)
 
@@ -235,6 +253,7 @@ def compare(tied: bool):
 def main():
     compare(tied=True)
     compare(tied=False)
+    compare(tied=True, scanned=True)
 
 
 if __name__ == "__main__":

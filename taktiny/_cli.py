@@ -130,15 +130,40 @@ def inspect(path: str, pattern: str | None, as_json: bool) -> str:
         found = [e for e in found if regex.fullmatch("." + e.name)]
     count = sum(math.prod(e.shape) for e in found)
     total = sum(e.nbytes for e in found)
+    stacks = _stacks(path)
+    layers = {e.name: _stack_of(e.name, stacks) for e in found}
     if as_json:
         tensors = [
             {"name": e.name, "shape": list(e.shape), "dtype": e.dtype, "bytes": e.nbytes}
+            | ({"stack": layers[e.name]} if layers[e.name] else {})
             for e in found
         ]
         return json.dumps({"tensors": tensors, "parameters": count, "bytes": total})
-    rows = [["name", "shape", "dtype", "bytes"]]
-    rows += [[e.name, str(e.shape), e.dtype, f"{e.nbytes:,}"] for e in found]
+    rows = [["name", "shape", "dtype", "bytes", *(["layers"] if stacks else [])]]
+    for e in found:
+        stack = layers[e.name]
+        layer = [f"{stack['count']} of {stack['path']!r} (axis 0)" if stack else ""]
+        rows.append([e.name, str(e.shape), e.dtype, f"{e.nbytes:,}", *(layer if stacks else [])])
     return f"{table(rows)}\n{len(found)} tensors, {count:,} parameters, {total:,} bytes"
+
+
+def _stacks(path: str) -> dict[str, dict[str, Any]]:
+    """The stacked leaves a Taktiny safetensors checkpoint's schema records (by the
+    schema's names, each with its stack's path and layer count); none for another file."""
+    where = locate(path)
+    if isinstance(where, Path) and is_orbax(where):
+        return {}
+    from .io import open_safetensors
+
+    stored = open_safetensors(path).schema
+    if stored is None:
+        return {}
+    return {name: dict(entry["stack"]) for name, entry in stored.items() if "stack" in entry}
+
+
+def _stack_of(tensor: str, stacks: Mapping[str, dict[str, Any]]) -> dict[str, Any] | None:
+    """The stack a tensor is a leaf of (a QArray's parts under the QArray's name)."""
+    return stacks.get(tensor) or stacks.get(tensor.rpartition(".")[0])
 
 
 def _read(entry: Entry, opened: Mapping[Path | Url, Any]) -> np.ndarray:

@@ -47,6 +47,7 @@ from ._transforms import unstack as unstack
 "For Taktiny's own packages (importable, not public):"
 
 from ._convert import check_ties as check_ties
+from ._convert import per_layer as per_layer
 from ._coverage import allowed_by as allowed_by
 from ._coverage import check_allow as check_allow
 from ._coverage import plan as plan

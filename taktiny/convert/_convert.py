@@ -3,13 +3,14 @@ and `round_trip_check`."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+import re
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
 import numpy as np
 
-from ..state import flat_state_dict, host_array, load_flat_state_dict
+from ..state import Spec, flat_state_dict, flatten, host_array, load_flat_state_dict
 from ._coverage import (
     ConversionError,
     ConversionProblem,
@@ -24,8 +25,30 @@ from ._moments import owners, plan_state
 from ._rules import AnyRule, Ignore, Rule, Tie, capture_names, compile_template, fill
 
 
-def _leaves(target: Any) -> dict[str, Any]:
-    return dict(target) if isinstance(target, Mapping) else flat_state_dict(target)
+def _leaves(target: Any, rules: Sequence[AnyRule], like: Any = None) -> dict[str, Any]:
+    """The flat state of a model, or the flat state given. A model's stacks of layers
+    (``nn.Stack``) read per layer when the rules name them so (those of the model `like`,
+    for its optimizer state)."""
+    if isinstance(target, Mapping):
+        return dict(target)
+    model = target if like is None else like
+    unstacked = not isinstance(model, Mapping) and per_layer(flatten(model)[2], None, rules)
+    return flat_state_dict(target, unstacked=unstacked)
+
+
+_CAPTURE = re.compile(r"\{[^{}]*\}")
+
+
+def per_layer(spec: Spec, names: Iterable[str] | None, rules: Sequence[AnyRule] | None) -> bool:
+    """Whether a conversion names a stack of layers (``nn.Stack``) of the model `spec`
+    describes per layer (``layers.3.attention.query.kernel``): the targets of `rules` (a
+    capture read as layer 0), or without rules the source's own `names`."""
+    if not spec.stacks:
+        return False
+    if rules is None:
+        return any(spec.split_layer(n) is not None for n in names or ())
+    targets = (t for r in rules if isinstance(r, Rule) for t in r.targets)
+    return any(spec.split_layer(_CAPTURE.sub("0", t)) is not None for t in targets)
 
 
 def check(
@@ -57,7 +80,8 @@ def check(
         ConversionError: listing every problem not allowed.
         ValueError: `allow` names a kind it cannot allow.
     """
-    report, _ = plan_state(rules, source, _leaves(target), check_allow(allow), "convert.check")
+    leaves = _leaves(target, rules)
+    report, _ = plan_state(rules, source, leaves, check_allow(allow), "convert.check")
     return report
 
 
@@ -113,7 +137,7 @@ def convert(
         ValueError: `allow` names a kind it cannot allow, or an optimizer state's moment
             prefix holds a character of the name templates (``*?[]{}``).
     """
-    leaves = _leaves(target)
+    leaves = _leaves(target, rules)
     report, ties = plan_state(rules, source, leaves, check_allow(allow), "convert.convert")
     check_ties(ties, source, "convert.convert")
     return Converted(report.steps, source, leaves)
@@ -168,7 +192,7 @@ def resume(
         ValueError: `allow` names a kind it cannot allow.
     """
     allow = check_allow(allow)
-    leaves, moments = _leaves(model), _leaves(opt_state)
+    leaves, moments = _leaves(model, rules), _leaves(opt_state, rules, like=model)
     problems: list[ConversionProblem] = []
     try:
         report, ties = plan(rules, source, leaves, allow, "convert.resume")
@@ -290,7 +314,7 @@ def export(rules: Sequence[AnyRule], model: Any) -> dict[str, Any]:
         ConversionError: naming every leaf that cannot be exported (a rule that is not
             invertible, or no rule).
     """
-    leaves = _leaves(model)
+    leaves = _leaves(model, rules)
     inverse = [_compile_targets(r) if isinstance(r, Rule) else [] for r in rules]
     problems: list[ConversionProblem] = []
     groups: dict[tuple[int, tuple[tuple[str, str], ...]], dict[int, str]] = {}
@@ -379,7 +403,7 @@ def round_trip_check(rules: Sequence[AnyRule], model: Any) -> None:
         ConversionError: naming every leaf that cannot be exported, or that comes back
             different.
     """
-    leaves = _leaves(model)
+    leaves = _leaves(model, rules)
     back = convert(rules, export(rules, model), target=leaves)
     problems = []
     for name, leaf in leaves.items():

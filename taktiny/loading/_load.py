@@ -25,6 +25,7 @@ from typing import Any
 from ..convert import AnyRule, Step
 from ..io import RETRIES, Checkpoint, Replaced, Tensor, byte_size, read_together
 from ._budget import Budget
+from ._layers import Stacker, covered
 from ._place import (
     Scratch,
     direct_leaf,
@@ -36,7 +37,7 @@ from ._place import (
     transposed_leaf,
 )
 from ._readers import Readahead, Readers
-from ._record import Load, loaded, migrated, open_load, unkept
+from ._record import Load, loaded, migrated, open_load, parts_of, unkept
 from ._steps import steps_of, tensors_of
 
 PROGRESS_BYTES = 256 * 2**20  # loads of more bytes than this show a progress bar by default
@@ -185,7 +186,10 @@ def _load(
     scratch = tuple(Scratch(size) for size in ways.sizes)
     holder: list[int | None] = [None] * len(scratch)  # the step whose sources a buffer holds
     readers = Readers()
-    placed: dict[str, Any] = {}
+    placed: Any = {}
+    if load.layers is not None:  # per-layer names: each slice written into its stacked leaf
+        made = {p for s in steps for t in s.targets for p in parts_of(t, load.quantized)}
+        placed = Stacker(load.layers, covered(load.layers, made))
     running: dict[int, Future[Any]] = {}
     submitted = 0  # units
 
@@ -234,10 +238,10 @@ def _load(
                     placed.update(zip([steps[j].targets[0] for j in unit], arrays, strict=True))
                 elif k in buffer_of:
                     buffer = scratch[buffer_of[k]]
-                    placed.update(transformed(load, steps[k], data, buffer))
+                    placed.update(transformed(load, steps[k], data, buffer).items())
                     holder[buffer_of[k]] = None
                 else:
-                    placed.update(data)
+                    placed.update(data.items())
                 if budget is not None:
                     budget.release(u)  # (placed: what it held is free)
                 if budget is not None or k in buffer_of:

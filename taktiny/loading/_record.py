@@ -24,6 +24,7 @@ from ..convert import (
     ConversionProblem,
     Stage,
     migration_rules,
+    per_layer,
     stages,
     stages_text,
     without_values,
@@ -31,6 +32,7 @@ from ..convert import (
 from ..io import Checkpoint, open_safetensors, schema_part
 from ..quant import QArray
 from ..state import KEY, Flat, customs, is_flat, load_resolved, recorded_versions
+from ._layers import Layered, Stacker, layered
 
 
 class Migrated(NamedTuple):
@@ -75,6 +77,10 @@ class Load:
         verify: whether every tensor's bytes are checked against their checksum.
         migration: how an older checkpoint is migrated; None when it needs no migration
             (or before :func:`migrated` has asked).
+        layers: for a checkpoint that names the model's stacks of layers per layer
+            (``layers.3.attention.query.kernel``), the model itself and where each
+            per-layer leaf goes; `tree`, `view` and `leaves` are then its per-layer twin
+            (`_layers`). None for any other load.
     """
 
     where: str
@@ -89,6 +95,7 @@ class Load:
     strict: bool
     verify: bool
     migration: Migrated | None = None
+    layers: Layered | None = None
 
 
 def open_load(
@@ -110,6 +117,11 @@ def open_load(
         raise ValueError(f"{where}: allow= applies to rules; pass rules= with it.")
     checkpoint = path if isinstance(path, Checkpoint) else open_safetensors(path)
     view = Flat(tree)
+    layers = None
+    if per_layer(view.spec, checkpoint, rules):  # written per layer: the model's twin
+        layers = layered(tree)
+        tree = layers.twin
+        view = Flat(tree)
     leaves = dict(zip(view.spec.names, view.olds, strict=True))
     abstract = [
         (n, leaf.sharding.mesh)
@@ -130,10 +142,11 @@ def open_load(
         value = custom.treedef.unflatten(view.olds[custom.start : custom.stop])
         if isinstance(value, QArray):
             quantized[name] = value
-    keys = None if tree is model else tuple(model)
+    keys = None if tree is model or layers is not None else tuple(model)
     return Load(
-        where, checkpoint, tree, view, leaves, quantized, keys, rules, allow, strict, verify
-    )
+        where, checkpoint, tree, view, leaves, quantized, keys, rules, allow, strict, verify,
+        layers=layers,
+    )  # fmt: skip
 
 
 def as_tree(model: Any) -> Any:
@@ -210,10 +223,12 @@ def unkept(load: Load) -> ConversionError | None:
     )
 
 
-def loaded(load: Load, placed: Mapping[str, Any]) -> Any:
+def loaded(load: Load, placed: Mapping[str, Any] | Stacker) -> Any:
     """The new model: the values the load placed (by leaf name, each checked against its
     leaf and placed as it is) written in by position, the other leaves kept; for a flat
     target, a flat dict of its own keys."""
+    if isinstance(placed, Stacker):
+        return placed.model()
     if load.keys is not None:
         return {name: placed.get(name, load.leaves[name]) for name in load.keys}
     index = load.view.spec.index

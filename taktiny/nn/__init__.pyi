@@ -24,6 +24,7 @@ from ._quantized import QuantizedLinear as QuantizedLinear
 from ._rotary import RotaryEmbedding as RotaryEmbedding
 from ._sequential import Lambda as Lambda
 from ._sequential import Sequential as Sequential
+from ._stack import Stack as Stack
 from ._training import train_forward as train_forward
 
 "For Taktiny's own packages (importable, not public):"

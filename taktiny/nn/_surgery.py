@@ -66,16 +66,34 @@ def _is_layer(x: Any) -> bool:
     return isinstance(x, Module) and type(x)._taktiny_base in _LAYERS
 
 
-def swap(model: Any, chosen: Mapping[str, Module], make: Callable[[str, Any], Any]) -> Any:
-    """`model` with each `chosen` layer (by flat name) replaced by ``make(name, layer)``."""
+def swap(model: Any, chosen: Mapping[str, Module], make: Callable[[str, Any, Any], Any]) -> Any:
+    """`model` with each `chosen` layer (by flat name) replaced by ``make(name, layer,
+    None)``; a layer in a stack of layers (:class:`~taktiny.nn.Stack`), whose arrays have
+    the leading layer axis, by ``make(name, layer_i, i)`` for each layer ``i`` at once
+    (``jax.vmap``, ``i`` traced), so that each layer is made as a layer of its own is."""
+    spec = flatten(model)[2]
 
     def replace(path: Any, layer: Any) -> Any:
         if not _is_layer(layer):
             return layer
         name = ".".join(map(key_name, path))
-        return make(name, layer) if name in chosen else layer
+        if name not in chosen:
+            return layer
+        stack = spec.stack_of(name)
+        if stack is None:
+            return make(name, layer, None)
+        each = jax.vmap(lambda one, i: make(name, one, i), spmd_axis_name=stack.axis)
+        abstract = any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(layer))
+        return (jax.eval_shape if abstract else lambda f, *a: f(*a))(
+            each, layer, jnp.arange(stack.count)
+        )
 
     return jax.tree_util.tree_map_with_path(replace, model, is_leaf=_is_layer)
+
+
+def layer_of(layer: Any, index: int) -> Any:
+    """Layer `index` of a layer whose arrays have the leading layer axis of a stack."""
+    return jax.tree.map(lambda x: x[index], layer)
 
 
 def choose(
@@ -237,9 +255,10 @@ def lora(
     chosen = choose(model, where, list(_ADAPTABLE), "taktiny.lora", others)
     keys = {name: rngs() for name in sorted(chosen)}
 
-    def adapt(name: str, layer: Any) -> Any:
+    def adapt(name: str, layer: Any, index: Any) -> Any:
         adapter = _ADAPTABLE[type(layer)._taktiny_base]
-        return adapter(layer, rank, alpha=alpha, rngs=Rngs(keys[name]))
+        key = keys[name] if index is None else jax.random.fold_in(keys[name], index)
+        return adapter(layer, rank, alpha=alpha, rngs=Rngs(key))
 
     return swap(model, chosen, adapt)
 
@@ -356,13 +375,21 @@ def merge_lora(model: Any, *, where: Selection | None = None, report: bool = Fal
     chosen = choose(model, where, _ADAPTED, "taktiny.merge_lora", others)
     errors: dict[str, float] = {}
 
-    def merge(name: str, layer: Any) -> Any:
+    def merge(name: str, layer: Any, index: Any) -> Any:
         merged, weight, new = _merged(layer, name)
-        if report:
+        if report and index is None:
             errors[name] = _merge_error(layer, weight, new, name)
         return merged
 
     merged = swap(model, chosen, merge)
+    if report:  # a stack's layers: each layer's merge told, the largest kept
+        spec = flatten(model)[2]
+        for name, layer in chosen.items():
+            stack = spec.stack_of(name)
+            if stack is not None:
+                each = (layer_of(layer, i) for i in range(stack.count))
+                errors[name] = max(_merge_error(one, *_merged(one, name)[1:], name) for one in each)
+        errors = {name: errors[name] for name in chosen}
     return (merged, errors) if report else merged
 
 
@@ -418,7 +445,7 @@ def quantize(
     chosen = choose(model, where, (Linear, Embed), "taktiny.quantize", others)
     how = {"bits": bits, "group_size": group_size}
 
-    def quantized_layer(name: str, layer: Any) -> Any:
+    def quantized_layer(name: str, layer: Any, index: Any) -> Any:
         prefix = f"{name}." if name else ""
         config = {"dtype": layer.dtype, "precision": layer.precision}
         if isinstance(layer, Linear):
@@ -456,7 +483,7 @@ def dequantize(model: Any, *, where: Selection | None = None) -> Any:
     others = {Linear: _NOT_QUANTIZED, Embed: _NOT_QUANTIZED}
     chosen = choose(model, where, (QuantizedLinear, QuantizedEmbed), "taktiny.dequantize", others)
 
-    def float_layer(name: str, layer: Any) -> Any:
+    def float_layer(name: str, layer: Any, index: Any) -> Any:
         config = {"dtype": layer.dtype, "precision": layer.precision}
         if isinstance(layer, QuantizedLinear):
             return build(Linear, kernel=layer.kernel.dequantize(), bias=layer.bias, **config)

@@ -199,9 +199,27 @@ def parts_layout(value: Any, scale: Any) -> tuple[int, int, int | None] | str:
 _CHECKED: set[tuple[Any, ...]] = set()  # layouts found consistent (every load rebuilds QArrays)
 
 
+def _stacked_axes(q: QArray, shape: tuple[int, ...]) -> int:
+    """How many leading axes `q`'s parts share as the layers of a stack (``nn.Stack``
+    holds a QArray per layer as one QArray with a leading layer axis, its `axis` counted
+    within a layer): 0 for a QArray of one layer, or where no leading axes fit."""
+    scale = tuple(q.scale.shape)
+    for k in range(1, len(shape)):
+        if len(scale) != len(shape) or scale[:k] != shape[:k] or q.axis >= len(shape) - k:
+            continue
+        if check_layout(shape[k:], q.bits, q.axis, q.group_size):
+            continue
+        if scale[k:] == scale_shape(shape[k:], q.axis, q.group_size):
+            return k
+    return 0
+
+
 def _problem(q: QArray) -> str | None:
     """What is inconsistent in `q`, whose parts are arrays (None: nothing)."""
     shape = tuple(q.value.shape)
+    stacked = _stacked_axes(q, shape)
+    if stacked:  # the parts of a stack's layers, with a leading layer axis: each checked
+        shape = shape[stacked:]
     problem = check_layout(shape, q.bits, q.axis, q.group_size)
     if problem:
         return f"{problem} (value of shape {shape})"
@@ -215,7 +233,7 @@ def _problem(q: QArray) -> str | None:
     if numeric(q.scale.dtype) and not jnp.issubdtype(q.scale.dtype, jnp.floating):
         return f"scale must be a float array, got {jnp.dtype(q.scale.dtype).name}"
     expected = scale_shape(shape, q.axis, q.group_size)
-    if tuple(q.scale.shape) != expected:
+    if tuple(q.scale.shape)[stacked:] != expected:
         per = "one per channel" if q.group_size is None else f"one per group of {q.group_size}"
         return (
             f"scale has shape {tuple(q.scale.shape)}, expected {expected} for a value of shape "

@@ -76,6 +76,10 @@ def sharding_plan(
     entry of the weight's first axis, ``<layer>.lora_b`` that of its second, the rank
     axis unsplit, unless a rule naming the factor comes before the first naming the
     weight.
+    In a stack of layers (:class:`taktiny.nn.Stack`) a rule gives the spec of one
+    layer's array (``"layers.*.attention.query.kernel"`` matches the stacked name
+    ``layers.block.attention.query.kernel``), and the stack's ``layer_axis`` (None: not
+    split) is prepended for the layer axis.
 
     Args:
         tree: a module or any PyTree of arrays (or of ``jax.ShapeDtypeStruct``).
@@ -121,6 +125,7 @@ def _plan(
     found = match(checked, names.names, PartitionSpec())
     found = _whole_parameters(checked, names, leaves, found)
     found = _adapters(checked, names.names, found)
+    found = _layer_axes(names, found)
     # a rule that matches nothing is a typo, most often: never silently left out
     problems = rule_problems(found, checked, names.names, None)
     # models repeat a few shapes and specs: each pair is checked, and each spec made into a
@@ -228,6 +233,20 @@ def _adapters(rules: list[tuple[str, PartitionSpec]], names: Sequence[str], foun
         values[i] = PartitionSpec(*((entry, None) if axis == 0 else (None, entry)))
         unmatched.discard(name)
     return Match(values, [n for n in found.unmatched if n in unmatched], found.unused)
+
+
+def _layer_axes(names: Spec, found: Match) -> Match:
+    """`found` with the layer axis of each leaf of a stack of layers (``nn.Stack``)
+    prepended to its spec: a rule gives one layer's spec, the stack its ``layer_axis``
+    (None: the layer axis unsplit)."""
+    if not names.stacks:
+        return found
+    values = list(found.values)
+    for i, name in enumerate(names.names):
+        stack = names.stack_of(name)
+        if stack is not None:
+            values[i] = PartitionSpec(stack.axis, *values[i])
+    return Match(values, found.unmatched, found.unused)
 
 
 def _follow(spec: PartitionSpec, shape: tuple[int, ...], whole: tuple[int, ...]) -> PartitionSpec:

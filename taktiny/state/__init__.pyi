@@ -6,7 +6,9 @@ re-exported by ``taktiny``. Each name is imported when first used, so that a pro
 reading only safetensors headers never imports JAX."""
 
 from . import _problems as problems  # noqa: F401  # pyright: ignore[reportUnusedImport] (a namespace: the problem records)
+from ._layers import layer_sharding as layer_sharding
 from ._names import Spec as Spec
+from ._names import Stacked as Stacked
 from ._names import customs as customs
 from ._names import fields as fields
 from ._names import flatten as flatten

@@ -92,6 +92,24 @@ class Custom:
     stop: int
 
 
+@dataclasses.dataclass(frozen=True)
+class Stacked:
+    """A stack of layers (``nn.Stack``, known by its class's ``_taktiny_stacked``: the
+    name of the data field holding its block): at `path`, ``count`` layers held as one
+    block whose leaves have a leading layer axis. Its leaves are named ``<block>.<rest>``
+    stacked and ``<path>.<i>.<rest>`` per layer."""
+
+    path: str  # the stack's own name ("" at the root)
+    block: str  # its block's name ("layers.block"): the prefix of its stacked leaves
+    count: int
+    axis: str | None  # the mesh axis splitting the layer axis (None: unsplit)
+
+    def layer_name(self, stacked: str, index: int) -> str:
+        """The per-layer name of layer `index` of the stacked leaf `stacked`."""
+        rest = stacked[len(self.block) + 1 :]
+        return f"{self.path}.{index}.{rest}" if self.path else f"{index}.{rest}"
+
+
 # A template's value: a leaf's position, a sub-template, or a custom parameter.
 Entry = int | dict[str, Any] | Custom
 
@@ -105,6 +123,27 @@ class Spec:
     template: dict[str, Entry]  # nested: key -> leaf position | sub-template | Custom
     plan: Any  # how to gather a full nested state's values in leaf order (None: can't)
     modules: dict[str, type]  # the class of each module by its path ("": the root)
+    stacks: tuple[Stacked, ...] = ()  # the stacks of layers in the tree, outer first
+
+    def stack_of(self, name: str) -> Stacked | None:
+        """The stack whose block holds the leaf `name`, or None."""
+        for stack in self.stacks:
+            if name.startswith(stack.block + "."):
+                return stack
+        return None
+
+    def split_layer(self, name: str) -> tuple[str, int, Stacked] | None:
+        """For a per-layer name (``layers.3.attention.query.kernel`` of a stack at
+        ``layers``): the stacked leaf it is a slice of, the layer, and the stack; None for
+        any other name (a stacked leaf's name among them)."""
+        for stack in self.stacks:
+            head = stack.path + "." if stack.path else ""
+            if not name.startswith(head):
+                continue
+            index, dot, rest = name[len(head) :].partition(".")
+            if dot and index.isdigit() and str(int(index)) == index and int(index) < stack.count:
+                return f"{stack.block}.{rest}", int(index), stack
+        return None
 
 
 _SPECS: dict[Any, Spec] = {}  # tree structure -> its description
@@ -160,7 +199,8 @@ def _make_spec(tree: Any) -> Spec:
     if len(index) != len(names):
         twice = sorted({n for n in names if names.count(n) > 1})
         raise TypeError(f"{where} gives two leaves the same name: {twice[:5]}.")
-    return Spec(tuple(names), index, template, _plan(template), _modules(tree, where))
+    modules = _modules(tree, where)
+    return Spec(tuple(names), index, template, _plan(template), modules, _stacks(tree, where))
 
 
 def _is_module(x: object) -> bool:
@@ -184,6 +224,30 @@ def _modules(tree: Any, where: str) -> dict[str, type]:
 
     walk(tree, [])
     return found
+
+
+def _stacks(tree: Any, where: str) -> tuple[Stacked, ...]:
+    """Every stack of layers in `tree` (a node whose class names its stacked field in
+    ``_taktiny_stacked``), outer first. A stack inside another's block is refused: its
+    leaves would have two layer axes."""
+    found: list[Stacked] = []
+    is_stack: Callable[[Any], bool] = lambda x: hasattr(type(x), "_taktiny_stacked")  # pyright: ignore[reportUnknownArgumentType]
+    for path, node in tree_util.tree_flatten_with_path(tree, is_leaf=is_stack)[0]:
+        if not is_stack(node):
+            continue
+        name = ".".join(_names(path, where))
+        field: str = getattr(node, "_taktiny_stacked")  # noqa: B009  (a class attribute of nn.Stack's)
+        inner: list[Any] = jax.tree_util.tree_leaves(getattr(node, field), is_leaf=is_stack)
+        if any(map(is_stack, inner)):
+            raise TypeError(
+                f"{where} holds a stack of layers inside the block of the stack at "
+                f"{name or 'its root'!r}: a stack's block cannot hold another stack (its "
+                f"arrays would have two layer axes). Stack the inner blocks' parameters "
+                f"in the outer block's own layer axis instead."
+            )
+        block = f"{name}.{field}" if name else field
+        found.append(Stacked(name, block, node.count, node.layer_axis))
+    return tuple(found)
 
 
 def customs(template: dict[str, Entry], path: tuple[str, ...] = ()) -> Iterator[tuple[str, Custom]]:

@@ -933,3 +933,27 @@ def stored_quantized(
         f"convert.dequantize(axis={axis}{group}))."
     )
     return StateProblem("structure", name, float_array, "quantized parts", hint)
+
+
+def both_forms(name: str, layers: list[str]) -> StateProblem:
+    shown = ", ".join(repr(n) for n in layers[:3]) + (", ..." if len(layers) > 3 else "")
+    return StateProblem(
+        "structure",
+        name,
+        "the stacked leaf or its layers",
+        f"both ({shown})",
+        f"given both whole and per layer ({shown}): a load takes a stack's leaf in one form; "
+        f"drop one of them.",
+    )
+
+
+def layers_without_values(name: str, absent: list[int], count: int) -> StateProblem:
+    shown = ", ".join(map(str, absent[:8])) + (", ..." if len(absent) > 8 else "")
+    return StateProblem(
+        "abstract",
+        name,
+        f"all {count} layers",
+        f"{count - len(absent)} of them",
+        f"some layers given for an abstract model, whose layers {shown} have no value to "
+        f"keep: give every layer, or load into a concrete model.",
+    )

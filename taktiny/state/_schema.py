@@ -34,7 +34,9 @@ class Schema(Mapping[str, Mapping[str, Any]]):
     the mesh's axis sizes, which hold on any machine with that mesh (device ids are left
     out). ``quantization`` is None for a plain array; for a :class:`~taktiny.QArray`,
     ``{"bits": 4, "axis": 0, "group_size": 64}``, and then ``dtype`` is the float dtype it
-    stands for.
+    stands for. A leaf of a stack of layers (:class:`taktiny.nn.Stack`) also has
+    ``"stack": {"path": "layers", "count": 32}``: its first axis is the layer axis, and
+    per layer it reads ``layers.<i>.<rest>``.
 
     ``version`` is the state version the tree's class declares (``state_version``, see
     :func:`taktiny.migrate`), or None when it declares none: a load of an older version
@@ -243,6 +245,11 @@ def schema(tree: Any) -> Schema:
                 found[prefix + key] = leaf_entry(value)
 
     walk(_tree.state_dict(tree), "")
+    spec = _names.flatten(tree)[2]
+    for name, entry in found.items():
+        stack = spec.stack_of(name)
+        if stack is not None:
+            entry["stack"] = {"path": stack.path, "count": stack.count}
     versions = declared_versions(tree)
     return Schema(found, version=versions.pop("", None), versions=versions)
 
@@ -385,8 +392,8 @@ def _checked(name: object, entry: object) -> dict[str, Any]:
     problem = None
     if not isinstance(name, str):
         problem = "names must be strings"
-    elif fields is None or set(fields) != set(_FIELDS):
-        problem = f"an entry has exactly the keys {list(_FIELDS)}"
+    elif fields is None or set(fields) - {"stack"} != set(_FIELDS):
+        problem = f"an entry has exactly the keys {list(_FIELDS)} (and 'stack' for a stack's leaf)"
     elif (shape := _as_list(fields["shape"])) is None or not all(
         type(n) is int and n >= 0 for n in shape
     ):
@@ -401,6 +408,10 @@ def _checked(name: object, entry: object) -> dict[str, Any]:
     elif not _is_quantization(fields["quantization"]):
         problem = (
             "'quantization' is None or {'bits': 4 or 8, 'axis': int, 'group_size': int or None}"
+        )
+    elif "stack" in fields and not _is_stack(fields["stack"], shape):
+        problem = (
+            "'stack' is {'path': the stack's name, 'count': its layers, the first axis's size}"
         )
     if problem is not None:
         raise ValueError(f"schema entry {short(name)}: {problem}; got {short(entry)}")
@@ -434,6 +445,18 @@ def _is_sharding(value: object, ndim: int) -> bool:
         and len(spec) == ndim
         and all(isinstance(a, str) and a in mesh for a in axes)
         and len(set(axes)) == len(axes)
+    )
+
+
+def _is_stack(value: object, shape: list[Any]) -> bool:
+    fields = _as_dict(value)
+    return (
+        fields is not None
+        and set(fields) == {"path", "count"}
+        and isinstance(fields["path"], str)
+        and type(fields["count"]) is int
+        and bool(shape)
+        and shape[0] == fields["count"]
     )
 
 
@@ -480,4 +503,11 @@ def _entry_text(entry: Mapping[str, Any]) -> str:
         parts.append(_text(entry["sharding"]))
     if entry["quantization"] is not None:
         parts.append(_text(entry["quantization"]))
+    if "stack" in entry:
+        parts.append(_stack_text(entry["stack"]))
     return ", ".join(parts)
+
+
+def _stack_text(stack: Mapping[str, Any]) -> str:
+    """``stacked: 32 layers of 'layers' on axis 0``."""
+    return f"stacked: {stack['count']} layers of {stack['path'] or 'the root'!r} on axis 0"

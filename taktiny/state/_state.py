@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from jax.core import Tracer
 from jax.sharding import NamedSharding
 
+import taktiny.state._layers as _layers
 import taktiny.state._names as _names
 import taktiny.state._problems as err
 import taktiny.state._represent as _represent
@@ -221,7 +222,7 @@ def load(
     named = lambda: caller or _caller(tree, flat)  # (formatted only for an error)
     if not isinstance(state, Mapping):
         raise TypeError(f"{named()} expects a dict, got {type(state).__name__}.")
-    state = cast("Mapping[Any, Any]", state)
+    state = _layers.stacked_state(tree, cast("Mapping[Any, Any]", state), flat, named)
     match = match_quantization
     view: View[Any]
     if not strict and _few(state, flat):

@@ -7,6 +7,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
+import taktiny.state._layers as _layers
 import taktiny.state._names as _names
 import taktiny.state._patterns as _patterns
 import taktiny.state._state as _state
@@ -16,7 +17,7 @@ from ._problems import SelectionError
 MISSING: Any = dataclasses.MISSING  # no default given
 
 
-def state_dict(tree: Any) -> dict[str, Any]:
+def state_dict(tree: Any, *, unstacked: bool = False) -> dict[str, Any]:
     """The leaves of any PyTree as nested dicts, named as a module's state is named.
 
     Modules and the lists, tuples (named tuples too) and dicts that hold them are walked
@@ -27,25 +28,42 @@ def state_dict(tree: Any) -> dict[str, Any]:
 
     Args:
         tree: a module, or a container of arrays and modules.
+        unstacked: give each stack of layers (:class:`taktiny.nn.Stack`) per layer, under
+            the stack's name and the layer's index (``{"layers": {"0": ...}}``) instead of
+            its block's stacked arrays (``{"layers": {"block": ...}}``); see
+            :func:`flat_state_dict`.
 
     Returns:
-        Nested dicts whose leaves are the tree's own arrays (no copies).
+        Nested dicts whose leaves are the tree's own arrays (no copies; with `unstacked`,
+        a stack's leaves are slices, which are copies).
     """
     leaves, _, spec = _names.flatten(tree)
+    if unstacked and spec.stacks:
+        return _layers.nest(_layers.unstacked(spec, leaves))
     return _names.nested(spec.template, leaves)
 
 
-def flat_state_dict(tree: Any) -> dict[str, Any]:
+def flat_state_dict(tree: Any, *, unstacked: bool = False) -> dict[str, Any]:
     """The leaves of any PyTree under dotted names (``"0.mu.encoder.kernel"``), in the
     order JAX flattens the tree; see :func:`state_dict`.
 
+    A stack of layers (:class:`taktiny.nn.Stack`) at ``layers`` reads stacked: its
+    block's leaves, ``layers.block.attention.query.kernel`` of shape ``[count, ...]``.
+    With ``unstacked=True`` it reads per layer, as a list of blocks would:
+    ``layers.0.attention.query.kernel``, ``layers.1...``, each a slice ``[...]``, the
+    layers in order. Every load takes either form.
+
     Args:
         tree: a module, or a container of arrays and modules.
+        unstacked: give each stack's leaves per layer.
 
     Returns:
-        One flat dict from each leaf's dotted name to the leaf itself (no copies).
+        One flat dict from each leaf's dotted name to the leaf itself (no copies; with
+        `unstacked`, a stack's slices, which are copies).
     """
     leaves, _, spec = _names.flatten(tree)
+    if unstacked and spec.stacks:
+        return _layers.unstacked(spec, leaves)
     return dict(zip(spec.names, leaves, strict=True))
 
 
