@@ -11,8 +11,12 @@ exports the model back into a folder that `LlamaForCausalLM.from_pretrained` loa
 missing or unexpected names; `convert.parity` compares the logits both times, at full
 float32 matmul precision. Then it decodes greedily with a `KVCache` per layer: the prompt in
 one jitted call, each new token through one jitted step that compiles once, and compares the
-tokens with `generate`. Run `python examples/llama.py`: it prints the largest differences in
-the logits and both models' tokens.
+tokens with `generate`. A third run scans the Llama 2 model: its decoder layers are one
+`nn.Stack` (each parameter [layers, ...], run by `jax.lax.scan`, so jit compiles one layer
+whatever the depth), loaded from the same folder with the same rules (each layer's tensors
+stream into their slices of the stacked arrays), exported back the same way, and decoding
+with one KVCache stacked over the layers. Run `python examples/llama.py`: it prints the
+largest differences in the logits and both models' tokens.
 """
 
 import tempfile

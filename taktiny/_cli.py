@@ -139,11 +139,11 @@ def inspect(path: str, pattern: str | None, as_json: bool) -> str:
             for e in found
         ]
         return json.dumps({"tensors": tensors, "parameters": count, "bytes": total})
-    rows = [["name", "shape", "dtype", "bytes", *(["layers"] if stacks else [])]]
+    rows = [["name", "shape", "dtype", *(["layers"] if stacks else []), "bytes"]]
     for e in found:
         stack = layers[e.name]
         layer = [f"{stack['count']} of {stack['path']!r} (axis 0)" if stack else ""]
-        rows.append([e.name, str(e.shape), e.dtype, f"{e.nbytes:,}", *(layer if stacks else [])])
+        rows.append([e.name, str(e.shape), e.dtype, *(layer if stacks else []), f"{e.nbytes:,}"])
     return f"{table(rows)}\n{len(found)} tensors, {count:,} parameters, {total:,} bytes"
 
 
@@ -153,12 +153,14 @@ def _stacks(path: str) -> dict[str, dict[str, Any]]:
     where = locate(path)
     if isinstance(where, Path) and is_orbax(where):
         return {}
-    from .io import open_safetensors
+    from .io import SCHEMA_KEY, open_safetensors
 
-    stored = open_safetensors(path).schema
-    if stored is None:
-        return {}
-    return {name: dict(entry["stack"]) for name, entry in stored.items() if "stack" in entry}
+    text = open_safetensors(path).metadata.get(SCHEMA_KEY)  # (read as JSON: no JAX import)
+    try:
+        tensors = json.loads(text)["tensors"] if text is not None else {}
+        return {name: dict(e["stack"]) for name, e in tensors.items() if "stack" in e}
+    except (ValueError, TypeError, KeyError, AttributeError):
+        return {}  # (a schema Taktiny did not write: listed without its stacks)
 
 
 def _stack_of(tensor: str, stacks: Mapping[str, dict[str, Any]]) -> dict[str, Any] | None:

@@ -69,6 +69,26 @@ def test_inspect_lists_names_shapes_dtypes_and_sizes(two, capsys):
     assert (listed["parameters"], listed["bytes"]) == (10, 32)
 
 
+def test_inspect_shows_a_stack_s_layer_axis(tmp_path, capsys):
+    from taktiny.io import save_safetensors
+
+    stack = nn.Stack(lambda rngs: nn.Linear(2, 3, rngs=rngs), 4, rngs=nn.Rngs(0))
+    save_safetensors(tmp_path / "stack.safetensors", {"head": nn.Linear(3, 1, rngs=nn.Rngs(1)),
+                                                      "layers": stack})  # fmt: skip
+    assert main(["inspect", str(tmp_path / "stack.safetensors")]) == 0
+    assert capsys.readouterr().out == (
+        "name                 shape      dtype    layers                  bytes\n"
+        "head.bias            (1,)       float32                              4\n"
+        "head.kernel          (3, 1)     float32                             12\n"
+        "layers.block.bias    (4, 3)     float32  4 of 'layers' (axis 0)     48\n"
+        "layers.block.kernel  (4, 2, 3)  float32  4 of 'layers' (axis 0)     96\n"
+        "4 tensors, 40 parameters, 160 bytes\n"
+    )
+    assert main(["inspect", str(tmp_path / "stack.safetensors"), "--json"]) == 0
+    listed = json.loads(capsys.readouterr().out)["tensors"]
+    assert listed[3]["stack"] == {"path": "layers", "count": 4} and "stack" not in listed[0]
+
+
 def test_inspect_reads_an_index_and_its_shards(tmp_path, capsys):
     save(tmp_path / "model-00001-of-00002.safetensors", {"a": np.ones(3, np.float32)})
     save(tmp_path / "model-00002-of-00002.safetensors", {"b": np.ones((2, 2), np.float16)})

@@ -385,6 +385,7 @@ def test_public_surface_is_short_and_documented():
         "Rngs",
         "RotaryEmbedding",
         "Sequential",
+        "Stack",
         "field",
         "train_forward",
     ]

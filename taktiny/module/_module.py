@@ -382,7 +382,7 @@ class Module(types.SimpleNamespace, metaclass=_ModuleMeta):
     def __repr__(self) -> str:
         return eqx.tree_pformat(self, struct_as_array=True)
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self, *, unstacked: bool = False) -> dict[str, Any]:
         """The parameters as nested dicts that mirror the module tree.
 
         Keys are attribute names, list and tuple positions ("0", "1", ...) and dict
@@ -390,22 +390,34 @@ class Module(types.SimpleNamespace, metaclass=_ModuleMeta):
         parameters and ``None`` fields do not appear. A custom PyTree parameter (a
         quantized weight) stays whole.
 
+        Args:
+            unstacked: give each stack of layers (:class:`~taktiny.nn.Stack`) per layer
+                (``{"layers": {"0": ...}}``), its arrays sliced (copies), instead of its
+                block's stacked arrays (``{"layers": {"block": ...}}``).
+
         Returns:
             Nested dicts, one level per module, list or dict, with arrays as leaves.
         """
-        return tree_state_dict(self)
+        return tree_state_dict(self, unstacked=unstacked)
 
-    def flat_state_dict(self) -> dict[str, Any]:
+    def flat_state_dict(self, *, unstacked: bool = False) -> dict[str, Any]:
         """The parameters as one dict from dotted names (``"layers.0.kernel"``) to arrays.
 
         Names come in the order JAX flattens the module: attributes in the order
         ``__init__`` set them, list positions 0, 1, 2, ..., dict keys sorted. Custom
         PyTree parameters are flattened down to their arrays.
 
+        Args:
+            unstacked: give each stack of layers (:class:`~taktiny.nn.Stack`) at
+                ``layers`` per layer (``layers.0.attention.query.kernel``, a slice),
+                instead of stacked (``layers.block.attention.query.kernel``, ``[count,
+                ...]``); see :func:`taktiny.flat_state_dict`.
+
         Returns:
-            ``{dotted name: array}``, the module's own arrays (no copies).
+            ``{dotted name: array}``, the module's own arrays (no copies; with
+            `unstacked`, a stack's slices, which are copies).
         """
-        return tree_flat_state_dict(self)
+        return tree_flat_state_dict(self, unstacked=unstacked)
 
     def load_state_dict(
         self, state: Mapping[str, Any], *, strict: bool = False, match_quantization: bool = False

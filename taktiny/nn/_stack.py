@@ -59,6 +59,9 @@ class Stack(Module):
         count: how many layers.
         remat: as given.
         layer_axis: as given.
+
+    Raises:
+        ValueError: `count` is not an int >= 1.
     """
 
     _taktiny_stacked = "block"  # the data field holding the stacked block (state/ reads it)
@@ -92,7 +95,17 @@ class Stack(Module):
         return self.count
 
     def __getitem__(self, index: int) -> Module:
-        """Layer `index` as a block of its own (its arrays sliced: copies)."""
+        """Layer `index` as a block of its own (its arrays sliced: copies).
+
+        Args:
+            index: the layer, ``-count <= index < count``.
+
+        Returns:
+            The block of layer `index`, each array without the layer axis.
+
+        Raises:
+            IndexError: `index` is out of range.
+        """
         if not -self.count <= index < self.count:
             raise IndexError(f"nn.Stack of {self.count} layers has no layer {index}.")
         return jax.tree.map(lambda x: x[index], self.block)

@@ -101,8 +101,12 @@ def restacked(
             host = all(isinstance(p, np.ndarray) for p in parts)
             out[stacked] = np.stack(parts) if host else jnp.stack(parts)
         elif isinstance(old, jax.ShapeDtypeStruct):
-            absent = [i for i in range(count) if i not in checked]
-            problems.append(err.layers_without_values(stacked, absent, count))
+            stack = spec.stack_of(stacked)
+            assert stack is not None  # (a per-layer name's leaf is a stack's)
+            for i in range(count):
+                if i not in checked:
+                    name = stack.layer_name(stacked, i)
+                    problems.append(err.layer_without_value(name, stacked, sorted(checked)))
         else:
             index = np.array(sorted(checked))
             out[stacked] = old.at[index].set(jnp.stack([checked[i] for i in sorted(checked)]))

@@ -947,13 +947,13 @@ def both_forms(name: str, layers: list[str]) -> StateProblem:
     )
 
 
-def layers_without_values(name: str, absent: list[int], count: int) -> StateProblem:
-    shown = ", ".join(map(str, absent[:8])) + (", ..." if len(absent) > 8 else "")
+def layer_without_value(name: str, stacked: str, given: list[int]) -> StateProblem:
+    shown = ", ".join(map(str, given[:8])) + (", ..." if len(given) > 8 else "")
     return StateProblem(
         "abstract",
         name,
-        f"all {count} layers",
-        f"{count - len(absent)} of them",
-        f"some layers given for an abstract model, whose layers {shown} have no value to "
-        f"keep: give every layer, or load into a concrete model.",
+        "a value",
+        None,
+        f"not supplied, while layers {shown} of {stacked!r} are: the model is abstract, so "
+        f"this layer has no value to keep; give every layer, or load into a concrete model.",
     )

@@ -410,9 +410,7 @@ def _checked(name: object, entry: object) -> dict[str, Any]:
             "'quantization' is None or {'bits': 4 or 8, 'axis': int, 'group_size': int or None}"
         )
     elif "stack" in fields and not _is_stack(fields["stack"], shape):
-        problem = (
-            "'stack' is {'path': the stack's name, 'count': its layers, the first axis's size}"
-        )
+        problem = "'stack' is {'path': the stack's name, 'count': the size of the first axis}"
     if problem is not None:
         raise ValueError(f"schema entry {short(name)}: {problem}; got {short(entry)}")
     return json.loads(json.dumps(fields))  # a copy no caller can change

@@ -1,0 +1,159 @@
+"""Streaming a per-layer checkpoint into a stack of layers: each layer's tensor written into
+its slice as it arrives (renamed, transposed, quantized, sharded), some layers or all,
+planned, exported back, within the host memory of the unstacked load."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import taktiny as tt
+from taktiny import convert, nn
+from taktiny.io import load_safetensors, plan_load, save_safetensors
+
+HERE = Path(__file__).parent
+
+
+class Block(nn.Module):
+    def __init__(self, *, rngs: nn.Rngs):
+        self.attention = nn.Linear(8, 16, rngs=rngs)
+        self.norm = nn.RMSNorm(16)
+
+    def __call__(self, x):
+        return self.norm(self.attention(x))[..., :8] + x
+
+
+class Model(nn.Module):
+    def __init__(self, count: int = 4, *, rngs: nn.Rngs):
+        self.embed = nn.Embed(10, 8, rngs=rngs)
+        self.layers = nn.Stack(lambda rngs: Block(rngs=rngs), count, rngs=rngs)
+
+
+class Unrolled(nn.Module):
+    def __init__(self, count: int = 4, *, rngs: nn.Rngs):
+        self.embed = nn.Embed(10, 8, rngs=rngs)
+        self.layers = [Block(rngs=rngs) for _ in range(count)]
+
+
+# PyTorch-style names and layouts: weight [out, in] transposed on the way
+RULES = [
+    *convert.embedding("model.embed", "embed"),
+    *convert.linear("model.layers.{i}.proj", "layers.{i}.attention"),
+    *convert.layer_norm("model.layers.{i}.norm", "layers.{i}.norm", bias=False),
+]
+
+
+def equal(a, b):
+    return jax.tree.all(jax.tree.map(lambda u, v: bool(np.array_equal(u, v)), a, b))
+
+
+def abstract():
+    return jax.eval_shape(lambda: Model(rngs=nn.Rngs(9)))
+
+
+@pytest.fixture
+def model():
+    return Model(rngs=nn.Rngs(0))
+
+
+def test_per_layer_names_stream_into_the_stacked_leaves(tmp_path, model):
+    path = tmp_path / "layers.safetensors"
+    save_safetensors(path, model.flat_state_dict(unstacked=True))
+    assert equal(load_safetensors(abstract(), path), model)
+    save_safetensors(tmp_path / "stacked.safetensors", model)  # the stacked form loads too
+    assert equal(load_safetensors(abstract(), tmp_path / "stacked.safetensors"), model)
+
+
+def test_rules_written_per_layer_load_and_export_a_stack(tmp_path, model):
+    exported = convert.export(RULES, model)
+    assert "model.layers.3.proj.weight" in exported and exported[
+        "model.layers.3.proj.weight"
+    ].shape == (16, 8)
+    unrolled = Unrolled(rngs=nn.Rngs(0)).load_flat_state_dict(model.flat_state_dict(unstacked=True))
+    theirs = convert.export(RULES, unrolled)
+    assert exported.keys() == theirs.keys()
+    for name in theirs:
+        np.testing.assert_array_equal(exported[name], theirs[name])
+    save_safetensors(tmp_path / "hf.safetensors", exported)
+    loaded = load_safetensors(abstract(), tmp_path / "hf.safetensors", rules=RULES)
+    assert equal(loaded, model)
+    converted = convert.convert(RULES, exported, target=abstract())
+    assert equal(tt.load_flat_state_dict(abstract(), converted, strict=True), model)
+
+
+def test_some_layers_change_only_their_slices(tmp_path, model):
+    other = Model(rngs=nn.Rngs(1))
+    layer = {
+        k: v for k, v in other.flat_state_dict(unstacked=True).items() if k.startswith("layers.2.")
+    }
+    save_safetensors(tmp_path / "one.safetensors", layer)
+    loaded = load_safetensors(model, tmp_path / "one.safetensors", strict=False)
+    for name, leaf in loaded.flat_state_dict().items():
+        old, new = model.flat_state_dict()[name], other.flat_state_dict()[name]
+        if name.startswith("layers."):
+            np.testing.assert_array_equal(leaf[2], new[2])
+            np.testing.assert_array_equal(
+                np.delete(np.asarray(leaf), 2, 0), np.delete(np.asarray(old), 2, 0)
+            )
+        else:
+            np.testing.assert_array_equal(leaf, old)
+    with pytest.raises(
+        tt.StateDictError,
+        match=r"'layers\.0\.attention\.kernel': not supplied, and the model is abstract",
+    ):
+        load_safetensors(abstract(), tmp_path / "one.safetensors", strict=False)
+    with pytest.raises(tt.StateDictError, match=r"'layers\.1\.norm\.scale': missing"):
+        load_safetensors(model, tmp_path / "one.safetensors")
+
+
+def test_a_sharded_stack_gets_each_slice_on_its_devices(tmp_path, model):
+    mesh = jax.make_mesh((2, 4), ("data", "model"))
+    rules = {"layers.*.attention.kernel": P(None, "model"), "**": P()}
+    sharded = tt.shard(abstract(), rules, mesh)
+    save_safetensors(tmp_path / "hf.safetensors", convert.export(RULES, model))
+    loaded = load_safetensors(sharded, tmp_path / "hf.safetensors", rules=RULES)
+    kernel = loaded.layers.block.attention.kernel
+    assert kernel.sharding.spec == P(None, None, "model") and kernel.sharding.mesh == mesh
+    assert equal(loaded, model)
+
+
+def test_a_float_checkpoint_quantizes_into_a_stack_layer_by_layer(tmp_path, model):
+    save_safetensors(tmp_path / "hf.safetensors", convert.export(RULES, model))
+    quantized = tt.quantize(abstract(), bits=4, group_size=4, where="layers.**")
+    loaded = load_safetensors(quantized, tmp_path / "hf.safetensors", rules=RULES)
+    assert equal(loaded, tt.quantize(model, bits=4, group_size=4, where="layers.**"))
+
+
+def test_the_plan_names_the_per_layer_steps(tmp_path, model):
+    save_safetensors(tmp_path / "hf.safetensors", convert.export(RULES, model))
+    plan = plan_load(abstract(), tmp_path / "hf.safetensors", rules=RULES)
+    targets = {t for step in plan.steps for t in step.targets}
+    assert {"layers.0.attention.kernel", "layers.3.norm.scale", "embed.embedding"} <= targets
+    assert len(plan.steps) == 1 + 4 * 3
+
+
+@pytest.mark.program
+def test_the_host_holds_no_stacked_array_beside_its_parts(tmp_path):
+    sys.path.insert(0, str(HERE))
+    from _stack_peak import model as make
+
+    layers, width = 8, 1024  # 8 layers of two 4 MiB kernels: a 64 MiB model
+    stack = make(layers, width)
+    path = tmp_path / "layers.safetensors"
+    save_safetensors(path, stack.flat_state_dict(unstacked=True))
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(2**20)}
+    run = subprocess.run(
+        [sys.executable, str(HERE / "_stack_peak.py"), str(path), str(layers), str(width)],
+        capture_output=True, text=True, env=env, timeout=300, check=True,
+    )  # fmt: skip
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    assert result["leaves"] == 2
+    # the stacked arrays (the model), and a few of the 4 MiB tensors in flight at most: a
+    # stacked array assembled beside its parts would add the whole 64 MiB
+    assert result["growth"] <= result["model"] + 16 * 2**20, result

@@ -1,0 +1,172 @@
+"""The two forms of a stack's state: stacked names and per-layer names, read and loaded
+(whole, or some layers: only their slices change), checked per layer, in schemas, and in
+an optimizer state that follows the model."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import taktiny as tt
+from taktiny import nn
+
+
+class Block(nn.Module):
+    def __init__(self, *, rngs: nn.Rngs):
+        self.dense = nn.Linear(4, 4, rngs=rngs)
+        self.norm = nn.RMSNorm(4)
+
+    def __call__(self, x):
+        return self.norm(x + self.dense(x))
+
+
+class Model(nn.Module):
+    def __init__(self, count: int = 3, *, rngs: nn.Rngs):
+        self.head = nn.Linear(4, 2, rngs=rngs)
+        self.layers = nn.Stack(lambda rngs: Block(rngs=rngs), count, rngs=rngs)
+
+
+class Unrolled(nn.Module):
+    def __init__(self, layers, head):
+        self.head = head
+        self.layers = layers
+
+
+def unrolled(model):
+    return Unrolled([model.layers[i] for i in range(len(model.layers))], model.head)
+
+
+def test_stacked_names_and_per_layer_names():
+    model = Model(rngs=nn.Rngs(0))
+    assert {k: v.shape for k, v in tt.flat_state_dict(model).items()} == {
+        "head.kernel": (4, 2),
+        "head.bias": (2,),
+        "layers.block.dense.kernel": (3, 4, 4),
+        "layers.block.dense.bias": (3, 4),
+        "layers.block.norm.scale": (3, 4),
+    }
+    per_layer = model.flat_state_dict(unstacked=True)
+    # the names and order of a list of the same blocks
+    assert list(per_layer) == list(tt.flat_state_dict(unrolled(model)))
+    for name, value in tt.flat_state_dict(unrolled(model)).items():
+        np.testing.assert_array_equal(per_layer[name], value)
+    nested = model.state_dict(unstacked=True)
+    assert set(nested["layers"]) == {"0", "1", "2"}
+    np.testing.assert_array_equal(
+        nested["layers"]["2"]["dense"]["kernel"], model.layers[2].dense.kernel
+    )
+    abstract = tt.flat_state_dict(jax.eval_shape(lambda: Model(rngs=nn.Rngs(0))), unstacked=True)
+    assert abstract["layers.1.dense.kernel"].shape == (4, 4)
+
+
+def test_a_load_takes_either_form():
+    model, other = Model(rngs=nn.Rngs(0)), Model(rngs=nn.Rngs(1))
+    for state in (other.flat_state_dict(), other.flat_state_dict(unstacked=True)):
+        loaded = tt.load_flat_state_dict(model, state, strict=True)
+        assert jax.tree.all(jax.tree.map(np.array_equal, loaded, other))
+    nested = tt.load_state_dict(model, other.state_dict(unstacked=True), strict=True)
+    assert jax.tree.all(jax.tree.map(np.array_equal, nested, other))
+    host = {k: np.asarray(v) for k, v in other.flat_state_dict(unstacked=True).items()}
+    assert jax.tree.all(jax.tree.map(np.array_equal, model.load_flat_state_dict(host), other))
+
+
+def test_some_layers_change_only_their_slices():
+    model, other = Model(rngs=nn.Rngs(0)), Model(rngs=nn.Rngs(1))
+    state = {
+        k: v for k, v in other.flat_state_dict(unstacked=True).items() if k.startswith("layers.1.")
+    }
+    loaded = tt.load_flat_state_dict(model, state)
+    for name, leaf in tt.flat_state_dict(loaded).items():
+        old, new = tt.flat_state_dict(model)[name], tt.flat_state_dict(other)[name]
+        if name.startswith("layers."):
+            np.testing.assert_array_equal(leaf[1], new[1])
+            np.testing.assert_array_equal(leaf[0], old[0])
+            np.testing.assert_array_equal(leaf[2], old[2])
+        else:
+            assert leaf is old  # the other leaves are the model's own arrays
+    one = tt.load_flat_state_dict(model, {"layers.2.norm.scale": jnp.full(4, 7.0)})
+    np.testing.assert_array_equal(one.layers.block.norm.scale[2], np.full(4, 7.0))
+    np.testing.assert_array_equal(
+        one.layers.block.norm.scale[:2], model.layers.block.norm.scale[:2]
+    )
+    np.testing.assert_array_equal(model.layers.block.norm.scale[2], np.ones(4))  # not changed
+
+
+def test_inside_jit_a_layer_loads_into_its_slice():
+    model = Model(rngs=nn.Rngs(0))
+    load = jax.jit(lambda m, k: m.load_flat_state_dict({"layers.0.dense.kernel": k}))
+    loaded = load(model, jnp.ones((4, 4)))
+    np.testing.assert_array_equal(loaded.layers.block.dense.kernel[0], np.ones((4, 4)))
+    np.testing.assert_array_equal(
+        loaded.layers.block.dense.kernel[1:], model.layers.block.dense.kernel[1:]
+    )
+
+
+def test_per_layer_problems_are_named_per_layer():
+    model = Model(rngs=nn.Rngs(0))
+    with pytest.raises(
+        tt.StateDictError,
+        match=r"'layers\.1\.dense\.kernel': shape mismatch: expected \(4, 4\), got \(4, 5\)",
+    ):
+        model.load_flat_state_dict({"layers.1.dense.kernel": np.zeros((4, 5), np.float32)})
+    with pytest.raises(tt.StateDictError, match=r"'layers\.0\.dense\.bias'.*dtype"):
+        model.load_flat_state_dict({"layers.0.dense.bias": np.zeros(4, np.int32)})
+    both = {
+        "layers.block.norm.scale": np.ones((3, 4), np.float32),
+        "layers.0.norm.scale": np.ones(4, np.float32),
+    }
+    with pytest.raises(
+        tt.StateDictError,
+        match=r"'layers\.block\.norm\.scale': given both whole and per layer \('layers\.0\.norm\.scale'\)",
+    ):
+        model.load_flat_state_dict(both)
+    with pytest.raises(tt.StateDictError, match=r"'layers\.3\.dense\.kernel': unknown key"):
+        model.load_flat_state_dict({"layers.3.dense.kernel": np.zeros((4, 4), np.float32)})
+    abstract = jax.eval_shape(lambda: Model(rngs=nn.Rngs(0)))
+    with pytest.raises(
+        tt.StateDictError,
+        match=r"(?s)'layers\.0\.dense\.kernel': not supplied, while layers 1 of 'layers\.block\.dense\.kernel' are: the model is abstract.*'layers\.2\.dense\.kernel'",
+    ):
+        tt.load_flat_state_dict(abstract, {"layers.1.dense.kernel": np.zeros((4, 4), np.float32)})
+    with pytest.raises(
+        tt.StateDictError, match=r"'layers\.1\.norm\.scale': not supplied, while layers 0, 2"
+    ):
+        state = model.flat_state_dict(unstacked=True)
+        del state["layers.1.norm.scale"]
+        tt.load_flat_state_dict(abstract, state, strict=True)
+
+
+def test_the_schema_marks_a_stack_s_leaves_and_survives_json():
+    schema = tt.schema(Model(rngs=nn.Rngs(0)))
+    assert schema["layers.block.dense.kernel"]["stack"] == {"path": "layers", "count": 3}
+    assert "stack" not in schema["head.kernel"]
+    again = tt.Schema.from_json(schema.to_json())
+    assert again == schema and again["layers.block.norm.scale"]["stack"]["count"] == 3
+    entry = json.loads(schema.to_json())
+    entry["tensors"]["layers.block.norm.scale"]["stack"]["count"] = 5
+    with pytest.raises(
+        ValueError,
+        match=r"'stack' is \{'path': the stack's name, 'count': the size of the first axis\}",
+    ):
+        tt.Schema.from_json(json.dumps(entry))
+    changes = tt.schema(unrolled(Model(rngs=nn.Rngs(0)))).changes(schema)
+    assert "float32[3, 4, 4], stacked: 3 layers of 'layers' on axis 0" in "\n".join(
+        map(str, changes)
+    )
+
+
+def test_an_optimizer_state_follows_per_layer(optax_promotion):
+    model = Model(rngs=nn.Rngs(0))
+    optimizer = optax.adam(1e-3)
+    opt_state = optimizer.init(model)
+    names = tt.flat_state_dict(opt_state, unstacked=True)
+    assert "0.mu.layers.2.dense.kernel" in names and names["0.mu.layers.2.dense.kernel"].shape == (
+        4,
+        4,
+    )
+    moved = {k: v + 1 if k.startswith("0.mu.layers.") else v for k, v in names.items()}
+    loaded = tt.load_flat_state_dict(opt_state, moved, strict=True)
+    np.testing.assert_array_equal(loaded[0].mu.layers.block.dense.kernel, np.ones((3, 4, 4)))
