@@ -34,6 +34,7 @@ from ._orbax import orbax_items as orbax_items
 from ._orbax import orbax_steps as orbax_steps
 from ._read import BOX_PIECE as BOX_PIECE
 from ._read import MAP_FLAGS as MAP_FLAGS
+from ._read import aligned_buffer as aligned_buffer
 from ._read import read_together as read_together
 from ._save import byte_size as byte_size
 from ._storage import OpenFile as OpenFile

@@ -420,7 +420,7 @@ class Tensor:
                 raise self.damaged(got, tile, digests[32 * k : 32 * k + 32])
 
     def read_transposed(
-        self, perm: Sequence[int] | None = None, *, verify: bool = True
+        self, perm: Sequence[int] | None = None, *, verify: bool = True, out: Any = None
     ) -> np.ndarray:
         """Reads the tensor with its axes permuted, into a fresh read-only aligned buffer: a
         few MiB of rows at a time, each piece permuted into place as it is read, so the
@@ -431,16 +431,27 @@ class Tensor:
                 them.
             verify: check the bytes against ``checksum`` (when there is one), hashed as
                 they are read.
+            out: a writable C-contiguous array of the permuted shape and ``dtype`` to read
+                into (a slice of a larger buffer the caller owns), instead of a fresh one.
 
         Returns:
-            ``numpy.transpose`` of the tensor by `perm`, in ``dtype``.
+            ``numpy.transpose`` of the tensor by `perm`, in ``dtype`` (`out` itself, when
+            given, left writable).
 
         Raises:
+            ValueError: `out` is not a writable C-contiguous array of the permuted
+                shape and ``dtype``.
             SafetensorsError: the bytes are damaged, or the file was truncated.
         """
         order = (
             tuple(range(self.ndim))[::-1] if perm is None else tuple(p % self.ndim for p in perm)
         )
+        given = out
+        if given is not None:
+            _check_out(given, tuple(self.shape[k] for k in order), self.dtype)
+            if self.ndim < 2 or self.packed:
+                given[...] = np.transpose(self.read(verify=verify), order)
+                return given
         if self.ndim < 2:  # nothing to permute
             return self.read(verify=verify)
         if self.packed:
@@ -448,7 +459,8 @@ class Tensor:
             out.flags.writeable = False
             return out
         stream = _checksum.streaming() if verify and self.checksum is not None else None
-        out = _buffer(tuple(self.shape[k] for k in order), self.dtype)[0]
+        if given is None:
+            out = _buffer(tuple(self.shape[k] for k in order), self.dtype)[0]
         into = order.index(0)  # where the rows of the tensor go
         # a few rows at a time, so that each run written is about one 64-byte cache line:
         # as fast as a plain copy here, where whole pieces at once run at 0.6x of one
@@ -459,7 +471,8 @@ class Tensor:
                 at[into] = slice(r0 + a, min(r0 + a + step, r1))
                 out[tuple(at)] = piece[a : a + step].transpose(order)
         self._confirm(stream)
-        out.flags.writeable = False
+        if given is None:
+            out.flags.writeable = False
         return out
 
     def _rows(
@@ -846,6 +859,26 @@ def _buffer(shape: tuple[int, ...], dtype: np.dtype) -> tuple[np.ndarray, memory
     size = math.prod(shape) * dtype.itemsize
     memory = mmap.mmap(-1, size, flags=MAP_FLAGS) if size else bytearray()
     return np.frombuffer(memory, dtype, math.prod(shape)).reshape(shape), memoryview(memory)
+
+
+def aligned_buffer(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """A writable zeroed array in fresh page-aligned anonymous memory (which JAX adopts on
+    CPU without a copy), its pages mapped up front."""
+    return _buffer(shape, dtype)[0]
+
+
+def _check_out(out: Any, shape: tuple[int, ...], dtype: np.dtype) -> None:
+    if not (
+        isinstance(out, np.ndarray)
+        and out.shape == shape
+        and out.dtype == dtype
+        and out.flags.c_contiguous
+        and out.flags.writeable
+    ):
+        got = f"{getattr(out, 'dtype', type(out).__name__)}{list(getattr(out, 'shape', ()))}"
+        raise ValueError(
+            f"out must be a writable C-contiguous {dtype.name}{list(shape)} NumPy array; got {got}."
+        )
 
 
 def _copied(array: np.ndarray) -> np.ndarray:

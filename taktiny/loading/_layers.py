@@ -14,12 +14,18 @@ parts, and the host holds no more than the load does for an unstacked model.
 from __future__ import annotations
 
 import dataclasses
+import threading
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax.sharding import SingleDeviceSharding
 
+from ..arrays import default_device
+from ..convert import transpose
+from ..io import Tensor, aligned_buffer
 from ..state import Flat, Stacked, flatten, key_name, layer_sharding, load_resolved
 
 
@@ -92,18 +98,61 @@ def layered(model: Any) -> Layered:
 
 
 class Stacker:
-    """The stacked leaves a load fills slice by slice: ``stacker.update(placed)`` takes
-    the load's placed per-layer values (others pass through into `placed`), writing each
-    into its stacked leaf in place. `covered` says which stacked leaves the load fills in
-    every layer (made as zeros); the others start as a copy of the model's leaf."""
+    """The stacked leaves a load fills slice by slice. A stacked leaf on one CPU device is
+    filled on the host: a page-aligned buffer ``[count, ...]`` (made at its first slice)
+    that the readers read each layer's bytes straight into (:meth:`read`, renamed or
+    transposed) and that JAX adopts whole at the end, without a copy. Any other is made on
+    its sharding and each placed slice written into it in place (a jitted
+    ``dynamic_update_slice`` that donates it). ``stacker.update(pairs)`` takes the load's
+    placed values: per-layer ones are written into their stacked leaves, the others kept.
+    `covered` names the stacked leaves the load fills in every layer (begun as zeros); the
+    others begin as a copy of the model's leaf."""
 
     def __init__(self, layers: Layered, covered: set[str]) -> None:
         self.layers = layers
         self.olds = dict(zip(layers.view.spec.names, layers.view.olds, strict=True))
         self.covered = covered
         self.placed: dict[str, Any] = {}  # the twin's other leaves, by name
-        self.stacked: dict[str, jax.Array] = {}  # the stacked leaves begun
+        self.stacked: dict[str, jax.Array] = {}  # the stacked leaves begun on devices
+        self.host: dict[str, np.ndarray] = {}  # those begun on the host
+        self._lock = threading.Lock()  # (readers begin host buffers from several threads)
         self._writers: dict[Any, Any] = {}
+
+    def _sharding(self, stacked: str) -> Any:
+        old = self.olds[stacked]
+        return getattr(old, "sharding", None) or SingleDeviceSharding(default_device())
+
+    def on_host(self, name: str, tensor: Tensor) -> bool:
+        """Whether the per-layer leaf `name` is read straight into its stacked leaf's host
+        buffer (a stacked leaf on one CPU device; a tensor stored as it is held)."""
+        hit = self.layers.slices.get(name)
+        return hit is not None and not tensor.packed and self._hosted(hit[0])
+
+    def _hosted(self, stacked: str) -> bool:
+        sharding = self._sharding(stacked)
+        devices = sharding.device_set
+        return len(devices) == 1 and next(iter(devices)).platform == "cpu"
+
+    def _buffer(self, stacked: str) -> np.ndarray:
+        with self._lock:
+            host = self.host.get(stacked)
+            if host is None:
+                old = self.olds[stacked]
+                host = aligned_buffer(tuple(old.shape), np.dtype(old.dtype))
+                if stacked not in self.covered:  # some layers: the others keep their values
+                    host[...] = np.asarray(old)
+                self.host[stacked] = host
+            return host
+
+    def read(self, name: str, tensor: Tensor, verify: bool, transposed: transpose | None) -> None:
+        """Reads `tensor` into its layer's slice of its stacked leaf's host buffer (in a
+        reader thread): as it is, or with its axes permuted by the `transposed` transform."""
+        stacked, index = self.layers.slices[name]
+        part = self._buffer(stacked)[index]
+        if transposed is None:
+            tensor.read_into(part.reshape(-1).view(np.uint8).data, verify=verify)
+        else:
+            tensor.read_transposed(transposed.perm, verify=verify, out=part)
 
     def update(self, values: Iterable[tuple[str, Any]]) -> None:
         """Takes the placed ``(name, value)`` pairs (``dict.update``'s pairs)."""
@@ -111,6 +160,8 @@ class Stacker:
             hit = self.layers.slices.get(name)
             if hit is None:
                 self.placed[name] = value
+            elif self._hosted(hit[0]):
+                self._buffer(hit[0])[hit[1]] = np.asarray(value)
             else:
                 self.write(hit[0], hit[1], value)
 
@@ -118,10 +169,10 @@ class Stacker:
         """Writes one layer's value into its stacked leaf (begun at its first slice)."""
         big = self.stacked.get(stacked)
         if big is None:
-            old = self.olds[stacked]
-            sharding = getattr(old, "sharding", None) or value.sharding
+            old, sharding = self.olds[stacked], self._sharding(stacked)
             if stacked in self.covered:
-                big = jax.jit(lambda: jnp.zeros(old.shape, old.dtype), out_shardings=sharding)()
+                zeros = lambda: jnp.zeros(old.shape, old.dtype)
+                big = jax.jit(zeros, out_shardings=sharding)()
             else:  # some layers: the others keep their values (a copy: ours to donate)
                 big = jax.jit(jnp.copy, out_shardings=sharding)(old)
         self.stacked[stacked] = self._writer(big.sharding)(big, value, index)
@@ -135,10 +186,15 @@ class Stacker:
         return writer
 
     def model(self) -> Any:
-        """The model with the leaves the load placed (its stacked leaves whole)."""
+        """The model with the leaves the load placed (its stacked leaves whole; those
+        filled on the host adopted by JAX as they are)."""
+        stacked = dict(self.stacked)
+        for name, host in self.host.items():
+            stacked[name] = jax.device_put(host, self._sharding(name))
+        self.host.clear()
         view = self.layers.view
         index = view.spec.index
-        supplied = [(index[n], v) for n, v in (*self.placed.items(), *self.stacked.items())]
+        supplied = [(index[n], v) for n, v in (*self.placed.items(), *stacked.items())]
         return load_resolved(view, supplied)
 
 

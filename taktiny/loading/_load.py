@@ -20,9 +20,9 @@ import itertools
 import os
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import Any, cast
 
-from ..convert import AnyRule, Step
+from ..convert import AnyRule, Step, transpose
 from ..io import RETRIES, Checkpoint, Replaced, Tensor, byte_size, read_together
 from ._budget import Budget
 from ._layers import Stacker, covered
@@ -187,9 +187,10 @@ def _load(
     holder: list[int | None] = [None] * len(scratch)  # the step whose sources a buffer holds
     readers = Readers()
     placed: Any = {}
+    stacker = None
     if load.layers is not None:  # per-layer names: each slice written into its stacked leaf
         made = {p for s in steps for t in s.targets for p in parts_of(t, load.quantized)}
-        placed = Stacker(load.layers, covered(load.layers, made))
+        placed = stacker = Stacker(load.layers, covered(load.layers, made))
     running: dict[int, Future[Any]] = {}
     submitted = 0  # units
 
@@ -199,10 +200,17 @@ def _load(
         step, tensors = steps[k], sources[k]
         if len(units[u]) > 1:  # small renamed tensors: read together, placed below
             return read_together([sources[j][0] for j in units[u]], verify=verify)
+        target = step.targets[0]
         if direct[k] is not None:  # renamed only: read and placed block by block, here
-            return {step.targets[0]: placed_by_device(tensors[0], sharding_of(direct[k]), verify)}
+            if stacker is not None and stacker.on_host(target, tensors[0]):
+                stacker.read(target, tensors[0], verify, None)  # (into its layer's slice)
+                return {}
+            return {target: placed_by_device(tensors[0], sharding_of(direct[k]), verify)}
         if permuted[k] is not None:  # transposed: piece by piece into place as it is read
-            return {step.targets[0]: placed_transposed(step, tensors[0], permuted[k], verify)}
+            if stacker is not None and stacker.on_host(target, tensors[0]):
+                stacker.read(target, tensors[0], verify, cast(transpose, step.rule.transform))
+                return {}
+            return {target: placed_transposed(step, tensors[0], permuted[k], verify)}
         return scratch[buffer_of[k]].read(tensors, verify)
 
     def start_more() -> None:  # in order, as many as the readers, buffers and budget allow

@@ -20,7 +20,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 import taktiny.state._problems as err
 
-from ._names import Spec, flatten
+from ._names import Spec, fields, flatten
 from ._problems import Problems, StateDictError
 from ._values import checked_value
 
@@ -62,11 +62,6 @@ def layer_sharded(leaf: Any) -> jax.ShapeDtypeStruct:
     """One layer of an abstract stacked leaf (a ``jax.ShapeDtypeStruct``)."""
     sharding = layer_sharding(getattr(leaf, "sharding", None), len(leaf.shape))
     return jax.ShapeDtypeStruct(tuple(leaf.shape[1:]), leaf.dtype, sharding=sharding)
-
-
-def per_layer(spec: Spec, names: Any) -> bool:
-    """Whether any of the flat `names` is a per-layer name of a stack of `spec`."""
-    return bool(spec.stacks) and any(spec.split_layer(n) is not None for n in names)
 
 
 def restacked(
@@ -136,14 +131,56 @@ def _dotted(node: Mapping[str, Any], prefix: str, out: dict[str, Any]) -> None:
             out[name] = value
 
 
-def _has_digits(state: Mapping[Any, Any], flat: bool) -> bool:
-    """Whether any name of `state` has a part that is a number (a per-layer name may)."""
-    if flat:
-        return any(any(p.isdigit() for p in str(n).split(".")) for n in state)
-    return any(
-        (type(k) is str and k.isdigit()) or (isinstance(v, Mapping) and _has_digits(v, False))  # pyright: ignore[reportUnknownArgumentType]
-        for k, v in state.items()
-    )
+def _is_stack(node: Any) -> bool:
+    return hasattr(type(node), "_taktiny_stacked")  # pyright: ignore[reportUnknownArgumentType]
+
+
+_UNKNOWN = object()  # a node the walk cannot look into (a PyTree node of another kind)
+
+
+def _child(node: Any, key: Any) -> Any:
+    """The child of a tree's node under one part of a name: None where there is none,
+    `_UNKNOWN` for a node of a kind the walk does not know."""
+    found = fields(node)
+    if found is not None:
+        return found.get(key)
+    if isinstance(node, tuple) and hasattr(cast("tuple[Any, ...]", node), "_fields"):
+        return getattr(cast("tuple[Any, ...]", node), str(key), None)  # (optax's states)
+    if isinstance(node, (list, tuple)):
+        items = cast("list[Any] | tuple[Any, ...]", node)
+        return items[int(key)] if str(key).isdigit() and int(key) < len(items) else None
+    if isinstance(node, Mapping):
+        return cast("Mapping[Any, Any]", node).get(key)
+    if isinstance(node, (jax.Array, np.ndarray, jax.ShapeDtypeStruct)):
+        return None
+    return _UNKNOWN
+
+
+def _reaches_stack(tree: Any, name: str) -> bool:
+    """Whether the flat `name` may go through a stack by a layer's index: a few steps down
+    the tree, no flatten (True where a node of another kind hides the path)."""
+    node = tree
+    for part in name.split("."):
+        if _is_stack(node):
+            return part.isdigit()
+        node = _child(node, part)
+        if node is None or node is _UNKNOWN:
+            return node is _UNKNOWN
+    return False
+
+
+def _names_stack(node: Any, state: Mapping[Any, Any]) -> bool:
+    """Whether the nested `state` names a stack of `node` by a layer's index."""
+    if _is_stack(node):
+        return any(type(k) is str and k.isdigit() for k in state)
+    for key, value in state.items():
+        if isinstance(value, Mapping):
+            child = _child(node, key)
+            if child is _UNKNOWN:
+                return True
+            if child is not None and _names_stack(child, cast("Mapping[Any, Any]", value)):
+                return True
+    return False
 
 
 def stacked_state(
@@ -151,15 +188,14 @@ def stacked_state(
 ) -> Mapping[Any, Any]:
     """`state` with per-layer names of the tree's stacks turned into their stacked leaves
     (:func:`restacked`); `state` itself when it has none. `caller()` names the load."""
-    if not _has_digits(state, flat):
+    if flat:  # (a walk down the names it gives: a load that names no stack pays nothing)
+        if not any(_reaches_stack(tree, str(n)) for n in state):
+            return state
+        leaves, _, spec = flatten(tree)
+        return restacked(spec, leaves, state, caller())
+    if not _names_stack(tree, state):
         return state
     leaves, _, spec = flatten(tree)
-    if not spec.stacks:
-        return state
-    if flat:
-        if not per_layer(spec, state):
-            return state
-        return restacked(spec, leaves, state, caller())
     out: dict[Any, Any] = dict(state)
     for stack in spec.stacks:  # each stack's subtree given per layer: made stacked
         path = stack.path.split(".") if stack.path else []
