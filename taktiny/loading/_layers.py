@@ -117,6 +117,8 @@ class Stacker:
         self.host: dict[str, np.ndarray] = {}  # those begun on the host
         self._lock = threading.Lock()  # (readers begin host buffers from several threads)
         self._writers: dict[Any, Any] = {}
+        # whether every stacked leaf is filled on the host, each slice read into place
+        self.in_place = all(self._hosted(name) for name, _ in layers.slices.values())
 
     def _sharding(self, stacked: str) -> Any:
         old = self.olds[stacked]

@@ -65,6 +65,12 @@ def load_safetensors(
     load of a path that a save replaces meanwhile gives the checkpoint before the save or
     the one after, whole (see :func:`~taktiny.io.open_safetensors`).
 
+    A stack of layers (:class:`taktiny.nn.Stack`) loads a checkpoint of its stacked
+    leaves, or one that names its layers one by one (``layers.3.attention.query.kernel``,
+    made by `rules` from a Hugging Face file's ``model.layers.3...``): each layer's tensor
+    is then written into its slice of the stacked leaf as it arrives, so the host never
+    holds a stacked array beside its parts.
+
     A quantized model (:func:`taktiny.quantize`) loads a checkpoint of its quantized parts
     (``<name>.value`` and ``<name>.scale``, 4-bit values unpacked), or a float checkpoint:
     a float tensor under the name of a :class:`~taktiny.QArray` (``dense.kernel``, as the
@@ -213,9 +219,14 @@ def _load(
             return {target: placed_transposed(step, tensors[0], permuted[k], verify)}
         return scratch[buffer_of[k]].read(tensors, verify)
 
+    # slices placed on devices wait for the load's thread to write them into their stacked
+    # leaves: with such stacks, two units in flight at most, so that the host holds two
+    # slices at most beside the model (on one CPU device, each is read into place)
+    width = lambda: readers.width if stacker is None or stacker.in_place else 2
+
     def start_more() -> None:  # in order, as many as the readers, buffers and budget allow
         nonlocal submitted
-        while submitted < len(units) and len(running) < readers.width:
+        while submitted < len(units) and len(running) < width():
             buffer = buffer_of.get(units[submitted][0])
             if buffer is not None and holder[buffer] is not None:
                 return
