@@ -2,13 +2,13 @@
 
 A checkpoint written per layer (``model.layers.{i}...`` converted to ``layers.{i}...``)
 loads into a model whose stacks hold each parameter once, ``[count, ...]``. The load then
-runs on the model's per-layer twin: each stack replaced by a list of ``count`` abstract
-blocks, each leaf a ``jax.ShapeDtypeStruct`` of one layer's shape on the stacked leaf's
-sharding without the layer axis. Every step, check and plan is the load's own, over
-per-layer names. Each slice the load places is written at once into its stacked leaf,
-made (zeros) on the leaf's sharding at the first slice and updated in place by a jitted
-``dynamic_update_slice`` that donates it: no stacked array is ever assembled beside its
-parts, and the host holds no more than the load does for an unstacked model.
+runs on the model's per-layer twin: each stack replaced by a list of ``count`` blocks, each
+leaf one layer's shape and dtype on the stacked leaf's sharding without the layer axis (a
+`Slice`; a ``jax.ShapeDtypeStruct`` for an abstract model). Every step, check and plan is
+the load's own, over per-layer names. The `Stacker` puts each layer into its stacked leaf:
+read straight into a host buffer that JAX adopts (a leaf on one CPU device), or written in
+place into the leaf made on its devices. No stacked array is ever assembled beside its
+parts (see the README beside this file).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from jax.sharding import SingleDeviceSharding
 from ..arrays import default_device
 from ..convert import transpose
 from ..io import Tensor, aligned_buffer
-from ..state import Flat, Stacked, flatten, key_name, layer_sharding, load_resolved
+from ..state import Flat, Stacked, key_name, layer_sharding, load_resolved
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,9 +84,9 @@ class Layered:
     slices: Mapping[str, tuple[str, int]]
 
 
-def layered(model: Any) -> Layered:
-    """The per-layer twin of `model` (which holds stacks) for a load."""
-    spec = flatten(model)[2]
+def layered(model: Any, view: Flat) -> Layered:
+    """The per-layer twin of `model` (which holds stacks; `view` is it flattened)."""
+    spec = view.spec
     twin = _twin(model, spec.stacks)
     slices: dict[str, tuple[str, int]] = {}
     for name in spec.names:
@@ -94,7 +94,7 @@ def layered(model: Any) -> Layered:
         if stack is not None:
             for i in range(stack.count):
                 slices[stack.layer_name(name, i)] = (name, i)
-    return Layered(Flat(model), twin, slices)
+    return Layered(view, twin, slices)
 
 
 class Stacker:

@@ -119,7 +119,7 @@ def open_load(
     view = Flat(tree)
     layers = None
     if per_layer(view.spec, checkpoint, rules):  # written per layer: the model's twin
-        layers = layered(tree)
+        layers = layered(tree, view)
         tree = layers.twin
         view = Flat(tree)
     leaves = dict(zip(view.spec.names, view.olds, strict=True))
