@@ -14,6 +14,7 @@ parts, and the host holds no more than the load does for an unstacked model.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -103,7 +104,6 @@ class Stacker:
         self.covered = covered
         self.placed: dict[str, Any] = {}  # the twin's other leaves, by name
         self.stacked: dict[str, jax.Array] = {}  # the stacked leaves begun
-        self._writers: dict[Any, Any] = {}
 
     def update(self, values: Iterable[tuple[str, Any]]) -> None:
         """Takes the placed ``(name, value)`` pairs (``dict.update``'s pairs)."""
@@ -121,18 +121,10 @@ class Stacker:
             old = self.olds[stacked]
             sharding = getattr(old, "sharding", None) or value.sharding
             if stacked in self.covered:
-                big = jax.jit(lambda: jnp.zeros(old.shape, old.dtype), out_shardings=sharding)()
+                big = _zeros(tuple(old.shape), jnp.dtype(old.dtype), sharding)()
             else:  # some layers: the others keep their values (a copy: ours to donate)
-                big = jax.jit(jnp.copy, out_shardings=sharding)(old)
-        self.stacked[stacked] = self._writer(big.sharding)(big, value, index)
-
-    def _writer(self, sharding: Any) -> Any:
-        writer = self._writers.get(sharding)
-        if writer is None:
-            write = lambda big, part, i: jax.lax.dynamic_update_index_in_dim(big, part, i, 0)
-            writer = jax.jit(write, donate_argnums=0, out_shardings=sharding)
-            self._writers[sharding] = writer
-        return writer
+                big = _copy(sharding)(old)
+        self.stacked[stacked] = _writer(big.sharding)(big, value, index)
 
     def model(self) -> Any:
         """The model with the leaves the load placed (its stacked leaves whole)."""
@@ -151,3 +143,21 @@ def covered(layers: Layered, targets: Iterable[str]) -> set[str]:
             counts[hit[0]] = counts.get(hit[0], 0) + 1
     olds = dict(zip(layers.view.spec.names, layers.view.olds, strict=True))
     return {name for name, n in counts.items() if n == olds[name].shape[0]}
+
+
+# The jitted functions a load calls, one per shape and sharding for the whole process: a
+# fresh function per load would be traced and compiled again by every load
+@functools.cache
+def _zeros(shape: tuple[int, ...], dtype: Any, sharding: Any) -> Any:
+    return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
+
+
+@functools.cache
+def _copy(sharding: Any) -> Any:
+    return jax.jit(jnp.copy, out_shardings=sharding)
+
+
+@functools.cache
+def _writer(sharding: Any) -> Any:
+    write = lambda big, part, i: jax.lax.dynamic_update_index_in_dim(big, part, i, 0)
+    return jax.jit(write, donate_argnums=0, out_shardings=sharding)
