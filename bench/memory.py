@@ -53,7 +53,9 @@ def _worker(case: str, path: str, width: int, depth: int, registry: str = "bench
     restore(path, abstracts))) and ``NEEDS`` (case -> modules to import first) tables:
     ``bench._formats``, or another group's (``bench.streaming``). A registry may also have
     ``PREPARE`` (case -> prepare(abstracts) -> abstracts), run before the memory is noted:
-    a case's own target (``bench.quantized``'s quantized model).
+    a case's own target (``bench.quantized``'s quantized model); and ``ABSTRACTS`` (case ->
+    abstracts(width, depth)), a case's own abstract targets in place of
+    ``_formats.abstracts`` (``bench.scanned``'s Llama, `width` wide and `depth` layers deep).
     """
     import jax
 
@@ -62,7 +64,7 @@ def _worker(case: str, path: str, width: int, depth: int, registry: str = "bench
     cases = importlib.import_module(registry)
     for module in cases.NEEDS[case]:
         importlib.import_module(module)
-    abstracts = _formats.abstracts(width, depth)
+    abstracts = getattr(cases, "ABSTRACTS", {}).get(case, _formats.abstracts)(width, depth)
     prepare = getattr(cases, "PREPARE", {}).get(case)
     if prepare is not None:
         abstracts = prepare(abstracts)

@@ -26,6 +26,7 @@ from bench import (
     memory,
     quantized,
     report,
+    scanned,
     sharded,
     state,
     storage,
@@ -53,6 +54,7 @@ GROUPS = {
     "overhead": load_overhead,
     "background": background_save,
     "storage": storage,
+    "scanned": scanned,
 }
 
 
@@ -90,7 +92,7 @@ SLOW = ("streaming", "plan")
     "name", [pytest.param(n, marks=pytest.mark.thorough) if n in SLOW else n for n in GROUPS]
 )
 def test_benchmark_group_runs_on_tiny_sizes(name, tmp_path, request, fast_compile):
-    if name in ("dispatch", "lora"):  # their training steps use optax's Adam
+    if name in ("dispatch", "lora", "scanned"):  # their training steps use optax's Adam
         request.getfixturevalue("optax_promotion")
     (tmp_path / "scratch").mkdir()
     group = GROUPS[name].run(Config("smoke", tmp_path / "scratch"))

@@ -14,6 +14,7 @@ parts (see the README beside this file).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import threading
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -23,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import SingleDeviceSharding
 
-from ..arrays import default_device
+from ..arrays import CACHE_BOUND, default_device
 from ..convert import transpose
 from ..io import Tensor, aligned_buffer
 from ..state import Flat, Stacked, key_name, layer_sharding, load_resolved
@@ -116,7 +117,6 @@ class Stacker:
         self.stacked: dict[str, jax.Array] = {}  # the stacked leaves begun on devices
         self.host: dict[str, np.ndarray] = {}  # those begun on the host
         self._lock = threading.Lock()  # (readers begin host buffers from several threads)
-        self._writers: dict[Any, Any] = {}
         # whether every stacked leaf is filled on the host, each slice read into place
         self.in_place = all(self._hosted(name) for name, _ in layers.slices.values())
 
@@ -173,19 +173,10 @@ class Stacker:
         if big is None:
             old, sharding = self.olds[stacked], self._sharding(stacked)
             if stacked in self.covered:
-                zeros = lambda: jnp.zeros(old.shape, old.dtype)
-                big = jax.jit(zeros, out_shardings=sharding)()
+                big = _zeros(tuple(old.shape), np.dtype(old.dtype), sharding)()
             else:  # some layers: the others keep their values (a copy: ours to donate)
-                big = jax.jit(jnp.copy, out_shardings=sharding)(old)
-        self.stacked[stacked] = self._writer(big.sharding)(big, value, index)
-
-    def _writer(self, sharding: Any) -> Any:
-        writer = self._writers.get(sharding)
-        if writer is None:
-            write = lambda big, part, i: jax.lax.dynamic_update_index_in_dim(big, part, i, 0)
-            writer = jax.jit(write, donate_argnums=0, out_shardings=sharding)
-            self._writers[sharding] = writer
-        return writer
+                big = _copy(sharding)(old)
+        self.stacked[stacked] = _writer(big.sharding)(big, value, index)
 
     def model(self) -> Any:
         """The model with the leaves the load placed (its stacked leaves whole; those
@@ -209,3 +200,21 @@ def covered(layers: Layered, targets: Iterable[str]) -> set[str]:
             counts[hit[0]] = counts.get(hit[0], 0) + 1
     olds = dict(zip(layers.view.spec.names, layers.view.olds, strict=True))
     return {name for name, n in counts.items() if n == olds[name].shape[0]}
+
+
+# The jitted functions of the writes onto devices, one per shape and sharding for the
+# process (a function made per load would be traced and compiled again by every load)
+@functools.lru_cache(maxsize=CACHE_BOUND)
+def _zeros(shape: tuple[int, ...], dtype: np.dtype, sharding: Any) -> Any:
+    return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
+
+
+@functools.lru_cache(maxsize=CACHE_BOUND)
+def _copy(sharding: Any) -> Any:
+    return jax.jit(jnp.copy, out_shardings=sharding)
+
+
+@functools.lru_cache(maxsize=CACHE_BOUND)
+def _writer(sharding: Any) -> Any:
+    write = lambda big, part, i: jax.lax.dynamic_update_index_in_dim(big, part, i, 0)
+    return jax.jit(write, donate_argnums=0, out_shardings=sharding)
