@@ -5,9 +5,23 @@ state dict is converted by `RULES`, built from `taktiny.convert`'s presets for P
 layers; the conversion is checked name by name before anything converts, loaded strictly
 into a model built without initialising it, and both models run on the same padded batch
 (`convert.parity`). The model is then exported back into a fresh `BertModel`, loaded with
-strict=True, and compared again. Run `python examples/bert.py`: it prints the largest
-differences. docs/converting.md walks through it.
+strict=True, and compared again.
+
+Then the scanned variant (`Bert(config, rngs=..., scanned=True)`): its encoder layers are one
+`nn.Stack` (each parameter [layers, ...]) run by `jax.lax.scan`, the padding mask given to
+every layer as it is. The same `RULES` load the folder `save_pretrained` writes straight into
+it (each layer's tensors streamed into their slices of the stacked arrays, checked name by
+name and loaded strictly into a model built without initialising it), and export it back
+into a folder that `BertModel.from_pretrained` loads with no missing or unexpected names;
+`convert.parity` compares it with transformers both times. Its per-layer state
+(`tt.flat_state_dict(scanned, unstacked=True)`) is the unrolled model's, bit for bit, and
+with the same dropout key both variants drop the same activations. Run
+`python examples/bert.py`: it prints the largest differences. docs/converting.md walks
+through the unrolled model.
 """
+
+import tempfile
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -15,7 +29,9 @@ import numpy as np
 import torch
 from transformers import BertConfig, BertModel
 
+import taktiny as tt
 from taktiny import convert, nn
+from taktiny.io import load_safetensors, save_safetensors
 
 
 class EncoderLayer(nn.Module):
@@ -33,7 +49,7 @@ class EncoderLayer(nn.Module):
         self.output_norm = nn.LayerNorm(hidden, epsilon=eps)
         self.dropout = nn.Dropout(config.hidden_dropout_prob)
 
-    def __call__(self, x, mask, *, key=None):
+    def __call__(self, x, *, mask, key=None):
         keys = jax.random.split(key, 3) if key is not None else [None] * 3
         attended = self.attention(x, mask=mask, key=keys[0])
         x = self.attention_norm(x + self.dropout(attended, key=keys[1]))
@@ -43,28 +59,41 @@ class EncoderLayer(nn.Module):
 
 class Bert(nn.Module):
     """Token ids [batch, length] -> hidden states [batch, length, hidden] and the pooled
-    first token [batch, hidden]. Dropout runs only when a `key` is given."""
+    first token [batch, hidden]. Dropout runs only when a `key` is given.
 
-    def __init__(self, config: BertConfig, *, rngs: nn.Rngs):
-        hidden = config.hidden_size
+    `scanned=True` holds the encoder layers as one `nn.Stack` (each parameter
+    [layers, ...]) run by `jax.lax.scan`: jit compiles one layer whatever the depth. Its
+    per-layer names (`layers.1.attention.query.kernel`) are those of the list of layers,
+    so the same rules load and export both; with the same `key`, both drop the same
+    activations (each layer's key is split from one key for all the layers)."""
+
+    def __init__(self, config: BertConfig, *, rngs: nn.Rngs, scanned: bool = False):
+        hidden, count = config.hidden_size, config.num_hidden_layers
         self.word = nn.Embed(config.vocab_size, hidden, rngs=rngs)
         self.position = nn.Embed(config.max_position_embeddings, hidden, rngs=rngs)
         self.token_type = nn.Embed(config.type_vocab_size, hidden, rngs=rngs)
         self.embed_norm = nn.LayerNorm(hidden, epsilon=config.layer_norm_eps)
         self.dropout = nn.Dropout(config.hidden_dropout_prob)
-        self.layers = [EncoderLayer(config, rngs=rngs) for _ in range(config.num_hidden_layers)]
+        if scanned:
+            self.layers = nn.Stack(lambda rngs: EncoderLayer(config, rngs=rngs), count, rngs=rngs)
+        else:
+            self.layers = [EncoderLayer(config, rngs=rngs) for _ in range(count)]
         self.pooler = nn.Linear(hidden, hidden, rngs=rngs)
 
     def __call__(self, ids, token_types, valid, *, key=None):
-        keys = [None] * (len(self.layers) + 1)
-        if key is not None:
-            keys = list(jax.random.split(key, len(keys)))
+        embed_key, layers_key = (None, None) if key is None else jax.random.split(key)
         positions = jnp.arange(ids.shape[-1])
         x = self.word(ids) + self.position(positions) + self.token_type(token_types)
-        x = self.dropout(self.embed_norm(x), key=keys[0])
+        x = self.dropout(self.embed_norm(x), key=embed_key)
         mask = valid[:, None, None, :]  # padding: no query attends to a padded key
-        for layer, layer_key in zip(self.layers, keys[1:], strict=True):
-            x = layer(x, mask, key=layer_key)
+        if isinstance(self.layers, nn.Stack):  # the stack splits layers_key, one per layer
+            x = self.layers(x, mask=mask, key=layers_key)  # the mask reaches every layer
+        else:
+            keys = [None] * len(self.layers)
+            if layers_key is not None:  # as nn.Stack splits it
+                keys = list(jax.random.split(layers_key, len(self.layers)))
+            for layer, layer_key in zip(self.layers, keys, strict=True):
+                x = layer(x, mask=mask, key=layer_key)
         return x, jnp.tanh(self.pooler(x[:, 0]))
 
 
@@ -140,10 +169,44 @@ def main():
         print("exported back into a fresh BertModel (strict=True):")
         print(convert.parity(ours, theirs(fresh), ids, token_types, valid, tolerance=1e-5))
 
+        # scanned: the layers one nn.Stack, loaded by the same rules from the folder that
+        # save_pretrained writes (the files people download), each layer's tensors streamed
+        # into their slices; every name checked before anything loads, strictly
+        with tempfile.TemporaryDirectory() as folder:
+            reference.save_pretrained(folder)
+            abstract = jax.eval_shape(lambda: Bert(config, rngs=nn.Rngs(0), scanned=True))
+            scanned = load_safetensors(abstract, folder, rules=RULES)
+        stacked = lambda *inputs: forward(scanned, *inputs)
+        print("Taktiny against transformers (scanned):")
+        print(convert.parity(stacked, theirs(reference), ids, token_types, valid, tolerance=1e-5))
+
+        # and back: export names the layers one by one, as BertModel does
+        with tempfile.TemporaryDirectory() as folder:
+            save_safetensors(Path(folder) / "model.safetensors", convert.export(RULES, scanned))
+            config.save_pretrained(folder)
+            loaded, info = BertModel.from_pretrained(folder, output_loading_info=True)
+        assert not any(info.values()), info  # no missing, unexpected or mis-shaped names
+        loaded.eval().set_attn_implementation("eager")
+        print("exported back through save_safetensors into BertModel.from_pretrained (scanned):")
+        print(convert.parity(stacked, theirs(loaded), ids, token_types, valid, tolerance=1e-5))
+
+    # read per layer, the stacked arrays are the unrolled model's: same names in the same
+    # order, same dtypes, same bits
+    unrolled, per_layer = tt.flat_state_dict(model), tt.flat_state_dict(scanned, unstacked=True)
+    same = list(unrolled) == list(per_layer) and all(
+        unrolled[name].dtype == per_layer[name].dtype
+        and np.array_equal(unrolled[name], per_layer[name])
+        for name in unrolled
+    )
+    print(f"scanned per-layer state equals the unrolled model's, bit for bit: {same}")
+
     inputs = (jnp.asarray(ids), jnp.asarray(token_types), jnp.asarray(valid))
     hidden, _ = forward(model, *inputs)
     dropped, _ = forward(model, *inputs, key=jax.random.key(0))  # training: dropout on
     print(f"with dropout (training), hidden states move by {np.abs(dropped - hidden).mean():.3f}")
+    scanned_dropped, _ = forward(scanned, *inputs, key=jax.random.key(0))
+    apart = np.abs(scanned_dropped - dropped).max()
+    print(f"with the same dropout key, scanned and unrolled differ by at most {apart:.2e}")
 
 
 if __name__ == "__main__":

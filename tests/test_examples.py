@@ -54,12 +54,19 @@ def test_bert_example_matches_transformers_and_exports_back():
     assert list(reports) == [
         "Taktiny against transformers:",
         "exported back into a fresh BertModel (strict=True):",
+        "Taktiny against transformers (scanned):",
+        "exported back through save_safetensors into BertModel.from_pretrained (scanned):",
     ], out
     for errors in reports.values():
         assert errors.keys() == {"last_hidden_state", "pooler_output"}, out
         assert max(errors.values()) <= 1e-5, errors
-    moved = float(out.split("hidden states move by")[-1])
+    # the scanned model (its layers one nn.Stack) read per layer is the unrolled one
+    assert "scanned per-layer state equals the unrolled model's, bit for bit: True" in out, out
+    moved = float(out.split("hidden states move by")[1].splitlines()[0])
     assert moved > 0.01  # dropout with a key changes the output
+    # the same key drops the same activations in both: each layer gets the same key
+    apart = float(out.split("scanned and unrolled differ by at most")[1].splitlines()[0])
+    assert apart <= 1e-5, out
 
 
 def test_gpt2_example_matches_transformers_and_exports_back():
