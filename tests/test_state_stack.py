@@ -170,3 +170,16 @@ def test_an_optimizer_state_follows_per_layer(optax_promotion):
     moved = {k: v + 1 if k.startswith("0.mu.layers.") else v for k, v in names.items()}
     loaded = tt.load_flat_state_dict(opt_state, moved, strict=True)
     np.testing.assert_array_equal(loaded[0].mu.layers.block.dense.kernel, np.ones((3, 4, 4)))
+
+
+def test_some_layers_load_into_a_stack_on_a_mesh_of_explicit_axes():
+    mesh = jax.sharding.Mesh(
+        np.array(jax.devices()), ("x",), axis_types=(jax.sharding.AxisType.Explicit,)
+    )
+    stack = nn.Stack(lambda rngs: nn.Linear(2, 8, rngs=rngs), 3, rngs=nn.Rngs(0))
+    rules = {"layers.*.bias": jax.sharding.PartitionSpec(),
+             "layers.*.kernel": jax.sharding.PartitionSpec(None, "x")}  # fmt: skip
+    model = tt.shard({"layers": stack}, rules, mesh)
+    loaded = tt.load_flat_state_dict(model, {"layers.1.bias": np.ones(8, np.float32)})
+    np.testing.assert_array_equal(loaded["layers"].block.bias, np.eye(3, 1, -1) * np.ones(8))
+    assert loaded["layers"].block.bias.sharding == model["layers"].block.bias.sharding

@@ -16,6 +16,7 @@ from typing import Any, cast
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.core import Tracer
 from jax.sharding import NamedSharding, PartitionSpec
 
 import taktiny.state._problems as err
@@ -104,7 +105,15 @@ def restacked(
                     problems.append(err.layer_without_value(name, stacked, sorted(checked)))
         else:
             index = np.array(sorted(checked))
-            out[stacked] = old.at[index].set(jnp.stack([checked[i] for i in sorted(checked)]))
+            given = [checked[i] for i in sorted(checked)]
+            if isinstance(old, Tracer) or any(isinstance(v, Tracer) for v in given):
+                traced = cast(Any, old)
+                out[stacked] = traced.at[index].set(jnp.stack(given))  # (inside jit)
+            else:  # a copy of the leaf with the layers written in, placed as the leaf is
+                # (on the host: an update on devices needs the mesh of explicit axes set)
+                whole = np.array(old)
+                whole[index] = np.stack([np.asarray(v) for v in given])
+                out[stacked] = whole
     if problems:
         raise StateDictError(caller, problems)
     return out
