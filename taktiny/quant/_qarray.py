@@ -202,9 +202,10 @@ _CHECKED: set[tuple[Any, ...]] = set()  # layouts found consistent (every load r
 def _stacked_axes(q: QArray, shape: tuple[int, ...]) -> int:
     """How many leading axes `q`'s parts share as the layers of a stack (``nn.Stack``
     holds a QArray per layer as one QArray with a leading layer axis, its `axis` counted
-    within a layer): 0 for a QArray of one layer, or where no leading axes fit."""
+    within a layer, a layer's weight of two axes at least: a kernel, an embedding): 0 for
+    a QArray of one layer, or where no leading axes fit."""
     scale = tuple(q.scale.shape)
-    for k in range(1, len(shape)):
+    for k in range(1, len(shape) - 1):  # (a layer's quantized weight has two axes at least)
         if len(scale) != len(shape) or scale[:k] != shape[:k] or q.axis >= len(shape) - k:
             continue
         if check_layout(shape[k:], q.bits, q.axis, q.group_size):

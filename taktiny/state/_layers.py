@@ -76,7 +76,7 @@ def restacked(
     out: dict[str, Any] = {}
     groups: dict[str, dict[int, tuple[str, Any]]] = {}
     for name, value in flat.items():
-        hit = spec.split_layer(name)
+        hit = spec.split_layer(name) if type(name) is str else None
         if hit is None or hit[0] not in spec.index:
             out[name] = value  # (an unknown name: the resolution reports it)
         else:
@@ -131,6 +131,18 @@ def nest(flat: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _string_keys(node: Mapping[Any, Any], depth: int = 0) -> bool:
+    """Whether every key of the nested `node` is a string and it nests no deeper than a
+    tree does (other keys, and a state that contains itself, are the load's to tell)."""
+    if depth > _DEEPEST:
+        return False
+    return all(
+        type(k) is str
+        and (not isinstance(v, Mapping) or _string_keys(cast("Mapping[Any, Any]", v), depth + 1))
+        for k, v in node.items()
+    )
+
+
 def _dotted(node: Mapping[str, Any], prefix: str, out: dict[str, Any]) -> None:
     for key, value in node.items():
         name = f"{prefix}.{key}" if prefix else str(key)
@@ -144,6 +156,7 @@ def _is_stack(node: Any) -> bool:
     return hasattr(type(node), "_taktiny_stacked")  # pyright: ignore[reportUnknownArgumentType]
 
 
+_DEEPEST = 100  # a nested state deeper than this is left to the load (it may contain itself)
 _UNKNOWN = object()  # a node the walk cannot look into (a PyTree node of another kind)
 
 
@@ -183,7 +196,7 @@ def _names_stack(node: Any, state: Mapping[Any, Any]) -> bool:
     if _is_stack(node):
         return any(type(k) is str and k.isdigit() for k in state)
     for key, value in state.items():
-        if isinstance(value, Mapping):
+        if type(key) is str and isinstance(value, Mapping):
             child = _child(node, key)
             if child is _UNKNOWN:
                 return True
@@ -198,7 +211,7 @@ def stacked_state(
     """`state` with per-layer names of the tree's stacks turned into their stacked leaves
     (:func:`restacked`); `state` itself when it has none. `caller()` names the load."""
     if flat:  # (a walk down the names it gives: a load that names no stack pays nothing)
-        if not any(_reaches_stack(tree, str(n)) for n in state):
+        if not any(type(n) is str and _reaches_stack(tree, n) for n in state):
             return state
         leaves, _, spec = flatten(tree)
         return restacked(spec, leaves, state, caller())
@@ -218,7 +231,8 @@ def stacked_state(
         else:
             if not isinstance(node, Mapping):
                 continue
-            if not any(type(k) is str and k.isdigit() for k in cast("Mapping[Any, Any]", node)):
+            named = cast("Mapping[Any, Any]", node)
+            if not any(type(k) is str and k.isdigit() for k in named) or not _string_keys(named):
                 continue
             dotted: dict[str, Any] = {}
             _dotted(node, stack.path, dotted)  # pyright: ignore[reportUnknownArgumentType]
