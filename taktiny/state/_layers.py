@@ -10,6 +10,7 @@ array per leaf touched; the model's other leaves are kept as they are).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from typing import Any, cast
 
@@ -21,6 +22,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 import taktiny.state._problems as err
 
+from ..arrays import CACHE_BOUND
 from ._names import Spec, fields, flatten
 from ._problems import Problems, StateDictError
 from ._values import checked_value
@@ -109,8 +111,9 @@ def restacked(
             if isinstance(old, Tracer) or any(isinstance(v, Tracer) for v in given):
                 traced = cast(Any, old)
                 out[stacked] = traced.at[index].set(jnp.stack(given))  # (inside jit)
-            else:  # a copy of the leaf with the layers written in, placed as the leaf is
-                # (on the host: an update on devices needs the mesh of explicit axes set)
+            elif isinstance(old, jax.Array):  # a copy with the layers written in, on devices
+                out[stacked] = _written(old.sharding)(old, index, tuple(given))
+            else:  # a host array: its copy, the layers written in
                 whole = np.array(old)
                 whole[index] = np.stack([np.asarray(v) for v in given])
                 out[stacked] = whole
@@ -244,3 +247,14 @@ def stacked_state(
                 rebuilt = {**parent, key: rebuilt}
             out = rebuilt
     return out
+
+
+@functools.lru_cache(maxsize=CACHE_BOUND)
+def _written(sharding: Any) -> Any:
+    """A jitted copy of a stacked leaf on `sharding` with some layers written in, placed
+    as the leaf is (out_shardings: a mesh of explicit axes needs no ``jax.set_mesh``)."""
+
+    def write(whole: jax.Array, index: jax.Array, layers: tuple[Any, ...]) -> jax.Array:
+        return whole.at[index].set(jnp.stack(layers))
+
+    return jax.jit(write, out_shardings=sharding)  # pyright: ignore[reportUnknownMemberType]  (JAX leaves its parameters unannotated)
