@@ -173,7 +173,7 @@ def assert_sharded(leaf: Any, mesh: Mesh, spec: PartitionSpec, where: str) -> No
     assert leaf.sharding.is_equivalent_to(expected, leaf.ndim), f"{where}: {leaf.sharding}"
 
 
-@settings(max_examples=examples(6))
+@settings(max_examples=examples(3))
 @given(data=st.data())
 def test_stacking_then_unstacking_is_the_identity(data):
     """A stacked model loaded from per-layer arrays stacked (``layers.block.up.kernel``) reads
@@ -222,7 +222,7 @@ def test_stacking_then_unstacking_is_the_identity(data):
     )
 
 
-@settings(max_examples=examples(3))
+@settings(max_examples=examples(2))
 @given(data=st.data())
 def test_a_stack_computes_what_its_layers_compute_in_order(data):
     """``stack(x, gain=g, key=k)`` equals ``stack[0]``, ``stack[1]``, ... applied in order,
@@ -272,7 +272,7 @@ def test_a_stack_computes_what_its_layers_compute_in_order(data):
         np.testing.assert_allclose(host(got), host(want), rtol=1e-5, atol=1e-5)
 
 
-@settings(max_examples=examples(15))
+@settings(max_examples=examples(8))
 @given(data=st.data())
 def test_a_per_layer_load_changes_only_its_slices(data):
     """Loading some leaves of some layers by their per-layer names (flat or nested, not

@@ -296,10 +296,15 @@ def test_ctrl_c_stops_a_load_promptly(s3_proxy, tmp_path):
         "print('loading', flush=True)\n"
         f"load_safetensors({{'embed': jnp.zeros((128, 512))}}, {url!r}, strict=False)\n"
     )
+    seen = len(proxy.requests)
     job = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE,
                            stderr=subprocess.PIPE, text=True, env=os.environ)  # fmt: skip
     assert job.stdout.readline() == "loading\n"
-    time.sleep(2)
+    deadline = time.monotonic() + 60  # (the child imports JAX first: slow on a busy machine)
+    while len(proxy.requests) == seen and time.monotonic() < deadline:
+        time.sleep(0.05)  # until the load has asked the store for something
+    assert len(proxy.requests) > seen, "the load sent no request"
+    time.sleep(1)  # (waiting on its stalled reads now)
     job.send_signal(signal.SIGINT)
     started = time.monotonic()
     _, err = job.communicate(timeout=20)

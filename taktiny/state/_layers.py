@@ -209,18 +209,29 @@ def _names_stack(node: Any, state: Mapping[Any, Any]) -> bool:
 
 
 def stacked_state(
-    tree: Any, state: Mapping[Any, Any], flat: bool, caller: Any
+    tree: Any,
+    state: Mapping[Any, Any],
+    flat: bool,
+    caller: Any,
+    flattened: tuple[list[Any], Spec] | None = None,
 ) -> Mapping[Any, Any]:
     """`state` with per-layer names of the tree's stacks turned into their stacked leaves
-    (:func:`restacked`); `state` itself when it has none. `caller()` names the load."""
-    if flat:  # (a walk down the names it gives: a load that names no stack pays nothing)
-        if not any(type(n) is str and _reaches_stack(tree, n) for n in state):
+    (:func:`restacked`); `state` itself when it has none. `caller()` names the load.
+    `flattened` is the tree's leaves and description when the load has them (a load that
+    flattens the tree); without, a walk down the names the state gives (a load of a few)
+    says whether any goes through a stack, so that a load naming none pays nothing."""
+    if flattened is not None:
+        leaves, spec = flattened
+        if not spec.stacks:
             return state
-        leaves, _, spec = flatten(tree)
-        return restacked(spec, leaves, state, caller())
-    if not _names_stack(tree, state):
+    elif flat and not any(type(n) is str and _reaches_stack(tree, n) for n in state):
         return state
-    leaves, _, spec = flatten(tree)
+    elif not flat and not _names_stack(tree, state):
+        return state
+    else:
+        leaves, _, spec = flatten(tree)
+    if flat:
+        return restacked(spec, leaves, state, caller())
     out: dict[Any, Any] = dict(state)
     for stack in spec.stacks:  # each stack's subtree given per layer: made stacked
         path = stack.path.split(".") if stack.path else []

@@ -222,13 +222,16 @@ def load(
     named = lambda: caller or _caller(tree, flat)  # (formatted only for an error)
     if not isinstance(state, Mapping):
         raise TypeError(f"{named()} expects a dict, got {type(state).__name__}.")
-    state = _layers.stacked_state(tree, cast("Mapping[Any, Any]", state), flat, named)
+    state = cast("Mapping[Any, Any]", state)
     match = match_quantization
     view: View[Any]
-    if not strict and _few(state, flat):
+    if not strict and _few(state, flat):  # (per-layer names of a stack: stacked first)
         view = Walk(tree, flat)
+        state = _layers.stacked_state(tree, state, flat, named)
     else:
         view = flat_view = Flat(tree)
+        flattened = (flat_view.olds, flat_view.spec)
+        state = _layers.stacked_state(tree, state, flat, named, flattened)
         values = _in_order(flat_view, state, flat)  # every leaf, in leaf order: the fast path
         if values is not None:
             return _finish(view, enumerate(values), None, named, match)
