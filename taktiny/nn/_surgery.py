@@ -211,7 +211,9 @@ def lora(
     """`model` with a low-rank adapter on every layer that `where` chooses: each
     :class:`~taktiny.nn.Linear` and :class:`~taktiny.nn.QuantizedLinear` becomes a
     :class:`~taktiny.nn.LoRALinear`, each :class:`~taktiny.nn.Embed` and
-    :class:`~taktiny.nn.QuantizedEmbed` a :class:`~taktiny.nn.LoRAEmbed`.
+    :class:`~taktiny.nn.QuantizedEmbed` a :class:`~taktiny.nn.LoRAEmbed`. In a stack of
+    layers (:class:`~taktiny.nn.Stack`) each layer gets its own adapter, stacked, its
+    ``lora_a`` drawn from its own key.
 
     The base weights keep their flat names and are not trained; each adapted layer gains
     ``<layer>.lora_a`` and ``<layer>.lora_b``, with ``lora_b`` zeros, so the model's
@@ -415,7 +417,9 @@ def quantize(
     or ``[in // group_size, out]``), an ``Embed`` table ``[num, features]`` per row (scales
     ``[num, 1]`` or ``[num, features // group_size]``); biases stay as they are, and so
     do the shardings (each scale split as its weight on the other axis). Works on
-    abstract models (from ``jax.eval_shape``) too. The model given is not changed.
+    abstract models (from ``jax.eval_shape``) too. The model given is not changed. In a
+    stack of layers (:class:`~taktiny.nn.Stack`) each layer is quantized as it would be
+    alone: the QArrays hold the leading layer axis on their values and scales.
 
     Args:
         model: a module, or any PyTree holding modules.
