@@ -307,8 +307,15 @@ def test_ctrl_c_stops_a_load_promptly(s3_proxy, tmp_path):
     time.sleep(1)  # (waiting on its stalled reads now)
     job.send_signal(signal.SIGINT)
     started = time.monotonic()
-    _, err = job.communicate(timeout=20)
-    assert time.monotonic() - started < 5
+    try:
+        _, err = job.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        job.kill()  # (never left running: its pipes would leak into the next test)
+        job.communicate()
+        pytest.fail("the load did not stop within 60 s of Ctrl-C")
+    # well before the stalled read (30 s) would have come back: a few seconds alone, more
+    # while the rest of the suite keeps both cores busy and the interpreter exits slowly
+    assert time.monotonic() - started < 15
     assert job.returncode != 0 and "KeyboardInterrupt" in err, err
 
 
