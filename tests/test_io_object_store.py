@@ -285,6 +285,10 @@ def test_nothing_imports_obstore_for_local_paths(tmp_path):
     assert run.stdout.strip() == "[]"
 
 
+# In `make property` only: under the full `make test` (both cores busy, -n 2) the child has
+# twice not stopped within 60 s of the signal, while it stops within seconds alone, with
+# its file, and beside CPU burners; being looked into (issue notes of 2026-12-04)
+@pytest.mark.thorough
 def test_ctrl_c_stops_a_load_promptly(s3_proxy, tmp_path):
     bucket, proxy = s3_proxy
     url = f"{bucket}/model.safetensors"
