@@ -27,7 +27,7 @@ from jax.sharding import SingleDeviceSharding
 from ..arrays import CACHE_BOUND, default_device
 from ..convert import transpose
 from ..io import Tensor, aligned_buffer
-from ..state import Flat, Stacked, key_name, layer_sharding, load_resolved
+from ..state import Flat, Stacked, is_stack, key_name, layer_sharding, load_resolved
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,7 +55,6 @@ def _layer_leaf(leaf: Any) -> Any:
 def _twin(tree: Any, stacks: Sequence[Stacked]) -> Any:
     """`tree` with each stack replaced by the list of its layers, abstract."""
     paths = {s.path: s for s in stacks}
-    is_stack = lambda x: hasattr(type(x), "_taktiny_stacked")
 
     def layers(path: Any, node: Any) -> Any:
         if not is_stack(node):

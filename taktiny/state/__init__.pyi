@@ -13,6 +13,7 @@ from ._names import customs as customs
 from ._names import fields as fields
 from ._names import flatten as flatten
 from ._names import is_flat as is_flat
+from ._names import is_stack as is_stack
 from ._names import key_name as key_name
 from ._patterns import Match as Match
 from ._patterns import Rules as Rules

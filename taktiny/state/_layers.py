@@ -23,7 +23,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 import taktiny.state._problems as err
 
 from ..arrays import CACHE_BOUND
-from ._names import Spec, fields, flatten
+from ._names import Spec, fields, flatten, is_stack
 from ._problems import Problems, StateDictError
 from ._values import checked_value
 
@@ -155,10 +155,6 @@ def _dotted(node: Mapping[str, Any], prefix: str, out: dict[str, Any]) -> None:
             out[name] = value
 
 
-def _is_stack(node: Any) -> bool:
-    return hasattr(type(node), "_taktiny_stacked")  # pyright: ignore[reportUnknownArgumentType]
-
-
 _DEEPEST = 100  # a nested state deeper than this is left to the load (it may contain itself)
 _UNKNOWN = object()  # a node the walk cannot look into (a PyTree node of another kind)
 
@@ -186,7 +182,7 @@ def _reaches_stack(tree: Any, name: str) -> bool:
     the tree, no flatten (True where a node of another kind hides the path)."""
     node = tree
     for part in name.split("."):
-        if _is_stack(node):
+        if is_stack(node):
             return part.isdigit()
         node = _child(node, part)
         if node is None or node is _UNKNOWN:
@@ -196,7 +192,7 @@ def _reaches_stack(tree: Any, name: str) -> bool:
 
 def _names_stack(node: Any, state: Mapping[Any, Any]) -> bool:
     """Whether the nested `state` names a stack of `node` by a layer's index."""
-    if _is_stack(node):
+    if is_stack(node):
         return any(type(k) is str and k.isdigit() for k in state)
     for key, value in state.items():
         if type(key) is str and isinstance(value, Mapping):

@@ -226,12 +226,17 @@ def _modules(tree: Any, where: str) -> dict[str, type]:
     return found
 
 
+def is_stack(node: Any) -> bool:
+    """Whether `node` is a stack of layers: its class names its stacked field in
+    ``_taktiny_stacked`` (``nn.Stack``)."""
+    return hasattr(type(node), "_taktiny_stacked")  # pyright: ignore[reportUnknownArgumentType]
+
+
 def _stacks(tree: Any, where: str) -> tuple[Stacked, ...]:
     """Every stack of layers in `tree` (a node whose class names its stacked field in
     ``_taktiny_stacked``), outer first. A stack inside another's block is refused: its
     leaves would have two layer axes."""
     found: list[Stacked] = []
-    is_stack: Callable[[Any], bool] = lambda x: hasattr(type(x), "_taktiny_stacked")  # pyright: ignore[reportUnknownArgumentType]
     for path, node in tree_util.tree_flatten_with_path(tree, is_leaf=is_stack)[0]:
         if not is_stack(node):
             continue
