@@ -2,6 +2,8 @@
 names, a coverage check of every name before anything is loaded, export back, presets for
 PyTorch's layers, and a parity check of the outputs."""
 
+from ._compressed_tensors import export_compressed_tensors as export_compressed_tensors
+from ._compressed_tensors import unpack_quantized as unpack_quantized
 from ._convert import Converted as Converted
 from ._convert import check as check
 from ._convert import convert as convert
@@ -12,6 +14,7 @@ from ._coverage import ConversionError as ConversionError
 from ._coverage import ConversionProblem as ConversionProblem
 from ._coverage import Report as Report
 from ._coverage import Step as Step
+from ._fp8 import dequantize_blocks as dequantize_blocks
 from ._parity import Parity as Parity
 from ._parity import ParityOutput as ParityOutput
 from ._parity import parity as parity
@@ -25,6 +28,7 @@ from ._presets import layer_norm as layer_norm
 from ._presets import linear as linear
 from ._presets import multihead_attention as multihead_attention
 from ._presets import pytorch as pytorch
+from ._quantized_rules import quantized_rules as quantized_rules
 from ._rules import Ignore as Ignore
 from ._rules import Init as Init
 from ._rules import Rule as Rule

@@ -14,10 +14,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .._messages import layout_text
 from ..arrays import default_device
 from ..convert import Step, identity, transpose
 from ..io import MAP_FLAGS, Tensor
-from ..quant import quantize_like
+from ..quant import QArray, quantize_like
 from ..state import checked_value, placeable
 from ..state import problems as err
 from ._checks import spec_of
@@ -79,15 +80,29 @@ def transformed(load: Load, step: Step, read: list[np.ndarray], scratch: Scratch
     out: dict[str, Any] = {}
     for name, result in zip(step.targets, results, strict=True):
         like = quantized.get(name)
-        if like is not None:  # checked and cast as for the float model, then quantized
+        made: list[tuple[str, Any]] = []
+        if isinstance(result, QArray):  # made quantized (a compressed-tensors module)
+            have = (result.bits, result.axis, result.group_size)
+            if like is None:  # into a float leaf: dequantized into its dtype
+                if name in leaves:
+                    made = [(name, result.dequantize(spec_of(leaves[name])[1]))]
+            elif have == (like.bits, like.axis, like.group_size):  # its parts, bit for bit
+                made = [(f"{name}.value", result.value), (f"{name}.scale", result.scale)]
+            else:
+                want = (like.bits, like.axis, like.group_size)
+                text = f"{layout_text(*have)} ({', '.join(step.sources)})"
+                problems.append(
+                    err.stored_quantized_otherwise(name, layout_text(*want), want, text, have)
+                )
+        elif like is not None:  # checked and cast as for the float model, then quantized
             logical = jax.ShapeDtypeStruct(like.shape, like.dtype)
             result = checked_value(name, result, logical, problems)
             if result is None:
                 continue
             q = quantize_like(result, like, name)
             made = [(f"{name}.value", q.value), (f"{name}.scale", q.scale)]
-        else:
-            made = [(name, result)] if name in leaves else []
+        elif name in leaves:
+            made = [(name, result)]
         for part, value in made:
             value = checked_value(part, value, leaves[part], problems)
             if value is None:

@@ -14,6 +14,7 @@ from ._format import packed_record as packed_record
 from ._format import packed_shape as packed_shape
 from ._format import quantized_record as quantized_record
 from ._format import unpack as unpack
+from ._qarray import INT_DTYPES as INT_DTYPES
 from ._qarray import PARTS as PARTS
 from ._qarray import QArray as QArray
 from ._qarray import dequantize_array as dequantize_array

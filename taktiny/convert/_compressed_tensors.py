@@ -1,0 +1,327 @@
+"""compressed-tensors checkpoints, the format vLLM, SGLang and TensorRT-LLM serve int8 and
+int4 models in: its ``pack-quantized`` layout of symmetric integer weights, one scale per
+output channel or per group of input features, in and out.
+
+A quantized ``torch.nn.Linear`` ``<module>`` (weight ``[out, in]``) is three tensors:
+
+- ``<module>.weight_packed``: int32 ``[out, ceil(in * bits / 32)]``, the integers of each
+  row offset by ``2**(bits - 1)`` (to 0..15 for 4 bits, 0..255 for 8) and packed densely
+  along the row, element ``i`` in bits ``i * bits`` onward of the little-endian words;
+- ``<module>.weight_scale``: float ``[out, 1]`` (per channel) or ``[out, in // group]``;
+- ``<module>.weight_shape``: int64 ``[2]``, the weight's shape ``[out, in]``.
+
+The weight is ``integers * scale`` of its channel or group, which is what a
+:class:`~taktiny.QArray` quantized along the input axis holds, transposed: a kernel
+``[in, out]`` with ``axis=0``. Its ``config.json`` describes the scheme under
+``quantization_config`` (:func:`export_compressed_tensors` writes it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from functools import partial
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.core import Tracer
+
+from ..quant import INT_DTYPES, QArray
+from ..state import host_array
+from ._rules import AnyRule, Rule
+from ._transforms import Transform, identity, transpose
+
+FORMAT = "pack-quantized"
+PARTS = ("weight_packed", "weight_scale", "weight_shape")  # a module's tensors, by suffix
+
+
+def pack(values: Any, bits: int) -> np.ndarray:
+    """Integers ``[..., n]`` (int8 or int4, within the signed range of `bits`) packed as
+    compressed-tensors packs them: int32 ``[..., ceil(n * bits / 32)]``."""
+    per = 32 // bits
+    v = (np.asarray(values).astype(np.int16) + (1 << (bits - 1))).astype(np.uint8)
+    pad = -v.shape[-1] % per
+    if pad:
+        v = np.concatenate([v, np.zeros((*v.shape[:-1], pad), np.uint8)], axis=-1)
+    if bits == 4:
+        v = v[..., 0::2] | (v[..., 1::2] << 4)
+    return np.ascontiguousarray(v).view("<i4")
+
+
+@partial(jax.jit, static_argnames=("bits", "n"))
+def _unpacked(packed: Any, bits: int, n: int) -> jax.Array:
+    """The integers `pack` packed: `n` along the last axis, int8 (int4 for 4 bits)."""
+    lead = packed.shape[:-1]
+    data = jax.lax.bitcast_convert_type(packed, jnp.uint8).reshape(*lead, -1)
+    if bits == 4:
+        data = jnp.stack([data & 0x0F, data >> 4], axis=-1).reshape(*lead, -1)
+    values = data[..., :n].astype(jnp.int16) - (1 << (bits - 1))
+    return values.astype(INT_DTYPES[bits])
+
+
+class unpack_quantized(Transform):
+    """Makes a :class:`~taktiny.QArray` from the three tensors of one compressed-tensors
+    ``pack-quantized`` module (sources ``["{m}.weight_packed", "{m}.weight_scale",
+    "{m}.weight_shape"]``): the integers unpacked, bit for bit, and the scales as they
+    are, both then laid out by `layout` (``transpose()`` for a ``Linear``'s ``[out, in]``
+    into a kernel's ``[in, out]``), quantized along the axis the input features end on. A
+    load places its parts in a quantized model as they are, or dequantizes it into a
+    float one.
+
+    Args:
+        bits: 4 or 8.
+        group_size: input features per scale; None for one scale per output channel.
+        layout: an element transform of the weight (``identity()`` or a ``transpose``).
+    """
+
+    def __init__(self, bits: int, group_size: int | None = None, layout: Transform | None = None):
+        if bits not in INT_DTYPES:
+            raise ValueError(f"bits must be 4 or 8, got {bits!r}.")
+        self.bits, self.group_size = int(bits), group_size
+        self.layout = identity() if layout is None else layout
+        if not isinstance(self.layout, identity | transpose):
+            raise ValueError(
+                f"layout is identity() or a transpose, got {self.layout!r}: the integers and "
+                f"their scales are laid out alike."
+            )
+
+    def __call__(self, arrays: tuple[Any, ...], count: int | None = None) -> tuple[Any, ...]:
+        if len(arrays) != 3:
+            raise ValueError(
+                f"{self!r} takes three arrays, weight_packed, weight_scale and weight_shape, "
+                f"got {len(arrays)}"
+            )
+        packed, scale, shape = arrays
+        n = self._features(packed, scale)
+        if not isinstance(shape, Tracer | jax.ShapeDtypeStruct):
+            recorded = np.asarray(shape).tolist()
+            if recorded != [*packed.shape[:-1], n]:
+                raise ValueError(
+                    f"weight_shape records {recorded}, and the packed integers "
+                    f"{list(packed.shape)} with scales {list(scale.shape)} hold a weight of "
+                    f"shape {[*packed.shape[:-1], n]}"
+                )
+        values = _unpacked(jnp.asarray(packed), self.bits, n)
+        values, scale = self.layout((values, jnp.asarray(scale)))
+        last = len(packed.shape) - 1
+        perm = getattr(self.layout, "perm", None)
+        axis = (
+            last if isinstance(self.layout, identity) else (perm or range(last, -1, -1)).index(last)
+        )
+        return (QArray(values, scale, bits=self.bits, axis=axis, group_size=self.group_size),)
+
+    def _features(self, packed: Any, scale: Any) -> int:
+        """The input features, from the packed integers and the scales (checked)."""
+        words, groups = packed.shape[-1], scale.shape[-1]
+        per = 32 // self.bits
+        n = words * per if self.group_size is None else groups * self.group_size
+        fits = (
+            np.dtype(packed.dtype) == np.int32
+            and len(scale.shape) == len(packed.shape) >= 2
+            and tuple(scale.shape[:-1]) == tuple(packed.shape[:-1])
+            and jnp.issubdtype(scale.dtype, jnp.floating)
+            and words == -(-n // per)
+            and (groups == 1) == (self.group_size is None)
+        )
+        if not fits:
+            per_what = "1" if self.group_size is None else f"in // {self.group_size}"
+            raise ValueError(
+                f"a {self.bits}-bit pack-quantized weight is int32 [out, ceil(in * "
+                f"{self.bits} / 32)] with float scales [out, {per_what}]; got "
+                f"{np.dtype(packed.dtype).name}{list(packed.shape)} and "
+                f"{np.dtype(scale.dtype).name}{list(scale.shape)}"
+            )
+        return n
+
+    def _args(self) -> str:
+        group = "" if self.group_size is None else f", group_size={self.group_size}"
+        layout = "" if isinstance(self.layout, identity) else f", layout={self.layout!r}"
+        return f"bits={self.bits}{group}{layout}"
+
+
+def scheme(config: Mapping[str, Any]) -> list[tuple[int, int | None]]:
+    """The (bits, group_size) of each config group of a compressed-tensors
+    ``quantization_config``, checked to be what Taktiny reads: weight-only, symmetric,
+    integer, per channel or per group, 4 or 8 bits, ``pack-quantized`` and compressed.
+    Raises ValueError naming what is out of scope."""
+    where = "this compressed-tensors checkpoint"
+    out = []
+    wrong = {
+        "format": config.get("format") not in (None, FORMAT, "mixed-precision"),
+        "quantization_status": config.get("quantization_status", "compressed") != "compressed",
+        "kv_cache_scheme": config.get("kv_cache_scheme") is not None,
+        "transform_config": bool(config.get("transform_config")),
+        "sparsity_config": bool(config.get("sparsity_config")),
+    }
+    for key, bad in wrong.items():
+        if bad:
+            raise ValueError(
+                f"{where} has {key} {config.get(key)!r}, which Taktiny does not read: it reads "
+                f"weight-only, symmetric int4 and int8 weights in the {FORMAT!r} format, "
+                f"compressed, without transforms, sparsity or a quantized KV cache."
+            )
+    groups = config.get("config_groups") or {}
+    if not groups:
+        raise ValueError(f"{where} has no config_groups: nothing says how it is quantized.")
+    for name, group in groups.items():
+        weights = group.get("weights") or {}
+        problems = {
+            "format": group.get("format") not in (None, FORMAT),
+            "input_activations": group.get("input_activations") is not None,
+            "output_activations": group.get("output_activations") is not None,
+            "weights.type": weights.get("type", "int") != "int",
+            "weights.symmetric": weights.get("symmetric", True) is not True,
+            "weights.num_bits": weights.get("num_bits") not in INT_DTYPES,
+            "weights.strategy": weights.get("strategy") not in ("channel", "group"),
+            "weights.actorder": weights.get("actorder") not in (None, "static"),
+            "weights.dynamic": weights.get("dynamic", False) is not False,
+        }
+        for key, bad in problems.items():
+            if bad:
+                got = group.get(key) if "." not in key else weights.get(key.split(".")[1])
+                raise ValueError(
+                    f"{where}'s config group {name!r} has {key} {got!r}, out of Taktiny's scope: "
+                    f"it reads weight-only (no input or output activation quantization), "
+                    f"symmetric (no zero points), integer weights of 4 or 8 bits, one scale per "
+                    f"output channel or per group, packed ({FORMAT!r}). Dequantize it with "
+                    f"compressed_tensors and load the float weights instead."
+                )
+        group_size = weights.get("group_size") if weights["strategy"] == "group" else None
+        out.append((int(weights["num_bits"]), group_size))
+    return out
+
+
+def compressed_rule(
+    rule: Rule, names: Sequence[str], source: Mapping[str, Any], layouts: list[Any]
+) -> Rule:
+    """`rule` (one source template ``<module>.weight``, a rename or a transpose) reading
+    the module's three pack-quantized tensors into a QArray; `names` are the
+    ``weight_packed`` names it matches in `source`, whose shapes pick the layout among
+    `layouts` (the config groups' (bits, group_size))."""
+    module = rule.sources[0].removesuffix("weight")
+    fitting = set()
+    for name in names:
+        packed, scale = source[name], source[name.removesuffix("packed") + "scale"]
+        for bits, group_size in dict.fromkeys(layouts):
+            try:
+                unpack_quantized(bits, group_size)._features(packed, scale)
+            except ValueError:
+                continue
+            fitting.add((bits, group_size))
+    if len(fitting) != 1:
+        shown = sorted(fitting, key=str) if fitting else dict.fromkeys(layouts)
+        raise ValueError(
+            f"the pack-quantized tensors {list(names)[:3]} of {rule!r} fit "
+            f"{'none' if not fitting else 'more than one'} of the checkpoint's config groups "
+            f"(bits, group_size) {list(shown)}; a rule's modules must share one."
+        )
+    ((bits, group_size),) = fitting
+    sources = [module + part for part in PARTS]
+    return Rule(sources, rule.targets, unpack_quantized(bits, group_size, rule.transform))
+
+
+def export_compressed_tensors(
+    rules: Sequence[AnyRule], model: Any
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Exports a model holding int8 or int4 :class:`~taktiny.QArray` s (symmetric, one
+    scale per channel or per group: :func:`taktiny.quantize`) as a compressed-tensors
+    checkpoint: each quantized parameter that `rules` export as a ``<module>.weight``
+    becomes that module's ``weight_packed``, ``weight_scale`` and ``weight_shape``, bit
+    for bit (the integers packed, the scales as they are); every other parameter is
+    exported as :func:`export` exports it. With the ``quantization_config`` it returns in
+    the model's ``config.json``, ``compressed_tensors`` (and so ``transformers``, vLLM,
+    SGLang) decompresses each weight to exactly ``QArray.dequantize()``.
+
+    Args:
+        rules: the rules that load the float model from the torch names (their inverses
+            export); each quantized parameter's rule a rename or a transpose that puts
+            the quantized axis last (a ``Linear``'s input features).
+        model: the quantized model.
+
+    Returns:
+        ``(tensors, quantization_config)``: the flat ``{name: array}`` to save with
+        :func:`~taktiny.io.save_safetensors`, and the dict to put under
+        ``"quantization_config"`` in ``config.json`` (one config group per layout, each
+        naming its modules).
+
+    Raises:
+        ValueError: a quantized parameter whose rule is not a rename or a transpose,
+            that does not export as a ``<module>.weight``, or whose quantized axis does
+            not end last.
+        taktiny.convert.ConversionError: as :func:`export`.
+    """
+    from ._convert import _leaves, export
+
+    is_q = lambda x: isinstance(x, QArray)
+    part = lambda which: jax.tree.map(
+        lambda x: getattr(x, which) if is_q(x) else x, model, is_leaf=is_q
+    )
+    values, scales = _leaves(part("value"), rules), _leaves(part("scale"), rules)
+    quantized = {n for n in values if np.dtype(values[n].dtype) != np.dtype(scales[n].dtype)}
+    tensors = dict(export(rules, {n: a for n, a in values.items() if n not in quantized}))
+    ints = export(rules, {n: values[n] for n in quantized})
+    factors = export(rules, {n: scales[n] for n in quantized})
+    groups: dict[tuple[int, int | None], list[str]] = {}
+    for name, value in ints.items():
+        value, scale = host_array(value), host_array(factors[name])
+        bits = 4 if np.dtype(value.dtype) == np.dtype(jnp.int4) else 8
+        *lead, n = value.shape
+        groups_n = scale.shape[-1] if scale.ndim == value.ndim else 0
+        if (
+            not name.endswith(".weight")
+            or value.ndim != 2
+            or tuple(scale.shape[:-1]) != tuple(lead)
+            or not groups_n
+            or n % groups_n
+        ):
+            raise ValueError(
+                f"export_compressed_tensors: the quantized parameter exported as {name!r} "
+                f"({value.dtype.name}{list(value.shape)}, scales {list(scale.shape)}) is not a "
+                f"module's weight [out, in] quantized along its input features: "
+                f"compressed-tensors holds such weights only. Keep that layer in float "
+                f"(tt.quantize(..., where=...)), or export its rule as a transpose to [out, in]."
+            )
+        module = name.removesuffix("weight")
+        tensors[module + "weight_packed"] = pack(value, bits)
+        tensors[module + "weight_scale"] = scale
+        tensors[module + "weight_shape"] = np.asarray(value.shape, np.int64)
+        group_size = None if groups_n == 1 else n // groups_n
+        groups.setdefault((bits, group_size), []).append(module.removesuffix("."))
+    return tensors, quantization_config(groups)
+
+
+def quantization_config(groups: Mapping[tuple[int, int | None], list[str]]) -> dict[str, Any]:
+    """The ``quantization_config`` of a pack-quantized checkpoint whose modules are
+    grouped by (bits, group_size)."""
+    config_groups = {
+        f"group_{i}": {
+            "targets": sorted(modules),
+            "weights": {
+                "num_bits": bits,
+                "type": "int",
+                "symmetric": True,
+                "strategy": "channel" if group_size is None else "group",
+                "group_size": group_size,
+                "dynamic": False,
+                "actorder": None,
+                "observer": "minmax",
+                "observer_kwargs": {},
+            },
+            "input_activations": None,
+            "output_activations": None,
+            "format": FORMAT,
+        }
+        for i, ((bits, group_size), modules) in enumerate(sorted(groups.items(), key=str))
+    }
+    return {
+        "quant_method": "compressed-tensors",
+        "format": FORMAT,
+        "quantization_status": "compressed",
+        "config_groups": config_groups,
+        "ignore": [],
+        "kv_cache_scheme": None,
+        "sparsity_config": {},
+        "transform_config": {},
+        "global_compression_ratio": None,
+    }

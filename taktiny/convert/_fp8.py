@@ -1,0 +1,113 @@
+"""FP8 block-scaled weights, as Hugging Face checkpoints ship them: a ``float8_e4m3fn``
+weight ``<module>.weight`` beside a float32 ``<module>.weight_scale_inv`` holding one
+factor per block of ``block_size`` entries (128x128), the last blocks of each axis ragged
+where the block does not divide it. The float weight is ``weight * scale_inv`` of its
+block (the name says inverse: the factor multiplies). `dequantize_blocks` makes it; the
+rules of a model gain it through :func:`taktiny.convert.quantized_rules`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from functools import partial
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ._rules import Rule
+from ._transforms import Transform, chain, identity
+
+SCALE_SUFFIX = "_scale_inv"  # the scale of "<module>.weight" is "<module>.weight_scale_inv"
+
+
+def blocks_of(shape: Sequence[int], block_size: Sequence[int]) -> tuple[int, ...]:
+    """The scale's shape for weights of `shape` in blocks of `block_size` (over its last
+    axes): the leading axes as they are, each blocked axis the number of blocks, a ragged
+    last block included."""
+    lead = len(shape) - len(block_size)
+    return (*shape[:lead], *(-(-n // b) for n, b in zip(shape[lead:], block_size, strict=True)))
+
+
+def scale_problem(value: Any, scale: Any, block_size: tuple[int, ...]) -> str | None:
+    """What is wrong with `value` and `scale` as block-scaled weights (None: nothing)."""
+    shape, dtype = tuple(value.shape), np.dtype(value.dtype)
+    if len(shape) < len(block_size):
+        return (
+            f"weights in blocks of {_blocks(block_size)} have {len(block_size)} axes at least, "
+            f"got shape {list(shape)}"
+        )
+    if dtype.itemsize != 1 or not jnp.issubdtype(dtype, jnp.floating):
+        return f"block-scaled weights are float8, got {dtype.name}"
+    want = blocks_of(shape, block_size)
+    if tuple(scale.shape) != want or not jnp.issubdtype(scale.dtype, jnp.floating):
+        return (
+            f"weights of shape {list(shape)} in blocks of {_blocks(block_size)} take one float "
+            f"scale per block, a scale of shape {list(want)}; got "
+            f"{np.dtype(scale.dtype).name}{list(scale.shape)}. The checkpoint's block size is "
+            f"its config.json's quantization_config.weight_block_size"
+        )
+    return None
+
+
+def _blocks(block_size: Sequence[int]) -> str:
+    return "x".join(map(str, block_size))
+
+
+@partial(jax.jit, static_argnames=("block_size", "dtype"))
+def _dequantized(value: Any, scale: Any, block_size: tuple[int, ...], dtype: Any) -> jax.Array:
+    """``value * scale`` of each entry's block, computed in float32, in `dtype`."""
+    factor = scale.astype(jnp.float32)
+    lead = value.ndim - len(block_size)
+    for axis, block in enumerate(block_size, start=lead):  # each factor over its block
+        factor = jnp.repeat(factor, block, axis=axis, total_repeat_length=value.shape[axis])
+    return (value.astype(jnp.float32) * factor).astype(dtype)
+
+
+class dequantize_blocks(Transform):
+    """Makes one float array from two, block-scaled weights and their scales (sources
+    ``["{m}.weight", "{m}.weight_scale_inv"]``, as FP8 checkpoints hold them): each entry
+    times the scale of its block, ``block_size`` entries over the last axes, the last
+    block of an axis holding what is left. Computed in float32, the product is exact for
+    float8 weights and float32 scales; the result is in `dtype`.
+
+    Args:
+        block_size: the entries of a block along each of the last axes; ``(128, 128)``
+            for the checkpoints Hugging Face ships.
+        dtype: the dtype of the result; float32 by default (a load casts it to each
+            leaf's dtype, rounding once).
+    """
+
+    def __init__(self, block_size: Sequence[int] = (128, 128), *, dtype: Any = np.float32):
+        self.block_size = tuple(int(b) for b in block_size)
+        if not self.block_size or min(self.block_size) < 1:
+            raise ValueError(f"block_size must be positive sizes, got {block_size!r}.")
+        self.dtype = np.dtype(dtype)
+
+    def __call__(self, arrays: tuple[Any, ...], count: int | None = None) -> tuple[Any, ...]:
+        if len(arrays) != 2:
+            raise ValueError(
+                f"{self!r} takes two arrays, the weights and their scales, got {len(arrays)}"
+            )
+        value, scale = (a if isinstance(a, jax.Array | jax.ShapeDtypeStruct) else jnp.asarray(a)
+                        for a in arrays)  # fmt: skip
+        problem = scale_problem(value, scale, self.block_size)
+        if problem:
+            raise ValueError(problem)
+        return (_dequantized(value, scale, self.block_size, self.dtype),)
+
+    def _args(self) -> str:
+        dtype = "" if self.dtype == np.float32 else f", dtype={self.dtype.name!r}"
+        return f"block_size={self.block_size}{dtype}"
+
+
+def fp8_rule(rule: Rule, block_size: tuple[int, ...]) -> Rule:
+    """`rule` (one source template ``<module>.weight``) reading the weight with its block
+    scales: ``[<module>.weight, <module>.weight_scale_inv]``, dequantized, then `rule`'s own
+    transform."""
+    source = rule.sources[0]
+    transform: Transform = dequantize_blocks(block_size)
+    if not isinstance(rule.transform, identity):
+        transform = chain(transform, rule.transform)
+    return Rule([source, source + SCALE_SUFFIX], rule.targets, transform)
