@@ -96,6 +96,15 @@ class unpack_quantized(Transform):
         n = self._features(packed, scale)
         if not isinstance(shape, Tracer | jax.ShapeDtypeStruct):
             recorded = np.asarray(shape).tolist()
+            per = 32 // self.bits
+            near = recorded[:-1] == list(packed.shape[:-1]) and n - per < recorded[-1] < n
+            if self.group_size is None and near:
+                raise ValueError(
+                    f"weight_shape records {recorded}: {recorded[-1]} input features, not a "
+                    f"multiple of {per}, which per-channel {self.bits}-bit packing leaves "
+                    f"ambiguous; Taktiny reads per-channel weights whose input features are a "
+                    f"multiple of {per} (and grouped ones of any size)"
+                )
             if recorded != [*packed.shape[:-1], n]:
                 raise ValueError(
                     f"weight_shape records {recorded}, and the packed integers "
@@ -122,7 +131,7 @@ class unpack_quantized(Transform):
             and tuple(scale.shape[:-1]) == tuple(packed.shape[:-1])
             and jnp.issubdtype(scale.dtype, jnp.floating)
             and words == -(-n // per)
-            and (groups == 1) == (self.group_size is None)
+            and (self.group_size is not None or groups == 1)
         )
         if not fits:
             per_what = "1" if self.group_size is None else f"in // {self.group_size}"

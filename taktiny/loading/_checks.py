@@ -5,7 +5,7 @@ loaded that must be."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -47,6 +47,20 @@ def other_representation(
         bits = {"int8": 8, "int4": 4}.get(value.dtype.name)
         have, got = (bits, *want[1:]), f"{value.dtype.name} values"
     return err.stored_quantized_otherwise(name, layout_text(*want), want, got, have)
+
+
+def other_layout(
+    name: str, like: QArray, got: Any, sources: Sequence[str]
+) -> err.StateProblem | None:
+    """A problem when a transform makes, from `sources`, a QArray `got` quantized otherwise
+    than `like` (None: the same layout, or no QArray)."""
+    if not isinstance(got, QArray):
+        return None
+    want, have = (like.bits, like.axis, like.group_size), (got.bits, got.axis, got.group_size)
+    if want == have:
+        return None
+    text = f"{layout_text(*have)} ({', '.join(sources)})"
+    return err.stored_quantized_otherwise(name, layout_text(*want), want, text, have)
 
 
 def quantized_into_float(

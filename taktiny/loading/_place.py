@@ -14,7 +14,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._messages import layout_text
 from ..arrays import default_device
 from ..convert import Step, identity, transpose
 from ..io import MAP_FLAGS, Tensor
@@ -81,19 +80,11 @@ def transformed(load: Load, step: Step, read: list[np.ndarray], scratch: Scratch
     for name, result in zip(step.targets, results, strict=True):
         like = quantized.get(name)
         made: list[tuple[str, Any]] = []
-        if isinstance(result, QArray):  # made quantized (a compressed-tensors module)
-            have = (result.bits, result.axis, result.group_size)
-            if like is None:  # into a float leaf: dequantized into its dtype
-                if name in leaves:
-                    made = [(name, result.dequantize(spec_of(leaves[name])[1]))]
-            elif have == (like.bits, like.axis, like.group_size):  # its parts, bit for bit
+        if isinstance(result, QArray):  # made quantized (a compressed-tensors module): its
+            if like is not None:  # parts as they are, in the layout the plan checked
                 made = [(f"{name}.value", result.value), (f"{name}.scale", result.scale)]
-            else:
-                want = (like.bits, like.axis, like.group_size)
-                text = f"{layout_text(*have)} ({', '.join(step.sources)})"
-                problems.append(
-                    err.stored_quantized_otherwise(name, layout_text(*want), want, text, have)
-                )
+            elif name in leaves:  # or dequantized into the float leaf's dtype
+                made = [(name, result.dequantize(spec_of(leaves[name])[1]))]
         elif like is not None:  # checked and cast as for the float model, then quantized
             logical = jax.ShapeDtypeStruct(like.shape, like.dtype)
             result = checked_value(name, result, logical, problems)

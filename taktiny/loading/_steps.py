@@ -21,7 +21,10 @@ from ..convert import (
     check_allow,
     check_ties,
     explained,
+    identity,
     plan,
+    runner,
+    transpose,
 )
 from ..io import Checkpoint, Tensor
 from ..state import kind
@@ -29,6 +32,7 @@ from ..state import problems as err
 from ._checks import (
     absent_leaves,
     check_packed_listed,
+    other_layout,
     other_representation,
     quantized_into_float,
     spec_of,
@@ -189,6 +193,31 @@ def ruled_steps(
             ]
     if problems:
         raise ConversionError(where, problems)
+    others = err.Problems()
+    for step in report.steps:  # a QArray a transform makes: in the model's layout
+        if isinstance(step.rule.transform, identity | transpose):
+            continue
+        targets = [t for t in step.targets if t in quantized]
+        if not targets:
+            continue
+        count = None if step.rule.gathered else len(step.targets)
+        specs = [
+            jax.ShapeDtypeStruct(checkpoint[n].shape, checkpoint[n].dtype) for n in step.sources
+        ]
+        made_by = dict(
+            zip(
+                step.targets,
+                jax.eval_shape(runner(step.rule.transform, count), *specs),
+                strict=True,
+            )
+        )
+        for name in targets:
+            like, got = quantized[name], made_by[name]
+            problem = other_layout(name, like, got, step.sources)
+            if problem is not None:
+                others.append(problem)
+    if others:
+        raise err.StateDictError(where, others)
     return list(report.steps)
 
 

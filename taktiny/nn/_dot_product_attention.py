@@ -12,6 +12,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Bool, Float
 
+from ..quant import QArray
 from ._explicit import explicit_axes, merged, typed_spec
 from ._layer_checks import check_features
 from ._random import keep_mask
@@ -40,10 +41,15 @@ def split_heads(x: jax.Array, heads: int, kv_heads: int, *, whole_time: bool) ->
 
 
 def check_inputs(
-    layer: str, query: jax.Array, key: jax.Array, inputs_q: jax.Array, inputs_kv: jax.Array
+    layer: str,
+    query: jax.Array | QArray,
+    key: jax.Array | QArray,
+    inputs_q: jax.Array,
+    inputs_kv: jax.Array,
 ) -> None:
     """Raises a ValueError naming `layer` when the inputs do not fit the `query` and `key`
-    kernels, or have different batch axes."""
+    kernels (float, or quantized: only their shapes are read), or have different batch
+    axes."""
     for x, name, kernel, argument in (
         (inputs_q, "query", query, "in_features"),
         (inputs_kv, "key", key, "kv_features"),

@@ -1,0 +1,289 @@
+"""compressed-tensors checkpoints in and out: the packing against compressed_tensors' own,
+bit for bit; checkpoints written by compressed_tensors loaded bit for bit into quantized
+models and dequantized into float ones as transformers decompresses them; Taktiny's int4
+and int8 models exported so that transformers (through compressed_tensors) decompresses
+exactly their dequantized weights and computes their outputs, and loaded back bit for
+bit; and every scheme out of scope refused by name."""
+
+import json
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from _quantized_files import compressed_folder
+from _quantized_files import llama_reference as reference
+from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32, unpack_from_int32
+from transformers import AutoModelForCausalLM
+
+import taktiny as tt
+from taktiny import convert, nn
+from taktiny.convert._compressed_tensors import pack
+from taktiny.io import load_safetensors, open_safetensors, save_safetensors
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "examples"))
+import llama  # (the example's model and rules)
+
+RULES = llama.UNTIED_RULES
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("shape", [(5, 64), (3, 176), (4, 37), (2, 3, 9)])
+def test_packing_is_compressed_tensors_own_bit_for_bit(bits, shape):
+    low, high = -(2 ** (bits - 1)), 2 ** (bits - 1) - 1
+    values = np.random.default_rng(bits).integers(low, high + 1, shape).astype(np.int8)
+    ours = pack(values, bits)
+    theirs = pack_to_int32(torch.from_numpy(values), bits).numpy()
+    np.testing.assert_array_equal(ours, theirs)
+    groups = np.ones((*shape[:-1], 1), np.float32)
+    if shape[-1] % (32 // bits):  # per channel, the packed words leave the width ambiguous
+        with pytest.raises(
+            ValueError,
+            match=rf"{shape[-1]} input features, not a multiple of {32 // bits}, which per-channel {bits}-bit packing leaves ambiguous",
+        ):
+            convert.unpack_quantized(bits)((theirs, groups, np.asarray(shape, np.int64)))
+        groups, group = np.ones((*shape[:-1], 1), np.float32), shape[-1]  # one group: exact
+    else:
+        group = None
+    (q,) = convert.unpack_quantized(bits, group)((theirs, groups, np.asarray(shape, np.int64)))
+    unpacked = unpack_from_int32(torch.from_numpy(theirs), bits, torch.Size(shape)).numpy()
+    np.testing.assert_array_equal(np.asarray(q.value).astype(np.int8), unpacked)
+    assert q.value.dtype == {4: jnp.int4, 8: jnp.int8}[bits] and q.axis == len(shape) - 1
+
+
+def test_unpack_quantized_checks_its_three_tensors():
+    packed = pack_to_int32(torch.zeros((4, 64), dtype=torch.int8), 4).numpy()
+    scale = np.ones((4, 4), np.float32)
+    with pytest.raises(
+        ValueError,
+        match=r"weight_shape records \[4, 60\], and the packed integers \[4, 8\] with scales \[4, 4\] hold a weight of shape \[4, 64\]",
+    ):
+        convert.unpack_quantized(4, 16)((packed, scale, np.asarray([4, 60])))
+    with pytest.raises(
+        ValueError,
+        match=r"a 4-bit pack-quantized weight is int32 \[out, ceil\(in \* 4 / 32\)\] with float scales \[out, in // 32\]; got int32\[4, 8\] and float32\[4, 4\]",
+    ):
+        convert.unpack_quantized(4, 32)((packed, scale, np.asarray([4, 64])))
+    with pytest.raises(ValueError, match=r"layout is identity\(\) or a transpose, got cast"):
+        convert.unpack_quantized(4, layout=convert.cast(np.float16))
+
+
+def abstract(config):
+    return jax.eval_shape(lambda: llama.Llama(config, rngs=nn.Rngs(0)))
+
+
+def hugging_face(folder):
+    model = AutoModelForCausalLM.from_pretrained(folder).eval()
+    model.set_attn_implementation("eager")
+    return model
+
+
+def logits(model, ids):
+    if isinstance(model, torch.nn.Module):
+        with torch.no_grad():
+            return model(torch.from_numpy(ids), use_cache=False).logits.numpy()
+    with jax.default_matmul_precision("highest"):
+        return np.asarray(jax.jit(lambda m, x: m(x))(model, ids))
+
+
+def relative(a, b):
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+IDS = np.random.default_rng(0).integers(0, 128, (2, 9))
+LAYOUTS = [(4, 16), (8, None)]  # int4 in groups of 16 input features; int8 per channel
+
+
+@pytest.mark.parametrize("bits, group", LAYOUTS)
+def test_a_compressed_tensors_checkpoint_loads_bitwise_quantized_and_as_transformers_decompresses_it(
+    bits, group, tmp_path
+):
+    config = llama.llama_config(tied=False)
+    compressed_folder(reference(config), tmp_path, bits=bits, group_size=group)
+    checkpoint = open_safetensors(tmp_path)
+    rules = convert.quantized_rules(RULES, checkpoint)
+    quantized = load_safetensors(
+        tt.quantize(abstract(config), bits=bits, group_size=group, where="layers.**"),
+        checkpoint,
+        rules=rules,
+    )
+    floats = load_safetensors(abstract(config), checkpoint, rules=rules)
+    theirs = hugging_face(tmp_path)
+    want = logits(theirs, IDS)  # (transformers decompresses at the first forward)
+    for i in range(config.num_hidden_layers):
+        name = f"model.layers.{i}.mlp.down_proj."
+        kernel = quantized.layers[i].mlp.down.kernel
+        packed = checkpoint[name + "weight_packed"].read().copy()
+        stored = unpack_from_int32(torch.from_numpy(packed), bits, torch.Size([64, 176])).numpy()
+        np.testing.assert_array_equal(np.asarray(kernel.value).astype(np.int8).T, stored)
+        np.testing.assert_array_equal(
+            np.asarray(kernel.scale).T, checkpoint[name + "weight_scale"].read()
+        )
+        decompressed = theirs.model.layers[i].mlp.down_proj.weight.detach().numpy()
+        np.testing.assert_array_equal(np.asarray(floats.layers[i].mlp.down.kernel).T, decompressed)
+        np.testing.assert_array_equal(np.asarray(kernel.dequantize()).T, decompressed)
+    assert relative(logits(quantized, IDS), want) < 1e-5
+    assert relative(logits(floats, IDS), want) < 1e-5
+
+
+def export_folder(model, config, folder):
+    tensors, quantization = convert.export_compressed_tensors(RULES, model)
+    save_safetensors(folder / "model.safetensors", tensors)
+    (folder / "config.json").write_text(
+        json.dumps({**config.to_dict(), "quantization_config": quantization})
+    )
+    return tensors, quantization
+
+
+@pytest.mark.parametrize("bits, group", LAYOUTS)
+def test_a_quantized_model_exports_as_transformers_decompresses_and_computes_it_and_loads_back_bitwise(
+    bits, group, tmp_path
+):
+    config = llama.llama_config(tied=False)
+    reference(config).save_pretrained(tmp_path / "float")
+    floats = load_safetensors(abstract(config), tmp_path / "float", rules=RULES)
+    # every Linear, the head too (transformers cannot build a quantized Embedding)
+    model = tt.quantize(
+        floats, bits=bits, group_size=group, where=lambda name, layer: isinstance(layer, nn.Linear)
+    )
+    tensors, quantization = export_folder(model, config, tmp_path)
+    assert tensors["lm_head.weight_packed"].dtype == np.int32
+    assert "lm_head.weight" not in tensors and "model.norm.weight" in tensors
+    (group_config,) = quantization["config_groups"].values()
+    assert (
+        group_config["weights"]["num_bits"] == bits
+        and group_config["weights"]["group_size"] == group
+    )
+    assert "lm_head" in group_config["targets"] and len(group_config["targets"]) == 15
+
+    theirs = hugging_face(tmp_path)
+    want = logits(theirs, IDS)
+    decompressed = dict(theirs.named_parameters())
+    for i in range(config.num_hidden_layers):
+        kernel = model.layers[i].attention.query.kernel
+        weight = decompressed[f"model.layers.{i}.self_attn.q_proj.weight"].detach().numpy()
+        np.testing.assert_array_equal(np.asarray(kernel.dequantize()).T, weight)
+    head = decompressed["lm_head.weight"].detach().numpy()
+    np.testing.assert_array_equal(np.asarray(model.lm_head.kernel.dequantize()).T, head)
+    assert relative(logits(model, IDS), want) < 1e-5
+
+    target = tt.quantize(
+        abstract(config),
+        bits=bits,
+        group_size=group,
+        where=lambda name, layer: isinstance(layer, nn.Linear),
+    )
+    back = load_safetensors(
+        target, tmp_path, rules=convert.quantized_rules(RULES, open_safetensors(tmp_path))
+    )
+    for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(model), strict=True):
+        assert a.dtype == b.dtype
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_a_checkpoint_quantized_otherwise_than_the_model_is_refused_by_name(tmp_path):
+    config = llama.llama_config(tied=False)
+    compressed_folder(reference(config), tmp_path, bits=4, group_size=16)
+    rules = convert.quantized_rules(RULES, open_safetensors(tmp_path))
+    with pytest.raises(
+        tt.StateDictError,
+        match=r"14 problems; nothing was loaded.\n  - 'layers\.0\.mlp\.down\.kernel': the model quantizes 'layers\.0\.mlp\.down\.kernel' as int8 \(one scale per channel along axis 0\), the checkpoint holds it as int4 \(groups of 16 along axis 0\) \(model\.layers\.0\.mlp\.down_proj\.weight_packed, model\.layers\.0\.mlp\.down_proj\.weight_scale, model\.layers\.0\.mlp\.down_proj\.weight_shape\)\. Quantize the model as the checkpoint was \(tt\.quantize\(float_model, bits=4, group_size=16\)\)",
+    ):
+        load_safetensors(tt.quantize(abstract(config), where="layers.**"), tmp_path, rules=rules)
+
+
+@pytest.mark.parametrize(
+    "weights, message",
+    [
+        (
+            {"symmetric": False},
+            r"config group 'group_0' has weights\.symmetric False, out of Taktiny's scope",
+        ),
+        (
+            {"actorder": "weight"},
+            r"config group 'group_0' has weights\.actorder 'weight', out of Taktiny's scope",
+        ),
+    ],
+)
+def test_schemes_out_of_scope_written_by_compressed_tensors_are_refused(weights, message, tmp_path):
+    config = llama.llama_config(tied=False)
+    compressed_folder(reference(config), tmp_path, bits=4, group_size=16, **weights)
+    with pytest.raises(
+        ValueError,
+        match=message
+        + r".*it reads weight-only \(no input or output activation quantization\), symmetric \(no zero points\)",
+    ):
+        convert.quantized_rules(RULES, open_safetensors(tmp_path))
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (
+            {"format": "naive-quantized"},
+            r"has format 'naive-quantized', which Taktiny does not read",
+        ),
+        (
+            {"quantization_status": "frozen"},
+            r"has quantization_status 'frozen', which Taktiny does not read",
+        ),
+        (
+            {
+                "config_groups": {
+                    "g": {
+                        "weights": {"num_bits": 8, "type": "int", "strategy": "channel"},
+                        "input_activations": {"num_bits": 8, "dynamic": True},
+                    }
+                }
+            },
+            r"config group 'g' has input_activations \{'num_bits': 8, 'dynamic': True\}, out of Taktiny's scope",
+        ),
+        (
+            {
+                "config_groups": {
+                    "g": {"weights": {"num_bits": 8, "type": "float", "strategy": "channel"}}
+                }
+            },
+            r"config group 'g' has weights\.type 'float'",
+        ),
+        (
+            {
+                "config_groups": {
+                    "g": {"weights": {"num_bits": 4, "type": "int", "strategy": "tensor"}}
+                }
+            },
+            r"config group 'g' has weights\.strategy 'tensor'",
+        ),
+        (
+            {
+                "config_groups": {
+                    "g": {"weights": {"num_bits": 2, "type": "int", "strategy": "channel"}}
+                }
+            },
+            r"config group 'g' has weights\.num_bits 2",
+        ),
+        ({"config_groups": {}}, r"has no config_groups: nothing says how it is quantized"),
+    ],
+)
+def test_configs_out_of_scope_are_refused_naming_the_key(change, message):
+    base = {
+        "quant_method": "compressed-tensors",
+        "format": "pack-quantized",
+        "config_groups": {"g": {"weights": {"num_bits": 4, "type": "int", "strategy": "channel"}}},
+    }
+    with pytest.raises(ValueError, match=message):
+        convert.quantized_rules(RULES, {}, config={**base, **change})
+
+
+def test_export_refuses_a_quantized_parameter_that_is_no_modules_weight():
+    model = nn.Sequential(nn.Linear(64, 32, use_bias=False, rngs=nn.Rngs(0)))
+    quantized = tt.quantize(model, bits=4, group_size=16)
+    rules = [convert.Rule("0.kernel_of_sorts", "layers.0.kernel")]  # a rename, [in, out] as it is
+    with pytest.raises(
+        ValueError,
+        match=r"the quantized parameter exported as '0\.kernel_of_sorts' \(int4\[64, 32\], scales \[4, 32\]\) is not a module's weight \[out, in\] quantized along its input features",
+    ):
+        convert.export_compressed_tensors(rules, quantized)

@@ -1,0 +1,258 @@
+"""FP8 block-scaled checkpoints in (`convert.quantized_rules`, `convert.dequantize_blocks`):
+the NumPy oracle of the dequantization, bit for bit, ragged edge blocks included; a sharded
+Hugging Face Llama folder loaded into bfloat16 and float32 models (checked against PyTorch
+DCP's `QuantizedHuggingFaceStorageReader` too) and requantized on the stream into int8 and
+int4 models; and every checkpoint or config it cannot read refused by name."""
+
+import functools
+import json
+import sys
+import warnings
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+from _quantized_files import (
+    FP8_CONFIG,
+    dequantized,
+    fp8_blocks,
+    fp8_folder,
+)
+from _quantized_files import (
+    llama_reference as reference,
+)
+
+import taktiny as tt
+from taktiny import convert, nn
+from taktiny.io import load_safetensors, open_safetensors
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "examples"))
+import llama  # (the example's model and rules)
+
+BLOCKS = [
+    ((256, 384), (128, 128)),  # whole blocks
+    ((200, 300), (128, 128)),  # ragged on both axes: 72 rows, 44 columns left over
+    ((64, 176), (128, 128)),  # one block smaller than the weight's row count
+    ((3, 50, 70), (16, 32)),  # a leading axis (experts), non-square blocks
+]
+
+
+@pytest.mark.parametrize("shape, block", BLOCKS)
+def test_dequantize_blocks_is_the_numpy_oracle_bit_for_bit(shape, block):
+    w = np.random.default_rng(0).standard_normal(shape).astype(np.float32) * 3
+    weight, scale = fp8_blocks(w, block)
+    assert scale.shape[-2:] == (-(-shape[-2] // block[0]), -(-shape[-1] // block[1]))
+    (ours,) = convert.dequantize_blocks(block)((weight, scale))
+    oracle = dequantized(weight, scale, block)
+    assert ours.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(ours), oracle)
+    # every block has its own scale: the weights come back within float8's rounding
+    assert np.abs(np.asarray(ours) - w).max() <= np.abs(w).max() * 2**-3
+    (half,) = convert.dequantize_blocks(block, dtype=jnp.bfloat16)((weight, scale))
+    np.testing.assert_array_equal(
+        np.asarray(half).view(np.uint16), oracle.astype(ml_dtypes.bfloat16).view(np.uint16)
+    )
+
+
+def test_dequantize_blocks_refuses_scales_of_other_blocks():
+    weight, scale = fp8_blocks(np.ones((200, 300), np.float32), (128, 128))
+    with pytest.raises(
+        ValueError,
+        match=r"blocks of 128x128 take one float scale per block, a scale of shape \[2, 3\]; got float32\[2, 2\]",
+    ):
+        convert.dequantize_blocks()((weight, scale[:, :2]))
+    with pytest.raises(ValueError, match=r"block-scaled weights are float8, got float32"):
+        convert.dequantize_blocks()((np.ones((200, 300), np.float32), scale))
+    with pytest.raises(ValueError, match=r"takes two arrays, the weights and their scales, got 1"):
+        convert.dequantize_blocks()((weight,))
+    with pytest.raises(ValueError, match=r"block_size must be positive sizes, got \(0, 128\)"):
+        convert.dequantize_blocks((0, 128))
+
+
+def is_linear(name):  # the decoder layers' projections, as transformers' FP8 models hold them
+    return name.startswith("model.layers.") and name.endswith("_proj.weight")
+
+
+@pytest.fixture(scope="module")
+def fp8(tmp_path_factory):
+    """The example's untied Llama in FP8 blocks: its folder, what it holds, its config."""
+    config = llama.llama_config(tied=False)
+    model = reference(config)
+    floats = {n: p.detach().numpy() for n, p in model.state_dict().items()}
+    folder = tmp_path_factory.mktemp("fp8")
+    written = fp8_folder(floats, folder, quantized=is_linear, config=config.to_dict())
+    return folder, written, config
+
+
+def abstract(config, dtype=jnp.float32):
+    model = jax.eval_shape(lambda: llama.Llama(config, rngs=nn.Rngs(0)))
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, dtype), model)
+
+
+def test_an_fp8_llama_loads_into_bfloat16_as_numpy_and_dcp_dequantize_it(fp8):
+    folder, written, config = fp8
+    checkpoint = open_safetensors(folder)  # the index of two shards
+    rules = convert.quantized_rules(llama.UNTIED_RULES, checkpoint)  # its config.json
+    model = load_safetensors(abstract(config, jnp.bfloat16), checkpoint, rules=rules)
+    from torch.distributed.checkpoint import load
+    from torch.distributed.checkpoint.quantized_hf_storage import QuantizedHuggingFaceStorageReader
+
+    state = {
+        n: torch.empty(a.shape, dtype=torch.bfloat16)
+        for n, a in written.items()
+        if not n.endswith("_scale_inv")
+    }
+    with warnings.catch_warnings():  # DCP warns that it reads in this one process
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        load(state, storage_reader=QuantizedHuggingFaceStorageReader(str(folder), target_dtype=torch.bfloat16), no_dist=True)  # fmt: skip
+    bits = lambda a: np.asarray(a).view(np.uint16)
+    for i in range(config.num_hidden_layers):
+        for ours, theirs in [
+            ("attention.query", "self_attn.q_proj"),
+            ("mlp.down", "mlp.down_proj"),
+        ]:
+            kernel = bits(functools.reduce(getattr, ours.split("."), model.layers[i]).kernel.T)
+            name = f"model.layers.{i}.{theirs}.weight"
+            oracle = dequantized(written[name], written[name + "_scale_inv"], (128, 128))
+            np.testing.assert_array_equal(kernel, oracle.astype(ml_dtypes.bfloat16).view(np.uint16))
+            np.testing.assert_array_equal(
+                kernel, state[name].view(torch.int16).numpy().view(np.uint16)
+            )
+    # what is not quantized loads as it is
+    np.testing.assert_array_equal(
+        bits(model.embed.embedding),
+        state["model.embed_tokens.weight"].view(torch.int16).numpy().view(np.uint16),
+    )
+
+
+def test_an_fp8_llama_requantizes_on_the_stream_into_int8_and_int4_models(fp8):
+    folder, _, config = fp8
+    rules = convert.quantized_rules(llama.UNTIED_RULES, open_safetensors(folder))
+    floats = load_safetensors(abstract(config), folder, rules=rules)
+    for bits, group in [(8, None), (4, 16)]:
+        target = tt.quantize(abstract(config), bits=bits, group_size=group)
+        loaded = load_safetensors(target, folder, rules=rules)
+        expected = tt.quantize(floats, bits=bits, group_size=group)  # the float model's rounding
+        for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(expected), strict=True):
+            assert a.dtype == b.dtype
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        assert loaded.layers[1].mlp.up.kernel.bits == bits
+
+
+def test_the_fp8_llama_computes_as_transformers_with_the_dequantized_weights(fp8):
+    folder, written, config = fp8
+    rules = convert.quantized_rules(llama.UNTIED_RULES, open_safetensors(folder))
+    ours = load_safetensors(abstract(config), folder, rules=rules)
+    theirs = reference(config, seed=1)  # every weight replaced: the NumPy oracle's, or as stored
+    weights = {
+        n: dequantized(a, written[n + "_scale_inv"], (128, 128))
+        if n + "_scale_inv" in written
+        else a
+        for n, a in written.items()
+        if not n.endswith("_scale_inv")
+    }
+    theirs.load_state_dict({n: torch.from_numpy(a) for n, a in weights.items()})
+    ids = np.random.default_rng(0).integers(0, config.vocab_size, (2, 9))
+    with torch.no_grad(), jax.default_matmul_precision("highest"):
+        want = theirs(torch.from_numpy(ids), use_cache=False).logits.numpy()
+        got = np.asarray(jax.jit(lambda m, x: m(x))(ours, ids))
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-5
+
+
+def test_plain_rules_refuse_an_fp8_checkpoint_naming_its_scales(fp8):
+    folder, _, config = fp8
+    with pytest.raises(
+        convert.ConversionError,
+        match=r"'model\.layers\.0\.mlp\.down_proj\.weight_scale_inv': no rule consumes",
+    ):
+        load_safetensors(abstract(config), folder, rules=llama.UNTIED_RULES)
+
+
+def test_scales_that_do_not_fit_their_weights_blocks_are_refused_by_name(fp8, tmp_path):
+    folder, written, config = fp8
+    bad = dict(written)
+    name = "model.layers.1.self_attn.o_proj.weight"
+    bad[name + "_scale_inv"] = np.ones((2, 2), np.float32)  # o_proj is [64, 64]: one block
+    from safetensors.numpy import save_file
+
+    save_file({n: np.ascontiguousarray(a) for n, a in bad.items()}, tmp_path / "model.safetensors")
+    (tmp_path / "config.json").write_text((folder / "config.json").read_text())
+    rules = convert.quantized_rules(llama.UNTIED_RULES, open_safetensors(tmp_path))
+    with pytest.raises(
+        convert.ConversionError,
+        match=r"model\.layers\.1\.self_attn\.o_proj\.weight.*weights of shape \[64, 64\] in blocks of 128x128 take one float scale per block, a scale of shape \[1, 1\]; got float32\[2, 2\]",
+    ) as info:
+        load_safetensors(abstract(config), tmp_path, rules=rules)
+    assert [(p.kind, p.name) for p in info.value.problems] == [
+        ("transform", name),  # the scale, named by its weight and its rule
+        ("missing", "layers.1.attention.out.kernel"),  # the leaf it would have made
+    ]
+    # a block size other than the checkpoint's is refused the same way
+    other = convert.quantized_rules(
+        llama.UNTIED_RULES,
+        open_safetensors(folder),
+        config={"quantization_config": {**FP8_CONFIG, "weight_block_size": [32, 32]}},
+    )
+    with pytest.raises(
+        convert.ConversionError,
+        match=r"in blocks of 32x32 take one float scale per block, a scale of shape \[2, 2\]; got float32\[1, 1\]",
+    ):
+        load_safetensors(abstract(config), folder, rules=other)
+
+
+def test_configs_it_cannot_read_are_refused_saying_what_it_reads(fp8, tmp_path):
+    folder, written, _ = fp8
+    checkpoint = open_safetensors(folder)
+    rules = llama.UNTIED_RULES
+    for quantization, message in [
+        (
+            {**FP8_CONFIG, "weight_block_size": None},
+            r"weight_block_size is two positive ints \(\[128, 128\]\), got None; Taktiny reads block-scaled FP8 only",
+        ),
+        (
+            {**FP8_CONFIG, "activation_scheme": "static"},
+            r"activation_scheme 'static'; Taktiny reads e4m3 weights with dynamic",
+        ),
+        (
+            {"quant_method": "gptq", "bits": 4},
+            r"quant_method 'gptq'; Taktiny reads \['fp8', 'compressed-tensors'\]",
+        ),
+        (
+            {"bits": 4},
+            r"the config has no quantization_config \(with a quant_method\): the checkpoint is not quantized",
+        ),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            convert.quantized_rules(rules, checkpoint, config={"quantization_config": quantization})
+    with pytest.raises(
+        ValueError,
+        match=r"pass config=, the checkpoint's config.json \(its path or dict\): only a local checkpoint's is found beside it",
+    ):
+        convert.quantized_rules(rules, dict(written))
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    with pytest.raises(ValueError, match=r"cannot read the checkpoint's config '.*config.json'"):
+        convert.quantized_rules(rules, dict(written), config=tmp_path / "config.json")
+    json_path = tmp_path / "config.json"
+    json_path.write_text(json.dumps({"quantization_config": FP8_CONFIG}))
+    assert len(convert.quantized_rules(rules, dict(written), config=json_path)) == len(rules)
+
+
+def test_a_rule_reading_scaled_and_unscaled_weights_or_many_at_once_is_refused(fp8):
+    folder, _, _ = fp8
+    checkpoint = open_safetensors(folder)
+    mixed = [convert.Rule("model.**.weight", "**.kernel", convert.transpose())]
+    with pytest.raises(
+        ValueError,
+        match=r"reads FP8 weights with block scales \('model\.layers\.0\..*'\) and weights without \('model\.embed_tokens\.weight'\); split it",
+    ):
+        convert.quantized_rules(mixed, checkpoint)
+    stacked = [convert.Rule("model.layers.{i}.mlp.up_proj.weight", "up", convert.stack())]
+    with pytest.raises(
+        ValueError,
+        match=r"only a rule that reads one '<module>\.weight' template \(no regex, no gathering\) can read them",
+    ):
+        convert.quantized_rules(stacked, checkpoint)
