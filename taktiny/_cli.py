@@ -125,6 +125,7 @@ def _present(path: Path | Url) -> None:
 def inspect(path: str, pattern: str | None, as_json: bool) -> str:
     """The listing `taktiny inspect` prints."""
     found = entries(path)
+    scheme = quantization(path, found)
     if pattern is not None:
         regex = compile_pattern(pattern)
         found = [e for e in found if regex.fullmatch("." + e.name)]
@@ -138,13 +139,67 @@ def inspect(path: str, pattern: str | None, as_json: bool) -> str:
             | ({"stack": layers[e.name]} if layers[e.name] else {})
             for e in found
         ]
-        return json.dumps({"tensors": tensors, "parameters": count, "bytes": total})
+        quantized = {"quantization": scheme} if scheme else {}
+        return json.dumps({"tensors": tensors, "parameters": count, "bytes": total} | quantized)
     rows = [["name", "shape", "dtype", *(["layers"] if stacks else []), "bytes"]]
     for e in found:
         stack = layers[e.name]
         layer = [f"{stack['count']} of {stack['path']!r} (axis 0)" if stack else ""]
         rows.append([e.name, str(e.shape), e.dtype, *(layer if stacks else []), f"{e.nbytes:,}"])
-    return f"{table(rows)}\n{len(found)} tensors, {count:,} parameters, {total:,} bytes"
+    summary = f"{table(rows)}\n{len(found)} tensors, {count:,} parameters, {total:,} bytes"
+    return summary if scheme is None else f"{summary}\nquantization: {scheme['text']}"
+
+
+def quantization(path: str, found: Sequence[Entry]) -> dict[str, Any] | None:
+    """How a checkpoint in another library's quantized format is quantized, from the
+    ``quantization_config`` of the ``config.json`` beside a local one and from its tensors:
+    FP8 block-scaled weights (``*.weight_scale_inv``), compressed-tensors' packed integers
+    (``*.weight_packed``); None for neither. Its ``"text"`` is the line inspect prints."""
+    names = {e.name: e for e in found}
+    scaled = [n for n in names if n.endswith(".weight_scale_inv") and n[:-10] in names]
+    packed = [n for n in names if n.endswith(".weight_packed")]
+    where = locate(path)
+    config: Any = None
+    if isinstance(where, Path):
+        file = (where if where.is_dir() else where.parent) / "config.json"
+        try:
+            config = json.loads(file.read_text()).get("quantization_config")
+        except (OSError, ValueError, AttributeError):
+            config = None
+    config = config if isinstance(config, dict) else {}
+    method = config.get("quant_method") or (
+        "fp8" if scaled else "compressed-tensors" if packed else None
+    )
+    if method is None:
+        return None
+    source = " (config.json)" if config else " (from the tensors' names; no config.json)"
+    if method == "fp8":
+        dtypes = sorted({names[n[:-10]].dtype for n in scaled})
+        block = "x".join(map(str, config.get("weight_block_size") or ["?", "?"]))
+        text = (
+            f"fp8, {'/'.join(dtypes) or 'float8'} weights in blocks of {block}, each with its "
+            f"scales (*.weight_scale_inv): {len(scaled)} weights{source}"
+        )
+        return {
+            "method": method,
+            "block_size": config.get("weight_block_size"),
+            "weights": len(scaled),
+            "text": text,
+        }
+    groups = []
+    for name, group in (config.get("config_groups") or {}).items():
+        weights = group.get("weights") or {}
+        size = weights.get("group_size")
+        how = (
+            f"in groups of {size}"
+            if weights.get("strategy") == "group"
+            else f"per {weights.get('strategy')}"
+        )
+        groups.append(f"{name}: int{weights.get('num_bits')} {how}")
+    layouts = f" ({'; '.join(groups)})" if groups else ""
+    fmt = config.get("format", "pack-quantized" if packed else "?")
+    text = f"{method} {fmt}{layouts}: {len(packed)} packed weights{source}"
+    return {"method": method, "format": fmt, "weights": len(packed), "text": text}
 
 
 def _stacks(path: str) -> dict[str, dict[str, Any]]:

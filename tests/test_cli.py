@@ -89,6 +89,46 @@ def test_inspect_shows_a_stack_s_layer_axis(tmp_path, capsys):
     assert listed[3]["stack"] == {"path": "layers", "count": 4} and "stack" not in listed[0]
 
 
+def test_inspect_shows_the_scheme_of_fp8_and_compressed_tensors_checkpoints(tmp_path, capsys):
+    from _quantized_files import fp8_folder
+
+    import taktiny as tt
+    from taktiny import convert
+
+    weights = {
+        "layers.0.weight": np.ones((200, 300), np.float32),
+        "norm.weight": np.ones(8, np.float32),
+    }
+    fp8_folder(weights, tmp_path / "fp8", quantized=lambda n: n.startswith("layers"))
+    assert main(["inspect", str(tmp_path / "fp8")]) == 0
+    out = capsys.readouterr().out
+    assert "layers.0.weight_scale_inv  (2, 3)      float32" in out
+    assert out.endswith(
+        "\nquantization: fp8, float8_e4m3fn weights in blocks of 128x128, each with its scales (*.weight_scale_inv): 1 weights (config.json)\n"
+    )
+    (tmp_path / "fp8" / "config.json").unlink()  # from the names alone
+    assert main(["inspect", str(tmp_path / "fp8"), "--json"]) == 0
+    listed = json.loads(capsys.readouterr().out)["quantization"]
+    assert listed == {
+        "method": "fp8",
+        "block_size": None,
+        "weights": 1,
+        "text": "fp8, float8_e4m3fn weights in blocks of ?x?, each with its scales (*.weight_scale_inv): 1 weights (from the tensors' names; no config.json)",
+    }
+
+    model = tt.quantize(nn.Sequential(nn.Linear(64, 32, rngs=nn.Rngs(0))), bits=4, group_size=16)
+    tensors, config = convert.export_compressed_tensors(convert.linear("0", "layers.0"), model)
+    (tmp_path / "ct").mkdir()
+    save(tmp_path / "ct" / "model.safetensors", {n: np.asarray(a) for n, a in tensors.items()})
+    (tmp_path / "ct" / "config.json").write_text(json.dumps({"quantization_config": config}))
+    assert main(["inspect", str(tmp_path / "ct"), "--filter", "*.weight_*"]) == 0
+    out = capsys.readouterr().out
+    assert "0.bias" not in out and "0.weight_packed  (32, 8)  int32" in out
+    assert out.endswith(
+        "quantization: compressed-tensors pack-quantized (group_0: int4 in groups of 16): 1 packed weights (config.json)\n"
+    )
+
+
 def test_inspect_reads_an_index_and_its_shards(tmp_path, capsys):
     save(tmp_path / "model-00001-of-00002.safetensors", {"a": np.ones(3, np.float32)})
     save(tmp_path / "model-00002-of-00002.safetensors", {"b": np.ones((2, 2), np.float16)})
