@@ -407,6 +407,7 @@ def test_public_surface_is_short_and_documented():
         "linear", "conv", "conv_transpose", "layer_norm", "embedding", "batch_norm",
         "multihead_attention", "pytorch", "group_norm", "buffers",
         "resume", "torch_adam",
+        "quantized_rules", "export_compressed_tensors", "dequantize_blocks", "unpack_quantized",
     ])  # fmt: skip
     for owner in (tt, tt.io, tt.convert, nn):
         for name in _public(owner):

@@ -73,6 +73,13 @@ class unpack_quantized(Transform):
         bits: 4 or 8.
         group_size: input features per scale; None for one scale per output channel.
         layout: an element transform of the weight (``identity()`` or a ``transpose``).
+
+    Raises:
+        ValueError: `bits` is not 4 or 8, or `layout` neither a rename nor a transpose;
+            called with other than three arrays, tensors whose shapes or dtypes do not
+            make one weight of this layout, a ``weight_shape`` that disagrees with them,
+            or per-channel weights whose input features the packing leaves ambiguous (not
+            a multiple of ``32 // bits``).
     """
 
     def __init__(self, bits: int, group_size: int | None = None, layout: Transform | None = None):

@@ -77,6 +77,11 @@ class dequantize_blocks(Transform):
             for the checkpoints Hugging Face ships.
         dtype: the dtype of the result; float32 by default (a load casts it to each
             leaf's dtype, rounding once).
+
+    Raises:
+        ValueError: `block_size` is not positive sizes; called with other than two arrays,
+            weights that are not float8, or scales whose shape is not one per block (a
+            load names the tensors and the rule).
     """
 
     def __init__(self, block_size: Sequence[int] = (128, 128), *, dtype: Any = np.float32):
