@@ -15,11 +15,18 @@ tokens with `generate`. A third run scans the Llama 2 model: its decoder layers 
 `nn.Stack` (each parameter [layers, ...], run by `jax.lax.scan`, so jit compiles one layer
 whatever the depth), loaded from the same folder with the same rules (each layer's tensors
 stream into their slices of the stacked arrays), exported back the same way, and decoding
-with one KVCache stacked over the layers. Run `python examples/llama.py`: it prints the
-largest differences in the logits and both models' tokens.
+with one KVCache stacked over the layers. Last, quantized checkpoints as models ship:
+the Llama 3.1 model saved in FP8 blocks (float8 weights, a float32 scale per 128x128 block,
+`quantization_config` in config.json) loads through `convert.quantized_rules`, checked against
+transformers holding the weights PyTorch's DCP reader dequantizes; its int4 model exports as
+compressed-tensors, which `from_pretrained` decompresses to exactly its weights, and loads back
+bit for bit. Run `python examples/llama.py`: it prints the largest differences in the logits
+and both models' tokens.
 """
 
+import json
 import tempfile
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -27,10 +34,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
+import torch.distributed.checkpoint as dcp
+from safetensors.torch import save_file
+from torch.distributed.checkpoint.quantized_hf_storage import QuantizedHuggingFaceStorageReader
 from transformers import LlamaConfig, LlamaForCausalLM
 
+import taktiny as tt
 from taktiny import convert, nn
-from taktiny.io import load_safetensors, save_safetensors
+from taktiny.io import load_safetensors, open_safetensors, save_safetensors
 
 
 def rope(config: LlamaConfig) -> tuple[float, dict[str, Any] | None]:
@@ -177,6 +188,17 @@ def hugging_face(config: LlamaConfig) -> LlamaForCausalLM:
     return model
 
 
+def randomized(config: LlamaConfig) -> LlamaForCausalLM:
+    """The reference of `config`, every parameter moved off its init (RMSNorm weights are
+    ones; a tied embedding appears once)."""
+    torch.manual_seed(0)
+    reference = hugging_face(config)
+    with torch.no_grad():
+        for parameter in reference.parameters():
+            parameter.add_(torch.randn_like(parameter) * 0.1)
+    return reference
+
+
 def greedy(model: Llama, prompt: np.ndarray, new_tokens: int) -> tuple[np.ndarray, int]:
     """`new_tokens` tokens decoded greedily after `prompt` [batch, length], and how many
     times the one-token step was traced (compiled)."""
@@ -206,11 +228,7 @@ def compare(tied: bool, scanned: bool = False):
     head, rules = ("tied", TIED_RULES) if tied else ("untied", UNTIED_RULES)
     head += ", scanned" if scanned else ""
     config = llama_config(tied)
-    torch.manual_seed(0)
-    reference = hugging_face(config)
-    with torch.no_grad():  # move every parameter off its init (RMSNorm weights are ones)
-        for parameter in reference.parameters():  # (a tied embedding appears once)
-            parameter.add_(torch.randn_like(parameter) * 0.1)
+    reference = randomized(config)
 
     with tempfile.TemporaryDirectory() as folder:
         reference.save_pretrained(folder)  # the files people download
@@ -254,10 +272,101 @@ def compare(tied: bool, scanned: bool = False):
     print(f"  one-token step traced {traces} time(s) for {new - 1} steps")
 
 
+def fp8_checkpoint(reference: LlamaForCausalLM, folder: str, block: int = 128) -> None:
+    """Saves `reference` as the FP8 releases on the Hub are saved: each decoder projection's
+    weight in float8_e4m3fn with a float32 `weight_scale_inv` per 128x128 block (the
+    block's largest magnitude / 448; the last block of an axis holds what is left), the
+    rest as it is, in one shard with its index, and `quantization_config` in config.json."""
+    tensors = {}
+    for name, w in reference.state_dict().items():
+        if not (name.startswith("model.layers.") and name.endswith("_proj.weight")):
+            tensors[name] = w.contiguous()
+            continue
+        rows, cols = (-(-n // block) for n in w.shape)
+        padded = torch.zeros(rows * block, cols * block)
+        padded[: w.shape[0], : w.shape[1]] = w
+        scale = padded.reshape(rows, block, cols, block).abs().amax(dim=(1, 3)) / 448
+        full = scale.repeat_interleave(block, 0).repeat_interleave(block, 1)
+        tensors[name] = (w / full[: w.shape[0], : w.shape[1]]).to(torch.float8_e4m3fn)
+        tensors[name + "_scale_inv"] = scale
+    shard = "model-00001-of-00001.safetensors"  # one shard and its index, as DCP reads them
+    save_file(tensors, Path(folder) / shard, metadata={"format": "pt"})
+    index = {"metadata": {}, "weight_map": dict.fromkeys(tensors, shard)}
+    (Path(folder) / "model.safetensors.index.json").write_text(json.dumps(index))
+    reference.config.quantization_config = {
+        "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+        "weight_block_size": [block, block],
+    }  # fmt: skip
+    reference.config.save_pretrained(folder)
+    del reference.config.quantization_config
+
+
+def quantized():
+    """The Llama 3.1 model from an FP8 block-scaled checkpoint, against transformers holding
+    the weights PyTorch's DCP reader dequantizes from it; then quantized to int4 (in groups of
+    16) and exported as compressed-tensors, against transformers decompressing it, and
+    loaded back."""
+    config = llama_config(tied=False)
+    reference = randomized(config)
+    abstract = jax.eval_shape(lambda: Llama(config, rngs=nn.Rngs(0)))
+    ids = np.random.default_rng(0).integers(0, config.vocab_size, (2, 11))
+    theirs = lambda torch_model: lambda ids: torch_model(torch.from_numpy(ids), use_cache=False)
+    with tempfile.TemporaryDirectory() as folder:
+        fp8_checkpoint(reference, folder)
+        checkpoint = open_safetensors(folder)
+        # each projection's rule now reads its weight and scales, dequantized in blocks
+        model = load_safetensors(
+            abstract, checkpoint, rules=convert.quantized_rules(UNTIED_RULES, checkpoint)
+        )
+        dequantized = {n: torch.empty_like(p) for n, p in reference.state_dict().items()}
+        with warnings.catch_warnings():  # (DCP says it reads in this one process)
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load(
+                dequantized, storage_reader=QuantizedHuggingFaceStorageReader(folder), no_dist=True
+            )
+    dcp_model = hugging_face(config)
+    dcp_model.load_state_dict(dequantized)
+    with torch.no_grad(), jax.default_matmul_precision("highest"):
+        print("FP8 blocks: Taktiny against transformers with DCP's dequantized weights:")
+        print(convert.parity(lambda ids: model(ids), theirs(dcp_model), ids, tolerance=1e-4))
+
+    # int4 in groups of 16 for every Linear (transformers cannot build a quantized Embedding)
+    linear = lambda name, layer: isinstance(layer, nn.Linear)
+    int4 = tt.quantize(model, bits=4, group_size=16, where=linear)
+    with tempfile.TemporaryDirectory() as folder:
+        tensors, quantization = convert.export_compressed_tensors(UNTIED_RULES, int4)
+        save_safetensors(Path(folder) / "model.safetensors", tensors)
+        config.quantization_config = quantization
+        config.save_pretrained(folder)
+        del config.quantization_config
+        served = hugging_face_from(folder)  # decompressed by compressed_tensors
+        checkpoint = open_safetensors(folder)
+        target = tt.quantize(abstract, bits=4, group_size=16, where=linear)
+        back = load_safetensors(
+            target, checkpoint, rules=convert.quantized_rules(UNTIED_RULES, checkpoint)
+        )
+    with torch.no_grad(), jax.default_matmul_precision("highest"):
+        print("int4 exported as compressed-tensors, against transformers loading it:")
+        print(convert.parity(jax.jit(lambda ids: int4(ids)), theirs(served), ids, tolerance=1e-5))
+    same = all(
+        np.array_equal(a, b)
+        for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(int4), strict=True)
+    )
+    print(f"int4 loaded back from compressed-tensors, bit for bit: {same}")
+
+
+def hugging_face_from(folder: str) -> LlamaForCausalLM:
+    """`from_pretrained` of `folder`, for inference with its attention written out."""
+    model = LlamaForCausalLM.from_pretrained(folder).eval()
+    model.set_attn_implementation("eager")
+    return model
+
+
 def main():
     compare(tied=True)
     compare(tied=False)
     compare(tied=True, scanned=True)
+    quantized()
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """The Llama example: runs to its end, proves its conversion against transformers (tied and
 untied output projection, and its layers scanned as one nn.Stack) and decodes greedily with
-the cache (stacked, for the scanned model) to generate's tokens."""
+the cache (stacked, for the scanned model) to generate's tokens; loads an FP8 block-scaled
+checkpoint, and exports its int4 model as compressed-tensors for transformers and back."""
 
 import ast
 
@@ -38,11 +39,17 @@ def test_llama_example_matches_transformers_exports_back_and_decodes_as_generate
         "exported back through save_safetensors into from_pretrained (untied):",
         "Taktiny against transformers (tied, scanned):",
         "exported back through save_safetensors into from_pretrained (tied, scanned):",
+        # an FP8 block-scaled checkpoint, against the weights PyTorch DCP dequantizes
+        "FP8 blocks: Taktiny against transformers with DCP's dequantized weights:",
+        # int4 as compressed-tensors, which transformers decompresses to Taktiny's weights
+        "int4 exported as compressed-tensors, against transformers loading it:",
     ], out
     for header, errors in reports.items():
         assert errors.keys() == {"logits"}, out
         # the scanned model: its layers one nn.Stack, loaded straight from the folder
-        assert errors["logits"] <= (1e-5 if "scanned" in header else 1e-4), errors
+        exact = "scanned" in header or "compressed-tensors" in header
+        assert errors["logits"] <= (1e-5 if exact else 1e-4), errors
+    assert "int4 loaded back from compressed-tensors, bit for bit: True" in out.splitlines(), out
 
     runs = greedy_runs(out)
     assert list(runs) == [
