@@ -287,3 +287,27 @@ def test_export_refuses_a_quantized_parameter_that_is_no_modules_weight():
         match=r"the quantized parameter exported as '0\.kernel_of_sorts' \(int4\[64, 32\], scales \[4, 32\]\) is not a module's weight \[out, in\] quantized along its input features",
     ):
         convert.export_compressed_tensors(rules, quantized)
+
+
+def test_the_plan_says_packed_weights_are_placed_as_stored_and_a_scanned_model_loads_them(tmp_path):
+    config = llama.llama_config(tied=False)
+    compressed_folder(reference(config), tmp_path, bits=4, group_size=16)
+    checkpoint = open_safetensors(tmp_path)
+    rules = convert.quantized_rules(RULES, checkpoint)
+    target = tt.quantize(abstract(config), bits=4, group_size=16, where="layers.**")
+    planned = tt.io.plan_load(target, checkpoint, rules=rules)
+    (step,) = [
+        s for s in planned.steps if s.sources[0] == "model.layers.1.mlp.up_proj.weight_packed"
+    ]
+    assert step.targets == ("layers.1.mlp.up.kernel.value", "layers.1.mlp.up.kernel.scale")
+    assert step.casts == (("layers.1.mlp.up.kernel", "int4", "int4 (as stored)"),)
+    flat = load_safetensors(target, checkpoint, rules=rules)
+    scanned = jax.eval_shape(lambda: llama.Llama(config, rngs=nn.Rngs(0), scanned=True))
+    stacked = load_safetensors(
+        tt.quantize(scanned, bits=4, group_size=16, where="layers.**"), checkpoint, rules=rules
+    )
+    for i in range(config.num_hidden_layers):
+        for a, b in zip(
+            jax.tree.leaves(stacked.layers[i]), jax.tree.leaves(flat.layers[i]), strict=True
+        ):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

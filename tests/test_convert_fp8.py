@@ -256,3 +256,17 @@ def test_a_rule_reading_scaled_and_unscaled_weights_or_many_at_once_is_refused(f
         match=r"only a rule that reads one '<module>\.weight' template \(no regex, no gathering\) can read them",
     ):
         convert.quantized_rules(stacked, checkpoint)
+
+
+def test_a_scanned_model_reads_each_layers_fp8_weights_into_its_slice(fp8):
+    folder, _, config = fp8
+    rules = convert.quantized_rules(llama.UNTIED_RULES, open_safetensors(folder))
+    flat = load_safetensors(abstract(config), folder, rules=rules)
+    scanned = jax.eval_shape(lambda: llama.Llama(config, rngs=nn.Rngs(0), scanned=True))
+    for target, expected in [(scanned, flat), (tt.quantize(scanned), tt.quantize(flat))]:
+        loaded = load_safetensors(target, folder, rules=rules)
+        for i in range(config.num_hidden_layers):
+            want = jax.tree.leaves(expected.layers[i].mlp)
+            got = jax.tree.leaves(loaded.layers[i].mlp)  # (a Stack's layer: its slices)
+            for a, b in zip(got, want, strict=True):
+                np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

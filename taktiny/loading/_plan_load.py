@@ -23,15 +23,16 @@ import jax
 import numpy as np
 
 from .._messages import table
-from ..convert import AnyRule, ConversionProblem, Step, identity, runner, stages_text
+from ..convert import AnyRule, ConversionProblem, Step, identity, stages_text
 from ..io import BOX_PIECE, Checkpoint, Tensor, byte_size
+from ..quant import QArray
 from ..state import problems as err
 from ._budget import Budget
 from ._checks import spec_of
 from ._load import Ways
 from ._place import sharding_of
 from ._record import migrated, open_load, parts_of, unkept
-from ._steps import IDENTITY, steps_of
+from ._steps import IDENTITY, results_of, steps_of
 
 
 @dataclasses.dataclass(frozen=True)
@@ -314,13 +315,12 @@ def _way(
     way = "quantized" if any(t in quantized for t in step.targets) else "scratch"
     if isinstance(step.rule.transform, identity):  # its result is its sources, in scratch
         return way, 0
-    specs = [jax.ShapeDtypeStruct(t.shape, jax.dtypes.canonicalize_dtype(t.dtype)) for t in sources]
-    count = None if step.rule.gathered else len(step.targets)
-    made = jax.eval_shape(runner(step.rule.transform, count), *specs)
     temporary = 0
-    for name, out in zip(step.targets, made, strict=True):
+    for name, out in zip(step.targets, results_of(step, sources), strict=True):
         leaf = leaves.get(name)
-        if name in quantized or (leaf is not None and np.dtype(out.dtype) != spec_of(leaf)[1]):
+        if isinstance(out, QArray):  # unpacked parts: placed as they are, or dequantized
+            temporary += out.nbytes
+        elif name in quantized or (leaf is not None and np.dtype(out.dtype) != spec_of(leaf)[1]):
             temporary += math.prod(out.shape) * np.dtype(out.dtype).itemsize
     return way, temporary
 
@@ -356,8 +356,14 @@ def _planned(
         for tensor, name in zip(sources, step.targets, strict=True):
             if name in leaves and (want := spec_of(leaves[name])[1]) != tensor.dtype:
                 casts.append((name, tensor.dtype.name, want.name))
+    outs = results_of(step, sources) if way == "quantized" and step.rule is not IDENTITY else ()
+    stored = {n for n, out in zip(step.targets, outs, strict=False) if isinstance(out, QArray)}
     for name in step.targets:
-        if name in quantized:
+        if name in stored:  # quantized parts a transform unpacked: placed as they are
+            casts.append(
+                (name, f"int{quantized[name].bits}", f"int{quantized[name].bits} (as stored)")
+            )
+        elif name in quantized:
             like = quantized[name]
             have = sources[0].dtype.name if len(sources) == 1 else "float"
             casts.append((name, have, f"int{like.bits} (quantized)"))

@@ -84,6 +84,13 @@ def steps_of(
     return steps
 
 
+def results_of(step: Step, sources: Sequence[Tensor]) -> tuple[Any, ...]:
+    """What a step's transform makes of its `sources`, abstract: read from their headers."""
+    specs = [jax.ShapeDtypeStruct(t.shape, jax.dtypes.canonicalize_dtype(t.dtype)) for t in sources]
+    count = None if step.rule.gathered else len(step.targets)
+    return jax.eval_shape(runner(step.rule.transform, count), *specs)
+
+
 def tensors_of(checkpoint: Checkpoint, step: Step) -> list[Tensor]:
     """The tensors a step reads, in the order its transform takes them."""
     return [checkpoint[name] for name in step.sources]
@@ -200,17 +207,10 @@ def ruled_steps(
         targets = [t for t in step.targets if t in quantized]
         if not targets:
             continue
-        count = None if step.rule.gathered else len(step.targets)
-        specs = [
-            jax.ShapeDtypeStruct(checkpoint[n].shape, checkpoint[n].dtype) for n in step.sources
-        ]
         made_by = dict(
-            zip(
-                step.targets,
-                jax.eval_shape(runner(step.rule.transform, count), *specs),
-                strict=True,
-            )
+            zip(step.targets, results_of(step, tensors_of(checkpoint, step)), strict=True)
         )
+
         for name in targets:
             like, got = quantized[name], made_by[name]
             problem = other_layout(name, like, got, step.sources)
