@@ -1,6 +1,7 @@
 """The peak host memory of loads that go through scratch buffers and temporaries, predicted
 by ``plan_load`` and measured, for tests/test_plan_peak.py. Run as a program in a fresh
-interpreter (``python tests/_peak.py FILE CASE...``, case numbers), with glibc's malloc
+interpreter (``python tests/_peak.py FOLDER CASE...``, case numbers: FOLDER holds
+``f.safetensors`` and ``fp8/``, the same weights in FP8 blocks), with glibc's malloc
 told to map every block of 1 MiB or more on its own (``MALLOC_MMAP_THRESHOLD_``): by
 default it keeps freed blocks of up to 32 MiB for later, and a load would then grow the
 process by less than it holds, reusing what the one before it freed (a 52 MB prediction
@@ -27,7 +28,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 import taktiny as tt  # noqa: E402
 from taktiny import convert as cv  # noqa: E402
 from taktiny import nn  # noqa: E402
-from taktiny.io import load_safetensors, plan_load  # noqa: E402
+from taktiny.io import load_safetensors, open_safetensors, plan_load  # noqa: E402
 
 # the checkpoint's float32 tensors, in the file's order: the two scratch buffers take turns,
 # the first holding 16 MiB then 4, the second 24 MiB then 32; one buffer holds all four
@@ -44,8 +45,16 @@ def _linears() -> dict[str, nn.Linear]:
     return {n: nn.Linear(*s, use_bias=False, rngs=nn.Rngs(0)) for n, s in SHAPES.items()}
 
 
+FP8 = [cv.Rule("{n}.weight", "{n}", cv.transpose())]  # the FP8 folder's [out, in] weights
+
+
 def case(name: str) -> tuple[object, list[cv.Rule] | None]:
-    """The target and rules of each load."""
+    """The target and rules of each load (the FP8 cases' rules made for their folder)."""
+    if name == "FP8 blocks into bfloat16 (dequantized in float32, cast)":
+        return {n: jax.ShapeDtypeStruct(s, jnp.bfloat16) for n, s in SHAPES.items()}, FP8
+    if name == "FP8 blocks into int8 (dequantized, then quantized)":
+        kernels = [cv.Rule("{n}.weight", "{n}.kernel", cv.transpose())]
+        return tt.quantize(jax.eval_shape(_linears), bits=8), kernels
     if name == "cast to bfloat16 (two scratch buffers)":
         return {n: jax.ShapeDtypeStruct(s, jnp.bfloat16) for n, s in SHAPES.items()}, None
     if name == "quantizing to int8 (one scratch buffer)":
@@ -69,6 +78,8 @@ CASES = [
     "transposing rule and a cast (scratch buffers, the transform's results)",
     "transposing rule onto 8 devices (whole arrays cut into blocks)",
     "inner split on 8 devices (blocks cut from rows)",
+    "FP8 blocks into bfloat16 (dequantized in float32, cast)",
+    "FP8 blocks into int8 (dequantized, then quantized)",
 ]
 
 
@@ -77,8 +88,12 @@ def _status(field: str) -> int:
         return int(next(line for line in f if line.startswith(field + ":")).split()[1]) * 1024
 
 
-def measure(path: str, name: str) -> dict[str, object]:
+def measure(folder: str, name: str) -> dict[str, object]:
     model, rules = case(name)
+    path = f"{folder}/f.safetensors"
+    if name.startswith("FP8"):  # the same weights as FP8 blocks, [out, in], beside config.json
+        path = f"{folder}/fp8"
+        rules = cv.quantized_rules(rules or [], open_safetensors(path))
     plan = plan_load(model, path, rules=rules)
     jax.block_until_ready(load_safetensors(model, path, rules=rules))  # (compiles, then freed)
     gc.collect()

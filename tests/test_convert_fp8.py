@@ -56,6 +56,9 @@ def test_dequantize_blocks_is_the_numpy_oracle_bit_for_bit(shape, block):
     np.testing.assert_array_equal(
         np.asarray(half).view(np.uint16), oracle.astype(ml_dtypes.bfloat16).view(np.uint16)
     )
+    perm = (*range(len(shape) - 2), len(shape) - 1, len(shape) - 2)  # a Linear's weight, as a kernel
+    (kernel,) = convert.dequantize_blocks(block, layout=convert.transpose(perm))((weight, scale))
+    np.testing.assert_array_equal(np.asarray(kernel), np.swapaxes(oracle, -1, -2))
 
 
 def test_dequantize_blocks_refuses_scales_of_other_blocks():
@@ -71,6 +74,8 @@ def test_dequantize_blocks_refuses_scales_of_other_blocks():
         convert.dequantize_blocks()((weight,))
     with pytest.raises(ValueError, match=r"block_size must be positive sizes, got \(0, 128\)"):
         convert.dequantize_blocks((0, 128))
+    with pytest.raises(ValueError, match=r"layout is identity\(\) or a transpose, got split\(axis=0\); chain other transforms after this one"):
+        convert.dequantize_blocks(layout=convert.split(0))
 
 
 def is_linear(name):  # the decoder layers' projections, as transformers' FP8 models hold them

@@ -1,7 +1,8 @@
 """The peak host memory ``plan_load`` predicts, against the peak a fresh interpreter measures
 (tests/_peak.py), for the loads that need memory beyond the model's arrays: casts and
 quantization through scratch buffers, transforms whose results are cast, transposes cut
-into several devices' blocks, blocks cut from rows. Within the bound the bench's plan group
+into several devices' blocks, blocks cut from rows, FP8 blocks dequantized (and quantized
+again). Within the bound the bench's plan group
 holds the 1 GB loads to (bench/load_plan.py)."""
 
 import json
@@ -13,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from _peak import CASES, SHAPES
+from _quantized_files import fp8_folder
 
 from taktiny.io import save_safetensors
 
@@ -25,9 +27,15 @@ WITHIN = 0.10  # |predicted / measured - 1|, as bench/load_plan.py's WITHIN
     not Path("/proc/self/clear_refs").exists(), reason="measures with Linux's /proc"
 )
 def test_the_predicted_peak_of_loads_through_scratch_buffers_is_the_measured(tmp_path):
-    path = tmp_path / "f.safetensors"
     rng = np.random.default_rng(0)
-    save_safetensors(path, {n: rng.standard_normal(s, np.float32) for n, s in SHAPES.items()})
+    weights = {n: rng.standard_normal(s, np.float32) for n, s in SHAPES.items()}
+    save_safetensors(tmp_path / "f.safetensors", weights)
+    fp8_folder(
+        {f"{n}.weight": w.T for n, w in weights.items()},
+        tmp_path / "fp8",
+        quantized=lambda n: True,
+        shards=1,
+    )
     env = {
         **os.environ,
         "JAX_PLATFORMS": "cpu",
@@ -35,7 +43,7 @@ def test_the_predicted_peak_of_loads_through_scratch_buffers_is_the_measured(tmp
         "MALLOC_MMAP_THRESHOLD_": str(2**20),  # (see tests/_peak.py)
     }
     run = subprocess.run(
-        [sys.executable, str(HERE / "_peak.py"), str(path), *map(str, range(len(CASES)))],
+        [sys.executable, str(HERE / "_peak.py"), str(tmp_path), *map(str, range(len(CASES)))],
         capture_output=True,
         text=True,
         timeout=600,
@@ -53,6 +61,8 @@ def test_the_predicted_peak_of_loads_through_scratch_buffers_is_the_measured(tmp
         CASES[2]: ["scratch"],
         CASES[3]: ["transposed"],
         CASES[4]: ["blocks"],
+        CASES[5]: ["scratch"],  # (the float8 weights and their scales read together)
+        CASES[6]: ["quantized"],
     }
     assert all(r["scratch"] > 0 for r in found.values())
     off = {n: r["predicted"] / r["measured"] - 1 for n, r in found.items()}

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._rules import Rule
-from ._transforms import Transform, chain, identity
+from ._transforms import Transform, chain, identity, transpose
 
 SCALE_SUFFIX = "_scale_inv"  # the scale of "<module>.weight" is "<module>.weight_scale_inv"
 
@@ -55,14 +55,19 @@ def _blocks(block_size: Sequence[int]) -> str:
     return "x".join(map(str, block_size))
 
 
-@partial(jax.jit, static_argnames=("block_size", "dtype"))
-def _dequantized(value: Any, scale: Any, block_size: tuple[int, ...], dtype: Any) -> jax.Array:
-    """``value * scale`` of each entry's block, computed in float32, in `dtype`."""
+@partial(jax.jit, static_argnames=("block_size", "dtype", "perm"))
+def _dequantized(
+    value: Any, scale: Any, block_size: tuple[int, ...], dtype: Any, perm: Any
+) -> jax.Array:
+    """``value * scale`` of each entry's block, computed in float32, in `dtype`, its axes
+    permuted by `perm` (None: as they are; one XLA program, so the product is not held
+    beside its transpose)."""
     factor = scale.astype(jnp.float32)
     lead = value.ndim - len(block_size)
     for axis, block in enumerate(block_size, start=lead):  # each factor over its block
         factor = jnp.repeat(factor, block, axis=axis, total_repeat_length=value.shape[axis])
-    return (value.astype(jnp.float32) * factor).astype(dtype)
+    product = (value.astype(jnp.float32) * factor).astype(dtype)
+    return product if perm is None else jnp.transpose(product, perm)
 
 
 class dequantize_blocks(Transform):
@@ -70,25 +75,41 @@ class dequantize_blocks(Transform):
     ``["{m}.weight", "{m}.weight_scale_inv"]``, as FP8 checkpoints hold them): each entry
     times the scale of its block, ``block_size`` entries over the last axes, the last
     block of an axis holding what is left. Computed in float32, the product is exact for
-    float8 weights and float32 scales; the result is in `dtype`.
+    float8 weights and float32 scales; the result is in `dtype`, laid out by `layout` in
+    the same XLA program (so a transposed product is not held beside the product).
 
     Args:
         block_size: the entries of a block along each of the last axes; ``(128, 128)``
             for the checkpoints Hugging Face ships.
         dtype: the dtype of the result; float32 by default (a load casts it to each
             leaf's dtype, rounding once).
+        layout: ``identity()`` (the default) or a ``transpose`` of the result: a
+            ``Linear``'s ``[out, in]`` weight into a kernel's ``[in, out]``.
 
     Raises:
-        ValueError: `block_size` is not positive sizes; called with other than two arrays,
+        ValueError: `block_size` is not positive sizes, or `layout` neither a rename nor
+            a transpose; called with other than two arrays,
             weights that are not float8, or scales whose shape is not one per block (a
             load names the tensors and the rule).
     """
 
-    def __init__(self, block_size: Sequence[int] = (128, 128), *, dtype: Any = np.float32):
+    def __init__(
+        self,
+        block_size: Sequence[int] = (128, 128),
+        *,
+        dtype: Any = np.float32,
+        layout: Transform | None = None,
+    ):
         self.block_size = tuple(int(b) for b in block_size)
         if not self.block_size or min(self.block_size) < 1:
             raise ValueError(f"block_size must be positive sizes, got {block_size!r}.")
         self.dtype = np.dtype(dtype)
+        self.layout = identity() if layout is None else layout
+        if not isinstance(self.layout, identity | transpose):
+            raise ValueError(
+                f"layout is identity() or a transpose, got {self.layout!r}; chain other "
+                f"transforms after this one."
+            )
 
     def __call__(self, arrays: tuple[Any, ...], count: int | None = None) -> tuple[Any, ...]:
         if len(arrays) != 2:
@@ -100,19 +121,24 @@ class dequantize_blocks(Transform):
         problem = scale_problem(value, scale, self.block_size)
         if problem:
             raise ValueError(problem)
-        return (_dequantized(value, scale, self.block_size, self.dtype),)
+        perm = None
+        if isinstance(self.layout, transpose):
+            perm = self.layout.perm or tuple(range(len(value.shape) - 1, -1, -1))
+        return (_dequantized(value, scale, self.block_size, self.dtype, perm),)
 
     def _args(self) -> str:
         dtype = "" if self.dtype == np.float32 else f", dtype={self.dtype.name!r}"
-        return f"block_size={self.block_size}{dtype}"
+        layout = "" if isinstance(self.layout, identity) else f", layout={self.layout!r}"
+        return f"block_size={self.block_size}{dtype}{layout}"
 
 
 def fp8_rule(rule: Rule, block_size: tuple[int, ...]) -> Rule:
     """`rule` (one source template ``<module>.weight``) reading the weight with its block
     scales: ``[<module>.weight, <module>.weight_scale_inv]``, dequantized, then `rule`'s own
     transform."""
-    source = rule.sources[0]
-    transform: Transform = dequantize_blocks(block_size)
-    if not isinstance(rule.transform, identity):
-        transform = chain(transform, rule.transform)
+    source, then = rule.sources[0], rule.transform
+    if isinstance(then, identity | transpose):  # (the presets' rules) in one XLA program
+        transform: Transform = dequantize_blocks(block_size, layout=then)
+    else:
+        transform = chain(dequantize_blocks(block_size), then)
     return Rule([source, source + SCALE_SUFFIX], rule.targets, transform)
