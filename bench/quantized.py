@@ -12,10 +12,19 @@ quantized tensor by tensor as ``taktiny.io.load_safetensors`` streams it into an
   into the int4 model in groups of 64, against the plain load of the same file into the
   abstract float model; cold page cache, interleaved rounds. Peak memory: each load in a
   fresh subprocess (``bench.memory``'s worker, with this module as its registry).
+- FP8 (issue 40): a model of bias-free ``Linear(4096, 4096)`` layers (64 of them: a
+  1.07 GB Hugging Face FP8 block-scaled checkpoint, ``float8_e4m3fn`` weights ``[out, in]``
+  with a float32 ``weight_scale_inv`` per 128x128 block and its ``config.json``) loaded by
+  ``taktiny.convert.quantized_rules`` into the abstract bfloat16 model and into
+  ``tt.quantize`` of it (int8), against streaming the bfloat16 checkpoint of the same
+  weights (2.15 GB, the dequantized FP8 values) into the bfloat16 model with the same
+  transposing rules; cold page cache, interleaved rounds. Peak host memory of each load in a
+  fresh subprocess, its growth against the loaded model's bytes.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from collections.abc import Callable
@@ -23,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from . import _disk, _formats, checkpoint, memory
@@ -49,6 +59,24 @@ PLAIN, QUANTIZING, QUANTIZING_4 = (
 COLD = "Taktiny, int8 model, XLA's first compile inside the load"  # memory only
 # the targets of issue 13
 SMALLER_8, SMALLER_4, QUANTIZE_S, GROWTH, SHARE = 3.9, 7.5, 5.0, 0.35, 0.7
+# (width, depth) of the FP8 group's bias-free model: 64 x 4096 x 4096 is 1.07 GB of FP8
+FP8_SIZES = {"full": (4096, 64), "quick": (1024, 16), "smoke": (128, 2)}
+BF16_REF, FP8_BF16, FP8_INT8 = (
+    "bf16 checkpoint -> bf16 model",
+    "FP8 checkpoint -> bf16 model",
+    "FP8 checkpoint -> int8 model",
+)
+FP8_CASES = [BF16_REF, FP8_BF16, FP8_INT8]
+FP8_SHARE, FP8_GROWTH = 0.8, 1.05  # the targets of issue 40, point 4
+BLOCK, E4M3_MAX = 128, 448.0
+FP8_CONFIG = {
+    "quantization_config": {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "weight_block_size": [BLOCK, BLOCK],
+    }
+}
 
 
 def _warm_xla() -> None:
@@ -104,6 +132,69 @@ PREPARE = {  # case -> prepare(abstracts), run by the memory worker before it no
     QUANTIZING_4: _prepare(4, 64),
     COLD: _prepare(8, warm=False),
 }
+STREAMING_CASES = list(RESTORE)  # the float32 streaming part's (the FP8 part's follow)
+
+
+class Bare(_formats.nn.Module):
+    """`depth` bias-free ``Linear(width, width)`` layers, parameters in `param_dtype`."""
+
+    def __init__(self, width: int, depth: int, *, param_dtype: Any, rngs: Any):
+        nn = _formats.nn
+        self.layers = [
+            nn.Linear(width, width, use_bias=False, param_dtype=param_dtype, rngs=rngs)
+            for _ in range(depth)
+        ]
+
+
+def _fp8_abstracts(width: int, depth: int) -> dict[str, Any]:
+    """The bfloat16 model as shapes only (``jax.eval_shape``): what the FP8 loads read into."""
+    shapes = jax.eval_shape(
+        lambda: Bare(width, depth, param_dtype=jnp.bfloat16, rngs=_formats.nn.Rngs(0))
+    )
+    return {"taktiny": shapes}
+
+
+def _fp8_rules() -> list[Any]:
+    """The rules of the float checkpoint: each torch ``layers.{i}.weight`` [out, in]
+    transposed into ``layers.{i}.kernel`` [in, out]."""
+    import taktiny.convert as cv
+
+    return cv.linear("layers.{i}", "layers.{i}", bias=False)
+
+
+def _load_bf16(path: Path, abstracts: dict[str, Any]) -> Any:
+    import taktiny.io as tio
+
+    return tio.load_safetensors(abstracts["taktiny"], path, rules=_fp8_rules(), progress=False)
+
+
+def _load_fp8(path: Path, abstracts: dict[str, Any], target: str = "taktiny") -> Any:
+    """The FP8 checkpoint at `path` (its config.json beside it) into ``abstracts[target]``:
+    opened, its rules made by quantized_rules, loaded."""
+    import taktiny.convert as cv
+    import taktiny.io as tio
+
+    checkpoint = tio.open_safetensors(path)
+    rules = cv.quantized_rules(_fp8_rules(), checkpoint)
+    return tio.load_safetensors(abstracts[target], checkpoint, rules=rules, progress=False)
+
+
+FP8_CALL = (
+    "ckpt = taktiny.io.open_safetensors(path); taktiny.io.load_safetensors({}, ckpt, "
+    "rules=cv.quantized_rules(cv.linear('layers.{{i}}', 'layers.{{i}}', bias=False), ckpt))"
+)
+RESTORE |= {
+    BF16_REF: (
+        "taktiny.io.load_safetensors(abstract, path, rules=cv.linear('layers.{i}', "
+        "'layers.{i}', bias=False))",
+        _load_bf16,
+    ),
+    FP8_BF16: (FP8_CALL.format("abstract"), _load_fp8),
+    FP8_INT8: (FP8_CALL.format("tt.quantize(abstract)"), lambda p, a: _load_fp8(p, a, "quantized")),
+}
+NEEDS |= {case: ["taktiny.io", "taktiny.convert"] for case in FP8_CASES}
+PREPARE |= {BF16_REF: _prepare(None), FP8_BF16: _prepare(None), FP8_INT8: _prepare(8)}
+ABSTRACTS = {case: _fp8_abstracts for case in FP8_CASES}  # the memory worker's targets
 
 
 def _bytes(config: Config) -> tuple[list[Table], list[Target], list[str]]:
@@ -245,7 +336,9 @@ def _streaming(config: Config) -> tuple[list[Table], list[Target], list[str]]:
             s: checkpoint._restore_case(path, RESTORE[s][1], targets[s]) for s in targets
         }
         stats = compare(cases, repeat=config.pick(5, 3, 1))
-        memories = {s: memory._measure(s, path, width, depth, registry=__name__) for s in RESTORE}
+        memories = {
+            s: memory._measure(s, path, width, depth, registry=__name__) for s in STREAMING_CASES
+        }
     finally:
         _disk.remove(path)
     title = f"{depth} x Linear({width}, {width}), float32, {nbytes / 1e6:,.0f} MB"
@@ -266,7 +359,7 @@ def _streaming(config: Config) -> tuple[list[Table], list[Target], list[str]]:
     )
     for s in systems:
         shares.add("plain time / time", s, RESTORE[s][0], share[s])
-    measured = list(RESTORE)
+    measured = STREAMING_CASES
     mem = Table(f"Peak resident memory (MB) of one load, {size / 1e6:,.0f} MB", measured, unit="B")
     growth = {}
     for s in measured:
@@ -342,11 +435,265 @@ def _streaming(config: Config) -> tuple[list[Table], list[Target], list[str]]:
     return [times, shares, mem, ratios], targets_out, notes
 
 
+def _fp8_blocks(weight: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """`weight` [out, in] as Hugging Face's FP8 checkpoints hold it: float8_e4m3fn values and
+    a float32 ``weight_scale_inv`` per 128x128 block, amax(|block|) / 448, so that
+    ``value * scale_inv`` is the weight to e4m3's precision."""
+    import ml_dtypes
+
+    out, inn = weight.shape
+    assert out % BLOCK == 0 and inn % BLOCK == 0, weight.shape  # whole blocks here
+    blocks = weight.reshape(out // BLOCK, BLOCK, inn // BLOCK, BLOCK)
+    scale = (np.abs(blocks).max(axis=(1, 3)) / np.float32(E4M3_MAX)).astype(np.float32)
+    scale[scale == 0] = 1
+    values = np.clip(blocks / scale[:, None, :, None], -E4M3_MAX, E4M3_MAX)
+    return values.reshape(out, inn).astype(ml_dtypes.float8_e4m3fn), scale
+
+
+def _dequantized(values: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """The weight the FP8 values and block scales stand for, ``values * scale_inv`` in
+    float32 (exact), rounded once to bfloat16: the bfloat16 checkpoint's tensor."""
+    import ml_dtypes
+
+    out, inn = values.shape
+    blocks = values.astype(np.float32).reshape(out // BLOCK, BLOCK, inn // BLOCK, BLOCK)
+    return (blocks * scale[:, None, :, None]).reshape(out, inn).astype(ml_dtypes.bfloat16)
+
+
+def _write_fp8_pair(width: int, depth: int, bf16: Path, fp8: Path) -> None:
+    """Writes the two checkpoints of one random model (uniform weights of LeCun's variance):
+    the FP8 one (weights, block scales, and its config.json beside it) and the bfloat16 one
+    holding the same values dequantized, both with safetensors' NumPy API, durably."""
+    import safetensors.numpy
+
+    rng = np.random.default_rng(0)
+    bound = np.float32(np.sqrt(3.0 / width))
+    floats, quantized = {}, {}
+    for i in range(depth):
+        weight = (rng.random((width, width), dtype=np.float32) * 2 - 1) * bound
+        values, scale = _fp8_blocks(weight)
+        floats[f"layers.{i}.weight"] = _dequantized(values, scale)
+        quantized[f"layers.{i}.weight"] = values
+        quantized[f"layers.{i}.weight_scale_inv"] = scale
+    for path, tensors in ((bf16, floats), (fp8, quantized)):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        safetensors.numpy.save_file(tensors, str(path), metadata={"format": "pt"})
+    (fp8.parent / "config.json").write_text(json.dumps(FP8_CONFIG, indent=2))
+    for path in (bf16, fp8):
+        _disk.sync(path.parent)
+
+
+def _model_bytes(model: Any) -> int:
+    """The bytes of a model's leaves (arrays or shapes), each QArray whole (its nbytes)."""
+    import taktiny as tt
+
+    is_q = lambda x: isinstance(x, tt.QArray)
+    leaves = jax.tree.leaves(model, is_leaf=is_q)
+    return sum(
+        x.nbytes if is_q(x) else int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in leaves
+    )
+
+
+def _check_fp8(paths: dict[str, Path], targets: dict[str, dict[str, Any]]) -> str:
+    """The FP8 load into the bfloat16 model gives the bfloat16 checkpoint's load, bitwise;
+    the one into the int8 model, tt.quantize of that (checked once). Returns what the int8
+    comparison found, for the notes."""
+    import taktiny as tt
+
+    reference = RESTORE[BF16_REF][1](paths[BF16_REF], targets[BF16_REF])
+    want = reference.flat_state_dict()
+    got = RESTORE[FP8_BF16][1](paths[FP8_BF16], targets[FP8_BF16]).flat_state_dict()
+    assert got.keys() == want.keys(), (sorted(got), sorted(want))
+    for name, value in want.items():
+        a, b = np.asarray(got[name]), np.asarray(value)
+        assert a.dtype == b.dtype and a.tobytes() == b.tobytes(), name
+    del got
+    want = tt.quantize(reference).flat_state_dict()
+    got = RESTORE[FP8_INT8][1](paths[FP8_INT8], targets[FP8_INT8]).flat_state_dict()
+    assert got.keys() == want.keys(), (sorted(got), sorted(want))
+    differ = []
+    for name, value in want.items():
+        a, b = np.asarray(got[name]), np.asarray(value)
+        assert a.dtype == b.dtype and a.shape == b.shape, name
+        if a.tobytes() != b.tobytes():
+            differ.append((name, float(np.max(np.abs(a.astype(np.float64) - b)))))
+    if not differ:
+        return "bitwise tt.quantize of the bfloat16 load"
+    worst = max(differ, key=lambda x: x[1])
+    return (
+        f"tt.quantize of the bfloat16 load except in {len(differ)} of {len(want)} arrays "
+        f"(largest difference {worst[1]:g}, in {worst[0]})"
+    )
+
+
+def _fp8(config: Config) -> tuple[list[Table], list[Target], list[str]]:
+    """FP8 block-scaled checkpoint into a bfloat16 and an int8 model, against streaming the
+    bfloat16 checkpoint of the same weights: time and peak memory (issue 40, point 4)."""
+    start = time.perf_counter()
+    width, depth = FP8_SIZES[config.mode]
+    root = Path(config.scratch)
+    folders = {"bf16": root / "fp8-bench-bf16", "fp8": root / "fp8-bench-fp8"}
+    bf16_path = folders["bf16"] / "model.safetensors"
+    fp8_path = folders["fp8"] / "model.safetensors"
+    paths = {BF16_REF: bf16_path, FP8_BF16: fp8_path, FP8_INT8: fp8_path}
+    repeat = config.pick(5, 3, 1)
+    try:
+        write_start = time.perf_counter()
+        _write_fp8_pair(width, depth, bf16_path, fp8_path)
+        written = time.perf_counter() - write_start
+        sizes = {"bf16": _disk.size(bf16_path), "fp8": _disk.size(fp8_path)}
+        abstracts = _fp8_abstracts(width, depth)
+        targets = {s: PREPARE[s](abstracts) for s in FP8_CASES}
+        model_bytes = {
+            BF16_REF: _model_bytes(targets[BF16_REF]["taktiny"]),
+            FP8_BF16: _model_bytes(targets[FP8_BF16]["taktiny"]),
+            FP8_INT8: _model_bytes(targets[FP8_INT8]["quantized"]),
+        }
+        checked = _check_fp8(paths, targets)
+        cases: dict[str, Any] = {
+            s: checkpoint._restore_case(paths[s], RESTORE[s][1], targets[s]) for s in FP8_CASES
+        }
+        stats = compare(cases, repeat=repeat)
+        memories = {
+            s: memory._measure(s, paths[s], width, depth, registry=__name__) for s in FP8_CASES
+        }
+    finally:
+        for folder in folders.values():
+            _disk.remove(folder)
+    gb = {k: f"{v / 1e9:.2f} GB" if v >= 1e8 else f"{v / 1e6:.3g} MB" for k, v in sizes.items()}
+    title = f"{depth} x Linear({width}, {width}) without bias"
+    times = Table(
+        f"Cold-cache load of {title}: FP8 checkpoint {gb['fp8']}, bfloat16 {gb['bf16']}",
+        FP8_CASES,
+        reference=BF16_REF,
+        log=True,
+    )
+    for s in FP8_CASES:
+        times.add("load", s, RESTORE[s][0], stats[s].median, (stats[s].low, stats[s].high))
+    share = {s: paired_ratio(stats[BF16_REF], stats[s]) for s in FP8_CASES}
+    shares = Table(
+        "Speed against streaming the bfloat16 checkpoint (bf16 load time / time, median of "
+        "per-round ratios)",
+        FP8_CASES,
+        unit="x",
+        log=False,
+        line=FP8_SHARE,
+        reference=BF16_REF,
+        label="bf16 load time / time",
+    )
+    for s in FP8_CASES:
+        shares.add("bf16 load time / time", s, RESTORE[s][0], share[s])
+    mem = Table(f"Peak resident memory (MB) of one load, {title}", FP8_CASES, unit="B")
+    growth = {}
+    for s in FP8_CASES:
+        r, call = memories[s], RESTORE[s][0]
+        growth[s] = (r["peak"] - r["before"]) / model_bytes[s]
+        mem.add("checkpoint size on disk", s, call, sizes["bf16" if s == BF16_REF else "fp8"])
+        mem.add("loaded model bytes", s, call, model_bytes[s])
+        mem.add("process RSS before the load", s, call, r["before"])
+        mem.add("peak RSS", s, call, r["peak"])
+        mem.add("peak RSS growth (peak - before)", s, call, r["peak"] - r["before"])
+    ratios = Table(
+        "Peak RSS growth relative to the loaded model's bytes",
+        FP8_CASES,
+        unit="x",
+        log=False,
+        line=FP8_GROWTH,
+        reference=BF16_REF,
+    )
+    for s in FP8_CASES:
+        ratios.add("growth / model bytes", s, RESTORE[s][0], growth[s])
+    fp8_gb = f"the {gb['fp8']} FP8 block-scaled checkpoint"
+    model = {FP8_BF16: "bfloat16", FP8_INT8: "int8 (tt.quantize)"}
+    targets_out = [
+        *(
+            Target(
+                f"Loading {fp8_gb} into an abstract {model[s]} model >= {FP8_SHARE:g}x the "
+                "speed of streaming the bfloat16 checkpoint of the same model",
+                share[s],
+                FP8_SHARE,
+                True,
+                "bf16 checkpoint load time / FP8 load time, median of per-round ratios, cold "
+                "page cache",
+            )
+            for s in (FP8_BF16, FP8_INT8)
+        ),
+        *(
+            Target(
+                f"Loading {fp8_gb} into an abstract {model[s]} model: peak RSS growth <= "
+                f"{FP8_GROWTH:g}x the loaded model's bytes",
+                growth[s],
+                FP8_GROWTH,
+                False,
+                "(peak RSS - RSS just before the load) / model bytes (leaf nbytes, QArrays "
+                "whole), XLA warmed",
+            )
+            for s in (FP8_BF16, FP8_INT8)
+        ),
+    ]
+    rounds = {
+        s: ", ".join(
+            f"{p / x:.2f}" for p, x in zip(stats[BF16_REF].samples, stats[s].samples, strict=True)
+        )
+        for s in FP8_CASES[1:]
+    }
+    notes = [
+        f"FP8: {title}, {depth * width * width / 1e6:,.1f}M parameters, uniform random weights "
+        f"of LeCun's variance. The FP8 checkpoint ({sizes['fp8']:,} bytes) holds each "
+        "layers.{i}.weight [out, in] as float8_e4m3fn with a float32 weight_scale_inv per "
+        f"128x128 block (amax / 448), and a config.json beside it with "
+        f"{json.dumps(FP8_CONFIG['quantization_config'])}; the bfloat16 checkpoint "
+        f"({sizes['bf16']:,} bytes) holds the same weights dequantized (value x scale in "
+        "float32, rounded once to bfloat16); both written by safetensors.numpy.save_file "
+        f"({written:.0f} s with the random weights). Loaded model bytes: "
+        + ", ".join(f"{s} {b:,}" for s, b in model_bytes.items())
+        + f". Checked once: the FP8 load into the bfloat16 model gives the bfloat16 "
+        f"checkpoint's load bitwise, and the one into the int8 model gives {checked}.",
+        "Time: the checkpoint's pages are dropped from the page cache before each sample; one "
+        f"warm-up sample per case (it compiles the dequantization), then {repeat} interleaved "
+        "rounds. bf16 load time / time round by round: "
+        + "; ".join(f"{s} {r}" for s, r in rounds.items())
+        + f". Load average at the end {', '.join(f'{x:.2f}' for x in os.getloadavg())} on "
+        f"{os.cpu_count()} cores.",
+        "Memory: each load in a fresh subprocess; 'before' is its resident memory after "
+        "importing taktiny.io and taktiny.convert, building the abstract target "
+        "(jax.eval_shape of the bfloat16 model; tt.quantize of it for int8) and running one "
+        "tiny unrelated jitted program; peak is VmHWM; growth is taken against the bytes of "
+        "the model the load returns (int8 values and their bfloat16 scales for the int8 one). "
+        "Load time inside the worker (page cache not dropped): "
+        + ", ".join(f"{s} {r['seconds']:.2f} s" for s, r in memories.items())
+        + f". Part wall time {time.perf_counter() - start:.0f} s.",
+        "Where an FP8 load's time and memory go (profiled once on this machine, per 4096 x "
+        "4096 layer, warm page cache): the bfloat16 load reads each tensor transposed piece "
+        "by piece straight into its leaf (60-80 ms; bound by the disk when cold). The FP8 "
+        "load reads the float8 values and scales into its scratch buffer (about 10 ms), then "
+        "runs XLA programs one after the other: dequantize_blocks to float32 (85-135 ms, "
+        "most of it the jnp.repeat of the scales: a reshape-and-broadcast product takes "
+        "45-55 ms), the rule's transpose of that float32 array (about 60 ms) and the load's "
+        "cast to bfloat16 with its overflow check (about 28 ms); into the int8 model, "
+        "tt.quantize of the bfloat16 array on top (about 50 ms; 13 ms from a float32 array "
+        "of the same values, the same result bitwise). Memory: the float32 product and its "
+        "transpose (64 MiB each) are held beside the scratch buffer and the bfloat16 result, "
+        "and XLA's quantization makes a float32 copy (64 MiB) of its input: the growth's "
+        "excess over the model. One program that dequantizes, casts and transposes, patched "
+        "into the rule in-process (bitwise the same models), measured 0.56x (bfloat16) and "
+        "0.46x (int8) of the bfloat16 checkpoint's speed on a 16-layer checkpoint, and "
+        "peak growth over the model of 40 MB (bfloat16) and 194 MB (int8) where the rule "
+        "as it is takes 179 MB and 253 MB (1.02x and 1.18x of the 64-layer models): the "
+        "time left is XLA's transpose on the CPU (about 75 ms a layer; the bfloat16 load "
+        "transposes as it reads), the memory left the int8 quantization's float32 copy.",
+    ]
+    return [times, shares, mem, ratios], targets_out, notes
+
+
 def run(config: Config) -> Group:
     """Measures the quantized bytes and quantization time, then the quantizing load."""
     start = time.perf_counter()
-    group = Group("quantized", "Quantized models: bytes, quantizing, quantizing while streaming")
-    for part in (_bytes, _streaming):
+    group = Group(
+        "quantized",
+        "Quantized models: bytes, quantizing, quantizing while streaming, FP8 checkpoints",
+    )
+    for part in (_bytes, _streaming, _fp8):
         tables, targets, notes = part(config)
         group.tables += tables
         group.targets += targets

@@ -11,7 +11,8 @@ Groups: state (state read/write), dispatch (jit dispatch), checkpoint (save/rest
 the 1 GB model with its Adam state on 8 simulated devices), streaming (taktiny.io's
 streaming safetensors load of the 1 GB model against the raw read and its peers, and
 `taktiny inspect`), quantized (the bytes of a quantized 100M-parameter MLP, the time to
-quantize it, and the 1 GB float32 checkpoint quantized to int8 as it streams in), decoding
+quantize it, the 1 GB float32 checkpoint quantized to int8 as it streams in, and a 1 GB
+FP8 block-scaled checkpoint loaded into a bfloat16 and an int8 model), decoding
 (the Llama of examples/llama.py against the same model in plain JAX, and a cached decoding
 step against a full forward), errors (the StateDictError of 1,000 misspelt names in a
 10,002-leaf model, against its 0.5 s target), checksums (what verifying the digests costs a
