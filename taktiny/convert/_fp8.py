@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..quant import QArray, quantize_array
 from ._rules import Rule
 from ._transforms import Transform, chain, identity, transpose
 
@@ -55,19 +56,45 @@ def _blocks(block_size: Sequence[int]) -> str:
     return "x".join(map(str, block_size))
 
 
-@partial(jax.jit, static_argnames=("block_size", "dtype", "perm"))
+def _product(value: Any, scale: Any, blocks: tuple[int, ...]) -> jax.Array:
+    """``value * scale`` of each entry's block (`blocks`: its size along every axis), in
+    float32: the weights padded to whole blocks, each block times its scale by broadcasting,
+    and cut back (one XLA loop; no array of repeated scales)."""
+    grid = scale.shape
+    padded = [(0, g * b - n) for g, b, n in zip(grid, blocks, value.shape, strict=True)]
+    w = jnp.pad(value.astype(jnp.float32), padded)
+    w = w.reshape([d for g, b in zip(grid, blocks, strict=True) for d in (g, b)])
+    factor = scale.astype(jnp.float32).reshape([d for g in grid for d in (g, 1)])
+    w = (w * factor).reshape([g * b for g, b in zip(grid, blocks, strict=True)])
+    return w[tuple(slice(n) for n in value.shape)]
+
+
+@partial(jax.jit, static_argnames=("blocks", "dtype", "perm"))
 def _dequantized(
-    value: Any, scale: Any, block_size: tuple[int, ...], dtype: Any, perm: Any
+    value: Any, scale: Any, blocks: tuple[int, ...], dtype: Any, perm: Any
 ) -> jax.Array:
-    """``value * scale`` of each entry's block, computed in float32, in `dtype`, its axes
-    permuted by `perm` (None: as they are; one XLA program, so the product is not held
-    beside its transpose)."""
-    factor = scale.astype(jnp.float32)
-    lead = value.ndim - len(block_size)
-    for axis, block in enumerate(block_size, start=lead):  # each factor over its block
-        factor = jnp.repeat(factor, block, axis=axis, total_repeat_length=value.shape[axis])
-    product = (value.astype(jnp.float32) * factor).astype(dtype)
+    """The block product in `dtype`, its axes permuted by `perm` (None: as they are; one
+    XLA program, so the product is not held beside its transpose)."""
+    product = _product(value, scale, blocks).astype(dtype)
     return product if perm is None else jnp.transpose(product, perm)
+
+
+@partial(jax.jit, static_argnames=("blocks", "dtype", "bits", "axis", "group_size"))
+def _placed(
+    value: Any,
+    scale: Any,
+    blocks: tuple[int, ...],
+    dtype: Any,
+    bits: int | None,
+    axis: int,
+    group_size: int | None,
+) -> Any:
+    """The block product rounded once into `dtype`, then (with `bits`) quantized along
+    `axis`, in one XLA program (which holds no float32 product for a float leaf)."""
+    product = _product(value, scale, blocks).astype(dtype)
+    if bits is None:
+        return product
+    return quantize_array(product, bits=bits, axis=axis, group_size=group_size, dtype=dtype)
 
 
 class dequantize_blocks(Transform):
@@ -121,10 +148,40 @@ class dequantize_blocks(Transform):
         problem = scale_problem(value, scale, self.block_size)
         if problem:
             raise ValueError(problem)
-        perm = None
-        if isinstance(self.layout, transpose):
-            perm = self.layout.perm or tuple(range(len(value.shape) - 1, -1, -1))
-        return (_dequantized(value, scale, self.block_size, self.dtype, perm),)
+        blocks = self.blocks(len(value.shape))
+        return (_dequantized(value, scale, blocks, self.dtype, self.perm(len(value.shape))),)
+
+    def blocks(self, ndim: int) -> tuple[int, ...]:
+        """The block's size along each of `ndim` axes (1 along the leading ones)."""
+        return (1,) * (ndim - len(self.block_size)) + self.block_size
+
+    def perm(self, ndim: int) -> tuple[int, ...] | None:
+        """The permutation `layout` makes of `ndim` axes; None for none."""
+        if not isinstance(self.layout, transpose):
+            return None
+        return self.layout.perm or tuple(range(ndim - 1, -1, -1))
+
+    def placed(self, value: Any, scale: Any, dtype: Any, like: QArray | None = None) -> Any:
+        """What a load places from weights already laid out (`value`: read permuted by
+        :meth:`perm`, as the load reads them) and their scales as stored: the product
+        rounded once into `dtype`; with `like`, quantized as it is (``(value, scale)``
+        parts), in the same XLA program.
+
+        Args:
+            value: the float8 weights, permuted by :meth:`perm`.
+            scale: the scales, as stored (one per block, unpermuted).
+            dtype: the leaf's dtype (a quantized parameter's logical dtype).
+            like: the quantized parameter the product fills; None for a float leaf.
+
+        Returns:
+            The array, or the ``(value, scale)`` parts of the QArray.
+        """
+        ndim, perm = len(scale.shape), self.perm(len(scale.shape))
+        blocks = self.blocks(ndim)
+        if perm is not None:
+            scale, blocks = jnp.transpose(scale, perm), tuple(blocks[p] for p in perm)
+        layout = (None, 0, None) if like is None else (like.bits, like.axis, like.group_size)
+        return _placed(value, scale, blocks, jnp.dtype(dtype), *layout)
 
     def _args(self) -> str:
         dtype = "" if self.dtype == np.float32 else f", dtype={self.dtype.name!r}"

@@ -35,8 +35,9 @@ import jax
 import numpy as np
 
 from ..arrays import default_device
-from ..convert import Step, Transform, chain, identity, runner
+from ..convert import Step, Transform, chain, dequantize_blocks, identity, runner
 from ..io import BOX_PIECE, Tensor
+from ..quant import QArray
 from ._checks import spec_of
 from ._place import Scratch, sharding_of
 from ._readers import Readers
@@ -270,8 +271,11 @@ def _transformed(load: Load, step: Step, sources: list[Tensor], shapes: dict[Any
         if k < len(stages) - 1:  # a chain's intermediate results
             held += sum(_nbytes(m) for m in made)
     kept = not stages  # the results are the sources, in scratch
+    fp8 = isinstance(step.rule.transform, dequantize_blocks)  # (its product: the leaf's dtype)
     for name, out in zip(step.targets, made, strict=True):
         like, leaf = quantized.get(name), leaves.get(name)
+        if fp8 and leaf is not None:
+            out = jax.ShapeDtypeStruct(out.shape, spec_of(leaf)[1])
         if like is not None:  # made, cast to its logical dtype, then quantized
             held += 0 if kept else _nbytes(out)
             if np.dtype(out.dtype) != np.dtype(like.dtype):
@@ -300,4 +304,6 @@ def _stages(transform: Transform) -> list[Transform]:
 
 
 def _nbytes(spec: Any) -> int:
+    if isinstance(spec, QArray):  # (unpacked parts: their own bytes)
+        return spec.nbytes
     return math.prod(spec.shape) * np.dtype(spec.dtype).itemsize

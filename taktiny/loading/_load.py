@@ -10,7 +10,9 @@ a tensor the rules only transpose is read into its leaf's buffer piece by piece.
 else a rule transforms is read whole into a reused buffer, transformed by XLA and placed
 with ``jax.device_put``. A float tensor loaded into a quantized parameter (a `QArray`) is
 quantized as it is placed, so a quantizing load holds one float tensor at a time besides
-the quantized model. Under a budget (``max_host_bytes``, `_budget`), a step starts only
+the quantized model. FP8 blocks (``convert.dequantize_blocks``) are read with their weights
+already transposed, a byte each, and dequantized into the leaf's dtype (or quantized
+again) by one XLA program. Under a budget (``max_host_bytes``, `_budget`), a step starts only
 while what the load holds beyond the model's arrays stays within it.
 """
 
@@ -29,6 +31,7 @@ from ._layers import Stacker, covered
 from ._place import (
     Scratch,
     direct_leaf,
+    laid_out,
     placed_by_device,
     placed_together,
     placed_transposed,
@@ -217,7 +220,7 @@ def _load(
                 stacker.read(target, tensors[0], verify, cast(transpose, step.rule.transform))
                 return {}
             return {target: placed_transposed(step, tensors[0], permuted[k], verify)}
-        return scratch[buffer_of[k]].read(tensors, verify)
+        return scratch[buffer_of[k]].read(tensors, verify, ways.laid[k])
 
     # slices placed on devices wait for the load's thread to write them into their stacked
     # leaves: with such stacks, two units in flight at most, so that the host holds two
@@ -301,7 +304,14 @@ class Ways:
         pairs = list(zip(steps, self.sources, strict=True))
         self.direct = [direct_leaf(s, tensors, leaves) for s, tensors in pairs]
         self.permuted = [transposed_leaf(s, tensors, leaves) for s, tensors in pairs]
-        shrinks = any(t in load.quantized for s in steps for t in s.targets)
+        self.laid = [laid_out(s, tensors) for s, tensors in pairs]  # (FP8 blocks, transposed)
+        # (FP8 blocks: their scratch holds a byte a weight, and two buffers let the next
+        # tensor be read while one is dequantized and quantized)
+        shrinks = any(
+            t in load.quantized and k is None
+            for s, k in zip(steps, self.laid, strict=True)
+            for t in s.targets
+        )
         self.units = _units(self.direct, self.sources)
         self.use_buffers(1 if shrinks else 2)
 

@@ -6,6 +6,7 @@ for a quantized parameter quantized as it is placed)."""
 
 from __future__ import annotations
 
+import math
 import mmap
 from collections.abc import Mapping, Sequence
 from typing import Any, cast
@@ -15,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..arrays import default_device
-from ..convert import Step, identity, transpose
+from ..convert import Step, dequantize_blocks, identity, transpose
 from ..io import MAP_FLAGS, Tensor
 from ..quant import QArray, quantize_like
 from ..state import checked_value, placeable
@@ -75,12 +76,19 @@ def transformed(load: Load, step: Step, read: list[np.ndarray], scratch: Scratch
     read = _canonical(step.sources, read, problems)
     if problems:
         raise err.StateDictError(where, problems)
-    results = step.rule.transform(tuple(jax.device_put(a, here) for a in read), count)
+    arrays = tuple(jax.device_put(a, here) for a in read)
+    blocks = step.rule.transform
+    if isinstance(blocks, dequantize_blocks):  # FP8 blocks, read laid out: one XLA program
+        results: Any = [_fp8_placed(blocks, arrays, step.targets[0], load)]
+    else:
+        results = step.rule.transform(arrays, count)
     out: dict[str, Any] = {}
     for name, result in zip(step.targets, results, strict=True):
         like = quantized.get(name)
         made: list[tuple[str, Any]] = []
-        if isinstance(result, QArray):  # made quantized (a compressed-tensors module): its
+        if isinstance(result, list):  # made for its leaf, or its parts, already
+            made = result
+        elif isinstance(result, QArray):  # made quantized (a compressed-tensors module): its
             if like is not None:  # parts as they are, in the layout the plan checked
                 made = [(f"{name}.value", result.value), (f"{name}.scale", result.scale)]
             elif name in leaves:  # or dequantized into the float leaf's dtype
@@ -109,6 +117,32 @@ def transformed(load: Load, step: Step, read: list[np.ndarray], scratch: Scratch
     return out
 
 
+def _fp8_placed(
+    blocks: dequantize_blocks, arrays: tuple[Any, ...], name: str, load: Load
+) -> list[Any]:
+    """The (name, array) pairs a step of FP8 blocks places: the product in its leaf's
+    dtype, or a quantized parameter's parts (read laid out by the transform: `Scratch`)."""
+    like = load.quantized.get(name)
+    if like is not None:
+        weights, scales = arrays
+        value, scale = blocks.placed(weights, scales, like.dtype, like)
+        return [(f"{name}.value", value), (f"{name}.scale", scale)]
+    if name not in load.leaves:
+        return []
+    weights, scales = arrays
+    return [(name, blocks.placed(weights, scales, spec_of(load.leaves[name])[1]))]
+
+
+def laid_out(step: Step, sources: Sequence[Tensor]) -> tuple[int, ...] | None:
+    """The permutation a step's first source is read in: the weights of FP8 blocks whose
+    product a transpose lays out, read permuted piece by piece (a byte a weight, rather than
+    XLA transposing four); None for none."""
+    blocks = step.rule.transform
+    if not isinstance(blocks, dequantize_blocks) or len(sources) != 2:
+        return None
+    return blocks.perm(sources[0].ndim)
+
+
 class Scratch:
     """One read buffer, reused by every transforming step: its sources are read into it
     (populated once, so its pages do not fault again), placed (JAX adopts them on CPU),
@@ -134,9 +168,12 @@ class Scratch:
         """The bytes a step reading `tensors` takes of a buffer: each at a multiple of 64."""
         return sum(-(-t.nbytes // 64) * 64 for t in tensors)
 
-    def read(self, tensors: Sequence[Tensor], verify: bool) -> list[np.ndarray]:
+    def read(
+        self, tensors: Sequence[Tensor], verify: bool, perm: Sequence[int] | None = None
+    ) -> list[np.ndarray]:
         """The tensors read into the buffer; with `verify`, each one's bytes hashed piece
-        by piece as they are read, and checked."""
+        by piece as they are read, and checked; with `perm`, the first one's axes permuted
+        as it is read (:meth:`Tensor.read_transposed`)."""
         needed = self.bytes_for(tensors)
         if needed > self.size:
             self.memory = bytearray()  # (let go first: not held beside the larger one)
@@ -144,9 +181,13 @@ class Scratch:
             self.memory = mmap.mmap(-1, self.size, flags=MAP_FLAGS)
             self.start = np.frombuffer(self.memory, np.uint8).ctypes.data
         view, at, out = memoryview(self.memory), 0, []
-        for tensor in tensors:
+        for k, tensor in enumerate(tensors):
             size = self.bytes_for([tensor])
-            if size:
+            if size and k == 0 and perm is not None:
+                shape = tuple(tensor.shape[p] for p in perm)
+                into = np.frombuffer(view[at : at + size], tensor.dtype, math.prod(shape))
+                out.append(tensor.read_transposed(perm, verify=verify, out=into.reshape(shape)))
+            elif size:
                 out.append(tensor.read_into(view[at : at + size], verify=verify))
             else:
                 out.append(tensor.read(verify=False))

@@ -23,7 +23,7 @@ import jax
 import numpy as np
 
 from .._messages import table
-from ..convert import AnyRule, ConversionProblem, Step, identity, stages_text
+from ..convert import AnyRule, ConversionProblem, Step, dequantize_blocks, identity, stages_text
 from ..io import BOX_PIECE, Checkpoint, Tensor, byte_size
 from ..quant import QArray
 from ..state import problems as err
@@ -316,8 +316,11 @@ def _way(
     if isinstance(step.rule.transform, identity):  # its result is its sources, in scratch
         return way, 0
     temporary = 0
+    fp8 = isinstance(step.rule.transform, dequantize_blocks)  # (its product: the leaf's dtype)
     for name, out in zip(step.targets, results_of(step, sources), strict=True):
         leaf = leaves.get(name)
+        if fp8 and leaf is not None:
+            continue
         if isinstance(out, QArray):  # unpacked parts: placed as they are, or dequantized
             temporary += out.nbytes
         elif name in quantized or (leaf is not None and np.dtype(out.dtype) != spec_of(leaf)[1]):
