@@ -663,6 +663,250 @@ def _fp8(config: Config) -> tuple[list[Table], list[Target], list[str]]:
         "Load time inside the worker (page cache not dropped): "
         + ", ".join(f"{s} {r['seconds']:.2f} s" for s, r in memories.items())
         + f". Part wall time {time.perf_counter() - start:.0f} s.",
+        "How an FP8 load runs (taktiny/loading/README.md): each weight is read already "
+        "transposed into the scratch buffer, a byte a weight, and one XLA program pads it to "
+        "whole 128x128 blocks, multiplies each block by its scale by broadcasting, rounds the "
+        "float32 product once into the leaf's dtype and, for an int8 leaf, quantizes it; two "
+        "scratch buffers let the next tensor be read meanwhile. Into bfloat16 the product is "
+        "never held in float32 (XLA fuses the cast), which meets both targets. Into int8 the "
+        "quantization's reduction and division read the product twice, and XLA:CPU holds it "
+        "whole: compiled.memory_analysis() gives 96 MiB of temporaries for a 4096 x 4096 "
+        "weight (64 MiB from a float32 leaf dtype), and the program takes about 47 ms a "
+        "layer of the 77 ms the load spends warm (the bfloat16 checkpoint's load: about 50 "
+        "ms warm, bound by the disk cold); bench/FINDINGS.md section 13 has the profile and "
+        "what would close it.",
+    ]
+    return [times, shares, mem, ratios], targets_out, notes
+
+
+def _fp8_blocks(weight: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """`weight` [out, in] as Hugging Face's FP8 checkpoints hold it: float8_e4m3fn values and
+    a float32 ``weight_scale_inv`` per 128x128 block, amax(|block|) / 448, so that
+    ``value * scale_inv`` is the weight to e4m3's precision."""
+    import ml_dtypes
+
+    out, inn = weight.shape
+    assert out % BLOCK == 0 and inn % BLOCK == 0, weight.shape  # whole blocks here
+    blocks = weight.reshape(out // BLOCK, BLOCK, inn // BLOCK, BLOCK)
+    scale = (np.abs(blocks).max(axis=(1, 3)) / np.float32(E4M3_MAX)).astype(np.float32)
+    scale[scale == 0] = 1
+    values = np.clip(blocks / scale[:, None, :, None], -E4M3_MAX, E4M3_MAX)
+    return values.reshape(out, inn).astype(ml_dtypes.float8_e4m3fn), scale
+
+
+def _dequantized(values: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """The weight the FP8 values and block scales stand for, ``values * scale_inv`` in
+    float32 (exact), rounded once to bfloat16: the bfloat16 checkpoint's tensor."""
+    import ml_dtypes
+
+    out, inn = values.shape
+    blocks = values.astype(np.float32).reshape(out // BLOCK, BLOCK, inn // BLOCK, BLOCK)
+    return (blocks * scale[:, None, :, None]).reshape(out, inn).astype(ml_dtypes.bfloat16)
+
+
+def _write_fp8_pair(width: int, depth: int, bf16: Path, fp8: Path) -> None:
+    """Writes the two checkpoints of one random model (uniform weights of LeCun's variance):
+    the FP8 one (weights, block scales, and its config.json beside it) and the bfloat16 one
+    holding the same values dequantized, both with safetensors' NumPy API, durably."""
+    import safetensors.numpy
+
+    rng = np.random.default_rng(0)
+    bound = np.float32(np.sqrt(3.0 / width))
+    floats, quantized = {}, {}
+    for i in range(depth):
+        weight = (rng.random((width, width), dtype=np.float32) * 2 - 1) * bound
+        values, scale = _fp8_blocks(weight)
+        floats[f"layers.{i}.weight"] = _dequantized(values, scale)
+        quantized[f"layers.{i}.weight"] = values
+        quantized[f"layers.{i}.weight_scale_inv"] = scale
+    for path, tensors in ((bf16, floats), (fp8, quantized)):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        safetensors.numpy.save_file(tensors, str(path), metadata={"format": "pt"})
+    (fp8.parent / "config.json").write_text(json.dumps(FP8_CONFIG, indent=2))
+    for path in (bf16, fp8):
+        _disk.sync(path.parent)
+
+
+def _model_bytes(model: Any) -> int:
+    """The bytes of a model's leaves (arrays or shapes), each QArray whole (its nbytes)."""
+    import taktiny as tt
+
+    is_q = lambda x: isinstance(x, tt.QArray)
+    leaves = jax.tree.leaves(model, is_leaf=is_q)
+    return sum(
+        x.nbytes if is_q(x) else int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in leaves
+    )
+
+
+def _check_fp8(paths: dict[str, Path], targets: dict[str, dict[str, Any]]) -> str:
+    """The FP8 load into the bfloat16 model gives the bfloat16 checkpoint's load, bitwise;
+    the one into the int8 model, tt.quantize of that (checked once). Returns what the int8
+    comparison found, for the notes."""
+    import taktiny as tt
+
+    reference = RESTORE[BF16_REF][1](paths[BF16_REF], targets[BF16_REF])
+    want = reference.flat_state_dict()
+    got = RESTORE[FP8_BF16][1](paths[FP8_BF16], targets[FP8_BF16]).flat_state_dict()
+    assert got.keys() == want.keys(), (sorted(got), sorted(want))
+    for name, value in want.items():
+        a, b = np.asarray(got[name]), np.asarray(value)
+        assert a.dtype == b.dtype and a.tobytes() == b.tobytes(), name
+    del got
+    want = tt.quantize(reference).flat_state_dict()
+    got = RESTORE[FP8_INT8][1](paths[FP8_INT8], targets[FP8_INT8]).flat_state_dict()
+    assert got.keys() == want.keys(), (sorted(got), sorted(want))
+    differ = []
+    for name, value in want.items():
+        a, b = np.asarray(got[name]), np.asarray(value)
+        assert a.dtype == b.dtype and a.shape == b.shape, name
+        if a.tobytes() != b.tobytes():
+            differ.append((name, float(np.max(np.abs(a.astype(np.float64) - b)))))
+    if not differ:
+        return "bitwise tt.quantize of the bfloat16 load"
+    worst = max(differ, key=lambda x: x[1])
+    return (
+        f"tt.quantize of the bfloat16 load except in {len(differ)} of {len(want)} arrays "
+        f"(largest difference {worst[1]:g}, in {worst[0]})"
+    )
+
+
+def _fp8(config: Config) -> tuple[list[Table], list[Target], list[str]]:
+    """FP8 block-scaled checkpoint into a bfloat16 and an int8 model, against streaming the
+    bfloat16 checkpoint of the same weights: time and peak memory (issue 40, point 4)."""
+    start = time.perf_counter()
+    width, depth = FP8_SIZES[config.mode]
+    root = Path(config.scratch)
+    folders = {"bf16": root / "fp8-bench-bf16", "fp8": root / "fp8-bench-fp8"}
+    bf16_path = folders["bf16"] / "model.safetensors"
+    fp8_path = folders["fp8"] / "model.safetensors"
+    paths = {BF16_REF: bf16_path, FP8_BF16: fp8_path, FP8_INT8: fp8_path}
+    repeat = config.pick(5, 3, 1)
+    try:
+        write_start = time.perf_counter()
+        _write_fp8_pair(width, depth, bf16_path, fp8_path)
+        written = time.perf_counter() - write_start
+        sizes = {"bf16": _disk.size(bf16_path), "fp8": _disk.size(fp8_path)}
+        abstracts = _fp8_abstracts(width, depth)
+        targets = {s: PREPARE[s](abstracts) for s in FP8_CASES}
+        model_bytes = {
+            BF16_REF: _model_bytes(targets[BF16_REF]["taktiny"]),
+            FP8_BF16: _model_bytes(targets[FP8_BF16]["taktiny"]),
+            FP8_INT8: _model_bytes(targets[FP8_INT8]["quantized"]),
+        }
+        checked = _check_fp8(paths, targets)
+        cases: dict[str, Any] = {
+            s: checkpoint._restore_case(paths[s], RESTORE[s][1], targets[s]) for s in FP8_CASES
+        }
+        stats = compare(cases, repeat=repeat)
+        memories = {
+            s: memory._measure(s, paths[s], width, depth, registry=__name__) for s in FP8_CASES
+        }
+    finally:
+        for folder in folders.values():
+            _disk.remove(folder)
+    gb = {k: f"{v / 1e9:.2f} GB" if v >= 1e8 else f"{v / 1e6:.3g} MB" for k, v in sizes.items()}
+    title = f"{depth} x Linear({width}, {width}) without bias"
+    times = Table(
+        f"Cold-cache load of {title}: FP8 checkpoint {gb['fp8']}, bfloat16 {gb['bf16']}",
+        FP8_CASES,
+        reference=BF16_REF,
+        log=True,
+    )
+    for s in FP8_CASES:
+        times.add("load", s, RESTORE[s][0], stats[s].median, (stats[s].low, stats[s].high))
+    share = {s: paired_ratio(stats[BF16_REF], stats[s]) for s in FP8_CASES}
+    shares = Table(
+        "Speed against streaming the bfloat16 checkpoint (bf16 load time / time, median of "
+        "per-round ratios)",
+        FP8_CASES,
+        unit="x",
+        log=False,
+        line=FP8_SHARE,
+        reference=BF16_REF,
+        label="bf16 load time / time",
+    )
+    for s in FP8_CASES:
+        shares.add("bf16 load time / time", s, RESTORE[s][0], share[s])
+    mem = Table(f"Peak resident memory (MB) of one load, {title}", FP8_CASES, unit="B")
+    growth = {}
+    for s in FP8_CASES:
+        r, call = memories[s], RESTORE[s][0]
+        growth[s] = (r["peak"] - r["before"]) / model_bytes[s]
+        mem.add("checkpoint size on disk", s, call, sizes["bf16" if s == BF16_REF else "fp8"])
+        mem.add("loaded model bytes", s, call, model_bytes[s])
+        mem.add("process RSS before the load", s, call, r["before"])
+        mem.add("peak RSS", s, call, r["peak"])
+        mem.add("peak RSS growth (peak - before)", s, call, r["peak"] - r["before"])
+    ratios = Table(
+        "Peak RSS growth relative to the loaded model's bytes",
+        FP8_CASES,
+        unit="x",
+        log=False,
+        line=FP8_GROWTH,
+        reference=BF16_REF,
+    )
+    for s in FP8_CASES:
+        ratios.add("growth / model bytes", s, RESTORE[s][0], growth[s])
+    fp8_gb = f"the {gb['fp8']} FP8 block-scaled checkpoint"
+    model = {FP8_BF16: "bfloat16", FP8_INT8: "int8 (tt.quantize)"}
+    targets_out = [
+        *(
+            Target(
+                f"Loading {fp8_gb} into an abstract {model[s]} model >= {FP8_SHARE:g}x the "
+                "speed of streaming the bfloat16 checkpoint of the same model",
+                share[s],
+                FP8_SHARE,
+                True,
+                "bf16 checkpoint load time / FP8 load time, median of per-round ratios, cold "
+                "page cache",
+            )
+            for s in (FP8_BF16, FP8_INT8)
+        ),
+        *(
+            Target(
+                f"Loading {fp8_gb} into an abstract {model[s]} model: peak RSS growth <= "
+                f"{FP8_GROWTH:g}x the loaded model's bytes",
+                growth[s],
+                FP8_GROWTH,
+                False,
+                "(peak RSS - RSS just before the load) / model bytes (leaf nbytes, QArrays "
+                "whole), XLA warmed",
+            )
+            for s in (FP8_BF16, FP8_INT8)
+        ),
+    ]
+    rounds = {
+        s: ", ".join(
+            f"{p / x:.2f}" for p, x in zip(stats[BF16_REF].samples, stats[s].samples, strict=True)
+        )
+        for s in FP8_CASES[1:]
+    }
+    notes = [
+        f"FP8: {title}, {depth * width * width / 1e6:,.1f}M parameters, uniform random weights "
+        f"of LeCun's variance. The FP8 checkpoint ({sizes['fp8']:,} bytes) holds each "
+        "layers.{i}.weight [out, in] as float8_e4m3fn with a float32 weight_scale_inv per "
+        f"128x128 block (amax / 448), and a config.json beside it with "
+        f"{json.dumps(FP8_CONFIG['quantization_config'])}; the bfloat16 checkpoint "
+        f"({sizes['bf16']:,} bytes) holds the same weights dequantized (value x scale in "
+        "float32, rounded once to bfloat16); both written by safetensors.numpy.save_file "
+        f"({written:.0f} s with the random weights). Loaded model bytes: "
+        + ", ".join(f"{s} {b:,}" for s, b in model_bytes.items())
+        + f". Checked once: the FP8 load into the bfloat16 model gives the bfloat16 "
+        f"checkpoint's load bitwise, and the one into the int8 model gives {checked}.",
+        "Time: the checkpoint's pages are dropped from the page cache before each sample; one "
+        f"warm-up sample per case (it compiles the dequantization), then {repeat} interleaved "
+        "rounds. bf16 load time / time round by round: "
+        + "; ".join(f"{s} {r}" for s, r in rounds.items())
+        + f". Load average at the end {', '.join(f'{x:.2f}' for x in os.getloadavg())} on "
+        f"{os.cpu_count()} cores.",
+        "Memory: each load in a fresh subprocess; 'before' is its resident memory after "
+        "importing taktiny.io and taktiny.convert, building the abstract target "
+        "(jax.eval_shape of the bfloat16 model; tt.quantize of it for int8) and running one "
+        "tiny unrelated jitted program; peak is VmHWM; growth is taken against the bytes of "
+        "the model the load returns (int8 values and their bfloat16 scales for the int8 one). "
+        "Load time inside the worker (page cache not dropped): "
+        + ", ".join(f"{s} {r['seconds']:.2f} s" for s, r in memories.items())
+        + f". Part wall time {time.perf_counter() - start:.0f} s.",
         "Where an FP8 load's time and memory go (profiled once on this machine, per 4096 x "
         "4096 layer, warm page cache): the bfloat16 load reads each tensor transposed piece "
         "by piece straight into its leaf (60-80 ms; bound by the disk when cold). The FP8 "

@@ -83,10 +83,11 @@ def fast_compile():
         jax.config.update("jax_disable_most_optimizations", False)
 
 
-# the groups whose smoke runs load in many fresh processes, or (scanned) compile training
-# steps of the Llama example, which imports transformers: `make property` runs them
-# (storage's, one fresh process and an S3 stub, takes about 6 s: it stays in `make test`)
-SLOW = ("streaming", "plan", "scanned")
+# the groups whose smoke runs load in many fresh processes (quantized's: seven, about 40 s),
+# or (scanned) compile training steps of the Llama example, which imports transformers:
+# `make property` runs them (storage's, one fresh process and an S3 stub, takes about 6 s:
+# it stays in `make test`)
+SLOW = ("streaming", "plan", "scanned", "quantized")
 
 
 @pytest.mark.parametrize(
