@@ -56,7 +56,11 @@ def test_dequantize_blocks_is_the_numpy_oracle_bit_for_bit(shape, block):
     np.testing.assert_array_equal(
         np.asarray(half).view(np.uint16), oracle.astype(ml_dtypes.bfloat16).view(np.uint16)
     )
-    perm = (*range(len(shape) - 2), len(shape) - 1, len(shape) - 2)  # a Linear's weight, as a kernel
+    perm = (
+        *range(len(shape) - 2),
+        len(shape) - 1,
+        len(shape) - 2,
+    )  # a Linear's weight, as a kernel
     (kernel,) = convert.dequantize_blocks(block, layout=convert.transpose(perm))((weight, scale))
     np.testing.assert_array_equal(np.asarray(kernel), np.swapaxes(oracle, -1, -2))
 
@@ -74,7 +78,10 @@ def test_dequantize_blocks_refuses_scales_of_other_blocks():
         convert.dequantize_blocks()((weight,))
     with pytest.raises(ValueError, match=r"block_size must be positive sizes, got \(0, 128\)"):
         convert.dequantize_blocks((0, 128))
-    with pytest.raises(ValueError, match=r"layout is identity\(\) or a transpose, got split\(axis=0\); chain other transforms after this one"):
+    with pytest.raises(
+        ValueError,
+        match=r"layout is identity\(\) or a transpose, got split\(axis=0\); chain other transforms after this one",
+    ):
         convert.dequantize_blocks(layout=convert.split(0))
 
 
@@ -275,3 +282,25 @@ def test_a_scanned_model_reads_each_layers_fp8_weights_into_its_slice(fp8):
             got = jax.tree.leaves(loaded.layers[i].mlp)  # (a Stack's layer: its slices)
             for a, b in zip(got, want, strict=True):
                 np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_fp8_blocks_load_into_a_bfloat16_int8_model_and_onto_a_mesh_as_they_would_unfused(fp8):
+    folder, _, config = fp8
+    rules = convert.quantized_rules(llama.UNTIED_RULES, open_safetensors(folder))
+    halves = load_safetensors(abstract(config, jnp.bfloat16), folder, rules=rules)
+    int8 = load_safetensors(tt.quantize(abstract(config, jnp.bfloat16)), folder, rules=rules)
+    for a, b in zip(jax.tree.leaves(int8), jax.tree.leaves(tt.quantize(halves)), strict=True):
+        assert a.dtype == b.dtype  # (bfloat16 scales)
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    mesh = jax.make_mesh((4,), ("x",), devices=jax.devices("cpu")[:4])
+    split = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, "x"))
+    whole = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    target = jax.tree.map(  # every matrix split by columns across 4 devices
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=split if x.ndim == 2 else whole),
+        abstract(config, jnp.bfloat16),
+    )
+    placed = load_safetensors(target, folder, rules=rules)
+    gate = placed.layers[1].mlp.gate.kernel  # [64, 176]: 44 columns a device
+    assert gate.sharding == split
+    for a, b in zip(jax.tree.leaves(placed), jax.tree.leaves(halves), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
