@@ -272,8 +272,8 @@ def test_transforming_steps_read_aligned_into_buffers_they_reuse(tmp_path, monke
     target["s"] = jax.ShapeDtypeStruct((4,), jnp.float32)
     reads, read = [], place.Scratch.read
 
-    def logged(self, tensors, verify):  # (steps run in several readers: kept by name)
-        out = read(self, tensors, verify)
+    def logged(self, tensors, verify, perm=None):  # (steps run in several readers: by name)
+        out = read(self, tensors, verify, perm)
         reads.append(
             (tensors[0].name, self, self.memory, [a.ctypes.data - self.start for a in out])
         )
