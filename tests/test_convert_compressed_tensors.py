@@ -94,7 +94,8 @@ def relative(a, b):
 
 
 IDS = np.random.default_rng(0).integers(0, 128, (2, 9))
-LAYOUTS = [(4, 16), (8, None)]  # int4 in groups of 16 input features; int8 per channel
+# int4 in groups of 16 input features; int8 per channel (under `make property`: the same paths)
+LAYOUTS = [(4, 16), pytest.param(8, None, marks=pytest.mark.thorough)]
 
 
 @pytest.mark.parametrize("bits, group", LAYOUTS)

@@ -270,6 +270,7 @@ def test_a_rule_reading_scaled_and_unscaled_weights_or_many_at_once_is_refused(f
         convert.quantized_rules(stacked, checkpoint)
 
 
+@pytest.mark.thorough  # (the stack's path: tests/test_io_stack.py; FP8 steps as any other)
 def test_a_scanned_model_reads_each_layers_fp8_weights_into_its_slice(fp8):
     folder, _, config = fp8
     rules = convert.quantized_rules(llama.UNTIED_RULES, open_safetensors(folder))

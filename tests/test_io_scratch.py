@@ -27,8 +27,8 @@ def mapped(monkeypatch):
     the arrays read from its start, the first source's name)."""
     log, read = [], place.Scratch.read
 
-    def logged(self, tensors, verify):
-        out = read(self, tensors, verify)
+    def logged(self, tensors, verify, perm=None):
+        out = read(self, tensors, verify, perm)
         offsets = [a.ctypes.data - self.start for a in out]
         log.append((self, self.memory, self.size, offsets, tensors[0].name))
         return out

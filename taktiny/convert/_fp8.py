@@ -115,9 +115,9 @@ class dequantize_blocks(Transform):
 
     Raises:
         ValueError: `block_size` is not positive sizes, or `layout` neither a rename nor
-            a transpose; called with other than two arrays,
-            weights that are not float8, or scales whose shape is not one per block (a
-            load names the tensors and the rule).
+            a transpose; called with other than two arrays, weights that are not float8,
+            or scales whose shape is not one per block (a load names the tensors and the
+            rule).
     """
 
     def __init__(
@@ -152,11 +152,25 @@ class dequantize_blocks(Transform):
         return (_dequantized(value, scale, blocks, self.dtype, self.perm(len(value.shape))),)
 
     def blocks(self, ndim: int) -> tuple[int, ...]:
-        """The block's size along each of `ndim` axes (1 along the leading ones)."""
+        """The block's size along every axis of a weight.
+
+        Args:
+            ndim: the weight's number of axes.
+
+        Returns:
+            `block_size` with a 1 for each leading axis.
+        """
         return (1,) * (ndim - len(self.block_size)) + self.block_size
 
     def perm(self, ndim: int) -> tuple[int, ...] | None:
-        """The permutation `layout` makes of `ndim` axes; None for none."""
+        """The permutation `layout` makes of a weight's axes.
+
+        Args:
+            ndim: the weight's number of axes.
+
+        Returns:
+            The new order of the axes, or None when `layout` is ``identity()``.
+        """
         if not isinstance(self.layout, transpose):
             return None
         return self.layout.perm or tuple(range(ndim - 1, -1, -1))

@@ -20,6 +20,7 @@ from ..convert import (
     allowed_by,
     check_allow,
     check_ties,
+    dequantize_blocks,
     explained,
     identity,
     plan,
@@ -202,15 +203,14 @@ def ruled_steps(
         raise ConversionError(where, problems)
     others = err.Problems()
     for step in report.steps:  # a QArray a transform makes: in the model's layout
-        if isinstance(step.rule.transform, identity | transpose):
-            continue
+        if isinstance(step.rule.transform, identity | transpose | dequantize_blocks):
+            continue  # (these make arrays)
         targets = [t for t in step.targets if t in quantized]
         if not targets:
             continue
         made_by = dict(
             zip(step.targets, results_of(step, tensors_of(checkpoint, step)), strict=True)
         )
-
         for name in targets:
             like, got = quantized[name], made_by[name]
             problem = other_layout(name, like, got, step.sources)
