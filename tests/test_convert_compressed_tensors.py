@@ -279,6 +279,26 @@ def test_configs_out_of_scope_are_refused_naming_the_key(change, message):
         convert.quantized_rules(RULES, {}, config={**base, **change})
 
 
+def test_a_rule_that_does_more_than_rename_or_transpose_packed_weights_is_refused(tmp_path):
+    config = llama.llama_config(tied=False)
+    model = tt.quantize(
+        llama.Llama(config, rngs=nn.Rngs(0)), bits=4, group_size=16, where="layers.**"
+    )
+    tensors, quantization = convert.export_compressed_tensors(RULES, model)
+    rules = [
+        convert.Rule(
+            "model.layers.{i}.mlp.up_proj.weight",
+            "layers.{i}.mlp.up.kernel",
+            convert.chain(convert.transpose(), convert.cast(np.float32)),
+        )
+    ]
+    with pytest.raises(
+        ValueError,
+        match=r"reads pack-quantized weights \('model\.layers\.\d\.mlp\.up_proj\.weight_packed'\) with the transform chain\(transpose\(\), cast\('float32'\)\); their integers and scales are read as a rename or a transpose only",
+    ):
+        convert.quantized_rules(rules, tensors, config=quantization)
+
+
 def test_export_refuses_a_quantized_parameter_that_is_no_modules_weight():
     model = nn.Sequential(nn.Linear(64, 32, use_bias=False, rngs=nn.Rngs(0)))
     quantized = tt.quantize(model, bits=4, group_size=16)
@@ -288,6 +308,13 @@ def test_export_refuses_a_quantized_parameter_that_is_no_modules_weight():
         match=r"the quantized parameter exported as '0\.kernel_of_sorts' \(int4\[64, 32\], scales \[4, 32\]\) is not a module's weight \[out, in\] quantized along its input features",
     ):
         convert.export_compressed_tensors(rules, quantized)
+    with pytest.raises(
+        TypeError,
+        match=r"export_compressed_tensors: the model is abstract \(jax\.eval_shape\): it has no values to write",
+    ):
+        convert.export_compressed_tensors(
+            convert.linear("0", "layers.0", bias=False), jax.eval_shape(lambda: quantized)
+        )
 
 
 def test_the_plan_says_packed_weights_are_placed_as_stored_and_a_scanned_model_loads_them(tmp_path):

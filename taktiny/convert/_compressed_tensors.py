@@ -234,7 +234,14 @@ def compressed_rule(
         )
     ((bits, group_size),) = fitting
     sources = [module + part for part in PARTS]
-    return Rule(sources, rule.targets, unpack_quantized(bits, group_size, rule.transform))
+    if not isinstance(rule.transform, identity | transpose):
+        raise ValueError(
+            f"quantized_rules: {rule!r} reads pack-quantized weights ({names[0]!r}) with the "
+            f"transform {rule.transform!r}; their integers and scales are read as a rename or "
+            f"a transpose only. Write such a rule for these modules."
+        )
+    transform = unpack_quantized(bits, group_size, rule.transform)
+    return Rule(sources, rule.targets, transform)
 
 
 def export_compressed_tensors(
@@ -265,6 +272,7 @@ def export_compressed_tensors(
         ValueError: a quantized parameter whose rule is not a rename or a transpose,
             that does not export as a ``<module>.weight``, or whose quantized axis does
             not end last.
+        TypeError: an abstract model, which has no values to write.
         taktiny.convert.ConversionError: as :func:`export`.
     """
     from ._convert import _leaves, export
@@ -274,8 +282,14 @@ def export_compressed_tensors(
         lambda x: getattr(x, which) if is_q(x) else x, model, is_leaf=is_q
     )
     values, scales = _leaves(part("value"), rules), _leaves(part("scale"), rules)
-    quantized = {n for n in values if np.dtype(values[n].dtype) != np.dtype(scales[n].dtype)}
-    tensors = dict(export(rules, {n: a for n, a in values.items() if n not in quantized}))
+    quantized = [n for n in values if np.dtype(values[n].dtype) != np.dtype(scales[n].dtype)]
+    if any(isinstance(a, jax.ShapeDtypeStruct) for a in values.values()):
+        raise TypeError(
+            "export_compressed_tensors: the model is abstract (jax.eval_shape): it has no "
+            "values to write. Load or build the model first."
+        )
+    skip = set(quantized)
+    tensors = dict(export(rules, {n: a for n, a in values.items() if n not in skip}))
     ints = export(rules, {n: values[n] for n in quantized})
     factors = export(rules, {n: scales[n] for n in quantized})
     groups: dict[tuple[int, int | None], list[str]] = {}

@@ -63,11 +63,12 @@ def quantized_rules(
     quantization = _quantization_config(checkpoint, config)
     method = quantization.get("quant_method")
     names = list(checkpoint)
+    taken = _taken(rules, names)
     out: list[AnyRule] = []
     if method == "fp8":
         block_size = _block_size(quantization)
         for i, rule in enumerate(rules):
-            matched = _matched(rules, i, names)
+            matched = taken.get(i, [])
             scaled = [n for n in matched if n + SCALE_SUFFIX in checkpoint]
             if scaled:
                 assert isinstance(rule, Rule)  # (only a Rule takes names)
@@ -91,7 +92,7 @@ def quantized_rules(
                 assert isinstance(rule, Rule)  # (only a Rule takes names)
                 _one_weight(rule, f"compressed-tensors {FORMAT!r} weights", packed)
                 out.append(compressed_rule(rule, packed, checkpoint, layouts))
-                if not _matched(rules, i, names):
+                if i not in taken:
                     continue
             out.append(rule)
         return out
@@ -154,11 +155,14 @@ def _block_size(quantization: Mapping[str, Any]) -> tuple[int, ...]:
     return tuple(block)
 
 
-def _matched(rules: Sequence[AnyRule], i: int, names: Sequence[str]) -> list[str]:
-    """The names the rule `i` takes (it is the first to match them)."""
-    if not isinstance(rules[i], Rule):
-        return []
-    return [n for n in names if (found := first_match(rules, n)) is not None and found[0] == i]
+def _taken(rules: Sequence[AnyRule], names: Sequence[str]) -> dict[int, list[str]]:
+    """The names each Rule takes (it is the first to match them), by its index."""
+    taken: dict[int, list[str]] = {}
+    for name in names:
+        found = first_match(rules, name)
+        if found is not None and isinstance(rules[found[0]], Rule):
+            taken.setdefault(found[0], []).append(name)
+    return taken
 
 
 def _packed(rule: AnyRule, names: Sequence[str]) -> list[str]:
