@@ -30,7 +30,7 @@ from jax.core import Tracer
 from ..quant import INT_DTYPES, QArray
 from ..state import host_array
 from ._rules import AnyRule, Rule
-from ._transforms import Transform, identity, transpose
+from ._transforms import Transform, element_layout, identity, permutation, transpose
 
 FORMAT = "pack-quantized"
 PARTS = ("weight_packed", "weight_scale", "weight_shape")  # a module's tensors, by suffix
@@ -86,12 +86,8 @@ class unpack_quantized(Transform):
         if bits not in INT_DTYPES:
             raise ValueError(f"bits must be 4 or 8, got {bits!r}.")
         self.bits, self.group_size = int(bits), group_size
-        self.layout = identity() if layout is None else layout
-        if not isinstance(self.layout, identity | transpose):
-            raise ValueError(
-                f"layout is identity() or a transpose, got {self.layout!r}: the integers and "
-                f"their scales are laid out alike."
-            )
+        why = ": the integers and their scales are laid out alike."
+        self.layout = element_layout(layout, why)
 
     def __call__(self, arrays: tuple[Any, ...], count: int | None = None) -> tuple[Any, ...]:
         if len(arrays) != 3:
@@ -121,10 +117,8 @@ class unpack_quantized(Transform):
         values = _unpacked(jnp.asarray(packed), self.bits, n)
         values, scale = self.layout((values, jnp.asarray(scale)))
         last = len(packed.shape) - 1
-        perm = getattr(self.layout, "perm", None)
-        axis = (
-            last if isinstance(self.layout, identity) else (perm or range(last, -1, -1)).index(last)
-        )
+        perm = permutation(self.layout, last + 1)
+        axis = last if perm is None else perm.index(last)
         return (QArray(values, scale, bits=self.bits, axis=axis, group_size=self.group_size),)
 
     def _features(self, packed: Any, scale: Any) -> int:

@@ -18,7 +18,7 @@ import numpy as np
 
 from ..quant import QArray, quantize_array
 from ._rules import Rule
-from ._transforms import Transform, chain, identity, transpose
+from ._transforms import Transform, chain, element_layout, identity, permutation, transpose
 
 SCALE_SUFFIX = "_scale_inv"  # the scale of "<module>.weight" is "<module>.weight_scale_inv"
 
@@ -131,12 +131,7 @@ class dequantize_blocks(Transform):
         if not self.block_size or min(self.block_size) < 1:
             raise ValueError(f"block_size must be positive sizes, got {block_size!r}.")
         self.dtype = np.dtype(dtype)
-        self.layout = identity() if layout is None else layout
-        if not isinstance(self.layout, identity | transpose):
-            raise ValueError(
-                f"layout is identity() or a transpose, got {self.layout!r}; chain other "
-                f"transforms after this one."
-            )
+        self.layout = element_layout(layout, "; chain other transforms after this one.")
 
     def __call__(self, arrays: tuple[Any, ...], count: int | None = None) -> tuple[Any, ...]:
         if len(arrays) != 2:
@@ -171,9 +166,7 @@ class dequantize_blocks(Transform):
         Returns:
             The new order of the axes, or None when `layout` is ``identity()``.
         """
-        if not isinstance(self.layout, transpose):
-            return None
-        return self.layout.perm or tuple(range(ndim - 1, -1, -1))
+        return permutation(self.layout, ndim)
 
     def placed(self, value: Any, scale: Any, dtype: Any, like: QArray | None = None) -> Any:
         """What a load places from weights already laid out (`value`: read permuted by

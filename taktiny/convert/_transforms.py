@@ -113,6 +113,23 @@ class transpose(_EachArray):
         return "" if self.perm is None else repr(self.perm)
 
 
+def element_layout(layout: Transform | None, why: str) -> Transform:
+    """`layout` (None: ``identity()``), checked to lay an array out element by element: a
+    rename or a transpose, as the transforms that lay out what they make take it. Raises
+    ValueError otherwise, `why` ending the message."""
+    layout = identity() if layout is None else layout
+    if not isinstance(layout, identity | transpose):
+        raise ValueError(f"layout is identity() or a transpose, got {layout!r}{why}")
+    return layout
+
+
+def permutation(layout: Transform, ndim: int) -> tuple[int, ...] | None:
+    """The order of `ndim` axes that an `element_layout` gives; None for ``identity()``."""
+    if not isinstance(layout, transpose):
+        return None
+    return layout.perm or tuple(range(ndim - 1, -1, -1))
+
+
 class reshape(_EachArray):
     """Reshapes each array to ``shape``.
 
