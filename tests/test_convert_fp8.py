@@ -6,6 +6,7 @@ int4 models; and every checkpoint or config it cannot read refused by name."""
 
 import functools
 import json
+import math
 import sys
 import warnings
 from pathlib import Path
@@ -63,6 +64,70 @@ def test_dequantize_blocks_is_the_numpy_oracle_bit_for_bit(shape, block):
     )  # a Linear's weight, as a kernel
     (kernel,) = convert.dequantize_blocks(block, layout=convert.transpose(perm))((weight, scale))
     np.testing.assert_array_equal(np.asarray(kernel), np.swapaxes(oracle, -1, -2))
+
+
+REQUANTIZED = [  # (shape, block, bits, axis from the end, group size): a kernel's layout
+    (shape, block, bits, back, group)
+    for shape, block in BLOCKS
+    for bits, back, group in [
+        (8, 2, None),  # the input axis, per channel
+        (4, 2, 8),  # groups within a block
+        (4, 2, 25),  # groups straddling blocks (where 25 divides the axis)
+        (8, 1, None),  # per channel along the other blocked axis
+        (4, 1, 10),
+    ]
+    if group is None or shape[back - 3] % group == 0  # (the kernel's axes: swapped)
+]
+
+
+def requantized(shape, block, bits, back, group, dtype):
+    """A kernel's FP8 blocks requantized as a load places them (the weights laid out as a
+    kernel), with what `tt.QArray.quantize` makes of the dequantized kernel."""
+    w = np.random.default_rng(1).standard_normal(shape).astype(np.float32) * 3
+    w[..., 5, :] = 0  # a zero row: some channels' largest magnitude is in another block
+    weight, scale = fp8_blocks(w, block)
+    scale[..., 0, :] *= -1  # the format does not forbid negative scales: |w * scale| counts
+    perm = (*range(len(shape) - 2), len(shape) - 1, len(shape) - 2)
+    blocks = convert.dequantize_blocks(block, layout=convert.transpose(perm))
+    kernel = np.transpose(dequantized(weight, scale, block), perm).astype(dtype)
+    expected = tt.QArray.quantize(kernel, bits=bits, axis=len(shape) - back, group_size=group)
+    laid_out = jnp.asarray(np.ascontiguousarray(np.transpose(weight, perm)))
+
+    def place(value, scale):
+        return blocks.placed(value, scale, dtype, expected)
+
+    return place, (laid_out, jnp.asarray(scale)), expected, blocks
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32, jnp.float16])
+@pytest.mark.parametrize("shape, block, bits, back, group", REQUANTIZED)
+def test_fp8_blocks_requantize_as_quantize_of_the_dequantized_weights_bit_for_bit(
+    shape, block, bits, back, group, dtype
+):
+    place, args, expected, _ = requantized(shape, block, bits, back, group, dtype)
+    for ours, theirs in zip(place(*args), (expected.value, expected.scale), strict=True):
+        assert (ours.shape, ours.dtype) == (theirs.shape, theirs.dtype)
+        np.testing.assert_array_equal(np.asarray(ours), np.asarray(theirs))
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32, jnp.float16])
+@pytest.mark.parametrize("shape, bits, group", [((256, 384), 8, None), ((200, 320), 4, 32)])
+def test_requantizing_fp8_blocks_holds_no_product_for_bfloat16_or_float32(
+    shape, bits, group, dtype
+):
+    """The program that places FP8 blocks into a quantized leaf: for a bfloat16 or
+    float32 leaf it holds at most the float8 bytes' magnitudes, a byte a weight (one pass
+    for the scales over the bytes, one for the values), as the compiled program's memory
+    shows and `held_bytes` says; the float32 product would take four."""
+    place, args, expected, blocks = requantized(shape, (128, 128), bits, 2, group, dtype)
+    held = blocks.held_bytes(expected.shape, dtype, expected)
+    temporaries = jax.jit(place).lower(*args).compile().memory_analysis().temp_size_in_bytes
+    size = math.prod(shape)
+    if dtype == jnp.float16:  # rounding into float16 is a cast: the product is held
+        assert held == size * 4 <= temporaries
+    else:
+        assert held == 0 and temporaries < 2 * size
+    assert blocks.held_bytes(expected.shape, dtype) == 0  # (a float leaf: fused)
 
 
 def test_dequantize_blocks_refuses_scales_of_other_blocks():

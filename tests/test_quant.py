@@ -25,8 +25,9 @@ def weights(*shape, seed=0, dtype=np.float32):
 def oracle(w, bits, axis, group_size, by_stored=True):
     """Symmetric max-abs quantization in NumPy: (value, scale), scale of the reduced shape
     in `w`'s dtype, as it is stored; computed in float32, the values rounded by the scale
-    as stored (`by_stored=False`: by max|w| / qmax before it is rounded to its dtype, the
-    slip the half-precision tests below are made to tell apart)."""
+    as stored, times its float32 reciprocal (`by_stored=False`: by max|w| / qmax before
+    it is rounded to its dtype, the slip the half-precision tests below are made to tell
+    apart)."""
     qmax, dtype = (127 if bits == 8 else 7), w.dtype
     w = np.moveaxis(w.astype(np.float32), axis, 0)
     size = w.shape[0] if group_size is None else group_size
@@ -34,7 +35,7 @@ def oracle(w, bits, axis, group_size, by_stored=True):
     exact = np.abs(grouped).max(axis=1, keepdims=True) / np.float32(qmax)
     scale = np.where(exact == 0, 1, exact).astype(dtype)
     by = scale.astype(np.float32) if by_stored else np.where(exact == 0, 1, exact)
-    value = np.clip(np.round(grouped / by), -qmax, qmax).reshape(w.shape)
+    value = np.clip(np.round(grouped * (np.float32(1) / by)), -qmax, qmax).reshape(w.shape)
     return np.moveaxis(value, 0, axis), np.moveaxis(scale[:, 0], 0, axis)
 
 

@@ -8,6 +8,7 @@ rules of a model gain it through :func:`taktiny.convert.quantized_rules`.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from functools import partial
 from typing import Any
@@ -16,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..quant import QArray, quantize_array
+from ..quant import QArray, quantize_array, rounded_values, stored_scale
 from ._rules import Rule
 from ._transforms import Transform, chain, element_layout, identity, permutation, transpose
 
@@ -58,15 +59,8 @@ def _blocks(block_size: Sequence[int]) -> str:
 
 def _product(value: Any, scale: Any, blocks: tuple[int, ...]) -> jax.Array:
     """``value * scale`` of each entry's block (`blocks`: its size along every axis), in
-    float32: the weights padded to whole blocks, each block times its scale by broadcasting,
-    and cut back (one XLA loop; no array of repeated scales)."""
-    grid = scale.shape
-    padded = [(0, g * b - n) for g, b, n in zip(grid, blocks, value.shape, strict=True)]
-    w = jnp.pad(value.astype(jnp.float32), padded)
-    w = w.reshape([d for g, b in zip(grid, blocks, strict=True) for d in (g, b)])
-    factor = scale.astype(jnp.float32).reshape([d for g in grid for d in (g, 1)])
-    w = (w * factor).reshape([g * b for g, b in zip(grid, blocks, strict=True)])
-    return w[tuple(slice(n) for n in value.shape)]
+    float32 (one XLA loop; no array of repeated scales)."""
+    return value.astype(jnp.float32) * _factors(scale, blocks, value.shape)
 
 
 @partial(jax.jit, static_argnames=("blocks", "dtype", "perm"))
@@ -90,11 +84,81 @@ def _placed(
     group_size: int | None,
 ) -> Any:
     """The block product rounded once into `dtype`, then (with `bits`) quantized along
-    `axis`, in one XLA program (which holds no float32 product for a float leaf)."""
+    `axis`, in one XLA program, which holds no float32 product for a float leaf, nor for
+    a quantized one of a `_ROUNDED` dtype (`_requantized`)."""
+    if bits is not None and jnp.dtype(dtype) in _ROUNDED:
+        return _requantized(value, scale, blocks, dtype, bits, axis, group_size)
     product = _product(value, scale, blocks).astype(dtype)
     if bits is None:
         return product
     return quantize_array(product, bits=bits, axis=axis, group_size=group_size, dtype=dtype)
+
+
+# the leaf dtypes whose rounding `jax.lax.reduce_precision` makes exactly as a cast does
+# (float16's smallest subnormals it flushes: those leaves take the unfused path)
+_ROUNDED = {jnp.dtype(jnp.float32): None, jnp.dtype(jnp.bfloat16): (8, 7)}
+
+
+def _requantized(
+    value: Any,
+    scale: Any,
+    blocks: tuple[int, ...],
+    dtype: Any,
+    bits: int,
+    axis: int,
+    group_size: int | None,
+) -> tuple[jax.Array, jax.Array]:
+    """`quantize_array` of the block product rounded into `dtype`, bit for bit, without
+    holding the product (XLA:CPU materializes it, four bytes a weight, for a reduction
+    and a division that both read it): the scales from the largest magnitudes of the
+    float8 bytes themselves, then the values in one elementwise pass over the bytes.
+
+    The largest ``|w * block scale|`` of a slice is the largest over its blocks of the
+    block's ``|scale|`` times its largest ``|w|``, and the largest ``|w|`` of float8 weights is
+    the largest of their bytes with the sign bit cleared (float8 orders as its bits);
+    rounding into `dtype` keeps the order, so the maximum of the rounded products is the
+    rounded maximum. A slice (a channel, or a group along `axis`) is cut into segments
+    that lie within one block and one group each. Ragged edge blocks need no padding:
+    the scales are broadcast over whole blocks and cut to the weights."""
+    shape = value.shape
+    group = shape[axis] if group_size is None else group_size
+    segment = math.gcd(group, blocks[axis])
+    # pass 1: each segment's largest byte, a float, times its block's scale
+    magnitude = jax.lax.bitcast_convert_type(value, jnp.uint8) & jnp.uint8(0x7F)
+    split = (*shape[:axis], shape[axis] // segment, segment, *shape[axis + 1 :])
+    tops = jax.lax.bitcast_convert_type(
+        jnp.max(magnitude.reshape(split), axis=axis + 1), value.dtype
+    )
+    per_segment = [b // segment if k == axis else b for k, b in enumerate(blocks)]
+    tops = tops.astype(jnp.float32) * _factors(jnp.abs(scale), per_segment, tops.shape)
+    grouped = (*shape[:axis], shape[axis] // group, group // segment, *shape[axis + 1 :])
+    top = _rounded(jnp.max(tops.reshape(grouped), axis=axis + 1), dtype)
+    stored = stored_scale(top, bits, dtype)  # one per group: scale_shape's
+    # pass 2: the product rounded into dtype, in units of its group's stored scale
+    product = _rounded(_product(value, scale, blocks), dtype)
+    product = product.reshape(*shape[:axis], shape[axis] // group, group, *shape[axis + 1 :])
+    values = rounded_values(product, jnp.expand_dims(stored, axis + 1), bits).reshape(shape)
+    return values, stored
+
+
+def _factors(scale: Any, blocks: Sequence[int], shape: Sequence[int]) -> jax.Array:
+    """Each entry's block scale, for an array of `shape` in blocks of `blocks` entries
+    along each axis (the last ones ragged): the scales broadcast over whole blocks and
+    cut, which XLA computes inside the product that uses them (no array of them)."""
+    grid = scale.shape
+    whole = [d for g, b in zip(grid, blocks, strict=True) for d in (g, b)]
+    factors = jnp.broadcast_to(
+        scale.astype(jnp.float32).reshape([d for g in grid for d in (g, 1)]), whole
+    )
+    factors = factors.reshape([g * b for g, b in zip(grid, blocks, strict=True)])
+    return factors[tuple(slice(n) for n in shape)]
+
+
+def _rounded(array: Any, dtype: Any) -> jax.Array:
+    """`array` (float32) rounded to `dtype`'s precision, still float32: an operation XLA
+    keeps (a cast there and back it may skip inside a fusion)."""
+    bits = _ROUNDED[jnp.dtype(dtype)]
+    return array if bits is None else jax.lax.reduce_precision(array, *bits)
 
 
 class dequantize_blocks(Transform):
@@ -189,6 +253,24 @@ class dequantize_blocks(Transform):
             scale, blocks = jnp.transpose(scale, perm), tuple(blocks[p] for p in perm)
         layout = (None, 0, None) if like is None else (like.bits, like.axis, like.group_size)
         return _placed(value, scale, blocks, jnp.dtype(dtype), *layout)
+
+    def held_bytes(self, shape: Sequence[int], dtype: Any, like: QArray | None = None) -> int:
+        """The bytes :meth:`placed` holds while it runs, besides its arguments and its
+        result: none into a float leaf, nor into a quantized one of a float32 or bfloat16
+        logical dtype (the product is computed twice, never held); into other quantized
+        leaves, the float32 product.
+
+        Args:
+            shape: the weights' shape.
+            dtype: the leaf's dtype (a quantized parameter's logical dtype).
+            like: the quantized parameter the product fills; None for a float leaf.
+
+        Returns:
+            A number of bytes.
+        """
+        if like is None or jnp.dtype(dtype) in _ROUNDED:
+            return 0
+        return math.prod(shape) * 4
 
     def _args(self) -> str:
         dtype = "" if self.dtype == np.float32 else f", dtype={self.dtype.name!r}"

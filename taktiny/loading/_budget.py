@@ -271,9 +271,13 @@ def _transformed(load: Load, step: Step, sources: list[Tensor], shapes: dict[Any
         if k < len(stages) - 1:  # a chain's intermediate results
             held += sum(_nbytes(m) for m in made)
     kept = not stages  # the results are the sources, in scratch
-    fp8 = isinstance(step.rule.transform, dequantize_blocks)  # (its product: the leaf's dtype)
+    blocks = step.rule.transform
+    fp8 = isinstance(blocks, dequantize_blocks)  # (its product: the leaf's dtype)
     for name, out in zip(step.targets, made, strict=True):
         like, leaf = quantized.get(name), leaves.get(name)
+        if fp8 and like is not None:  # quantized in the one program that places it
+            held += blocks.held_bytes(out.shape, like.dtype, like)
+            continue
         if fp8 and leaf is not None:
             out = jax.ShapeDtypeStruct(out.shape, spec_of(leaf)[1])
         if like is not None:  # made, cast to its logical dtype, then quantized

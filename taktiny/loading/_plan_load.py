@@ -316,9 +316,13 @@ def _way(
     if isinstance(step.rule.transform, identity):  # its result is its sources, in scratch
         return way, 0
     temporary = 0
-    fp8 = isinstance(step.rule.transform, dequantize_blocks)  # (its product: the leaf's dtype)
+    blocks = step.rule.transform
+    fp8 = isinstance(blocks, dequantize_blocks)  # (its product: the leaf's dtype)
     for name, out in zip(step.targets, results_of(step, sources), strict=True):
-        leaf = leaves.get(name)
+        leaf, like = leaves.get(name), quantized.get(name)
+        if fp8 and like is not None:  # quantized in the one program that places it
+            temporary += blocks.held_bytes(out.shape, like.dtype, like)
+            continue
         if fp8 and leaf is not None:
             continue
         if isinstance(out, QArray):  # unpacked parts: placed as they are, or dequantized

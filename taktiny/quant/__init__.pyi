@@ -22,3 +22,5 @@ from ._qarray import parts_layout as parts_layout
 from ._qarray import quantize_array as quantize_array
 from ._qarray import quantize_like as quantize_like
 from ._qarray import quantized as quantized
+from ._qarray import rounded_values as rounded_values
+from ._qarray import stored_scale as stored_scale

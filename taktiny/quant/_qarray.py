@@ -1,7 +1,8 @@
 """`QArray`: a quantized array (integer values, float scales) that is one parameter.
 
 Symmetric max-abs quantization along one axis, per channel or per group: ``scale = max|w| /
-qmax`` (127 for 8 bits, 7 for 4), ``value = clip(round(w / scale))``. Loaders that fill
+qmax`` (127 for 8 bits, 7 for 4) in the scale's dtype, ``value = clip(round(w * (1 /
+scale)))`` with the scale as stored. Loaders that fill
 `QArray` leaves tensor by tensor use `quantize_like` and `dequantize_array`.
 """
 
@@ -76,17 +77,33 @@ def _split(array: Any, name: str, axis: int, group_size: int | None) -> Any:
 
 @partial(jax.jit, static_argnames=("bits", "axis", "group_size", "dtype"))
 def _quantize(array: Any, *, bits: int, axis: int, group_size: int | None, dtype: Any) -> Any:
-    qmax, shape = _QMAX[bits], array.shape
+    shape = array.shape
     w = array.astype(jnp.float32)
     if group_size is not None:
         w = w.reshape(*shape[:axis], shape[axis] // group_size, group_size, *shape[axis + 1 :])
     reduced = axis if group_size is None else axis + 1
-    scale = (jnp.max(jnp.abs(w), axis=reduced, keepdims=True) / qmax).astype(dtype)
-    scale = jnp.where(scale == 0, jnp.ones_like(scale), scale)  # an all-zero slice: 1
-    # rounded by the scale as stored (a float16 scale may be coarser than max|w| / qmax)
-    value = jnp.clip(jnp.round(w / scale.astype(jnp.float32)), -qmax, qmax)
-    value = value.astype(INT_DTYPES[bits]).reshape(shape)
+    scale = stored_scale(jnp.max(jnp.abs(w), axis=reduced, keepdims=True), bits, dtype)
+    value = rounded_values(w, scale, bits).reshape(shape)
     return value, scale if group_size is None else scale.squeeze(reduced)
+
+
+def stored_scale(top: Any, bits: int, dtype: Any) -> jax.Array:
+    """The scale of slices whose largest magnitude is `top` (float32, any shape):
+    ``top / qmax`` in `dtype`, 1 for an all-zero slice."""
+    scale = (top / _QMAX[bits]).astype(dtype)
+    return jnp.where(scale == 0, jnp.ones_like(scale), scale)
+
+
+def rounded_values(w: Any, scale: Any, bits: int) -> jax.Array:
+    """`w` (float32) in units of `scale` (its stored dtype, broadcast against `w`): ``w``
+    times the float32 reciprocal of the scale as stored, rounded to nearest even and
+    clipped to ``[-qmax, qmax]``, in the integer dtype of `bits`. The barrier keeps XLA
+    from computing with the scale before its rounding into its dtype (a bfloat16 scale
+    is coarser than ``max|w| / qmax``), and the reciprocal is written out, so that every
+    backend rounds the same product."""
+    qmax = _QMAX[bits]
+    inverse = 1 / jax.lax.optimization_barrier(scale).astype(jnp.float32)
+    return jnp.clip(jnp.round(w * inverse), -qmax, qmax).astype(INT_DTYPES[bits])
 
 
 def quantize_array(
@@ -299,7 +316,8 @@ class QArray:
     ) -> QArray:
         """`array` quantized along `axis` by symmetric max-abs rounding:
         ``scale = max|w| / qmax`` per channel or per group of `group_size` (qmax 127 for
-        8 bits, 7 for 4), ``value = clip(round(w / scale))``.
+        8 bits, 7 for 4) in the scale's dtype, ``value = clip(round(w * (1 / scale)))``
+        with the scale as stored.
 
         Args:
             array: a float array of any shape, or a ``jax.ShapeDtypeStruct``.
