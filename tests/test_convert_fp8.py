@@ -99,7 +99,14 @@ def requantized(shape, block, bits, back, group, dtype):
     return place, (laid_out, jnp.asarray(scale)), expected, blocks
 
 
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32, jnp.float16])
+LEAF_DTYPES = [  # float32 and float16 over every layout under `make property`; below, two
+    jnp.bfloat16,
+    pytest.param(jnp.float32, marks=pytest.mark.thorough),
+    pytest.param(jnp.float16, marks=pytest.mark.thorough),
+]
+
+
+@pytest.mark.parametrize("dtype", LEAF_DTYPES)
 @pytest.mark.parametrize("shape, block, bits, back, group", REQUANTIZED)
 def test_fp8_blocks_requantize_as_quantize_of_the_dequantized_weights_bit_for_bit(
     shape, block, bits, back, group, dtype
@@ -115,11 +122,14 @@ def test_fp8_blocks_requantize_as_quantize_of_the_dequantized_weights_bit_for_bi
 def test_requantizing_fp8_blocks_holds_no_product_for_bfloat16_or_float32(
     shape, bits, group, dtype
 ):
-    """The program that places FP8 blocks into a quantized leaf: for a bfloat16 or
-    float32 leaf it holds at most the float8 bytes' magnitudes, a byte a weight (one pass
-    for the scales over the bytes, one for the values), as the compiled program's memory
-    shows and `held_bytes` says; the float32 product would take four."""
+    """The program that places FP8 blocks into a quantized leaf gives `tt.quantize` of
+    the dequantized weights (every dtype; a float16 leaf through the cast), and for a
+    bfloat16 or float32 leaf it holds at most the float8 bytes' magnitudes, a byte a
+    weight (one pass for the scales over the bytes, one for the values), as the compiled
+    program's memory shows and `held_bytes` says; the float32 product would take four."""
     place, args, expected, blocks = requantized(shape, (128, 128), bits, 2, group, dtype)
+    for ours, theirs in zip(place(*args), (expected.value, expected.scale), strict=True):
+        np.testing.assert_array_equal(np.asarray(ours), np.asarray(theirs))
     held = blocks.held_bytes(expected.shape, dtype, expected)
     temporaries = jax.jit(place).lower(*args).compile().memory_analysis().temp_size_in_bytes
     size = math.prod(shape)
@@ -369,4 +379,36 @@ def test_fp8_blocks_load_into_a_bfloat16_int8_model_and_onto_a_mesh_as_they_woul
     gate = placed.layers[1].mlp.gate.kernel  # [64, 176]: 44 columns a device
     assert gate.sharding == split
     for a, b in zip(jax.tree.leaves(placed), jax.tree.leaves(halves), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_a_quantizing_fp8_load_reads_through_one_scratch_buffer(tmp_path):
+    """Into a float model FP8 steps take turns in two scratch buffers (the next weight is
+    read while one is placed); a quantizing load reads them through one, as it reads
+    float tensors, and its program holds nothing more: the plan says so, and the load
+    gives `tt.quantize` of the float load."""
+    from taktiny.io import plan_load
+
+    rng = np.random.default_rng(0)
+    floats = {f"l{k}.weight": rng.standard_normal((96, 200)).astype(np.float32) for k in range(4)}
+    fp8_folder(floats, tmp_path, quantized=lambda name: True, shards=1)
+    rules = convert.quantized_rules(
+        [convert.Rule("{n}.weight", "{n}.kernel", convert.transpose())], open_safetensors(tmp_path)
+    )
+    model = jax.eval_shape(
+        lambda: {
+            f"l{k}": nn.Linear(200, 96, use_bias=False, param_dtype=jnp.bfloat16, rngs=nn.Rngs(0))
+            for k in range(4)
+        }
+    )
+    weight = math.prod(floats["l0.weight"].shape)  # bytes: one a weight
+    scales = 1 * 2 * 4  # float32, one per 128x128 block
+    floating = plan_load(model, tmp_path, rules=rules)
+    quantizing = plan_load(tt.quantize(model), tmp_path, rules=rules)
+    assert floating.error is None and quantizing.error is None
+    assert weight + scales <= quantizing.scratch_bytes < weight + 4096  # (aligned)
+    assert floating.scratch_bytes == 2 * quantizing.scratch_bytes
+    loaded = load_safetensors(tt.quantize(model), tmp_path, rules=rules)
+    expected = tt.quantize(load_safetensors(model, tmp_path, rules=rules))
+    for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(expected), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

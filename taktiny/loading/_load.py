@@ -305,9 +305,9 @@ class Ways:
         self.direct = [direct_leaf(s, tensors, leaves) for s, tensors in pairs]
         self.permuted = [transposed_leaf(s, tensors, leaves) for s, tensors in pairs]
         self.laid = [laid_out(s, tensors) for s, tensors in pairs]  # (FP8 blocks, transposed)
-        # (FP8 blocks too, though their scratch holds a byte a weight: their program
-        # quantizes a 4096 x 4096 weight in under 10 ms on a CPU, so two buffers would
-        # buy little speed for the most memory the load holds beside the model)
+        # (FP8 blocks too, though their scratch holds a byte a weight: a second buffer,
+        # for the next weight's read to overlap, would be the most memory such a load
+        # holds beside the model; bench/FINDINGS.md section 13)
         shrinks = any(t in load.quantized for s in steps for t in s.targets)
         self.units = _units(self.direct, self.sources)
         self.use_buffers(1 if shrinks else 2)

@@ -2,8 +2,8 @@
 
 Symmetric max-abs quantization along one axis, per channel or per group: ``scale = max|w| /
 qmax`` (127 for 8 bits, 7 for 4) in the scale's dtype, ``value = clip(round(w * (1 /
-scale)))`` with the scale as stored. Loaders that fill
-`QArray` leaves tensor by tensor use `quantize_like` and `dequantize_array`.
+scale)))`` with the scale as stored. Loaders that fill `QArray` leaves tensor by tensor use
+`quantize_like` and `dequantize_array`.
 """
 
 from __future__ import annotations
