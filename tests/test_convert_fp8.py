@@ -130,14 +130,35 @@ def test_requantizing_fp8_blocks_holds_no_product_for_bfloat16_or_float32(
     place, args, expected, blocks = requantized(shape, (128, 128), bits, 2, group, dtype)
     for ours, theirs in zip(place(*args), (expected.value, expected.scale), strict=True):
         np.testing.assert_array_equal(np.asarray(ours), np.asarray(theirs))
-    held = blocks.held_bytes(expected.shape, dtype, expected)
+    held = blocks.held_bytes(args[0], dtype, expected)
     temporaries = jax.jit(place).lower(*args).compile().memory_analysis().temp_size_in_bytes
     size = math.prod(shape)
     if dtype == jnp.float16:  # rounding into float16 is a cast: the product is held
         assert held == size * 4 <= temporaries
     else:
         assert held == 0 and temporaries < 2 * size
-    assert blocks.held_bytes(expected.shape, dtype) == 0  # (a float leaf: fused)
+    assert blocks.held_bytes(args[0], dtype) == 0  # (a float leaf: fused)
+
+
+@pytest.mark.parametrize("fp8", [ml_dtypes.float8_e5m2, ml_dtypes.float8_e4m3fnuz])
+def test_other_float8_dtypes_requantize_bit_for_bit_those_without_ordered_bytes_unfused(fp8):
+    """float8_e5m2's bytes order as its magnitudes, as float8_e4m3fn's do: the same two
+    passes. The "fnuz" dtypes keep their NaN in the sign bit, so their largest byte is
+    not their largest magnitude: they take the program that holds the product, and
+    `held_bytes` says so."""
+    rng = np.random.default_rng(2)
+    weight = (rng.standard_normal((200, 300)) * 2).astype(fp8)
+    weight[7, 11] = np.nan  # a NaN weight: its channel quantizes as the float load's does
+    scale = rng.uniform(0.5, 2.0, (2, 3)).astype(np.float32)
+    blocks = convert.dequantize_blocks(layout=convert.transpose())
+    kernel = dequantized(weight, scale, (128, 128)).T.astype(jnp.bfloat16)
+    expected = tt.QArray.quantize(kernel, bits=8, axis=0)
+    laid_out = jnp.asarray(np.ascontiguousarray(weight.T))
+    got = blocks.placed(laid_out, jnp.asarray(scale), jnp.bfloat16, expected)
+    for ours, theirs in zip(got, (expected.value, expected.scale), strict=True):
+        np.testing.assert_array_equal(np.asarray(ours), np.asarray(theirs))
+    ordered = fp8 == ml_dtypes.float8_e5m2
+    assert blocks.held_bytes(laid_out, jnp.bfloat16, expected) == (0 if ordered else 4 * 60000)
 
 
 def test_dequantize_blocks_refuses_scales_of_other_blocks():

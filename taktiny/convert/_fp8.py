@@ -86,7 +86,7 @@ def _placed(
     """The block product rounded once into `dtype`, then (with `bits`) quantized along
     `axis`, in one XLA program, which holds no float32 product for a float leaf, nor for
     a quantized one of a `_ROUNDED` dtype (`_requantized`)."""
-    if bits is not None and jnp.dtype(dtype) in _ROUNDED:
+    if bits is not None and jnp.dtype(dtype) in _ROUNDED and value.dtype in _ORDERED:
         return _requantized(value, scale, blocks, dtype, bits, axis, group_size)
     product = _product(value, scale, blocks).astype(dtype)
     if bits is None:
@@ -97,6 +97,9 @@ def _placed(
 # the leaf dtypes whose rounding `jax.lax.reduce_precision` makes exactly as a cast does
 # (float16's smallest subnormals it flushes: those leaves take the unfused path)
 _ROUNDED = {jnp.dtype(jnp.float32): None, jnp.dtype(jnp.bfloat16): (8, 7)}
+# the float8 dtypes whose bytes, sign bit cleared, order as their magnitudes with NaN above
+# every number (the "fnuz" ones keep their NaN in the sign bit: they take the unfused path)
+_ORDERED = {jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2)}
 
 
 def _requantized(
@@ -254,23 +257,24 @@ class dequantize_blocks(Transform):
         layout = (None, 0, None) if like is None else (like.bits, like.axis, like.group_size)
         return _placed(value, scale, blocks, jnp.dtype(dtype), *layout)
 
-    def held_bytes(self, shape: Sequence[int], dtype: Any, like: QArray | None = None) -> int:
+    def held_bytes(self, weights: Any, dtype: Any, like: QArray | None = None) -> int:
         """The bytes :meth:`placed` holds while it runs, besides its arguments and its
         result: none into a float leaf, nor into a quantized one of a float32 or bfloat16
-        logical dtype (the product is computed twice, never held); into other quantized
-        leaves, the float32 product.
+        logical dtype from ``float8_e4m3fn`` or ``float8_e5m2`` weights (the product is
+        computed twice, never held); into other quantized leaves, the float32 product.
 
         Args:
-            shape: the weights' shape.
+            weights: the float8 weights, or anything with their ``shape`` and ``dtype``
+                (a ``jax.ShapeDtypeStruct``, a checkpoint's tensor).
             dtype: the leaf's dtype (a quantized parameter's logical dtype).
             like: the quantized parameter the product fills; None for a float leaf.
 
         Returns:
             A number of bytes.
         """
-        if like is None or jnp.dtype(dtype) in _ROUNDED:
+        if like is None or (jnp.dtype(dtype) in _ROUNDED and weights.dtype in _ORDERED):
             return 0
-        return math.prod(shape) * 4
+        return math.prod(weights.shape) * 4
 
     def _args(self) -> str:
         dtype = "" if self.dtype == np.float32 else f", dtype={self.dtype.name!r}"

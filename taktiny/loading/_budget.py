@@ -276,7 +276,7 @@ def _transformed(load: Load, step: Step, sources: list[Tensor], shapes: dict[Any
     for name, out in zip(step.targets, made, strict=True):
         like, leaf = quantized.get(name), leaves.get(name)
         if fp8 and like is not None:  # quantized in the one program that places it
-            held += blocks.held_bytes(out.shape, like.dtype, like)
+            held += blocks.held_bytes(sources[0], like.dtype, like)
             continue
         if fp8 and leaf is not None:
             out = jax.ShapeDtypeStruct(out.shape, spec_of(leaf)[1])

@@ -321,7 +321,7 @@ def _way(
     for name, out in zip(step.targets, results_of(step, sources), strict=True):
         leaf, like = leaves.get(name), quantized.get(name)
         if fp8 and like is not None:  # quantized in the one program that places it
-            temporary += blocks.held_bytes(out.shape, like.dtype, like)
+            temporary += blocks.held_bytes(sources[0], like.dtype, like)
             continue
         if fp8 and leaf is not None:
             continue
