@@ -85,7 +85,7 @@ def _placed(
 ) -> Any:
     """The block product rounded once into `dtype`, then (with `bits`) quantized along
     `axis`, in one XLA program, which holds no float32 product for a float leaf, nor for
-    a quantized one of a `_ROUNDED` dtype (`_requantized`)."""
+    a quantized one of a `_ROUNDED` dtype from `_ORDERED` weights (`_requantized`)."""
     if bits is not None and jnp.dtype(dtype) in _ROUNDED and value.dtype in _ORDERED:
         return _requantized(value, scale, blocks, dtype, bits, axis, group_size)
     product = _product(value, scale, blocks).astype(dtype)
@@ -117,10 +117,10 @@ def _requantized(
     float8 bytes themselves, then the values in one elementwise pass over the bytes.
 
     The largest ``|w * block scale|`` of a slice is the largest over its blocks of the
-    block's ``|scale|`` times its largest ``|w|``, and the largest ``|w|`` of float8 weights is
-    the largest of their bytes with the sign bit cleared (float8 orders as its bits);
-    rounding into `dtype` keeps the order, so the maximum of the rounded products is the
-    rounded maximum. A slice (a channel, or a group along `axis`) is cut into segments
+    block's ``|scale|`` times its largest ``|w|``, and the largest ``|w|`` of `_ORDERED`
+    float8 weights is the largest of their bytes with the sign bit cleared; rounding into
+    `dtype` keeps the order, so the maximum of the rounded products is the rounded
+    maximum. A slice (a channel, or a group along `axis`) is cut into segments
     that lie within one block and one group each. Ragged edge blocks need no padding:
     the scales are broadcast over whole blocks and cut to the weights."""
     shape = value.shape
