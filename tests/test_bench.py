@@ -84,10 +84,11 @@ def fast_compile():
 
 
 # the groups whose smoke runs load in many fresh processes (quantized's: seven, about 40 s),
-# or (scanned) compile training steps of the Llama example, which imports transformers:
-# `make property` runs them (storage's, one fresh process and an S3 stub, takes about 6 s:
-# it stays in `make test`)
-SLOW = ("streaming", "plan", "scanned", "quantized")
+# compile training steps (dispatch, 16 s; scanned, of the Llama example, which imports
+# transformers), or take 10 s or more (headers, memory): `make property` runs them, keeping
+# `make test` under 12 minutes (storage's, one fresh process and an S3 stub, takes about
+# 6 s: it stays in `make test`)
+SLOW = ("streaming", "plan", "scanned", "quantized", "dispatch", "headers", "memory")
 
 
 @pytest.mark.parametrize(

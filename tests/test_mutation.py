@@ -44,6 +44,7 @@ def test_patterns():  # reaches the function, so that mutmut runs it, and checks
 """
 
 
+@pytest.mark.thorough  # (22 s: `make property` runs it)
 def test_mutmut_runs_the_configured_pipeline_on_one_function(tmp_path):
     config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["mutmut"]
     smoke = {**config, "only_mutate": ["taktiny/state/_patterns.py"], "also_copy": []}
