@@ -309,6 +309,31 @@ def _check(path: Path, model: Any, abstracts: dict[str, Any]) -> None:
             assert a.dtype == b.dtype and a.tobytes() == b.tobytes(), (bits, group, name)
 
 
+def _speed_tables(
+    title: str, against: str, reference: str, stats: dict[str, Any], cases: list[str], line: float
+) -> tuple[Table, Table, dict[str, float]]:
+    """The load-time table of `cases` (the first the reference) and their speed against it
+    (the reference's time / time, median of per-round ratios): both tables, and the speeds."""
+    first = cases[0]
+    times = Table(title, cases, reference=first, log=True)
+    for s in cases:
+        times.add("load", s, RESTORE[s][0], stats[s].median, (stats[s].low, stats[s].high))
+    share = {s: paired_ratio(stats[first], stats[s]) for s in cases}
+    label = f"{reference} load time / time"
+    shares = Table(
+        f"{against} ({label}, median of per-round ratios)",
+        cases,
+        unit="x",
+        log=False,
+        line=line,
+        reference=first,
+        label=label,
+    )
+    for s in cases:
+        shares.add(label, s, RESTORE[s][0], share[s])
+    return times, shares, share
+
+
 def _streaming(config: Config) -> tuple[list[Table], list[Target], list[str]]:
     """The quantizing streaming load against the plain one: time and peak memory."""
     start = time.perf_counter()
@@ -343,22 +368,14 @@ def _streaming(config: Config) -> tuple[list[Table], list[Target], list[str]]:
         _disk.remove(path)
     title = f"{depth} x Linear({width}, {width}), float32, {nbytes / 1e6:,.0f} MB"
     systems = [PLAIN, QUANTIZING, QUANTIZING_4]
-    times = Table(f"Cold-cache streaming load of {title}", systems, reference=PLAIN, log=True)
-    for s in systems:
-        times.add("load", s, RESTORE[s][0], stats[s].median, (stats[s].low, stats[s].high))
-    share = {s: paired_ratio(stats[PLAIN], stats[s]) for s in systems}
-    shares = Table(
-        "Throughput against the plain streaming load (plain time / time, median of per-round "
-        "ratios)",
+    times, shares, share = _speed_tables(
+        f"Cold-cache streaming load of {title}",
+        "Throughput against the plain streaming load",
+        "plain",
+        stats,
         systems,
-        unit="x",
-        log=False,
-        line=SHARE,
-        reference=PLAIN,
-        label="plain load time / time",
+        SHARE,
     )
-    for s in systems:
-        shares.add("plain time / time", s, RESTORE[s][0], share[s])
     measured = STREAMING_CASES
     mem = Table(f"Peak resident memory (MB) of one load, {size / 1e6:,.0f} MB", measured, unit="B")
     growth = {}
@@ -562,27 +579,14 @@ def _fp8(config: Config) -> tuple[list[Table], list[Target], list[str]]:
             _disk.remove(folder)
     gb = {k: f"{v / 1e9:.2f} GB" if v >= 1e8 else f"{v / 1e6:.3g} MB" for k, v in sizes.items()}
     title = f"{depth} x Linear({width}, {width}) without bias"
-    times = Table(
+    times, shares, share = _speed_tables(
         f"Cold-cache load of {title}: FP8 checkpoint {gb['fp8']}, bfloat16 {gb['bf16']}",
+        "Speed against streaming the bfloat16 checkpoint",
+        "bf16",
+        stats,
         FP8_CASES,
-        reference=BF16_REF,
-        log=True,
+        FP8_SHARE,
     )
-    for s in FP8_CASES:
-        times.add("load", s, RESTORE[s][0], stats[s].median, (stats[s].low, stats[s].high))
-    share = {s: paired_ratio(stats[BF16_REF], stats[s]) for s in FP8_CASES}
-    shares = Table(
-        "Speed against streaming the bfloat16 checkpoint (bf16 load time / time, median of "
-        "per-round ratios)",
-        FP8_CASES,
-        unit="x",
-        log=False,
-        line=FP8_SHARE,
-        reference=BF16_REF,
-        label="bf16 load time / time",
-    )
-    for s in FP8_CASES:
-        shares.add("bf16 load time / time", s, RESTORE[s][0], share[s])
     mem = Table(f"Peak resident memory (MB) of one load, {title}", FP8_CASES, unit="B")
     growth = {}
     for s in FP8_CASES:

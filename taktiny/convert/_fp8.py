@@ -86,7 +86,7 @@ def _placed(
     """The block product rounded once into `dtype`, then (with `bits`) quantized along
     `axis`, in one XLA program, which holds no float32 product for a float leaf, nor for
     a quantized one of a `_ROUNDED` dtype from `_ORDERED` weights (`_requantized`)."""
-    if bits is not None and jnp.dtype(dtype) in _ROUNDED and value.dtype in _ORDERED:
+    if bits is not None and _unheld(value.dtype, dtype):
         return _requantized(value, scale, blocks, dtype, bits, axis, group_size)
     product = _product(value, scale, blocks).astype(dtype)
     if bits is None:
@@ -100,6 +100,12 @@ _ROUNDED = {jnp.dtype(jnp.float32): None, jnp.dtype(jnp.bfloat16): (8, 7)}
 # the float8 dtypes whose bytes, sign bit cleared, order as their magnitudes with NaN above
 # every number (the "fnuz" ones keep their NaN in the sign bit: they take the unfused path)
 _ORDERED = {jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2)}
+
+
+def _unheld(weights: Any, dtype: Any) -> bool:
+    """Whether float8 weights of dtype `weights` requantize into a leaf of `dtype` without
+    holding their product (`_requantized`)."""
+    return jnp.dtype(dtype) in _ROUNDED and jnp.dtype(weights) in _ORDERED
 
 
 def _requantized(
@@ -272,7 +278,7 @@ class dequantize_blocks(Transform):
         Returns:
             A number of bytes.
         """
-        if like is None or (jnp.dtype(dtype) in _ROUNDED and weights.dtype in _ORDERED):
+        if like is None or _unheld(weights.dtype, dtype):
             return 0
         return math.prod(weights.shape) * 4
 
