@@ -746,6 +746,52 @@ def test_export_and_round_trip_errors_name_every_leaf_and_why():
     assert str(info.value).splitlines()[1] == "  - 'h': is tied to 'e', but their values differ."
 
 
+class Q(nn.Module):
+    def __init__(self, *, rngs):
+        self.q = nn.Linear(8, 4, rngs=rngs)
+
+
+class StackAndHead(nn.Module):
+    def __init__(self, *, rngs):
+        self.stack = nn.Stack(lambda r: Q(rngs=r), 2, rngs=rngs)
+        self.head = nn.Linear(4, 2, rngs=rngs)
+
+
+def test_export_of_a_quantized_weight_says_to_dequantize_first():
+    """A quantized model exported with float rules: one problem per quantized weight (not
+    one per part, nor "add a Rule"), naming the two fixes; dequantized, it exports, the
+    same with a stack's per-layer rules. Seen to fail with the parts reported as leaves
+    no rule produces."""
+    model = StackAndHead(rngs=nn.Rngs(0))
+    rules = [cv.Rule("l.{i}.q.weight", "stack.{i}.q.kernel", cv.transpose()),
+             cv.Rule("l.{i}.q.bias", "stack.{i}.q.bias"), cv.Rule("h.weight", "head.kernel", cv.transpose()),
+             cv.Rule("h.bias", "head.bias")]  # fmt: skip
+    quantized = tt.quantize(model, where="stack.**", bits=4, group_size=4)
+    with pytest.raises(cv.ConversionError) as info:
+        cv.export(rules, quantized)
+    fix = ("a quantized weight, which these rules export as a float array; dequantize the "
+           "model first (taktiny.dequantize), or write it quantized with "
+           "convert.export_compressed_tensors.")  # fmt: skip
+    assert str(info.value).splitlines() == [
+        "convert.export: 2 problems; nothing was converted.",
+        f"  - 'stack.0.q.kernel': {fix}",
+        f"  - 'stack.1.q.kernel': {fix}",
+    ]
+    problem = info.value.problems[0]
+    assert (problem.kind, problem.expected, problem.got) == (
+        "representation",
+        "a float array",
+        "a QArray",
+    )
+    exported = cv.export(rules, tt.dequantize(quantized))
+    np.testing.assert_array_equal(
+        exported["l.1.q.weight"], np.asarray(quantized.stack[1].q.kernel.dequantize()).T
+    )
+    # a flat state of another layout keeps "add a Rule"
+    with pytest.raises(cv.ConversionError, match=r"'x\.value': no rule produces this leaf"):
+        cv.export(rules, {"x.value": np.zeros(2)})
+
+
 def test_coverage_problems_read_in_full():
     source, rules = flawed_conversion()
     with pytest.raises(cv.ConversionError) as info:

@@ -366,6 +366,67 @@ def test_merging_onto_a_quantized_base_requantizes_and_reports_the_error(bits, g
     assert 0 < error <= step / 2 * 1.001  # the re-quantization's rounding, at most half a step
 
 
+class Residual(nn.Module):
+    """A Block that a stack calls: x + down(relu(up(x)))."""
+
+    def __init__(self, *, rngs: nn.Rngs):
+        self.up = nn.Linear(8, 16, rngs=rngs)
+        self.down = nn.Linear(16, 8, use_bias=False, rngs=rngs)
+
+    def __call__(self, x):
+        return x + self.down(jax.nn.relu(self.up(x)))
+
+
+class StackedNet(nn.Module):
+    """Net with its blocks in an nn.Stack of 3: ids [batch, length] -> logits."""
+
+    def __init__(self, *, rngs: nn.Rngs):
+        self.embed = nn.Embed(32, 8, rngs=rngs)
+        self.blocks = nn.Stack(lambda r: Residual(rngs=r), 3, rngs=rngs)
+        self.norm = nn.LayerNorm(8)
+
+    def __call__(self, ids):
+        return self.embed.attend(self.norm(self.blocks(self.embed(ids))))
+
+
+@pytest.mark.parametrize("stacked", [False, True], ids=["list", "stack"])
+@pytest.mark.parametrize(("bits", "group_size"), [(8, None), (4, 4)])
+def test_the_float_model_of_a_qlora_model_is_the_merge_of_its_dequantized_base(
+    bits, group_size, stacked
+):
+    """tt.dequantize keeps each adapter over its dequantized base weight (bitwise
+    QArray.dequantize, the factors the same arrays), so tt.merge_lora of it is the float
+    model: the float base's structure, each weight the dequantized one plus
+    scale * A @ B rounded once into float32 (against NumPy in float64), in a stack each
+    layer's. Its error is float32's, far below the re-quantizing merge's. Seen to fail
+    with dequantize skipping adapted layers (the merge gave int layers again)."""
+    make = StackedNet if stacked else Net
+    float_base = make(rngs=nn.Rngs(0))
+    base = tt.quantize(float_base, bits=bits, group_size=group_size)
+    model = randomised(tt.lora(base, 4, where="**", alpha=8, rngs=nn.Rngs(1)))
+    dequantized = tt.dequantize(model)
+    assert jax.tree.structure(tt.dequantize(base)) == jax.tree.structure(float_base)
+    up = lambda m: m.blocks.block.up if stacked else m.blocks[0].up
+    for get, field in ((lambda m: m.embed, "embedding"), (up, "kernel")):
+        layer, adapted = get(dequantized), get(model)
+        assert type(layer) is type(adapted)  # still adapted
+        assert layer.lora_a is adapted.lora_a and layer.lora_b is adapted.lora_b
+        assert np.array_equal(getattr(layer, field), getattr(adapted, field).dequantize())
+    merged, errors = tt.merge_lora(dequantized, report=True)
+    requantized_errors = tt.merge_lora(model, report=True)[1]
+    assert jax.tree.structure(merged) == jax.tree.structure(float_base)
+    assert list(tt.flat_state_dict(merged)) == list(tt.flat_state_dict(float_base))
+    for i in range(len(model.blocks)):  # (a stack's layer i: its arrays sliced)
+        adapted, kernel = model.blocks[i].up, merged.blocks[i].up.kernel
+        a, b = (np.asarray(f, np.float64) for f in (adapted.lora_a, adapted.lora_b))
+        exact = exactly(adapted.kernel) + 2.0 * a @ b
+        assert kernel.dtype == jnp.float32
+        np.testing.assert_allclose(kernel, exact, rtol=2e-7, atol=2e-7 * np.abs(exact).max())
+    assert max(errors.values()) < 1e-5 < min(requantized_errors.values())
+    with jax.default_matmul_precision("highest"):
+        np.testing.assert_allclose(merged(ids()), model(ids()), rtol=1e-4, atol=1e-4)
+
+
 def test_merging_a_bfloat16_base_reports_its_rounding():
     base = {"p": nn.Linear(8, 8, param_dtype=jnp.bfloat16, rngs=nn.Rngs(0))}
     model = randomised(tt.lora(base, 2, where="p", rngs=nn.Rngs(1)))

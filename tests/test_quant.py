@@ -117,6 +117,44 @@ def test_repr_reads_like_an_array():
     assert "(kernel=QArray(i8[4,2], scale=f32[1,2], axis=0), bias=f32[2])" in repr(model)
 
 
+@pytest.mark.parametrize("bits, axis, group_size", LAYOUTS)
+def test_a_stacked_qarray_dequantizes_and_reads_layer_by_layer(bits, axis, group_size):
+    """A stack's QArray (nn.Stack holds one QArray per layer as one, its parts with the
+    leading layer axes and its axis counted within a layer) dequantizes each layer as the
+    NumPy oracle does, one and two layer axes, and its repr shows the layers apart from
+    a layer's shapes. Seen to fail with the layer axes not added to the axis
+    (dequantize_array's reshape) and with the repr of the whole parts' shapes."""
+    w = weights(4, 64, 48)
+    stacked = jax.vmap(
+        lambda x: tt.QArray.quantize(x, bits=bits, axis=axis, group_size=group_size)
+    )(jnp.asarray(w))
+    assert (stacked.axis, stacked.shape) == (axis, (4, 64, 48))
+    each = [oracle(w[i], bits, axis, group_size) for i in range(4)]
+    want = np.stack(
+        [v * np.repeat(s, 1 if group_size is None else group_size, axis=axis) for v, s in each]
+    )
+    np.testing.assert_allclose(stacked.dequantize(), want, rtol=1e-6)
+    twice = jax.tree.map(lambda x: x.reshape(2, 2, *x.shape[1:]), stacked)
+    np.testing.assert_array_equal(
+        twice.dequantize(), np.asarray(stacked.dequantize()).reshape(2, 2, 64, 48)
+    )
+    layer = "i8" if bits == 8 else "i4"
+    scale = [*stacked.scale.shape[1:]]
+    group = "" if group_size is None else f", group_size={group_size}"
+    assert (
+        repr(stacked)
+        == f"QArray(4 layers of {layer}[64,48], scale=f32[{scale[0]},{scale[1]}], axis={axis}{group})"
+    )
+    assert repr(twice).startswith(f"QArray(2x2 layers of {layer}[64,48], scale=f32[")
+    assert repr(jax.eval_shape(lambda: stacked)) == repr(stacked)
+    model = tt.quantize(
+        nn.Stack(lambda r: nn.Linear(36, 8, rngs=r), 3, rngs=nn.Rngs(0)), bits=4, group_size=9
+    )
+    assert "kernel=QArray(3 layers of i4[36,8], scale=f32[4,8], axis=0, group_size=9)" in repr(
+        model
+    )
+
+
 def test_parts_are_named_children_and_the_layout_is_static():
     q = tt.QArray.quantize(weights(8, 4), bits=4, group_size=4)
     paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(q)[0]]

@@ -3,11 +3,15 @@
 `where` chooses the layers of `tt.lora`, `tt.merge_lora`, `tt.quantize` and `tt.dequantize`
 alike (a pattern, a list of them or a function), with the patterns of `tt.by_name` and
 `tt.shard`; every pattern that matches nothing is named, with the closest names, in one
-`tt.SelectionError` of `tt.StateProblem` records; the old keywords (`targets=`,
-`filter=`) still work with a DeprecationWarning. A load's, a conversion's and a
-selection's problems are one record with one message form."""
+`tt.SelectionError` of `tt.StateProblem` records, and so is a call that would change
+nothing; the old keywords (`targets=`, `filter=`) still work with a FutureWarning, which
+Python shows by default. A load's, a conversion's and a selection's problems are one
+record with one message form."""
 
 import dataclasses
+import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -112,11 +116,80 @@ def test_the_old_keywords_still_choose_and_warn_naming_where(swap, old, make):
     model = make()
     call = "taktiny.lora" if old == "targets" else "taktiny.quantize"
     message = rf"^{call}: {old}= is now where= \(the same patterns, or a function \(name, layer\) -> bool\); {old}= goes in the next release\.$"  # fmt: skip
-    with pytest.warns(DeprecationWarning, match=message):
+    with pytest.warns(FutureWarning, match=message):
         out = swap(model, **{old: "blocks.*.up"})
     assert chosen_by(model, out) == ["blocks.0.up", "blocks.1.up"]
     with pytest.raises(TypeError, match=rf"^{call}: pass the selection once, as where=; {old}="):
         swap(model, where="head", **{old: "head"})
+
+
+def test_deprecations_are_shown_by_default_from_a_users_module(tmp_path):
+    """The old keywords and the old problem forms warn with a FutureWarning, which a
+    fresh interpreter under Python's default filters shows though the call is in an
+    imported module (a DeprecationWarning there is hidden). Seen to fail with
+    DeprecationWarning (nothing printed)."""
+    (tmp_path / "user_code.py").write_text(
+        "import taktiny as tt\n"
+        "from taktiny import nn\n"
+        "def run():\n"
+        "    tt.quantize({'head': nn.Linear(4, 3, rngs=nn.Rngs(0))}, filter='head')\n"
+        "    tt.StateProblem('shape', key='a', hint='h')\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONWARNINGS"}
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), *sys.path])
+    done = subprocess.run(
+        [sys.executable, "-c", "import user_code; user_code.run()"],
+        env=env, capture_output=True, text=True, timeout=120, check=True,
+    )  # fmt: skip
+    warned = [line for line in done.stderr.splitlines() if "Warning: " in line]
+    assert warned == [
+        f"{tmp_path / 'user_code.py'}:4: FutureWarning: taktiny.quantize: filter= is now "
+        "where= (the same patterns, or a function (name, layer) -> bool); filter= goes in "
+        "the next release.",
+        f"{tmp_path / 'user_code.py'}:5: FutureWarning: StateProblem.key is now "
+        "StateProblem.name (the same flat name, as ConversionProblem calls it); read and "
+        "pass name. key goes in the next release.",
+    ]
+
+
+def test_a_call_that_would_change_nothing_is_refused_saying_what_the_model_holds():
+    """tt.dequantize, tt.merge_lora and tt.quantize choosing every layer (where=None) of
+    a model that holds none they change raise, naming what they found instead, rather
+    than give the model back as it was. Seen to fail with the check removed."""
+    plain, quantized = Net(rngs=nn.Rngs(0)), tt.quantize(Net(rngs=nn.Rngs(0)))
+    cases = [
+        (tt.dequantize, plain, "taktiny.dequantize", "QuantizedLinear or QuantizedEmbed layer, "
+         "nor LoRA layer on a quantized weight", "its Embed layer 'embed' is not quantized; its "
+         "Linear layers 'blocks.0.up', 'blocks.0.down', 'blocks.1.up', 'blocks.1.down' and 1 "
+         "more are not quantized."),
+        (tt.merge_lora, quantized, "taktiny.merge_lora", "LoRALinear or LoRAEmbed layer", "its "
+         "QuantizedEmbed layer 'embed' has no adapter; its QuantizedLinear layers 'blocks.0.up', "
+         "'blocks.0.down', 'blocks.1.up', 'blocks.1.down' and 1 more have no adapter."),
+        (tt.quantize, quantized, "taktiny.quantize", "Linear or Embed layer", "its QuantizedEmbed "
+         "layer 'embed' is quantized already; its QuantizedLinear layers 'blocks.0.up', "
+         "'blocks.0.down', 'blocks.1.up', 'blocks.1.down' and 1 more are quantized already."),
+        (tt.merge_lora, {"norm": nn.LayerNorm(4)}, "taktiny.merge_lora", "LoRALinear or LoRAEmbed "
+         "layer", ""),
+    ]  # fmt: skip
+    for call, model, name, what, found in cases:
+        with pytest.raises(tt.SelectionError) as info:
+            call(model)
+        assert str(info.value) == (
+            f"{name} on {type(model).__name__}: 1 problem:\n  - '**': matches no {what}; "
+            f"where=None chooses every one, and the model has none, so this call would change "
+            f"nothing{'; ' + found if found else '.'}"
+        )
+        assert [(p.kind, p.name, p.expected) for p in info.value.problems] == [
+            ("unmatched", "**", what)
+        ]
+    adapted = tt.lora(
+        plain, 2, where="head", rngs=nn.Rngs(1)
+    )  # a float base: nothing to dequantize
+    with pytest.raises(
+        tt.SelectionError,
+        match=r"its LoRALinear layer 'head' adapts a float weight, which is not quantized\.$",
+    ):
+        tt.dequantize(adapted)
 
 
 # each call, a pattern that matches nothing, and what the message says of it
@@ -125,7 +198,7 @@ UNMATCHED = {
              "did you mean 'blocks.*.up'?"),
     "merge_lora": ("haed", "LoRALinear or LoRAEmbed layer", "did you mean 'head'?"),
     "quantize": ("blokcs.0.down", "Linear or Embed layer", "did you mean 'blocks.0.down'?"),
-    "dequantize": ("embd", "QuantizedLinear or QuantizedEmbed layer", "did you mean 'embed'?"),
+    "dequantize": ("embd", "QuantizedLinear or QuantizedEmbed layer, nor LoRA layer on a quantized weight", "did you mean 'embed'?"),
 }  # fmt: skip
 
 
@@ -257,14 +330,14 @@ def test_state_conversion_and_selection_problems_are_one_record():
 
 def test_the_old_key_and_the_old_conversion_form_still_work_with_a_warning():
     problem = tt.StateProblem("shape", "a.b", (2,), (3,), "shape mismatch.")
-    with pytest.warns(DeprecationWarning, match=r"^StateProblem\.key is now StateProblem\.name"):
+    with pytest.warns(FutureWarning, match=r"^StateProblem\.key is now StateProblem\.name"):
         assert problem.key == "a.b"
-    with pytest.warns(DeprecationWarning, match=r"^StateProblem\.key is now StateProblem\.name"):
+    with pytest.warns(FutureWarning, match=r"^StateProblem\.key is now StateProblem\.name"):
         made = tt.StateProblem("shape", key="a.b", expected=(2,), got=(3,), hint="shape mismatch.")
     assert made == problem
     with pytest.raises(TypeError, match=r"^StateProblem takes the name once"):
         tt.StateProblem("shape", "a.b", hint="x", key="a.b")
-    with pytest.warns(DeprecationWarning, match=r"^ConversionProblem\(kind, name, hint\) is now"):
+    with pytest.warns(FutureWarning, match=r"^ConversionProblem\(kind, name, hint\) is now"):
         old = cv.ConversionProblem("tie", "h", "is tied to 'e', but their values differ.")
     assert old == cv.ConversionProblem("tie", "h", hint="is tied to 'e', but their values differ.")
     assert (old.expected, old.got, str(old)) == (

@@ -10,6 +10,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from ..quant import PARTS
 from ..state import Spec, flat_state_dict, flatten, host_array, load_flat_state_dict
 from ._coverage import (
     ConversionError,
@@ -329,6 +330,11 @@ def export(rules: Sequence[AnyRule], model: Any) -> dict[str, Any]:
             None,
         )
         if found is None:
+            param, _, part = leaf.rpartition(".")
+            if part in PARTS and any(p.fullmatch("." + param) for ps in inverse for p in ps):
+                if part == PARTS[0]:  # (one problem for the two parts)
+                    problems.append(_quantized(param))
+                continue
             problems.append(
                 ConversionProblem(
                     "missing",
@@ -385,6 +391,20 @@ def export(rules: Sequence[AnyRule], model: Any) -> dict[str, Any]:
     if problems:
         raise ConversionError("convert.export", problems)
     return out
+
+
+def _quantized(name: str) -> ConversionProblem:
+    """The problem of exporting the quantized weight `name` (its parts ``value`` and
+    ``scale``) with rules that write it as a float array."""
+    return ConversionProblem(
+        "representation",
+        name,
+        "a float array",
+        "a QArray",
+        "a quantized weight, which these rules export as a float array; dequantize the "
+        "model first (taktiny.dequantize), or write it quantized with "
+        "convert.export_compressed_tensors.",
+    )
 
 
 def _compile_targets(rule: Rule) -> list[Any]:

@@ -33,7 +33,9 @@ class ConversionError(ValueError):
     ``"shape"``, ``"dtype"`` (a change of dtype kind; these two with ``expected`` and
     ``got``), ``"transform"`` (the transform failed on these arrays), ``"incomplete"`` (a
     rule found some of its sources only), ``"gather"`` (gathered captures not 0..n-1),
-    ``"tie"``, ``"irreversible"`` (export) or ``"round_trip"``; its ``name`` is the name
+    ``"tie"``, ``"irreversible"`` and ``"representation"`` (export: a rule that cannot
+    run backwards; a quantized weight the rules write as a float array) or
+    ``"round_trip"``; its ``name`` is the name
     (or the rule's sources) it is about. The first four are those ``allow`` may allow.
 
     Args:

@@ -43,8 +43,9 @@ _LAYERS = (Linear, Embed, QuantizedLinear, QuantizedEmbed, LoRALinear, LoRAEmbed
 
 
 def renamed(where: Any, old: Any, old_name: str, caller: str) -> Any:
-    """The selection passed as `where`, or under its deprecated keyword `old_name` (with a
-    ``DeprecationWarning`` naming ``where``)."""
+    """The selection passed as `where`, or under its deprecated keyword `old_name`, with a
+    ``FutureWarning`` naming ``where``: a warning Python shows by default, wherever the
+    call is (a ``DeprecationWarning`` is hidden unless the call is in ``__main__``)."""
     if old is None:
         return where
     if where is not None:
@@ -54,7 +55,7 @@ def renamed(where: Any, old: Any, old_name: str, caller: str) -> Any:
     warnings.warn(
         f"{caller}: {old_name}= is now where= (the same patterns, or a function "
         f"(name, layer) -> bool); {old_name}= goes in the next release.",
-        DeprecationWarning,
+        FutureWarning,
         stacklevel=3,
     )
     return old
@@ -79,7 +80,7 @@ def swap(model: Any, chosen: Mapping[str, Module], make: Callable[[str, Any, Any
         name = ".".join(map(key_name, path))
         if name not in chosen:
             return layer
-        stack = spec.stack_of(name)
+        stack = spec.stack_of(f"{name}.")  # (its leaves' names start so; a block's too)
         if stack is None:
             return make(name, layer, None)
         each = jax.vmap(lambda one, i: make(name, one, i), spmd_axis_name=stack.axis)
@@ -102,20 +103,32 @@ def choose(
     candidates: Sequence[type[Module]],
     caller: str,
     others: Mapping[Any, str] | None = None,  # {layer class: what is wrong with it}
+    *,
+    what: str | None = None,
+    takes: Callable[[Any], bool] = lambda layer: True,
 ) -> dict[str, Module]:
     """The layers of `model` of the `candidates` classes (or their subclasses) that
-    `where` chooses, by flat name in the order of the tree. `others` says, for a layer
-    class a pattern may match instead, what is wrong with it (``"already has an adapter;
-    ..."``). Raises a TypeError for a `where` that is no selection, and one
-    SelectionError naming each pattern that matches no candidate."""
+    `takes` and `where` choose, by flat name in the order of the tree. `others` says, for
+    a layer class a pattern may match instead, what is wrong with it (``"already has an
+    adapter; ..."``); `what` names the candidates in problems (by default their classes).
+    Raises a TypeError for a `where` that is no selection, and one SelectionError naming
+    each pattern that matches no candidate, or, for `where` None, saying that the model
+    has no candidate (a call that would change nothing)."""
     bases = tuple(candidates)
     found = jax.tree_util.tree_flatten_with_path(model, is_leaf=_is_layer)[0]
     layers = {
         ".".join(map(key_name, p)): x
         for p, x in found
-        if _is_layer(x) and type(x)._taktiny_base in bases
+        if _is_layer(x) and type(x)._taktiny_base in bases and takes(x)
     }
+    what = what or _kinds(bases)
     if where is None:
+        if not layers:
+            why = _none_there(model, others or {})
+            raise err.SelectionError(
+                f"{caller} on {type(model).__name__}",
+                [err.unmatched("**", what, f"where=None chooses every one, and {why}")],
+            )
         return layers
     if not isinstance(where, str) and callable(where):
         return {name: layer for name, layer in layers.items() if where(name, layer)}
@@ -131,7 +144,6 @@ def choose(
         )
     selected = select(patterns, list(layers))
     if selected.unused:
-        what = _kinds(bases)
         why = _Why(model, layers, others or {})
         problems = [err.unmatched(p, what, why(p)) for p in dict.fromkeys(selected.unused)]
         raise err.SelectionError(f"{caller} on {type(model).__name__}", problems)
@@ -143,6 +155,42 @@ def _kinds(bases: Sequence[type]) -> str:
     """``"Linear or Embed layer"``, ``"A, B, C or D layer"``."""
     names = [b.__name__ for b in bases]
     return f"{', '.join(names[:-1])} or {names[-1]} layer" if len(names) > 1 else names[0]
+
+
+def _none_there(model: Any, others: Mapping[type, str]) -> str:
+    """Why a model has no candidate for a call: ``"the model has none, so this call would
+    change nothing"``, and what its layers of the `others` kinds are (``"its Linear
+    layers 'a' and 'b' have no adapter"``), so that the call says what it found instead."""
+    found = jax.tree_util.tree_flatten_with_path(model, is_leaf=_is_layer)[0]
+    by_kind: dict[type, list[str]] = {}
+    for path, layer in found:
+        if _is_layer(layer) and type(layer)._taktiny_base in others:
+            name = ".".join(map(key_name, path))
+            by_kind.setdefault(type(layer)._taktiny_base, []).append(repr(name))
+    said = [
+        f"its {kind.__name__} layer {names[0]} {others[kind]}"
+        if len(names) == 1
+        else f"its {kind.__name__} layers {_listed(names)} {_plural(others[kind])}"
+        for kind, names in by_kind.items()
+    ]
+    return "the model has none, so this call would change nothing" + "".join(f"; {s}" for s in said)
+
+
+def _listed(names: Sequence[str]) -> str:
+    """``"'a', 'b' and 'c'"``; past four, ``"'a', 'b', 'c', 'd' and 5 more"``."""
+    if len(names) > 4:
+        return f"{', '.join(names[:4])} and {len(names) - 4} more"
+    return f"{', '.join(names[:-1])} and {names[-1]}" if len(names) > 1 else names[0]
+
+
+def _plural(clause: str) -> str:
+    """`clause` said of several layers: ``"is not quantized"`` -> ``"are not
+    quantized"``, ``"has no adapter"`` -> ``"have no adapter"``."""
+    verb, _, rest = clause.partition(" ")
+    return f"{_PLURALS.get(verb, verb)} {rest}"
+
+
+_PLURALS = {"is": "are", "has": "have"}
 
 
 class _Why:
@@ -175,8 +223,7 @@ class _Why:
         names = list(self.layers)
         hint = unused_hint(pattern, names)
         if hint.startswith("no name is close"):  # then the names it may choose from
-            more = f" and {len(names) - 4} more" if len(names) > 4 else ""
-            hint += f"; the layers it may name: {', '.join(map(repr, names[:4]))}{more}"
+            hint += f"; the layers it may name: {_listed(list(map(repr, names)))}"
         return hint
 
 
@@ -269,8 +316,7 @@ def _merged(layer: LoRALinear | LoRAEmbed, name: str) -> tuple[Module, Any, Any]
     """The plain layer with ``scale * lora_a @ lora_b`` added to its weight (in float32),
     placed as the weight was; the weight it held, and the one it now holds."""
     base = _base(layer)
-    field_name = "kernel" if isinstance(layer, LoRALinear) else "embedding"
-    weight = getattr(base, field_name)
+    field_name, weight = _weight(layer)
     delta = jnp.matmul(
         layer.lora_a.astype(jnp.float32),
         layer.lora_b.astype(jnp.float32),
@@ -343,14 +389,17 @@ def merge_lora(model: Any, *, where: Selection | None = None, report: bool = Fal
     before :func:`lora`. The sum is computed in float32 (at full matmul precision) and
     stored in the weight's dtype, placed as the weight was; a quantized weight (QLoRA) is
     dequantized, summed and quantized again with its own bits, axis, group size and scale
-    dtype. Both round: ask for ``report=True`` to see by how much.
+    dtype. Both round: ask for ``report=True`` to see by how much. For a float model out
+    of a quantized one, dequantize first: ``merge_lora(dequantize(model))`` adds the
+    adapters to the dequantized weights and rounds only into their float dtype.
 
     Args:
         model: a module, or any PyTree holding modules; it is not changed.
         where: the adapted layers to merge, chosen as :func:`lora` chooses (a pattern
             over their flat names, or a list of them, each of which must match at least
             one adapted layer; or a function ``(name, layer) -> bool``); None: all of
-            them. The others keep their adapters.
+            them, of which the model must hold at least one. The others keep their
+            adapters.
         report: also return, for each merged layer's name, how far the merged layer is
             from the adapted one: the largest absolute difference, entry by entry,
             between the weight it now holds (dequantized exactly, for a quantized one)
@@ -368,7 +417,8 @@ def merge_lora(model: Any, *, where: Selection | None = None, report: bool = Fal
 
     Raises:
         taktiny.SelectionError: (a ``ValueError``) naming every pattern of `where` that
-            matches no adapted layer, and what it matches instead.
+            matches no adapted layer, and what it matches instead; or, for `where` None,
+            saying that the model holds no adapter (the call would change nothing).
         ValueError: a pattern is not valid.
         TypeError: `where` is no pattern, list of them or function; or `report` is true
             and the model holds traced values (inside ``jax.jit``).
@@ -387,7 +437,7 @@ def merge_lora(model: Any, *, where: Selection | None = None, report: bool = Fal
     if report:  # a stack's layers: each layer's merge told, the largest kept
         spec = flatten(model)[2]
         for name, layer in chosen.items():
-            stack = spec.stack_of(name)
+            stack = spec.stack_of(f"{name}.")
             if stack is not None:
                 each = (layer_of(layer, i) for i in range(stack.count))
                 errors[name] = max(_merge_error(one, *_merged(one, name)[1:], name) for one in each)
@@ -429,7 +479,8 @@ def quantize(
             ``"blocks.*.mlp.*"``, in the language of :class:`taktiny.by_name`), or a list
             of them, each of which must match at least one ``Linear`` or ``Embed``; or a
             function ``(name, layer) -> bool``, called with each of them
-            (``lambda name, layer: name != "head"``). None: all of them.
+            (``lambda name, layer: name != "head"``). None: all of them, of which the
+            model must hold at least one.
         filter: the old name of `where` (deprecated: it warns, and goes in the next
             release).
 
@@ -438,7 +489,8 @@ def quantize(
 
     Raises:
         taktiny.SelectionError: (a ``ValueError``) naming every pattern that matches no
-            ``Linear`` or ``Embed`` layer, and what it matches instead.
+            ``Linear`` or ``Embed`` layer, and what it matches instead; or, for `where`
+            None, saying that the model holds none (the call would change nothing).
         TypeError: `where` is no pattern, list of them or function; or a weight is not a
             float array.
         ValueError: a pattern is not valid, `bits` is not 8 or 4, or `group_size` does
@@ -462,35 +514,64 @@ def quantize(
 
 
 def dequantize(model: Any, *, where: Selection | None = None) -> Any:
-    """`model` with the :class:`~taktiny.nn.QuantizedLinear` and
-    :class:`~taktiny.nn.QuantizedEmbed` layers `where` chooses (all, by default) replaced
-    by :class:`~taktiny.nn.Linear` and :class:`~taktiny.nn.Embed` holding the dequantized
-    weights (in the scales' dtype, split as the quantized values were). The reverse of
-    :func:`quantize`, up to the rounding it did.
+    """`model` with the quantized weights of the layers `where` chooses (all, by default)
+    dequantized: each :class:`~taktiny.nn.QuantizedLinear` and
+    :class:`~taktiny.nn.QuantizedEmbed` becomes the :class:`~taktiny.nn.Linear` or
+    :class:`~taktiny.nn.Embed` it stands for, and an adapted layer on a quantized base
+    (a :class:`~taktiny.nn.LoRALinear` or :class:`~taktiny.nn.LoRAEmbed` holding a
+    :class:`~taktiny.QArray`, as QLoRA trains) keeps its adapter over the dequantized
+    weight, so that ``tt.merge_lora(tt.dequantize(model))`` is the merged float model.
+    Each weight becomes ``value * scale`` in the scales' dtype, split as the quantized
+    values were; in a stack of layers (:class:`~taktiny.nn.Stack`) each layer's. The
+    reverse of :func:`quantize`, up to the rounding it did.
 
     Args:
         model: a module, or any PyTree holding modules; it is not changed.
         where: the layers to dequantize, chosen as :func:`quantize` chooses (a pattern
             over their flat names, or a list of them, each of which must match at least
-            one quantized layer; or a function ``(name, layer) -> bool``); None: all of
-            them.
+            one layer with a quantized weight; or a function ``(name, layer) -> bool``);
+            None: all of them, of which the model must hold at least one.
 
     Returns:
-        The model with float layers in place of the quantized ones.
+        The model with float weights in place of the quantized ones.
 
     Raises:
         taktiny.SelectionError: (a ``ValueError``) naming every pattern that matches no
-            ``QuantizedLinear`` or ``QuantizedEmbed`` layer, and what it matches instead.
+            layer with a quantized weight, and what it matches instead; or, for `where`
+            None, saying that the model holds no quantized weight (the call would change
+            nothing).
         ValueError: a pattern is not valid.
         TypeError: `where` is no pattern, list of them or function.
     """
     others = {Linear: _NOT_QUANTIZED, Embed: _NOT_QUANTIZED}
-    chosen = choose(model, where, (QuantizedLinear, QuantizedEmbed), "taktiny.dequantize", others)
+    others |= dict.fromkeys(_ADAPTED, "adapts a float weight, which " + _NOT_QUANTIZED)
+    chosen = choose(
+        model,
+        where,
+        (QuantizedLinear, QuantizedEmbed, *_ADAPTED),
+        "taktiny.dequantize",
+        others,
+        what=_DEQUANTIZABLE,
+        takes=lambda layer: isinstance(_weight(layer)[1], QArray),
+    )
 
     def float_layer(name: str, layer: Any, index: Any) -> Any:
+        field_name, weight = _weight(layer)
+        if isinstance(layer, _ADAPTED):
+            return layer.replace(**{field_name: weight.dequantize()})
         config = {"dtype": layer.dtype, "precision": layer.precision}
         if isinstance(layer, QuantizedLinear):
-            return build(Linear, kernel=layer.kernel.dequantize(), bias=layer.bias, **config)
-        return build(Embed, embedding=layer.embedding.dequantize(), **config)
+            return build(Linear, kernel=weight.dequantize(), bias=layer.bias, **config)
+        return build(Embed, embedding=weight.dequantize(), **config)
 
     return swap(model, chosen, float_layer)
+
+
+_DEQUANTIZABLE = "QuantizedLinear or QuantizedEmbed layer, nor LoRA layer on a quantized weight"
+
+
+def _weight(layer: Any) -> tuple[str, Any]:
+    """The name and value of the weight of a linear or embedding layer, plain, quantized
+    or adapted: its ``kernel`` or its ``embedding``."""
+    name = "kernel" if hasattr(layer, "kernel") else "embedding"
+    return name, getattr(layer, name)

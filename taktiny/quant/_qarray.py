@@ -232,6 +232,16 @@ def _stacked_axes(q: QArray, shape: tuple[int, ...]) -> int:
     return 0
 
 
+def layer_axes(q: QArray) -> int:
+    """How many leading axes of `q`'s parts are the layers of a stack (``nn.Stack`` holds
+    a QArray per layer as one QArray, its parts with the leading layer axes and its
+    `axis` counted within a layer): 0 for the QArray of one layer, or one whose parts are
+    not arrays."""
+    if not (hasattr(q.value, "shape") and hasattr(q.scale, "shape")):
+        return 0
+    return _stacked_axes(q, tuple(q.value.shape))
+
+
 def _problem(q: QArray) -> str | None:
     """What is inconsistent in `q`, whose parts are arrays (None: nothing)."""
     shape = tuple(q.value.shape)
@@ -351,7 +361,7 @@ class QArray:
         """
         fn = partial(
             dequantize_array,
-            axis=self.axis,
+            axis=layer_axes(self) + self.axis,
             group_size=self.group_size,
             dtype=jnp.dtype(self.scale.dtype if dtype is None else dtype),
         )
@@ -392,6 +402,12 @@ class QArray:
             else repr(x)
         )
         group = "" if self.group_size is None else f", group_size={self.group_size}"
+        k = layer_axes(self)  # a stack's layers: shown apart, the shapes and axis a layer's
+        if k:
+            layer = lambda x: jax.ShapeDtypeStruct(x.shape[k:], x.dtype)
+            count = "x".join(map(str, self.value.shape[:k]))
+            value, scale = short(layer(self.value)), short(layer(self.scale))
+            return f"QArray({count} layers of {value}, scale={scale}, axis={self.axis}{group})"
         return f"QArray({short(self.value)}, scale={short(self.scale)}, axis={self.axis}{group})"
 
     def __pdoc__(self, **kwargs: Any) -> wl.AbstractDoc:

@@ -76,7 +76,7 @@ class StateProblem:
         key: the name, under its old keyword (deprecated: pass `name`).
 
     ``ConversionProblem(kind, name, hint)``, the form of earlier releases, still makes the
-    record, with a ``DeprecationWarning``: pass ``hint=`` by keyword.
+    record, with a ``FutureWarning``: pass ``hint=`` by keyword.
 
     Raises:
         TypeError: `name` or `hint` is not given, or both `name` and `key` are.
@@ -101,10 +101,10 @@ class StateProblem:
         if key is not None:
             if name is not None:
                 raise TypeError("StateProblem takes the name once: pass name=, not also key=.")
-            warnings.warn(_KEY_RENAMED, DeprecationWarning, stacklevel=2)
+            warnings.warn(_KEY_RENAMED, FutureWarning, stacklevel=2)
             name = key
         if hint is None and got is None and isinstance(expected, str):
-            warnings.warn(_HINT_MOVED, DeprecationWarning, stacklevel=2)
+            warnings.warn(_HINT_MOVED, FutureWarning, stacklevel=2)
             expected, hint = None, expected  # ConversionProblem(kind, name, hint), as it was
         if name is None or hint is None:
             raise TypeError(
@@ -118,7 +118,7 @@ class StateProblem:
     @property
     def key(self) -> str:
         """The name, under its old attribute (deprecated: read ``name``)."""
-        warnings.warn(_KEY_RENAMED, DeprecationWarning, stacklevel=2)
+        warnings.warn(_KEY_RENAMED, FutureWarning, stacklevel=2)
         return self.name
 
     def __str__(self) -> str:
