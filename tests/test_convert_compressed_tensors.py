@@ -39,16 +39,16 @@ def test_packing_is_compressed_tensors_own_bit_for_bit(bits, shape):
     theirs = pack_to_int32(torch.from_numpy(values), bits).numpy()
     np.testing.assert_array_equal(ours, theirs)
     groups = np.ones((*shape[:-1], 1), np.float32)
-    if shape[-1] % (32 // bits):  # per channel, the packed words leave the width ambiguous
+    words, features = theirs.shape[-1], {}
+    if shape[-1] % (32 // bits):  # per channel, the packed words have room for more
         with pytest.raises(
             ValueError,
-            match=rf"{shape[-1]} input features, not a multiple of {32 // bits}, which per-channel {bits}-bit packing leaves ambiguous",
+            match=rf"weight_shape records \[{', '.join(map(str, shape))}\], and the packed integers .* hold a weight of shape \[.*{words * 32 // bits}\] for unpack_quantized\(bits={bits}\); pass features=\{{{words}: {shape[-1]}\}} \({words}-word rows of {shape[-1]} input features\), as quantized_rules does from the checkpoint's weight_shape",
         ):
             convert.unpack_quantized(bits)((theirs, groups, np.asarray(shape, np.int64)))
-        groups, group = np.ones((*shape[:-1], 1), np.float32), shape[-1]  # one group: exact
-    else:
-        group = None
-    (q,) = convert.unpack_quantized(bits, group)((theirs, groups, np.asarray(shape, np.int64)))
+        features = {words: shape[-1]}
+    unpack = convert.unpack_quantized(bits, features=features)
+    (q,) = unpack((theirs, groups, np.asarray(shape, np.int64)))
     unpacked = unpack_from_int32(torch.from_numpy(theirs), bits, torch.Size(shape)).numpy()
     np.testing.assert_array_equal(np.asarray(q.value).astype(np.int8), unpacked)
     assert q.value.dtype == {4: jnp.int4, 8: jnp.int8}[bits] and q.axis == len(shape) - 1
@@ -69,6 +69,12 @@ def test_unpack_quantized_checks_its_three_tensors():
         convert.unpack_quantized(4, 32)((packed, scale, np.asarray([4, 64])))
     with pytest.raises(ValueError, match=r"layout is identity\(\) or a transpose, got cast"):
         convert.unpack_quantized(4, layout=convert.cast(np.float16))
+    for features, group in [({5: 32}, None), ({5: 36}, 4)]:  # 32 fit in 4 words; groups
+        with pytest.raises(
+            ValueError,
+            match=rf"features maps the int32 words of a per-channel row to the input features they hold, ceil\(in \* 4 / 32\) words for in features; got \{{5: {features[5]}\}} with group_size {group}",
+        ):
+            convert.unpack_quantized(4, group, features=features)
 
 
 def abstract(config):
@@ -295,6 +301,99 @@ def test_a_rule_that_does_more_than_rename_or_transpose_packed_weights_is_refuse
     with pytest.raises(
         ValueError,
         match=r"reads pack-quantized weights \('model\.layers\.\d\.mlp\.up_proj\.weight_packed'\) with the transform chain\(transpose\(\), cast\('float32'\)\); their integers and scales are read as a rename or a transpose only",
+    ):
+        convert.quantized_rules(rules, tensors, config=quantization)
+
+
+class MLP(nn.Module):
+    """Two layers: ``up`` of 36 input features (per channel, its 4-bit rows pad 36 to the 40
+    their 5 words hold), ``down`` of 24 (in one group of 24: also one scale per channel)."""
+
+    def __init__(self, *, rngs):
+        self.up = nn.Linear(36, 24, use_bias=False, rngs=rngs)
+        self.down = nn.Linear(24, 36, use_bias=False, rngs=rngs)
+
+
+MLP_RULES = [
+    *convert.linear("mlp.up_proj", "up", bias=False),
+    *convert.linear("mlp.down_proj", "down", bias=False),
+]
+
+
+def mixed(model):
+    return tt.quantize(tt.quantize(model, bits=4, where="up"), bits=4, group_size=24, where="down")
+
+
+def ct_decompressed(tensors, quantization, module):
+    """`module`'s weight as compressed_tensors' own pack-quantized compressor decompresses
+    it, with the config group that targets it."""
+    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationScheme
+
+    (group,) = [g for g in quantization["config_groups"].values() if module in g["targets"]]
+    parts = {p: torch.from_numpy(np.array(tensors[f"{module}.{p}"])) for p in PARTS}
+    weight = PackedQuantizationCompressor.decompress(parts, QuantizationScheme(**group))["weight"]
+    return weight.numpy()
+
+
+PARTS = ("weight_packed", "weight_scale", "weight_shape")
+
+
+def test_an_export_whose_rows_the_packing_pads_or_whose_one_group_spans_the_row_loads_back_bitwise(
+    tmp_path,
+):
+    """Issue 50: a per-channel int4 layer of 36 input features exported, then refused on
+    load (the rule made float32[40, 24]); the layout is read from each module's
+    weight_shape. And a layer quantized in one group as wide as its row (exported as per
+    channel, then refused as fitting both config groups) keeps its group size, picked by
+    the config group that targets it. Planted: `unpack_quantized` reading rows as wide as
+    their words (the plan's shape mismatch); the export writing one group as per channel
+    (the model quantizes in groups of 24, the checkpoint per channel); the config targets
+    not consulted (fits more than one config group)."""
+    model = mixed(MLP(rngs=nn.Rngs(0)))
+    tensors, quantization = convert.export_compressed_tensors(MLP_RULES, model)
+    layouts = {
+        (g["weights"]["strategy"], g["weights"]["group_size"]): g["targets"]
+        for g in quantization["config_groups"].values()
+    }
+    assert layouts == {("channel", None): ["mlp.up_proj"], ("group", 24): ["mlp.down_proj"]}
+    assert tensors["mlp.up_proj.weight_packed"].shape == (24, 5)
+    assert tensors["mlp.up_proj.weight_shape"].tolist() == [24, 36]
+    for module, kernel in [("mlp.up_proj", model.up.kernel), ("mlp.down_proj", model.down.kernel)]:
+        theirs = ct_decompressed(tensors, quantization, module)
+        np.testing.assert_array_equal(theirs, np.asarray(kernel.dequantize()).T)
+
+    save_safetensors(tmp_path / "model.safetensors", tensors)
+    (tmp_path / "config.json").write_text(json.dumps({"quantization_config": quantization}))
+    checkpoint = open_safetensors(tmp_path)
+    rules = convert.quantized_rules(MLP_RULES, checkpoint)
+    assert [r.transform for r in rules] == [
+        convert.unpack_quantized(4, layout=convert.transpose(), features={5: 36}),
+        convert.unpack_quantized(4, 24, layout=convert.transpose()),
+    ]
+    abstract = jax.eval_shape(lambda: MLP(rngs=nn.Rngs(1)))
+    back = load_safetensors(mixed(abstract), checkpoint, rules=rules)
+    assert back.up.kernel.group_size is None and back.down.kernel.group_size == 24
+    for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(model), strict=True):
+        assert a.dtype == b.dtype
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    floats = load_safetensors(abstract, checkpoint, rules=rules)
+    np.testing.assert_array_equal(floats.up.kernel, model.up.kernel.dequantize())
+    np.testing.assert_array_equal(floats.down.kernel, model.down.kernel.dequantize())
+
+
+def test_one_rule_over_rows_of_the_same_words_and_other_widths_is_refused_naming_both():
+    """A '**' rule reading per-channel int4 layers of 36 and 40 input features (5 words a
+    row each) cannot say which from the shapes a plan sees: refused, naming both."""
+    model = nn.Sequential(
+        nn.Linear(36, 4, use_bias=False, rngs=nn.Rngs(0)),
+        nn.Linear(40, 4, use_bias=False, rngs=nn.Rngs(1)),
+    )
+    rules = [convert.Rule("**.weight", "**.kernel", convert.transpose())]
+    tensors, quantization = convert.export_compressed_tensors(rules, tt.quantize(model, bits=4))
+    with pytest.raises(
+        ValueError,
+        match=r"quantized_rules: Rule\('\*\*\.weight' -> '\*\*\.kernel', transpose\(\)\) reads per-channel 4-bit rows of 5 words holding 36 input features \('layers\.0\.weight_packed'\) and 40 \('layers\.1\.weight_packed'\), as their weight_shape records; one rule reads one width from rows of the same words\. Write a rule for each of these modules before it\.",
     ):
         convert.quantized_rules(rules, tensors, config=quantization)
 
