@@ -326,11 +326,12 @@ def mixed(model):
 
 def ct_decompressed(tensors, quantization, module):
     """`module`'s weight as compressed_tensors' own pack-quantized compressor decompresses
-    it, with the config group that targets it."""
+    it, with the config group that targets it (by name, or the one group)."""
     from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
     from compressed_tensors.quantization import QuantizationScheme
 
-    (group,) = [g for g in quantization["config_groups"].values() if module in g["targets"]]
+    groups = list(quantization["config_groups"].values())
+    (group,) = [g for g in groups if module in g["targets"]] if len(groups) > 1 else groups
     parts = {p: torch.from_numpy(np.array(tensors[f"{module}.{p}"])) for p in PARTS}
     weight = PackedQuantizationCompressor.decompress(parts, QuantizationScheme(**group))["weight"]
     return weight.numpy()
@@ -382,20 +383,29 @@ def test_an_export_whose_rows_the_packing_pads_or_whose_one_group_spans_the_row_
     np.testing.assert_array_equal(floats.down.kernel, model.down.kernel.dequantize())
 
 
-def test_one_rule_over_rows_of_the_same_words_and_other_widths_is_refused_naming_both():
-    """A '**' rule reading per-channel int4 layers of 36 and 40 input features (5 words a
-    row each) cannot say which from the shapes a plan sees: refused, naming both."""
-    model = nn.Sequential(
-        nn.Linear(36, 4, use_bias=False, rngs=nn.Rngs(0)),
-        nn.Linear(40, 4, use_bias=False, rngs=nn.Rngs(1)),
-    )
+def test_one_rule_over_rows_of_the_same_words_and_other_widths_reads_each_as_recorded(tmp_path):
+    """A '**' rule reading per-channel int4 layers of 36, 40 and 36 input features (5 words
+    a row each), which the shapes a plan sees cannot tell apart: the module of 40 gets a
+    rule of its own, before the rule that reads the others as 36, and all load back bit
+    for bit. Planted: no rule of its own (the rule reads all three as 36: the 40-feature
+    layer is refused, shape mismatch)."""
+    model = nn.Sequential(*(nn.Linear(n, 4, use_bias=False, rngs=nn.Rngs(n)) for n in (36, 40, 36)))
     rules = [convert.Rule("**.weight", "**.kernel", convert.transpose())]
-    tensors, quantization = convert.export_compressed_tensors(rules, tt.quantize(model, bits=4))
-    with pytest.raises(
-        ValueError,
-        match=r"quantized_rules: Rule\('\*\*\.weight' -> '\*\*\.kernel', transpose\(\)\) reads per-channel 4-bit rows of 5 words holding 36 input features \('layers\.0\.weight_packed'\) and 40 \('layers\.1\.weight_packed'\), as their weight_shape records; one rule reads one width from rows of the same words\. Write a rule for each of these modules before it\.",
-    ):
-        convert.quantized_rules(rules, tensors, config=quantization)
+    quantized = tt.quantize(model, bits=4)
+    tensors, quantization = convert.export_compressed_tensors(rules, quantized)
+    save_safetensors(tmp_path / "model.safetensors", tensors)
+    (tmp_path / "config.json").write_text(json.dumps({"quantization_config": quantization}))
+    read = convert.quantized_rules(rules, open_safetensors(tmp_path))
+    back = load_safetensors(
+        tt.quantize(jax.eval_shape(lambda: model), bits=4), tmp_path, rules=read
+    )
+    for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(quantized), strict=True):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert [repr(r) for r in read] == [
+        "Rule(['layers.1.weight_packed', 'layers.1.weight_scale', 'layers.1.weight_shape'] -> 'layers.1.kernel', unpack_quantized(bits=4, layout=transpose()))",
+        "Rule(['**.weight_packed', '**.weight_scale', '**.weight_shape'] -> '**.kernel', unpack_quantized(bits=4, layout=transpose(), features={5: 36}))",
+    ]
 
 
 def test_export_refuses_a_quantized_parameter_that_is_no_modules_weight():

@@ -242,18 +242,20 @@ def scheme(config: Mapping[str, Any]) -> list[tuple[Layout, list[str]]]:
     return out
 
 
-def compressed_rule(
+def compressed_rules(
     rule: Rule,
     names: Sequence[str],
     source: Mapping[str, Any],
     groups: Sequence[tuple[Layout, list[str]]],
-) -> Rule:
+) -> list[Rule]:
     """`rule` (one source template ``<module>.weight``, a rename or a transpose) reading
     the module's three pack-quantized tensors into a QArray; `names` are the
     ``weight_packed`` names it matches in `source`, whose shapes pick the layout among
     the config `groups` ((bits, group_size) and targets); where a module's tensors fit
     several (one group as wide as the row is also one scale per channel), the one whose
-    targets name the module."""
+    targets name the module. Per-channel modules whose ``weight_shape`` records other
+    input features than the rule's others in rows of the same words (which the shapes
+    a plan sees cannot tell apart) get a rule each, before it."""
     module = rule.sources[0].removesuffix("weight")
     layouts = list(dict.fromkeys(layout for layout, _ in groups))
     fitting: set[Layout] = set()
@@ -283,9 +285,21 @@ def compressed_rule(
             f"transform {rule.transform!r}; their integers and scales are read as a rename or "
             f"a transpose only. Write such a rule for these modules."
         )
-    features = None if group_size is not None else _row_features(rule, names, source, bits)
-    transform = unpack_quantized(bits, group_size, rule.transform, features=features)
-    return Rule(sources, rule.targets, transform)
+    if group_size is not None:
+        return [Rule(sources, rule.targets, unpack_quantized(bits, group_size, rule.transform))]
+    features, own = _row_features(names, source, bits)
+    transform = unpack_quantized(bits, None, rule.transform, features=features)
+    general = Rule(sources, rule.targets, transform)
+    out = []
+    for name, (words, n) in own.items():  # (each module's own names: no captures)
+        captures = general.patterns[0].fullmatch("." + name)
+        assert captures is not None  # (`names` are what `rule` matches)
+        targets = general.target_names(captures.groupdict(""))
+        prefix = name.removesuffix("weight_packed")
+        padded = {words: n} if n != words * (32 // bits) else None
+        transform = unpack_quantized(bits, None, rule.transform, features=padded)
+        out.append(Rule([prefix + part for part in PARTS], targets, transform))
+    return [*out, general]
 
 
 def _targets(targets: Sequence[str], name: str) -> bool:
@@ -300,13 +314,14 @@ def _targets(targets: Sequence[str], name: str) -> bool:
 
 
 def _row_features(
-    rule: Rule, names: Sequence[str], source: Mapping[str, Any], bits: int
-) -> dict[int, int]:
-    """The ``features`` of `rule`'s per-channel modules (`names`: their ``weight_packed``),
-    from the ``weight_shape`` each records: the input features of rows whose words hold
-    fewer than they have room for, by words. A shape that is not a readable record
-    (only a shape and dtype are given) or that disagrees with its tensors is left to the
-    transform, which checks each one it reads."""
+    names: Sequence[str], source: Mapping[str, Any], bits: int
+) -> tuple[dict[int, int], dict[str, tuple[int, int]]]:
+    """The input features of per-channel modules (`names`: their ``weight_packed``) as
+    their ``weight_shape`` records them: ``features`` for their rule (by words, those of
+    most modules with rows of that many), and the ``(words, features)`` of each module
+    that records others, by name. A shape that is not a readable record (only a shape
+    and dtype are given) or that disagrees with its tensors is left to the transform,
+    which checks each one it reads."""
     per, found = 32 // bits, {}
     for name in names:
         packed = source[name]
@@ -319,21 +334,19 @@ def _row_features(
             continue
         words = packed.shape[-1]
         if (
-            not isinstance(recorded, list)
-            or recorded[:-1] != list(packed.shape[:-1])
-            or not isinstance(recorded[-1], int)
-            or -(-recorded[-1] // per) != words
+            isinstance(recorded, list)
+            and recorded[:-1] == list(packed.shape[:-1])
+            and isinstance(recorded[-1], int)
+            and -(-recorded[-1] // per) == words
         ):
-            continue
-        other = found.setdefault(words, (recorded[-1], name))
-        if other[0] != recorded[-1]:
-            raise ValueError(
-                f"quantized_rules: {rule!r} reads per-channel {bits}-bit rows of {words} "
-                f"words holding {other[0]} input features ({other[1]!r}) and {recorded[-1]} "
-                f"({name!r}), as their weight_shape records; one rule reads one width from "
-                f"rows of the same words. Write a rule for each of these modules before it."
-            )
-    return {words: n for words, (n, _) in found.items() if n != words * per}
+            found.setdefault(words, {}).setdefault(recorded[-1], []).append(name)
+    features, own = {}, {}
+    for words, widths in found.items():
+        usual = max(widths, key=lambda n: len(widths[n]))  # (the first of equals)
+        if usual != words * per:
+            features[words] = usual
+        own.update({m: (words, n) for n, ms in widths.items() if n != usual for m in ms})
+    return features, own
 
 
 def export_compressed_tensors(

@@ -10,7 +10,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from ._compressed_tensors import FORMAT, compressed_rule, scheme
+from ._compressed_tensors import FORMAT, compressed_rules, scheme
 from ._fp8 import SCALE_SUFFIX, fp8_rule
 from ._rules import AnyRule, Rule, compile_template, first_match
 
@@ -40,7 +40,8 @@ def quantized_rules(
       whose shapes the tensors fit (the one whose ``targets`` name the module, where
       they fit several); a per-channel module's input features are what its
       ``weight_shape`` records (read here, a few bytes each: its packed rows have room
-      for up to ``32 // bits - 1`` more).
+      for up to ``32 // bits - 1`` more), and a module that records other features than
+      the rule's others with rows of as many words gets a rule of its own.
 
     A rule is rewritten when it reads one ``<module>.weight`` template (as the presets'
     do: :func:`linear`, a rename or a transpose). An FP8 rule's modules must all be
@@ -64,9 +65,8 @@ def quantized_rules(
             ``quant_method``, format or scheme Taktiny does not read (asymmetric zero
             points, activation quantization, other formats), naming it; a rule whose
             modules are quantized in part, that reads a quantized weight other than as
-            one ``<module>.weight`` template, whose modules fit different config groups,
-            or whose per-channel modules record different input features in packed rows
-            of the same width.
+            one ``<module>.weight`` template, or whose modules fit different config
+            groups.
     """
     quantization = _quantization_config(checkpoint, config)
     method = quantization.get("quant_method")
@@ -99,7 +99,7 @@ def quantized_rules(
             if packed:
                 assert isinstance(rule, Rule)  # (only a Rule takes names)
                 _one_weight(rule, f"compressed-tensors {FORMAT!r} weights", packed)
-                out.append(compressed_rule(rule, packed, checkpoint, groups))
+                out.extend(compressed_rules(rule, packed, checkpoint, groups))
                 if i not in taken:
                     continue
             out.append(rule)
