@@ -118,8 +118,10 @@ def compressed_folder(
 ) -> None:
     """Quantizes the torch `model`'s Linear layers (but `ignore`) with compressed_tensors
     (symmetric int, per channel or per group of `group_size`; `weights` overrides its
-    QuantizationArgs) and saves the compressed checkpoint in `folder` as its library does.
-    The model is changed (compressed)."""
+    QuantizationArgs) and saves the compressed checkpoint in `folder` as its library does
+    (a module without ``save_pretrained``: its state dict in ``model.safetensors``, and
+    the config compressed_tensors writes alone in ``config.json``). The model is changed
+    (compressed)."""
     import torch
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import (
@@ -149,5 +151,12 @@ def compressed_folder(
                     module.weight_zero_point.copy_(zero.reshape(module.weight_zero_point.shape))
     compressor = ModelCompressor.from_pretrained_model(model)
     compressor.compress_model(model)
-    model.save_pretrained(folder)
+    if hasattr(model, "save_pretrained"):
+        model.save_pretrained(folder)
+    else:
+        from safetensors.torch import save_file
+
+        folder.mkdir(parents=True, exist_ok=True)
+        save_file(model.state_dict(), folder / "model.safetensors", {"format": "pt"})
+        (folder / "config.json").write_text("{}")
     compressor.update_config(str(folder))

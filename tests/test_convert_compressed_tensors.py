@@ -408,6 +408,58 @@ def test_one_rule_over_rows_of_the_same_words_and_other_widths_reads_each_as_rec
     ]
 
 
+class Packed(nn.Module):
+    """``up`` and ``down``, which compressed_tensors packs, and ``lm_head``, which it
+    leaves in float (``ignore``); named as the torch module's are."""
+
+    def __init__(self, *, rngs):
+        self.up = nn.Linear(32, 48, use_bias=False, rngs=rngs)
+        self.down = nn.Linear(48, 32, use_bias=False, rngs=rngs)
+        self.lm_head = nn.Linear(32, 20, use_bias=False, rngs=rngs)
+
+
+def test_one_rule_over_packed_modules_and_one_left_in_float_loads_both_bitwise(tmp_path):
+    """A checkpoint compressed_tensors writes with ``ignore: ["lm_head"]``, read with one
+    rule for every module ('**.weight'): the packed ones load bit for bit (quantized) and
+    as compressed_tensors decompresses them (float), and lm_head, still a float weight,
+    loads bit for bit through the same rule, which quantized_rules keeps after the one it
+    rewrites. Planted: quantized_rules dropping a rule it rewrote even when the rule also
+    takes float weights (issue 50, point 6; no other test fails): 'lm_head.weight' is
+    unused and 'lm_head.kernel' missing."""
+    torch.manual_seed(0)
+    torch_model = torch.nn.Module()
+    for name, (n_in, n_out) in {"up": (32, 48), "down": (48, 32), "lm_head": (32, 20)}.items():
+        torch_model.add_module(name, torch.nn.Linear(n_in, n_out, bias=False))
+    head = torch_model.lm_head.weight.detach().numpy().copy()
+    compressed_folder(torch_model, tmp_path, bits=4, group_size=16, ignore=["lm_head"])
+    checkpoint = open_safetensors(tmp_path)
+    assert "lm_head.weight" in checkpoint and "up.weight_packed" in checkpoint
+    rules = convert.quantized_rules(
+        [convert.Rule("**.weight", "**.kernel", convert.transpose())], checkpoint
+    )
+    abstract = jax.eval_shape(lambda: Packed(rngs=nn.Rngs(0)))
+    quantized = load_safetensors(
+        tt.quantize(abstract, bits=4, group_size=16, where=["up", "down"]), checkpoint, rules=rules
+    )
+    floats = load_safetensors(abstract, checkpoint, rules=rules)
+    for model in (quantized, floats):
+        assert isinstance(model.lm_head, nn.Linear)
+        np.testing.assert_array_equal(np.asarray(model.lm_head.kernel), head.T)
+    tensors = {n: checkpoint[n].read() for n in checkpoint}
+    quantization = json.loads((tmp_path / "config.json").read_text())["quantization_config"]
+    for name in ("up", "down"):
+        kernel = getattr(quantized, name).kernel
+        stored = unpack_from_int32(
+            torch.from_numpy(tensors[f"{name}.weight_packed"].copy()),
+            4,
+            torch.Size(tensors[f"{name}.weight_shape"].tolist()),
+        ).numpy()
+        np.testing.assert_array_equal(np.asarray(kernel.value).astype(np.int8).T, stored)
+        np.testing.assert_array_equal(np.asarray(kernel.scale).T, tensors[f"{name}.weight_scale"])
+        theirs = ct_decompressed(tensors, quantization, name)
+        np.testing.assert_array_equal(np.asarray(getattr(floats, name).kernel).T, theirs)
+
+
 def test_export_refuses_a_quantized_parameter_that_is_no_modules_weight():
     model = nn.Sequential(nn.Linear(64, 32, use_bias=False, rngs=nn.Rngs(0)))
     quantized = tt.quantize(model, bits=4, group_size=16)
