@@ -29,15 +29,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-import torch
-from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
-from compressed_tensors.quantization import QuantizationScheme
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import taktiny as tt
 from taktiny import convert, nn
 from taktiny.io import load_safetensors, open_safetensors, save_safetensors
+from tests._quantized_files import decompressed
 
 from .arrays import host_values
 from .budget import examples
@@ -147,28 +145,14 @@ def setups(draw: Any) -> Setup:
     )
 
 
-def decompressed(tensors: dict[str, Any], quantization: dict[str, Any]) -> dict[str, np.ndarray]:
-    """Each packed module's weight as compressed_tensors decompresses it (float32: exact)."""
-    out = {}
-    for group in quantization["config_groups"].values():
-        scheme = QuantizationScheme.model_validate(group)
-        for module in group["targets"]:
-            parts = {
-                part: torch.from_numpy(np.array(tensors[f"{module}.{part}"]))
-                for part in ("weight_packed", "weight_shape")
-            }
-            scale = np.array(tensors[f"{module}.weight_scale"])
-            # (torch takes bfloat16 from NumPy as its bits)
-            bf16 = scale.dtype == jnp.bfloat16
-            parts["weight_scale"] = (
-                torch.from_numpy(scale.view(np.int16)).view(torch.bfloat16)
-                if bf16
-                else torch.from_numpy(scale)
-            )
-            weight = PackedQuantizationCompressor.decompress(parts, scheme)["weight"]
-            assert weight.dtype == parts["weight_scale"].dtype, module
-            out[module] = weight.float().numpy()
-    return out
+def decompressed_all(tensors: Any, quantization: dict[str, Any]) -> dict[str, np.ndarray]:
+    """Each packed module's weight as compressed_tensors decompresses it, by module (as
+    float32: exact)."""
+    return {
+        module: decompressed(tensors, group, module).float().numpy()
+        for group in quantization["config_groups"].values()
+        for module in group["targets"]
+    }
 
 
 def blocks(model: Model) -> list[Block]:
@@ -208,7 +192,7 @@ def test_an_export_loads_back_bitwise_and_compressed_tensors_decompresses_it_as_
         abstract = setup.abstract(stacked=setup.stacked_back)
         back = load_safetensors(setup.quantized(abstract), checkpoint, rules=read)
         floats = load_safetensors(abstract, checkpoint, rules=read)
-        theirs = decompressed({n: checkpoint[n].read() for n in checkpoint}, quantization)
+        theirs = decompressed_all(checkpoint, quantization)
 
     ours = kernels(model)
     assert sorted(theirs) == sorted(ours)

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from _quantized_files import compressed_folder
+from _quantized_files import compressed_folder, decompressed
 from _quantized_files import llama_reference as reference
 from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32, unpack_from_int32
 from transformers import AutoModelForCausalLM
@@ -325,19 +325,11 @@ def mixed(model):
 
 
 def ct_decompressed(tensors, quantization, module):
-    """`module`'s weight as compressed_tensors' own pack-quantized compressor decompresses
-    it, with the config group that targets it (by name, or the one group)."""
-    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
-    from compressed_tensors.quantization import QuantizationScheme
-
+    """`module`'s weight as compressed_tensors decompresses it (float32 scales: float32),
+    with the config group that targets it (by name, or the one group)."""
     groups = list(quantization["config_groups"].values())
     (group,) = [g for g in groups if module in g["targets"]] if len(groups) > 1 else groups
-    parts = {p: torch.from_numpy(np.array(tensors[f"{module}.{p}"])) for p in PARTS}
-    weight = PackedQuantizationCompressor.decompress(parts, QuantizationScheme(**group))["weight"]
-    return weight.numpy()
-
-
-PARTS = ("weight_packed", "weight_scale", "weight_shape")
+    return decompressed(tensors, group, module).numpy()
 
 
 def test_an_export_whose_rows_the_packing_pads_or_whose_one_group_spans_the_row_loads_back_bitwise(
