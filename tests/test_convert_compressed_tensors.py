@@ -5,6 +5,7 @@ and int8 models exported so that transformers (through compressed_tensors) decom
 exactly their dequantized weights and computes their outputs, and loaded back bit for
 bit; and every scheme out of scope refused by name."""
 
+import functools
 import json
 import sys
 from pathlib import Path
@@ -134,6 +135,71 @@ def test_a_compressed_tensors_checkpoint_loads_bitwise_quantized_and_as_transfor
         np.testing.assert_array_equal(np.asarray(kernel.dequantize()).T, decompressed)
     assert relative(logits(quantized, IDS), want) < 1e-5
     assert relative(logits(floats, IDS), want) < 1e-5
+
+
+MODULES = {  # the Llama's Linear layers: torch name -> Taktiny's
+    "self_attn.q_proj": "attention.query",
+    "self_attn.k_proj": "attention.key",
+    "self_attn.v_proj": "attention.value",
+    "self_attn.o_proj": "attention.out",
+    "mlp.gate_proj": "mlp.gate",
+    "mlp.up_proj": "mlp.up",
+    "mlp.down_proj": "mlp.down",
+}
+SCALES_AND_MODELS = [  # (the file's scale dtype, the model's): the default run the crossed pair
+    (torch.float32, jnp.bfloat16),
+    pytest.param(torch.bfloat16, jnp.float32, marks=pytest.mark.thorough),
+    pytest.param(torch.float32, jnp.float32, marks=pytest.mark.thorough),
+    pytest.param(torch.bfloat16, jnp.bfloat16, marks=pytest.mark.thorough),
+]
+
+
+@pytest.mark.parametrize("scale_dtype, dtype", SCALES_AND_MODELS)
+def test_a_load_in_any_dtype_is_what_transformers_loads_in_it_compressed_tensors_own_only_in_the_scales(
+    scale_dtype, dtype, tmp_path
+):
+    """A checkpoint compressed_tensors writes with scales in `scale_dtype`, loaded into a
+    float model in `dtype`: every weight is what transformers'
+    ``from_pretrained(dtype=...)`` decompresses, bit for bit (the scales rounded into the
+    model's dtype, then multiplied in it), in all four pairs of bfloat16 and float32.
+    compressed_tensors' own decompression (multiplied in the scales' dtype, then cast)
+    gives the same only where the two dtypes agree. A quantized model in `dtype` holds
+    the stored integers and the scales cast to `dtype`, and dequantizes to the float
+    load. Planted: the product taken in the scales' dtype (the crossed pairs fail)."""
+    torch_dtype = {jnp.float32: torch.float32, jnp.bfloat16: torch.bfloat16}[dtype]
+    config = llama.llama_config(tied=False)
+    compressed_folder(reference(config).to(scale_dtype), tmp_path, bits=4, group_size=16)
+    checkpoint = open_safetensors(tmp_path)
+    rules = convert.quantized_rules(RULES, checkpoint)
+    in_dtype = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, dtype), abstract(config))
+    floats = load_safetensors(in_dtype, checkpoint, rules=rules)
+    quantized = tt.quantize(in_dtype, bits=4, group_size=16, where="layers.**")
+    quantized = load_safetensors(quantized, checkpoint, rules=rules)
+    theirs = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch_dtype).eval()
+    with torch.no_grad():  # (transformers decompresses at the first forward)
+        theirs(torch.from_numpy(IDS[:, :2]), use_cache=False)
+    (group,) = json.loads((tmp_path / "config.json").read_text())["quantization_config"][
+        "config_groups"
+    ].values()
+    own_agrees = []
+    for i in range(config.num_hidden_layers):
+        for torch_name, name in MODULES.items():
+            module = f"model.layers.{i}.{torch_name}"
+            want = theirs.get_submodule(module).weight.detach()
+            assert want.dtype == torch_dtype
+            want = want.float().numpy()  # (bfloat16 to float32: exact)
+            kernel = functools.reduce(getattr, name.split("."), floats.layers[i]).kernel
+            assert kernel.dtype == dtype
+            np.testing.assert_array_equal(np.asarray(kernel).astype(np.float32).T, want)
+            packed = functools.reduce(getattr, name.split("."), quantized.layers[i]).kernel
+            stored = checkpoint[module + ".weight_scale"].read().astype(dtype)
+            assert packed.scale.dtype == dtype
+            np.testing.assert_array_equal(np.asarray(packed.scale).T, stored)
+            dequantized = np.asarray(packed.dequantize()).astype(np.float32)
+            np.testing.assert_array_equal(dequantized.T, want)
+            own = decompressed(checkpoint, group, module).to(torch_dtype).float().numpy()
+            own_agrees.append(np.array_equal(own, want))
+    assert all(own_agrees) == (scale_dtype == torch_dtype), own_agrees
 
 
 def export_folder(model, config, folder):
