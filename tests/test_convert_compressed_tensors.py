@@ -1,9 +1,12 @@
 """compressed-tensors checkpoints in and out: the packing against compressed_tensors' own,
 bit for bit; checkpoints written by compressed_tensors loaded bit for bit into quantized
-models and dequantized into float ones as transformers decompresses them; Taktiny's int4
-and int8 models exported so that transformers (through compressed_tensors) decompresses
-exactly their dequantized weights and computes their outputs, and loaded back bit for
-bit; and every scheme out of scope refused by name."""
+models and dequantized into float ones as transformers decompresses them (in each pair of
+bfloat16/float32 scales and models), one rule reading packed modules and one left in float
+alike; Taktiny's int4 and int8 models exported so that transformers (through
+compressed_tensors) decompresses exactly their dequantized weights and computes their
+outputs, and loaded back bit for bit, rows the packing pads and one group spanning a row
+included (property_tests/test_compressed_tensors.py draws the rest); and every scheme out
+of scope refused by name."""
 
 import functools
 import json
@@ -441,6 +444,7 @@ def test_an_export_whose_rows_the_packing_pads_or_whose_one_group_spans_the_row_
     np.testing.assert_array_equal(floats.down.kernel, model.down.kernel.dequantize())
 
 
+@pytest.mark.thorough  # (the property's issue-50 example checks it in make test)
 def test_one_rule_over_rows_of_the_same_words_and_other_widths_reads_each_as_recorded(tmp_path):
     """A '**' rule reading per-channel int4 layers of 36, 40 and 36 input features (5 words
     a row each), which the shapes a plan sees cannot tell apart: the module of 40 gets a

@@ -1,5 +1,6 @@
 """FP8 block-scaled checkpoints in (`convert.quantized_rules`, `convert.dequantize_blocks`):
-the NumPy oracle of the dequantization, bit for bit, ragged edge blocks included; a sharded
+the NumPy oracle of the dequantization, bit for bit, ragged edge blocks included; products
+rounded to float32, then into bfloat16, as PyTorch rounds them; a sharded
 Hugging Face Llama folder loaded into bfloat16 and float32 models (checked against PyTorch
 DCP's `QuantizedHuggingFaceStorageReader` too) and requantized on the stream into int8 and
 int4 models; and every checkpoint or config it cannot read refused by name."""

@@ -159,7 +159,7 @@ class unpack_quantized(Transform):
         words, groups = packed.shape[-1], scale.shape[-1]
         per = 32 // self.bits
         if self.group_size is None:
-            n = self.features.get(words, words * per)
+            n = self.features[words] if words in self.features else words * per
         else:
             n = groups * self.group_size
         fits = (

@@ -84,8 +84,9 @@ def _placed(
     group_size: int | None,
 ) -> Any:
     """The block product (rounded to float32) rounded into `dtype`, then (with `bits`)
-    quantized along `axis`, in one XLA program, which holds no float32 product for a float leaf, nor for
-    a quantized one of a `_ROUNDED` dtype from `_ORDERED` weights (`_requantized`)."""
+    quantized along `axis`, in one XLA program, which holds no float32 product for a
+    float leaf, nor for a quantized one of a `_ROUNDED` dtype from `_ORDERED` weights
+    (`_requantized`)."""
     if bits is not None and _unheld(value.dtype, dtype):
         return _requantized(value, scale, blocks, dtype, bits, axis, group_size)
     product = _product(value, scale, blocks).astype(dtype)
