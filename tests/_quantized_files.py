@@ -10,6 +10,8 @@
   itself: its quantization config applied to a torch model, the scales its own
   ``calculate_qparams`` gives, compressed by its ``ModelCompressor``, saved by
   ``save_pretrained`` with the config it writes.
+- `decompressed`: one module's weight as ``compressed_tensors``' own pack-quantized
+  compressor decompresses it.
 """
 
 from __future__ import annotations
@@ -118,8 +120,10 @@ def compressed_folder(
 ) -> None:
     """Quantizes the torch `model`'s Linear layers (but `ignore`) with compressed_tensors
     (symmetric int, per channel or per group of `group_size`; `weights` overrides its
-    QuantizationArgs) and saves the compressed checkpoint in `folder` as its library does.
-    The model is changed (compressed)."""
+    QuantizationArgs) and saves the compressed checkpoint in `folder` as its library does
+    (a module without ``save_pretrained``: its state dict in ``model.safetensors``, and
+    the config compressed_tensors writes alone in ``config.json``). The model is changed
+    (compressed)."""
     import torch
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import (
@@ -149,5 +153,38 @@ def compressed_folder(
                     module.weight_zero_point.copy_(zero.reshape(module.weight_zero_point.shape))
     compressor = ModelCompressor.from_pretrained_model(model)
     compressor.compress_model(model)
-    model.save_pretrained(folder)
+    if hasattr(model, "save_pretrained"):
+        model.save_pretrained(folder)
+    else:
+        from safetensors.torch import save_file
+
+        folder.mkdir(parents=True, exist_ok=True)
+        save_file(model.state_dict(), folder / "model.safetensors", {"format": "pt"})
+        (folder / "config.json").write_text("{}")
     compressor.update_config(str(folder))
+
+
+def as_torch(array: Any) -> Any:
+    """A NumPy array (bfloat16 included, by its bits) as a torch tensor of its dtype."""
+    import torch
+
+    array = np.asarray(array).copy()  # (writable: torch takes no read-only memory)
+    if array.dtype == ml_dtypes.bfloat16:
+        return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(array)
+
+
+def decompressed(tensors: Any, group: dict[str, Any], module: str) -> Any:
+    """`module`'s weight (a torch tensor ``[out, in]``) as compressed_tensors' own
+    ``PackedQuantizationCompressor`` decompresses its ``weight_packed``, ``weight_scale``
+    and ``weight_shape`` from `tensors` (a name -> array mapping) with the config `group`
+    (one of a ``quantization_config``'s ``config_groups``): the integers times their
+    scales, in the scales' dtype."""
+    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationScheme
+
+    parts = ("weight_packed", "weight_scale", "weight_shape")
+    state = {part: as_torch(tensors[f"{module}.{part}"]) for part in parts}
+    weight = PackedQuantizationCompressor.decompress(state, QuantizationScheme(**group))["weight"]
+    assert weight.dtype == state["weight_scale"].dtype
+    return weight

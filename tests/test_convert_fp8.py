@@ -1,5 +1,6 @@
 """FP8 block-scaled checkpoints in (`convert.quantized_rules`, `convert.dequantize_blocks`):
-the NumPy oracle of the dequantization, bit for bit, ragged edge blocks included; a sharded
+the NumPy oracle of the dequantization, bit for bit, ragged edge blocks included; products
+rounded to float32, then into bfloat16, as PyTorch rounds them; a sharded
 Hugging Face Llama folder loaded into bfloat16 and float32 models (checked against PyTorch
 DCP's `QuantizedHuggingFaceStorageReader` too) and requantized on the stream into int8 and
 int4 models; and every checkpoint or config it cannot read refused by name."""
@@ -29,7 +30,7 @@ from _quantized_files import (
 
 import taktiny as tt
 from taktiny import convert, nn
-from taktiny.io import load_safetensors, open_safetensors
+from taktiny.io import load_safetensors, open_safetensors, save_safetensors
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "examples"))
 import llama  # (the example's model and rules)
@@ -181,6 +182,62 @@ def test_dequantize_blocks_refuses_scales_of_other_blocks():
         match=r"layout is identity\(\) or a transpose, got split\(axis=0\); chain other transforms after this one",
     ):
         convert.dequantize_blocks(layout=convert.split(0))
+
+
+# float8_e4m3fn bytes and float32 scale bits whose products, rounded to float32 and then to
+# bfloat16, differ from the exact product rounded once to bfloat16 (the first 8 of the 26 in
+# 4 million random pairs: the float32 rounding lands on a bfloat16 tie)
+DOUBLE_ROUNDED = [(55, 992407279), (27, 998101365), (25, 1007827172), (180, 1008052907),
+                  (181, 998123363), (58, 986657587), (178, 992398541), (186, 1007393178)]  # fmt: skip
+
+
+def rounded_once(exact, bits):
+    """`exact` (float64) rounded once, to nearest even, to `bits` significant bits (8:
+    bfloat16's), for normal numbers."""
+    fraction, exponent = np.frexp(exact)
+    return np.round(np.ldexp(fraction, bits)) * np.exp2(exponent - bits)
+
+
+def test_fp8_products_round_in_float32_then_into_the_leafs_dtype_as_pytorch_rounds_them(
+    tmp_path,
+):
+    """A float8 value (4 significant bits) times a float32 scale (24) can need 28 bits: the
+    load rounds the product to float32, then casts it to the leaf's dtype, rounding again
+    into bfloat16. That is PyTorch's (and DCP's) ``(w.float() * scale).to(dtype)``, bit for
+    bit, on entries where it differs from rounding the exact product once; an int8 model
+    quantizes that. Planted: the product taken in the leaf's dtype (the scale rounded into
+    bfloat16 first: the bfloat16 load fails)."""
+    w = np.array([b for b, _ in DOUBLE_ROUNDED], np.uint8).view(ml_dtypes.float8_e4m3fn)
+    scale = np.array([b for _, b in DOUBLE_ROUNDED], np.uint32).view(np.float32)
+    w, scale = w.reshape(2, 4), scale.reshape(2, 4)  # (a 1x1 block per entry)
+    save_safetensors(
+        tmp_path / "model.safetensors", {"proj.weight": w, "proj.weight_scale_inv": scale}
+    )
+    fp8_config = {**FP8_CONFIG, "weight_block_size": [1, 1]}
+    (tmp_path / "config.json").write_text(json.dumps({"quantization_config": fp8_config}))
+    rules = convert.linear("proj", "layers.0", bias=False)
+    rules = convert.quantized_rules(rules, open_safetensors(tmp_path))
+    product = torch.from_numpy(w.view(np.uint8)).view(torch.float8_e4m3fn).float()
+    product = product * torch.from_numpy(scale)  # PyTorch's float32 product
+    exact = w.astype(np.float64) * scale.astype(np.float64)  # (float64 holds 28 bits)
+    assert (product.double().numpy() != exact).all()  # each rounded in float32
+    loaded = {}
+    for dtype, torch_dtype in [(jnp.float32, torch.float32), (jnp.bfloat16, torch.bfloat16)]:
+        target = jax.eval_shape(functools.partial(projection, dtype))
+        model = load_safetensors(target, tmp_path, rules=rules)
+        loaded[dtype] = np.asarray(model.layers[0].kernel).T
+        want = product.to(torch_dtype).float().numpy()  # (to float32: exact)
+        np.testing.assert_array_equal(loaded[dtype].astype(np.float32), want)
+        requantized = load_safetensors(tt.quantize(target), tmp_path, rules=rules)
+        quantized = tt.quantize(model)
+        for a, b in zip(jax.tree.leaves(requantized), jax.tree.leaves(quantized), strict=True):
+            assert a.dtype == b.dtype and np.array_equal(a, b)  # (quantized from that)
+    once = rounded_once(exact, 8).astype(np.float32)  # (8 significant bits: exact)
+    assert (once != loaded[jnp.bfloat16].astype(np.float32)).all()
+
+
+def projection(dtype):
+    return nn.Sequential(nn.Linear(4, 2, use_bias=False, param_dtype=dtype, rngs=nn.Rngs(0)))
 
 
 def is_linear(name):  # the decoder layers' projections, as transformers' FP8 models hold them

@@ -83,9 +83,10 @@ def _placed(
     axis: int,
     group_size: int | None,
 ) -> Any:
-    """The block product rounded once into `dtype`, then (with `bits`) quantized along
-    `axis`, in one XLA program, which holds no float32 product for a float leaf, nor for
-    a quantized one of a `_ROUNDED` dtype from `_ORDERED` weights (`_requantized`)."""
+    """The block product (rounded to float32) rounded into `dtype`, then (with `bits`)
+    quantized along `axis`, in one XLA program, which holds no float32 product for a
+    float leaf, nor for a quantized one of a `_ROUNDED` dtype from `_ORDERED` weights
+    (`_requantized`)."""
     if bits is not None and _unheld(value.dtype, dtype):
         return _requantized(value, scale, blocks, dtype, bits, axis, group_size)
     product = _product(value, scale, blocks).astype(dtype)
@@ -174,15 +175,17 @@ class dequantize_blocks(Transform):
     """Makes one float array from two, block-scaled weights and their scales (sources
     ``["{m}.weight", "{m}.weight_scale_inv"]``, as FP8 checkpoints hold them): each entry
     times the scale of its block, ``block_size`` entries over the last axes, the last
-    block of an axis holding what is left. Computed in float32, the product is exact for
-    float8 weights and float32 scales; the result is in `dtype`, laid out by `layout` in
-    the same XLA program (so a transposed product is not held beside the product).
+    block of an axis holding what is left. Computed in float32 and rounded to it (a
+    float8 value times a float32 scale can need 28 significant bits), the product is
+    then cast to `dtype`, rounded again where that is narrower: PyTorch's
+    ``(w.float() * scale).to(dtype)``, bit for bit. It is laid out by `layout` in the
+    same XLA program (so a transposed product is not held beside the product).
 
     Args:
         block_size: the entries of a block along each of the last axes; ``(128, 128)``
             for the checkpoints Hugging Face ships.
-        dtype: the dtype of the result; float32 by default (a load casts it to each
-            leaf's dtype, rounding once).
+        dtype: the dtype of the result; float32 by default (a load casts that to each
+            leaf's dtype).
         layout: ``identity()`` (the default) or a ``transpose`` of the result: a
             ``Linear``'s ``[out, in]`` weight into a kernel's ``[in, out]``.
 
@@ -243,8 +246,8 @@ class dequantize_blocks(Transform):
 
     def placed(self, value: Any, scale: Any, dtype: Any, like: QArray | None = None) -> Any:
         """What a load places from weights already laid out (`value`: read permuted by
-        :meth:`perm`, as the load reads them) and their scales as stored: the product
-        rounded once into `dtype`; with `like`, quantized as it is (``(value, scale)``
+        :meth:`perm`, as the load reads them) and their scales as stored: the float32
+        product cast to `dtype`; with `like`, quantized as it is (``(value, scale)``
         parts), in the same XLA program.
 
         Args:

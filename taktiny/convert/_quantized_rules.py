@@ -10,7 +10,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from ._compressed_tensors import FORMAT, compressed_rule, scheme
+from ._compressed_tensors import FORMAT, compressed_rules, scheme
 from ._fp8 import SCALE_SUFFIX, fp8_rule
 from ._rules import AnyRule, Rule, compile_template, first_match
 
@@ -36,11 +36,18 @@ def quantized_rules(
       weights per channel or per group: each module's ``weight_packed``,
       ``weight_scale`` and ``weight_shape`` are read into a :class:`~taktiny.QArray`
       (:class:`unpack_quantized`), which loads bit for bit into a quantized model of the
-      same layout and dequantized into a float one.
+      same layout and dequantized into a float one. The layout is the config group
+      whose shapes the tensors fit (the one whose ``targets`` name the module, where
+      they fit several); a per-channel module's input features are what its
+      ``weight_shape`` records (read here, a few bytes each: its packed rows have room
+      for up to ``32 // bits - 1`` more), and a module that records other features than
+      the rule's others with rows of as many words gets a rule of its own.
 
     A rule is rewritten when it reads one ``<module>.weight`` template (as the presets'
-    do: :func:`linear`, a rename or a transpose); its modules must all be quantized, or
-    all not. Names left over (scales no rule reads) are the load's usual problems.
+    do: :func:`linear`, a rename or a transpose). An FP8 rule's modules must all be
+    quantized, or all not; a compressed-tensors rule that also reads modules left in
+    float (the config's ``ignore``, such as ``lm_head``) is kept for them, after the
+    rewritten one. Names left over (scales no rule reads) are the load's usual problems.
 
     Args:
         rules: the rules for the model's float checkpoint.
@@ -57,8 +64,9 @@ def quantized_rules(
         ValueError: no ``config.json`` (or no ``quantization_config`` in it); a
             ``quant_method``, format or scheme Taktiny does not read (asymmetric zero
             points, activation quantization, other formats), naming it; a rule whose
-            modules are quantized in part, or that reads a quantized weight other than
-            as one ``<module>.weight`` template.
+            modules are quantized in part, that reads a quantized weight other than as
+            one ``<module>.weight`` template, or whose modules fit different config
+            groups.
     """
     quantization = _quantization_config(checkpoint, config)
     method = quantization.get("quant_method")
@@ -85,13 +93,13 @@ def quantized_rules(
                 out.append(rule)
         return out
     if method == "compressed-tensors":
-        layouts = scheme(quantization)
+        groups = scheme(quantization)
         for i, rule in enumerate(rules):
             packed = _packed(rule, names)
             if packed:
                 assert isinstance(rule, Rule)  # (only a Rule takes names)
                 _one_weight(rule, f"compressed-tensors {FORMAT!r} weights", packed)
-                out.append(compressed_rule(rule, packed, checkpoint, layouts))
+                out.extend(compressed_rules(rule, packed, checkpoint, groups))
                 if i not in taken:
                     continue
             out.append(rule)
