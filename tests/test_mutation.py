@@ -156,6 +156,15 @@ def test_the_last_waves_files_are_held_to_their_own_target(tmp_path, capsys):
     assert mutation_report.main(args) == 0
 
 
+def test_the_files_held_to_their_own_target_exist():
+    """Each target of EACH_FILE names a file or folder of the package, so that a file that
+    moves takes its target along (quant/_qarray.py was once held as taktiny/_qarray.py,
+    a path gone since, and so to no target at all)."""
+    root = Path(mutation_report.__file__).resolve().parent.parent
+    missing = [path for path in mutation_report.EACH_FILE if not (root / path).exists()]
+    assert not missing, f"EACH_FILE names paths that are gone: {missing}"
+
+
 def test_results_are_kept_and_restored_and_pending_ones_named(tmp_path):
     meta = tmp_path / "mutants" / "taktiny" / "io" / "_x.py.meta"
     meta.parent.mkdir(parents=True)
