@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 
 import taktiny as tt
 from taktiny import convert, nn
-from taktiny.io import load_safetensors, plan_load, save_safetensors
+from taktiny.io import load_safetensors, open_safetensors, plan_load, save_safetensors
 
 HERE = Path(__file__).parent
 
@@ -130,6 +130,26 @@ def test_a_float_checkpoint_quantizes_into_a_stack_layer_by_layer(tmp_path, mode
     quantized = tt.quantize(abstract(), bits=4, group_size=4, where="layers.**")
     loaded = load_safetensors(quantized, tmp_path / "hf.safetensors", rules=RULES)
     assert equal(loaded, tt.quantize(model, bits=4, group_size=4, where="layers.**"))
+
+
+def test_a_4_bit_stack_saved_per_layer_streams_back_bitwise(tmp_path, model):
+    """Each layer's 4-bit values are stored packed, two a byte: unpacked on their way into
+    the stacked QArray, on one CPU device (read into the host buffer JAX adopts) and on a
+    mesh. Read raw into the host buffer, they would load as other integers, silently
+    (planted by hand: Stacker.on_host taking packed tensors)."""
+    quantized = tt.quantize(model, bits=4, group_size=4, where="layers.**")
+    path = tmp_path / "q4.safetensors"
+    save_safetensors(path, quantized.flat_state_dict(unstacked=True))
+    assert open_safetensors(path)["layers.3.attention.kernel.value"].packed
+    target = tt.quantize(abstract(), bits=4, group_size=4, where="layers.**")
+    loaded = load_safetensors(target, path)
+    assert loaded.layers.block.attention.kernel.value.dtype == jnp.int4
+    assert equal(loaded, quantized)
+    mesh = jax.make_mesh((2, 4), ("data", "model"))
+    sharded = tt.shard(target, {"layers.*.attention.kernel.*": P(None, "model"), "**": P()}, mesh)
+    onto_mesh = load_safetensors(sharded, path)
+    assert onto_mesh.layers.block.attention.kernel.value.sharding.spec == P(None, None, "model")
+    assert equal(onto_mesh, quantized)
 
 
 def test_the_plan_names_the_per_layer_steps(tmp_path, model):
