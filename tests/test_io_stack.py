@@ -152,6 +152,57 @@ def test_a_4_bit_stack_saved_per_layer_streams_back_bitwise(tmp_path, model):
     assert equal(onto_mesh, quantized)
 
 
+STACK_FOR_LIST = (
+    "'layers': this checkpoint holds a stack of 4 layers at 'layers' (names 'layers.block.…' "
+    "with a leading layer axis of 4); the model holds a list of 4 layers, 'layers.0' … "
+    "'layers.3'. Give the stacked model's state per layer, named as a list names its layers "
+    "(save_safetensors(path, model.flat_state_dict(unstacked=True))), or hold the model's "
+    "layers in an nn.Stack."
+)
+
+
+def test_a_stacked_checkpoint_into_a_list_of_layers_is_one_problem_naming_both(tmp_path, model):
+    """Not an unknown name a leaf and a missing one a layer, with strict=False suggested to
+    a model that has no values to keep: one problem, both forms, the fix; streamed,
+    planned, into a concrete or an abstract model. The fix it names loads."""
+    path = tmp_path / "stacked.safetensors"
+    save_safetensors(path, model)
+    said = "taktiny.io.load_safetensors(Unrolled): 1 problem; nothing was loaded.\n  - "
+    listed = jax.eval_shape(lambda: Unrolled(rngs=nn.Rngs(0)))
+    for target in (listed, Unrolled(rngs=nn.Rngs(0))):
+        for strict in (True, False):
+            with pytest.raises(tt.StateDictError) as info:
+                load_safetensors(target, path, strict=strict)
+            assert str(info.value) == said + STACK_FOR_LIST
+    plan = plan_load(listed, path)
+    assert [str(p) for p in plan.problems] == [STACK_FOR_LIST]
+    fixed = tmp_path / "per_layer.safetensors"
+    save_safetensors(fixed, model.flat_state_dict(unstacked=True))
+    assert equal(load_safetensors(listed, fixed).layers, [model.layers[i] for i in range(4)])
+
+
+def test_a_list_of_layers_loads_into_a_stack_as_many_as_it_holds(tmp_path, model):
+    """The reverse loads, layer by layer into the stacked leaves; a list of more layers
+    than the stack holds is one problem naming both counts, not an unknown name a leaf."""
+    unrolled = Unrolled(rngs=nn.Rngs(3))
+    save_safetensors(tmp_path / "four.safetensors", unrolled)
+    for target in (abstract(), model):
+        loaded = load_safetensors(target, tmp_path / "four.safetensors")
+        assert equal([loaded.layers[i] for i in range(4)], unrolled.layers)
+    assert plan_load(abstract(), tmp_path / "four.safetensors").ok
+    save_safetensors(tmp_path / "six.safetensors", Unrolled(6, rngs=nn.Rngs(3)))
+    six = (
+        "'layers': this checkpoint holds 6 layers at 'layers', per layer ('layers.0' … "
+        "'layers.5'); the model holds a stack of 4 layers there (names 'layers.block.…' with a "
+        "leading layer axis of 4). Per-layer names load into a stack, as many layers as it "
+        "holds: make the model's nn.Stack of 6 layers, or leave out layers 4 … 5."
+    )
+    with pytest.raises(tt.StateDictError) as info:
+        load_safetensors(abstract(), tmp_path / "six.safetensors")
+    assert [str(p) for p in info.value.problems] == [six]
+    assert [str(p) for p in plan_load(model, tmp_path / "six.safetensors").problems] == [six]
+
+
 def test_the_plan_names_the_per_layer_steps(tmp_path, model):
     save_safetensors(tmp_path / "hf.safetensors", convert.export(RULES, model))
     plan = plan_load(abstract(), tmp_path / "hf.safetensors", rules=RULES)

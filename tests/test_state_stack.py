@@ -123,7 +123,11 @@ def test_per_layer_problems_are_named_per_layer():
         match=r"'layers\.block\.norm\.scale': given both whole and per layer \('layers\.0\.norm\.scale'\)",
     ):
         model.load_flat_state_dict(both)
-    with pytest.raises(tt.StateDictError, match=r"'layers\.3\.dense\.kernel': unknown key"):
+    with pytest.raises(
+        tt.StateDictError,
+        match=r"'layers': this state holds 4 layers at 'layers', per layer .*; the model holds a "
+        r"stack of 3 layers there .* or leave out layer 3\.$",
+    ):  # (a layer past the stack's last)
         model.load_flat_state_dict({"layers.3.dense.kernel": np.zeros((4, 4), np.float32)})
     abstract = jax.eval_shape(lambda: Model(rngs=nn.Rngs(0)))
     with pytest.raises(
@@ -137,6 +141,27 @@ def test_per_layer_problems_are_named_per_layer():
         state = model.flat_state_dict(unstacked=True)
         del state["layers.1.norm.scale"]
         tt.load_flat_state_dict(abstract, state, strict=True)
+
+
+def test_some_layers_under_strict_are_missing_the_others():
+    """strict=True asks for every layer: a state of some layers is refused, naming each layer
+    left out, not written into a copy of the stacked leaves (which keeps the others)."""
+    model = Model(count=4, rngs=nn.Rngs(0))
+    three = Model(count=3, rngs=nn.Rngs(1)).flat_state_dict(unstacked=True)
+    hint = "missing: strict=True requires every parameter; supply it, or pass strict=False"
+    for load in (
+        lambda: model.load_flat_state_dict(three, strict=True),
+        lambda: model.load_state_dict(Model(count=3, rngs=nn.Rngs(1)).state_dict(unstacked=True),
+                                      strict=True),
+    ):  # fmt: skip
+        with pytest.raises(tt.StateDictError) as info:
+            load()
+        assert info.value.missing_keys == (
+            "layers.3.dense.kernel", "layers.3.dense.bias", "layers.3.norm.scale"
+        )  # fmt: skip
+        assert all(p.hint.startswith(hint) for p in info.value.problems)
+    loaded = model.load_flat_state_dict(three)  # (without strict: the others kept)
+    np.testing.assert_array_equal(loaded.layers.block.dense.kernel[3], model.layers[3].dense.kernel)
 
 
 def test_the_schema_marks_a_stack_s_leaves_and_survives_json():

@@ -11,8 +11,9 @@ array per leaf touched; the model's other leaves are kept as they are).
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
-from typing import Any, cast
+import itertools
+from collections.abc import Iterable, Mapping
+from typing import Any, NamedTuple, cast
 
 import jax
 import jax.numpy as jnp
@@ -23,8 +24,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 import taktiny.state._problems as err
 
 from ..arrays import CACHE_BOUND
-from ._names import Spec, fields, flatten, is_stack
-from ._problems import Problems, StateDictError
+from ._names import Spec, Stacked, fields, flatten, is_stack
+from ._problems import Problems, StateDictError, StateProblem, groups_of
 from ._values import checked_value
 
 
@@ -68,13 +69,13 @@ def layer_sharded(leaf: Any) -> jax.ShapeDtypeStruct:
 
 
 def restacked(
-    spec: Spec, leaves: list[Any], flat: Mapping[str, Any], caller: str
+    spec: Spec, leaves: list[Any], flat: Mapping[str, Any], caller: str, strict: bool = False
 ) -> dict[str, Any]:
     """`flat` with its per-layer names turned into the stacked leaves they are slices of:
     every layer given, the slices stacked; some, written into a copy of the leaf. Raises
     StateDictError for a slice of the wrong shape or kind (named per layer), for a leaf
     given both whole and per layer, and for some layers of an abstract leaf (the others
-    have no value)."""
+    have no value) or under `strict` (each layer not given is missing)."""
     out: dict[str, Any] = {}
     groups: dict[str, dict[int, tuple[str, Any]]] = {}
     for name, value in flat.items():
@@ -98,13 +99,18 @@ def restacked(
             parts = [checked[i] for i in range(count)]
             host = all(isinstance(p, np.ndarray) for p in parts)
             out[stacked] = np.stack(parts) if host else jnp.stack(parts)
-        elif isinstance(old, jax.ShapeDtypeStruct):
+        elif strict or isinstance(old, jax.ShapeDtypeStruct):
             stack = spec.stack_of(stacked)
             assert stack is not None  # (a per-layer name's leaf is a stack's)
+            abstract = isinstance(old, jax.ShapeDtypeStruct)
             for i in range(count):
                 if i not in checked:
                     name = stack.layer_name(stacked, i)
-                    problems.append(err.layer_without_value(name, stacked, sorted(checked)))
+                    problems.append(
+                        err.layer_without_value(name, stacked, sorted(checked))
+                        if abstract
+                        else err.missing(name)
+                    )
         else:
             index = np.array(sorted(checked))
             given = [checked[i] for i in sorted(checked)]
@@ -120,6 +126,93 @@ def restacked(
     if problems:
         raise StateDictError(caller, problems)
     return out
+
+
+class Forms(NamedTuple):
+    """What :func:`other_forms` finds: one problem per stack or list of layers given in
+    the other form, the given names it tells of, and the model's leaves it covers (a list
+    of layers given as a stack: not each told missing as well)."""
+
+    problems: list[StateProblem]
+    explained: set[str]
+    covered: set[str]
+
+
+def other_forms(
+    given: Iterable[tuple[str, Any]],
+    leaves: Mapping[str, Any],
+    stacks: Iterable[Stacked],
+    source: str,
+) -> Forms:
+    """The names a load does not know (`given`: name and value, or a tensor's header; a
+    nested dict of them) that are a stack of layers where the model (its `leaves` by name,
+    its `stacks`) holds a list, or more layers per layer than its stack holds: one problem
+    for each such stack, instead of one unknown name per leaf. A stack's name is the
+    list's with a word in the layer's place (``layers.block.…``: nn.Stack's field), its
+    value one axis more than the list's leaf (when both have shapes). `source` is
+    ``"checkpoint"`` or ``"state"``, as the message names it."""
+    flat: dict[str, Any] = {}
+    origin: dict[str, str] = {}  # each flat name -> the name given (a nested group's)
+    for name, value in given:
+        if isinstance(value, Mapping):  # (a nested state's group; too deep: not a stack's)
+            if not _string_keys(cast("Mapping[Any, Any]", value)):
+                continue
+            inside: dict[str, Any] = {}
+            _dotted(cast("Mapping[str, Any]", value), name, inside)
+            flat.update(inside)
+            origin.update(dict.fromkeys(inside, name))
+        else:
+            flat[name] = value
+            origin[name] = name
+    if not flat:  # (every name known: a load's common case costs nothing here)
+        return Forms([], set(), set())
+    names = list(leaves)
+    known = set(names) | groups_of(names)
+    by_path = {stack.path: stack for stack in stacks}
+    lists: dict[tuple[str, str], list[str]] = {}  # (path, stacked field) -> names given
+    beyond: dict[str, dict[int, list[str]]] = {}  # stack's path -> layer -> names given
+    for name in flat:
+        parts = name.split(".")
+        for j in range(len(parts) - 1):
+            head, key, rest = ".".join(parts[:j]), parts[j], ".".join(parts[j + 1 :])
+            first = f"{head}.0.{rest}" if head else f"0.{rest}"  # (its name in layer 0)
+            stack = by_path.get(head)
+            if stack is not None and key.isdigit() and str(int(key)) == key:
+                if int(key) >= stack.count and {first, f"{stack.block}.{rest}"} & known:
+                    beyond.setdefault(head, {}).setdefault(int(key), []).append(name)
+                    break
+            elif j and stack is None and not key.isdigit() and first in known:
+                if _one_axis_more(flat[name], leaves.get(first)):
+                    lists.setdefault((head, key), []).append(name)
+                break
+    problems: list[StateProblem] = []
+    explained, covered = set[str](), set[str]()
+    for (path, field), found in lists.items():
+        count = next(i for i in itertools.count() if f"{path}.{i}" not in known)
+        shapes = (getattr(flat[n], "shape", None) for n in found)
+        layers = next((int(shape[0]) for shape in shapes if shape), None)
+        problems.append(err.stacked_into_list(path, f"{path}.{field}", layers, count, source))
+        explained.update(origin[n] for n in found)
+        covered.update(n for n in names if _in_layer(n, path))
+    for path, found in beyond.items():
+        stack = by_path[path]
+        layers = max(found) + 1
+        problems.append(err.beyond_stack(path, stack.block, layers, stack.count, source))
+        explained.update(origin[n] for group in found.values() for n in group)
+    return Forms(problems, explained, covered)
+
+
+def _one_axis_more(value: Any, leaf: Any) -> bool:
+    """Whether `value` (a stacked leaf, or a tensor's header) has one axis more than the
+    layer's `leaf`, the layer axis; True when either has no shape to tell."""
+    shape, own = getattr(value, "shape", None), getattr(leaf, "shape", None)
+    return shape is None or own is None or len(shape) == len(own) + 1
+
+
+def _in_layer(name: str, path: str) -> bool:
+    """Whether `name` is the leaf of a layer of the list at `path` (``layers.3.…``)."""
+    head, _, tail = name[len(path) + 1 :].partition(".") if path else name.partition(".")
+    return (not path or name.startswith(path + ".")) and head.isdigit() and bool(tail)
 
 
 def nest(flat: Mapping[str, Any]) -> dict[str, Any]:
@@ -210,9 +303,11 @@ def stacked_state(
     flat: bool,
     caller: Any,
     flattened: tuple[list[Any], Spec] | None = None,
+    strict: bool = False,
 ) -> Mapping[Any, Any]:
     """`state` with per-layer names of the tree's stacks turned into their stacked leaves
-    (:func:`restacked`); `state` itself when it has none. `caller()` names the load.
+    (:func:`restacked`, `strict` as the load's); `state` itself when it has none.
+    `caller()` names the load.
     `flattened` is the tree's leaves and description when the load has them (a load that
     flattens the tree); without, a walk down the names the state gives (a load of a few)
     says whether any goes through a stack, so that a load naming none pays nothing."""
@@ -227,7 +322,7 @@ def stacked_state(
     else:
         leaves, _, spec = flatten(tree)
     if flat:
-        return restacked(spec, leaves, state, caller())
+        return restacked(spec, leaves, state, caller(), strict)
     out: dict[Any, Any] = dict(state)
     for stack in spec.stacks:  # each stack's subtree given per layer: made stacked
         path = stack.path.split(".") if stack.path else []
@@ -246,7 +341,7 @@ def stacked_state(
                 continue
             dotted: dict[str, Any] = {}
             _dotted(node, stack.path, dotted)  # pyright: ignore[reportUnknownArgumentType]
-            made = nest(restacked(spec, leaves, dotted, caller()))
+            made = nest(restacked(spec, leaves, dotted, caller(), strict))
             for key in path:
                 made = made[key]
             rebuilt: Any = made  # copies along the path: the caller's dicts are not changed
