@@ -164,6 +164,42 @@ def test_some_layers_under_strict_are_missing_the_others():
     np.testing.assert_array_equal(loaded.layers.block.dense.kernel[3], model.layers[3].dense.kernel)
 
 
+@pytest.mark.parametrize("bits, group_size", [(4, 2), (4, None), (8, None)])
+def test_a_stacked_qarray_reads_per_layer_as_qarrays_and_loads_back_bitwise(bits, group_size):
+    """state_dict(unstacked=True) gives each layer of a stacked QArray as the QArray a list of
+    the same blocks holds (not a dict of its parts), and that state loads back bit for bit
+    into the stack (concrete, abstract) and into the list of blocks; the flat state keeps
+    naming the parts."""
+    quantize = lambda m: tt.quantize(m, bits=bits, group_size=group_size, where="layers.**")
+    model = quantize(Model(rngs=nn.Rngs(0)))
+    state = model.state_dict(unstacked=True)
+    for i in range(3):
+        layer = state["layers"][str(i)]["dense"]["kernel"]
+        want = model.layers[i].dense.kernel
+        assert isinstance(layer, tt.QArray) and repr(layer) == repr(want)
+        assert bitwise(layer, want)
+    flat = model.flat_state_dict(unstacked=True)
+    assert "layers.1.dense.kernel.value" in flat and "layers.1.dense.kernel" not in flat
+    other = quantize(Model(rngs=nn.Rngs(1)))
+    abstract = jax.eval_shape(lambda: quantize(Model(rngs=nn.Rngs(1))))
+    for target in (other, abstract):
+        assert bitwise(tt.load_state_dict(target, state, strict=True), model)
+        assert bitwise(tt.load_flat_state_dict(target, flat, strict=True), model)
+    some = {"layers": {"1": state["layers"]["1"]}}  # one layer: only its slices change
+    mixed = other.load_state_dict(some)
+    assert bitwise(mixed.layers[1], model.layers[1]) and bitwise(mixed.layers[0], other.layers[0])
+    listed = quantize(unrolled(Model(rngs=nn.Rngs(1))))
+    assert bitwise(listed.load_state_dict(state, strict=True), unrolled(model))
+    assert tt.state_dict(abstract, unstacked=True)["layers"]["2"]["dense"]["kernel"].shape == (4, 4)
+
+
+def bitwise(a, b):
+    pairs = zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
+    return jax.tree.structure(a) == jax.tree.structure(b) and all(
+        x.dtype == y.dtype and np.asarray(x).tobytes() == np.asarray(y).tobytes() for x, y in pairs
+    )
+
+
 def test_the_schema_marks_a_stack_s_leaves_and_survives_json():
     schema = tt.schema(Model(rngs=nn.Rngs(0)))
     assert schema["layers.block.dense.kernel"]["stack"] == {"path": "layers", "count": 3}

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 import itertools
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, NamedTuple, cast
 
 import jax
@@ -24,17 +24,20 @@ from jax.sharding import NamedSharding, PartitionSpec
 import taktiny.state._problems as err
 
 from ..arrays import CACHE_BOUND
-from ._names import Spec, Stacked, fields, flatten, is_stack
+from ._names import Custom, Spec, Stacked, customs, fields, flatten, is_stack, tree_util
 from ._problems import Problems, StateDictError, StateProblem, groups_of
 from ._values import checked_value
 
 
-def unstacked(spec: Spec, leaves: list[Any]) -> dict[str, Any]:
+def unstacked(spec: Spec, leaves: list[Any], params: bool = False) -> dict[str, Any]:
     """The flat state with every stacked leaf given per layer, its slices in layer order,
     each layer's leaves together (as a list of blocks orders them), where the stack's
-    first leaf stands."""
+    first leaf stands. With `params`, a custom parameter's slices are given as one value
+    of its own type under its name (a stacked QArray's layers as QArrays), as a nested
+    state gives custom parameters; without, its parts by their names."""
     out: dict[str, Any] = {}
     done: set[str] = set()
+    whole = _stacked_params(spec) if params else {}
     for name, leaf in zip(spec.names, leaves, strict=True):
         stack = spec.stack_of(name)
         if stack is None:
@@ -44,12 +47,30 @@ def unstacked(spec: Spec, leaves: list[Any]) -> dict[str, Any]:
             continue
         done.add(stack.block)
         group = [(n, spec.index[n]) for n in spec.names if n.startswith(stack.block + ".")]
+        layer: Callable[[Any, int], Any] = lambda leaf, i: (
+            layer_sharded(leaf) if isinstance(leaf, jax.ShapeDtypeStruct) else leaf[i]
+        )
         for i in range(stack.count):
             for stacked, position in group:
-                leaf = leaves[position]
-                one = layer_sharded(leaf) if isinstance(leaf, jax.ShapeDtypeStruct) else leaf[i]
-                out[stack.layer_name(stacked, i)] = one
+                param = whole.get(position)
+                if param is None:
+                    out[stack.layer_name(stacked, i)] = layer(leaves[position], i)
+                elif position == param[1].start:  # (its first part: the whole value, once)
+                    custom = param[1]
+                    parts = [layer(leaves[p], i) for p in range(custom.start, custom.stop)]
+                    out[stack.layer_name(param[0], i)] = custom.treedef.unflatten(parts)
     return out
+
+
+def _stacked_params(spec: Spec) -> dict[int, tuple[str, Custom]]:
+    """The custom parameters of the stacks' blocks (a stacked QArray), by the position of
+    each of their leaves: (the parameter's stacked name, its `Custom` entry)."""
+    return {
+        position: (name, custom)
+        for name, custom in customs(spec.template)
+        if spec.stack_of(name) is not None
+        for position in range(custom.start, custom.stop)
+    }
 
 
 def layer_sharding(sharding: Any, ndim: int) -> Any:
@@ -78,9 +99,15 @@ def restacked(
     have no value) or under `strict` (each layer not given is missing)."""
     out: dict[str, Any] = {}
     groups: dict[str, dict[int, tuple[str, Any]]] = {}
+    params = {name: custom for _, (name, custom) in _stacked_params(spec).items()}
     for name, value in flat.items():
         hit = spec.split_layer(name) if type(name) is str else None
-        if hit is None or hit[0] not in spec.index:
+        parts = None if hit is None or hit[0] not in params else _parts(value, params[hit[0]])
+        if hit is not None and parts is not None:  # a custom parameter's layer, whole: its
+            custom = params[hit[0]]  # parts, as if given by their per-layer names
+            for part, leaf in zip(spec.names[custom.start : custom.stop], parts, strict=True):
+                groups.setdefault(part, {})[hit[1]] = (hit[2].layer_name(part, hit[1]), leaf)
+        elif hit is None or hit[0] not in spec.index:
             out[name] = value  # (an unknown name: the resolution reports it)
         else:
             groups.setdefault(hit[0], {})[hit[1]] = (name, value)
@@ -213,6 +240,16 @@ def _in_layer(name: str, path: str) -> bool:
     """Whether `name` is the leaf of a layer of the list at `path` (``layers.3.…``)."""
     head, _, tail = name[len(path) + 1 :].partition(".") if path else name.partition(".")
     return (not path or name.startswith(path + ".")) and head.isdigit() and bool(tail)
+
+
+def _parts(value: Any, custom: Custom) -> list[Any] | None:
+    """The leaves of `value` when it is structured as the custom parameter `custom` (a
+    QArray of the same layout); None otherwise (the resolution tells what it is)."""
+    try:
+        leaves, treedef = tree_util.tree_flatten(value)
+    except (RecursionError, SystemError):  # (a value that contains itself: told later)
+        return None
+    return leaves if treedef == custom.treedef else None
 
 
 def nest(flat: Mapping[str, Any]) -> dict[str, Any]:
