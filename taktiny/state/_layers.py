@@ -48,7 +48,7 @@ def unstacked(spec: Spec, leaves: list[Any], params: bool = False) -> dict[str, 
         done.add(stack.block)
         group = [(n, spec.index[n]) for n in spec.names if n.startswith(stack.block + ".")]
         layer: Callable[[Any, int], Any] = lambda leaf, i: (
-            layer_sharded(leaf) if isinstance(leaf, jax.ShapeDtypeStruct) else leaf[i]
+            layer_sharded(leaf) if isinstance(leaf, jax.ShapeDtypeStruct) else layer_slice(leaf, i)
         )
         for i in range(stack.count):
             for stacked, position in group:
@@ -71,6 +71,22 @@ def _stacked_params(spec: Spec) -> dict[int, tuple[str, Custom]]:
         if spec.stack_of(name) is not None
         for position in range(custom.start, custom.stop)
     }
+
+
+def layer_slice(leaf: Any, index: int) -> Any:
+    """Layer `index` of a stacked array (a copy), placed as the stacked one without its
+    layer axis: on a mesh of explicit axes that splits the layer axis, JAX asks where the
+    slice goes (``.at[...].get(out_sharding=...)``); anywhere else it follows."""
+    sharding = None if isinstance(leaf, Tracer) else getattr(leaf, "sharding", None)
+    if (
+        isinstance(sharding, NamedSharding)
+        and sharding.mesh.are_all_axes_explicit
+        and len(sharding.spec)
+        and sharding.spec[0] is not None
+    ):
+        array = cast(Any, leaf)  # (JAX leaves `.at` unannotated)
+        return array.at[index].get(out_sharding=layer_sharding(sharding, array.ndim))
+    return leaf[index]
 
 
 def layer_sharding(sharding: Any, ndim: int) -> Any:
