@@ -32,9 +32,11 @@ class Block(nn.Module):
 
 
 class Model(nn.Module):
-    def __init__(self, count: int = 4, *, rngs: nn.Rngs):
+    def __init__(self, count: int = 4, *, rngs: nn.Rngs, layer_axis: str | None = None):
         self.embed = nn.Embed(10, 8, rngs=rngs)
-        self.layers = nn.Stack(lambda rngs: Block(rngs=rngs), count, rngs=rngs)
+        self.layers = nn.Stack(
+            lambda rngs: Block(rngs=rngs), count, rngs=rngs, layer_axis=layer_axis
+        )
 
 
 class Unrolled(nn.Module):
@@ -123,6 +125,13 @@ def test_a_sharded_stack_gets_each_slice_on_its_devices(tmp_path, model):
     kernel = loaded.layers.block.attention.kernel
     assert kernel.sharding.spec == P(None, None, "model") and kernel.sharding.mesh == mesh
     assert equal(loaded, model)
+    # the layers themselves split over 'data' (explicit axes: a slice is written into its
+    # row of the stacked leaf as on Auto axes)
+    split = tt.shard(jax.eval_shape(lambda: Model(rngs=nn.Rngs(9), layer_axis="data")), rules, mesh)
+    loaded = load_safetensors(split, tmp_path / "hf.safetensors", rules=RULES)
+    assert loaded.layers.block.attention.kernel.sharding.spec == P("data", None, "model")
+    assert loaded.layers.block.norm.scale.sharding.spec == P("data")
+    assert equal(tt.flat_state_dict(loaded), tt.flat_state_dict(model))
 
 
 def test_a_float_checkpoint_quantizes_into_a_stack_layer_by_layer(tmp_path, model):

@@ -23,7 +23,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import SingleDeviceSharding
+from jax.sharding import NamedSharding, SingleDeviceSharding
 
 from ..arrays import CACHE_BOUND, default_device
 from ..convert import transpose
@@ -258,4 +258,8 @@ def _copy(sharding: Any) -> Any:
 @functools.lru_cache(maxsize=CACHE_BOUND)
 def _writer(sharding: Any) -> Any:
     write = lambda big, part, i: jax.lax.dynamic_update_index_in_dim(big, part, i, 0)
+    if isinstance(sharding, NamedSharding) and sharding.mesh.explicit_axes:
+        # explicit axes type each array by its sharding, and one layer is not typed as its
+        # row of a stacked leaf whose layer axis is split: the write runs as on Auto axes
+        write = jax.sharding.auto_axes(write, out_sharding=sharding)
     return jax.jit(write, donate_argnums=0, out_shardings=sharding)
