@@ -58,7 +58,9 @@ def counted(load, *args, **kwargs):
         setattr(owner, name, real)
 
 
-def main():
+def joined() -> argparse.Namespace:
+    """This process's arguments (FILE and the job's), once it has joined the job (also
+    for tests/_stack_process.py, a load of the same job into a stack of layers)."""
     parser = argparse.ArgumentParser()
     parser.add_argument("file")
     parser.add_argument("--coordinator")
@@ -66,6 +68,11 @@ def main():
     parser.add_argument("--process-id", type=int)
     args = parser.parse_args()
     jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
+    return args
+
+
+def main():
+    args = joined()
     mesh = jax.make_mesh((8,), ("x",))
     checkpoint = open_safetensors(args.file)
     target: dict = {}  # nested by the names' dotted parts, as a model's state is

@@ -111,6 +111,8 @@ def measure(folder: str, name: str) -> dict[str, object]:
         "scratch": plan.scratch_bytes,
         "measured": peak - before,
         "ways": sorted({s.way for s in plan.steps}),
+        "held": plan.held_bytes,  # (what max_host_bytes counts, at most, beyond the arrays)
+        "arrays": plan.peak_host_bytes - plan.scratch_bytes,  # (the model's, on the host)
     }
 
 

@@ -24,6 +24,11 @@ class Stack(nn.Module):
         self.half = jnp.zeros(2, jnp.float16)
 
 
+class Scanned(nn.Module):  # Stack's layers held as one nn.Stack
+    def __init__(self, count=6):
+        self.layers = nn.Stack(lambda rngs: nn.Linear(2, 2, rngs=rngs), count, rngs=nn.Rngs(0))
+
+
 class Bag(nn.Module):
     def __init__(self, n):
         self.ws = [jnp.zeros(1) for _ in range(n)]
@@ -89,6 +94,16 @@ def abstract():
     return jax.eval_shape(lambda: MLP(rngs=nn.Rngs(0)))
 
 
+def scanned(count=6):
+    return Scanned(count)
+
+
+def per_layer(count):
+    """The state of a list of `count` layers, as Stack's (its layers alone)."""
+    state = Scanned(count).flat_state_dict(unstacked=True)
+    return {name: value for name, value in state.items() if name.startswith("layers.")}
+
+
 def leaked():
     """A tracer left over from a finished jit."""
     out = []
@@ -134,6 +149,19 @@ MISSING_HINT = (
     "missing: strict=True requires every parameter; supply it, or pass strict=False to keep "
     "its current value."
 )
+ABSTRACT_MISSING_HINT = (
+    "missing: strict=True requires every parameter, and the model is abstract (from "
+    "jax.eval_shape), so it has no value to keep; supply it."
+)
+STACK_IN_STATE = (
+    "this state holds a stack of 6 layers at 'layers' (names 'layers.block.…' with a leading "
+    "layer axis of 6); the model holds a list of 6 layers, 'layers.0' … 'layers.5'. Give the "
+    "stacked model's state per layer, named as a list names its layers "
+    "(model.state_dict(unstacked=True), or flat_state_dict(unstacked=True)), or hold the "
+    "model's layers in an nn.Stack."
+)
+STACK = ("structure", "layers", "a list of 6 layers ('layers.0' … 'layers.5')",
+         "a stack of 6 layers ('layers.block.…')", STACK_IN_STATE)  # fmt: skip
 ABSTRACT_HINT = (
     "not supplied, and the model is abstract (from jax.eval_shape): a load into an abstract "
     "model must supply every parameter, or it would stay unfilled."
@@ -511,6 +539,46 @@ CASES = {
         lambda: mlp().load_flat_state_dict({"input.bias": np.zeros(64, np.float32)}, strict=True),
         [("missing", name, "a value", None, MISSING_HINT)
          for name in ("input.kernel", "output.kernel", "output.bias")],
+    ),
+    "names left out of an abstract model under strict: no strict=False to keep a value": (
+        lambda: abstract().load_flat_state_dict(
+            {"input.bias": np.zeros(64, np.float32)}, strict=True
+        ),
+        [("missing", name, "a value", None, ABSTRACT_MISSING_HINT)
+         for name in ("input.kernel", "output.kernel", "output.bias")],
+    ),
+    "a stack of layers where the model holds a list: one problem, not one a leaf": (
+        lambda: stack().load_flat_state_dict(scanned().flat_state_dict()),
+        [STACK],
+    ),
+    "a stack of layers where the model holds a list, nested": (
+        lambda: stack().load_state_dict(scanned().state_dict(), strict=True),
+        [STACK, *[("missing", n, "a value", None, MISSING_HINT) for n in ("steps", "half")]],
+    ),
+    "a stack of layers where an abstract model holds a list: its layers not missing too": (
+        lambda: tt.load_flat_state_dict(
+            jax.eval_shape(stack),
+            {**scanned().flat_state_dict(), "steps": np.int8(0), "half": np.zeros(2, np.float16)},
+            strict=True,
+        ),
+        [STACK],
+    ),
+    "a stack of another count where the model holds a list": (
+        lambda: stack().load_flat_state_dict(scanned(4).flat_state_dict()),
+        [("structure", "layers", "a list of 6 layers ('layers.0' … 'layers.5')",
+          "a stack of 4 layers ('layers.block.…')",
+          STACK_IN_STATE.replace("of 6 layers at", "of 4 layers at")
+          .replace("axis of 6", "axis of 4")
+          + " The counts differ too: 4 layers against 6.")],
+    ),
+    "more layers, per layer, than the model's stack holds": (
+        lambda: scanned(4).load_flat_state_dict(per_layer(6)),
+        [("structure", "layers", "a stack of 4 layers ('layers.block.…')",
+          "6 layers, per layer",
+          "this state holds 6 layers at 'layers', per layer ('layers.0' … 'layers.5'); the "
+          "model holds a stack of 4 layers there (names 'layers.block.…' with a leading layer "
+          "axis of 4). Per-layer names load into a stack, as many layers as it holds: make the "
+          "model's nn.Stack of 6 layers, or leave out layers 4 … 5.")],
     ),
     "names left out of an abstract model": (
         lambda: abstract().load_flat_state_dict({"input.bias": np.zeros(64, np.float32)}),

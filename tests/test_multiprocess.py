@@ -2,7 +2,9 @@
 CPU devices each (8 global devices) running examples/distributed.py: one pair trains a model
 sharded over all 8 a step and saves model and optimizer state with Orbax to a shared
 directory; a second pair restores both onto a mesh of another shape, each process comparing
-the shards it holds, bit for bit, with what the saving processes held."""
+the shards it holds, bit for bit, with what the saving processes held. And loads streamed
+from safetensors: each process reading its own devices' bytes, and a per-layer checkpoint
+into a sharded stack of layers."""
 
 import os
 import socket
@@ -133,3 +135,25 @@ def test_each_process_reads_only_the_bytes_of_its_own_devices(tmp_path):
         assert [line.split("; ")[1] for line in lines(out, "bitwise")] == [
             "16 shards bitwise equal"  # 4 devices x 4 tensors, each of its own block
         ] * 2, out
+
+
+def test_two_processes_stream_a_per_layer_checkpoint_into_a_sharded_stack(tmp_path):
+    """Hugging Face names, each layer's weight transposed on its way into its slice of the
+    stacked kernel, split by columns over 'model' across both processes, and with the layers
+    themselves split over 'data' (each process holding two of the four): every shard each
+    process holds is bitwise the exported model's (tests/_stack_process.py)."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from _stack_process import RULES, SPLITS, model
+
+    from taktiny import convert
+
+    path = tmp_path / "layers.safetensors"
+    save_safetensors(path, convert.export(RULES, model()))
+    assert "model.layers.3.proj.weight" in open_safetensors(path)
+    program = [str(ROOT / "tests" / "_stack_process.py"), str(path)]
+    outputs = run_processes(tmp_path, "stack", "8", program=program)
+    for i, out in enumerate(outputs):
+        # 3 leaves, each on 4 devices of the process: its shards, whatever the split
+        assert lines(out, "bitwise") == [
+            f"process {i}: {case}: 3 leaves' 12 shards bitwise equal" for case in SPLITS
+        ], out

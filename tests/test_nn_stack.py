@@ -205,6 +205,104 @@ def test_quantize_dequantize_and_lora_act_on_each_layer():
         assert equal(merged.layers[i], tt.merge_lora(trained.layers[i]))
 
 
+RULES = {  # one layer's: the up kernel split by columns, the down kernel by rows
+    "layers.*.up.kernel": P(None, "model"),
+    "layers.*.up.bias": P("model"),
+    "layers.*.down.kernel": P("model", None),
+    "**": P(),
+}
+ON_THE_MESH = [  # the layer axis split over 'data' too, or not
+    "data",
+    pytest.param(None, marks=pytest.mark.thorough),
+]
+# Surgery on a stack split over a mesh needs nn/_surgery.py's `swap` to split the layers'
+# indices as their layer axis is (vmap refuses them unsplit) and to place the leaves a layer
+# did not hold (adapters, drawn from keys) as one layer alone places them. The change is
+# handed to the owner of that file this wave (the stacks branch's report); these marks go
+# with it (strict: a test that passes then fails, to say so).
+NEEDS_SWAP = pytest.mark.xfail(
+    strict=True, reason="swap places a stack's indices and new leaves on its mesh: pending"
+)
+
+
+def sharded_stack(layer_axis):
+    """A model of 2 layers, and the same split over the 8 devices by RULES."""
+    model = Model(2, rngs=nn.Rngs(0), layer_axis=layer_axis)
+    return model, tt.shard(model, RULES, jax.make_mesh((2, 4), ("data", "model")))
+
+
+def specs(layer, *names):
+    return [getattr(layer, n).sharding.spec for n in names]
+
+
+@pytest.mark.parametrize(
+    "layer_axis",
+    [pytest.param("data", marks=NEEDS_SWAP), pytest.param(None, marks=pytest.mark.thorough)],
+)
+def test_quantize_and_dequantize_on_a_sharded_stack_act_per_layer(layer_axis):
+    """Bit for bit what the unsharded stack gets (itself each layer's alone: the test
+    above), checked again on its last layer; the values keep their kernel's split, each
+    scale split as its kernel on its other axis and never along the quantized one (the
+    down kernel's input axis: its scales unsplit), the layer axis as the stack's
+    layer_axis; rules that name a stacked QArray whole place it so too."""
+    model, sharded = sharded_stack(layer_axis)
+    quantized = tt.quantize(sharded, bits=4, group_size=4, where="layers.**")
+    plain = tt.quantize(model, bits=4, group_size=4, where="layers.**")
+    assert equal(quantized, plain)
+    assert equal(quantized.layers[1], tt.quantize(model.layers[1], bits=4, group_size=4))
+    up, down = quantized.layers.block.up.kernel, quantized.layers.block.down.kernel
+    assert specs(up, "value", "scale") == [P(layer_axis, None, "model")] * 2
+    assert specs(down, "value", "scale") == [
+        P(layer_axis, "model", None),
+        P(layer_axis, None, None),
+    ]
+    back = tt.dequantize(quantized)
+    assert equal(back, tt.dequantize(plain))
+    assert specs(back.layers.block.up, "kernel") == [P(layer_axis, None, "model")]
+    assert specs(back.layers.block.down, "kernel") == [P(layer_axis, "model", None)]
+    placed = tt.shard(plain, RULES, up.value.sharding.mesh)
+    assert jax.tree.all(jax.tree.map(lambda a, b: a.sharding == b.sharding, placed, quantized))
+
+
+@NEEDS_SWAP
+@pytest.mark.parametrize("layer_axis", ON_THE_MESH)
+def test_lora_and_merge_lora_on_a_sharded_stack_act_per_layer(layer_axis):
+    """Adapters drawn as on the unsharded stack (each layer's from its own key), placed as
+    documented: lora_a split as its kernel's input axis, lora_b as its output axis, the
+    rank never, the layer axis as the stack's; merged, float and QLoRA (requantized), as
+    the unsharded stack is, on the kernel's sharding."""
+    model, sharded = sharded_stack(layer_axis)
+    adapted = tt.lora(sharded, 2, where="layers.block.*", rngs=nn.Rngs(3))
+    plain = tt.lora(model, 2, where="layers.block.*", rngs=nn.Rngs(3))
+    assert equal(adapted, plain)
+    up, down = adapted.layers.block.up, adapted.layers.block.down
+    assert specs(up, "lora_a", "lora_b") == [
+        P(layer_axis, None, None),
+        P(layer_axis, None, "model"),
+    ]
+    assert specs(down, "lora_a", "lora_b") == [
+        P(layer_axis, "model", None),
+        P(layer_axis, None, None),
+    ]
+    steps = {n: jax.random.normal(jax.random.key(7), v.shape) / 10
+             for n, v in adapted.flat_state_dict().items() if n.endswith("lora_b")}  # fmt: skip
+    trained, trained_plain = (tt.load_flat_state_dict(m, steps) for m in (adapted, plain))
+    merged, want = tt.merge_lora(trained), tt.merge_lora(trained_plain)
+    for got, expected in zip(jax.tree.leaves(merged), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-7)
+    assert specs(merged.layers.block.up, "kernel") == [P(layer_axis, None, "model")]
+    assert specs(merged.layers.block.down, "kernel") == [P(layer_axis, "model", None)]
+    quantize = lambda m: tt.quantize(m, bits=4, group_size=4, where="layers.**")
+    qlora, qplain = (tt.lora(quantize(m), 2, where="layers.block.up", rngs=nn.Rngs(3))
+                     for m in (sharded, model))  # fmt: skip
+    assert specs(qlora.layers.block.up, "lora_a", "lora_b") == specs(up, "lora_a", "lora_b")
+    step = {"layers.block.up.lora_b": steps["layers.block.up.lora_b"]}
+    requantized, want = (tt.merge_lora(tt.load_flat_state_dict(m, step)) for m in (qlora, qplain))
+    kernel = requantized.layers.block.up.kernel
+    assert isinstance(kernel, tt.QArray) and equal(kernel, want.layers.block.up.kernel)
+    assert specs(kernel, "value") == [P(layer_axis, None, "model")]
+
+
 def test_surgery_on_an_abstract_stack_gives_the_abstract_result():
     abstract = jax.eval_shape(lambda: Model(rngs=nn.Rngs(0)))
     quantized = tt.quantize(abstract, bits=8, where="layers.**")
@@ -221,6 +319,19 @@ def test_shard_rules_give_one_layer_s_spec_and_the_stack_its_layer_axis():
     assert model.layers.block.norm.scale.sharding.spec == P(None)
     split = tt.shard(Model(4, rngs=nn.Rngs(0), layer_axis="data"), rules, mesh)
     assert split.layers.block.up.kernel.sharding.spec == P("data", None, "model")
+    # a layer of a stack split over 'data' (explicit axes: JAX asks where the slice goes),
+    # as a block and per layer, on the layer's own spec
+    assert equal(split.layers[1], Model(4, rngs=nn.Rngs(0)).layers[1])
+    assert split.layers[1].up.kernel.sharding.spec == P(None, "model")
+    per_layer = tt.flat_state_dict(split, unstacked=True)["layers.3.up.kernel"]
+    assert per_layer.sharding.spec == P(None, "model")
+    # a stacked QArray placed by a rule naming it whole: its scale split as one layer's is
+    # (on the axis it shares with the value), the layer axis as the stack's
+    quantized = tt.quantize(Model(4, rngs=nn.Rngs(0), layer_axis="data"), bits=4, group_size=4,
+                            where="layers.*.up")  # fmt: skip
+    kernel = tt.shard(quantized, rules, mesh).layers.block.up.kernel
+    assert kernel.value.sharding.spec == kernel.scale.sharding.spec == P("data", None, "model")
+    assert kernel.scale.shape == (4, 2, 16)
     x = jnp.ones((2, 4))
     np.testing.assert_allclose(jax.jit(lambda m, x: m(x))(model, x), Model(rngs=nn.Rngs(0))(x),
                                rtol=1e-5)  # fmt: skip

@@ -123,7 +123,11 @@ def test_per_layer_problems_are_named_per_layer():
         match=r"'layers\.block\.norm\.scale': given both whole and per layer \('layers\.0\.norm\.scale'\)",
     ):
         model.load_flat_state_dict(both)
-    with pytest.raises(tt.StateDictError, match=r"'layers\.3\.dense\.kernel': unknown key"):
+    with pytest.raises(
+        tt.StateDictError,
+        match=r"'layers': this state holds 4 layers at 'layers', per layer .*; the model holds a "
+        r"stack of 3 layers there .* or leave out layer 3\.$",
+    ):  # (a layer past the stack's last)
         model.load_flat_state_dict({"layers.3.dense.kernel": np.zeros((4, 4), np.float32)})
     abstract = jax.eval_shape(lambda: Model(rngs=nn.Rngs(0)))
     with pytest.raises(
@@ -137,6 +141,63 @@ def test_per_layer_problems_are_named_per_layer():
         state = model.flat_state_dict(unstacked=True)
         del state["layers.1.norm.scale"]
         tt.load_flat_state_dict(abstract, state, strict=True)
+
+
+def test_some_layers_under_strict_are_missing_the_others():
+    """strict=True asks for every layer: a state of some layers is refused, naming each layer
+    left out, not written into a copy of the stacked leaves (which keeps the others)."""
+    model = Model(count=4, rngs=nn.Rngs(0))
+    three = Model(count=3, rngs=nn.Rngs(1)).flat_state_dict(unstacked=True)
+    hint = "missing: strict=True requires every parameter; supply it, or pass strict=False"
+    for load in (
+        lambda: model.load_flat_state_dict(three, strict=True),
+        lambda: model.load_state_dict(Model(count=3, rngs=nn.Rngs(1)).state_dict(unstacked=True),
+                                      strict=True),
+    ):  # fmt: skip
+        with pytest.raises(tt.StateDictError) as info:
+            load()
+        assert info.value.missing_keys == (
+            "layers.3.dense.kernel", "layers.3.dense.bias", "layers.3.norm.scale"
+        )  # fmt: skip
+        assert all(p.hint.startswith(hint) for p in info.value.problems)
+    loaded = model.load_flat_state_dict(three)  # (without strict: the others kept)
+    np.testing.assert_array_equal(loaded.layers.block.dense.kernel[3], model.layers[3].dense.kernel)
+
+
+@pytest.mark.parametrize("bits, group_size", [(4, 2), (4, None), (8, None)])
+def test_a_stacked_qarray_reads_per_layer_as_qarrays_and_loads_back_bitwise(bits, group_size):
+    """state_dict(unstacked=True) gives each layer of a stacked QArray as the QArray a list of
+    the same blocks holds (not a dict of its parts), and that state loads back bit for bit
+    into the stack (concrete, abstract) and into the list of blocks; the flat state keeps
+    naming the parts."""
+    quantize = lambda m: tt.quantize(m, bits=bits, group_size=group_size, where="layers.**")
+    model = quantize(Model(rngs=nn.Rngs(0)))
+    state = model.state_dict(unstacked=True)
+    for i in range(3):
+        layer = state["layers"][str(i)]["dense"]["kernel"]
+        want = model.layers[i].dense.kernel
+        assert isinstance(layer, tt.QArray) and repr(layer) == repr(want)
+        assert bitwise(layer, want)
+    flat = model.flat_state_dict(unstacked=True)
+    assert "layers.1.dense.kernel.value" in flat and "layers.1.dense.kernel" not in flat
+    other = quantize(Model(rngs=nn.Rngs(1)))
+    abstract = jax.eval_shape(lambda: quantize(Model(rngs=nn.Rngs(1))))
+    for target in (other, abstract):
+        assert bitwise(tt.load_state_dict(target, state, strict=True), model)
+        assert bitwise(tt.load_flat_state_dict(target, flat, strict=True), model)
+    some = {"layers": {"1": state["layers"]["1"]}}  # one layer: only its slices change
+    mixed = other.load_state_dict(some)
+    assert bitwise(mixed.layers[1], model.layers[1]) and bitwise(mixed.layers[0], other.layers[0])
+    listed = quantize(unrolled(Model(rngs=nn.Rngs(1))))
+    assert bitwise(listed.load_state_dict(state, strict=True), unrolled(model))
+    assert tt.state_dict(abstract, unstacked=True)["layers"]["2"]["dense"]["kernel"].shape == (4, 4)
+
+
+def bitwise(a, b):
+    pairs = zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
+    return jax.tree.structure(a) == jax.tree.structure(b) and all(
+        x.dtype == y.dtype and np.asarray(x).tobytes() == np.asarray(y).tobytes() for x, y in pairs
+    )
 
 
 def test_the_schema_marks_a_stack_s_leaves_and_survives_json():

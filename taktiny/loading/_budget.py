@@ -18,7 +18,12 @@ until it is placed:
 - a transforming step reads into a scratch buffer (counted once, above) and holds the
   arrays its transform makes on the default device that are not the leaves themselves:
   a chain's intermediate results, results cast or quantized afterwards (and the cast),
-  results placed on other devices, and 64-bit sources cast to what JAX holds.
+  results placed on other devices, and 64-bit sources cast to what JAX holds;
+- into a stack of layers (``nn.Stack``) named per layer, a slice placed on its devices is
+  not the model's array but waits, holding its memory, until the load's thread writes it
+  into the stacked leaf (:func:`waiting`): on CPU devices that memory is the host's and
+  counts (whole, beside the pieces its read holds), unless the slice was read straight
+  into the stacked leaf's host buffer (one CPU device).
 
 Not counted: the model's arrays; the page cache, which the read-ahead fills (the kernel's,
 reclaimed under pressure, not the process's; the read-ahead is nonetheless capped to
@@ -41,7 +46,7 @@ from ..quant import QArray
 from ._checks import spec_of
 from ._place import Scratch, sharding_of
 from ._readers import Readers
-from ._record import Load
+from ._record import Load, parts_of
 
 if TYPE_CHECKING:
     from ._load import Ways
@@ -71,7 +76,7 @@ class Budget:
     """
 
     def __init__(self, limit: int | None, load: Load, steps: list[Step], ways: Ways) -> None:
-        self.limit, self.ways = limit, ways
+        self.limit, self.ways, self.layers = limit, ways, load.layers
         shapes: dict[Any, Any] = {}  # (a transform, its inputs) -> its outputs' shapes
         self.held = [_held(load, steps, ways, unit, shapes) for unit in ways.units]
         self.making = [unit[0] in ways.buffer_of for unit in ways.units]  # (transformed)
@@ -114,11 +119,14 @@ class Budget:
         """The most the load counts at once, worked out from the headers by the load's own
         order of starts (:func:`~taktiny.io.load_safetensors`: in file order, while the
         readers, a free scratch buffer and the budget allow) with `width` readers (None:
-        the most a load uses, `Readers`' ``most``). The load starts with two and doubles
-        them while that pays, up to that most: a narrower load starts no unit earlier, so
-        this bounds its peak, and never exceeds the budget. (A budget that is refused:
-        the peak without it.)"""
+        the most a load uses, `Readers`' ``most``; into stacks whose slices wait on their
+        devices, the few units such a load keeps in flight). The load starts with two and
+        doubles them while that pays, up to that most: a narrower load starts no unit
+        earlier, so this bounds its peak, and never exceeds the budget. (A budget that is
+        refused: the peak without it.)"""
         width = Readers().most if width is None else width
+        if self.layers is not None:
+            width = self.layers.widest(width)
         sim = Budget.__new__(Budget)
         sim.__dict__.update(self.__dict__)
         sim.flying, sim.peak = [], self.scratch
@@ -216,21 +224,42 @@ def _held(
         tensors = [ways.sources[j][0] for j in unit]
         staging = sum(t.nbytes for t in tensors)
         adopted = all(_adopting(ways.direct[j]) for j in unit)
-        return staging + (0 if adopted else sum(-(-t.nbytes // 64) * 64 for t in tensors))
+        if not adopted:  # (their buffer, which the devices placed from it share)
+            return staging + sum(-(-t.nbytes // 64) * 64 for t in tensors)
+        return staging + sum(waiting(load, steps[j], None, shared=True) for j in unit)
     if ways.direct[k] is not None:
         tensor, leaf = ways.sources[k][0], ways.direct[k]
         sharding = sharding_of(leaf)
         on_cpu = all(d.platform == "cpu" for d in sharding.device_set)
+        slices = waiting(load, steps[k], tensor, shared=True)  # (placed from host buffers)
         if len(sharding.device_set) == 1 or sharding.is_fully_replicated:  # read whole
-            return 0 if _adopting(leaf) else tensor.nbytes
-        return _piece(tensor) + (0 if on_cpu else tensor.nbytes)  # each device's block
+            return max(0 if _adopting(leaf) else tensor.nbytes, slices)
+        return _piece(tensor) + (0 if on_cpu else tensor.nbytes) + slices  # each device's block
     if ways.permuted[k] is not None:
-        tensor = ways.sources[k][0]
-        whole = 0 if _adopting(ways.permuted[k]) else tensor.nbytes
+        tensor, leaf = ways.sources[k][0], ways.permuted[k]
+        whole = 0 if _adopting(leaf) else tensor.nbytes
         if tensor.packed:  # unpacked whole, then transposed into a copy
-            return 2 * math.prod(tensor.shape) + whole
-        return (0 if tensor.ndim < 2 else _piece(tensor)) + whole
-    return _transformed(load, steps[k], ways.sources[k], shapes)
+            pieces = 2 * math.prod(tensor.shape)
+        else:
+            pieces = 0 if tensor.ndim < 2 else _piece(tensor)
+        sharding = sharding_of(leaf)
+        if len(sharding.device_set) == 1 or sharding.is_fully_replicated:  # one host array
+            return pieces + max(whole, waiting(load, steps[k], tensor, shared=True))
+        return pieces + whole + waiting(load, steps[k], tensor, shared=False)  # (cut: copies)
+    held = _transformed(load, steps[k], ways.sources[k], shapes)
+    return held + waiting(load, steps[k], None, shared=False)  # (moved onto devices: copies)
+
+
+def waiting(load: Load, step: Step, tensor: Tensor | None, shared: bool) -> int:
+    """The host bytes that the placed slices of `step`'s targets hold until the load's
+    thread writes them into their stacked leaves (`Layered.waiting`; `shared`: as it
+    says): 0 for a load of no per-layer names, for targets that are no stack's layers, and
+    for a `tensor` read straight into its stacked leaf's host buffer."""
+    layers = load.layers
+    if layers is None or (tensor is not None and layers.in_place(step.targets[0], tensor)):
+        return 0
+    parts = [p for t in step.targets for p in parts_of(t, load.quantized)]
+    return sum(layers.waiting(part, shared) for part in parts)
 
 
 def _adopting(leaf: Any) -> bool:

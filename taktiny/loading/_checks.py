@@ -104,10 +104,10 @@ def absent_leaves(
 ) -> list[err.StateProblem]:
     """The leaves not loaded that must be: all of them under strict=True, and those of an
     abstract model (they have no value to keep); checked before anything is read."""
-    absent = [name for name in leaves if name not in loaded]
+    absent = [(n, isinstance(leaves[n], jax.ShapeDtypeStruct)) for n in leaves if n not in loaded]
     if strict:
-        return [err.missing(name) for name in absent]
-    return [err.abstract(n) for n in absent if isinstance(leaves[n], jax.ShapeDtypeStruct)]
+        return [err.missing(name, abstract) for name, abstract in absent]
+    return [err.abstract(name) for name, abstract in absent if abstract]
 
 
 def spec_of(leaf: Any) -> tuple[tuple[int, ...], np.dtype]:

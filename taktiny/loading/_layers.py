@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import threading
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -22,7 +23,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import SingleDeviceSharding
+from jax.sharding import NamedSharding, SingleDeviceSharding
 
 from ..arrays import CACHE_BOUND, default_device
 from ..convert import transpose
@@ -68,10 +69,19 @@ def _twin(tree: Any, stacks: Sequence[Stacked]) -> Any:
     return jax.tree_util.tree_map_with_path(layers, tree, is_leaf=is_stack)
 
 
+SLICES_AT_ONCE = 2  # units in flight when placed slices wait to be written into stacks
+
+
 @dataclasses.dataclass(frozen=True)
 class Layered:
     """A load of per-layer names into a model's stacks: the model itself (flattened once),
     and each per-layer leaf name's stacked leaf and layer.
+
+    A stacked leaf on one CPU device is filled on the host, each layer read into its slice
+    of the buffer JAX adopts (:meth:`in_place`); the slices of any other are placed on its
+    devices and wait, holding their memory, until the load's thread writes them into the
+    stacked leaf (:meth:`waiting` counts it for the budget). Such a load keeps at most
+    `SLICES_AT_ONCE` units in flight (:meth:`widest`).
 
     Attributes:
         view: the model itself, flattened once (its leaves, their names).
@@ -82,6 +92,57 @@ class Layered:
     view: Flat
     twin: Any
     slices: Mapping[str, tuple[str, int]]
+
+    def stacked_leaf(self, stacked: str) -> Any:
+        """The model's stacked leaf of that name."""
+        return self.view.olds[self.view.spec.index[stacked]]
+
+    def sharding(self, stacked: str) -> Any:
+        """The sharding of a stacked leaf (the default device when it has none)."""
+        old = self.stacked_leaf(stacked)
+        return getattr(old, "sharding", None) or SingleDeviceSharding(default_device())
+
+    def hosted(self, stacked: str) -> bool:
+        """Whether a stacked leaf is filled on the host: it lies on one CPU device."""
+        devices = self.sharding(stacked).device_set
+        return len(devices) == 1 and next(iter(devices)).platform == "cpu"
+
+    def in_place(self, name: str, tensor: Tensor) -> bool:
+        """Whether the per-layer leaf `name` is read straight into its stacked leaf's host
+        buffer (a hosted stacked leaf; a tensor stored as it is held, not packed)."""
+        hit = self.slices.get(name)
+        return hit is not None and not tensor.packed and self.hosted(hit[0])
+
+    def widest(self, most: int) -> int:
+        """The most units a load keeps in flight, of `most` readers: all of them when every
+        stacked leaf is hosted; else `SLICES_AT_ONCE`, so that the host holds few placed
+        slices beside the model."""
+        return most if self._all_hosted else min(most, SLICES_AT_ONCE)
+
+    @functools.cached_property
+    def _all_hosted(self) -> bool:
+        return all(self.hosted(stacked) for stacked in {s for s, _ in self.slices.values()})
+
+    def waiting(self, name: str, shared: bool) -> int:
+        """The host bytes the placed value of the per-layer leaf `name` holds until it is
+        written into its stacked leaf (0 for any other leaf): its blocks on this process's
+        CPU devices (other devices' memory is not the host's). `shared`: the devices that
+        hold the same block share one buffer (placed from one host array), counted once;
+        else each device's own copy is counted."""
+        hit = self.slices.get(name)
+        if hit is None:
+            return 0
+        old = self.stacked_leaf(hit[0])
+        shape, itemsize = tuple(old.shape[1:]), np.dtype(old.dtype).itemsize
+        sharding = layer_sharding(self.sharding(hit[0]), len(old.shape))
+        blocks = [
+            tuple(s.indices(n)[:2] for s, n in zip(index, shape, strict=True))
+            for device, index in sharding.addressable_devices_indices_map(shape).items()
+            if device.platform == "cpu"
+        ]
+        if shared:
+            blocks = list(dict.fromkeys(blocks))
+        return sum(math.prod(b - a for a, b in block) * itemsize for block in blocks)
 
 
 def layered(model: Any, view: Flat) -> Layered:
@@ -110,35 +171,17 @@ class Stacker:
 
     def __init__(self, layers: Layered, covered: set[str]) -> None:
         self.layers = layers
-        self.olds = dict(zip(layers.view.spec.names, layers.view.olds, strict=True))
         self.covered = covered
         self.placed: dict[str, Any] = {}  # the twin's other leaves, by name
         self.stacked: dict[str, jax.Array] = {}  # the stacked leaves begun on devices
         self.host: dict[str, np.ndarray] = {}  # those begun on the host
         self._lock = threading.Lock()  # (readers begin host buffers from several threads)
-        # whether every stacked leaf is filled on the host, each slice read into place
-        self.in_place = all(self._hosted(name) for name, _ in layers.slices.values())
-
-    def _sharding(self, stacked: str) -> Any:
-        old = self.olds[stacked]
-        return getattr(old, "sharding", None) or SingleDeviceSharding(default_device())
-
-    def on_host(self, name: str, tensor: Tensor) -> bool:
-        """Whether the per-layer leaf `name` is read straight into its stacked leaf's host
-        buffer (a stacked leaf on one CPU device; a tensor stored as it is held)."""
-        hit = self.layers.slices.get(name)
-        return hit is not None and not tensor.packed and self._hosted(hit[0])
-
-    def _hosted(self, stacked: str) -> bool:
-        sharding = self._sharding(stacked)
-        devices = sharding.device_set
-        return len(devices) == 1 and next(iter(devices)).platform == "cpu"
 
     def _buffer(self, stacked: str) -> np.ndarray:
         with self._lock:
             host = self.host.get(stacked)
             if host is None:
-                old = self.olds[stacked]
+                old = self.layers.stacked_leaf(stacked)
                 host = aligned_buffer(tuple(old.shape), np.dtype(old.dtype))
                 if stacked not in self.covered:  # some layers: the others keep their values
                     host[...] = np.asarray(old)
@@ -161,7 +204,7 @@ class Stacker:
             hit = self.layers.slices.get(name)
             if hit is None:
                 self.placed[name] = value
-            elif self._hosted(hit[0]):
+            elif self.layers.hosted(hit[0]):
                 self._buffer(hit[0])[hit[1]] = np.asarray(value)
             else:
                 self.write(hit[0], hit[1], value)
@@ -170,7 +213,7 @@ class Stacker:
         """Writes one layer's value into its stacked leaf (begun at its first slice)."""
         big = self.stacked.get(stacked)
         if big is None:
-            old, sharding = self.olds[stacked], self._sharding(stacked)
+            old, sharding = self.layers.stacked_leaf(stacked), self.layers.sharding(stacked)
             if stacked in self.covered:
                 big = _zeros(tuple(old.shape), np.dtype(old.dtype), sharding)()
             else:  # some layers: the others keep their values (a copy: ours to donate)
@@ -182,7 +225,7 @@ class Stacker:
         filled on the host adopted by JAX as they are)."""
         stacked = dict(self.stacked)
         for name, host in self.host.items():
-            stacked[name] = jax.device_put(host, self._sharding(name))
+            stacked[name] = jax.device_put(host, self.layers.sharding(name))
         self.host.clear()
         view = self.layers.view
         index = view.spec.index
@@ -197,8 +240,7 @@ def covered(layers: Layered, targets: Iterable[str]) -> set[str]:
         hit = layers.slices.get(name)
         if hit is not None:
             counts[hit[0]] = counts.get(hit[0], 0) + 1
-    olds = dict(zip(layers.view.spec.names, layers.view.olds, strict=True))
-    return {name for name, n in counts.items() if n == olds[name].shape[0]}
+    return {name for name, n in counts.items() if n == layers.stacked_leaf(name).shape[0]}
 
 
 # The jitted functions of the writes onto devices, one per shape and sharding for the
@@ -216,4 +258,8 @@ def _copy(sharding: Any) -> Any:
 @functools.lru_cache(maxsize=CACHE_BOUND)
 def _writer(sharding: Any) -> Any:
     write = lambda big, part, i: jax.lax.dynamic_update_index_in_dim(big, part, i, 0)
+    if isinstance(sharding, NamedSharding) and sharding.mesh.explicit_axes:
+        # explicit axes type each array by its sharding, and one layer is not typed as its
+        # row of a stacked leaf whose layer axis is split: the write runs as on Auto axes
+        write = jax.sharding.auto_axes(write, out_sharding=sharding)
     return jax.jit(write, donate_argnums=0, out_shardings=sharding)

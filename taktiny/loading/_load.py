@@ -120,16 +120,18 @@ def load_safetensors(
             scratch buffers, as mapped (one instead of two when two do not fit), and what
             each step holds while it is in flight: a buffer it reads into that is not its
             leaf's own (staging on its way to other devices, the rows read a few MiB at a
-            time to be cut or transposed, small tensors read together), and the arrays a
+            time to be cut or transposed, small tensors read together), the arrays a
             transform makes that are not the leaves (a chain's intermediates, results
-            cast, quantized or moved afterwards). A step starts only while the scratch,
-            the steps in flight and its own bytes stay within the budget, and the
-            read-ahead asked of the OS stays within what is left (the page cache it fills
-            is the kernel's, not counted). Not counted: the model's arrays, which are the
-            result, and XLA's working memory inside one operation. A budget too small for
-            one step is refused before a byte is read. :func:`~taktiny.io.plan_load`
-            says what a load needs (``held_bytes``). None (the default): no budget, as
-            many steps in flight as the readers read at once.
+            cast, quantized or moved afterwards), and in a stack of layers, each layer
+            placed on CPU devices until it is written into its stacked leaf. A step
+            starts only while the scratch, the steps in flight and its own bytes stay
+            within the budget, and the read-ahead asked of the OS stays within what is
+            left (the page cache it fills is the kernel's, not counted). Not counted: the
+            model's arrays, which are the result, and XLA's working memory inside one
+            operation. A budget too small for one step is refused before a byte is read.
+            :func:`~taktiny.io.plan_load` says what a load needs (``held_bytes``). None
+            (the default): no budget, as many steps in flight as the readers read at
+            once.
 
     Returns:
         A new model of the same structure (for a flat dict, a flat dict of its keys),
@@ -211,21 +213,21 @@ def _load(
             return read_together([sources[j][0] for j in units[u]], verify=verify)
         target = step.targets[0]
         if direct[k] is not None:  # renamed only: read and placed block by block, here
-            if stacker is not None and stacker.on_host(target, tensors[0]):
+            if stacker is not None and stacker.layers.in_place(target, tensors[0]):
                 stacker.read(target, tensors[0], verify, None)  # (into its layer's slice)
                 return {}
             return {target: placed_by_device(tensors[0], sharding_of(direct[k]), verify)}
         if permuted[k] is not None:  # transposed: piece by piece into place as it is read
-            if stacker is not None and stacker.on_host(target, tensors[0]):
+            if stacker is not None and stacker.layers.in_place(target, tensors[0]):
                 stacker.read(target, tensors[0], verify, cast(transpose, step.rule.transform))
                 return {}
             return {target: placed_transposed(step, tensors[0], permuted[k], verify)}
         return scratch[buffer_of[k]].read(tensors, verify, ways.laid[k])
 
     # slices placed on devices wait for the load's thread to write them into their stacked
-    # leaves: with such stacks, two units in flight at most, so that the host holds two
-    # slices at most beside the model (on one CPU device, each is read into place)
-    width = lambda: readers.width if stacker is None or stacker.in_place else 2
+    # leaves: with such stacks, few units in flight, so that the host holds few slices
+    # beside the model (on one CPU device, each is read into place)
+    width = lambda: readers.width if stacker is None else stacker.layers.widest(readers.width)
 
     def start_more() -> None:  # in order, as many as the readers, buffers and budget allow
         nonlocal submitted

@@ -107,9 +107,10 @@ def transformed(load: Load, step: Step, read: list[np.ndarray], scratch: Scratch
             if value is None:
                 continue
             target = sharding_of(leaves[part])
-            if not target.is_fully_addressable:  # it spans processes: each places its own
-                value = np.asarray(value)  # devices' parts of the (equal) host value
-            value = jax.device_put(placeable(value), target)
+            if target.is_fully_addressable:
+                value = jax.device_put(placeable(value), target)
+            else:  # it spans processes: each places its own devices' parts of the (equal)
+                value = placed(np.asarray(value), target)  # host value
             out[part] = jnp.copy(value) if scratch.holds(value) else value  # (an identity)
     jax.block_until_ready(out)  # the scratch is free again once the results exist
     if problems:
@@ -215,9 +216,9 @@ def placed_by_device(tensor: Tensor, sharding: Any, verify: bool) -> jax.Array:
     they need once (:meth:`Tensor.read_blocks`), each block into its own buffer. With
     `verify`, checked against its checksum as :meth:`Tensor.read_blocks` says."""
     if tensor.nbytes == 0:
-        return jax.device_put(np.zeros(tensor.shape, tensor.dtype), sharding)
+        return placed(np.zeros(tensor.shape, tensor.dtype), sharding)
     if sharding.is_fully_replicated:
-        return jax.device_put(tensor.read(verify=verify), sharding)
+        return placed(tensor.read(verify=verify), sharding)
     where = {
         device: tuple(s.indices(n)[:2] for s, n in zip(index, tensor.shape, strict=True))
         for device, index in sharding.addressable_devices_indices_map(tensor.shape).items()
@@ -240,4 +241,15 @@ def placed_transposed(step: Step, tensor: Tensor, leaf: Any, verify: bool) -> ja
     place (:meth:`Tensor.read_transposed`, checked as it is read with `verify`), then
     placed with `leaf`'s sharding."""
     perm = cast(transpose, step.rule.transform).perm
-    return jax.device_put(tensor.read_transposed(perm, verify=verify), sharding_of(leaf))
+    return placed(tensor.read_transposed(perm, verify=verify), sharding_of(leaf))
+
+
+def placed(host: np.ndarray, sharding: Any) -> jax.Array:
+    """The host array `host` placed on `sharding`. One that spans processes takes from each
+    process its own devices' parts (``jax.make_array_from_callback``): ``jax.device_put``
+    would first compare the array across the processes, a collective, which reader
+    threads placing several tensors at once would enter in another order in each process
+    (and wait on each other's for ever)."""
+    if sharding.is_fully_addressable:
+        return jax.device_put(host, sharding)
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])

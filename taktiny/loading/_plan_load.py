@@ -27,7 +27,7 @@ from ..convert import AnyRule, ConversionProblem, Step, dequantize_blocks, ident
 from ..io import BOX_PIECE, Checkpoint, Tensor, byte_size
 from ..quant import QArray
 from ..state import problems as err
-from ._budget import Budget
+from ._budget import Budget, waiting
 from ._checks import spec_of
 from ._load import Ways
 from ._place import sharding_of
@@ -78,8 +78,9 @@ class LoadPlan:
             steps in flight at once: the result of the transform being made (before its
             cast or quantization; one step at a time), and what the load's two readers
             hold of the two steps after it (a whole array cut into another sharding's
-            blocks, a 4 MiB piece of a transposed or cut read). A load from a fast store,
-            which learns to read more steps at once, may hold those of more steps.
+            blocks, a 4 MiB piece of a transposed or cut read, a stack's layer placed on
+            CPU devices until it is written into its stacked leaf). A load from a fast
+            store, which learns to read more steps at once, may hold those of more steps.
         peak_host_bytes: the host memory the load needs at its peak: ``scratch_bytes`` and
             the model's arrays on CPU devices, which live in host memory.
         ties: the tied pairs of names the rules declare; a load reads both and checks
@@ -264,6 +265,8 @@ def planned(
     for k, step in enumerate(steps):
         sources = ways.sources[k]
         way, temporary = _way(k, ways, step, sources, leaves, quantized)
+        read = sources[0] if way in ("direct", "blocks", "transposed") else None
+        temporary += waiting(load, step, read, shared=way != "transposed")  # (into stacks)
         transforms = way in ("scratch", "quantized")  # (in the load's own thread)
         made.append(temporary if transforms else 0)
         held.append(0 if transforms else temporary)

@@ -28,7 +28,7 @@ from ..convert import (
     transpose,
 )
 from ..io import Checkpoint, Tensor
-from ..state import kind
+from ..state import kind, other_forms
 from ..state import problems as err
 from ._checks import (
     absent_leaves,
@@ -128,6 +128,10 @@ def plain_plan(load: Load) -> tuple[list[Step], err.Problems]:
     floats = quantized_into_float(checkpoint, leaves, [n for n, _ in unknown])
     problems += floats.values()
     unknown = [(n, t) for n, t in unknown if n.rpartition(".")[0] not in floats]
+    stacks = (load.view if load.layers is None else load.layers.view).spec.stacks
+    forms = other_forms(unknown, leaves, stacks, "checkpoint")  # (a stack for a list, ...)
+    problems += forms.problems
+    unknown = [(n, t) for n, t in unknown if n not in forms.explained]
     problems += err.unknown(unknown, list(leaves), True, set(checkpoint))
     kinds: dict[Any, str | None] = {}  # (each dtype's kind, asked once)
     for name, tensor in checkpoint.items():
@@ -145,7 +149,7 @@ def plain_plan(load: Load) -> tuple[list[Step], err.Problems]:
         else:
             steps.append(Step(IDENTITY, (name,), (name,)))
     made = {p for s in steps for t in s.targets for p in parts_of(t, quantized)}
-    loaded = set(checkpoint) | made | covered | set(floats)
+    loaded = set(checkpoint) | made | covered | set(floats) | forms.covered
     problems += absent_leaves(leaves, loaded, load.strict)
     return steps, problems
 

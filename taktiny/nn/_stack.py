@@ -10,6 +10,7 @@ import jax
 import wadler_lindig as wl
 
 from ..module import Module, Rngs, field
+from ..state import layer_slice
 from ._sequential import _takes  # pyright: ignore[reportPrivateUsage]  (the package's own)
 
 # What `Stack(remat=...)` takes: False (no rematerialisation), True (recompute every
@@ -108,7 +109,7 @@ class Stack(Module):
         """
         if not -self.count <= index < self.count:
             raise IndexError(f"nn.Stack of {self.count} layers has no layer {index}.")
-        return jax.tree.map(lambda x: x[index], self.block)
+        return jax.tree.map(lambda x: layer_slice(x, index), self.block)
 
     def map(self, fn: Callable[[Module], Any]) -> Any:
         """``fn`` applied to every layer at once (``jax.vmap`` over the layer axis), its

@@ -165,7 +165,9 @@ def _whole_parameters(
     QArray's ``kernel.value`` and ``kernel.scale``) applied to its leaves. For each leaf the
     first rule naming either the leaf or its parameter wins; a parameter's spec splits a
     leaf's axes that have the parameter's size (a QArray's value wholly; its scale on the
-    axes it shares with the value, such as the output axis), and the others not at all."""
+    axes it shares with the value, such as the output axis), and the others not at all.
+    In a stack of layers the spec is one layer's, so one layer's shapes are compared (the
+    layer axis, which `_layer_axes` adds, left out)."""
     params = list(customs(names.template))
     if not params:
         return found
@@ -173,13 +175,14 @@ def _whole_parameters(
     values, unmatched = list(found.values), set(found.unmatched)
     used: set[str] = set()  # patterns whose first rule names a parameter whole
     for name, node in params:
-        shape = tuple(np.shape(node.treedef.unflatten(leaves[node.start : node.stop])))
+        cut = 0 if names.stack_of(name) is None else 1  # (a stack's: one layer's shapes)
+        shape = tuple(np.shape(node.treedef.unflatten(leaves[node.start : node.stop])))[cut:]
         for i in range(node.start, node.stop):
             for regex, (pattern, spec) in zip(compiled, rules, strict=True):
                 if regex.fullmatch("." + names.names[i]):
                     break  # a rule for the leaf itself came first: as matched
                 if regex.fullmatch("." + name):
-                    values[i] = _follow(spec, tuple(np.shape(leaves[i])), shape)
+                    values[i] = _follow(spec, tuple(np.shape(leaves[i]))[cut:], shape)
                     unmatched.discard(names.names[i])
                     used.add(pattern)
                     break

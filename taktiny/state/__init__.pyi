@@ -7,6 +7,8 @@ reading only safetensors headers never imports JAX."""
 
 from . import _problems as problems  # noqa: F401  # pyright: ignore[reportUnusedImport] (a namespace: the problem records)
 from ._layers import layer_sharding as layer_sharding
+from ._layers import layer_slice as layer_slice
+from ._layers import other_forms as other_forms
 from ._names import Spec as Spec
 from ._names import Stacked as Stacked
 from ._names import customs as customs

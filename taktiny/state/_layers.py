@@ -11,8 +11,9 @@ array per leaf touched; the model's other leaves are kept as they are).
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
-from typing import Any, cast
+import itertools
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, NamedTuple, cast
 
 import jax
 import jax.numpy as jnp
@@ -23,17 +24,20 @@ from jax.sharding import NamedSharding, PartitionSpec
 import taktiny.state._problems as err
 
 from ..arrays import CACHE_BOUND
-from ._names import Spec, fields, flatten, is_stack
-from ._problems import Problems, StateDictError
+from ._names import Custom, Spec, Stacked, customs, fields, flatten, is_stack, tree_util
+from ._problems import Problems, StateDictError, StateProblem, groups_of
 from ._values import checked_value
 
 
-def unstacked(spec: Spec, leaves: list[Any]) -> dict[str, Any]:
+def unstacked(spec: Spec, leaves: list[Any], params: bool = False) -> dict[str, Any]:
     """The flat state with every stacked leaf given per layer, its slices in layer order,
     each layer's leaves together (as a list of blocks orders them), where the stack's
-    first leaf stands."""
+    first leaf stands. With `params`, a custom parameter's slices are given as one value
+    of its own type under its name (a stacked QArray's layers as QArrays), as a nested
+    state gives custom parameters; without, its parts by their names."""
     out: dict[str, Any] = {}
     done: set[str] = set()
+    whole = _stacked_params(spec) if params else {}
     for name, leaf in zip(spec.names, leaves, strict=True):
         stack = spec.stack_of(name)
         if stack is None:
@@ -43,12 +47,46 @@ def unstacked(spec: Spec, leaves: list[Any]) -> dict[str, Any]:
             continue
         done.add(stack.block)
         group = [(n, spec.index[n]) for n in spec.names if n.startswith(stack.block + ".")]
+        layer: Callable[[Any, int], Any] = lambda leaf, i: (
+            layer_sharded(leaf) if isinstance(leaf, jax.ShapeDtypeStruct) else layer_slice(leaf, i)
+        )
         for i in range(stack.count):
             for stacked, position in group:
-                leaf = leaves[position]
-                one = layer_sharded(leaf) if isinstance(leaf, jax.ShapeDtypeStruct) else leaf[i]
-                out[stack.layer_name(stacked, i)] = one
+                param = whole.get(position)
+                if param is None:
+                    out[stack.layer_name(stacked, i)] = layer(leaves[position], i)
+                elif position == param[1].start:  # (its first part: the whole value, once)
+                    custom = param[1]
+                    parts = [layer(leaves[p], i) for p in range(custom.start, custom.stop)]
+                    out[stack.layer_name(param[0], i)] = custom.treedef.unflatten(parts)
     return out
+
+
+def _stacked_params(spec: Spec) -> dict[int, tuple[str, Custom]]:
+    """The custom parameters of the stacks' blocks (a stacked QArray), by the position of
+    each of their leaves: (the parameter's stacked name, its `Custom` entry)."""
+    return {
+        position: (name, custom)
+        for name, custom in customs(spec.template)
+        if spec.stack_of(name) is not None
+        for position in range(custom.start, custom.stop)
+    }
+
+
+def layer_slice(leaf: Any, index: int) -> Any:
+    """Layer `index` of a stacked array (a copy), placed as the stacked one without its
+    layer axis: on a mesh of explicit axes that splits the layer axis, JAX asks where the
+    slice goes (``.at[...].get(out_sharding=...)``); anywhere else it follows."""
+    sharding = None if isinstance(leaf, Tracer) else getattr(leaf, "sharding", None)
+    if (
+        isinstance(sharding, NamedSharding)
+        and sharding.mesh.are_all_axes_explicit
+        and len(sharding.spec)
+        and sharding.spec[0] is not None
+    ):
+        array = cast(Any, leaf)  # (JAX leaves `.at` unannotated)
+        return array.at[index].get(out_sharding=layer_sharding(sharding, array.ndim))
+    return leaf[index]
 
 
 def layer_sharding(sharding: Any, ndim: int) -> Any:
@@ -68,18 +106,24 @@ def layer_sharded(leaf: Any) -> jax.ShapeDtypeStruct:
 
 
 def restacked(
-    spec: Spec, leaves: list[Any], flat: Mapping[str, Any], caller: str
+    spec: Spec, leaves: list[Any], flat: Mapping[str, Any], caller: str, strict: bool = False
 ) -> dict[str, Any]:
     """`flat` with its per-layer names turned into the stacked leaves they are slices of:
     every layer given, the slices stacked; some, written into a copy of the leaf. Raises
     StateDictError for a slice of the wrong shape or kind (named per layer), for a leaf
     given both whole and per layer, and for some layers of an abstract leaf (the others
-    have no value)."""
+    have no value) or under `strict` (each layer not given is missing)."""
     out: dict[str, Any] = {}
     groups: dict[str, dict[int, tuple[str, Any]]] = {}
+    params = {name: custom for _, (name, custom) in _stacked_params(spec).items()}
     for name, value in flat.items():
         hit = spec.split_layer(name) if type(name) is str else None
-        if hit is None or hit[0] not in spec.index:
+        parts = None if hit is None or hit[0] not in params else _parts(value, params[hit[0]])
+        if hit is not None and parts is not None:  # a custom parameter's layer, whole: its
+            custom = params[hit[0]]  # parts, as if given by their per-layer names
+            for part, leaf in zip(spec.names[custom.start : custom.stop], parts, strict=True):
+                groups.setdefault(part, {})[hit[1]] = (hit[2].layer_name(part, hit[1]), leaf)
+        elif hit is None or hit[0] not in spec.index:
             out[name] = value  # (an unknown name: the resolution reports it)
         else:
             groups.setdefault(hit[0], {})[hit[1]] = (name, value)
@@ -98,13 +142,18 @@ def restacked(
             parts = [checked[i] for i in range(count)]
             host = all(isinstance(p, np.ndarray) for p in parts)
             out[stacked] = np.stack(parts) if host else jnp.stack(parts)
-        elif isinstance(old, jax.ShapeDtypeStruct):
+        elif strict or isinstance(old, jax.ShapeDtypeStruct):
             stack = spec.stack_of(stacked)
             assert stack is not None  # (a per-layer name's leaf is a stack's)
+            abstract = isinstance(old, jax.ShapeDtypeStruct)
             for i in range(count):
                 if i not in checked:
                     name = stack.layer_name(stacked, i)
-                    problems.append(err.layer_without_value(name, stacked, sorted(checked)))
+                    problems.append(
+                        err.layer_without_value(name, stacked, sorted(checked))
+                        if abstract
+                        else err.missing(name)
+                    )
         else:
             index = np.array(sorted(checked))
             given = [checked[i] for i in sorted(checked)]
@@ -120,6 +169,103 @@ def restacked(
     if problems:
         raise StateDictError(caller, problems)
     return out
+
+
+class Forms(NamedTuple):
+    """What :func:`other_forms` finds: one problem per stack or list of layers given in
+    the other form, the given names it tells of, and the model's leaves it covers (a list
+    of layers given as a stack: not each told missing as well)."""
+
+    problems: list[StateProblem]
+    explained: set[str]
+    covered: set[str]
+
+
+def other_forms(
+    given: Iterable[tuple[str, Any]],
+    leaves: Mapping[str, Any],
+    stacks: Iterable[Stacked],
+    source: str,
+) -> Forms:
+    """The names a load does not know (`given`: name and value, or a tensor's header; a
+    nested dict of them) that are a stack of layers where the model (its `leaves` by name,
+    its `stacks`) holds a list, or more layers per layer than its stack holds: one problem
+    for each such stack, instead of one unknown name per leaf. A stack's name is the
+    list's with a word in the layer's place (``layers.block.…``: nn.Stack's field), its
+    value one axis more than the list's leaf (when both have shapes). `source` is
+    ``"checkpoint"`` or ``"state"``, as the message names it."""
+    flat: dict[str, Any] = {}
+    origin: dict[str, str] = {}  # each flat name -> the name given (a nested group's)
+    for name, value in given:
+        if isinstance(value, Mapping):  # (a nested state's group; too deep: not a stack's)
+            if not _string_keys(cast("Mapping[Any, Any]", value)):
+                continue
+            inside: dict[str, Any] = {}
+            _dotted(cast("Mapping[str, Any]", value), name, inside)
+            flat.update(inside)
+            origin.update(dict.fromkeys(inside, name))
+        else:
+            flat[name] = value
+            origin[name] = name
+    if not flat:  # (every name known: a load's common case costs nothing here)
+        return Forms([], set(), set())
+    names = list(leaves)
+    known = set(names) | groups_of(names)
+    by_path = {stack.path: stack for stack in stacks}
+    lists: dict[tuple[str, str], list[str]] = {}  # (path, stacked field) -> names given
+    beyond: dict[str, dict[int, list[str]]] = {}  # stack's path -> layer -> names given
+    for name in flat:
+        parts = name.split(".")
+        for j in range(len(parts) - 1):
+            head, key, rest = ".".join(parts[:j]), parts[j], ".".join(parts[j + 1 :])
+            first = f"{head}.0.{rest}" if head else f"0.{rest}"  # (its name in layer 0)
+            stack = by_path.get(head)
+            if stack is not None and key.isdigit() and str(int(key)) == key:
+                if int(key) >= stack.count and {first, f"{stack.block}.{rest}"} & known:
+                    beyond.setdefault(head, {}).setdefault(int(key), []).append(name)
+                    break
+            elif j and stack is None and not key.isdigit() and first in known:
+                if _one_axis_more(flat[name], leaves.get(first)):
+                    lists.setdefault((head, key), []).append(name)
+                break
+    problems: list[StateProblem] = []
+    explained, covered = set[str](), set[str]()
+    for (path, field), found in lists.items():
+        count = next(i for i in itertools.count() if f"{path}.{i}" not in known)
+        shapes = (getattr(flat[n], "shape", None) for n in found)
+        layers = next((int(shape[0]) for shape in shapes if shape), None)
+        problems.append(err.stacked_into_list(path, f"{path}.{field}", layers, count, source))
+        explained.update(origin[n] for n in found)
+        covered.update(n for n in names if _in_layer(n, path))
+    for path, found in beyond.items():
+        stack = by_path[path]
+        layers = max(found) + 1
+        problems.append(err.beyond_stack(path, stack.block, layers, stack.count, source))
+        explained.update(origin[n] for group in found.values() for n in group)
+    return Forms(problems, explained, covered)
+
+
+def _one_axis_more(value: Any, leaf: Any) -> bool:
+    """Whether `value` (a stacked leaf, or a tensor's header) has one axis more than the
+    layer's `leaf`, the layer axis; True when either has no shape to tell."""
+    shape, own = getattr(value, "shape", None), getattr(leaf, "shape", None)
+    return shape is None or own is None or len(shape) == len(own) + 1
+
+
+def _in_layer(name: str, path: str) -> bool:
+    """Whether `name` is the leaf of a layer of the list at `path` (``layers.3.…``)."""
+    head, _, tail = name[len(path) + 1 :].partition(".") if path else name.partition(".")
+    return (not path or name.startswith(path + ".")) and head.isdigit() and bool(tail)
+
+
+def _parts(value: Any, custom: Custom) -> list[Any] | None:
+    """The leaves of `value` when it is structured as the custom parameter `custom` (a
+    QArray of the same layout); None otherwise (the resolution tells what it is)."""
+    try:
+        leaves, treedef = tree_util.tree_flatten(value)
+    except (RecursionError, SystemError):  # (a value that contains itself: told later)
+        return None
+    return leaves if treedef == custom.treedef else None
 
 
 def nest(flat: Mapping[str, Any]) -> dict[str, Any]:
@@ -210,9 +356,11 @@ def stacked_state(
     flat: bool,
     caller: Any,
     flattened: tuple[list[Any], Spec] | None = None,
+    strict: bool = False,
 ) -> Mapping[Any, Any]:
     """`state` with per-layer names of the tree's stacks turned into their stacked leaves
-    (:func:`restacked`); `state` itself when it has none. `caller()` names the load.
+    (:func:`restacked`, `strict` as the load's); `state` itself when it has none.
+    `caller()` names the load.
     `flattened` is the tree's leaves and description when the load has them (a load that
     flattens the tree); without, a walk down the names the state gives (a load of a few)
     says whether any goes through a stack, so that a load naming none pays nothing."""
@@ -227,7 +375,7 @@ def stacked_state(
     else:
         leaves, _, spec = flatten(tree)
     if flat:
-        return restacked(spec, leaves, state, caller())
+        return restacked(spec, leaves, state, caller(), strict)
     out: dict[Any, Any] = dict(state)
     for stack in spec.stacks:  # each stack's subtree given per layer: made stacked
         path = stack.path.split(".") if stack.path else []
@@ -246,7 +394,7 @@ def stacked_state(
                 continue
             dotted: dict[str, Any] = {}
             _dotted(node, stack.path, dotted)  # pyright: ignore[reportUnknownArgumentType]
-            made = nest(restacked(spec, leaves, dotted, caller()))
+            made = nest(restacked(spec, leaves, dotted, caller(), strict))
             for key in path:
                 made = made[key]
             rebuilt: Any = made  # copies along the path: the caller's dicts are not changed

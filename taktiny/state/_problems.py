@@ -546,15 +546,20 @@ def structure(name: str, expected: Any, got: Any) -> StateProblem:
     )
 
 
-def missing(name: str) -> StateProblem:
-    return StateProblem(
-        "missing",
-        name,
-        "a value",
-        None,
-        "missing: strict=True requires every parameter; supply it, or pass strict=False to keep "
-        "its current value.",
-    )
+def missing(name: str, abstract: bool = False) -> StateProblem:
+    """A leaf not supplied under ``strict=True``; `abstract`: the model's leaf has no value
+    (from ``jax.eval_shape``), so strict=False would not keep one."""
+    if abstract:
+        hint = (
+            "missing: strict=True requires every parameter, and the model is abstract (from "
+            "jax.eval_shape), so it has no value to keep; supply it."
+        )
+    else:
+        hint = (
+            "missing: strict=True requires every parameter; supply it, or pass strict=False to "
+            "keep its current value."
+        )
+    return StateProblem("missing", name, "a value", None, hint)
 
 
 def abstract(name: str) -> StateProblem:
@@ -945,6 +950,57 @@ def both_forms(name: str, layers: list[str]) -> StateProblem:
         f"given both whole and per layer ({shown}): a load takes a stack's leaf in one form; "
         f"drop one of them.",
     )
+
+
+def _layers(path: str, count: int) -> str:
+    """The names of a list of `count` layers at `path`: ``'layers.0' … 'layers.3'``."""
+    names = [f"{path}.{i}" if path else str(i) for i in (0, count - 1)]
+    return f"{names[0]!r}" if count == 1 else f"{names[0]!r} … {names[1]!r}"
+
+
+def _whose(source: str) -> tuple[str, str]:
+    """The fix for a state of a stacked model where a list of layers belongs: in a
+    checkpoint (`source` ``"checkpoint"``), or in memory (``"state"``)."""
+    if source == "checkpoint":
+        return "this checkpoint", "save_safetensors(path, model.flat_state_dict(unstacked=True))"
+    return "this state", "model.state_dict(unstacked=True), or flat_state_dict(unstacked=True)"
+
+
+def stacked_into_list(
+    path: str, stacked: str, layers: int | None, count: int, source: str
+) -> StateProblem:
+    """A stack of layers given (its names `stacked`.<rest>, each with a leading axis of
+    `layers`, None when unknown) where the model holds a list of `count` layers at `path`;
+    `source`: ``"checkpoint"`` or ``"state"``."""
+    holds, fix = _whose(source)
+    axis = "a leading layer axis" if layers is None else f"a leading layer axis of {layers}"
+    stack = "a stack of layers" if layers is None else f"a stack of {layers} layers"
+    hint = (
+        f"{holds} holds {stack} at {path!r} (names '{stacked}.…' with {axis}); the model "
+        f"holds a list of {count} layers, {_layers(path, count)}. Give the stacked model's "
+        f"state per layer, named as a list names its layers ({fix}), or hold the model's "
+        f"layers in an nn.Stack."
+    )
+    if layers is not None and layers != count:
+        hint += f" The counts differ too: {layers} layers against {count}."
+    expected = f"a list of {count} layers ({_layers(path, count)})"
+    return StateProblem("structure", path, expected, f"{stack} ('{stacked}.…')", hint)
+
+
+def beyond_stack(path: str, block: str, layers: int, count: int, source: str) -> StateProblem:
+    """Per-layer names of `layers` layers at `path`, where the model's stack there holds
+    `count` < `layers` (its block's leaves `block`.<rest>)."""
+    holds = _whose(source)[0]
+    extra = "layer" if layers == count + 1 else "layers"
+    left = str(count) if layers == count + 1 else f"{count} … {layers - 1}"
+    hint = (
+        f"{holds} holds {layers} layers at {path!r}, per layer ({_layers(path, layers)}); "
+        f"the model holds a stack of {count} layers there (names '{block}.…' with a leading "
+        f"layer axis of {count}). Per-layer names load into a stack, as many layers as it "
+        f"holds: make the model's nn.Stack of {layers} layers, or leave out {extra} {left}."
+    )
+    expected = f"a stack of {count} layers ('{block}.…')"
+    return StateProblem("structure", path, expected, f"{layers} layers, per layer", hint)
 
 
 def layer_without_value(name: str, stacked: str, given: list[int]) -> StateProblem:

@@ -11,6 +11,7 @@ from typing import Any, NamedTuple, cast
 import taktiny.state._problems as err
 
 from ..quant import PARTS
+from ._layers import other_forms
 from ._names import tree_util
 from ._problems import StateProblem
 from ._represent import Other
@@ -19,12 +20,15 @@ from ._views import GROUP, LEAF, View
 
 class Resolved(NamedTuple):
     """What a state names: the value for each leaf (by its `where` in the view), the
-    problems of entries that name no leaf, in the order of the state, and the values in
-    another representation than the model's (by the `where` of their first leaf)."""
+    problems of entries that name no leaf, in the order of the state (a stack of layers
+    given where the model holds a list, or the reverse, told once: `_layers.other_forms`),
+    the values in another representation than the model's (by the `where` of their first
+    leaf), and the leaves such a stack stands for (not told missing besides)."""
 
     supplied: dict[Any, Any]
     problems: tuple[StateProblem, ...]
     other: dict[Any, Other]
+    covered: frozenset[str] = frozenset()
 
 
 class _Unknown(NamedTuple):
@@ -60,11 +64,19 @@ def resolve(view: View[Any], state: Mapping[Any, Any], flat: bool, match: bool =
     unknown = [(e.name, e.value) for e in found.entries if type(e) is _Unknown]
     if not unknown:
         problems: Any = found.entries
-    else:
-        given = {view.name(w) for w in found.supplied}
-        told = iter(err.unknown(unknown, view.names(), flat, given))
-        problems = [next(told) if type(e) is _Unknown else e for e in found.entries]
-    return Resolved(found.supplied, tuple(problems), found.other)
+        return Resolved(found.supplied, tuple(problems), found.other)
+    leaves, spec = view.flattened()  # (a stack given for a list, or the reverse: told once)
+    forms = other_forms(unknown, dict(zip(spec.names, leaves, strict=True)), spec.stacks, "state")
+    unknown = [(name, value) for name, value in unknown if name not in forms.explained]
+    given = {view.name(w) for w in found.supplied}
+    told = iter(err.unknown(unknown, spec.names, flat, given))
+    problems = list(forms.problems)
+    for entry in found.entries:
+        if not isinstance(entry, _Unknown):
+            problems.append(entry)
+        elif entry.name not in forms.explained:
+            problems.append(next(told))
+    return Resolved(found.supplied, tuple(problems), found.other, frozenset(forms.covered))
 
 
 def _resolve_name(view: View[Any], name: str, value: Any, found: _Found, match: bool) -> bool:

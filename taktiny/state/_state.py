@@ -231,7 +231,7 @@ def load(
     else:
         view = flat_view = Flat(tree)
         flattened = (flat_view.olds, flat_view.spec)
-        state = _layers.stacked_state(tree, state, flat, named, flattened)
+        state = _layers.stacked_state(tree, state, flat, named, flattened, strict)
         values = _in_order(flat_view, state, flat)  # every leaf, in leaf order: the fast path
         if values is not None:
             return _finish(view, enumerate(values), None, named, match)
@@ -273,13 +273,15 @@ def _unfilled(view: View[Any], found: Resolved, strict: bool) -> list[StateProbl
         if not any(isinstance(olds[w], jax.ShapeDtypeStruct) for w in wheres):
             return []
     leaves, spec = view.flattened()
-    named = {view.name(w) for w in wheres}
+    named = {view.name(w) for w in wheres} | found.covered
     absent = [
-        (name, leaf) for name, leaf in zip(spec.names, leaves, strict=True) if name not in named
+        (name, isinstance(leaf, jax.ShapeDtypeStruct))
+        for name, leaf in zip(spec.names, leaves, strict=True)
+        if name not in named
     ]
     if strict:
-        return [err.missing(name) for name, _ in absent]
-    return [err.abstract(name) for name, leaf in absent if isinstance(leaf, jax.ShapeDtypeStruct)]
+        return [err.missing(name, abstract) for name, abstract in absent]
+    return [err.abstract(name) for name, abstract in absent if abstract]
 
 
 def _finish(

@@ -30,16 +30,17 @@ def state_dict(tree: Any, *, unstacked: bool = False) -> dict[str, Any]:
         tree: a module, or a container of arrays and modules.
         unstacked: give each stack of layers (:class:`taktiny.nn.Stack`) per layer, under
             the stack's name and the layer's index (``{"layers": {"0": ...}}``) instead of
-            its block's stacked arrays (``{"layers": {"block": ...}}``); see
-            :func:`flat_state_dict`.
+            its block's stacked arrays (``{"layers": {"block": ...}}``), as a list of the
+            same blocks gives them: a stacked :class:`~taktiny.QArray` as one QArray a
+            layer; see :func:`flat_state_dict`.
 
     Returns:
-        Nested dicts whose leaves are the tree's own arrays (no copies; with `unstacked`,
-        a stack's leaves are slices, which are copies).
+        Nested dicts whose leaves are the tree's own arrays and custom parameters (no
+        copies; with `unstacked`, a stack's leaves are slices, which are copies).
     """
     leaves, _, spec = _names.flatten(tree)
     if unstacked and spec.stacks:
-        return _layers.nest(_layers.unstacked(spec, leaves))
+        return _layers.nest(_layers.unstacked(spec, leaves, params=True))
     return _names.nested(spec.template, leaves)
 
 
