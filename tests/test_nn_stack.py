@@ -215,14 +215,6 @@ ON_THE_MESH = [  # the layer axis split over 'data' too, or not
     "data",
     pytest.param(None, marks=pytest.mark.thorough),
 ]
-# Surgery on a stack split over a mesh needs nn/_surgery.py's `swap` to split the layers'
-# indices as their layer axis is (vmap refuses them unsplit) and to place the leaves a layer
-# did not hold (adapters, drawn from keys) as one layer alone places them. The change is
-# handed to the owner of that file this wave (the stacks branch's report); these marks go
-# with it (strict: a test that passes then fails, to say so).
-NEEDS_SWAP = pytest.mark.xfail(
-    strict=True, reason="swap places a stack's indices and new leaves on its mesh: pending"
-)
 
 
 def sharded_stack(layer_axis):
@@ -235,10 +227,7 @@ def specs(layer, *names):
     return [getattr(layer, n).sharding.spec for n in names]
 
 
-@pytest.mark.parametrize(
-    "layer_axis",
-    [pytest.param("data", marks=NEEDS_SWAP), pytest.param(None, marks=pytest.mark.thorough)],
-)
+@pytest.mark.parametrize("layer_axis", ON_THE_MESH)
 def test_quantize_and_dequantize_on_a_sharded_stack_act_per_layer(layer_axis):
     """Bit for bit what the unsharded stack gets (itself each layer's alone: the test
     above), checked again on its last layer; the values keep their kernel's split, each
@@ -264,7 +253,6 @@ def test_quantize_and_dequantize_on_a_sharded_stack_act_per_layer(layer_axis):
     assert jax.tree.all(jax.tree.map(lambda a, b: a.sharding == b.sharding, placed, quantized))
 
 
-@NEEDS_SWAP
 @pytest.mark.parametrize("layer_axis", ON_THE_MESH)
 def test_lora_and_merge_lora_on_a_sharded_stack_act_per_layer(layer_axis):
     """Adapters drawn as on the unsharded stack (each layer's from its own key), placed as

@@ -28,10 +28,19 @@ import jax.numpy as jnp
 import numpy as np
 from jax.core import Tracer
 from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from ..module import Module, Rngs, fields_of
 from ..quant import QArray, quantize_like, quantized
-from ..state import compile_pattern, flatten, key_name, select, unused_hint
+from ..state import (
+    compile_pattern,
+    flatten,
+    key_name,
+    layer_sharding,
+    layer_slice,
+    select,
+    unused_hint,
+)
 from ..state import problems as err
 from ._embed import Embed
 from ._linear import Linear
@@ -84,17 +93,50 @@ def swap(model: Any, chosen: Mapping[str, Module], make: Callable[[str, Any, Any
         if stack is None:
             return make(name, layer, None)
         each = jax.vmap(lambda one, i: make(name, one, i), spmd_axis_name=stack.axis)
-        abstract = any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(layer))
-        return (jax.eval_shape if abstract else lambda f, *a: f(*a))(
-            each, layer, jnp.arange(stack.count)
-        )
+        if any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(layer)):
+            return jax.eval_shape(each, layer, jnp.arange(stack.count))
+        shardings = [getattr(x, "sharding", None) for x in jax.tree.leaves(layer)]
+        meshes = [s.mesh for s in shardings if isinstance(s, NamedSharding)]
+        if not meshes:
+            return each(layer, jnp.arange(stack.count))
+        # the layers' indices split as their layer axis is (vmap maps both alike); each
+        # leaf the layer did not hold (an adapter drawn from a key: computed from nothing
+        # placed) placed as one layer, made alone and abstract, places it, with the layer
+        # axis the stack gives, as the leaves computed from the layer's are
+        index = jax.device_put(jnp.arange(stack.count), NamedSharding(meshes[0], P(stack.axis)))
+        made = each(layer, index)
+        had = {path for path, _ in jax.tree_util.tree_flatten_with_path(layer)[0]}
+        pairs, treedef = jax.tree_util.tree_flatten_with_path(made)
+        if all(path in had for path, _ in pairs):
+            return made
+        alone = jax.tree.leaves(make(name, jax.tree.map(_one_layer, layer), 0))
+        placed = [
+            x if path in had else _with_layer_axis(x, like, stack.axis)
+            for (path, x), like in zip(pairs, alone, strict=True)
+        ]
+        return treedef.unflatten(placed)
 
     return jax.tree_util.tree_map_with_path(replace, model, is_leaf=_is_layer)
 
 
+def _with_layer_axis(x: Any, like: Any, axis: str | None) -> Any:
+    """The stacked `x` placed as one layer's `like` is, `axis` splitting the layer axis
+    (as it is, where `like` is on no mesh)."""
+    sharding = getattr(like, "sharding", None)
+    if not isinstance(sharding, NamedSharding):
+        return x
+    return jax.device_put(x, NamedSharding(sharding.mesh, P(axis, *sharding.spec)))
+
+
+def _one_layer(x: Any) -> Any:
+    """One layer of a stacked array, abstract, placed as the stacked one without its axis."""
+    sharding = layer_sharding(getattr(x, "sharding", None), x.ndim)
+    return jax.ShapeDtypeStruct(x.shape[1:], x.dtype, sharding=sharding)
+
+
 def layer_of(layer: Any, index: int) -> Any:
     """Layer `index` of a layer whose arrays have the leading layer axis of a stack."""
-    return jax.tree.map(lambda x: x[index], layer)
+    return jax.tree.map(lambda x: layer_slice(x, index), layer)
 
 
 def choose(
