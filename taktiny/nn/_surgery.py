@@ -470,6 +470,14 @@ def merge_lora(model: Any, *, where: Selection | None = None, report: bool = Fal
     errors: dict[str, float] = {}
 
     def merge(name: str, layer: Any, index: Any) -> Any:
+        if any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(layer)):
+            if report:
+                raise TypeError(
+                    f"taktiny.merge_lora(report=True): {name!r} is abstract (jax.eval_shape); "
+                    f"the report compares each merged weight with the exact sum, so it takes "
+                    f"concrete arrays. Merge with report=False, or load the model first."
+                )
+            return jax.eval_shape(lambda one: _merged(one, name)[0], layer)
         merged, weight, new = _merged(layer, name)
         if report and index is None:
             errors[name] = _merge_error(layer, weight, new, name)
