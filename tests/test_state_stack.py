@@ -200,6 +200,20 @@ def bitwise(a, b):
     )
 
 
+@pytest.mark.parametrize(("bits", "group_size"), [(8, None), (4, 2)])
+def test_a_float_stack_loads_into_a_quantized_one_each_layer_quantized(bits, group_size):
+    """match_quantization=True quantizes a float stack's state as the model's stacked
+    QArray is, layer by layer: bitwise tt.quantize of the float stack (it quantized the
+    layer axis as the first axis of one array, and refused a group size the layer count
+    does not divide)."""
+    model = Model(rngs=nn.Rngs(0))
+    quantized = tt.quantize(model, bits=bits, group_size=group_size, where="layers.**")
+    other = tt.quantize(Model(rngs=nn.Rngs(1)), bits=bits, group_size=group_size, where="layers.**")
+    loaded = other.load_flat_state_dict(tt.flat_state_dict(model), match_quantization=True)
+    for got, want in zip(jax.tree.leaves(loaded), jax.tree.leaves(quantized), strict=True):
+        assert got.dtype == want.dtype and np.array_equal(got, want)
+
+
 def test_the_schema_marks_a_stack_s_leaves_and_survives_json():
     schema = tt.schema(Model(rngs=nn.Rngs(0)))
     assert schema["layers.block.dense.kernel"]["stack"] == {"path": "layers", "count": 3}

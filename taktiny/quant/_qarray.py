@@ -158,17 +158,21 @@ def quantized(
 
 def quantize_like(array: Any, like: QArray, name: str = "the array") -> QArray:
     """`array` (float, `like`'s shape) quantized as `like` is: its bits, axis, group size
-    and scale dtype. For loaders that fill a `QArray` leaf from a float tensor."""
+    and scale dtype; for a stack's QArray (:func:`layer_axes`), each layer as it is. For
+    loaders that fill a `QArray` leaf from a float tensor."""
     if tuple(array.shape) != like.shape:
         raise ValueError(f"cannot quantize {name} like {like!r}: its shape is {array.shape}.")
-    return quantized(
-        array,
+    quantize = partial(
+        quantized,
         bits=like.bits,
         axis=like.axis,
         group_size=like.group_size,
         dtype=like.dtype,
         name=name,
     )
+    for _ in range(layer_axes(like)):  # (a stack's layers, each quantized as one)
+        quantize = jax.vmap(quantize)
+    return quantize(array)
 
 
 @partial(jax.jit, static_argnames=("axis", "group_size", "dtype"))
