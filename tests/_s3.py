@@ -84,7 +84,8 @@ class Proxy:
     """A forwarding HTTP proxy in front of the server, on 127.0.0.1, through which faults
     reach the client by the real HTTP path: requests it answers 503 (``busy``: how many of
     the next ones), or 403 (``deny``), connections it drops without an answer (``drop``:
-    how many), answers it holds back (``stall`` seconds), and the bytes of GET bodies it
+    how many), answers it holds back (``stall`` seconds), each to the requests ``only``
+    picks (all by default; it is asked once per request), and the bytes of GET bodies it
     passed (``served``)."""
 
     def __init__(self, target: str) -> None:
@@ -120,7 +121,7 @@ class Proxy:
                     body = b"".join(pieces)
                 with proxy.lock:
                     proxy.requests.append((self.command, self.path))
-                    chosen = proxy.only(self.command, self.path)
+                    picked = chosen = proxy.only(self.command, self.path)
                     fault = "deny" if proxy.deny and chosen else None
                     chosen = chosen and fault is None
                     if chosen and proxy.busy > 0:
@@ -129,7 +130,7 @@ class Proxy:
                     elif chosen and proxy.drop > 0:
                         proxy.drop -= 1
                         fault = "drop"
-                    stall = proxy.stall
+                    stall = proxy.stall if picked else 0.0
                 if stall:
                     time.sleep(stall)
                 if fault == "drop":

@@ -40,4 +40,6 @@ from ._save import byte_size as byte_size
 from ._storage import OpenFile as OpenFile
 from ._storage import Storage as Storage
 from ._storage import open_storage as open_storage
+from ._storage import result_of as result_of
+from ._storage import stop_reads as stop_reads
 from ._verify import verify as verify

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
 from ._read import SafetensorsError
+from ._storage import result_of, waited
 
 SCHEMES = ("s3", "s3a", "gs", "az", "abfs", "abfss", "azure", "http", "https")
 _URL = re.compile(rf"({'|'.join(SCHEMES)})://([^/]+)/(.*)", re.IGNORECASE)
@@ -206,6 +207,7 @@ class RemoteFile:
         ]
         self.futures.update(futures)
         try:
+            waited(futures)
             for future in futures:
                 future.result()
         except BaseException:
@@ -311,11 +313,11 @@ def _first_line(error: BaseException) -> str:
 def call(url: Url, method: str, request: Callable[[], Awaitable[_T]]) -> _T:
     """The result of `request()` (an obstore coroutine on `url`; `method` names it in
     messages), run on the loop's thread and retried as the ranged GETs are; a missing
-    object is FileNotFoundError naming the URL. The caller waits for it as for a lock:
-    Ctrl-C interrupts the wait, and the request is cancelled."""
+    object is FileNotFoundError naming the URL. Ctrl-C stops the caller's wait at once
+    (`_storage.waited`), and the request is cancelled."""
     future = _running().submit(_tried(url, method, request))
     try:
-        return future.result()
+        return result_of(future)
     except BaseException:
         future.cancel()
         raise

@@ -25,7 +25,16 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, cast
 
 from ..convert import AnyRule, Step, transpose
-from ..io import RETRIES, Checkpoint, Replaced, Tensor, byte_size, read_together
+from ..io import (
+    RETRIES,
+    Checkpoint,
+    Replaced,
+    Tensor,
+    byte_size,
+    read_together,
+    result_of,
+    stop_reads,
+)
 from ._budget import Budget
 from ._layers import Stacker, covered
 from ._place import (
@@ -250,7 +259,7 @@ def _load(
         try:
             start_more()
             for u, unit in enumerate(units):
-                data = running.pop(u).result()
+                data = result_of(running.pop(u))  # (Ctrl-C stops the wait at once)
                 readers.finished(sizes[u])
                 ahead.window = _ahead(budget, readers.ahead)
                 start_more()
@@ -270,10 +279,8 @@ def _load(
                     start_more()
                 bar.update(sizes[u])
         except BaseException:  # the reads not started are dropped, those in flight stopped
-            for future in running.values():
-                future.cancel()
-            for storage in {id(t.storage): t.storage for t in order if t.storage}.values():
-                storage.interrupt()
+            storages = {id(t.storage): t.storage for t in order if t.storage}.values()
+            stop_reads(storages, running.values())
             raise
     return loaded(load, placed)  # (each leaf resolved, checked and placed: written in)
 
