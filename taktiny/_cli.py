@@ -584,7 +584,7 @@ def _command(commands: Any, name: str, does: str, exits: str) -> argparse.Argume
 
 def main(argv: Sequence[str] | None = None) -> int:
     """The ``taktiny`` command (also ``python -m taktiny``)."""
-    from .io import SafetensorsError
+    from .io import MissingExtra, SafetensorsError
 
     # --help prints whole sentences: the first and last paragraphs of this file's docstring
     paragraphs = [" ".join(p.replace("`", "").split()) for p in (__doc__ or "").split("\n\n")]
@@ -651,8 +651,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             report, same = plan(args.path, args.model, args.rules, args.max_host_bytes)
         else:
             report, same = diff(args.a, args.b, atol=args.atol, rtol=args.rtol, pattern=args.filter)
-    except (SafetensorsError, OrbaxError, Unreadable, OSError, ValueError) as error:
-        # a checkpoint that cannot be read (named, with why) or a bad --filter pattern
+    except (SafetensorsError, OrbaxError, Unreadable, OSError, ValueError, MissingExtra) as error:
+        # a checkpoint that cannot be read (named, with why), a bad --filter pattern, or a
+        # URL without the cloud extra installed (named, with the command that installs it)
         print(f"taktiny: {' '.join(str(error).splitlines())}", file=sys.stderr)
         return 2
     print(report)

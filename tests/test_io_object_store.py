@@ -215,6 +215,148 @@ def test_missing_objects_and_unknown_schemes_are_named(s3):
         save_safetensors(f"{s3}/model.bin", values(1))
 
 
+def test_without_the_cloud_extra_each_entry_point_names_the_install_command(tmp_path):
+    """With obstore not importable (blocked in the child processes by a sitecustomize
+    module, as if it were not installed), a save, a load, `open_safetensors` and the
+    command given a URL each name the URL and ``pip install 'taktiny[cloud]'``, before
+    doing anything else; the command in one line on stderr, with status 2, as its --help
+    promises. (A save raised a bare ModuleNotFoundError, and the command printed its
+    traceback and exited 1.) Planted: `locate` not asking `obstore_for` and `_head`
+    importing obstore itself (the save named the folder, not the URL; the load raised
+    ModuleNotFoundError); the command not catching MissingExtra (a traceback, status 1)."""
+    (tmp_path / "sitecustomize.py").write_text("import sys\nsys.modules['obstore'] = None\n")
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]),
+    }
+    url = "s3://models/run/model.safetensors"
+    message = (
+        f"{url}: reading and writing object storage needs obstore, which is not installed: "
+        f"pip install 'taktiny[cloud]'"
+    )
+    script = (
+        "import json, numpy as np, jax.numpy as jnp\n"
+        "from taktiny.io import save_safetensors, load_safetensors, open_safetensors\n"
+        "seen = []\n"
+        f"for call in (lambda: save_safetensors({url!r}, {{'a': np.ones(3, np.float32)}}),\n"
+        f"             lambda: load_safetensors({{'a': jnp.zeros(3)}}, {url!r}),\n"
+        f"             lambda: open_safetensors({url!r})):\n"
+        "    try:\n"
+        "        call()\n"
+        "    except ImportError as error:\n"
+        "        seen.append([type(error).__name__, error.name, str(error)])\n"
+        "print(json.dumps(seen))\n"
+    )
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         env=env, timeout=120)  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    assert json.loads(run.stdout) == [["MissingExtra", "obstore", message]] * 3
+    run = subprocess.run([sys.executable, "-m", "taktiny", "inspect", url], capture_output=True,
+                         text=True, env=env, timeout=120)  # fmt: skip
+    assert (run.returncode, run.stdout, run.stderr) == (2, "", f"taktiny: {message}\n")
+
+
+def test_a_missing_bucket_or_object_is_named_at_once(s3_proxy):
+    """A bucket that does not exist is "no such bucket", naming it and the endpoint asked,
+    and an object that does not exist "no such object", each after the few requests that
+    tell (no retries: a 404 is final). A missing bucket was retried 6 times and reported as
+    "The server keeps failing; try again later". Planted: a listing's 404 left to the
+    retries (6 LISTs and the old message)."""
+    bucket, proxy = s3_proxy
+    missing = f"s3://b-missing-{os.urandom(4).hex()}"
+    endpoint = re.escape(proxy.url)
+
+    def asked(run) -> list[str]:
+        seen = len(proxy.requests)
+        started = time.monotonic()
+        run()
+        assert time.monotonic() - started < 2
+        return ["LIST" if "list-type=" in p else m for m, p in proxy.requests[seen:]]
+
+    def failing(error, pattern, run) -> list[str]:
+        def raising() -> None:
+            with pytest.raises(error, match=pattern):
+                run()
+
+        return asked(raising)
+
+    bucket_named = rf"^{missing}/run/.*: no such bucket '{missing[5:]}' at {endpoint}; create it"
+    assert failing(FileNotFoundError, bucket_named, lambda: save_safetensors(
+        f"{missing}/run/model.safetensors", values(1))) == ["LIST"]  # fmt: skip
+    assert failing(SafetensorsError, bucket_named + r".*AWS_ENDPOINT_URL", lambda: open_safetensors(
+        f"{missing}/run/model.safetensors")) == ["HEAD", "HEAD", "LIST"]  # fmt: skip
+    assert failing(SafetensorsError, bucket_named, lambda: load_safetensors(
+        target(), f"{missing}/run/", progress=False)) == ["LIST"]  # fmt: skip
+    absent = rf"^{bucket}/run/model\.safetensors: no such object\.$"
+    assert failing(SafetensorsError, absent, lambda: load_safetensors(
+        target(), f"{bucket}/run/model.safetensors", progress=False)) == ["HEAD", "HEAD", "LIST"]  # fmt: skip
+    main = _cli.main(["inspect", f"{missing}/run/model.safetensors"])
+    assert main == 2
+
+
+def test_a_wrong_endpoint_is_named_with_the_variable_that_sets_it(s3, monkeypatch, capsys):
+    """A store that cannot be connected to (nothing listens at AWS_ENDPOINT_URL) is named
+    by the endpoint tried and the variable, promptly: obstore's own retries, not 6 tries
+    more of Taktiny's. It said "error sending request ... try again later". Planted: the
+    connection failure left to the retries (the old message, after some 10 s)."""
+    from _s3 import free_port
+
+    wrong = f"http://127.0.0.1:{free_port()}"
+    monkeypatch.setenv("AWS_ENDPOINT_URL", wrong)
+    said = (
+        rf"^{re.escape(s3)}/m\.safetensors: HEAD could not connect to {re.escape(wrong)} "
+        rf"\(Connection refused, after obstore's retries\); check AWS_ENDPOINT_URL \(it is "
+        rf"'{re.escape(wrong)}'; an S3-compatible server needs it\), AWS_REGION and the network\.$"
+    )
+    started = time.monotonic()
+    with pytest.raises(ConnectionError, match=said):
+        open_safetensors(f"{s3}/m.safetensors")
+    with pytest.raises(ConnectionError, match=r"LIST could not connect to .*AWS_ENDPOINT_URL"):
+        save_safetensors(f"{s3}/run/model.safetensors", values(1))
+    assert time.monotonic() - started < 10
+    assert _cli.main(["verify", f"{s3}/m.safetensors"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"taktiny: {s3}/m.safetensors: HEAD could not connect to {wrong}")
+    assert err.count("\n") == 1
+
+
+@pytest.mark.parametrize("shard", [None, "150KB"], ids=["one object", "shards"])
+def test_a_prefix_named_without_its_slash_reads_as_a_local_folder_does(
+    s3, tmp_path, shard, monkeypatch, capsys
+):
+    """``s3://bucket/models/llama``, whose ``llama/`` holds a checkpoint, loads, opens,
+    plans and is inspected and verified as the local folder ``models/llama`` (no slash)
+    is; a prefix holding two checkpoints is refused as the folder is. It said "no such
+    object". Planted: `_find_object` without its look under ``url/`` (the old message)."""
+    (tmp_path / "models" / "llama").mkdir(parents=True)
+    (tmp_path / "flat_model.py").write_text(
+        "import jax.numpy as jnp\n"
+        f"def model():\n    return {{k: jnp.zeros(s) for k, s in {dict((k, v.shape) for k, v in values(0).items())!r}.items()}}\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    local = tmp_path / "models" / "llama"
+    written = save_safetensors(local / "model.safetensors", values(1), max_shard_size=shard)
+    save_safetensors(f"{s3}/models/llama/model.safetensors", values(1), max_shard_size=shard)
+    for where in (str(local), f"{s3}/models/llama"):
+        assert same(load_safetensors(target(), where, progress=False), values(1))
+        opened = open_safetensors(where)
+        assert opened.path.name == written[-1].name and sorted(opened) == sorted(values(1))
+        assert plan_load(target(), where).ok
+        assert _cli.main(["inspect", where]) == 0
+        assert "embed" in capsys.readouterr().out
+        assert _cli.main(["verify", where]) == 0
+        assert "3 tensors match their checksums" in capsys.readouterr().out
+        assert _cli.main(["plan", where, "--model", "flat_model:model"]) == 0
+        assert "the load would succeed" in capsys.readouterr().out
+    save_safetensors(local / "other.safetensors", values(2))
+    save_safetensors(f"{s3}/models/llama/other.safetensors", values(2))
+    for where in (str(local), f"{s3}/models/llama"):
+        with pytest.raises(SafetensorsError, match=r"holding one checkpoint .* holds 2: \['model"):
+            open_safetensors(where)
+    with pytest.raises(SafetensorsError, match=rf"^{re.escape(s3)}/models/llam: no such object\.$"):
+        open_safetensors(f"{s3}/models/llam")  # (a prefix of the name is no folder)
+
+
 def test_throttling_errors_and_dropped_connections_are_retried(s3_proxy):
     bucket, proxy = s3_proxy
     url = f"{bucket}/model.safetensors"

@@ -23,6 +23,7 @@ from ._torch import read_torch as read_torch
 from ._checkpoint import RETRIES as RETRIES
 from ._checkpoint import schema_part as schema_part
 from ._header import SCHEMA_KEY as SCHEMA_KEY
+from ._object_store import MissingExtra as MissingExtra
 from ._object_store import Replaced as Replaced
 from ._object_store import Url as Url
 from ._object_store import locate as locate

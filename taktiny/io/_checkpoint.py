@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from .._messages import layout_text, short
 from ..quant import QUANTIZED, check_quantized, quantized_record
 from ._header import HEADER_LIMIT, parse_json, read_header, unpaired_surrogate
-from ._object_store import Replaced, Url, listing, locate
+from ._object_store import NoSuchBucket, Replaced, Url, listed, locate
 from ._read import SafetensorsError, Tensor
 from ._storage import Storage, open_storage, read_range
 
@@ -222,30 +222,45 @@ def _find(path: Path) -> Path:
 
 def _find_object(url: Url) -> Url:
     """`_find` for a URL: the object, the index of a sharded save, or a prefix's one
-    checkpoint (a URL ending in ``/``)."""
-    if url.folder:
-        names = {m["path"].rsplit("/", 1)[-1] for m in listing(url)}
-        files = [n for n in names if not n.startswith(".")]
-        singles = {n for n in files if n.endswith(".safetensors") and not SHARD.fullmatch(n)}
-        stems = singles | {n[: -len(_INDEX)] for n in files if n.endswith(f".safetensors{_INDEX}")}
-        if len(stems) != 1:
-            raise SafetensorsError(
-                f"{url}: a prefix holding one checkpoint (one *.safetensors.index.json, one "
-                f"*.safetensors object, or both of one name) was expected; it holds "
-                f"{len(stems)}: {sorted(stems)[:5]}. Name the object or index to read."
-            )
-        (stem,) = stems
-        return url / stem if stem in singles else url / f"{stem}{_INDEX}"
-    candidates = [url]
-    if url.name.endswith(".safetensors"):
-        candidates.append(url.with_name(f"{url.name}{_INDEX}"))
-    for candidate in candidates:
-        try:
-            open_storage(candidate)
-        except FileNotFoundError:
-            continue
-        return candidate
+    checkpoint (a URL ending in ``/``, or naming a prefix without its ``/``, as a local
+    folder may be named without one)."""
+    try:
+        if url.folder:
+            return _in_prefix(url, listed(url))
+        candidates = [url]
+        if url.name.endswith(".safetensors"):
+            candidates.append(url.with_name(f"{url.name}{_INDEX}"))
+        for candidate in candidates:
+            try:
+                open_storage(candidate)
+            except NoSuchBucket:
+                raise
+            except FileNotFoundError:
+                continue
+            return candidate
+        prefix = Url(f"{url}/")  # (a prefix named without its slash: read as a folder)
+        found = listed(prefix)
+    except NoSuchBucket as error:
+        raise SafetensorsError(str(error)) from None
+    if found["objects"] or found["common_prefixes"]:
+        return _in_prefix(prefix, found)
     raise SafetensorsError(f"{url}: no such object.")
+
+
+def _in_prefix(url: Url, found: Any) -> Url:
+    """The one checkpoint directly under the prefix `url`, whose listing is `found`."""
+    names = {m["path"].rsplit("/", 1)[-1] for m in found["objects"]}
+    files = [n for n in names if not n.startswith(".")]
+    singles = {n for n in files if n.endswith(".safetensors") and not SHARD.fullmatch(n)}
+    stems = singles | {n[: -len(_INDEX)] for n in files if n.endswith(f".safetensors{_INDEX}")}
+    if len(stems) != 1:
+        raise SafetensorsError(
+            f"{url}: a prefix holding one checkpoint (one *.safetensors.index.json, one "
+            f"*.safetensors object, or both of one name) was expected; it holds "
+            f"{len(stems)}: {sorted(stems)[:5]}. Name the object or index to read."
+        )
+    (stem,) = stems
+    return url / stem if stem in singles else url / f"{stem}{_INDEX}"
 
 
 def _layouts(

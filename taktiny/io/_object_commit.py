@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from ._checkpoint import SHARD, read_weight_map
-from ._object_store import Url, call, listing, store
+from ._object_store import Url, call, listing, obstore_for, store
 from ._read import SafetensorsError
 
 _SUFFIX = ".safetensors"
@@ -165,8 +165,7 @@ class ObjectCommit:
             file.unlink(missing_ok=True)
 
     def _put(self, url: Url, data: Path | bytes) -> None:
-        import obstore
-
+        obstore = obstore_for(url)
         size = data.stat().st_size if isinstance(data, Path) else len(data)
         call(
             url,
@@ -182,8 +181,7 @@ class ObjectCommit:
         )
 
     def _delete(self, urls: list[Url]) -> None:
-        import obstore
-
+        obstore = obstore_for(self.folder)
         if urls:
             keys = [u.key for u in urls]
             call(self.folder, "DELETE", lambda: obstore.delete_async(store(self.folder), keys))
