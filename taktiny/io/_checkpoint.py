@@ -27,7 +27,9 @@ class Checkpoint(Mapping[str, Tensor]):
 
     Made by :func:`open_safetensors`, which checks what it is built from. It holds its
     files open (one descriptor each) until it and all its tensors are dropped: reads give
-    the bytes the files had when it was opened, whatever saves did to their paths since.
+    the bytes the files had when it was opened, whatever saves did to their paths since
+    (in object storage, through one save: after a second, reads raise an error saying
+    the checkpoint was replaced; docs/storage.md).
 
     Args:
         path: the file or index the checkpoint was opened from.
@@ -127,8 +129,9 @@ def open_safetensors(path: str | os.PathLike[str]) -> Checkpoint:
             files (``*-00001-of-00003.safetensors``) and the hidden temporaries of a killed
             save are not checkpoints of their own: name a lone shard to read it. Or the
             same in object storage: an ``s3://``, ``gs://``, ``az://`` or ``https://`` URL
-            (a prefix ending in ``/`` for a folder; docs/storage.md), whose objects are
-            then read by their ETags: once a save replaces one, its reads raise.
+            (a prefix, with or without its final ``/``, for a folder; docs/storage.md),
+            whose objects are then read by their ETags: through one save over them (from
+            the copies it keeps), and once a second save has committed, its reads raise.
 
     Returns:
         A :class:`Checkpoint`: ``{name: Tensor}``, read tensor by tensor on demand.
@@ -230,20 +233,31 @@ def _find_object(url: Url) -> Url:
         candidates = [url]
         if url.name.endswith(".safetensors"):
             candidates.append(url.with_name(f"{url.name}{_INDEX}"))
-        for candidate in candidates:
-            try:
-                open_storage(candidate)
-            except NoSuchBucket:
-                raise
-            except FileNotFoundError:
-                continue
-            return candidate
-        prefix = Url(f"{url}/")  # (a prefix named without its slash: read as a folder)
-        found = listed(prefix)
+        for _ in range(RETRIES):
+            for candidate in candidates:
+                try:
+                    open_storage(candidate)
+                except NoSuchBucket:
+                    raise
+                except FileNotFoundError:
+                    continue
+                return candidate
+            # neither was there when asked: one listing sees the folder at one instant
+            around = listed(url.parent)
+            if not {m["path"].rsplit("/", 1)[-1] for m in around["objects"]} & {
+                c.name for c in candidates
+            }:
+                break  # (else a save switched between one object and shards meanwhile)
+        else:
+            raise SafetensorsError(
+                f"{url}: saves kept switching it between one object and shards while it was "
+                f"being opened ({RETRIES} times); open it again once the saves pause."
+            )
+        if url.key in around["common_prefixes"]:  # a prefix named without its slash
+            prefix = Url(f"{url}/")
+            return _in_prefix(prefix, listed(prefix))
     except NoSuchBucket as error:
         raise SafetensorsError(str(error)) from None
-    if found["objects"] or found["common_prefixes"]:
-        return _in_prefix(prefix, found)
     raise SafetensorsError(f"{url}: no such object.")
 
 

@@ -4,9 +4,10 @@ by ranges and written whole, through obstore (the ``taktiny[cloud]`` extra).
 A `Url` names an object as a `Path` names a file (its ``name``, its ``parent``, a name
 beside it), so that the code that finds a checkpoint's files and names them in messages
 takes either. `RemoteFile` is the `Storage` (`_storage`) of one object: it reads the
-object that was there when it was opened, by its ETag (``If-Match``), so a save that
-replaces or removes it meanwhile makes the read fail with `Replaced` rather than hand back
-a mix of two checkpoints; the load opens the checkpoint again then. A large read is cut
+object that was there when it was opened, by its ETag (``If-Match``, every part), never a
+mix of two checkpoints: once a save has written over it or removed it, from the copy that
+save kept (`previous_copy`), and once the next save has removed that too, its reads fail
+with `Replaced` (a load opens the checkpoint again then). A large read is cut
 into parts fetched at once, at most `IN_FLIGHT` parts per process at a time, each retried
 with backoff when the server throttles, fails or drops the connection.
 
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import hashlib
 import os
 import random
 import re
@@ -197,13 +199,26 @@ def _running() -> _Loop:
         return _loop
 
 
+def previous_copy(url: Url, etag: str) -> Url:
+    """Where a save keeps a copy of the object at `url` whose ETag is `etag` before it
+    writes over it or removes it (`_object_commit.ObjectCommit._keep`), for the readers
+    that opened it: ``.model.safetensors.<16 hex digits>.previous`` beside it (hidden: no
+    folder listing takes it for a checkpoint)."""
+    digest = hashlib.sha256(etag.strip().strip('"').encode()).hexdigest()[:16]
+    return url.with_name(f".{url.name}.{digest}.previous")
+
+
 class RemoteFile:
     """One object, opened: its size and ETag read once (a ``HEAD``), and every read of it a
     ranged ``GET`` that must match that ETag. A `Storage`.
 
+    When a save has written over the object or removed it since (its ETag no longer
+    matches), the reads go on from the copy that the save kept of it
+    (`previous_copy`), until the save after removes that too: then they raise `Replaced`.
+
     Raises FileNotFoundError (naming the URL) when there is no such object."""
 
-    __slots__ = ("__weakref__", "etag", "futures", "size", "url")
+    __slots__ = ("__weakref__", "etag", "futures", "lock", "size", "source", "url")
     large_reads: ClassVar[bool] = True
 
     def __init__(self, url: Url):
@@ -211,20 +226,34 @@ class RemoteFile:
         meta = _head(url)
         self.size: int = meta["size"]
         self.etag: str | None = meta["e_tag"]
+        self.source: tuple[Url, str | None] = (url, self.etag)  # what the reads ask for
         self.futures: set[concurrent.futures.Future[Any]] = set()
+        self.lock = threading.Lock()
 
     @property
     def name(self) -> Url:
         return self.url
 
     def read_into(self, offset: int, buffer: memoryview) -> int:
+        source = self.source
+        try:
+            return self._read(source, offset, buffer)
+        except Replaced:
+            moved = self._follow(source)
+            if moved is None:
+                raise
+            return self._read(moved, offset, buffer)
+
+    def _read(self, source: tuple[Url, str | None], offset: int, buffer: memoryview) -> int:
         count = max(0, min(len(buffer), self.size - offset))
         if not count:
             return 0
         loop = _running()
         futures = [
             loop.submit(
-                self._part(loop, at, buffer[at - offset : min(at + PART, offset + count) - offset])
+                self._part(
+                    loop, source, at, buffer[at - offset : min(at + PART, offset + count) - offset]
+                )
             )
             for at in range(offset, offset + count, PART)
         ]
@@ -241,14 +270,35 @@ class RemoteFile:
             self.futures.difference_update(futures)
         return count
 
-    async def _part(self, loop: _Loop, offset: int, into: memoryview) -> None:
-        obstore = obstore_for(self.url)
+    def _follow(self, source: tuple[Url, str | None]) -> tuple[Url, str | None] | None:
+        """Where the reads go on after `source` was found replaced: the copy a save kept
+        of the object (checked by its size), or None when there is none."""
+        with self.lock:
+            if self.source is not source:  # (another read has followed it already)
+                return self.source
+            if source[0] != self.url or self.etag is None:  # (the copy itself is gone)
+                return None
+            copy = previous_copy(self.url, self.etag)
+            try:
+                meta = _head(copy)
+            except FileNotFoundError:
+                return None
+            if meta["size"] != self.size:
+                return None
+            self.source = (copy, meta["e_tag"])
+            return self.source
+
+    async def _part(
+        self, loop: _Loop, source: tuple[Url, str | None], offset: int, into: memoryview
+    ) -> None:
+        url, etag = source
+        obstore = obstore_for(url)
         options: dict[str, Any] = {"range": (offset, offset + len(into))}
-        if self.etag is not None:
-            options["if_match"] = self.etag
+        if etag is not None:
+            options["if_match"] = etag
 
         async def get() -> Any:
-            result = await obstore.get_async(store(self.url), self.url.key, options=options)  # pyright: ignore
+            result = await obstore.get_async(store(url), url.key, options=options)  # pyright: ignore
             data = await result.bytes_async()
             if len(data) != len(into):  # (a connection dropped mid-body: tried again)
                 raise ConnectionError(f"{len(data)} bytes came back for {len(into)} asked")
@@ -256,8 +306,8 @@ class RemoteFile:
 
         async with loop.slots:
             try:
-                data = await _tried(self.url, "GET", get)
-            except FileNotFoundError:
+                data = await _tried(url, "GET", get)
+            except (FileNotFoundError, Replaced):
                 raise _gone(self.url) from None
             into[:] = memoryview(data)
 

@@ -100,8 +100,9 @@ def load_safetensors(
             of them (see :func:`~taktiny.io.open_safetensors`), the same in object storage
             (an ``s3://``, ``gs://``, ``az://`` or ``https://`` URL, read by ranged requests
             in parallel: docs/storage.md), or an opened :class:`~taktiny.io.Checkpoint`.
-            A checkpoint at a URL that a save replaces while it is read is opened again
-            and read whole (an opened Checkpoint is not: its reads raise SafetensorsError).
+            A checkpoint at a URL that one save replaces while it is read is read on, whole,
+            from the objects that save keeps; one that two saves replace is opened again and
+            read whole (an opened Checkpoint is not: its reads raise SafetensorsError).
         rules: conversion rules (:mod:`taktiny.convert`) from the checkpoint's names to the
             model's, applied tensor by tensor. Without rules the names must be the model's
             own flat names (:func:`taktiny.flat_state_dict`), or those of an older state
