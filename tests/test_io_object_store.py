@@ -325,7 +325,8 @@ def test_without_the_cloud_extra_each_entry_point_names_the_install_command(tmp_
     command given a URL each name the URL and ``pip install 'taktiny[cloud]'``, before
     doing anything else; the command in one line on stderr, with status 2, as its --help
     promises. (A save raised a bare ModuleNotFoundError, and the command printed its
-    traceback and exited 1.) Planted: `locate` not asking `obstore_for` and `_head`
+    traceback and exited 1.) With obstore there and safetensors not, a save names the
+    extra that brings it: ``taktiny[safetensors]``, or for a URL ``taktiny[cloud]``. Planted: `locate` not asking `obstore_for` and `_head`
     importing obstore itself (the save named the folder, not the URL; the load raised
     ModuleNotFoundError); the command not catching MissingExtra (a traceback, status 1)."""
     (tmp_path / "sitecustomize.py").write_text("import sys\nsys.modules['obstore'] = None\n")
@@ -349,12 +350,24 @@ def test_without_the_cloud_extra_each_entry_point_names_the_install_command(tmp_
         "        call()\n"
         "    except ImportError as error:\n"
         "        seen.append([type(error).__name__, error.name, str(error)])\n"
+        "import sys\n"  # then obstore there and safetensors not: a save names the extra to add
+        "del sys.modules['obstore']\n"
+        "sys.modules['safetensors'] = sys.modules['safetensors.numpy'] = None\n"
+        f"for path in ({str(tmp_path / 'model.safetensors')!r}, {url!r}):\n"
+        "    try:\n"
+        "        save_safetensors(path, {'a': np.ones(3, np.float32)})\n"
+        "    except ImportError as error:\n"
+        "        seen.append([type(error).__name__, error.name, str(error)])\n"
         "print(json.dumps(seen))\n"
     )
     run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                          env=env, timeout=120)  # fmt: skip
     assert run.returncode == 0, run.stderr
-    assert json.loads(run.stdout) == [["MissingExtra", "obstore", message]] * 3
+    needs = "taktiny.io.save_safetensors needs the safetensors package: pip install '{}'."
+    assert json.loads(run.stdout) == [["MissingExtra", "obstore", message]] * 3 + [
+        ["MissingExtra", "safetensors", needs.format("taktiny[safetensors]")],
+        ["MissingExtra", "safetensors", needs.format("taktiny[cloud]")],
+    ]
     run = subprocess.run([sys.executable, "-m", "taktiny", "inspect", url], capture_output=True,
                          text=True, env=env, timeout=120)  # fmt: skip
     assert (run.returncode, run.stdout, run.stderr) == (2, "", f"taktiny: {message}\n")

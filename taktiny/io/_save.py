@@ -184,14 +184,7 @@ def save_safetensors(
     raised by :meth:`BackgroundSave.result` instead.
     """
     target = locate(path)  # (for a URL without obstore: MissingExtra, naming taktiny[cloud])
-    try:
-        import safetensors.numpy  # noqa: F401  (imported here: an extra, only saving needs it)
-    except ImportError:
-        extra = "taktiny[cloud]" if isinstance(target, Url) else "taktiny[safetensors]"
-        raise MissingExtra(
-            f"taktiny.io.save_safetensors needs the safetensors package: pip install '{extra}'.",
-            name="safetensors",
-        ) from None
+    _need_safetensors(target)
 
     if target.name == _SUFFIX or not target.name.endswith(_SUFFIX):
         raise ValueError(f"save_safetensors: the path must name a '*.safetensors' file: {path}")
@@ -227,6 +220,20 @@ def save_safetensors(
     for message in said:  # (warned here, so that they point at the caller)
         warnings.warn(message, stacklevel=2)
     return done
+
+
+def _need_safetensors(target: Path | Url) -> None:
+    """Raises `MissingExtra` naming the extra that brings the safetensors package (only
+    saving needs it) when it is not installed: ``taktiny[cloud]`` for a URL (it brings
+    it too), else ``taktiny[safetensors]``."""
+    try:
+        import safetensors.numpy  # noqa: F401
+    except ImportError:
+        extra = "taktiny[cloud]" if isinstance(target, Url) else "taktiny[safetensors]"
+        raise MissingExtra(
+            f"taktiny.io.save_safetensors needs the safetensors package: pip install '{extra}'.",
+            name="safetensors",
+        ) from None
 
 
 def _committed(
