@@ -1,5 +1,6 @@
 """`taktiny inspect`, `taktiny diff`, `taktiny verify` and `taktiny plan`: what a
-checkpoint holds, read from its headers, whether its bytes are whole, and what loading it
+checkpoint holds (a local one, or one in object storage named by its s3://, gs://, az://
+or https:// URL), read from its headers, whether its bytes are whole, and what loading it
 into a model would take.
 
 A safetensors file starts with a JSON header naming every tensor's dtype, shape and byte
@@ -574,6 +575,14 @@ def _verify_orbax(path: Path) -> tuple[str, bool]:
     return "\n".join([*damaged, summary]), not damaged
 
 
+# the checkpoint argument's help: where a path works, a URL does
+_PATH = (
+    "a .safetensors file, an index .json, or a folder; or an object-store URL (s3://bucket/"
+    "run/model.safetensors, a prefix ending in /; gs://, az://, https://; pip install "
+    "'taktiny[cloud]')"
+)
+
+
 def _command(commands: Any, name: str, does: str, exits: str) -> argparse.ArgumentParser:
     """The parser of the command `name`: what it `does` (a phrase) is its line in ``taktiny
     --help`` and, as a sentence, its own ``--help``, followed by its exit statuses."""
@@ -584,7 +593,7 @@ def _command(commands: Any, name: str, does: str, exits: str) -> argparse.Argume
 
 def main(argv: Sequence[str] | None = None) -> int:
     """The ``taktiny`` command (also ``python -m taktiny``)."""
-    from .io import SafetensorsError
+    from .io import MissingExtra, SafetensorsError
 
     # --help prints whole sentences: the first and last paragraphs of this file's docstring
     paragraphs = [" ".join(p.replace("`", "").split()) for p in (__doc__ or "").split("\n\n")]
@@ -595,7 +604,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     shown = _command(
         commands, "inspect", "list the tensors of a checkpoint", "0, or 2 if it cannot be read"
     )
-    shown.add_argument("path", help="a .safetensors file, an index .json, or a folder")
+    shown.add_argument("path", help=_PATH)
     shown.add_argument("--filter", help="only names matching this pattern ('encoder.**')")
     shown.add_argument("--json", action="store_true", help="print JSON")
     compared = _command(
@@ -606,7 +615,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         "name",
         "0 if the two agree, 1 if they differ, 2 if one cannot be read",
     )
-    compared.add_argument("a", help="a checkpoint, a schema file, or module:factory")
+    compared.add_argument(
+        "a",
+        help="a checkpoint (a path, or an s3://, gs://, az:// or https:// URL), a schema file "
+        "(.json), or module:factory",
+    )
     compared.add_argument("b", help="the same, to compare with")
     for name, allowed in (
         ("--atol", "the absolute difference allowed (default 0)"),
@@ -623,7 +636,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "0 if nothing is damaged, 1 if a tensor's bytes are, 2 if the checkpoint cannot be "
         "read or a header is damaged",
     )
-    verified.add_argument("path", help="a .safetensors file, an index .json, or a folder")
+    verified.add_argument("path", help=_PATH)
     planned = _command(
         commands,
         "plan",
@@ -632,7 +645,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "0 if the load would succeed, 1 if it would fail, 2 if the checkpoint or the model "
         "cannot be read",
     )
-    planned.add_argument("path", help="a .safetensors file, an index .json, or a folder")
+    planned.add_argument("path", help=_PATH)
     planned.add_argument("--model", required=True, help="module:factory making the model")
     planned.add_argument("--rules", help="module:NAME of a list of conversion rules")
     planned.add_argument(
@@ -651,8 +664,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             report, same = plan(args.path, args.model, args.rules, args.max_host_bytes)
         else:
             report, same = diff(args.a, args.b, atol=args.atol, rtol=args.rtol, pattern=args.filter)
-    except (SafetensorsError, OrbaxError, Unreadable, OSError, ValueError) as error:
-        # a checkpoint that cannot be read (named, with why) or a bad --filter pattern
+    except (SafetensorsError, OrbaxError, Unreadable, OSError, ValueError, MissingExtra) as error:
+        # a checkpoint that cannot be read (named, with why), a bad --filter pattern, or a
+        # URL without the cloud extra installed (named, with the command that installs it)
         print(f"taktiny: {' '.join(str(error).splitlines())}", file=sys.stderr)
         return 2
     print(report)

@@ -20,6 +20,28 @@ import uuid
 from collections.abc import Callable
 
 
+def kept(url: str) -> list[str]:
+    """The keys that a save to `url` (``s3://bucket/run/model.safetensors``) keeps beside
+    the checkpoint it commits: its record of the previous checkpoint's objects
+    (``.model.safetensors.previous.json``), when there is one, and those of them that
+    exist; sorted."""
+    import json
+
+    import obstore
+    from obstore.store import from_url
+
+    bucket, _, key = url.removeprefix("s3://").partition("/")
+    folder, _, name = key.rpartition("/")
+    prefix = f"{folder}/" if folder else ""
+    store = from_url(f"s3://{bucket}")
+    present = {m["path"] for m in obstore.list(store, folder or None).collect()}
+    record = f"{prefix}.{name}.previous.json"
+    if record not in present:
+        return []
+    named = json.loads(bytes(obstore.get(store, record).bytes()))["previous"]
+    return sorted([record, *(f"{prefix}{n}" for n in named if f"{prefix}{n}" in present)])
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -84,7 +106,10 @@ class Proxy:
     """A forwarding HTTP proxy in front of the server, on 127.0.0.1, through which faults
     reach the client by the real HTTP path: requests it answers 503 (``busy``: how many of
     the next ones), or 403 (``deny``), connections it drops without an answer (``drop``:
-    how many), answers it holds back (``stall`` seconds), and the bytes of GET bodies it
+    how many), answers it holds back (``stall`` seconds), each to the requests ``only``
+    picks (all by default; it is asked once per request); requests it holds back by what
+    ``hold`` says of their method, path and headers; each request's headers
+    (``headers``), and the bytes of GET bodies it
     passed (``served``)."""
 
     def __init__(self, target: str) -> None:
@@ -96,8 +121,14 @@ class Proxy:
         self.deny = False
         self.only: Callable[[str, str], bool] = lambda method, path: True  # faulted requests
         self.stall = 0.0
+        # how long to hold back a request, by its method, path and headers (their names in
+        # lower case), beside `stall`: seconds, or an Event to wait for (at most 60 s)
+        self.hold: Callable[[str, str, dict[str, str]], float | threading.Event] = (
+            lambda method, path, headers: 0.0
+        )
         self.served = 0
         self.requests: list[tuple[str, str]] = []
+        self.headers: list[dict[str, str]] = []  # each request's (names in lower case)
         self.lock = threading.Lock()
         host, port = target.removeprefix("http://").split(":")
         proxy = self
@@ -118,9 +149,12 @@ class Proxy:
                         self.rfile.readline()
                     self.rfile.readline()
                     body = b"".join(pieces)
+                headers = dict(self.headers.items())
+                named = {k.lower(): v for k, v in headers.items()}  # (names in lower case)
                 with proxy.lock:
                     proxy.requests.append((self.command, self.path))
-                    chosen = proxy.only(self.command, self.path)
+                    proxy.headers.append(named)
+                    picked = chosen = proxy.only(self.command, self.path)
                     fault = "deny" if proxy.deny and chosen else None
                     chosen = chosen and fault is None
                     if chosen and proxy.busy > 0:
@@ -129,9 +163,14 @@ class Proxy:
                     elif chosen and proxy.drop > 0:
                         proxy.drop -= 1
                         fault = "drop"
-                    stall = proxy.stall
+                    stall = proxy.stall if picked else 0.0
+                    held = proxy.hold(self.command, self.path, named)
                 if stall:
                     time.sleep(stall)
+                if isinstance(held, threading.Event):
+                    held.wait(60)
+                elif held:
+                    time.sleep(held)
                 if fault == "drop":
                     self.close_connection = True
                     self.connection.shutdown(socket.SHUT_RDWR)
@@ -148,7 +187,7 @@ class Proxy:
                     return
                 upstream = http.client.HTTPConnection(host, int(port), timeout=120)
                 dropped = ("host", "transfer-encoding", "content-length")
-                headers = {k: v for k, v in self.headers.items() if k.lower() not in dropped}
+                headers = {k: v for k, v in headers.items() if k.lower() not in dropped}
                 if body is not None:
                     headers["Content-Length"] = str(len(body))
                 headers["Host"] = self.headers.get("Host", f"{host}:{port}")
@@ -176,7 +215,9 @@ class Proxy:
         self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.server.daemon_threads = True
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        threading.Thread(  # (a short poll: stop(), at the end of each test, waits for one)
+            target=self.server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True
+        ).start()
 
     def stop(self) -> None:
         self.server.shutdown()

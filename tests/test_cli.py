@@ -724,6 +724,18 @@ def test_help_prints_whole_sentences(capsys, command):
         assert prose[1].startswith("Exits with 0"), out
 
 
+@pytest.mark.parametrize("command", ["", "inspect", "diff", "verify", "plan"])
+def test_help_says_that_urls_work(capsys, command):
+    # `taktiny plan --help` (and inspect's, verify's) named only files and folders, though
+    # every command reads s3:// URLs (tests/test_io_object_store.py runs them)
+    with pytest.raises(SystemExit, match=r"^0$"):
+        main([command, "--help"] if command else ["--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "s3://" in out and "az://" in out, out
+    if command in ("inspect", "verify", "plan"):
+        assert "pip install 'taktiny[cloud]'" in out, out
+
+
 def test_verify_tells_a_damaged_schema_or_checksum_record_from_damaged_bytes(tmp_path, capsys):
     # a bit flipped in the schema passed verify ("every tensor matches"); one flipped in a
     # recorded checksum was reported as damaged bytes

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import obstore
 import pytest
+from _s3 import kept
 from _s3_saver import version
 from obstore.store import from_url
 
@@ -93,7 +94,9 @@ def test_a_killed_save_leaves_one_version_and_the_next_save_cleans_up(s3, kills)
         assert number in (1, 2)
         outcomes.append(number)
         written = save_safetensors(url, version(3), max_shard_size="300KB")
-        assert objects(s3) == sorted(w.key for w in written)  # the killed save's are gone
+        # the killed save's are gone: the new checkpoint's and those it keeps are left
+        assert objects(s3) == sorted({*(w.key for w in written), *kept(url)})
+        assert len(kept(url)) >= 2  # (the record, and the previous checkpoint's objects)
         assert which(load_safetensors(target(), url, progress=False)) == 3
 
 

@@ -262,6 +262,17 @@ def test_the_version_is_written_once_in_pyproject():
     assert written == []
 
 
+def test_the_cloud_extra_brings_what_saving_to_a_url_needs():
+    """`pip install 'taktiny[cloud]'`, which docs/storage.md gives for URLs, is enough to
+    save to one: a save needs the safetensors extra's packages too (a user with only the
+    cloud extra met "needs the safetensors package" at the first save)."""
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"
+    ]
+    assert set(extras["safetensors"]) <= set(extras["cloud"])
+    assert any(r.startswith("obstore") for r in extras["cloud"])
+
+
 def test_the_state_walk_never_imports_the_module_layer():
     """taktiny/state/ knows a module by its class (`_taktiny_data`), not by importing
     taktiny/module/: the layers go one way (module/ uses state/)."""

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from .._messages import layout_text, short
 from ..quant import QUANTIZED, check_quantized, quantized_record
 from ._header import HEADER_LIMIT, parse_json, read_header, unpaired_surrogate
-from ._object_store import Replaced, Url, listing, locate
+from ._object_store import NoSuchBucket, Replaced, Url, listed, locate
 from ._read import SafetensorsError, Tensor
 from ._storage import Storage, open_storage, read_range
 
@@ -27,7 +27,9 @@ class Checkpoint(Mapping[str, Tensor]):
 
     Made by :func:`open_safetensors`, which checks what it is built from. It holds its
     files open (one descriptor each) until it and all its tensors are dropped: reads give
-    the bytes the files had when it was opened, whatever saves did to their paths since.
+    the bytes the files had when it was opened, whatever saves did to their paths since
+    (in object storage, through one save: after a second, reads raise an error saying
+    the checkpoint was replaced; docs/storage.md).
 
     Args:
         path: the file or index the checkpoint was opened from.
@@ -127,8 +129,9 @@ def open_safetensors(path: str | os.PathLike[str]) -> Checkpoint:
             files (``*-00001-of-00003.safetensors``) and the hidden temporaries of a killed
             save are not checkpoints of their own: name a lone shard to read it. Or the
             same in object storage: an ``s3://``, ``gs://``, ``az://`` or ``https://`` URL
-            (a prefix ending in ``/`` for a folder; docs/storage.md), whose objects are
-            then read by their ETags: once a save replaces one, its reads raise.
+            (a prefix, with or without its final ``/``, for a folder; docs/storage.md),
+            whose objects are then read by their ETags: through one save over them (from
+            the copies it keeps), and once a second save has committed, its reads raise.
 
     Returns:
         A :class:`Checkpoint`: ``{name: Tensor}``, read tensor by tensor on demand.
@@ -222,30 +225,56 @@ def _find(path: Path) -> Path:
 
 def _find_object(url: Url) -> Url:
     """`_find` for a URL: the object, the index of a sharded save, or a prefix's one
-    checkpoint (a URL ending in ``/``)."""
-    if url.folder:
-        names = {m["path"].rsplit("/", 1)[-1] for m in listing(url)}
-        files = [n for n in names if not n.startswith(".")]
-        singles = {n for n in files if n.endswith(".safetensors") and not SHARD.fullmatch(n)}
-        stems = singles | {n[: -len(_INDEX)] for n in files if n.endswith(f".safetensors{_INDEX}")}
-        if len(stems) != 1:
+    checkpoint (a URL ending in ``/``, or naming a prefix without its ``/``, as a local
+    folder may be named without one)."""
+    try:
+        if url.folder:
+            return _in_prefix(url, listed(url))
+        candidates = [url]
+        if url.name.endswith(".safetensors"):
+            candidates.append(url.with_name(f"{url.name}{_INDEX}"))
+        for _ in range(RETRIES):
+            for candidate in candidates:
+                try:
+                    open_storage(candidate)
+                except NoSuchBucket:
+                    raise
+                except FileNotFoundError:
+                    continue
+                return candidate
+            # neither was there when asked: one listing sees the folder at one instant
+            around = listed(url.parent)
+            if not {m["path"].rsplit("/", 1)[-1] for m in around["objects"]} & {
+                c.name for c in candidates
+            }:
+                break  # (else a save switched between one object and shards meanwhile)
+        else:
             raise SafetensorsError(
-                f"{url}: a prefix holding one checkpoint (one *.safetensors.index.json, one "
-                f"*.safetensors object, or both of one name) was expected; it holds "
-                f"{len(stems)}: {sorted(stems)[:5]}. Name the object or index to read."
+                f"{url}: saves kept switching it between one object and shards while it was "
+                f"being opened ({RETRIES} times); open it again once the saves pause."
             )
-        (stem,) = stems
-        return url / stem if stem in singles else url / f"{stem}{_INDEX}"
-    candidates = [url]
-    if url.name.endswith(".safetensors"):
-        candidates.append(url.with_name(f"{url.name}{_INDEX}"))
-    for candidate in candidates:
-        try:
-            open_storage(candidate)
-        except FileNotFoundError:
-            continue
-        return candidate
+        if url.key in around["common_prefixes"]:  # a prefix named without its slash
+            prefix = Url(f"{url}/")
+            return _in_prefix(prefix, listed(prefix))
+    except NoSuchBucket as error:
+        raise SafetensorsError(str(error)) from None
     raise SafetensorsError(f"{url}: no such object.")
+
+
+def _in_prefix(url: Url, found: Any) -> Url:
+    """The one checkpoint directly under the prefix `url`, whose listing is `found`."""
+    names = {m["path"].rsplit("/", 1)[-1] for m in found["objects"]}
+    files = [n for n in names if not n.startswith(".")]
+    singles = {n for n in files if n.endswith(".safetensors") and not SHARD.fullmatch(n)}
+    stems = singles | {n[: -len(_INDEX)] for n in files if n.endswith(f".safetensors{_INDEX}")}
+    if len(stems) != 1:
+        raise SafetensorsError(
+            f"{url}: a prefix holding one checkpoint (one *.safetensors.index.json, one "
+            f"*.safetensors object, or both of one name) was expected; it holds "
+            f"{len(stems)}: {sorted(stems)[:5]}. Name the object or index to read."
+        )
+    (stem,) = stems
+    return url / stem if stem in singles else url / f"{stem}{_INDEX}"
 
 
 def _layouts(

@@ -4,9 +4,10 @@ by ranges and written whole, through obstore (the ``taktiny[cloud]`` extra).
 A `Url` names an object as a `Path` names a file (its ``name``, its ``parent``, a name
 beside it), so that the code that finds a checkpoint's files and names them in messages
 takes either. `RemoteFile` is the `Storage` (`_storage`) of one object: it reads the
-object that was there when it was opened, by its ETag (``If-Match``), so a save that
-replaces or removes it meanwhile makes the read fail with `Replaced` rather than hand back
-a mix of two checkpoints; the load opens the checkpoint again then. A large read is cut
+object that was there when it was opened, by its ETag (``If-Match``, every part), never a
+mix of two checkpoints: once a save has written over it or removed it, from the copy that
+save kept (`previous_copy`), and once the next save has removed that too, its reads fail
+with `Replaced` (a load opens the checkpoint again then). A large read is cut
 into parts fetched at once, at most `IN_FLIGHT` parts per process at a time, each retried
 with backoff when the server throttles, fails or drops the connection.
 
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import hashlib
 import os
 import random
 import re
@@ -30,6 +32,7 @@ from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
 from ._read import SafetensorsError
+from ._storage import result_of, waited
 
 SCHEMES = ("s3", "s3a", "gs", "az", "abfs", "abfss", "azure", "http", "https")
 _URL = re.compile(rf"({'|'.join(SCHEMES)})://([^/]+)/(.*)", re.IGNORECASE)
@@ -95,11 +98,15 @@ class Url:
 
 
 def locate(path: str | os.PathLike[str]) -> Path | Url:
-    """`path` as a local `Path`, or a `Url` for a string with an object store's scheme."""
+    """`path` as a local `Path`, or a `Url` for a string with an object store's scheme.
+    Raises `MissingExtra` for a URL when obstore is not installed: before anything else
+    is done for it."""
     if isinstance(path, Url):
+        obstore_for(path)
         return path
     if isinstance(path, str) and _URL.fullmatch(path):
-        return Url(path)
+        obstore_for(url := Url(path))
+        return url
     if isinstance(path, str) and re.match(r"[a-zA-Z][a-zA-Z0-9+.-]*://", path):
         scheme = path.split("://", 1)[0]
         raise ValueError(
@@ -114,9 +121,33 @@ class Replaced(SafetensorsError):
     opened: its bytes are no longer those its header described. Open it again."""
 
 
+class MissingExtra(ImportError):
+    """A package that what was asked needs is not installed: the message names the
+    ``pip install`` command of Taktiny's extra that brings it (``taktiny[cloud]`` for a
+    URL, ``taktiny[safetensors]`` for a save)."""
+
+
+def obstore_for(url: Url) -> Any:
+    """The obstore module, for a request on `url`; `MissingExtra` naming the URL and the
+    command that installs it when it is not installed."""
+    try:
+        import obstore
+        import obstore.exceptions
+        import obstore.store
+    except ImportError:
+        raise MissingExtra(
+            f"{url}: reading and writing object storage needs obstore, which is not "
+            f"installed: pip install 'taktiny[cloud]'",
+            name="obstore",
+        ) from None
+    return obstore
+
+
 def store(url: Url) -> Any:
-    """The obstore store of `url`'s bucket, made once per bucket and environment."""
-    key = (url.root, *(os.environ.get(k) for k in _ENVIRONMENT))
+    """The obstore store of `url`'s bucket, made once per bucket and environment: a
+    changed endpoint or credential (any ``AWS_*``, ``GOOGLE_*`` or ``AZURE_*`` variable,
+    or a proxy's) makes a new one."""
+    key = (url.root, *sorted((k, v) for k, v in os.environ.items() if k.startswith(_ENVIRONMENT)))
     with _LOCK:
         found = _STORES.get(key)
         if found is None:
@@ -124,25 +155,20 @@ def store(url: Url) -> Any:
         return found
 
 
-_ENVIRONMENT = ("AWS_ENDPOINT_URL", "AWS_ENDPOINT", "AWS_ACCESS_KEY_ID", "AWS_REGION")
-_STORES: dict[tuple[str | None, ...], Any] = {}
+# the variables obstore reads a store's endpoint, credentials and client options from
+_ENVIRONMENT = ("AWS_", "GOOGLE_", "AZURE_", "HTTP_PROXY", "HTTPS_PROXY", "NO_PROXY")
+_STORES: dict[tuple[Any, ...], Any] = {}
 _LOCK = threading.Lock()
 
 
 def _make_store(url: Url) -> Any:
-    try:
-        from obstore.store import from_url
-    except ImportError:
-        raise ImportError(
-            f"{url}: reading and writing object storage needs obstore: pip install 'taktiny[cloud]'"
-        ) from None
-    endpoint = os.environ.get("AWS_ENDPOINT_URL") or os.environ.get("AWS_ENDPOINT") or ""
+    from_url = obstore_for(url).store.from_url
+    endpoint = _endpoint_variable()
     options: dict[str, Any] = {"timeout": TIMEOUT, "connect_timeout": "10s"}
     if url.scheme == "http" or endpoint.startswith("http://"):
         options["allow_http"] = True
     retry = {"max_retries": 4, "retry_timeout": timedelta(seconds=120)}
-    import obstore.exceptions as failed
-
+    failed = obstore_for(url).exceptions
     try:
         return from_url(url.root, client_options=options, retry_config=retry)  # pyright: ignore
     except (failed.BaseError, ValueError) as error:
@@ -173,13 +199,26 @@ def _running() -> _Loop:
         return _loop
 
 
+def previous_copy(url: Url, etag: str) -> Url:
+    """Where a save keeps a copy of the object at `url` whose ETag is `etag` before it
+    writes over it or removes it (`_object_commit.ObjectCommit._keep`), for the readers
+    that opened it: ``.model.safetensors.<16 hex digits>.previous`` beside it (hidden: no
+    folder listing takes it for a checkpoint)."""
+    digest = hashlib.sha256(etag.strip().strip('"').encode()).hexdigest()[:16]
+    return url.with_name(f".{url.name}.{digest}.previous")
+
+
 class RemoteFile:
     """One object, opened: its size and ETag read once (a ``HEAD``), and every read of it a
     ranged ``GET`` that must match that ETag. A `Storage`.
 
+    When a save has written over the object or removed it since (its ETag no longer
+    matches), the reads go on from the copy that the save kept of it
+    (`previous_copy`), until the save after removes that too: then they raise `Replaced`.
+
     Raises FileNotFoundError (naming the URL) when there is no such object."""
 
-    __slots__ = ("__weakref__", "etag", "futures", "size", "url")
+    __slots__ = ("__weakref__", "etag", "futures", "lock", "size", "source", "url")
     large_reads: ClassVar[bool] = True
 
     def __init__(self, url: Url):
@@ -187,25 +226,40 @@ class RemoteFile:
         meta = _head(url)
         self.size: int = meta["size"]
         self.etag: str | None = meta["e_tag"]
+        self.source: tuple[Url, str | None] = (url, self.etag)  # what the reads ask for
         self.futures: set[concurrent.futures.Future[Any]] = set()
+        self.lock = threading.Lock()
 
     @property
     def name(self) -> Url:
         return self.url
 
     def read_into(self, offset: int, buffer: memoryview) -> int:
+        source = self.source
+        try:
+            return self._read(source, offset, buffer)
+        except Replaced:
+            moved = self._follow(source)
+            if moved is None:
+                raise
+            return self._read(moved, offset, buffer)
+
+    def _read(self, source: tuple[Url, str | None], offset: int, buffer: memoryview) -> int:
         count = max(0, min(len(buffer), self.size - offset))
         if not count:
             return 0
         loop = _running()
         futures = [
             loop.submit(
-                self._part(loop, at, buffer[at - offset : min(at + PART, offset + count) - offset])
+                self._part(
+                    loop, source, at, buffer[at - offset : min(at + PART, offset + count) - offset]
+                )
             )
             for at in range(offset, offset + count, PART)
         ]
         self.futures.update(futures)
         try:
+            waited(futures)
             for future in futures:
                 future.result()
         except BaseException:
@@ -216,15 +270,35 @@ class RemoteFile:
             self.futures.difference_update(futures)
         return count
 
-    async def _part(self, loop: _Loop, offset: int, into: memoryview) -> None:
-        import obstore
+    def _follow(self, source: tuple[Url, str | None]) -> tuple[Url, str | None] | None:
+        """Where the reads go on after `source` was found replaced: the copy a save kept
+        of the object (checked by its size), or None when there is none."""
+        with self.lock:
+            if self.source is not source:  # (another read has followed it already)
+                return self.source
+            if source[0] != self.url or self.etag is None:  # (the copy itself is gone)
+                return None
+            copy = previous_copy(self.url, self.etag)
+            try:
+                meta = _head(copy)
+            except FileNotFoundError:
+                return None
+            if meta["size"] != self.size:
+                return None
+            self.source = (copy, meta["e_tag"])
+            return self.source
 
+    async def _part(
+        self, loop: _Loop, source: tuple[Url, str | None], offset: int, into: memoryview
+    ) -> None:
+        url, etag = source
+        obstore = obstore_for(url)
         options: dict[str, Any] = {"range": (offset, offset + len(into))}
-        if self.etag is not None:
-            options["if_match"] = self.etag
+        if etag is not None:
+            options["if_match"] = etag
 
         async def get() -> Any:
-            result = await obstore.get_async(store(self.url), self.url.key, options=options)  # pyright: ignore
+            result = await obstore.get_async(store(url), url.key, options=options)  # pyright: ignore
             data = await result.bytes_async()
             if len(data) != len(into):  # (a connection dropped mid-body: tried again)
                 raise ConnectionError(f"{len(data)} bytes came back for {len(into)} asked")
@@ -232,8 +306,8 @@ class RemoteFile:
 
         async with loop.slots:
             try:
-                data = await _tried(self.url, "GET", get)
-            except FileNotFoundError:
+                data = await _tried(url, "GET", get)
+            except (FileNotFoundError, Replaced):
                 raise _gone(self.url) from None
             into[:] = memoryview(data)
 
@@ -259,8 +333,7 @@ class RemoteFile:
 
 def _head(url: Url) -> Any:
     """The object's metadata (``size``, ``e_tag``), by a HEAD; FileNotFoundError without one."""
-    import obstore
-
+    obstore = obstore_for(url)
     return call(url, "HEAD", lambda: obstore.head_async(store(url), url.key))
 
 
@@ -272,29 +345,95 @@ def _wait(attempt: int) -> float:
 def _final(url: Url, method: str, error: Exception, attempt: int) -> BaseException | None:
     """The error to raise for a request that failed with `error` on try `attempt + 1`, or
     None to try again."""
-    import obstore.exceptions as failed
-
+    failed = obstore_for(url).exceptions
     if isinstance(error, failed.PreconditionError):
         return _gone(url)
     text = str(error)
-    if isinstance(error, failed.PermissionDeniedError | failed.UnauthenticatedError) or re.search(
-        r"status code: 40[13]\b", text
+    status = re.search(r"status code: (\d{3})\b", text)
+    if isinstance(error, failed.PermissionDeniedError | failed.UnauthenticatedError) or (
+        status is not None and status.group(1) in ("401", "403")
     ):
         return PermissionError(
             f"{url}: {method} was refused ({type(error).__name__}); check the credentials "
             f"in the environment (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_PROFILE, ...) "
             f"and the bucket's policy. {_first_line(error)}"
         )
+    if status is not None and status.group(1) == "404":  # (a LIST's: obstore's GenericError)
+        return _missing(url, method, error)
     if not isinstance(error, failed.BaseError | OSError):  # not the server's: a bug, raised
         return error
     if isinstance(error, failed.InvalidPathError | failed.UnknownConfigurationKeyError):
         return ValueError(f"{url}: {_first_line(error)}")
+    unreachable = re.search(_UNREACHABLE, text) is not None
+    if unreachable and (_store_key(url) not in _reached or attempt + 1 >= ATTEMPTS):
+        return _unreachable(url, method, error, attempt + 1)
     if attempt + 1 >= ATTEMPTS:
         return ConnectionError(
             f"{url}: {method} failed {ATTEMPTS} times, the last with {type(error).__name__}: "
             f"{_first_line(error)}. The server keeps failing; try again later."
         )
     return None
+
+
+# how obstore (reqwest, hyper) says that no connection could be made to the endpoint
+_UNREACHABLE = re.compile(r"kind: Connect\b|tcp connect error|dns error|error trying to connect")
+# the stores this process has had an answer from (`_store_key`): a connection refused by
+# one of them is retried as a passing fault; by any other, the endpoint is taken for wrong
+_reached: set[tuple[str, str]] = set()
+
+
+def _store_key(url: Url) -> tuple[str, str]:
+    return url.root, _endpoint_variable()
+
+
+def _endpoint_variable() -> str:
+    """The endpoint the environment names for S3 (``AWS_ENDPOINT_URL``), or ''."""
+    return os.environ.get("AWS_ENDPOINT_URL") or os.environ.get("AWS_ENDPOINT") or ""
+
+
+def _endpoint(url: Url, error: BaseException) -> str:
+    """The endpoint a failed request went to (``http://10.0.0.5:9000``), as obstore's
+    message names it, or as the environment does."""
+    found = re.search(r"Error performing \w+ (\w+://[^/\s]+)", str(error))
+    return found.group(1) if found else _endpoint_variable() or url.root
+
+
+def _where(url: Url) -> str:
+    """What to check when `url`'s store cannot be found at its endpoint."""
+    if url.scheme not in ("s3", "s3a"):
+        return "check the URL and the network"
+    named = _endpoint_variable()
+    setting = f"is {named!r}" if named else "is not set, so AWS's own S3 is asked"
+    return (
+        f"check AWS_ENDPOINT_URL (it {setting}; an S3-compatible server needs it), "
+        f"AWS_REGION and the network"
+    )
+
+
+def _unreachable(url: Url, method: str, error: BaseException, tries: int) -> ConnectionError:
+    reason = re.search(r'message: "([^"]+)"', str(error))
+    why = reason.group(1) if reason else _first_line(error)
+    after = "obstore's retries" if tries == 1 else f"{tries} tries"
+    return ConnectionError(
+        f"{url}: {method} could not connect to {_endpoint(url, error)} ({why}, after "
+        f"{after}); {_where(url)}."
+    )
+
+
+def _missing(url: Url, method: str, error: BaseException) -> FileNotFoundError:
+    """The error for a request answered 404: no such bucket (a listing's or a write's 404,
+    or S3's ``NoSuchBucket``), or no such object."""
+    if method in ("LIST", "PUT", "DELETE") or "NoSuchBucket" in str(error):
+        return NoSuchBucket(
+            f"{url}: no such bucket {url.bucket!r} at {_endpoint(url, error)}; create it, "
+            f"or {_where(url)}."
+        )
+    return FileNotFoundError(f"{url}: no such object.")
+
+
+class NoSuchBucket(FileNotFoundError):
+    """A request named a bucket the store does not have; the message names the bucket and
+    the endpoint asked."""
 
 
 def _gone(url: Url) -> Replaced:
@@ -311,39 +450,45 @@ def _first_line(error: BaseException) -> str:
 def call(url: Url, method: str, request: Callable[[], Awaitable[_T]]) -> _T:
     """The result of `request()` (an obstore coroutine on `url`; `method` names it in
     messages), run on the loop's thread and retried as the ranged GETs are; a missing
-    object is FileNotFoundError naming the URL. The caller waits for it as for a lock:
-    Ctrl-C interrupts the wait, and the request is cancelled."""
+    object is FileNotFoundError naming the URL. Ctrl-C stops the caller's wait at once
+    (`_storage.waited`), and the request is cancelled."""
     future = _running().submit(_tried(url, method, request))
     try:
-        return future.result()
+        return result_of(future)
     except BaseException:
         future.cancel()
         raise
 
 
 async def _tried(url: Url, method: str, request: Callable[[], Awaitable[_T]]) -> _T:
-    import obstore.exceptions as failed
-
+    failed = obstore_for(url).exceptions
     for attempt in range(ATTEMPTS):
         try:
-            return await request()
-        except (FileNotFoundError, failed.NotFoundError):  # (obstore raises the first)
-            raise FileNotFoundError(f"{url}: no such object.") from None
+            answer = await request()
+        except (FileNotFoundError, failed.NotFoundError) as error:  # (obstore raises the first)
+            raise _missing(url, method, error) from None
         except Exception as error:  # noqa: BLE001 - `_final` raises what is not the server's
             final = _final(url, method, error, attempt)
             if final is not None:
                 raise final from None
             await asyncio.sleep(_wait(attempt))
+        else:
+            _reached.add(_store_key(url))
+            return answer
     raise AssertionError("unreachable")  # pragma: no cover
 
 
 def listing(folder: Url) -> Iterator[Any]:
     """The objects directly under `folder` (a prefix ending in ``/``): obstore's metadata
-    of each (``path``, ``size``, ``e_tag``)."""
-    import obstore
+    of each (``path``, ``size``, ``e_tag``). `NoSuchBucket` when the bucket is missing."""
+    yield from listed(folder)["objects"]
 
+
+def listed(folder: Url) -> Any:
+    """What is directly under `folder` (a prefix ending in ``/``), as obstore lists it:
+    ``objects`` (the metadata of each) and ``common_prefixes`` (the "folders")."""
+    obstore = obstore_for(folder)
     prefix = folder.key.rstrip("/")
-    found = call(
+    return call(
         folder, "LIST", lambda: obstore.list_with_delimiter_async(store(folder), prefix or None)
     )
-    yield from found["objects"]

@@ -32,7 +32,7 @@ from . import _background, _checksum
 from ._background import BackgroundSave, Commit, Files, T
 from ._checkpoint import SHARD, read_weight_map
 from ._object_commit import ObjectCommit
-from ._object_store import Url, locate
+from ._object_store import MissingExtra, Url, locate
 from ._read import SafetensorsError
 
 _SUFFIX = ".safetensors"
@@ -173,8 +173,9 @@ def save_safetensors(
             credentials to check (the previous checkpoint is left as it was).
         ConnectionError: for a URL, a store that kept failing after the retries.
         ImportError: the safetensors package is not installed
-            (``pip install 'taktiny[safetensors]'``); for a URL, obstore is not
-            (``pip install 'taktiny[cloud]'``).
+            (``pip install 'taktiny[safetensors]'``, or for a URL ``taktiny[cloud]``, which
+            brings it too); for a URL, obstore is not (``pip install 'taktiny[cloud]'``);
+            both named by the message, before anything is done.
         BaseException: the error of an earlier background save to `path` whose
             :meth:`~BackgroundSave.result` nobody called (an ``OSError`` for a full disk,
             say), as it was raised, with a note naming that save; this save did not start.
@@ -182,15 +183,9 @@ def save_safetensors(
     With `wait` False, the errors of the writes and the commit (the ``OSError`` above) are
     raised by :meth:`BackgroundSave.result` instead.
     """
-    try:
-        import safetensors.numpy  # noqa: F401  (imported here: an extra, only saving needs it)
-    except ImportError:  # pragma: no cover - installed wherever the tests run
-        raise ImportError(
-            "taktiny.io.save_safetensors needs the safetensors package: "
-            "pip install 'taktiny[safetensors]'."
-        ) from None
+    target = locate(path)  # (for a URL without obstore: MissingExtra, naming taktiny[cloud])
+    _need_safetensors(target)
 
-    target = locate(path)
     if target.name == _SUFFIX or not target.name.endswith(_SUFFIX):
         raise ValueError(f"save_safetensors: the path must name a '*.safetensors' file: {path}")
     if isinstance(target, Path) and not target.parent.is_dir():
@@ -225,6 +220,20 @@ def save_safetensors(
     for message in said:  # (warned here, so that they point at the caller)
         warnings.warn(message, stacklevel=2)
     return done
+
+
+def _need_safetensors(target: Path | Url) -> None:
+    """Raises `MissingExtra` naming the extra that brings the safetensors package (only
+    saving needs it) when it is not installed: ``taktiny[cloud]`` for a URL (it brings
+    it too), else ``taktiny[safetensors]``."""
+    try:
+        import safetensors.numpy  # noqa: F401
+    except ImportError:
+        extra = "taktiny[cloud]" if isinstance(target, Url) else "taktiny[safetensors]"
+        raise MissingExtra(
+            f"taktiny.io.save_safetensors needs the safetensors package: pip install '{extra}'.",
+            name="safetensors",
+        ) from None
 
 
 def _committed(

@@ -25,7 +25,16 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, cast
 
 from ..convert import AnyRule, Step, transpose
-from ..io import RETRIES, Checkpoint, Replaced, Tensor, byte_size, read_together
+from ..io import (
+    RETRIES,
+    Checkpoint,
+    Replaced,
+    Tensor,
+    byte_size,
+    read_together,
+    result_of,
+    stop_reads,
+)
 from ._budget import Budget
 from ._layers import Stacker, covered
 from ._place import (
@@ -91,8 +100,9 @@ def load_safetensors(
             of them (see :func:`~taktiny.io.open_safetensors`), the same in object storage
             (an ``s3://``, ``gs://``, ``az://`` or ``https://`` URL, read by ranged requests
             in parallel: docs/storage.md), or an opened :class:`~taktiny.io.Checkpoint`.
-            A checkpoint at a URL that a save replaces while it is read is opened again
-            and read whole (an opened Checkpoint is not: its reads raise SafetensorsError).
+            A checkpoint at a URL that one save replaces while it is read is read on, whole,
+            from the objects that save keeps; one that two saves replace is opened again and
+            read whole (an opened Checkpoint is not: its reads raise SafetensorsError).
         rules: conversion rules (:mod:`taktiny.convert`) from the checkpoint's names to the
             model's, applied tensor by tensor. Without rules the names must be the model's
             own flat names (:func:`taktiny.flat_state_dict`), or those of an older state
@@ -252,7 +262,7 @@ def _load(
         try:
             start_more()
             for u, unit in enumerate(units):
-                data = running.pop(u).result()
+                data = result_of(running.pop(u))  # (Ctrl-C stops the wait at once)
                 readers.finished(sizes[u])
                 ahead.window = _ahead(budget, readers.ahead)
                 start_more()
@@ -272,10 +282,8 @@ def _load(
                     start_more()
                 bar.update(sizes[u])
         except BaseException:  # the reads not started are dropped, those in flight stopped
-            for future in running.values():
-                future.cancel()
-            for storage in {id(t.storage): t.storage for t in order if t.storage}.values():
-                storage.interrupt()
+            storages = {id(t.storage): t.storage for t in order if t.storage}.values()
+            stop_reads(storages, running.values())
             raise
     return loaded(load, placed)  # (each leaf resolved, checked and placed: written in)
 
