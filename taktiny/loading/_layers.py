@@ -218,7 +218,9 @@ class Stacker:
                 big = _zeros(tuple(old.shape), np.dtype(old.dtype), sharding)()
             else:  # some layers: the others keep their values (a copy: ours to donate)
                 big = _copy(sharding)(old)
-        self.stacked[stacked] = _writer(big.sharding)(big, value, index)
+        # waited for: the slice lives until its write has run, and writes left pending
+        # (JAX dispatches them at once) would hold more slices than the budget counts
+        self.stacked[stacked] = _writer(big.sharding)(big, value, index).block_until_ready()
 
     def model(self) -> Any:
         """The model with the leaves the load placed (its stacked leaves whole; those
