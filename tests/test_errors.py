@@ -625,6 +625,30 @@ def test_problems_sort_by_group_and_keep_their_order_within_one():
     assert str(error).splitlines()[1] == "  - 'u': u"
 
 
+@pytest.mark.parametrize("nested", [False, True])
+def test_a_loads_problems_follow_the_state_order_whichever_check_found_them(nested):
+    """Representations are settled after names are resolved and values checked; their
+    problems still take their entry's place within their group (the thorough property
+    profile found a representation problem listed after an unknown name given later)."""
+    model = tt.quantize(nn.Linear(8, 4, rngs=nn.Rngs(0)), bits=8)
+    state = {
+        "kernel": np.zeros((8, 4), np.float32),  # a float array for a QArray: representation
+        "bias": np.zeros(3, np.float32),  # shape
+        "kernel.value.value": np.zeros(2, np.float32),  # structure
+        "extra": np.zeros(2, np.float32),  # unknown
+    }
+    if nested:
+        del state["kernel.value.value"]
+    load = model.load_state_dict if nested else model.load_flat_state_dict
+    with pytest.raises(
+        tt.StateDictError, match=r"^QuantizedLinear.load_\w+\(\): \d problems"
+    ) as info:
+        load(state)
+    names = [problem.name for problem in info.value.problems]
+    first = ["extra"] if nested else ["kernel.value.value", "extra"]  # names and structure
+    assert names == [*first, "kernel", "bias"]  # then values, each group in the state's order
+
+
 def test_describe_names_what_it_was_given():
     assert _problems.describe({"a": 1, **{str(i): i for i in range(9)}}) == (
         "a dict with keys ['a', '0', '1', '2', '3', '4']"

@@ -12,6 +12,7 @@ import pytest
 
 import taktiny as tt
 from taktiny import nn
+from taktiny.state import _state
 
 
 class Block(nn.Module):
@@ -141,6 +142,17 @@ def test_per_layer_problems_are_named_per_layer():
         state = model.flat_state_dict(unstacked=True)
         del state["layers.1.norm.scale"]
         tt.load_flat_state_dict(abstract, state, strict=True)
+
+
+def test_a_key_that_is_not_a_string_beside_per_layer_names_is_one_problem():
+    """Restacking per-layer names keeps other keys as given for the resolution to report,
+    whatever their type (the thorough fuzz profile met an int key beside per-layer names;
+    `_state.load` is called as the methods call it, below their ``Mapping[str, Any]``)."""
+    model = Model(rngs=nn.Rngs(0))
+    state = {7: np.zeros(4, np.float32), "layers.1.norm.scale": np.ones(4, np.float32)}
+    with pytest.raises(tt.StateDictError, match=r"1 problem;.*\n  - '7': ") as info:
+        _state.load(model, state, strict=False, flat=True)
+    assert [p.kind for p in info.value.problems] == ["key"]
 
 
 def test_some_layers_under_strict_are_missing_the_others():

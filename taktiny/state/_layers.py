@@ -106,14 +106,15 @@ def layer_sharded(leaf: Any) -> jax.ShapeDtypeStruct:
 
 
 def restacked(
-    spec: Spec, leaves: list[Any], flat: Mapping[str, Any], caller: str, strict: bool = False
-) -> dict[str, Any]:
-    """`flat` with its per-layer names turned into the stacked leaves they are slices of:
+    spec: Spec, leaves: list[Any], flat: Mapping[Any, Any], caller: str, strict: bool = False
+) -> dict[Any, Any]:
+    """`flat` with its per-layer names turned into the stacked leaves they are slices of
+    (a key that is not a string kept as it is, for the resolution to report):
     every layer given, the slices stacked; some, written into a copy of the leaf. Raises
     StateDictError for a slice of the wrong shape or kind (named per layer), for a leaf
     given both whole and per layer, and for some layers of an abstract leaf (the others
     have no value) or under `strict` (each layer not given is missing)."""
-    out: dict[str, Any] = {}
+    out: dict[Any, Any] = {}
     groups: dict[str, dict[int, tuple[str, Any]]] = {}
     params = {name: custom for _, (name, custom) in _stacked_params(spec).items()}
     for name, value in flat.items():

@@ -8,7 +8,7 @@ on their paths; one that names many flattens the tree once (`_views`).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, NamedTuple, cast
 
 import jax
@@ -239,7 +239,8 @@ def load(
     unfilled = _unfilled(view, found, strict)
     if unfilled:
         found = found._replace(problems=(*found.problems, *unfilled))
-    return _finish(view, found.supplied.items(), found, named, match)
+    in_order = lambda problems: _in_state_order(problems, state, flat)
+    return _finish(view, found.supplied.items(), found, named, match, in_order)
 
 
 def load_resolved(view: Flat, supplied: Iterable[tuple[int, Any]]) -> Any:
@@ -253,6 +254,50 @@ def load_resolved(view: Flat, supplied: Iterable[tuple[int, Any]]) -> Any:
     for where, value in supplied:
         new[where] = value
     return view.write(new)
+
+
+def _in_state_order(
+    problems: Iterable[StateProblem], state: Mapping[Any, Any], flat: bool
+) -> list[StateProblem]:
+    """`problems` in the order of the entries of `state` they are about (an entry named as
+    the problem is, one inside it, or the one it is inside), as `StateDictError` promises
+    within each group: the checks of values and representations come after resolving, and
+    would otherwise follow it. Problems about no entry (names not supplied, kept in the
+    tree's order) come after the others."""
+    entries: dict[str, int] = {}
+    below: dict[str, int] = {}  # each prefix of an entry's name: the first entry under it
+    for i, keys in enumerate(_entry_names(state, flat, (), set())):
+        entries.setdefault(".".join(keys), i)
+        for n in range(1, len(keys) + 1):
+            below.setdefault(".".join(keys[:n]), i)
+
+    def position(name: str) -> int:
+        if name in below:
+            return below[name]
+        keys = name.split(".")  # (an entry this name is inside)
+        inside = (entries.get(".".join(keys[:n])) for n in range(1, len(keys)))
+        return min((i for i in inside if i is not None), default=len(entries))
+
+    unsupplied = ("missing", "abstract")  # (in the tree's order, after the others)
+    return sorted(
+        problems, key=lambda p: len(entries) if p.kind in unsupplied else position(p.name)
+    )
+
+
+def _entry_names(
+    state: Mapping[Any, Any], flat: bool, path: tuple[str, ...], above: set[int]
+) -> Iterator[tuple[str, ...]]:
+    """The keys of each entry of `state` in its order, named as problems name them (a key
+    that is not a string by its repr): a nested state's dicts, each followed by what it
+    holds (a dict that contains itself, once; none deeper than any load looks)."""
+    above.add(id(state))
+    for key, value in state.items():
+        keys = (*path, key if type(key) is str else repr(key))
+        yield keys
+        deeper = not flat and len(keys) < _DEEPEST and id(value) not in above
+        if deeper and isinstance(value, Mapping):
+            yield from _entry_names(cast("Mapping[Any, Any]", value), flat, keys, above)
+    above.discard(id(state))
 
 
 def _caller(tree: Any, flat: bool) -> str:
@@ -290,7 +335,11 @@ def _finish(
     found: Resolved | None,
     caller: Callable[[], str],
     match: bool,
+    in_order: Callable[[Problems], Iterable[StateProblem]] = iter,
 ) -> Any:
+    """Checks and places the `supplied` values and writes them into a new tree; raises
+    every problem found (resolving's, the checks', the representations'), told in the
+    state's order by `in_order`."""
     problems = Problems(() if found is None else found.problems)
     checked = _check(view, supplied, problems)
     other = [*(found.other.values() if found is not None else ()), *checked.other]
@@ -301,7 +350,7 @@ def _finish(
         matched = None
         if found is not None:  # (the names of leaves, each value given once)
             matched = len(found.supplied) + sum(len(o.wheres) for o in found.other.values())
-        raise StateDictError(caller(), problems, matched=matched)
+        raise StateDictError(caller(), in_order(problems), matched=matched)
     new = checked.new
     if checked.moves:
         _place(checked.moves, new)
