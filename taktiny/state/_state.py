@@ -8,6 +8,8 @@ on their paths; one that names many flattens the tree once (`_views`).
 
 from __future__ import annotations
 
+import functools
+
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, NamedTuple, cast
 
@@ -239,7 +241,7 @@ def load(
     unfilled = _unfilled(view, found, strict)
     if unfilled:
         found = found._replace(problems=(*found.problems, *unfilled))
-    in_order = lambda problems: _in_state_order(problems, state, flat)
+    in_order = functools.partial(_in_state_order, state=state, flat=flat)
     return _finish(view, found.supplied.items(), found, named, match, in_order)
 
 
