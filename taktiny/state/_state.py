@@ -9,7 +9,6 @@ on their paths; one that names many flattens the tree once (`_views`).
 from __future__ import annotations
 
 import functools
-
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, NamedTuple, cast
 
