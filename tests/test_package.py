@@ -10,6 +10,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from _layout import floors
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -123,23 +124,12 @@ def test_the_file_formats_import_neither_the_load_nor_the_conversions():
     assert {name: hits for name, hits in found.items() if hits} == {}
 
 
-# The floors of the house, from the ground up (docs/architecture.md draws them): a file
-# imports from its own package, or from a package on a lower floor, never from one above.
+# The floors of the house, from the ground up, read from docs/architecture.md's table (the
+# one place they are written): a file imports from its own package, or from a package on
+# a lower floor, never from one above.
 # The ground is the root package's own helpers, which import nothing of Taktiny's; the top
 # is the root's files that join everything (the ``taktiny`` namespace, summaries, the CLI).
-FLOORS = [
-    ("_lazy", "_messages", "_version"),
-    ("arrays",),
-    ("quant",),
-    ("state",),
-    ("sharding",),
-    ("module",),
-    ("io",),
-    ("nn",),
-    ("convert",),
-    ("loading",),
-    ("__init__", "__main__", "_summary", "_cli"),
-]
+FLOORS = floors()
 FLOOR = {unit: floor for floor, units in enumerate(FLOORS) for unit in units}
 GROUND = {f"taktiny.{name}" for name in FLOORS[0]}
 

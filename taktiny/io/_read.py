@@ -4,7 +4,7 @@ Reads go into page-aligned anonymous memory (``mmap``), filled with ``os.preadv`
 read-only: JAX's CPU client adopts such a buffer without copying it (it copies any buffer
 not 64-byte aligned, as NumPy's are), and no caller can write through it afterwards.
 4-bit tensors that Taktiny stored packed two per byte are presented as what they are (see
-`_quantized`): their 4-bit dtype and logical shape, unpacked as they are read.
+`quant/_format.py`): their 4-bit dtype and logical shape, unpacked as they are read.
 
 Every read goes through the file's `Storage` (`_storage`: ranges of a named file). The
 tensors of an opened checkpoint read through the files as they were opened (an `OpenFile`
@@ -726,7 +726,7 @@ class Tensor:
 
 
 class Packed(Tensor):
-    """A 4-bit tensor stored packed two per byte along its last axis (see `_quantized`)."""
+    """A 4-bit tensor stored packed two per byte along its last axis (see `quant/_format.py`)."""
 
     __slots__ = ("stored",)
 

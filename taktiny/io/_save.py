@@ -4,7 +4,7 @@ with a checksum of every tensor's bytes in its header (see `_checksum`).
 A save over an existing checkpoint commits in one atomic step (`_Commit`), so that at every
 instant the path holds the previous checkpoint or the new one, whole. Quantized parameters
 are saved as their parts, 4-bit tensors packed two per byte, with their layout in the
-header (see `_quantized`).
+header (see `quant/_format.py`).
 """
 
 from __future__ import annotations
