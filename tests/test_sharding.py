@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.sharding import AxisType, NamedSharding, PartitionSpec, SingleDeviceSharding
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
 import taktiny as tt
@@ -230,6 +230,16 @@ def test_bad_specs_are_one_error_naming_every_leaf_shape_spec_and_mesh():
                        r"or a tuple of mesh axis names .* got 'model'; for example \('model',\)"):  # fmt: skip
         tt.shard(model, {"up.kernel": "model"}, mesh)
     assert model.up.kernel.sharding == SingleDeviceSharding(jax.devices()[0])
+
+
+def test_a_mesh_of_no_devices_is_a_problem_naming_its_axis():
+    """A mesh built of devices that do not exist (``jax.devices()[8:]`` on a host of one
+    accelerator) has an axis of size 0: told by name, not a ZeroDivisionError."""
+    empty = Mesh(np.empty((0, 2), dtype=object), ("data", "model"))
+    with pytest.raises(ValueError, match=r"'kernel': shape \(8, 6\) by P\('data',\) on the mesh "
+                       r"\{'data': 0, 'model': 2\}: the mesh axis 'data' holds no devices; build "
+                       r"it of devices that exist"):  # fmt: skip
+        tt.shard(nn.Linear(8, 6, rngs=nn.Rngs(0)), {"kernel": ("data",)}, empty)
 
 
 @pytest.mark.parametrize("axis_type", AXES)

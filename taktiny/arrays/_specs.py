@@ -75,7 +75,12 @@ def spec_problems(shape: tuple[int, ...], spec: PartitionSpec, mesh: Any) -> lis
             problems.append(f"the mesh axis {twice[0]!r} splits two axes")
         seen.update(names)
         size = math.prod(mesh.shape[n] for n in names)
-        if axis < len(shape) and shape[axis] % size:
+        if size == 0:  # (a mesh of no devices: `jax.devices()[8:]` on a host of fewer, say)
+            empty = ", ".join(repr(n) for n in names if mesh.shape[n] == 0)
+            problems.append(
+                f"the mesh axis {empty} holds no devices; build it of devices that exist"
+            )
+        elif axis < len(shape) and shape[axis] % size:
             problems.append(
                 f"axis {axis} of size {shape[axis]} does not divide into {size} parts "
                 f"(mesh axes {', '.join(map(repr, names))})"
