@@ -25,7 +25,7 @@ if cache := os.environ.get("TAKTINY_TEST_COMPILATION_CACHE"):
 # The first collected module, or other node, after which JAX's backend was running (an array
 # made at a module's import starts it): `make mutate` collects tests/ in a server it forks
 # once per mutant, and the backend's threads would not survive the fork
-# (tests/test_mutation.py reads this)
+# (tests/package/test_mutation.py reads this)
 BACKEND_STARTED_BY = pytest.StashKey[str]()
 
 

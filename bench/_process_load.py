@@ -1,4 +1,4 @@
-"""One process of a multi-process sharded load (tests/test_multiprocess.py, and the
+"""One process of a multi-process sharded load (tests/loading/test_multiprocess.py, and the
 streaming benchmark's bytes per process): joins the job, loads a safetensors file onto its
 tensors split over all 8 global devices (4 per process), counting the bytes it reads from
 the file, and checks that each shard it holds is bitwise the file's. Each tensor is split

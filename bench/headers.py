@@ -198,7 +198,7 @@ def model():
     return Llama(llama_config(True), rngs=nn.Rngs(0))
 """
 # the smoke test's module: the same command on a model whose module imports no transformers
-# (tests/test_cli.py runs one that does; torch's import alone takes 20-50 s on 2 busy cores)
+# (tests/package/test_cli.py runs one that does; torch's import alone takes 20-50 s on 2 busy cores)
 SMOKE_FACTORY = """from taktiny import nn
 
 

@@ -48,7 +48,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 def _skip_absent_platform(request: pytest.FixtureRequest) -> None:
     """Skips a platform's run where it has no devices: asked as the test runs, not as it
     is collected, because asking starts JAX's backend (which `make mutate`'s fork server
-    must not have started; tests/test_mutation.py checks it)."""
+    must not have started; tests/package/test_mutation.py checks it)."""
     callspec = getattr(request.node, "callspec", None)
     platform = callspec.params.get("platform") if callspec is not None else None
     if platform is not None and not _has_devices(platform):

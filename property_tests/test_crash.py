@@ -1,6 +1,6 @@
 """Random SIGKILLs of saving processes: each killed save leaves exactly the previous
 checkpoint or exactly the new one, loaded by its path and by its folder alike, and the next
-save removes what it left (tests/_crash.py is the harness; tests/test_io_crash.py kills and
+save removes what it left (tests/_crash.py is the harness; tests/io/test_crash.py kills and
 fails every step in turn), saves that wait and background saves
 (``save_safetensors(..., wait=False)``, then ``result()``). ``make test`` kills 30 saves of
 each; ``make property`` 300."""

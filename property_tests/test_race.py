@@ -1,7 +1,7 @@
 """Readers racing saves of larger checkpoints (2 MiB, so that each read takes long enough
 to span a save's commit): every read, by the path, by its folder or by a load, gives
 bitwise one of the two states saved in turn. tests/_race.py is the harness;
-tests/test_io_race.py races small checkpoints. ``make test`` races for 2 seconds, ``make
+tests/io/test_race.py races small checkpoints. ``make test`` races for 2 seconds, ``make
 property`` for 20."""
 
 import pytest

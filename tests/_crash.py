@@ -3,7 +3,7 @@ failed or killed at every step of the commit, or killed at random moments, each 
 loads that must give exactly one of the two versions, bitwise, and by a save that must
 leave nothing of the failed one behind.
 
-Used in process by tests/test_io_crash.py (faults raised at each step) and run as a program
+Used in process by tests/io/test_crash.py (faults raised at each step) and run as a program
 for the kills (``python tests/_crash.py steps``, ``background [SCENARIO...]`` for
 background saves, or ``random N SEED [background]``): the program imports
 Taktiny without starting JAX's backend, then forks one child per save, which is killed

@@ -1,5 +1,5 @@
 """The layout as docs/architecture.md draws it, read for the tests that hold the code to it
-(tests/test_package.py: the floors; tests/test_layout.py: the rest)."""
+(tests/package/test_package.py: the floors; tests/package/test_layout.py: the rest)."""
 
 from __future__ import annotations
 

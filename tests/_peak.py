@@ -1,5 +1,5 @@
 """The peak host memory of loads that go through scratch buffers and temporaries, predicted
-by ``plan_load`` and measured, for tests/test_plan_peak.py. Run as a program in a fresh
+by ``plan_load`` and measured, for tests/loading/test_plan_peak.py. Run as a program in a fresh
 interpreter (``python tests/_peak.py FOLDER CASE...``, case numbers: FOLDER holds
 ``f.safetensors`` and ``fp8/``, the same weights in FP8 blocks), with glibc's malloc
 told to map every block of 1 MiB or more on its own (``MALLOC_MMAP_THRESHOLD_``): by

@@ -2,7 +2,7 @@
 layouts that change with each save (4 shards, 6 shards, one file), while another opens and
 loads the path again and again and compares each result bitwise with both states.
 
-Used by tests/test_io_race.py (a few seconds) and property_tests/test_race.py (larger
+Used by tests/io/test_race.py (a few seconds) and property_tests/test_race.py (larger
 tensors, longer under ``make property``). The saving side runs as a program
 (``python tests/_race.py FOLDER STOP SCALE``): it saves state A once, prints ``ready``,
 then saves B, A, B, ... until the file STOP exists, and prints a JSON line with the

@@ -1,5 +1,5 @@
 """A process saving one checkpoint to object storage over and over, for the race and kill
-tests (tests/test_io_object_store_races.py): run as
+tests (tests/io/test_object_store_races.py): run as
 
     python tests/_s3_saver.py URL SECONDS
 

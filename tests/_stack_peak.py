@@ -1,5 +1,5 @@
 """The peak host memory of streaming a per-layer checkpoint into a stacked model, for
-tests/test_io_stack.py: run as a program in a fresh interpreter (``python
+tests/loading/test_into_stack.py: run as a program in a fresh interpreter (``python
 tests/_stack_peak.py FILE LAYERS WIDTH``), with glibc told to map every block of 1 MiB or
 more on its own (as tests/_peak.py explains). Each case loads once (compiling), then again
 with the kernel's high-water mark reset; prints one JSON line a case: the peak growth, the

@@ -1,5 +1,5 @@
 """One process of a two-process load of a per-layer checkpoint into a sharded stack of
-layers (tests/test_multiprocess.py): joins the job, loads FILE (Hugging Face names, each
+layers (tests/loading/test_multiprocess.py): joins the job, loads FILE (Hugging Face names, each
 layer's weight [out, in]) by rules into a stack split over the 8 global devices (4 a
 process), once with each layer's kernel split by columns over 'model', once with the
 layers themselves split over 'data' (each process holding half of them), and checks that

@@ -1,0 +1,227 @@
+"""Smoke test of the benchmark suite: every group runs once on tiny sizes, so the
+benchmarks cannot rot. (The real runs are `make bench` and `make bench-quick`.)"""
+
+import math
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # bench/ is not installed
+
+from bench import (
+    background_save,
+    checkpoint,
+    checksums,
+    decoding,
+    diagnose,
+    dispatch,
+    errors,
+    headers,
+    load_overhead,
+    load_plan,
+    lora,
+    memory,
+    quantized,
+    report,
+    scanned,
+    sharded,
+    state,
+    storage,
+    streaming,
+)
+from bench._results import Config, Group, Table, Target
+from bench._timing import Case, Stats, compare, paired_ratio
+
+pytestmark = pytest.mark.program
+
+GROUPS = {
+    "state": state,
+    "dispatch": dispatch,
+    "checkpoint": checkpoint,
+    "memory": memory,
+    "sharded": sharded,
+    "streaming": streaming,
+    "quantized": quantized,
+    "decoding": decoding,
+    "errors": errors,
+    "checksums": checksums,
+    "headers": headers,
+    "lora": lora,
+    "plan": load_plan,
+    "overhead": load_overhead,
+    "background": background_save,
+    "storage": storage,
+    "scanned": scanned,
+}
+
+
+def check(group: Group) -> None:
+    assert group.tables and group.targets
+    for table in group.tables:
+        assert table.rows
+        for row in table.rows.values():
+            assert row, table.title
+            for cell in row.values():
+                positive = cell.value > 0 if table.unit == "s" else cell.value >= 0
+                assert math.isfinite(cell.value) and positive, (table.title, cell)
+    for target in group.targets:
+        assert math.isfinite(target.value) and target.value >= 0, target.goal
+        assert isinstance(target.met, bool)
+
+
+@pytest.fixture
+def fast_compile():
+    """XLA's optimisations cost more than they save on one call of a tiny step: the smoke
+    test only checks that every benchmark runs, not how fast."""
+    jax.config.update("jax_disable_most_optimizations", True)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_disable_most_optimizations", False)
+
+
+# the groups whose smoke runs load in many fresh processes (quantized's: seven, about 40 s),
+# compile training steps (dispatch, 16 s; scanned, of the Llama example, which imports
+# transformers), or take 10 s or more (headers, memory): `make property` runs them, keeping
+# `make test` under 12 minutes (storage's, one fresh process and an S3 stub, takes about
+# 6 s: it stays in `make test`)
+SLOW = ("streaming", "plan", "scanned", "quantized", "dispatch", "headers", "memory")
+
+
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=pytest.mark.thorough) if n in SLOW else n for n in GROUPS]
+)
+def test_benchmark_group_runs_on_tiny_sizes(name, tmp_path, request, fast_compile):
+    if name in ("dispatch", "lora", "scanned"):  # their training steps use optax's Adam
+        request.getfixturevalue("optax_promotion")
+    (tmp_path / "scratch").mkdir()
+    group = GROUPS[name].run(Config("smoke", tmp_path / "scratch"))
+    check(group)
+    assert list((tmp_path / "scratch").iterdir()) == []  # every checkpoint was cleaned up
+    out = report.write([group], tmp_path / "report", mode="smoke", seconds=1.0, command="test")
+    text = out.read_text()
+    assert group.title in text and "## Targets" in text
+    assert len(list((tmp_path / "report" / "plots").glob("*.png"))) == len(group.tables)
+
+
+def test_compare_interleaves_and_takes_medians():
+    calls = []
+    stats = compare(
+        {"a": lambda: calls.append("a"), "b": Case(lambda x: calls.append(x), lambda: "b")},
+        repeat=3,
+        warmup=1,
+        min_sample_s=0.0,
+    )
+    assert stats["a"].samples and len(stats["b"].samples) == 3
+    assert calls[:2] == ["a", "b"]  # warm-up of each, then interleaved rounds
+    # the median of per-round ratios, not the ratio of medians (2/1, 3/3, 8/2 -> 2, not 3/2)
+    a = Stats(3.0, 2.0, 8.0, (2.0, 3.0, 8.0), 1)
+    b = Stats(2.0, 1.0, 3.0, (1.0, 3.0, 2.0), 1)
+    assert paired_ratio(a, b) == 2.0 and paired_ratio(b, a) == 0.5
+
+
+def test_target_direction():
+    assert Target("x", 0.9, 1.0, False, "").met and not Target("x", 0.9, 1.0, True, "").met
+    table = Table("t", ["Taktiny", "peer"])
+    table.add("op", "Taktiny", "f()", 1.0)
+    table.add("op", "peer", "g()", 3.0)
+    assert table.value("op", "peer") == 3.0
+
+
+def _group(name: str, value: float) -> Group:
+    table = Table(f"{name} table", ["Taktiny", "peer"])
+    table.add("op", "Taktiny", "f()", value)
+    table.add("op", "peer", "g()", 2 * value, (value, 3 * value))
+    return Group(name, f"{name} title", [table], [Target(f"{name} goal", value, 1.0, False, "")])
+
+
+def test_merged_report_keeps_the_other_groups(tmp_path):
+    report.write(
+        [_group("a", 0.5), _group("b", 0.25)],
+        tmp_path,
+        mode="full",
+        seconds=9.0,
+        command="python bench/run.py",
+    )
+    # one group run again and merged: the other is kept as it was, with its own run
+    report.write(
+        [_group("b", 0.75), _group("c", 2.0)],
+        tmp_path,
+        mode="full",
+        seconds=4.0,
+        command="python bench/run.py --only b,c --merge",
+        merge=True,
+    )
+    groups = report.load(tmp_path / "results.json")
+    assert [g.name for g in groups] == ["a", "b", "c"]
+    assert [g.targets[0].value for g in groups] == [0.5, 0.75, 2.0]
+    assert groups[0].run == {"command": "python bench/run.py", "mode": "full", "seconds": 9.0}
+    assert groups[1].run and groups[1].run["command"].endswith("--merge")
+    assert groups[0].tables[0].rows["op"]["peer"].spread == (0.5, 1.5)
+    text = (tmp_path / "results.md").read_text()
+    assert "a goal" in text and "b goal" in text and "c goal" in text
+    # the report's own run is the one most groups come from; the others are named
+    assert "`python bench/run.py --only b,c --merge` — mode" in text
+    assert "The group `a` (a title) is from `python bench/run.py` (mode full, 9 s)" in text
+    assert len(list((tmp_path / "plots").glob("*.png"))) == 3
+    # without merge, only the groups given are written
+    report.write([_group("c", 2.0)], tmp_path, mode="full", seconds=1.0, command="x")
+    assert [g.name for g in report.load(tmp_path / "results.json")] == ["c"]
+
+
+def test_load_profile_runs(capsys):
+    diagnose.profile_load(seconds=0.03, blocks=(2,))
+    assert "12 leaves" in capsys.readouterr().out
+
+
+def test_sharded_profile_runs(capsys):
+    diagnose.profile_sharded(seconds=0.03, blocks=2, width=32)
+    out = capsys.readouterr().out
+    assert "tt.shard, 12 leaves" in out and "Linear(32, 32)" in out
+
+
+def test_streaming_profile_runs(capsys):
+    diagnose.profile_streaming(rounds=1, size=(32, 2))
+    out = capsys.readouterr().out
+    assert "one posix_fadvise(WILLNEED) over all of" in out and "load_safetensors as is" in out
+    assert "preadv (disk wait + copy)" in out and "reader thread 2 ahead" in out
+
+
+def test_s3_stub_speaks_enough_s3(tmp_path, monkeypatch):
+    """The storage group's server answers what obstore and Taktiny ask of S3: HEAD, ranged
+    GETs, If-Match (412 on another ETag), a listing by prefix and delimiter."""
+    import obstore
+    import obstore.exceptions
+    from obstore.store import from_url
+
+    import taktiny.io as tio
+    from bench._s3_stub import Stub
+
+    data = bytes(range(256)) * 64
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "x.bin").write_bytes(data)
+    tio.save_safetensors(tmp_path / "model.safetensors", {"w": np.arange(6, dtype=np.float32)})
+    with Stub(tmp_path) as stub:
+        for name, value in stub.environment().items():
+            monkeypatch.setenv(name, value)
+        store = from_url("s3://any", client_options={"allow_http": True})
+        meta = obstore.head(store, "sub/x.bin")
+        assert meta["size"] == len(data) and meta["e_tag"]
+        assert bytes(obstore.get_range(store, "sub/x.bin", start=10, end=300)) == data[10:300]
+        ok = {"if_match": meta["e_tag"], "range": (5, 9)}
+        assert bytes(obstore.get(store, "sub/x.bin", options=ok).bytes()) == data[5:9]
+        with pytest.raises(obstore.exceptions.PreconditionError):
+            obstore.get(store, "sub/x.bin", options={"if_match": '"other"'})
+        with pytest.raises(FileNotFoundError):
+            obstore.head(store, "nothing")
+        top = obstore.list_with_delimiter(store, None)
+        assert top["common_prefixes"] == ["sub"]
+        assert [o["path"] for o in top["objects"]] == ["model.safetensors"]
+        assert [o["path"] for o in obstore.list_with_delimiter(store, "sub")["objects"]] == [
+            "sub/x.bin"
+        ]
+        flat = tio.load_safetensors({"w": np.zeros(6, np.float32)}, "s3://any/", progress=False)
+        assert np.array_equal(np.asarray(flat["w"]), np.arange(6, dtype=np.float32))

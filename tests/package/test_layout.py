@@ -1,0 +1,93 @@
+"""docs/architecture.md is the one place the layout is written down; these tests hold the
+code to it (its floors are tests/package/test_package.py's), and every file path the docs name to
+a file that exists, so that a move that forgets the docs fails here."""
+
+import re
+
+import pytest
+from _layout import ROOT, quoted, table
+
+pytestmark = pytest.mark.program
+
+PACKAGES = sorted(p.parent.name for p in (ROOT / "taktiny").glob("*/__init__.pyi"))
+# a file of a package, named with its package (``state/_names.py``, ``taktiny/io/_read.py``)
+PATH = re.compile(rf"\b(?:taktiny/)?({'|'.join(PACKAGES)})/(_[a-z0-9_]+\.(?:py|md))\b")
+# the text a reader meets: the docs, the design notes beside the code, and the code itself
+TEXTS = sorted(
+    [
+        *(ROOT / "docs").rglob("*.md"),
+        ROOT / "README.md",
+        *(ROOT / "taktiny").rglob("*.md"),
+        *(ROOT / "taktiny").rglob("*.py"),
+        *(ROOT / "taktiny").rglob("*.pyi"),
+        *(ROOT / "tests").rglob("*.py"),
+        *(ROOT / "bench").rglob("*.py"),
+    ]
+)
+
+
+def face(package: str) -> set[str]:
+    """Every name `package`'s face offers, public or for Taktiny's own packages."""
+    stub = (ROOT / "taktiny" / package / "__init__.pyi").read_text()
+    return set(re.findall(r"\bas (\w+)$", stub, re.MULTILINE))
+
+
+def test_the_floors_name_every_package_once():
+    floors = [quoted(row[1]) for row in table("The floors")]
+    named = [unit for units in floors for unit in units]
+    assert len(named) == len(set(named))
+    assert set(PACKAGES) <= set(named)
+    roots = {p.stem for p in (ROOT / "taktiny").glob("*.py")}
+    assert set(named) - set(PACKAGES) == roots  # the root's own modules, each on its floor
+
+
+def test_each_concept_is_carried_by_names_its_packages_faces_offer():
+    rows = table("Where each concept lives")
+    assert len(rows) >= 15
+    for concept, packages, names in rows:
+        homes = quoted(packages)
+        groups = names.split(";")  # a concept of several packages: their names in order
+        assert len(groups) == len(homes), concept
+        for package, group in zip(homes, groups, strict=True):
+            assert package in PACKAGES, (concept, package)
+            offered = face(package)
+            missing = [name for name in quoted(group) if name not in offered]
+            assert quoted(group) and missing == [], (concept, package, missing)
+
+
+def test_a_concept_naming_a_name_no_face_offers_fails(monkeypatch):
+    import _layout
+
+    rows = [*table("Where each concept lives"), ["gone", "`state`", "`no_such_name`"]]
+    monkeypatch.setattr(_layout, "table", lambda heading: rows)
+    monkeypatch.setitem(globals(), "table", _layout.table)
+    with pytest.raises(AssertionError, match="no_such_name"):
+        test_each_concept_is_carried_by_names_its_packages_faces_offer()
+
+
+def test_every_file_path_written_in_the_docs_and_the_code_exists():
+    written = {
+        (str(text.relative_to(ROOT)), f"{package}/{name}")
+        for text in TEXTS
+        for package, name in PATH.findall(text.read_text())
+    }
+    assert len(written) > 20  # (the pattern finds them)
+    gone = sorted((text, path) for text, path in written if not (ROOT / "taktiny" / path).exists())
+    assert gone == []
+
+
+def test_each_file_begins_with_the_docstring_that_says_what_it_holds():
+    """`head -n1` of a package's files is its table of contents (docs/architecture.md)."""
+    files = sorted((ROOT / "taktiny").rglob("*.py"))
+    first = {str(p.relative_to(ROOT)): p.read_text().split("\n", 1)[0] for p in files}
+    assert [name for name, line in first.items() if not re.match(r'"""\S', line)] == []
+
+
+def test_the_tests_are_laid_out_like_the_packages():
+    """A package's tests are in the folder of its name (``tests/loading/``); the tests of the
+    whole (the wheel, the docs, the examples, the command) in ``tests/package/``; beside
+    them, only helpers (``_models.py``, ...), which no pytest run collects."""
+    folders = {p.name for p in (ROOT / "tests").iterdir() if p.is_dir() and p.name[0] not in "_."}
+    assert folders <= {*PACKAGES, "package"} and len(folders) >= 8
+    loose = sorted(p.name for p in (ROOT / "tests").glob("test_*.py"))
+    assert loose == []
