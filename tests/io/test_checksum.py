@@ -551,6 +551,6 @@ def test_other_programs_files_with_keys_like_taktiny_s_open(tmp_path):
 
 def test_the_schema_key_the_header_path_knows_is_the_schema_s():
     from taktiny.io import _header
-    from taktiny.state import _schema
+    from taktiny.state import KEY
 
-    assert _header.SCHEMA_KEY == _schema.KEY
+    assert _header.SCHEMA_KEY == KEY

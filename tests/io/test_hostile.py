@@ -691,7 +691,7 @@ def test_the_guard_against_headers_of_lists_at_its_bounds(
 
 
 def test_a_header_naming_every_dtype_opens(tmp_path):
-    from taktiny.arrays._dtypes import numpy_dtype
+    from taktiny.arrays import numpy_dtype
     from taktiny.io._dtypes import CODES
 
     entries, at = {}, 0

@@ -14,8 +14,7 @@ from _reads import log_preads
 from jax.sharding import NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
-from taktiny.io import load_safetensors, open_safetensors, save_safetensors
-from taktiny.io._read import Tensor
+from taktiny.io import Tensor, load_safetensors, open_safetensors, save_safetensors
 
 MiB = 2**20
 SHAPES = {  # name -> (shape, dtype): each plan below splits them along some axis

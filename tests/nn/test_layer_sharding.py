@@ -13,7 +13,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from taktiny import nn
-from taktiny.arrays._specs import part
+from taktiny.arrays import part
 from taktiny.nn import _random
 
 AXES = [AxisType.Auto, AxisType.Explicit]

@@ -2,7 +2,9 @@
 code to it (its floors are tests/package/test_package.py's), and every file path the docs name to
 a file that exists, so that a move that forgets the docs fails here."""
 
+import ast
 import re
+from pathlib import Path
 
 import pytest
 from _layout import ROOT, quoted, table
@@ -91,3 +93,48 @@ def test_the_tests_are_laid_out_like_the_packages():
     assert folders <= {*PACKAGES, "package"} and len(folders) >= 8
     loose = sorted(p.name for p in (ROOT / "tests").glob("test_*.py"))
     assert loose == []
+
+
+# Tests that reach into another package's private modules, each with its reason (a test
+# may reach into its own folder's package: that is what the folder is for).
+REACHING_ACROSS = {
+    "io/test_checksum.py": "reads through the load's Readers to count a verified read",
+    "io/test_read.py": "the load's Readahead against the reads it keeps ahead of",
+    "io/test_object_store.py": "a stalled object-store load (the load record) under Ctrl-C",
+    "io/test_quantized_files.py": "spies on the load's placing of packed 4-bit tensors",
+    "state/test_representations.py": "spies on quant's quantize_array to see where it runs",
+    "state/test_schema.py": "the taktiny command (taktiny._cli.main) on a schema",
+    "loading/test_budget.py": "the taktiny command (taktiny._cli.main) plans within a budget",
+    "loading/test_plan_load.py": "the taktiny command (taktiny._cli.main) prints a plan",
+    "io/test_hostile.py": "the taktiny command (taktiny._cli.main) on hostile files",
+}
+
+
+def _private_imports(path: Path) -> set[str]:
+    """The packages (or ``package``, for the root's modules) whose private modules the test
+    file at `path` imports."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            modules = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            modules = [node.module, *(f"{node.module}.{alias.name}" for alias in node.names)]
+        else:
+            continue
+        for module in modules:
+            parts = module.split(".")
+            if parts[0] == "taktiny" and any(p[0] == "_" != p[1:2] for p in parts[1:]):
+                found.add(parts[1] if parts[1][0] != "_" else "package")
+    return found
+
+
+def test_tests_use_other_packages_through_their_faces():
+    """A test imports the private modules of its own folder's package only; any other
+    package it uses through its face (``from taktiny.io import Tensor``), but for the named
+    few above."""
+    reaching = {
+        str(path.relative_to(ROOT / "tests"))
+        for path in (ROOT / "tests").rglob("test_*.py")
+        if _private_imports(path) - {path.parent.name}
+    }
+    assert reaching == set(REACHING_ACROSS)
