@@ -152,7 +152,7 @@ def test_the_fingerprint_is_the_same_in_another_process():
     program = (
         "import jax; jax.config.update('jax_num_cpu_devices', 8)\n"
         "import taktiny as tt\n"
-        "from tests.test_schema import Block, mesh_of\n"
+        "from tests.state.test_schema import Block, mesh_of\n"
         "from taktiny import nn\n"
         "model = tt.shard(jax.eval_shape(lambda: Block(rngs=nn.Rngs(0))), "
         "{'*.kernel': (None, 'model')}, mesh_of())\n"
