@@ -240,7 +240,7 @@ def load(
     unfilled = _unfilled(view, found, strict)
     if unfilled:
         found = found._replace(problems=(*found.problems, *unfilled))
-    in_order = functools.partial(_in_state_order, state=state, flat=flat)
+    in_order = functools.partial(_in_state_order, found.problems, state=state, flat=flat)
     return _finish(view, found.supplied.items(), found, named, match, in_order)
 
 
@@ -258,13 +258,17 @@ def load_resolved(view: Flat, supplied: Iterable[tuple[int, Any]]) -> Any:
 
 
 def _in_state_order(
-    problems: Iterable[StateProblem], state: Mapping[Any, Any], flat: bool
+    resolved: tuple[StateProblem, ...],
+    problems: Iterable[StateProblem],
+    state: Mapping[Any, Any],
+    flat: bool,
 ) -> list[StateProblem]:
-    """`problems` in the order of the entries of `state` they are about (an entry named as
-    the problem is, one inside it, or the one it is inside), as `StateDictError` promises
-    within each group: the checks of values and representations come after resolving, and
-    would otherwise follow it. Problems about no entry (names not supplied, kept in the
-    tree's order) come after the others."""
+    """`problems` in the order of the entries of `state` they are about, as
+    `StateDictError` promises within each group. Those resolving found (`resolved`, the
+    first ones, unsupplied names last) are in that order already and keep it; the checks
+    of values and representations come after, and each is put at the entry it is about
+    (one named as the problem is, the first inside it, or the one it is inside)."""
+    problems = list(problems)
     entries: dict[str, int] = {}
     below: dict[str, int] = {}  # each prefix of an entry's name: the first entry under it
     for i, keys in enumerate(_entry_names(state, flat, (), set())):
@@ -279,10 +283,15 @@ def _in_state_order(
         inside = (entries.get(".".join(keys[:n])) for n in range(1, len(keys)))
         return min((i for i in inside if i is not None), default=len(entries))
 
-    unsupplied = ("missing", "abstract")  # (in the tree's order, after the others)
-    return sorted(
-        problems, key=lambda p: len(entries) if p.kind in unsupplied else position(p.name)
-    )
+    at = 0  # (resolving's: never before the one before, so they keep their order)
+    positions: list[int] = []
+    for problem in problems[: len(resolved)]:
+        unsupplied = problem.kind in ("missing", "abstract")
+        at = max(at, len(entries) if unsupplied else position(problem.name))
+        positions.append(at)
+    positions += [position(problem.name) for problem in problems[len(resolved) :]]
+    order = sorted(range(len(problems)), key=positions.__getitem__)
+    return [problems[i] for i in order]
 
 
 def _entry_names(
