@@ -51,3 +51,4 @@ from ._values import host_array as host_array
 from ._values import kind as kind
 from ._values import placeable as placeable
 from ._views import Flat as Flat
+from ._views import Walk as Walk
