@@ -18,6 +18,32 @@ def optax_promotion():
 
 
 @pytest.fixture
+def flattens(monkeypatch):
+    """Counts the flattens of a tree: ``calls = flattens(tree)`` appends to ``calls`` the
+    name of each function of ``jax.tree_util`` or ``jax.tree`` that walks a tree (flatten,
+    leaves, structure, map) called with `tree` itself, until the test ends."""
+    calls = []
+    watched = []
+    names = ("flatten", "flatten_with_path", "leaves", "structure", "map", "map_with_path")
+    for module, prefix in ((jax.tree_util, "tree_"), (jax.tree, "")):
+        for name in names:
+            real = getattr(module, prefix + name)
+
+            def counted(*args, _real=real, _name=prefix + name, **kwargs):
+                if any(a is t for a in args for t in watched):
+                    calls.append(_name)
+                return _real(*args, **kwargs)
+
+            monkeypatch.setattr(module, prefix + name, counted)
+
+    def watch(tree):
+        watched.append(tree)
+        return calls
+
+    return watch
+
+
+@pytest.fixture
 def without_type_checks():
     """The tests check every annotation with beartype (through jaxtyping), which rejects an
     input that breaks a signature before Taktiny sees it. Taktiny's own checks of such

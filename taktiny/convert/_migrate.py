@@ -40,7 +40,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from ..state import Schema, declared_versions, flat_state_dict, flatten, schema
+from ..state import Schema, declared_versions, flatten, schema_of
 from ._convert import Converted
 from ._coverage import ConversionError, ConversionProblem, plan, runner, spec
 from ._rules import AnyRule, Ignore, Init, Rule, Tie, first_match
@@ -116,8 +116,11 @@ class Stage(NamedTuple):
         return f"{self.cls.__name__}.state_migrations[{k - 1}] (version {k} -> {k + 1}){at}"
 
 
-def stages(model: Any, version: int | None, versions: Mapping[str, int], where: str) -> list[Stage]:
-    """The modules of `model` to migrate from a state saved at `version` (the model's;
+def stages(
+    modules: Mapping[str, type], version: int | None, versions: Mapping[str, int], where: str
+) -> list[Stage]:
+    """The modules of a model to migrate (of its `modules`: each module's class by its
+    path, as its `Spec` lists them) from a state saved at `version` (the model's;
     None: 1) and nested `versions` (by path; a path not there: 1), inner modules first
     (a module's migrations then see its parts' names as their classes make them now), in
     the model's order at each depth; each declaration checked (:func:`declared`).
@@ -127,7 +130,7 @@ def stages(model: Any, version: int | None, versions: Mapping[str, int], where: 
         TypeError: a malformed declaration.
     """
     out = []
-    for path, cls in flatten(model)[2].modules.items():
+    for path, cls in modules.items():
         saved = version if not path else versions.get(path)
         current, _ = declared(cls)
         start = _start(cls, current, saved, where, path)
@@ -204,8 +207,9 @@ def migrate(
             added parameter of an abstract model among them); nothing is converted.
     """
     where = f"taktiny.migrate({type(model).__name__})"
+    values, _, spec = flatten(model)
     if versions is None:
-        inside = [p for p in declared_versions(model) if p]
+        inside = [p for p in declared_versions(spec.modules) if p]
         if inside:
             raise TypeError(
                 f"{where}: modules inside the model declare state versions of their own "
@@ -213,10 +217,10 @@ def migrate(
                 f"pass versions= too, the saved schema's versions (saved.versions; {{}} when "
                 f"the state was saved before they declared any)."
             )
-    found = stages(model, version, versions or {}, where)
+    found = stages(spec.modules, version, versions or {}, where)
     if not found:
         return dict(state)
-    leaves = flat_state_dict(model)
+    leaves = dict(zip(spec.names, values, strict=True))
     rules, added = migration_rules(model, state, found, leaves, where)
     problems = without_values(added, leaves)
     if problems:
@@ -342,10 +346,11 @@ def migrated_schema(model: Any, saved: Schema) -> tuple[Schema, list[Stage]]:
         ConversionError: every problem of a migration, naming it.
     """
     where = f"taktiny.migrate({type(model).__name__})"
-    found = stages(model, saved.version, saved.versions, where)
+    leaves, _, spec = flatten(model)
+    found = stages(spec.modules, saved.version, saved.versions, where)
     if not found:
         return saved, []
-    mine = schema(model)
+    mine = schema_of(leaves, spec)
     source = {n: jax.ShapeDtypeStruct(e["shape"], _dtype(e["dtype"])) for n, e in saved.items()}
     nodes, specs, applications = _walk(source, found)
     entries: dict[str, Any] = {}

@@ -27,7 +27,7 @@ import numpy as np
 
 from .._version import __version__
 from ..quant import FOUR_BIT, PACKED, QUANTIZED, QArray, layout, pack
-from ..state import KEY, Schema, flat_state_dict, is_flat, leaf_entry, schema, state_dict
+from ..state import KEY, Schema, flatten, is_flat, leaf_entry, params, schema_of
 from . import _background, _checksum
 from ._background import BackgroundSave, Commit, Files, T
 from ._checkpoint import SHARD, read_weight_map
@@ -195,8 +195,7 @@ def save_safetensors(
         )
     _background.settle(target)  # (an earlier background save's error, before this starts)
     header = {"format": "taktiny", "taktiny_version": __version__, **_metadata(metadata)}
-    flat = _flat(tree)
-    layouts = {} if flat is tree else {n: layout(q) for n, q in quantized_arrays(tree).items()}
+    flat, layouts, described = _flat(tree)
     if layouts:
         header[QUANTIZED] = json.dumps(layouts)
     tensors: dict[str, np.ndarray] = {}
@@ -207,10 +206,7 @@ def save_safetensors(
             packed[name] = {"dtype": array.dtype.name, "shape": list(array.shape)}
             array = pack(array)
         tensors[name] = array
-    described = (  # after the values' checks: what cannot be saved is named first
-        Schema({n: leaf_entry(v) for n, v in flat.items()}) if flat is tree else schema(tree)
-    )
-    header[KEY] = described.to_json()
+    header[KEY] = described().to_json()  # (after the values' checks: they are named first)
     shards = _split(tensors, byte_size(max_shard_size, "save_safetensors: max_shard_size"))
     files = functools.partial(_files, shards, header, packed)
     if isinstance(target, Url):
@@ -580,15 +576,19 @@ def _metadata(metadata: Mapping[str, str] | None) -> dict[str, str]:
     return dict(metadata)
 
 
-def _flat(tree: Any) -> Mapping[str, Any]:
-    """Names and values: a mapping whose values are all leaves keeps its own keys (and is
-    returned as it is)."""
+def _flat(tree: Any) -> tuple[Mapping[str, Any], dict[str, Any], Callable[[], Schema]]:
+    """Names and values, the layout of each quantized parameter by name, and what makes
+    the schema: a mapping whose values are all leaves keeps its own keys (and is returned
+    as it is); any other tree is flattened once, for all three."""
     if is_flat(tree):
         for key in tree:
             if not isinstance(key, str):
                 raise TypeError(f"save_safetensors: tensor names must be strings, got {key!r}")
-        return tree
-    return flat_state_dict(tree)
+        return tree, {}, lambda: Schema({n: leaf_entry(v) for n, v in tree.items()})
+    leaves, _, spec = flatten(tree)
+    layouts = {n: layout(q) for n, q in params(leaves, spec).items() if isinstance(q, QArray)}
+    flat = dict(zip(spec.names, leaves, strict=True))
+    return flat, layouts, functools.partial(schema_of, leaves, spec)
 
 
 def _host(name: str, value: Any, copy: bool = False) -> np.ndarray:
@@ -666,19 +666,3 @@ def _split(tensors: dict[str, np.ndarray], limit: int | None) -> list[dict[str, 
         shards[-1][name] = array
         used += array.nbytes
     return shards
-
-
-def quantized_arrays(tree: Any) -> dict[str, QArray]:
-    """The `QArray` parameters of `tree` by flat name (their parts are ``<name>.value`` and
-    ``<name>.scale`` in :func:`taktiny.flat_state_dict`)."""
-    out: dict[str, QArray] = {}
-
-    def walk(node: Mapping[str, Any], prefix: str) -> None:
-        for key, value in node.items():
-            if isinstance(value, QArray):
-                out[prefix + key] = value
-            elif isinstance(value, Mapping):
-                walk(value, f"{prefix}{key}.")
-
-    walk(state_dict(tree), "")
-    return out

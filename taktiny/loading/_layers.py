@@ -18,7 +18,7 @@ import functools
 import math
 import threading
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -28,7 +28,7 @@ from jax.sharding import NamedSharding, SingleDeviceSharding
 from ..arrays import CACHE_BOUND, default_device
 from ..convert import transpose
 from ..io import Tensor, aligned_buffer
-from ..state import Flat, Stacked, is_stack, key_name, layer_sharding, load_resolved
+from ..state import Flat, Stacked, Walk, is_stack, layer_sharding, load_resolved
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,19 +54,24 @@ def _layer_leaf(leaf: Any) -> Any:
 
 
 def _twin(tree: Any, stacks: Sequence[Stacked]) -> Any:
-    """`tree` with each stack replaced by the list of its layers, abstract."""
-    paths = {s.path: s for s in stacks}
+    """`tree` with each stack replaced by the list of its layers, abstract: a walk down the
+    stacks' paths, no flatten (the nodes on them rebuilt, the others kept)."""
 
-    def layers(path: Any, node: Any) -> Any:
-        if not is_stack(node):
-            return node
-        stack = paths[".".join(map(key_name, path))]
+    def layers(node: Any, stack: Stacked) -> list[Any]:
         block = jax.tree.map(_layer_leaf, getattr(node, type(node)._taktiny_stacked))
         return [block] * stack.count
 
     if is_stack(tree):
-        return layers((), tree)
-    return jax.tree_util.tree_map_with_path(layers, tree, is_leaf=is_stack)
+        return layers(tree, stacks[0])
+    walk = Walk(tree)
+    replaced: dict[tuple[str, ...], Any] = {}
+    for stack in stacks:
+        where = tuple(stack.path.split("."))
+        node = tree
+        for key in where:
+            node = cast("tuple[str, Any]", walk.child(node, key))[1]
+        replaced[where] = layers(node, stack)
+    return walk.write(replaced)
 
 
 SLICES_AT_ONCE = 2  # units in flight when placed slices wait to be written into stacks

@@ -31,7 +31,7 @@ from ..convert import (
 )
 from ..io import Checkpoint, open_safetensors, schema_part
 from ..quant import QArray
-from ..state import KEY, Flat, customs, is_flat, load_resolved, recorded_versions
+from ..state import KEY, Flat, is_flat, load_resolved, params, recorded_versions
 from ._layers import Layered, Stacker, layered
 
 
@@ -137,11 +137,7 @@ def open_load(
             f"the abstract model with taktiny.eval_shape, which keeps the mesh, or place it "
             f"with taktiny.shard(model, rules, mesh)."
         )
-    quantized = {}
-    for name, custom in customs(view.spec.template):
-        value = custom.treedef.unflatten(view.olds[custom.start : custom.stop])
-        if isinstance(value, QArray):
-            quantized[name] = value
+    quantized = {n: q for n, q in params(view.olds, view.spec).items() if isinstance(q, QArray)}
     keys = None if tree is model or layers is not None else tuple(model)
     return Load(
         where, checkpoint, tree, view, leaves, quantized, keys, rules, allow, strict, verify,
@@ -197,8 +193,7 @@ def migrated(load: Load, *, has_values: bool = False) -> Load:
     if checkpoint.metadata.get(KEY) is None:  # not Taktiny's: no version
         return load
     version, versions = schema_part(checkpoint, recorded_versions)  # (entries unread)
-    tree = load.tree
-    found = stages(tree, version, versions, where)  # (newer: raises)
+    found = stages(load.view.spec.modules, version, versions, where)  # (newer: raises)
     if not found:
         return load
     if load.rules is not None:
@@ -207,7 +202,7 @@ def migrated(load: Load, *, has_values: bool = False) -> Load:
             f"{stages_text(found)} convert; rules= converts a checkpoint that is not "
             f"Taktiny's into the model's names: drop rules=."
         )
-    made, names = migration_rules(tree, checkpoint, found, load.leaves, where)
+    made, names = migration_rules(load.tree, checkpoint, found, load.leaves, where)
     added = {p for n in names for p in parts_of(n, load.quantized)}
     problems = [] if has_values else without_values(names, load.leaves)
     return dataclasses.replace(load, migration=Migrated(found, made, added, problems))

@@ -17,6 +17,7 @@ from ._names import flatten as flatten
 from ._names import is_flat as is_flat
 from ._names import is_stack as is_stack
 from ._names import key_name as key_name
+from ._names import params as params
 from ._patterns import Match as Match
 from ._patterns import Rules as Rules
 from ._patterns import compile_pattern as compile_pattern
@@ -37,6 +38,7 @@ from ._schema import declared_versions as declared_versions
 from ._schema import leaf_entry as leaf_entry
 from ._schema import recorded_versions as recorded_versions
 from ._schema import schema as schema
+from ._schema import schema_of as schema_of
 from ._state import load_resolved as load_resolved
 from ._tree import by_name as by_name
 from ._tree import flat_state_dict as flat_state_dict
@@ -49,3 +51,4 @@ from ._values import host_array as host_array
 from ._values import kind as kind
 from ._values import placeable as placeable
 from ._views import Flat as Flat
+from ._views import Walk as Walk

@@ -24,7 +24,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 import taktiny.state._problems as err
 
 from ..arrays import CACHE_BOUND
-from ._names import Custom, Spec, Stacked, customs, fields, flatten, is_stack, tree_util
+from ._names import Custom, Spec, Stacked, customs, fields, is_stack, tree_util
 from ._problems import Problems, StateDictError, StateProblem, groups_of
 from ._values import checked_value
 
@@ -351,30 +351,28 @@ def _names_stack(node: Any, state: Mapping[Any, Any]) -> bool:
     return False
 
 
+def names_layers(tree: Any, state: Mapping[Any, Any], flat: bool) -> bool:
+    """Whether `state` (flat or nested, as `flat` says) may name a leaf of one of the
+    tree's stacks per layer: a walk down the names it gives, no flatten (a load of a few
+    names that goes through no stack walks the tree; one that does flattens it)."""
+    if flat:
+        return any(type(n) is str and _reaches_stack(tree, n) for n in state)
+    return _names_stack(tree, state)
+
+
 def stacked_state(
-    tree: Any,
+    leaves: list[Any],
+    spec: Spec,
     state: Mapping[Any, Any],
     flat: bool,
     caller: Any,
-    flattened: tuple[list[Any], Spec] | None = None,
     strict: bool = False,
 ) -> Mapping[Any, Any]:
     """`state` with per-layer names of the tree's stacks turned into their stacked leaves
-    (:func:`restacked`, `strict` as the load's); `state` itself when it has none.
-    `caller()` names the load.
-    `flattened` is the tree's leaves and description when the load has them (a load that
-    flattens the tree); without, a walk down the names the state gives (a load of a few)
-    says whether any goes through a stack, so that a load naming none pays nothing."""
-    if flattened is not None:
-        leaves, spec = flattened
-        if not spec.stacks:
-            return state
-    elif flat and not any(type(n) is str and _reaches_stack(tree, n) for n in state):
+    (:func:`restacked`, `strict` as the load's); `state` itself when it has none. The tree
+    is given flattened (its `leaves`, and `spec`); `caller()` names the load."""
+    if not spec.stacks:
         return state
-    elif not flat and not _names_stack(tree, state):
-        return state
-    else:
-        leaves, _, spec = flatten(tree)
     if flat:
         return restacked(spec, leaves, state, caller(), strict)
     out: dict[Any, Any] = dict(state)

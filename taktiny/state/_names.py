@@ -264,6 +264,12 @@ def customs(template: dict[str, Entry], path: tuple[str, ...] = ()) -> Iterator[
             yield from customs(child, (*path, key))
 
 
+def params(leaves: list[Any], spec: Spec) -> dict[str, Any]:
+    """Every custom parameter of a tree flattened (a quantized weight), by flat name,
+    rebuilt from its `leaves`."""
+    return {n: c.treedef.unflatten(leaves[c.start : c.stop]) for n, c in customs(spec.template)}
+
+
 def _plan(template: dict[str, Entry]) -> Any:
     """For a template node: its key count and segments, each a run of leaf keys (read with
     one itemgetter) or a sub-node; None when a custom parameter makes it irregular."""

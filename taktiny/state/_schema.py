@@ -10,7 +10,6 @@ from types import MappingProxyType
 from typing import Any, NamedTuple, cast
 
 import taktiny.state._names as _names
-import taktiny.state._tree as _tree
 
 from .._messages import layout_text, short
 from ..quant import QArray
@@ -235,6 +234,13 @@ def schema(tree: Any) -> Schema:
     Raises:
         ValueError: a class declares a ``state_version`` that is not an int >= 1.
     """
+    leaves, _, spec = _names.flatten(tree)
+    return schema_of(leaves, spec)
+
+
+def schema_of(leaves: list[Any], spec: _names.Spec) -> Schema:
+    """The :func:`schema` of a tree already flattened (`leaves` and `spec`, as
+    :func:`~taktiny.state.flatten` gives them), without flattening it again."""
     found: dict[str, dict[str, Any]] = {}
 
     def walk(node: Mapping[str, Any], prefix: str) -> None:
@@ -244,25 +250,25 @@ def schema(tree: Any) -> Schema:
             else:
                 found[prefix + key] = leaf_entry(value)
 
-    walk(_tree.state_dict(tree), "")
-    spec = _names.flatten(tree)[2]
+    walk(_names.nested(spec.template, leaves), "")
     for name, entry in found.items():
         stack = spec.stack_of(name)
         if stack is not None:
             entry["stack"] = {"path": stack.path, "count": stack.count}
-    versions = declared_versions(tree)
+    versions = declared_versions(spec.modules)
     return Schema(found, version=versions.pop("", None), versions=versions)
 
 
-def declared_versions(tree: Any) -> dict[str, int]:
-    """The state version each module of `tree` declares (its class's ``state_version``),
-    by path (``""`` for the root), for those that declare one; outer modules first.
+def declared_versions(modules: Mapping[str, type]) -> dict[str, int]:
+    """The state version each of a tree's `modules` (a `Spec`'s: each module's class by
+    its path, ``""`` for the root) declares (its class's ``state_version``), by path, for
+    those that declare one; outer modules first.
 
     Raises:
         ValueError: a ``state_version`` that is not an int >= 1, naming the class.
     """
     out: dict[str, int] = {}
-    for path, cls in _names.flatten(tree)[2].modules.items():
+    for path, cls in modules.items():
         version: object = getattr(cls, "state_version", None)
         if version is None:
             continue

@@ -3,7 +3,8 @@
 A load resolves names to leaves (`_resolve`), checks each value against the leaf it
 replaces (`_values`), places the checked values in one batched transfer, and writes them
 into a new tree. A load that names a few leaves walks to them and rebuilds only the nodes
-on their paths; one that names many flattens the tree once (`_views`).
+on their paths; one that names many, or a stack's layers, flattens the tree once
+(`_views`).
 """
 
 from __future__ import annotations
@@ -226,13 +227,11 @@ def load(
     state = cast("Mapping[Any, Any]", state)
     match = match_quantization
     view: View[Any]
-    if not strict and _few(state, flat):  # (per-layer names of a stack: stacked first)
+    if not strict and _few(state, flat) and not _layers.names_layers(tree, state, flat):
         view = Walk(tree, flat)
-        state = _layers.stacked_state(tree, state, flat, named)
-    else:
+    else:  # (per-layer names of a stack: stacked first, from the tree flattened once)
         view = flat_view = Flat(tree)
-        flattened = (flat_view.olds, flat_view.spec)
-        state = _layers.stacked_state(tree, state, flat, named, flattened, strict)
+        state = _layers.stacked_state(flat_view.olds, flat_view.spec, state, flat, named, strict)
         values = _in_order(flat_view, state, flat)  # every leaf, in leaf order: the fast path
         if values is not None:
             return _finish(view, enumerate(values), None, named, match)

@@ -453,3 +453,22 @@ def test_a_save_over_a_one_file_checkpoint_removes_what_killed_saves_left(tmp_pa
     left.write_bytes(b"partial")
     save_safetensors(path, {"a": np.zeros(2, np.float32)})
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.safetensors"]
+
+
+@pytest.mark.parametrize("kind", ["plain", "quantized", "stacked"])
+def test_a_save_flattens_the_tree_once(tmp_path, flattens, kind):
+    """The names, the quantized parameters' layouts and the schema (its stacks, its state
+    versions) all come from one flatten of the tree, its description cached by structure."""
+    model = MLP(rngs=nn.Rngs(0))
+    if kind == "quantized":
+        model = tt.quantize(model, bits=4, group_size=16)
+    elif kind == "stacked":
+        model = nn.Stack(lambda rngs: MLP(rngs=rngs), 2, rngs=nn.Rngs(0))
+    path = tmp_path / "model.safetensors"
+    save_safetensors(path, model)  # (the structure's description made, and cached)
+    calls = flattens(model)
+    save_safetensors(path, model)
+    assert calls == ["tree_flatten"]
+    metadata, _ = read(path)
+    assert tt.Schema.from_json(metadata["taktiny_schema"]) == tt.schema(model)
+    assert ("taktiny_quantized" in metadata) == (kind == "quantized")

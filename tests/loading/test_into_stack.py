@@ -302,3 +302,19 @@ def test_an_optimizer_state_resumes_per_layer_into_a_stack(optax_promotion):
             opt_state[0].nu.layers.block.norm.scale[i], state[0].nu.layers[i].norm.scale
         )
     assert int(opt_state[0].count) == 1
+
+
+@pytest.mark.parametrize("unstacked", [False, True])
+def test_a_saved_stack_streams_back_from_one_flatten_of_the_model(
+    tmp_path, model, flattens, unstacked
+):
+    """The load's record, its migration check (the file's schema records the versions), a
+    per-layer load's twin and the new model's leaves all come from one flatten of the
+    model."""
+    path = tmp_path / "model.safetensors"
+    save_safetensors(path, model.flat_state_dict(unstacked=True) if unstacked else model)
+    load_safetensors(model, path)  # (the structure's description made, and cached)
+    calls = flattens(model)
+    loaded = load_safetensors(model, path)
+    assert calls == ["tree_flatten"]
+    assert equal(loaded, model)

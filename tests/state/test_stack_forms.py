@@ -96,6 +96,23 @@ def test_some_layers_change_only_their_slices():
     np.testing.assert_array_equal(model.layers.block.norm.scale[2], np.ones(4))  # not changed
 
 
+@pytest.mark.parametrize("given", ["stacked", "per layer", "one layer"])
+def test_a_load_into_a_stack_flattens_it_once(flattens, given):
+    """Restacking per-layer names, resolving them, checking that every leaf is named and
+    writing the new tree use one flatten of the tree, whether the load names every leaf
+    or a few (which otherwise walk to them)."""
+    model = Model(rngs=nn.Rngs(0))
+    flat = tt.flat_state_dict(model, unstacked=given != "stacked")
+    strict = given != "one layer"
+    if not strict:
+        flat = {n: v for n, v in flat.items() if n.startswith("layers.1.")}
+    tt.load_flat_state_dict(model, flat, strict=strict)  # (its description made, and cached)
+    calls = flattens(model)
+    loaded = tt.load_flat_state_dict(model, flat, strict=strict)
+    assert calls == ["tree_flatten"]
+    assert jax.tree.all(jax.tree.map(np.array_equal, loaded, model))
+
+
 def test_inside_jit_a_layer_loads_into_its_slice():
     model = Model(rngs=nn.Rngs(0))
     load = jax.jit(lambda m, k: m.load_flat_state_dict({"layers.0.dense.kernel": k}))
