@@ -1,29 +1,13 @@
-"""A load's host memory kept within a budget (``max_host_bytes``): what counts, how much
-each step holds while it is in flight, the refusal of a budget too small for one step,
-and the order of starts that keeps the rest within it.
+"""A load's host memory kept within a budget (``max_host_bytes``): what counts (each step's
+way of reading says what it holds while it is in flight), the refusal of a budget too
+small for one step, and the order of starts that keeps the rest within it.
 
 **What counts** is the host memory the load holds beyond the model's own arrays (those
 are the load's result, whatever the budget): its scratch buffers, as mapped (kept from
 their first read to the load's end), and what each step holds from the start of its read
-until it is placed:
-
-- a tensor read straight into its leaf's buffer holds nothing more when that buffer is
-  the leaf (one CPU device, which adopts it); otherwise the buffer is staging on its way
-  to the leaf's devices, and counts whole;
-- a tensor read in blocks (each device's own) or transposed piece by piece holds its
-  piece buffer (4 MiB of rows, or one row when a row is larger), and the whole tensor
-  when what it reads is then copied onto other devices;
-- small tensors read together hold their staging (their bytes) and, off one CPU device,
-  the buffer they are read into;
-- a transforming step reads into a scratch buffer (counted once, above) and holds the
-  arrays its transform makes on the default device that are not the leaves themselves:
-  a chain's intermediate results, results cast or quantized afterwards (and the cast),
-  results placed on other devices, and 64-bit sources cast to what JAX holds;
-- into a stack of layers (``nn.Stack``) named per layer, a slice placed on its devices is
-  not the model's array but waits, holding its memory, until the load's thread writes it
-  into the stacked leaf (`_ways.waiting`): on CPU devices that memory is the host's and
-  counts (whole, beside the pieces its read holds), unless the slice was read straight
-  into the stacked leaf's host buffer (one CPU device).
+until it is placed, as its way of reading says (`_ways`: a buffer on its way to other
+devices, a piece of rows, a transform's results that are not the leaves, a stack's
+layer placed on CPU devices until it is written into its stacked leaf).
 
 Not counted: the model's arrays; the page cache, which the read-ahead fills (the kernel's,
 reclaimed under pressure, not the process's; the read-ahead is nonetheless capped to

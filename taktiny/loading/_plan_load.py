@@ -21,7 +21,7 @@ from typing import Any
 
 from .._messages import table
 from ..convert import AnyRule, ConversionProblem, Step, identity, stages_text
-from ..io import Checkpoint, Tensor, byte_size
+from ..io import Checkpoint, byte_size
 from ..quant import QArray
 from ..state import problems as err
 from ._budget import Budget
@@ -29,7 +29,7 @@ from ._checks import spec_of
 from ._place import sharding_of
 from ._record import migrated, open_load, parts_of, unkept
 from ._steps import IDENTITY, results_of, steps_of
-from ._ways import Ways
+from ._ways import Way, Ways
 
 
 @dataclasses.dataclass(frozen=True)
@@ -265,7 +265,7 @@ def planned(
         held.append(0 if way.transforms else temporary)
         for process, n in way.reads(verify).items():
             reads[process] = reads.get(process, 0) + n
-        steps_planned.append(_planned(way.step, way.sources, way.word, leaves, quantized))
+        steps_planned.append(_planned(way, leaves, quantized))
     device_bytes = _device_bytes(leaves)
     # at once: the result of the step being transformed, and what the two readers hold of
     # the two steps after it (those read into scratch buffers hold nothing more)
@@ -292,20 +292,17 @@ def planned(
     )
 
 
-def _planned(
-    step: Step,
-    sources: list[Tensor],
-    way: str,
-    leaves: Mapping[str, Any],
-    quantized: Mapping[str, Any],
-) -> PlannedStep:
+def _planned(way: Way, leaves: Mapping[str, Any], quantized: Mapping[str, Any]) -> PlannedStep:
+    """What the plan says of a step, read in `way`."""
+    step, sources = way.step, way.sources
     targets = tuple(p for t in step.targets for p in parts_of(t, quantized) if p in leaves)
     casts = []
-    if len(sources) == len(step.targets) and way != "quantized":  # each source to its leaf
+    if len(sources) == len(step.targets) and way.word != "quantized":  # each source to its leaf
         for tensor, name in zip(sources, step.targets, strict=True):
             if name in leaves and (want := spec_of(leaves[name])[1]) != tensor.dtype:
                 casts.append((name, tensor.dtype.name, want.name))
-    outs = results_of(step, sources) if way == "quantized" and step.rule is not IDENTITY else ()
+    quantizing = way.word == "quantized" and step.rule is not IDENTITY
+    outs = results_of(step, sources) if quantizing else ()
     stored = {n for n, out in zip(step.targets, outs, strict=False) if isinstance(out, QArray)}
     for name in step.targets:
         if name in stored:  # quantized parts a transform unpacked: placed as they are
@@ -319,7 +316,7 @@ def _planned(
     rule = "same name" if step.rule is IDENTITY else repr(step.rule)
     nbytes = sum(t.nbytes for t in sources)
     return PlannedStep(
-        step.sources, targets, rule, repr(step.rule.transform), way, tuple(casts), nbytes
+        step.sources, targets, rule, repr(step.rule.transform), way.word, tuple(casts), nbytes
     )
 
 

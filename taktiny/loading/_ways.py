@@ -47,6 +47,7 @@ class Way:
         word: how :class:`~taktiny.io.PlannedStep` names it (its ``way``).
         transforms: whether the load's own thread transforms it, one step at a time.
         scratch: the buffer it is read into, for a step that is transformed.
+        parts: its steps, each as a way of its own (a batch's several, in order).
     """
 
     word = "direct"
@@ -55,11 +56,7 @@ class Way:
 
     def __init__(self, step: Step, sources: list[Tensor], leaf: Any = None) -> None:
         self.step, self.sources, self.leaf = step, sources, leaf
-
-    @property
-    def parts(self) -> tuple[Way, ...]:
-        """Its steps, each as a way of its own (a batch's several, in order)."""
-        return (self,)
+        self.parts: tuple[Way, ...] = (self,)
 
     def held(self, load: Load, shapes: dict[Any, Any]) -> int:
         """The host bytes it holds from the start of its read until it is placed, beyond
@@ -89,7 +86,8 @@ class Way:
 
 class Whole(Way):
     """A tensor the rules only rename, of its leaf's dtype, read whole into its own buffer:
-    the leaf itself on one CPU device (adopted), else placed on each of its devices."""
+    the leaf itself on one CPU device (adopted: it holds nothing more), else staging on
+    its way to the leaf's devices (held whole)."""
 
     def held(self, load: Load, shapes: dict[Any, Any]) -> int:
         tensor = self.sources[0]
@@ -119,8 +117,9 @@ class Whole(Way):
 
 class Blocks(Whole):
     """A renamed tensor for a leaf split across devices: the distinct blocks of this
-    process's devices read together, each into its own buffer (its rows a few MiB at a
-    time when a block is cut from them), and made one array."""
+    process's devices read together, each into its own buffer, and made one array. It
+    holds a piece of rows (4 MiB, or one row when a row is larger), and the whole tensor
+    when the blocks are copied onto devices that are not the host's."""
 
     word = "blocks"
 
@@ -136,7 +135,9 @@ class Blocks(Whole):
 
 class Transposed(Way):
     """A tensor the rules only transpose, of its leaf's dtype, read piece by piece with its
-    axes permuted into its leaf's buffer (:meth:`Tensor.read_transposed`), then placed."""
+    axes permuted into its leaf's buffer (:meth:`Tensor.read_transposed`), then placed. It
+    holds a piece of rows, and the whole array when it is not the leaf (copied onto other
+    devices, or cut into their blocks)."""
 
     word = "transposed"
 
@@ -193,28 +194,25 @@ class Batch(Way):
     each at most, `BATCH` bytes in all): read into one buffer by one read
     (`read_together`) and placed by the load's thread with one transfer (for tensors of a
     few KiB, a mapping, a transfer and a handoff to a reader each would cost far more than
-    their bytes; transfers made from two threads at once only queue for each other)."""
+    their bytes; transfers made from two threads at once only queue for each other). They
+    hold their staging (their bytes) and, off one CPU device, the buffer read into."""
 
     def __init__(self, parts: list[Way]) -> None:
         super().__init__(parts[0].step, [part.sources[0] for part in parts])
-        self.members = parts
-
-    @property
-    def parts(self) -> tuple[Way, ...]:
-        return tuple(self.members)
+        self.parts = tuple(parts)
 
     def held(self, load: Load, shapes: dict[Any, Any]) -> int:  # staging, then their buffer
         staging = sum(t.nbytes for t in self.sources)
-        if not all(_adopting(part.leaf) for part in self.members):  # (one the devices share)
+        if not all(_adopting(part.leaf) for part in self.parts):  # (one the devices share)
             return staging + Scratch.bytes_for(self.sources)
-        return staging + sum(waiting(load, part.step, None, shared=True) for part in self.members)
+        return staging + sum(waiting(load, part.step, None, shared=True) for part in self.parts)
 
     def read(self, verify: bool, stacker: Stacker | None) -> Any:
         return read_together(self.sources, verify=verify)
 
     def place(self, load: Load, data: Any) -> Iterable[tuple[str, Any]]:
-        arrays = placed_together(data, [part.leaf for part in self.members])
-        return zip([part.step.targets[0] for part in self.members], arrays, strict=True)
+        arrays = placed_together(data, [part.leaf for part in self.parts])
+        return zip([part.step.targets[0] for part in self.parts], arrays, strict=True)
 
 
 class Transformed(Way):
@@ -222,7 +220,10 @@ class Transformed(Way):
     not its tensor's): its sources read into a scratch buffer (`scratch`, taking turns
     with the load's other such steps), transformed by XLA in the load's thread, one step
     at a time, and placed (a float array for a quantized parameter quantized as it is);
-    `word` is ``"quantized"`` or ``"scratch"``."""
+    `word` is ``"quantized"`` or ``"scratch"``. Besides the buffer (counted once, for the
+    load), it holds the arrays its transform makes on the default device that are not the
+    leaves: a chain's intermediate results, results cast or quantized afterwards (and the
+    cast), results placed on other devices, and 64-bit sources cast to what JAX holds."""
 
     transforms = True
     perm: tuple[int, ...] | None = None  # the first source's axes, as it is read
@@ -232,9 +233,8 @@ class Transformed(Way):
         self.word = word
 
     def held(self, load: Load, shapes: dict[Any, Any]) -> int:
-        """The arrays its transform makes besides its leaves (see the README), worked out
-        from the shapes (for an unknown transform, what it makes: its own working memory
-        is not counted), and its slices waiting to be written into stacks."""
+        """Worked out from the shapes (for an unknown transform, what it makes: its own
+        working memory is not counted), with its slices waiting to be written into stacks."""
         held = 0
         specs = []
         for t in self.sources:
