@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any, cast
 
 import jax
@@ -24,14 +24,11 @@ from ._checks import spec_of
 from ._layers import Stacker
 from ._place import (
     Scratch,
-    direct_leaf,
-    laid_out,
     placed_by_device,
     placed_together,
     placed_transposed,
     sharding_of,
     transformed,
-    transposed_leaf,
 )
 from ._record import Load, parts_of
 from ._steps import results_of, tensors_of
@@ -307,7 +304,8 @@ class Fp8Blocks(Transformed):
     def __init__(self, step: Step, sources: list[Tensor], word: str) -> None:
         super().__init__(step, sources, word)
         self.blocks = cast(dequantize_blocks, step.rule.transform)
-        self.perm = laid_out(step, sources)
+        if len(sources) == 2:  # (weights and scales: read permuted, a byte a weight)
+            self.perm = self.blocks.perm(sources[0].ndim)
 
     def _result_held(self, load: Load, name: str, out: Any, kept: bool) -> int:
         like, leaf = load.quantized.get(name), load.leaves.get(name)
@@ -365,18 +363,28 @@ class Ways:
 
 def _way(load: Load, step: Step) -> Way:
     """The way `step` is read, alone."""
-    sources = tensors_of(load.checkpoint, step)
-    leaf = direct_leaf(step, sources, load.leaves)
-    if leaf is not None:
+    sources, transform = tensors_of(load.checkpoint, step), step.rule.transform
+    leaf = _one_to_one(step, sources, load.leaves)
+    if leaf is not None and isinstance(transform, identity):
         sharding = sharding_of(leaf)
         whole = len(sharding.device_set) == 1 or sharding.is_fully_replicated
         return (Whole if whole else Blocks)(step, sources, leaf)
-    leaf = transposed_leaf(step, sources, load.leaves)
-    if leaf is not None:
+    if leaf is not None and isinstance(transform, transpose):
         return Transposed(step, sources, leaf)
     word = "quantized" if any(t in load.quantized for t in step.targets) else "scratch"
-    kind = Fp8Blocks if isinstance(step.rule.transform, dequantize_blocks) else Transformed
+    kind = Fp8Blocks if isinstance(transform, dequantize_blocks) else Transformed
     return kind(step, sources, word)
+
+
+def _one_to_one(step: Step, sources: list[Tensor], leaves: Mapping[str, Any]) -> Any:
+    """The leaf of a step from one tensor to one leaf (named as the step names it) of the
+    tensor's dtype, which JAX holds as it is, and so read straight into it; or None."""
+    wanted = [name for name in step.targets if name in leaves]
+    if len(sources) == 1 == len(wanted) and wanted[0] == step.targets[0]:
+        leaf, dtype = leaves[wanted[0]], sources[0].dtype
+        if dtype == spec_of(leaf)[1] == jax.dtypes.canonicalize_dtype(dtype):
+            return leaf
+    return None
 
 
 SMALL = 4096  # a renamed tensor of at most this many bytes is read with its neighbours
