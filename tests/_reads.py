@@ -7,7 +7,7 @@ import os
 import threading
 
 from taktiny.io import Tensor
-from taktiny.loading import _load
+from taktiny.loading import _ways
 
 METHODS = ("read", "read_into", "read_blocks", "read_transposed")
 
@@ -32,7 +32,7 @@ def log_reads(monkeypatch, entry):
 
     for name in METHODS:
         monkeypatch.setattr(Tensor, name, logged(getattr(Tensor, name)))
-    together = _load.read_together  # (the load's own name for io's read_together)
+    together = _ways.read_together  # (the load's own name for io's read_together)
 
     def logged_together(tensors, **kwargs):
         depth.n = getattr(depth, "n", 0) + 1
@@ -44,7 +44,7 @@ def log_reads(monkeypatch, entry):
             log.extend(entry(t, out) for t, out in zip(tensors, outs, strict=True))
         return outs
 
-    monkeypatch.setattr(_load, "read_together", logged_together)
+    monkeypatch.setattr(_ways, "read_together", logged_together)
     return log
 
 

@@ -22,35 +22,17 @@ import itertools
 import os
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, cast
+from typing import Any
 
-from ..convert import AnyRule, Step, transpose
-from ..io import (
-    RETRIES,
-    Checkpoint,
-    Replaced,
-    Tensor,
-    byte_size,
-    read_together,
-    result_of,
-    stop_reads,
-)
+from ..convert import AnyRule
+from ..io import RETRIES, Checkpoint, Replaced, byte_size, result_of, stop_reads
 from ._budget import Budget
 from ._layers import Stacker, covered
-from ._place import (
-    Scratch,
-    direct_leaf,
-    laid_out,
-    placed_by_device,
-    placed_together,
-    placed_transposed,
-    sharding_of,
-    transformed,
-    transposed_leaf,
-)
+from ._place import Scratch
 from ._readers import Readahead, Readers
-from ._record import Load, loaded, migrated, open_load, parts_of, unkept
-from ._steps import steps_of, tensors_of
+from ._record import loaded, migrated, open_load, parts_of, unkept
+from ._steps import steps_of
+from ._ways import Ways
 
 PROGRESS_BYTES = 256 * 2**20  # loads of more bytes than this show a progress bar by default
 
@@ -195,17 +177,15 @@ def _load(
     steps = steps_of(load)
     if (error := unkept(load)) is not None:
         raise error
-    ways = Ways(load, steps)
-    budget = None if limit is None else Budget(limit, load, steps, ways)  # (may use one buffer)
+    ways = Ways(load, steps, limit)
+    budget = None if limit is None else Budget(limit, ways)
     if budget is not None and budget.error is not None:
         raise budget.error
-    direct, permuted, buffer_of, sources = ways.direct, ways.permuted, ways.buffer_of, ways.sources
     units = ways.units
-    order = [t for tensors in sources for t in tensors]
-    starts = list(itertools.accumulate(map(len, sources), initial=0))
-    sizes = [sum(sum(t.nbytes for t in sources[k]) for k in unit) for unit in units]
-    scratch = tuple(Scratch(size) for size in ways.sizes)
-    holder: list[int | None] = [None] * len(scratch)  # the step whose sources a buffer holds
+    order = [t for way in units for t in way.sources]
+    starts = list(itertools.accumulate((len(way.sources) for way in units), initial=0))
+    sizes = [sum(t.nbytes for t in way.sources) for way in units]
+    holder: set[Scratch] = set()  # the scratch buffers holding a step's sources
     readers = Readers()
     placed: Any = {}
     stacker = None
@@ -216,23 +196,8 @@ def _load(
     submitted = 0  # units
 
     def read(u: int) -> Any:  # in a reader thread: preadv, hashing and XLA release the GIL
-        k = units[u][0]
-        ahead.reached(starts[k])  # the disk reads on while this step is read and placed
-        step, tensors = steps[k], sources[k]
-        if len(units[u]) > 1:  # small renamed tensors: read together, placed below
-            return read_together([sources[j][0] for j in units[u]], verify=verify)
-        target = step.targets[0]
-        if direct[k] is not None:  # renamed only: read and placed block by block, here
-            if stacker is not None and stacker.layers.in_place(target, tensors[0]):
-                stacker.read(target, tensors[0], verify, None)  # (into its layer's slice)
-                return {}
-            return {target: placed_by_device(tensors[0], sharding_of(direct[k]), verify)}
-        if permuted[k] is not None:  # transposed: piece by piece into place as it is read
-            if stacker is not None and stacker.layers.in_place(target, tensors[0]):
-                stacker.read(target, tensors[0], verify, cast(transpose, step.rule.transform))
-                return {}
-            return {target: placed_transposed(step, tensors[0], permuted[k], verify)}
-        return scratch[buffer_of[k]].read(tensors, verify, ways.laid[k])
+        ahead.reached(starts[u])  # the disk reads on while this unit is read and placed
+        return units[u].read(verify, stacker)
 
     # slices placed on devices wait for the load's thread to write them into their stacked
     # leaves: with such stacks, few units in flight, so that the host holds few slices
@@ -242,15 +207,15 @@ def _load(
     def start_more() -> None:  # in order, as many as the readers, buffers and budget allow
         nonlocal submitted
         while submitted < len(units) and len(running) < width():
-            buffer = buffer_of.get(units[submitted][0])
-            if buffer is not None and holder[buffer] is not None:
+            buffer = units[submitted].scratch
+            if buffer is not None and buffer in holder:
                 return
             if budget is not None:
                 if not budget.fits(submitted):
                     return
                 budget.take(submitted)
             if buffer is not None:
-                holder[buffer] = submitted
+                holder.add(buffer)
             running[submitted] = pool.submit(read, submitted)
             submitted += 1
 
@@ -261,24 +226,16 @@ def _load(
     ):
         try:
             start_more()
-            for u, unit in enumerate(units):
+            for u, way in enumerate(units):
                 data = result_of(running.pop(u))  # (Ctrl-C stops the wait at once)
                 readers.finished(sizes[u])
                 ahead.window = _ahead(budget, readers.ahead)
                 start_more()
-                k = unit[0]
-                if len(unit) > 1:  # small renamed tensors read together: one transfer
-                    arrays = placed_together(data, [direct[j] for j in unit])
-                    placed.update(zip([steps[j].targets[0] for j in unit], arrays, strict=True))
-                elif k in buffer_of:
-                    buffer = scratch[buffer_of[k]]
-                    placed.update(transformed(load, steps[k], data, buffer).items())
-                    holder[buffer_of[k]] = None
-                else:
-                    placed.update(data.items())
+                placed.update(way.place(load, data))
+                holder.discard(way.scratch)  # (transformed: its buffer is free)
                 if budget is not None:
                     budget.release(u)  # (placed: what it held is free)
-                if budget is not None or k in buffer_of:
+                if budget is not None or way.scratch is not None:
                     start_more()
                 bar.update(sizes[u])
         except BaseException:  # the reads not started are dropped, those in flight stopped
@@ -286,89 +243,6 @@ def _load(
             stop_reads(storages, running.values())
             raise
     return loaded(load, placed)  # (each leaf resolved, checked and placed: written in)
-
-
-class Ways:
-    """How a load reads each of its steps (shared with :func:`taktiny.io.plan_load`, which
-    predicts the load's memory from it).
-
-    Steps are read by several readers at once (`Readers` learns how many pay). A step
-    that renames or transposes reads into its leaves' own buffers (``direct``,
-    ``permuted``: the leaf, or None), so any number run together; a transforming step
-    reads into a scratch buffer (``buffer_of``: step -> buffer), which is free again once
-    the step before that used it has been transformed: two buffers, or one for a
-    quantizing load, which so keeps one float tensor at a time, or for a load within a
-    budget too small for two (``buffers``), each mapped once as large as the most that
-    its steps read (``sizes``, in bytes).
-
-    A reader takes a unit of steps at a time (``units``, in order): one step, or a run of
-    renamed tensors of at most `SMALL` bytes each, each placed whole (on one device, or
-    on every device of its sharding), up to `BATCH` bytes in all. Such a run is read into
-    one buffer (`read_together`: the tensors next to each other in the file by one read)
-    and placed by the loop with one transfer: for tensors of a few KiB, a mapping, a
-    transfer and a handoff to a reader each would cost far more than their bytes."""
-
-    def __init__(self, load: Load, steps: list[Step]) -> None:
-        leaves = load.leaves
-        self.sources = [tensors_of(load.checkpoint, s) for s in steps]  # (each step's tensors)
-        pairs = list(zip(steps, self.sources, strict=True))
-        self.direct = [direct_leaf(s, tensors, leaves) for s, tensors in pairs]
-        self.permuted = [transposed_leaf(s, tensors, leaves) for s, tensors in pairs]
-        self.laid = [laid_out(s, tensors) for s, tensors in pairs]  # (FP8 blocks, transposed)
-        # (FP8 blocks too, though their scratch holds a byte a weight: a second buffer,
-        # for the next weight's read to overlap, would be the most memory such a load
-        # holds beside the model; bench/FINDINGS.md section 13)
-        shrinks = any(t in load.quantized for s in steps for t in s.targets)
-        self.units = _units(self.direct, self.sources)
-        self.use_buffers(1 if shrinks else 2)
-
-    def use_buffers(self, buffers: int) -> None:
-        """Sends the transforming steps through `buffers` scratch buffers, taking turns in
-        file order (a load under a memory budget too small for two uses one)."""
-        self.buffers = buffers
-        uses = itertools.count()
-        self.buffer_of = {
-            k: next(uses) % buffers
-            for k in range(len(self.sources))
-            if self.direct[k] is None and self.permuted[k] is None
-        }
-        self.sizes = [0] * buffers
-        for k, buffer in self.buffer_of.items():
-            held = Scratch.bytes_for(self.sources[k])
-            self.sizes[buffer] = max(self.sizes[buffer], held)
-
-
-SMALL = 4096  # a renamed tensor of at most this many bytes is read with its neighbours
-BATCH = 64 * 1024  # the most bytes of small tensors read together (and the most steps:
-BATCH_STEPS = 256  # tensors of no bytes take none)
-
-
-def _units(direct: list[Any], sources: list[list[Tensor]]) -> list[tuple[int, ...]]:
-    """The steps a reader takes at a time, in order: runs of small renamed tensors placed
-    whole (see :class:`Ways`), and every other step alone."""
-    units: list[tuple[int, ...]] = []
-    run: list[int] = []
-    held = 0
-    for k, leaf in enumerate(direct):
-        tensor = sources[k][0]
-        small = leaf is not None and tensor.nbytes <= SMALL and not tensor.packed and _whole(leaf)
-        if run and (not small or held + tensor.nbytes > BATCH or len(run) == BATCH_STEPS):
-            units.append(tuple(run))
-            run, held = [], 0
-        if small:
-            run.append(k)
-            held += tensor.nbytes
-        else:
-            units.append((k,))
-    if run:
-        units.append(tuple(run))
-    return units
-
-
-def _whole(leaf: Any) -> bool:
-    """Whether a leaf is placed whole: on one device, or the same on each of its devices."""
-    sharding = sharding_of(leaf)
-    return sharding.is_fully_replicated or len(sharding.device_set) == 1
 
 
 def _ahead(budget: Budget | None, window: int) -> int:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import mmap
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any, cast
 
 import jax
@@ -16,40 +16,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..arrays import default_device
-from ..convert import Step, dequantize_blocks, identity, transpose
+from ..convert import Step, dequantize_blocks, transpose
 from ..io import MAP_FLAGS, Tensor
 from ..quant import QArray, quantize_like
 from ..state import checked_value, placeable
 from ..state import problems as err
 from ._checks import spec_of
 from ._record import Load
-
-
-def direct_leaf(step: Step, sources: list[Tensor], leaves: Mapping[str, Any]) -> Any:
-    """The leaf a step fills with a tensor as it is on disk (a rename, the leaf's dtype, one
-    that JAX holds as it is), or None."""
-    if not isinstance(step.rule.transform, identity):
-        return None
-    return _one_to_one(step, sources, leaves)
-
-
-def transposed_leaf(step: Step, sources: list[Tensor], leaves: Mapping[str, Any]) -> Any:
-    """The leaf a step fills with a tensor's axes permuted (the transpose rule, the leaf's
-    dtype), which :meth:`Tensor.read_transposed` reads piece by piece into place; or None."""
-    if not isinstance(step.rule.transform, transpose):
-        return None
-    return _one_to_one(step, sources, leaves)
-
-
-def _one_to_one(step: Step, sources: list[Tensor], leaves: Mapping[str, Any]) -> Any:
-    """The leaf of a step from one tensor to one leaf (named as the step names it) of the
-    tensor's dtype, which JAX holds as it is; or None."""
-    wanted = [name for name in step.targets if name in leaves]
-    if len(sources) == 1 == len(wanted) and wanted[0] == step.targets[0]:
-        leaf, dtype = leaves[wanted[0]], sources[0].dtype
-        if dtype == spec_of(leaf)[1] == jax.dtypes.canonicalize_dtype(dtype):
-            return leaf
-    return None
 
 
 def _canonical(names: Sequence[str], read: list[np.ndarray], problems: err.Problems) -> list[Any]:
@@ -132,16 +105,6 @@ def _fp8_placed(
         return []
     weights, scales = arrays
     return [(name, blocks.placed(weights, scales, spec_of(load.leaves[name])[1]))]
-
-
-def laid_out(step: Step, sources: Sequence[Tensor]) -> tuple[int, ...] | None:
-    """The permutation a step's first source is read in: the weights of FP8 blocks whose
-    product a transpose lays out, read permuted piece by piece (a byte a weight, rather than
-    XLA transposing four); None for none."""
-    blocks = step.rule.transform
-    if not isinstance(blocks, dequantize_blocks) or len(sources) != 2:
-        return None
-    return blocks.perm(sources[0].ndim)
 
 
 class Scratch:

@@ -4,7 +4,7 @@ host memory it would need at its peak, and every problem it would raise.
 
 The plan reuses the load's own decisions rather than restating them: the same steps and
 checks (`_steps.steps_of`, its error collected instead of raised), the same choice of how
-each step is read (`_load.Ways`), and the byte counts of `Tensor.bytes_read`, which
+each step is read (`_ways.Ways`), and the byte counts of `Tensor.bytes_read`, which
 follows the choices of `Tensor.read_blocks`. Nothing is read but headers: a rule's tied
 names, which a load reads and compares, are listed unchecked, and the problems only values
 show (a narrowing cast that would overflow, damaged bytes) cannot be known.
@@ -19,20 +19,17 @@ import types
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import jax
-import numpy as np
-
 from .._messages import table
-from ..convert import AnyRule, ConversionProblem, Step, dequantize_blocks, identity, stages_text
-from ..io import BOX_PIECE, Checkpoint, Tensor, byte_size
+from ..convert import AnyRule, ConversionProblem, Step, identity, stages_text
+from ..io import Checkpoint, byte_size
 from ..quant import QArray
 from ..state import problems as err
-from ._budget import Budget, waiting
+from ._budget import Budget
 from ._checks import spec_of
-from ._load import Ways
 from ._place import sharding_of
 from ._record import migrated, open_load, parts_of, unkept
 from ._steps import IDENTITY, results_of, steps_of
+from ._ways import Way, Ways
 
 
 @dataclasses.dataclass(frozen=True)
@@ -256,28 +253,25 @@ def planned(
     except ValueError as raised:  # (a StateDictError, ConversionError, SafetensorsError too)
         error, steps = raised, found
     migration = load.migration
-    ways = Ways(load, steps)
-    budget = Budget(max_host_bytes, load, steps, ways)  # (may use one buffer instead of two)
+    ways = Ways(load, steps, max_host_bytes)  # (one buffer instead of two when two do not fit)
+    budget = Budget(max_host_bytes, ways)
     if error is None:
         error = budget.error
     steps_planned, made, held = [], [], []
     reads: dict[int, int] = {}
-    for k, step in enumerate(steps):
-        sources = ways.sources[k]
-        way, temporary = _way(k, ways, step, sources, leaves, quantized)
-        read = sources[0] if way in ("direct", "blocks", "transposed") else None
-        temporary += waiting(load, step, read, shared=way != "transposed")  # (into stacks)
-        transforms = way in ("scratch", "quantized")  # (in the load's own thread)
-        made.append(temporary if transforms else 0)
-        held.append(0 if transforms else temporary)
-        for process, n in _read_by_process(ways.direct[k], sources, verify).items():
+    for way in (part for unit in ways.units for part in unit.parts):
+        temporary = way.temporary(load)
+        made.append(temporary if way.transforms else 0)  # (in the load's own thread)
+        held.append(0 if way.transforms else temporary)
+        for process, n in way.reads(verify).items():
             reads[process] = reads.get(process, 0) + n
-        steps_planned.append(_planned(step, sources, way, leaves, quantized))
+        steps_planned.append(_planned(way, leaves, quantized))
     device_bytes = _device_bytes(leaves)
     # at once: the result of the step being transformed, and what the two readers hold of
     # the two steps after it (those read into scratch buffers hold nothing more)
     made, held = [0, *made], [0, *held, 0, 0]
-    extra = sum(ways.sizes) + max(m + held[j + 1] + held[j + 2] for j, m in enumerate(made))
+    at_once = max(m + held[j + 1] + held[j + 2] for j, m in enumerate(made))
+    extra = sum(buffer.capacity for buffer in ways.scratch) + at_once
     on_host = sum(n for d, n in device_bytes.items() if d.platform == "cpu")
     kept: tuple[str, ...] = ()
     if migration is not None:
@@ -298,75 +292,17 @@ def planned(
     )
 
 
-def _way(
-    k: int,
-    ways: Ways,
-    step: Step,
-    sources: list[Tensor],
-    leaves: Mapping[str, Any],
-    quantized: Mapping[str, Any],
-) -> tuple[str, int]:
-    """How step `k` is read, and the host memory it holds for a while besides its leaves
-    and the scratch buffers."""
-    if ways.direct[k] is not None:
-        sharding = sharding_of(ways.direct[k])
-        whole = len(sharding.device_set) == 1 or sharding.is_fully_replicated
-        return ("direct" if whole else "blocks"), (0 if whole else BOX_PIECE)
-    if ways.permuted[k] is not None:  # one piece; the whole array, when it is then cut
-        single = len(sharding_of(ways.permuted[k]).device_set) == 1
-        return "transposed", BOX_PIECE if single else sources[0].nbytes
-    way = "quantized" if any(t in quantized for t in step.targets) else "scratch"
-    if isinstance(step.rule.transform, identity):  # its result is its sources, in scratch
-        return way, 0
-    temporary = 0
-    blocks = step.rule.transform
-    fp8 = isinstance(blocks, dequantize_blocks)  # (its product: the leaf's dtype)
-    for name, out in zip(step.targets, results_of(step, sources), strict=True):
-        leaf, like = leaves.get(name), quantized.get(name)
-        if fp8 and like is not None:  # quantized in the one program that places it
-            temporary += blocks.held_bytes(sources[0], like.dtype, like)
-            continue
-        if fp8 and leaf is not None:
-            continue
-        if isinstance(out, QArray):  # unpacked parts: placed as they are, or dequantized
-            temporary += out.nbytes
-        elif name in quantized or (leaf is not None and np.dtype(out.dtype) != spec_of(leaf)[1]):
-            temporary += math.prod(out.shape) * np.dtype(out.dtype).itemsize
-    return way, temporary
-
-
-def _read_by_process(leaf: Any, sources: list[Tensor], verify: bool) -> dict[int, int]:
-    """The bytes each process reads for a step: its own devices' blocks of a leaf read by
-    block, every source whole otherwise (each process places its own devices' parts)."""
-    if leaf is None:
-        total = sum(t.nbytes for t in sources)
-        return dict.fromkeys(range(jax.process_count()), total)
-    tensor, sharding = sources[0], sharding_of(leaf)
-    by_process: dict[int, list[tuple[tuple[int, int], ...]]] = {}
-    for device, index in sharding.devices_indices_map(tensor.shape).items():
-        block = tuple(s.indices(n)[:2] for s, n in zip(index, tensor.shape, strict=True))
-        blocks = by_process.setdefault(device.process_index, [])
-        if block not in blocks:
-            blocks.append(block)
-    if tensor.nbytes == 0 or sharding.is_fully_replicated:
-        return dict.fromkeys(by_process, tensor.nbytes)
-    return {p: tensor.bytes_read(b, verify=verify) for p, b in by_process.items()}
-
-
-def _planned(
-    step: Step,
-    sources: list[Tensor],
-    way: str,
-    leaves: Mapping[str, Any],
-    quantized: Mapping[str, Any],
-) -> PlannedStep:
+def _planned(way: Way, leaves: Mapping[str, Any], quantized: Mapping[str, Any]) -> PlannedStep:
+    """What the plan says of a step, read in `way`."""
+    step, sources = way.step, way.sources
     targets = tuple(p for t in step.targets for p in parts_of(t, quantized) if p in leaves)
     casts = []
-    if len(sources) == len(step.targets) and way != "quantized":  # each source to its leaf
+    if len(sources) == len(step.targets) and way.word != "quantized":  # each source to its leaf
         for tensor, name in zip(sources, step.targets, strict=True):
             if name in leaves and (want := spec_of(leaves[name])[1]) != tensor.dtype:
                 casts.append((name, tensor.dtype.name, want.name))
-    outs = results_of(step, sources) if way == "quantized" and step.rule is not IDENTITY else ()
+    quantizing = way.word == "quantized" and step.rule is not IDENTITY
+    outs = results_of(step, sources) if quantizing else ()
     stored = {n for n, out in zip(step.targets, outs, strict=False) if isinstance(out, QArray)}
     for name in step.targets:
         if name in stored:  # quantized parts a transform unpacked: placed as they are
@@ -380,7 +316,7 @@ def _planned(
     rule = "same name" if step.rule is IDENTITY else repr(step.rule)
     nbytes = sum(t.nbytes for t in sources)
     return PlannedStep(
-        step.sources, targets, rule, repr(step.rule.transform), way, tuple(casts), nbytes
+        step.sources, targets, rule, repr(step.rule.transform), way.word, tuple(casts), nbytes
     )
 
 

@@ -21,6 +21,7 @@ from jax.sharding import PartitionSpec as P
 
 import taktiny.loading._load as load_module
 import taktiny.loading._place as place
+import taktiny.loading._ways as ways_module
 from taktiny import convert as cv
 from taktiny.io import Tensor, load_safetensors, plan_load, save_safetensors
 
@@ -166,7 +167,7 @@ def no_reads(monkeypatch):
         return call
 
     monkeypatch.setattr(
-        load_module, "read_together", logged("read_together", load_module.read_together)
+        ways_module, "read_together", logged("read_together", ways_module.read_together)
     )
     monkeypatch.setattr(place.Scratch, "read", logged("Scratch.read", place.Scratch.read))
     for name in ("read", "read_into", "read_blocks", "read_transposed", "verify"):

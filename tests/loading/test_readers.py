@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from taktiny.io import load_safetensors, save_safetensors
-from taktiny.loading import _load, _place, _readers
+from taktiny.loading import _load, _place, _readers, _ways
 from taktiny.loading._readers import Readers
 
 MiB = 2**20
@@ -110,7 +110,7 @@ def test_a_load_keeps_width_reads_in_flight_and_gives_the_same_model(tmp_path, m
                 in_flight[0] -= 1
 
     monkeypatch.setattr(_load, "Readers", Fixed)
-    monkeypatch.setattr(_load, "placed_by_device", slow)
+    monkeypatch.setattr(_ways, "placed_by_device", slow)
     loaded = load_safetensors(target, path)
     assert most[0] == width
     for name, value in values.items():

@@ -195,6 +195,33 @@ def test_packages_import_each_other_only_through_their_faces():
     assert {"taktiny.state", "taktiny.arrays", "taktiny.quant", "taktiny.module"} <= faces
 
 
+def circles(package: str) -> list[str]:
+    """The files of `package` that import themselves through its other files (at any depth
+    in a file, and for type checkers too), as dotted names, sorted."""
+    folder = ROOT / "taktiny" / package
+    files = {f"taktiny.{package}.{p.stem}": p for p in folder.glob("*.py") if p.stem != "__init__"}
+    imports = {name: taktiny_imports(path) & set(files) for name, path in files.items()}
+    found = []
+    for name in files:
+        seen, todo = set(), list(imports[name])
+        while todo:
+            other = todo.pop()
+            if other not in seen:
+                seen.add(other)
+                todo += imports[other]
+        if name in seen:
+            found.append(name)
+    return sorted(found)
+
+
+def test_the_files_of_the_load_import_each_other_one_way():
+    """No file of taktiny/loading/ imports itself through others: each way a step is read
+    is one type (`_ways`), which the budget, the plan and the load's loop import, and none
+    of them imports back."""
+    assert circles("loading") == []
+    assert len(list((ROOT / "taktiny" / "loading").glob("_*.py"))) >= 9
+
+
 def _face(package: str) -> tuple[list[str], list[str]]:
     """The public and the internal names the stub of `package`'s face lists."""
     stub = ROOT / "taktiny" / package / "__init__.pyi"

@@ -1,0 +1,474 @@
+"""The ways a load reads its steps, one type each: whole into its leaf's buffer (`Whole`),
+each device's block (`Blocks`), transposed piece by piece (`Transposed`), straight into its
+layer's slice of a stacked leaf (`InStack`), small tensors read together (`Batch`), through a
+scratch buffer to be transformed (`Transformed`), FP8 blocks laid out as they are read
+(`Fp8Blocks`). Each says what it holds (what ``max_host_bytes`` counts, and what the plan's
+peak counts), reads (in a reader thread), places (in the load's thread) and how the plan
+names it; `Ways` builds them once per load, from the headers."""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Iterable, Mapping
+from typing import Any, cast
+
+import jax
+import numpy as np
+
+from ..arrays import default_device
+from ..convert import Step, Transform, chain, dequantize_blocks, identity, runner, transpose
+from ..io import BOX_PIECE, Tensor, read_together
+from ..quant import QArray
+from ._checks import spec_of
+from ._layers import Stacker
+from ._place import (
+    Scratch,
+    placed_by_device,
+    placed_together,
+    placed_transposed,
+    sharding_of,
+    transformed,
+)
+from ._record import Load, parts_of
+from ._steps import results_of, tensors_of
+
+
+class Way:
+    """How a load reads one step (the ways below are its kinds).
+
+    Attributes:
+        step: the step.
+        sources: the tensors it reads, in the order its transform takes them.
+        leaf: the leaf it is read straight into; None for a step that is transformed.
+        word: how :class:`~taktiny.io.PlannedStep` names it (its ``way``).
+        transforms: whether the load's own thread transforms it, one step at a time.
+        scratch: the buffer it is read into, for a step that is transformed.
+        parts: its steps, each as a way of its own (a batch's several, in order).
+    """
+
+    word = "direct"
+    transforms = False
+    scratch: Scratch | None = None
+
+    def __init__(self, step: Step, sources: list[Tensor], leaf: Any = None) -> None:
+        self.step, self.sources, self.leaf = step, sources, leaf
+        self.parts: tuple[Way, ...] = (self,)
+
+    def held(self, load: Load, shapes: dict[Any, Any]) -> int:
+        """The host bytes it holds from the start of its read until it is placed, beyond
+        the model's arrays and the scratch buffers, as ``max_host_bytes`` counts them
+        (`shapes` keeps the shapes transforms make, worked out once each)."""
+        raise NotImplementedError
+
+    def temporary(self, load: Load) -> int:
+        """The host bytes it holds for a while besides its leaves and the scratch buffers,
+        as `LoadPlan.scratch_bytes` counts them."""
+        raise NotImplementedError
+
+    def read(self, verify: bool, stacker: Stacker | None) -> Any:
+        """Reads it, in a reader thread: its leaves placed (``{name: array}``), or what
+        :meth:`place` takes."""
+        raise NotImplementedError
+
+    def place(self, load: Load, data: Any) -> Iterable[tuple[str, Any]]:
+        """Its ``(leaf name, placed value)`` pairs from what :meth:`read` returned, in the
+        load's thread."""
+        return data.items()
+
+    def reads(self, verify: bool) -> dict[int, int]:
+        """The bytes each process reads of it: every source whole."""
+        return dict.fromkeys(range(jax.process_count()), sum(t.nbytes for t in self.sources))
+
+
+class Whole(Way):
+    """A tensor the rules only rename, of its leaf's dtype, read whole into its own buffer:
+    the leaf itself on one CPU device (adopted: it holds nothing more), else staging on
+    its way to the leaf's devices (held whole)."""
+
+    def held(self, load: Load, shapes: dict[Any, Any]) -> int:
+        tensor = self.sources[0]
+        slices = waiting(load, self.step, tensor, shared=True)  # (placed from host buffers)
+        return max(0 if _adopting(self.leaf) else tensor.nbytes, slices)
+
+    def temporary(self, load: Load) -> int:
+        return waiting(load, self.step, self.sources[0], shared=True)  # (into stacks)
+
+    def read(self, verify: bool, stacker: Stacker | None) -> Any:
+        sharding = sharding_of(self.leaf)
+        return {self.step.targets[0]: placed_by_device(self.sources[0], sharding, verify)}
+
+    def reads(self, verify: bool) -> dict[int, int]:
+        """Each process's own devices' blocks of the leaf."""
+        tensor, sharding = self.sources[0], sharding_of(self.leaf)
+        by_process: dict[int, list[tuple[tuple[int, int], ...]]] = {}
+        for device, index in sharding.devices_indices_map(tensor.shape).items():
+            block = tuple(s.indices(n)[:2] for s, n in zip(index, tensor.shape, strict=True))
+            blocks = by_process.setdefault(device.process_index, [])
+            if block not in blocks:
+                blocks.append(block)
+        if tensor.nbytes == 0 or sharding.is_fully_replicated:
+            return dict.fromkeys(by_process, tensor.nbytes)
+        return {p: tensor.bytes_read(b, verify=verify) for p, b in by_process.items()}
+
+
+class Blocks(Whole):
+    """A renamed tensor for a leaf split across devices: the distinct blocks of this
+    process's devices read together, each into its own buffer, and made one array. It
+    holds a piece of rows (4 MiB, or one row when a row is larger), and the whole tensor
+    when the blocks are copied onto devices that are not the host's."""
+
+    word = "blocks"
+
+    def held(self, load: Load, shapes: dict[Any, Any]) -> int:
+        tensor = self.sources[0]
+        on_cpu = all(d.platform == "cpu" for d in sharding_of(self.leaf).device_set)
+        slices = waiting(load, self.step, tensor, shared=True)
+        return _piece(tensor) + (0 if on_cpu else tensor.nbytes) + slices  # each device's block
+
+    def temporary(self, load: Load) -> int:
+        return BOX_PIECE + super().temporary(load)
+
+
+class Transposed(Way):
+    """A tensor the rules only transpose, of its leaf's dtype, read piece by piece with its
+    axes permuted into its leaf's buffer (:meth:`Tensor.read_transposed`), then placed. It
+    holds a piece of rows, and the whole array when it is not the leaf (copied onto other
+    devices, or cut into their blocks)."""
+
+    word = "transposed"
+
+    def held(self, load: Load, shapes: dict[Any, Any]) -> int:
+        tensor, leaf = self.sources[0], self.leaf
+        whole = 0 if _adopting(leaf) else tensor.nbytes
+        if tensor.packed:  # unpacked whole, then transposed into a copy
+            pieces = 2 * math.prod(tensor.shape)
+        else:
+            pieces = 0 if tensor.ndim < 2 else _piece(tensor)
+        sharding = sharding_of(leaf)
+        if len(sharding.device_set) == 1 or sharding.is_fully_replicated:  # one host array
+            return pieces + max(whole, waiting(load, self.step, tensor, shared=True))
+        return pieces + whole + waiting(load, self.step, tensor, shared=False)  # (cut: copies)
+
+    def temporary(self, load: Load) -> int:  # one piece; the whole array, when it is then cut
+        single = len(sharding_of(self.leaf).device_set) == 1
+        tensor = self.sources[0]
+        return (BOX_PIECE if single else tensor.nbytes) + waiting(load, self.step, tensor, False)
+
+    def read(self, verify: bool, stacker: Stacker | None) -> Any:
+        placed = placed_transposed(self.step, self.sources[0], self.leaf, verify)
+        return {self.step.targets[0]: placed}
+
+
+class InStack(Way):
+    """A tensor renamed or transposed into a layer of a stacked leaf filled on the host:
+    read straight into its layer's slice of the leaf's buffer (`Stacker.read`), which JAX
+    adopts whole at the end, so it places nothing. It holds what `way`, the way it
+    replaces, holds (no slice waits)."""
+
+    def __init__(self, way: Whole | Transposed) -> None:
+        super().__init__(way.step, way.sources, way.leaf)
+        self.way, self.word = way, way.word
+
+    def held(self, load: Load, shapes: dict[Any, Any]) -> int:
+        return self.way.held(load, shapes)
+
+    def temporary(self, load: Load) -> int:
+        return self.way.temporary(load)
+
+    def read(self, verify: bool, stacker: Stacker | None) -> Any:
+        permuted = self.step.rule.transform
+        permuted = permuted if isinstance(permuted, transpose) else None
+        cast(Stacker, stacker).read(self.step.targets[0], self.sources[0], verify, permuted)
+        return {}
+
+    def reads(self, verify: bool) -> dict[int, int]:
+        return self.way.reads(verify)
+
+
+class Batch(Way):
+    """Small renamed tensors placed whole, next to each other in the file (`SMALL` bytes
+    each at most, `BATCH` bytes in all): read into one buffer by one read
+    (`read_together`) and placed by the load's thread with one transfer (for tensors of a
+    few KiB, a mapping, a transfer and a handoff to a reader each would cost far more than
+    their bytes; transfers made from two threads at once only queue for each other). They
+    hold their staging (their bytes) and, off one CPU device, the buffer read into."""
+
+    def __init__(self, parts: list[Way]) -> None:
+        super().__init__(parts[0].step, [part.sources[0] for part in parts])
+        self.parts = tuple(parts)
+
+    def held(self, load: Load, shapes: dict[Any, Any]) -> int:  # staging, then their buffer
+        staging = sum(t.nbytes for t in self.sources)
+        if not all(_adopting(part.leaf) for part in self.parts):  # (one the devices share)
+            return staging + Scratch.bytes_for(self.sources)
+        return staging + sum(waiting(load, part.step, None, shared=True) for part in self.parts)
+
+    def read(self, verify: bool, stacker: Stacker | None) -> Any:
+        return read_together(self.sources, verify=verify)
+
+    def place(self, load: Load, data: Any) -> Iterable[tuple[str, Any]]:
+        arrays = placed_together(data, [part.leaf for part in self.parts])
+        return zip([part.step.targets[0] for part in self.parts], arrays, strict=True)
+
+
+class Transformed(Way):
+    """A step whose transform does more than rename or transpose (or whose leaf's dtype is
+    not its tensor's): its sources read into a scratch buffer (`scratch`, taking turns
+    with the load's other such steps), transformed by XLA in the load's thread, one step
+    at a time, and placed (a float array for a quantized parameter quantized as it is);
+    `word` is ``"quantized"`` or ``"scratch"``. Besides the buffer (counted once, for the
+    load), it holds the arrays its transform makes on the default device that are not the
+    leaves: a chain's intermediate results, results cast or quantized afterwards (and the
+    cast), results placed on other devices, and 64-bit sources cast to what JAX holds."""
+
+    transforms = True
+    perm: tuple[int, ...] | None = None  # the first source's axes, as it is read
+
+    def __init__(self, step: Step, sources: list[Tensor], word: str) -> None:
+        super().__init__(step, sources)
+        self.word = word
+
+    def held(self, load: Load, shapes: dict[Any, Any]) -> int:
+        """Worked out from the shapes (for an unknown transform, what it makes: its own
+        working memory is not counted), with its slices waiting to be written into stacks."""
+        held = 0
+        specs = []
+        for t in self.sources:
+            dtype = jax.dtypes.canonicalize_dtype(t.dtype)
+            if dtype != t.dtype:  # a 64-bit tensor, cast to what JAX holds
+                held += math.prod(t.shape) * np.dtype(dtype).itemsize
+            specs.append(jax.ShapeDtypeStruct(t.shape, dtype))
+        count = None if self.step.rule.gathered else len(self.step.targets)
+        made = tuple(specs)
+        stages = _stages(self.step.rule.transform)
+        for k, stage in enumerate(stages):
+            key = (stage, count, tuple((m.shape, np.dtype(m.dtype)) for m in made))
+            if key not in shapes:
+                shapes[key] = jax.eval_shape(runner(stage, count), *made)
+            made = shapes[key]
+            if k < len(stages) - 1:  # a chain's intermediate results
+                held += sum(_nbytes(m) for m in made)
+        kept = not stages  # the results are the sources, in scratch
+        for name, out in zip(self.step.targets, made, strict=True):
+            held += self._result_held(load, name, out, kept)
+        return held + waiting(load, self.step, None, shared=False)  # (moved onto devices)
+
+    def _result_held(self, load: Load, name: str, out: Any, kept: bool) -> int:
+        """What the result `out` made for the target `name` holds besides its leaf."""
+        like, leaf = load.quantized.get(name), load.leaves.get(name)
+        made = 0 if kept else _nbytes(out)
+        if like is not None:  # made, cast to its logical dtype, then quantized
+            cast = np.dtype(out.dtype) != np.dtype(like.dtype)
+            return made + (math.prod(like.shape) * np.dtype(like.dtype).itemsize if cast else 0)
+        if leaf is None:  # made, and dropped
+            return made
+        shape, dtype = spec_of(leaf)
+        here = default_device()
+        there = sharding_of(leaf).device_set == {here} and here.platform == "cpu"
+        cast = np.dtype(out.dtype) != dtype
+        held = made if cast or not there else 0  # the result is not the leaf
+        return held + (math.prod(shape) * dtype.itemsize if cast and not there else 0)  # moved
+
+    def temporary(self, load: Load) -> int:
+        waits = waiting(load, self.step, None, shared=True)
+        if isinstance(self.step.rule.transform, identity):  # its result: its sources, in scratch
+            return waits
+        outs = zip(self.step.targets, results_of(self.step, self.sources), strict=True)
+        return waits + sum(self._result_temporary(load, name, out) for name, out in outs)
+
+    def _result_temporary(self, load: Load, name: str, out: Any) -> int:
+        """What the plan counts of the result `out` made for the target `name`: unpacked
+        parts, a result quantized or cast."""
+        leaf = load.leaves.get(name)
+        if isinstance(out, QArray):  # unpacked parts: placed as they are, or dequantized
+            return out.nbytes
+        if name in load.quantized or (leaf is not None and np.dtype(out.dtype) != spec_of(leaf)[1]):
+            return math.prod(out.shape) * np.dtype(out.dtype).itemsize
+        return 0
+
+    def read(self, verify: bool, stacker: Stacker | None) -> Any:
+        return cast(Scratch, self.scratch).read(self.sources, verify, self.perm)
+
+    def place(self, load: Load, data: Any) -> Iterable[tuple[str, Any]]:
+        return transformed(load, self.step, data, cast(Scratch, self.scratch)).items()
+
+
+class Fp8Blocks(Transformed):
+    """FP8 blocks (``convert.dequantize_blocks``): the weights read into the scratch buffer
+    already transposed when the transform lays them out (a byte a weight, `perm`), then
+    multiplied by their scales, rounded into the leaf's dtype and, for a quantized
+    parameter, quantized, by one XLA program: no float32 product is held
+    (``dequantize_blocks.held_bytes`` says what is)."""
+
+    def __init__(self, step: Step, sources: list[Tensor], word: str) -> None:
+        super().__init__(step, sources, word)
+        self.blocks = cast(dequantize_blocks, step.rule.transform)
+        if len(sources) == 2:  # (weights and scales: read permuted, a byte a weight)
+            self.perm = self.blocks.perm(sources[0].ndim)
+
+    def _result_held(self, load: Load, name: str, out: Any, kept: bool) -> int:
+        like, leaf = load.quantized.get(name), load.leaves.get(name)
+        if like is not None:  # quantized in the one program that places it
+            return self.blocks.held_bytes(self.sources[0], like.dtype, like)
+        if leaf is not None:  # (its product: the leaf's dtype)
+            out = jax.ShapeDtypeStruct(out.shape, spec_of(leaf)[1])
+        return super()._result_held(load, name, out, kept)
+
+    def _result_temporary(self, load: Load, name: str, out: Any) -> int:
+        like = load.quantized.get(name)
+        return 0 if like is None else self.blocks.held_bytes(self.sources[0], like.dtype, like)
+
+
+class Ways:
+    """How a load reads its steps: one way for each unit a reader takes at a time, in file
+    order (``units``; several readers read several at once, as many as pay: `Readers`),
+    built once from the headers and shared by the load, its budget and its plan.
+
+    Steps that rename or transpose read into their leaves' own buffers, so any number run
+    together. Transformed steps take turns with the scratch buffers (``scratch``), each
+    free again once the step before that used it has been transformed: two, or one for a
+    quantizing load, which so keeps one float tensor at a time (FP8 blocks too, though
+    their scratch holds a byte a weight: a second buffer, for the next weight's read to
+    overlap, would be the most memory such a load holds beside the model;
+    bench/FINDINGS.md section 13), or for a load within a budget `limit` too small for two
+    beside the unit that holds the most. Each buffer is mapped once, at its first read, as
+    large as the most that its steps read.
+
+    Args:
+        load: the load.
+        steps: its steps, in file order.
+        limit: its budget (``max_host_bytes``), in bytes, or None.
+    """
+
+    def __init__(self, load: Load, steps: list[Step], limit: int | None = None) -> None:
+        self.load = load
+        self.units = _units(load, [_way(load, step) for step in steps])
+        transforming = [way for way in self.units if isinstance(way, Transformed)]
+        buffers = 1 if any(t in load.quantized for s in steps for t in s.targets) else 2
+        sizes = _sizes(transforming, buffers)
+        if limit is not None and buffers > 1 and sum(sizes) + max(self.held, default=0) > limit:
+            buffers, sizes = 1, _sizes(transforming, 1)
+        self.scratch = [Scratch(size) for size in sizes]
+        for k, way in enumerate(transforming):
+            way.scratch = self.scratch[k % buffers]
+
+    @functools.cached_property
+    def held(self) -> list[int]:
+        """What each unit holds, as ``max_host_bytes`` counts it (:meth:`Way.held`): worked
+        out when first asked (a load without a budget never asks)."""
+        shapes: dict[Any, Any] = {}  # (a transform, its inputs) -> its outputs' shapes
+        return [way.held(self.load, shapes) for way in self.units]
+
+
+def _way(load: Load, step: Step) -> Way:
+    """The way `step` is read, alone."""
+    sources, transform = tensors_of(load.checkpoint, step), step.rule.transform
+    leaf = _one_to_one(step, sources, load.leaves)
+    if leaf is not None and isinstance(transform, identity):
+        sharding = sharding_of(leaf)
+        whole = len(sharding.device_set) == 1 or sharding.is_fully_replicated
+        return (Whole if whole else Blocks)(step, sources, leaf)
+    if leaf is not None and isinstance(transform, transpose):
+        return Transposed(step, sources, leaf)
+    word = "quantized" if any(t in load.quantized for t in step.targets) else "scratch"
+    kind = Fp8Blocks if isinstance(transform, dequantize_blocks) else Transformed
+    return kind(step, sources, word)
+
+
+def _one_to_one(step: Step, sources: list[Tensor], leaves: Mapping[str, Any]) -> Any:
+    """The leaf of a step from one tensor to one leaf (named as the step names it) of the
+    tensor's dtype, which JAX holds as it is, and so read straight into it; or None."""
+    wanted = [name for name in step.targets if name in leaves]
+    if len(sources) == 1 == len(wanted) and wanted[0] == step.targets[0]:
+        leaf, dtype = leaves[wanted[0]], sources[0].dtype
+        if dtype == spec_of(leaf)[1] == jax.dtypes.canonicalize_dtype(dtype):
+            return leaf
+    return None
+
+
+SMALL = 4096  # a renamed tensor of at most this many bytes is read with its neighbours
+BATCH = 64 * 1024  # the most bytes of small tensors read together (and the most steps:
+BATCH_STEPS = 256  # tensors of no bytes take none)
+
+
+def _units(load: Load, ways: list[Way]) -> list[Way]:
+    """The ways a reader takes at a time, in order: runs of small tensors read whole as
+    `Batch`es, a tensor read into its stacked leaf's host buffer as `InStack`, and every
+    other way as it is."""
+    units: list[Way] = []
+    run: list[Way] = []
+    held = 0
+    for way in ways:
+        tensor = way.sources[0]
+        small = type(way) is Whole and tensor.nbytes <= SMALL and not tensor.packed
+        if run and (not small or held + tensor.nbytes > BATCH or len(run) == BATCH_STEPS):
+            units.append(Batch(run) if len(run) > 1 else _in_stack(load, run[0]))
+            run, held = [], 0
+        if small:
+            run.append(way)
+            held += tensor.nbytes
+        else:
+            units.append(_in_stack(load, way))
+    if run:
+        units.append(Batch(run) if len(run) > 1 else _in_stack(load, run[0]))
+    return units
+
+
+def _in_stack(load: Load, way: Way) -> Way:
+    """`way`, or for a tensor read straight into its stacked leaf's host buffer, `InStack`."""
+    layers = load.layers
+    if isinstance(way, Whole | Transposed) and layers is not None:
+        if layers.in_place(way.step.targets[0], way.sources[0]):
+            return InStack(way)
+    return way
+
+
+def _sizes(transforming: list[Transformed], buffers: int) -> list[int]:
+    """The bytes of each of `buffers` scratch buffers that the `transforming` ways take in
+    turns: the most that one of its ways reads."""
+    sizes = [0] * buffers
+    for k, way in enumerate(transforming):
+        sizes[k % buffers] = max(sizes[k % buffers], Scratch.bytes_for(way.sources))
+    return sizes
+
+
+def waiting(load: Load, step: Step, tensor: Tensor | None, shared: bool) -> int:
+    """The host bytes that the placed slices of `step`'s targets hold until the load's
+    thread writes them into their stacked leaves (`Layered.waiting`; `shared`: as it
+    says): 0 for a load of no per-layer names, for targets that are no stack's layers, and
+    for a `tensor` read straight into its stacked leaf's host buffer."""
+    layers = load.layers
+    if layers is None or (tensor is not None and layers.in_place(step.targets[0], tensor)):
+        return 0
+    parts = [p for t in step.targets for p in parts_of(t, load.quantized)]
+    return sum(layers.waiting(part, shared) for part in parts)
+
+
+def _adopting(leaf: Any) -> bool:
+    """Whether a buffer read for `leaf` becomes the leaf itself: one CPU device, which
+    adopts it without a copy."""
+    devices = sharding_of(leaf).device_set
+    return len(devices) == 1 and next(iter(devices)).platform == "cpu"
+
+
+def _piece(tensor: Tensor) -> int:
+    """The most a piecewise read of `tensor` holds at once: its rows, 4 MiB at a time (one
+    row when a row is larger)."""
+    row = tensor.nbytes // tensor.shape[0] if tensor.ndim and tensor.shape[0] else tensor.nbytes
+    return min(tensor.nbytes, max(BOX_PIECE, row))
+
+
+def _stages(transform: Transform) -> list[Transform]:
+    """The transforms one after the other that `transform` runs (a chain's, flattened)."""
+    if isinstance(transform, identity):
+        return []
+    if isinstance(transform, chain):
+        return [s for t in transform.transforms for s in _stages(t)]
+    return [transform]
+
+
+def _nbytes(spec: Any) -> int:
+    if isinstance(spec, QArray):  # (unpacked parts: their own bytes)
+        return spec.nbytes
+    return math.prod(spec.shape) * np.dtype(spec.dtype).itemsize
