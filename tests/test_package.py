@@ -128,7 +128,7 @@ def test_the_file_formats_import_neither_the_load_nor_the_conversions():
 # The ground is the root package's own helpers, which import nothing of Taktiny's; the top
 # is the root's files that join everything (the ``taktiny`` namespace, summaries, the CLI).
 FLOORS = [
-    ("_lazy", "_messages", "_version"),
+    ("_lazy", "_messages", "_problems", "_version"),
     ("arrays",),
     ("quant",),
     ("state",),

@@ -12,13 +12,14 @@ import jax
 import numpy as np
 
 from .._messages import layout_text
+from .._problems import StateProblem
 from ..io import Checkpoint, SafetensorsError, Tensor
 from ..quant import FOUR_BIT, PACKED, QArray, packed_shape
 from ..state import kind
 from ..state import problems as err
 
 
-def unquantizable(name: str, tensor: Tensor, like: QArray) -> err.StateProblem | None:
+def unquantizable(name: str, tensor: Tensor, like: QArray) -> StateProblem | None:
     """What stops a float tensor from being quantized into the QArray `like` (None: nothing)."""
     layout = layout_text(like.bits, like.axis, like.group_size)
     if kind(tensor.dtype) != "floating":
@@ -28,9 +29,7 @@ def unquantizable(name: str, tensor: Tensor, like: QArray) -> err.StateProblem |
     return None
 
 
-def other_representation(
-    name: str, like: QArray, checkpoint: Checkpoint
-) -> err.StateProblem | None:
+def other_representation(name: str, like: QArray, checkpoint: Checkpoint) -> StateProblem | None:
     """A problem when the checkpoint's parts of `name` are quantized otherwise than `like`
     (by its recorded layout, or else by its values' dtype)."""
     want = (like.bits, like.axis, like.group_size)
@@ -49,9 +48,7 @@ def other_representation(
     return err.stored_quantized_otherwise(name, layout_text(*want), want, got, have)
 
 
-def other_layout(
-    name: str, like: QArray, got: Any, sources: Sequence[str]
-) -> err.StateProblem | None:
+def other_layout(name: str, like: QArray, got: Any, sources: Sequence[str]) -> StateProblem | None:
     """A problem when a transform makes, from `sources`, a QArray `got` quantized otherwise
     than `like` (None: the same layout, or no QArray)."""
     if not isinstance(got, QArray):
@@ -65,9 +62,9 @@ def other_layout(
 
 def quantized_into_float(
     checkpoint: Checkpoint, leaves: Mapping[str, Any], unknown: list[str]
-) -> dict[str, err.StateProblem]:
+) -> dict[str, StateProblem]:
     """A problem for each float leaf whose checkpoint holds quantized parts instead."""
-    out: dict[str, err.StateProblem] = {}
+    out: dict[str, StateProblem] = {}
     for name in unknown:
         base, _, part = name.rpartition(".")
         if part not in ("value", "scale") or base not in leaves or base in out:
@@ -99,9 +96,7 @@ def check_packed_listed(tensor: Tensor, shape: tuple[int, ...], dtype: np.dtype)
             )
 
 
-def absent_leaves(
-    leaves: Mapping[str, Any], loaded: set[str], strict: bool
-) -> list[err.StateProblem]:
+def absent_leaves(leaves: Mapping[str, Any], loaded: set[str], strict: bool) -> list[StateProblem]:
     """The leaves not loaded that must be: all of them under strict=True, and those of an
     abstract model (they have no value to keep); checked before anything is read."""
     absent = [(n, isinstance(leaves[n], jax.ShapeDtypeStruct)) for n in leaves if n not in loaded]

@@ -5,6 +5,7 @@ beside this file. Other packages import through this face; the public names are
 re-exported by ``taktiny``. Each name is imported when first used, so that a process
 reading only safetensors headers never imports JAX."""
 
+from .._problems import StateProblem as StateProblem
 from . import _problems as problems  # noqa: F401  # pyright: ignore[reportUnusedImport] (a namespace: the problem records)
 from ._layers import layer_sharding as layer_sharding
 from ._layers import layer_slice as layer_slice
@@ -28,7 +29,6 @@ from ._patterns import select as select
 from ._patterns import unused_hint as unused_hint
 from ._problems import SelectionError as SelectionError
 from ._problems import StateDictError as StateDictError
-from ._problems import StateProblem as StateProblem
 from ._schema import FORMAT as FORMAT
 from ._schema import KEY as KEY
 from ._schema import KINDS as KINDS

@@ -23,9 +23,10 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 import taktiny.state._problems as err
 
+from .._problems import Problems, StateProblem, groups_of
 from ..arrays import CACHE_BOUND
 from ._names import Custom, Spec, Stacked, customs, fields, flatten, is_stack, tree_util
-from ._problems import Problems, StateDictError, StateProblem, groups_of
+from ._problems import StateDictError
 from ._values import checked_value
 
 

@@ -151,7 +151,7 @@ def select(patterns: Sequence[str], names: Sequence[str]) -> Match:
 def unused_hint(pattern: str, names: Sequence[str], patterns: Sequence[str] = ()) -> str:
     """Why `pattern` may have matched nothing, and what might have been meant; `patterns`
     are those of all the rules, in order (an earlier one may have taken its names)."""
-    import taktiny.state._problems as err  # (only errors need it: it imports JAX)
+    from .._problems import closest, groups_of  # (only errors need it: it imports NumPy)
 
     regex = compile_pattern(pattern)
     mine = [n for n in names if regex.fullmatch("." + n)]
@@ -165,7 +165,7 @@ def unused_hint(pattern: str, names: Sequence[str], patterns: Sequence[str] = ()
             f"the names it would match ({first!r}{more}) go to the earlier rule {taker!r}; "
             f"put the more specific rule first"
         )
-    group = next((g for g in sorted(err.groups_of(names)) if regex.fullmatch("." + g)), None)
+    group = next((g for g in sorted(groups_of(names)) if regex.fullmatch("." + g)), None)
     if group is not None:
         return (
             f"it matches the group {group!r}, not a parameter: '{pattern}.**' matches "
@@ -174,7 +174,7 @@ def unused_hint(pattern: str, names: Sequence[str], patterns: Sequence[str] = ()
     parts = pattern.split(".")
     fixed = next((i for i, p in enumerate(parts) if any(c in p for c in "*?[")), len(parts))
     prefix = ".".join(parts[:fixed])
-    close = err.closest(prefix, names)  # None when the first part is wild
+    close = closest(prefix, names)  # None when the first part is wild
     if close is not None and close != prefix:
         return f"did you mean {'.'.join([close, *parts[fixed:]])!r}?"
     respelt = _respelt(parts, names)  # a wild pattern: its misspelt parts, respelt
@@ -190,12 +190,12 @@ def _respelt(parts: Sequence[str], names: Sequence[str]) -> str | None:
     """The pattern of `parts` with each plain part that no name has replaced by the
     closest part that one has (``*.dwon.bias``: ``*.down.bias``), if that matches a name;
     None otherwise."""
-    import taktiny.state._problems as err  # (see unused_hint)
+    from .._problems import closest  # (see unused_hint)
 
     known = sorted({part for name in names for part in name.split(".")})
     have = set(known)
     respelt = [
-        p if p == "**" or any(c in p for c in "*?[") or p in have else err.closest(p, known)
+        p if p == "**" or any(c in p for c in "*?[") or p in have else closest(p, known)
         for p in parts
     ]
     if respelt == list(parts) or None in respelt:

@@ -22,10 +22,10 @@ from jax.sharding import NamedSharding
 import taktiny.state._problems as err
 import taktiny.state._values as _values
 
+from .._problems import Problems, StateProblem
 from ..arrays import SCALARS
 from ..quant import PARTS, QArray, parts_layout, quantize_like
 from ._names import tree_util
-from ._problems import Problems, StateProblem
 from ._views import View
 
 _CHECKED_KINDS = ("dtype", "shape", "value", "structure")  # problems told as a QArray's

@@ -10,10 +10,10 @@ from typing import Any, NamedTuple, cast
 
 import taktiny.state._problems as err
 
+from .._problems import StateProblem
 from ..quant import PARTS
 from ._layers import other_forms
 from ._names import tree_util
-from ._problems import StateProblem
 from ._represent import Other
 from ._views import GROUP, LEAF, View
 

@@ -16,8 +16,8 @@ from jax.core import Tracer
 
 import taktiny.state._problems as err
 
+from .._problems import Problems, StateProblem
 from ..arrays import SCALARS
-from ._problems import Problems, StateProblem
 
 
 class _Devices(Protocol):
