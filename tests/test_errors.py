@@ -820,9 +820,7 @@ def test_every_problem_is_built_in_one_place():
 def test_a_load_whose_names_are_almost_all_unknown_is_told_to_convert_them(
     matched, unknown, advice
 ):
-    problems = [
-        record.StateProblem("unknown", f"u{i}", None, f"u{i}", "?") for i in range(unknown)
-    ]
+    problems = [record.StateProblem("unknown", f"u{i}", None, f"u{i}", "?") for i in range(unknown)]
     problems += [record.StateProblem("missing", f"m{i}", None, None, "?") for i in range(3)]
     message = str(_problems.StateDictError("f()", problems, matched=matched))
     last = message.splitlines()[-1]
