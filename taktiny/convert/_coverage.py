@@ -11,7 +11,7 @@ import numpy as np
 
 from .._problems import ProblemsError, closest
 from .._problems import StateProblem as ConversionProblem
-from ..state import compile_pattern, dtype_of, host_array, unused_hint
+from ..state import StateDictError, compile_pattern, dtype_of, host_array, unused_hint
 from ..state import kind as values_kind
 from ._rules import CAPTURE, AnyRule, Ignore, Rule, Tie, first_match
 from ._transforms import Transform
@@ -21,7 +21,7 @@ KINDS = ("unused", "missing", "unknown", "unmatched")  # those `allow` may allow
 # "round_trip"
 
 
-class ConversionError(ProblemsError):
+class ConversionError(StateDictError):
     """Raised once, listing every problem of a conversion; nothing was converted.
 
     Each problem is a :class:`ConversionProblem`, the record every problem of a state is
@@ -38,6 +38,13 @@ class ConversionError(ProblemsError):
     ``"round_trip"``; its ``name`` is the name
     (or the rule's sources) it is about. The first four are those ``allow`` may allow.
 
+    It is a :class:`taktiny.StateDictError`, as a load raises one with rules or without:
+    ``except StateDictError`` catches a load's problems either way, and
+    :attr:`~taktiny.StateDictError.missing_keys` and
+    :attr:`~taktiny.StateDictError.unexpected_keys` (here the ``"unused"`` and ``"unknown"``
+    names) read the same. A load with rules raises it under this name for one release more;
+    catch ``StateDictError``.
+
     Args:
         where: the call that failed, which starts the message.
         problems: every problem found.
@@ -46,8 +53,11 @@ class ConversionError(ProblemsError):
         problems: the problems, as a tuple of :class:`ConversionProblem`.
     """
 
+    _unexpected = ("unused", "unknown")
+
     def __init__(self, where: str, problems: Sequence[ConversionProblem]):
-        super().__init__(where, problems, "; nothing was converted.", shown=None)
+        # (its own message: every problem, in the order found)
+        ProblemsError.__init__(self, where, problems, "; nothing was converted.", shown=None)
 
 
 class Report(NamedTuple):

@@ -57,6 +57,8 @@ class StateDictError(ProblemsError):
         problems: the problems, ordered as above.
     """
 
+    _unexpected = ("unknown", "key")  # the kinds of a problem with a name given
+
     def __init__(self, where: str, problems: Iterable[StateProblem], *, matched: int | None = None):
         ordered = sorted(problems, key=lambda p: _ORDER.get(p.kind, 1))
         unknown = sum(p.kind == "unknown" for p in ordered)
@@ -73,7 +75,7 @@ class StateDictError(ProblemsError):
     @property
     def unexpected_keys(self) -> tuple[str, ...]:
         """Names in the state that the module does not have."""
-        return tuple(p.name for p in self.problems if p.kind in ("unknown", "key"))
+        return tuple(p.name for p in self.problems if p.kind in self._unexpected)
 
 
 class SelectionError(ProblemsError):
