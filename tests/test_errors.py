@@ -2,6 +2,7 @@
 fields (`kind`, `key`, `expected`, `got`) a program reads. Each message names the key, what
 the model holds, what was given, and what to do."""
 
+import ast
 import dataclasses
 import itertools
 import pathlib
@@ -787,18 +788,97 @@ def test_problems_are_only_added_never_removed_or_changed():
     assert error.problems[0] is first and len(error.problems) == 3
 
 
-def test_every_problem_is_built_in_one_place():
-    """Each kind of a load's or a selection's problem has one builder, in
-    taktiny/state/_problems.py: no other file of the package makes a StateProblem itself
-    (io's header checks, tt.by_name, tt.shard and the layer surgery use the builders). A
-    conversion's problems, the same record under the name convert has always given it, are
-    made in taktiny/convert/ alone."""
+# The builders (and checks that return records) one package uses of another's: the state
+# walk's, which the streaming load shares until one resolve serves both (issue 51), and a
+# selection's, whose checks the layer surgery's `where` and tt.shard's rules make as
+# tt.by_name does.
+SHARED = {
+    "loading/_checks.py": {"missing", "abstract"},
+    "loading/_steps.py": {"unknown", "shape", "dtype_kind"},
+    "nn/_surgery.py": {"unmatched"},
+    "sharding/_shard.py": {"rule_problems", "unreached"},
+}
+
+
+def _builders(tree: ast.Module) -> set[str]:
+    """The module-level functions of `tree` that return StateProblem records (one, maybe
+    None, or a list): its builders, and the checks that call them."""
+    return {
+        node.name
+        for node in tree.body
+        if isinstance(node, ast.FunctionDef)
+        and node.returns is not None
+        and "StateProblem" in ast.unparse(node.returns)
+    }
+
+
+def _made_outside(tree: ast.Module) -> list[str]:
+    """The calls of StateProblem in `tree` outside its builders."""
+    inside = {
+        id(call)
+        for node in tree.body
+        if isinstance(node, ast.FunctionDef) and node.name in _builders(tree)
+        for call in ast.walk(node)
+    }
+    return [
+        ast.unparse(node)[:40]
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call)
+        and ast.unparse(node.func).split(".")[-1] == "StateProblem"
+        and id(node) not in inside
+    ]
+
+
+def _used(tree: ast.Module, names: set[str]) -> set[str]:
+    """Which of `names` `tree` imports by name or reads off an imported module."""
+    modules = {
+        alias.asname or alias.name
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.Import, ast.ImportFrom))
+        for alias in node.names
+        if "problems" in alias.name
+    }
+    imported = {
+        alias.name
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom)
+        for alias in node.names
+    }
+    read = {
+        node.attr
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute) and ast.unparse(node.value) in modules
+    }
+    return (imported | read) & names
+
+
+def test_every_problem_is_built_beside_the_check_that_finds_it():
+    """Each kind of a load's, a selection's or a sharding's problem has one builder (a
+    function that returns the record), in the package whose check finds it: no code makes
+    a StateProblem outside a function that returns records, no two packages define one of
+    a name, and a package uses another's only as SHARED lists. A conversion's problems, the
+    same record under the name convert has always given it, are made in taktiny/convert/
+    and the load's planning of rules alone."""
     root = pathlib.Path(tt.__file__).parent
     texts = {str(path.relative_to(root)): path.read_text() for path in root.rglob("*.py")}
-    assert {path for path, text in texts.items() if "StateProblem(" in text} == {
-        "_problems.py",  # (the record itself, whose own message names its form)
-        "state/_problems.py",
+    trees = {path: ast.parse(text) for path, text in texts.items()}
+    assert {path: _made_outside(tree) for path, tree in trees.items() if _made_outside(tree)} == {}
+    home = {}  # builder -> the package that defines it
+    for path, tree in trees.items():
+        for name in _builders(tree):
+            assert name not in home, name
+            home[name] = path.split("/")[0]
+    assert {"unknown", "unmatched", "bad_rule", "stored_both"} <= home.keys()
+    assert {home["unknown"], home["bad_rule"], home["stored_both"]} == {
+        "state",
+        "sharding",
+        "loading",
     }
+    used = {
+        path: {n for n in _used(tree, set(home)) if home[n] != path.split("/")[0]}
+        for path, tree in trees.items()
+    }
+    assert {path: names for path, names in used.items() if names} == SHARED
     converting = {path for path, text in texts.items() if "ConversionProblem(" in text}
     converting -= {"_problems.py"}  # (whose docs name the form of earlier releases)
     assert converting and all(

@@ -38,6 +38,7 @@ from ._checks import (
     other_representation,
     quantized_into_float,
     spec_of,
+    stored_both,
     unquantizable,
 )
 from ._record import Load, parts_of
@@ -114,7 +115,7 @@ def plain_plan(load: Load) -> tuple[list[Step], Problems]:
         if tensor is not None:  # a float array, quantized as it is loaded
             done.update([name, *parts])
             covered.update(parts_of(name, quantized))
-            problem = err.stored_both(name, parts) if parts else unquantizable(name, tensor, like)
+            problem = stored_both(name, parts) if parts else unquantizable(name, tensor, like)
             if problem is not None:
                 problems.append(problem)
             else:

@@ -1,16 +1,14 @@
-"""The problems of a state's walk and of choosing from it by name, and the errors that
-list them: `StateDictError` for a load, `SelectionError` for a selection, both
-`ProblemsError`s of `StateProblem` records (``taktiny._problems``).
+"""The problems of a state's walk, and `StateDictError`, the `ProblemsError` that lists a
+load's `StateProblem` records (``taktiny._problems``).
 
-A load's and a selection's problems are each built by exactly one function (its builder).
-A load collects them and raises one `StateDictError` listing them all; a selection raises
-one `SelectionError`. The builders come in five groups: names and structure (unknown names,
-with the closest valid name as a suggestion; bad keys; a dict where an array belongs),
-selections (a pattern that matches nothing; a leaf no rule reaches; a spec a leaf cannot
-take), values (not an array; a shape or dtype kind that differs; a cast that would change
-values; an array outside its leaf's mesh), quantized arrays (a float array where the model
-holds a `QArray` or the reverse; parts that make none) and checkpoints (what a
-checkpoint's headers already show).
+Each kind of problem is built by exactly one function (its builder); a load collects them
+and raises one `StateDictError` listing them all. The builders come in four groups: names
+and structure (unknown names, with the closest valid name as a suggestion; bad keys; a dict
+where an array belongs), values (not an array; a shape or dtype kind that differs; a cast
+that would change values; an array outside its leaf's mesh), quantized arrays (a float
+array where the model holds a `QArray` or the reverse; parts that make none) and stacks of
+layers (a stack where the model holds a list, or the reverse). A selection's problems are
+`_selection.py`'s; those a checkpoint's headers show, the load's (`taktiny.loading`).
 """
 
 from __future__ import annotations
@@ -76,31 +74,6 @@ class StateDictError(ProblemsError):
     def unexpected_keys(self) -> tuple[str, ...]:
         """Names in the state that the module does not have."""
         return tuple(p.name for p in self.problems if p.kind in self._unexpected)
-
-
-class SelectionError(ProblemsError):
-    """Raised once, listing every problem with choosing leaves or layers by name; nothing
-    was changed.
-
-    :func:`~taktiny.by_name`, :func:`~taktiny.shard` and :func:`~taktiny.sharding_plan`
-    raise it for their rules; :func:`~taktiny.lora`, :func:`~taktiny.merge_lora`,
-    :func:`~taktiny.quantize` and :func:`~taktiny.dequantize` for their `where`. Each
-    problem is a :class:`StateProblem`: ``"unmatched"`` for a pattern that matches nothing
-    it could choose (with what it matches instead, or the closest names), ``"missing"``
-    for a leaf no rule reaches where every leaf must be, ``"sharding"`` for a spec a leaf
-    cannot take, ``"rule"`` for a rule that is not one. The message shows the first 20; all
-    of them are in :attr:`problems`. It is a ``ValueError``, as these calls raised before.
-
-    Args:
-        where: the call that failed, which starts the message (``"taktiny.lora on Net"``).
-        problems: every problem found, in the order found.
-
-    Attributes:
-        problems: the problems, a tuple of :class:`StateProblem`.
-    """
-
-    def __init__(self, where: str, problems: Iterable[StateProblem]):
-        super().__init__(where, problems, ":")
 
 
 def _renamed(matched: int, given: int) -> str:
@@ -310,36 +283,6 @@ def abstract(name: str) -> StateProblem:
         None,
         "not supplied, and the model is abstract (from jax.eval_shape): a load into an abstract "
         "model must supply every parameter, or it would stay unfilled.",
-    )
-
-
-# --- Selections ----------------------------------------------------------------
-# What choosing by name finds: tt.by_name's and tt.shard's rules, and the `where` of the
-# layer surgery (tt.lora, tt.merge_lora, tt.quantize, tt.dequantize).
-
-
-def unmatched(pattern: str, what: str, why: str) -> StateProblem:
-    """A pattern that matches no `what` (``"name"``, ``"Linear or Embed layer"``), and
-    `why`: what it matches instead, or the closest names (``_patterns.unused_hint``)."""
-    end = "" if why.endswith("?") else "."
-    return StateProblem("unmatched", pattern, what, None, f"matches no {what}; {why}{end}")
-
-
-def unreached(name: str, fix: str) -> StateProblem:
-    """A leaf that no rule matches, where every leaf must be; `fix` says how to reach it."""
-    return StateProblem("missing", name, "a rule", None, f"no rule matches it; {fix}.")
-
-
-def bad_rule(pattern: str, why: str) -> StateProblem:
-    """A rule whose pattern or value is not one (`why`: the error that says so)."""
-    return StateProblem("rule", pattern, None, None, why)
-
-
-def unplaceable(name: str, shape: tuple[int, ...], spec: Any, mesh: str, why: str) -> StateProblem:
-    """A leaf of `shape` that the spec its rule gives cannot place on the mesh (`mesh`: its
-    text), and `why`."""
-    return StateProblem(
-        "sharding", name, spec, shape, f"shape {shape} by {spec} on the mesh {mesh}: {why}."
     )
 
 
@@ -599,85 +542,9 @@ def _dtype(name: Any) -> Any:
         return None
 
 
-# --- Checkpoints --------------------------------------------------------------
-# What a checkpoint's headers show before any data is read (taktiny.io). A layout is
-# (bits, axis, group_size); its text is how taktiny.io describes it ("int8 per channel").
-
-
-def stored_both(name: str, parts: list[str]) -> StateProblem:
-    """A checkpoint holding a quantized parameter both as a float array and as parts."""
-    return StateProblem(
-        "structure",
-        name,
-        "a float array or its quantized parts",
-        "both",
-        f"the checkpoint holds both the float array {name!r} and the quantized parts "
-        f"{parts} of this quantized parameter; keep one of them.",
-    )
-
-
-def stored_not_float(
-    name: str, layout: str, dtype: np.dtype, shape: tuple[int, ...]
-) -> StateProblem:
-    """A tensor that is no float array where the model quantizes one as `layout`."""
-    have = f"{dtype.name}{list(shape)}"
-    hint = (
-        f"the model quantizes {name!r} as {layout}, and the checkpoint holds {have} under its "
-        f"name, which is not a float array to quantize. Give the float array, or the quantized "
-        f"parts {name}.value and {name}.scale."
-    )
-    return StateProblem("dtype", name, "a float array", dtype.name, hint)
-
-
-def stored_shape(
-    name: str, layout: str, expected: tuple[int, ...], got: tuple[int, ...]
-) -> StateProblem:
-    """A float tensor of another shape than the one the model quantizes as `layout`."""
-    hint = (
-        f"shape mismatch: the model quantizes {name!r} ({layout}) from a float array of shape "
-        f"{expected}, got {got}."
-    )
-    return StateProblem("shape", name, expected, got, hint)
-
-
-def stored_quantized_otherwise(
-    name: str, layout: str, want: tuple[Any, ...], got: str, have: tuple[Any, ...]
-) -> StateProblem:
-    """Quantized parts stored in another layout (`have`, told as `got`; bits None when
-    unknown) than the model's (`want`, told as `layout`)."""
-    group = "" if have[2] is None else f", group_size={have[2]}"
-    fix = (
-        f"Quantize the model as the checkpoint was (tt.quantize(float_model, bits={have[0]}"
-        f"{group})), or load a float checkpoint, which is quantized on load."
-        if have[0]
-        else "Load a float checkpoint, which is quantized on load."
-    )
-    hint = f"the model quantizes {name!r} as {layout}, the checkpoint holds it as {got}. {fix}"
-    return StateProblem("dtype" if have[0] != want[0] else "shape", name, layout, got, hint)
-
-
-def stored_quantized(
-    name: str, dtype: np.dtype, shape: tuple[int, ...], layout: tuple[tuple[Any, ...], str] | None
-) -> StateProblem:
-    """Quantized parts stored where the model holds a float array; `layout` is the parts'
-    recorded layout and its text (None: not recorded)."""
-    bits = group = ""
-    stored, axis = "", "..."
-    if layout is None:
-        bits = "bits=..."
-    else:
-        (b, axis, size), text = layout
-        bits, stored = f"bits={b}", f" as {text}"
-        group = "" if size is None else f", group_size={size}"
-    float_array = f"a float array {dtype.name}{list(shape)}"
-    hint = (
-        f"the checkpoint holds it quantized{stored}, as {name}.value and {name}.scale; the "
-        f"model holds {float_array}. Load it into the quantized model, tt.quantize(model, "
-        f"{bits}{group}) (then tt.dequantize it for floats), or pass rules that dequantize: "
-        f"convert.Rule(['{name}.value', '{name}.scale'], '{name}', "
-        f"convert.dequantize(axis={axis}{group}))."
-    )
-    return StateProblem("structure", name, float_array, "quantized parts", hint)
+# --- Stacks of layers ---------------------------------------------------------
+# A stack given where the model holds a list of layers, or the reverse; per-layer names
+# where the model's stack holds fewer; a layer left out of an abstract model's stack.
 
 
 def both_forms(name: str, layers: list[str]) -> StateProblem:
