@@ -2,13 +2,14 @@
 load's `StateProblem` records (``taktiny._problems``).
 
 Each kind of problem is built by exactly one function (its builder); a load collects them
-and raises one `StateDictError` listing them all. Here are those of names and structure
-(unknown names, with the closest valid name as a suggestion; bad keys; a dict where an
-array belongs) and of values (not an array; a shape or dtype kind that differs; a cast that
-would change values; an array outside its leaf's mesh), which several checks find. The
-others sit beside the one check that finds them: another representation's in
-`_represent.py`, a stack of layers' in `_layers.py`, a selection's in `_selection.py`, a
-checkpoint's headers' in ``taktiny.loading``.
+and raises one `StateDictError` listing them all. Here are the builders several checks
+share: unknown names (with the closest valid name as a suggestion), a dict where an array
+belongs, a shape or dtype kind that differs, an array deleted or outside its leaf's mesh,
+a leaf not supplied (the streaming load's headers show these too). The others sit beside
+the one check that finds them: a name's or a key's in `_resolve.py`, a value's in
+`_values.py`, another representation's in `_represent.py`, a stack of layers' in
+`_layers.py`, a selection's in `_selection.py`, a checkpoint's headers' in
+``taktiny.loading``.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Any, cast
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from .._problems import ProblemsError, StateProblem, Suggester
@@ -170,64 +170,6 @@ def inside_array(name: str, parent: str, value: Any) -> StateProblem:
     )
 
 
-def unknown_part(name: str, parts: Sequence[str]) -> StateProblem:
-    return StateProblem(
-        "unknown",
-        name,
-        list(parts),
-        name,
-        f"unknown key; this parameter's parts are {list(parts)}.",
-    )
-
-
-def dotted_key(name: str) -> StateProblem:
-    return StateProblem(
-        "key",
-        name,
-        "a key without '.'",
-        name.rsplit(".", 1)[-1],
-        "nested state keys must not contain '.'; nest it as a dict, or pass dotted names to "
-        "load_flat_state_dict().",
-    )
-
-
-def non_string_key(name: str, key: Any, as_string_exists: bool, flat: bool) -> StateProblem:
-    same = f"; did you mean {str(key)!r}?" if as_string_exists else "."
-    return StateProblem(
-        "key",
-        name,
-        "a str key",
-        key,
-        f"{'flat' if flat else 'nested'} state keys must be strings, got "
-        f"{type(key).__name__} {key!r}{same}",
-    )
-
-
-def contains_itself(name: str, outer: str) -> StateProblem:
-    """A nested state that contains itself: the dict at `name` is the one at `outer`."""
-    got = f"the dict at {outer!r}" if outer else "the whole state"
-    return StateProblem(
-        "structure",
-        name,
-        "a dict of this submodule's parameters",
-        got,
-        f"its value is {got}, which contains it: a state that contains itself never ends. "
-        f"Give this name a dict of its own parameters.",
-    )
-
-
-def too_deep(name: str, value: Any) -> StateProblem:
-    """A value that nests too deeply to be read (a list that contains itself, say)."""
-    return StateProblem(
-        "structure",
-        name,
-        "a value of this parameter's structure",
-        describe(value),
-        f"got {describe(value)} nested too deeply to be read (it may contain itself); give "
-        f"this parameter as the model holds it, or a dict of its parts.",
-    )
-
-
 def array_expected(name: str, value: Any, why: str) -> StateProblem:
     return StateProblem(
         "structure",
@@ -235,16 +177,6 @@ def array_expected(name: str, value: Any, why: str) -> StateProblem:
         "an array",
         describe(value),
         f"expected an array, got {describe(value)}; {why}.",
-    )
-
-
-def group_expected(name: str, keys: list[str], value: Any) -> StateProblem:
-    return StateProblem(
-        "structure",
-        name,
-        f"a dict with keys {keys[:6]}",
-        describe(value),
-        f"expected a dict of this submodule's parameters (keys {keys[:6]}), got {describe(value)}.",
     )
 
 
@@ -288,29 +220,6 @@ def abstract(name: str) -> StateProblem:
 # --- Values ------------------------------------------------------------------
 
 
-def bits(name: str, expected: Any, got: Any) -> StateProblem:
-    """An integer cast to or from a 4-bit dtype: quantized values of another width."""
-    want, have = np.dtype(expected).name, np.dtype(got).name
-    hint = (
-        f"the model holds {want} here and the state {have}: integers of another width, as "
-        f"quantized values of another number of bits are, which a cast would not re-scale. "
-        f"Cast the value yourself (value.astype(jnp.{want})) if it really holds {want} values."
-    )
-    return StateProblem("dtype", name, want, have, hint)
-
-
-def not_an_array(name: str, value: Any) -> StateProblem:
-    if isinstance(value, jax.ShapeDtypeStruct):
-        why = f"got {describe(value)} (from jax.eval_shape): restore real arrays first."
-    elif value is None:  # (a dict is reported as array_expected before it gets here)
-        why = "got a value of type NoneType."
-    else:
-        why = f"got a value that is not numeric ({value!r:.60})."
-    return StateProblem(
-        "value", name, "an array", type(value).__name__, f"expected an array, {why}"
-    )
-
-
 def shape(name: str, expected: tuple[int, ...], got: tuple[int, ...]) -> StateProblem:
     return StateProblem(
         "shape", name, expected, got, f"shape mismatch: expected {expected}, got {got}."
@@ -331,74 +240,20 @@ def dtype_kind(
     )
 
 
-def narrowing(name: str, expected: Any, got: Any, traced: bool) -> StateProblem:
-    want, have = np.dtype(expected).name, np.dtype(got).name
-    why = "cannot be checked inside jit" if traced else "would change values"
-    hint = f"narrowing {have} to {want} {why}; convert the value yourself."
-    return StateProblem("dtype", name, want, have, hint)
-
-
-def overflow(
-    name: str, expected: Any, got: Any, count: int, largest: float, into: str = "inf"
-) -> StateProblem:
-    """Values too large for a narrower float dtype, which the cast would turn `into`
-    ``"inf"``, ``"nan"`` (a dtype without inf) or ``"max"`` (clipped to its largest)."""
-    want, have = np.dtype(expected).name, np.dtype(got).name
-    limit = float(cast("np.finfo[Any]", jnp.finfo(expected)).max)
-    values = "a value" if count == 1 else f"{count} values"
-    if into == "inf":
-        change, holds = "turn {} into inf", ""
-    elif into == "nan":
-        change, holds = "turn {} into nan", " and has no inf"
-    else:
-        change, holds = f"clip {{}} to its largest, {limit:.4g}", " and has no inf"
-    return StateProblem(
-        "dtype",
-        name,
-        want,
-        have,
-        f"casting {have} to {want} would {change.format(values)}: the largest is "
-        f"{largest:.4g}, and {want} holds at most {limit:.4g}{holds}. Scale or clip the value, "
-        f"or keep this parameter in a wider dtype.",
-    )
-
-
-def _array(value: Any, noun: str = "array") -> str:
+def array_text(value: Any, noun: str = "array") -> str:
     """An array as a message names it: ``array float32[2, 3]``."""
     return f"{noun} {np.dtype(value.dtype).name}{list(value.shape)}"
-
-
-def masked(name: str, value: Any) -> StateProblem:
-    """A NumPy masked array, whose mask a load would drop."""
-    hidden = int(np.ma.count_masked(value))  # pyright: ignore[reportUnknownMemberType, reportUnknownArgumentType]  (NumPy leaves it unannotated)
-    hint = (
-        f"expected a plain array, got a NumPy masked {_array(value)} with {hidden} "
-        f"masked of {value.size}: a load would drop the mask. Pass value.filled(fill) to "
-        f"choose what the masked entries hold, or value.data to load the data under the mask."
-    )
-    return StateProblem("value", name, "an array", f"a masked {_array(value)}", hint)
-
-
-def leaked(name: str, value: Any) -> StateProblem:
-    """A tracer that belongs to no transformation being traced now."""
-    hint = (
-        f"expected an array, got a {_array(value, 'tracer')} ({type(value).__name__}) that "
-        f"belongs to no transformation being traced now: it leaked out of a jax.jit, vmap, grad or "
-        f"make_jaxpr that has finished, so it holds no value. Load what the transformed "
-        f"function returns, or load inside the transformation that made it."
-    )
-    return StateProblem("value", name, "an array", f"a leaked {type(value).__name__}", hint)
 
 
 def deleted(name: str, value: Any) -> StateProblem:
     """A JAX array whose buffers are deleted."""
     hint = (
-        f"expected an array, got a deleted {_array(value)}: its buffers were freed, by "
+        f"expected an array, got a deleted {array_text(value)}: its buffers were freed, by "
         f"value.delete() or by donating it to a jitted function (donate_argnums), so it holds "
         f"no values. Load the array before it is deleted, or the result of the call it was "
         f"donated to."
     )
-    return StateProblem("value", name, "an array", f"a deleted {_array(value)}", hint)
+    return StateProblem("value", name, "an array", f"a deleted {array_text(value)}", hint)
 
 
 def devices(name: str, shape: tuple[int, ...], got: Any, target: Any) -> StateProblem:
