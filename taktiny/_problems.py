@@ -1,9 +1,8 @@
-"""The one record of a problem with a state, and the one error base that lists them:
-what a load, a conversion and a choice by name find, each package's builders beside the
-check that finds them, all made into `StateProblem` records and raised as one
-`ProblemsError` (``StateDictError``, ``SelectionError``, ``convert.ConversionError``)
-that names every one. Also the name suggester their messages share: the closest valid name
-for an unknown one. Imports nothing of Taktiny's, nor JAX."""
+"""The one record of a problem (`StateProblem`) and the one error base that lists them
+(`ProblemsError`: a load's ``StateDictError``, a conversion's ``convert.ConversionError``,
+a selection's ``SelectionError``); each package builds its records beside the check that
+finds them. Also the name suggester their messages share: the closest valid name for an
+unknown one. Imports nothing of Taktiny's, nor JAX."""
 
 from __future__ import annotations
 
