@@ -177,17 +177,11 @@ class ProblemsError(ValueError):
     ) -> None:
         self.problems = tuple(problems)
         n = len(self.problems)
-        head = f"{where}: {n} problem{'s' if n > 1 else ''}{ending}"
-        super().__init__("\n".join([*listed(head, self.problems, shown), *tail]))
-
-
-def listed(head: str, problems: Sequence[StateProblem], shown: int | None = SHOWN) -> list[str]:
-    """The lines of an error's message: `head`, then the first `shown` problems (None: all
-    of them), one a line."""
-    lines = [head, *(f"  - {p}" for p in problems[:shown])]
-    if shown is not None and len(problems) > shown:
-        lines.append(f"  ... and {len(problems) - shown} more (all in .problems)")
-    return lines
+        lines = [f"{where}: {n} problem{'s' if n > 1 else ''}{ending}"]
+        lines += [f"  - {p}" for p in self.problems[:shown]]
+        if shown is not None and n > shown:
+            lines.append(f"  ... and {n - shown} more (all in .problems)")
+        super().__init__("\n".join([*lines, *tail]))
 
 
 # --- The name suggester ---------------------------------------------------------
