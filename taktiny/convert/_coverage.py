@@ -9,10 +9,10 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from ..state import StateProblem as ConversionProblem
-from ..state import compile_pattern, dtype_of, host_array, unused_hint
+from .._problems import ProblemsError, closest
+from .._problems import StateProblem as ConversionProblem
+from ..state import StateDictError, compile_pattern, dtype_of, host_array, unused_hint
 from ..state import kind as values_kind
-from ..state import problems as _problems
 from ._rules import CAPTURE, AnyRule, Ignore, Rule, Tie, first_match
 from ._transforms import Transform
 
@@ -21,7 +21,7 @@ KINDS = ("unused", "missing", "unknown", "unmatched")  # those `allow` may allow
 # "round_trip"
 
 
-class ConversionError(ValueError):
+class ConversionError(StateDictError):
     """Raised once, listing every problem of a conversion; nothing was converted.
 
     Each problem is a :class:`ConversionProblem`, the record every problem of a state is
@@ -38,6 +38,13 @@ class ConversionError(ValueError):
     ``"round_trip"``; its ``name`` is the name
     (or the rule's sources) it is about. The first four are those ``allow`` may allow.
 
+    It is a :class:`taktiny.StateDictError`, as a load raises one with rules or without:
+    ``except StateDictError`` catches a load's problems either way, and
+    :attr:`~taktiny.StateDictError.missing_keys` and
+    :attr:`~taktiny.StateDictError.unexpected_keys` (here the ``"unused"`` and ``"unknown"``
+    names) read the same. A load with rules raises it under this name for one release more;
+    catch ``StateDictError``.
+
     Args:
         where: the call that failed, which starts the message.
         problems: every problem found.
@@ -46,11 +53,11 @@ class ConversionError(ValueError):
         problems: the problems, as a tuple of :class:`ConversionProblem`.
     """
 
+    _unexpected = ("unused", "unknown")
+
     def __init__(self, where: str, problems: Sequence[ConversionProblem]):
-        self.problems = tuple(problems)
-        count = f"{len(problems)} problem{'s' if len(problems) > 1 else ''}"
-        lines = [f"{where}: {count}; nothing was converted.", *(f"  - {p}" for p in problems)]
-        super().__init__("\n".join(lines))
+        # (its own message: every problem, in the order found)
+        ProblemsError.__init__(self, where, problems, "; nothing was converted.", shown=None)
 
 
 class Report(NamedTuple):
@@ -215,7 +222,7 @@ def plan(
                 f"{[list(s) for s, _ in made]}; make the patterns disjoint.",
             )
         elif target not in leaves:
-            close = _problems.closest(target, list(leaves))
+            close = closest(target, list(leaves))
             hint = f"did you mean {close!r}?" if close else "fix the rule's target template."
             add(
                 "unknown",

@@ -13,7 +13,7 @@ from ..loading import plan_load as plan_load
 from ._background import BackgroundSave as BackgroundSave
 from ._checkpoint import Checkpoint as Checkpoint
 from ._checkpoint import open_safetensors as open_safetensors
-from ._read import SafetensorsError as SafetensorsError
+from ._errors import SafetensorsError as SafetensorsError
 from ._read import Tensor as Tensor
 from ._save import save_safetensors as save_safetensors
 from ._torch import read_torch as read_torch
@@ -41,6 +41,6 @@ from ._save import byte_size as byte_size
 from ._storage import OpenFile as OpenFile
 from ._storage import Storage as Storage
 from ._storage import open_storage as open_storage
-from ._storage import result_of as result_of
 from ._storage import stop_reads as stop_reads
 from ._verify import verify as verify
+from ._waits import result_of as result_of

@@ -12,9 +12,10 @@ from typing import TYPE_CHECKING, Any
 
 from .._messages import layout_text, short
 from ..quant import QUANTIZED, check_quantized, quantized_record
+from ._errors import SafetensorsError
 from ._header import HEADER_LIMIT, parse_json, read_header, unpaired_surrogate
 from ._object_store import NoSuchBucket, Replaced, Url, listed, locate
-from ._read import SafetensorsError, Tensor
+from ._read import Tensor
 from ._storage import Storage, open_storage, read_range
 
 if TYPE_CHECKING:

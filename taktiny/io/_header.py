@@ -27,7 +27,8 @@ from .._messages import short
 from ..quant import PACKED, QUANTIZED, packed_record, packed_shape
 from . import _checksum
 from ._dtypes import CODES
-from ._read import Packed, SafetensorsError, Tensor
+from ._errors import SafetensorsError
+from ._read import Packed, Tensor
 from ._storage import open_storage, read_range
 
 if TYPE_CHECKING:

@@ -41,8 +41,8 @@ from pathlib import Path
 from typing import Any
 
 from ._checkpoint import SHARD, read_weight_map
+from ._errors import SafetensorsError
 from ._object_store import Url, call, listing, obstore_for, previous_copy, store
-from ._read import SafetensorsError
 from ._storage import open_storage, read_range
 
 _SUFFIX = ".safetensors"

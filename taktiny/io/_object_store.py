@@ -31,8 +31,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
-from ._read import SafetensorsError
-from ._storage import result_of, waited
+from ._errors import SafetensorsError
+from ._waits import result_of, waited
 
 SCHEMES = ("s3", "s3a", "gs", "az", "abfs", "abfss", "azure", "http", "https")
 _URL = re.compile(rf"({'|'.join(SCHEMES)})://([^/]+)/(.*)", re.IGNORECASE)
@@ -451,7 +451,7 @@ def call(url: Url, method: str, request: Callable[[], Awaitable[_T]]) -> _T:
     """The result of `request()` (an obstore coroutine on `url`; `method` names it in
     messages), run on the loop's thread and retried as the ranged GETs are; a missing
     object is FileNotFoundError naming the URL. Ctrl-C stops the caller's wait at once
-    (`_storage.waited`), and the request is cancelled."""
+    (`_waits.waited`), and the request is cancelled."""
     future = _running().submit(_tried(url, method, request))
     try:
         return result_of(future)

@@ -28,6 +28,7 @@ from ..arrays import numpy_dtype
 from ..quant import packed_shape, unpack
 from . import _checksum
 from ._dtypes import CODES
+from ._errors import SafetensorsError
 from ._storage import Storage, open_storage
 
 if TYPE_CHECKING:
@@ -43,12 +44,6 @@ _PIECE = 4 << 20  # bytes per read when each piece is hashed (or handed on to be
 _LONG_RUN = 1 << 20  # a block's runs at least this long are read straight into it
 BOX_PIECE = 4 << 20  # bytes of rows read at a time when blocks are cut from the rows they span
 _TRANSPOSED_ROWS = 12  # rows a transposed read permutes at a time (see read_transposed)
-
-
-class SafetensorsError(ValueError):
-    """A safetensors checkpoint that cannot be read as it claims: a truncated or corrupt
-    file, a header whose byte ranges overlap or run past the file, an index naming a
-    missing shard or one outside its folder. The message names the file and tensor."""
 
 
 class _Way(NamedTuple):

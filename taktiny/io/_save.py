@@ -31,9 +31,9 @@ from ..state import KEY, Schema, flatten, is_flat, leaf_entry, params, schema_of
 from . import _background, _checksum
 from ._background import BackgroundSave, Commit, Files, T
 from ._checkpoint import SHARD, read_weight_map
+from ._errors import SafetensorsError
 from ._object_commit import ObjectCommit
 from ._object_store import MissingExtra, Url, locate
-from ._read import SafetensorsError
 
 _SUFFIX = ".safetensors"
 _RESERVED = (

@@ -8,8 +8,8 @@ from typing import NamedTuple
 
 from . import _checksum
 from ._checkpoint import open_safetensors
+from ._errors import SafetensorsError
 from ._header import SCHEMA_KEY
-from ._read import SafetensorsError
 
 
 class Verified(NamedTuple):

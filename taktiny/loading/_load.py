@@ -131,11 +131,11 @@ def load_safetensors(
         as every load casts).
 
     Raises:
-        taktiny.StateDictError: without `rules`, naming every unknown, missing, misshapen
-            or mistyped name (unknown names are errors even with ``strict=False``: add a
-            rule that ignores them).
-        taktiny.convert.ConversionError: with `rules`, as :func:`taktiny.convert.check`;
-            for an older checkpoint, every problem of the migrations, naming the one to fix.
+        taktiny.StateDictError: naming every unknown, missing, misshapen or mistyped name
+            (unknown names are errors even with ``strict=False``: add a rule that ignores
+            them); with `rules` (a ``convert.ConversionError``, its subclass, for one release
+            more), as :func:`taktiny.convert.check`; for an older checkpoint, every problem
+            of the migrations, naming the one to fix.
         SafetensorsError: for a corrupt checkpoint, naming the file and tensor; for
             damaged bytes, also both checksums. Nothing is returned then.
         ValueError: `allow` without `rules`; a checkpoint saved at a newer state version

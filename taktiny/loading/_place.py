@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .._problems import Problems
 from ..arrays import default_device
 from ..convert import Step, dequantize_blocks, transpose
 from ..io import MAP_FLAGS, Tensor
@@ -25,7 +26,7 @@ from ._checks import spec_of
 from ._record import Load
 
 
-def _canonical(names: Sequence[str], read: list[np.ndarray], problems: err.Problems) -> list[Any]:
+def _canonical(names: Sequence[str], read: list[np.ndarray], problems: Problems) -> list[Any]:
     """The tensors read, those of a 64-bit dtype cast to what JAX holds them in without
     x64 (int32, float32, ...) when every value survives; a problem for each that does not
     (JAX itself would wrap 2**40 + 5 to 5, or turn 1e300 into inf, without a word)."""
@@ -45,7 +46,7 @@ def transformed(load: Load, step: Step, read: list[np.ndarray], scratch: Scratch
     leaves, quantized, where = load.leaves, load.quantized, load.where
     count = None if step.rule.gathered else len(step.targets)
     here = jax.sharding.SingleDeviceSharding(default_device())
-    problems = err.Problems()
+    problems = Problems()
     read = _canonical(step.sources, read, problems)
     if problems:
         raise err.StateDictError(where, problems)

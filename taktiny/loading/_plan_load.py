@@ -20,10 +20,10 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from .._messages import table
+from .._problems import StateProblem
 from ..convert import AnyRule, ConversionProblem, Step, identity, stages_text
 from ..io import Checkpoint, byte_size
 from ..quant import QArray
-from ..state import problems as err
 from ._budget import Budget
 from ._checks import spec_of
 from ._place import sharding_of
@@ -116,7 +116,7 @@ class LoadPlan:
     max_host_bytes: int | None = None
 
     @property
-    def problems(self) -> tuple[err.StateProblem | ConversionProblem | str, ...]:
+    def problems(self) -> tuple[StateProblem | ConversionProblem | str, ...]:
         """Every problem the load would raise: the error's records (a
         :class:`~taktiny.StateProblem` or :class:`~taktiny.convert.ConversionProblem`
         each), or its message for a checkpoint that cannot be read; empty when it loads."""

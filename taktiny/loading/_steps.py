@@ -10,6 +10,7 @@ from typing import Any
 
 import jax
 
+from .._problems import Problems
 from ..convert import (
     PASS_ALLOWED,
     AnyRule,
@@ -37,6 +38,7 @@ from ._checks import (
     other_representation,
     quantized_into_float,
     spec_of,
+    stored_both,
     unquantizable,
 )
 from ._record import Load, parts_of
@@ -97,13 +99,13 @@ def tensors_of(checkpoint: Checkpoint, step: Step) -> list[Tensor]:
     return [checkpoint[name] for name in step.sources]
 
 
-def plain_plan(load: Load) -> tuple[list[Step], err.Problems]:
+def plain_plan(load: Load) -> tuple[list[Step], Problems]:
     """One renaming step per tensor, when the checkpoint uses the model's own names (or a
     quantized parameter's own name for its float array), and every problem with the
     names, shapes and dtype kinds, and with the leaves not loaded: the steps of the
     tensors that load, beside the problems of the others."""
     checkpoint, leaves, quantized = load.checkpoint, load.leaves, load.quantized
-    problems = err.Problems()
+    problems = Problems()
     steps = []
     done: set[str] = set()  # checkpoint names checked here, as quantized parameters
     covered: set[str] = set()  # the parts of those (loaded, or refused with a problem)
@@ -113,7 +115,7 @@ def plain_plan(load: Load) -> tuple[list[Step], err.Problems]:
         if tensor is not None:  # a float array, quantized as it is loaded
             done.update([name, *parts])
             covered.update(parts_of(name, quantized))
-            problem = err.stored_both(name, parts) if parts else unquantizable(name, tensor, like)
+            problem = stored_both(name, parts) if parts else unquantizable(name, tensor, like)
             if problem is not None:
                 problems.append(problem)
             else:
@@ -205,7 +207,7 @@ def ruled_steps(
             ]
     if problems:
         raise ConversionError(where, problems)
-    others = err.Problems()
+    others = Problems()
     for step in report.steps:  # a QArray a transform makes: in the model's layout
         if isinstance(step.rule.transform, identity | transpose | dequantize_blocks):
             continue  # (these make arrays)

@@ -33,15 +33,16 @@ from jax.sharding import PartitionSpec as P
 from ..module import Module, Rngs, fields_of
 from ..quant import QArray, quantize_like, quantized
 from ..state import (
+    SelectionError,
     compile_pattern,
     flatten,
     key_name,
     layer_sharding,
     layer_slice,
     select,
+    unmatched,
     unused_hint,
 )
-from ..state import problems as err
 from ._embed import Embed
 from ._linear import Linear
 from ._lora import _ADAPTABLE, _ADAPTED, _EMBEDS, _LINEARS, LoRAEmbed, LoRALinear, _base, _scale
@@ -167,9 +168,9 @@ def choose(
     if where is None:
         if not layers:
             why = _none_there(model, others or {})
-            raise err.SelectionError(
+            raise SelectionError(
                 f"{caller} on {type(model).__name__}",
-                [err.unmatched("**", what, f"where=None chooses every one, and {why}")],
+                [unmatched("**", what, f"where=None chooses every one, and {why}")],
             )
         return layers
     if not isinstance(where, str) and callable(where):
@@ -187,8 +188,8 @@ def choose(
     selected = select(patterns, list(layers))
     if selected.unused:
         why = _Why(model, layers, others or {})
-        problems = [err.unmatched(p, what, why(p)) for p in dict.fromkeys(selected.unused)]
-        raise err.SelectionError(f"{caller} on {type(model).__name__}", problems)
+        problems = [unmatched(p, what, why(p)) for p in dict.fromkeys(selected.unused)]
+        raise SelectionError(f"{caller} on {type(model).__name__}", problems)
     hits = zip(layers.items(), selected.values, strict=True)
     return {name: layer for (name, layer), hit in hits if hit}
 

@@ -10,6 +10,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from .._problems import StateProblem
 from ..arrays import ambient_mesh, as_spec, mesh_text, spec_problems
 from ..state import (
     Match,
@@ -23,8 +24,8 @@ from ..state import (
     placeable,
     rule_list,
     rule_problems,
+    unreached,
 )
-from ..state import problems as err
 
 
 class ShardingPlan(NamedTuple):
@@ -117,7 +118,7 @@ def _plan(
             compile_pattern(pattern)
             checked.append((pattern, as_spec(spec, "its spec")))
         except (ValueError, TypeError) as error:
-            problems.append(err.bad_rule(str(pattern), str(error)))
+            problems.append(bad_rule(str(pattern), str(error)))
     if problems:
         raise SelectionError(where, problems)
     mesh = _concrete_mesh(mesh, caller)
@@ -137,10 +138,10 @@ def _plan(
         key = (shape, spec)
         if key not in checks:
             checks[key] = spec_problems(shape, spec, mesh)
-        problems += [err.unplaceable(name, shape, spec, text, why) for why in checks[key]]
+        problems += [unplaceable(name, shape, spec, text, why) for why in checks[key]]
     if strict:
         fix = "add a rule for it (a last rule '**' matches everything), or pass strict=False"
-        problems += [err.unreached(name, f"{fix} to replicate it") for name in found.unmatched]
+        problems += [unreached(name, f"{fix} to replicate it") for name in found.unmatched]
     if problems:
         raise SelectionError(where, problems)
     made: dict[PartitionSpec, NamedSharding] = {}
@@ -153,6 +154,19 @@ def _plan(
         unmatched=tuple(found.unmatched),
     )
     return plan, leaves, treedef, shardings
+
+
+def bad_rule(pattern: str, why: str) -> StateProblem:
+    """A rule whose pattern or value is not one (`why`: the error that says so)."""
+    return StateProblem("rule", pattern, None, None, why)
+
+
+def unplaceable(name: str, shape: tuple[int, ...], spec: Any, mesh: str, why: str) -> StateProblem:
+    """A leaf of `shape` that the spec its rule gives cannot place on the mesh (`mesh`: its
+    text), and `why`."""
+    return StateProblem(
+        "sharding", name, spec, shape, f"shape {shape} by {spec} on the mesh {mesh}: {why}."
+    )
 
 
 def _whole_parameters(

@@ -1,10 +1,11 @@
 """Naming, reading and loading the leaves of any tree: flat names, name patterns, the two
 views of a tree, resolution of names to leaves, value checks, other representations, the
-load itself, and the problem records with `StateDictError`. The design note is `_state.md`
-beside this file. Other packages import through this face; the public names are
-re-exported by ``taktiny``. Each name is imported when first used, so that a process
-reading only safetensors headers never imports JAX."""
+load itself and its problems with `StateDictError`, and a selection's with
+`SelectionError`. The design note is `_state.md` beside this file. Other packages import
+through this face; the public names are re-exported by ``taktiny``. Each name is imported
+when first used, so that a process reading only safetensors headers never imports JAX."""
 
+from .._problems import StateProblem as StateProblem
 from . import _problems as problems  # noqa: F401  # pyright: ignore[reportUnusedImport] (a namespace: the problem records)
 from ._layers import layer_sharding as layer_sharding
 from ._layers import layer_slice as layer_slice
@@ -24,12 +25,8 @@ from ._patterns import compile_pattern as compile_pattern
 from ._patterns import match as match
 from ._patterns import part_regex as part_regex
 from ._patterns import rule_list as rule_list
-from ._patterns import rule_problems as rule_problems
 from ._patterns import select as select
-from ._patterns import unused_hint as unused_hint
-from ._problems import SelectionError as SelectionError
 from ._problems import StateDictError as StateDictError
-from ._problems import StateProblem as StateProblem
 from ._schema import FORMAT as FORMAT
 from ._schema import KEY as KEY
 from ._schema import KINDS as KINDS
@@ -39,6 +36,11 @@ from ._schema import leaf_entry as leaf_entry
 from ._schema import recorded_versions as recorded_versions
 from ._schema import schema as schema
 from ._schema import schema_of as schema_of
+from ._selection import SelectionError as SelectionError
+from ._selection import rule_problems as rule_problems
+from ._selection import unmatched as unmatched
+from ._selection import unreached as unreached
+from ._selection import unused_hint as unused_hint
 from ._state import load_resolved as load_resolved
 from ._tree import by_name as by_name
 from ._tree import flat_state_dict as flat_state_dict

@@ -23,9 +23,10 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 import taktiny.state._problems as err
 
+from .._problems import Problems, StateProblem, groups_of
 from ..arrays import CACHE_BOUND
 from ._names import Custom, Spec, Stacked, customs, fields, is_stack, tree_util
-from ._problems import Problems, StateDictError, StateProblem, groups_of
+from ._problems import StateDictError
 from ._values import checked_value
 
 
@@ -132,7 +133,7 @@ def restacked(
     for stacked, slices in groups.items():
         old = leaves[spec.index[stacked]]
         if stacked in out:
-            problems.append(err.both_forms(stacked, [n for n, _ in slices.values()]))
+            problems.append(both_forms(stacked, [n for n, _ in slices.values()]))
             continue
         layer = jax.ShapeDtypeStruct(tuple(old.shape[1:]), old.dtype)
         checked = {i: checked_value(n, v, layer, problems) for i, (n, v) in slices.items()}
@@ -151,7 +152,7 @@ def restacked(
                 if i not in checked:
                     name = stack.layer_name(stacked, i)
                     problems.append(
-                        err.layer_without_value(name, stacked, sorted(checked))
+                        layer_without_value(name, stacked, sorted(checked))
                         if abstract
                         else err.missing(name)
                     )
@@ -235,13 +236,13 @@ def other_forms(
         count = next(i for i in itertools.count() if f"{path}.{i}" not in known)
         shapes = (getattr(flat[n], "shape", None) for n in found)
         layers = next((int(shape[0]) for shape in shapes if shape), None)
-        problems.append(err.stacked_into_list(path, f"{path}.{field}", layers, count, source))
+        problems.append(stacked_into_list(path, f"{path}.{field}", layers, count, source))
         explained.update(origin[n] for n in found)
         covered.update(n for n in names if _in_layer(n, path))
     for path, found in beyond.items():
         stack = by_path[path]
         layers = max(found) + 1
-        problems.append(err.beyond_stack(path, stack.block, layers, stack.count, source))
+        problems.append(beyond_stack(path, stack.block, layers, stack.count, source))
         explained.update(origin[n] for group in found.values() for n in group)
     return Forms(problems, explained, covered)
 
@@ -412,3 +413,81 @@ def _written(sharding: Any) -> Any:
         return whole.at[index].set(jnp.stack(layers))
 
     return jax.jit(write, out_shardings=sharding)  # pyright: ignore[reportUnknownMemberType]  (JAX leaves its parameters unannotated)
+
+
+# --- The problems of stacks of layers ------------------------------------------
+
+
+def both_forms(name: str, layers: list[str]) -> StateProblem:
+    shown = ", ".join(repr(n) for n in layers[:3]) + (", ..." if len(layers) > 3 else "")
+    return StateProblem(
+        "structure",
+        name,
+        "the stacked leaf or its layers",
+        f"both ({shown})",
+        f"given both whole and per layer ({shown}): a load takes a stack's leaf in one form; "
+        f"drop one of them.",
+    )
+
+
+def _named_layers(path: str, count: int) -> str:
+    """The names of a list of `count` layers at `path`: ``'layers.0' … 'layers.3'``."""
+    names = [f"{path}.{i}" if path else str(i) for i in (0, count - 1)]
+    return f"{names[0]!r}" if count == 1 else f"{names[0]!r} … {names[1]!r}"
+
+
+def _whose(source: str) -> tuple[str, str]:
+    """The fix for a state of a stacked model where a list of layers belongs: in a
+    checkpoint (`source` ``"checkpoint"``), or in memory (``"state"``)."""
+    if source == "checkpoint":
+        return "this checkpoint", "save_safetensors(path, model.flat_state_dict(unstacked=True))"
+    return "this state", "model.state_dict(unstacked=True), or flat_state_dict(unstacked=True)"
+
+
+def stacked_into_list(
+    path: str, stacked: str, layers: int | None, count: int, source: str
+) -> StateProblem:
+    """A stack of layers given (its names `stacked`.<rest>, each with a leading axis of
+    `layers`, None when unknown) where the model holds a list of `count` layers at `path`;
+    `source`: ``"checkpoint"`` or ``"state"``."""
+    holds, fix = _whose(source)
+    axis = "a leading layer axis" if layers is None else f"a leading layer axis of {layers}"
+    stack = "a stack of layers" if layers is None else f"a stack of {layers} layers"
+    hint = (
+        f"{holds} holds {stack} at {path!r} (names '{stacked}.…' with {axis}); the model "
+        f"holds a list of {count} layers, {_named_layers(path, count)}. Give the stacked model's "
+        f"state per layer, named as a list names its layers ({fix}), or hold the model's "
+        f"layers in an nn.Stack."
+    )
+    if layers is not None and layers != count:
+        hint += f" The counts differ too: {layers} layers against {count}."
+    expected = f"a list of {count} layers ({_named_layers(path, count)})"
+    return StateProblem("structure", path, expected, f"{stack} ('{stacked}.…')", hint)
+
+
+def beyond_stack(path: str, block: str, layers: int, count: int, source: str) -> StateProblem:
+    """Per-layer names of `layers` layers at `path`, where the model's stack there holds
+    `count` < `layers` (its block's leaves `block`.<rest>)."""
+    holds = _whose(source)[0]
+    extra = "layer" if layers == count + 1 else "layers"
+    left = str(count) if layers == count + 1 else f"{count} … {layers - 1}"
+    hint = (
+        f"{holds} holds {layers} layers at {path!r}, per layer ({_named_layers(path, layers)}); "
+        f"the model holds a stack of {count} layers there (names '{block}.…' with a leading "
+        f"layer axis of {count}). Per-layer names load into a stack, as many layers as it "
+        f"holds: make the model's nn.Stack of {layers} layers, or leave out {extra} {left}."
+    )
+    expected = f"a stack of {count} layers ('{block}.…')"
+    return StateProblem("structure", path, expected, f"{layers} layers, per layer", hint)
+
+
+def layer_without_value(name: str, stacked: str, given: list[int]) -> StateProblem:
+    shown = ", ".join(map(str, given[:8])) + (", ..." if len(given) > 8 else "")
+    return StateProblem(
+        "abstract",
+        name,
+        "a value",
+        None,
+        f"not supplied, while layers {shown} of {stacked!r} are: the model is abstract, so "
+        f"this layer has no value to keep; give every layer, or load into a concrete model.",
+    )

@@ -112,21 +112,6 @@ def match(rules: list[tuple[str, Any]], names: Sequence[str], default: Any) -> M
     return Match(values, unmatched, unused)
 
 
-def rule_problems(
-    found: Match, rules: Sequence[tuple[str, Any]], names: Sequence[str], fix: str | None
-) -> list[Any]:
-    """The problems of what ordered `rules` `found` among `names`: each rule that matches
-    no name, with the closest names (``unused_hint``), then, when every name must be
-    reached (`fix`: how to reach it; None: need not be), each name no rule matches."""
-    import taktiny.state._problems as err  # (see unused_hint)
-
-    patterns = [pattern for pattern, _ in rules]
-    out = [err.unmatched(p, "name", unused_hint(p, names, patterns)) for p in found.unused]
-    if fix is not None:
-        out += [err.unreached(name, fix) for name in found.unmatched]
-    return out
-
-
 def select(patterns: Sequence[str], names: Sequence[str]) -> Match:
     """Which of `names` any of `patterns` matches (values True or False), and the patterns
     that match none. Unlike rules, each pattern is tried on its own: one whose names an
@@ -146,60 +131,3 @@ def select(patterns: Sequence[str], names: Sequence[str]) -> Match:
             unmatched.append(name)
     unused = [pattern for pattern, hit in zip(patterns, used, strict=True) if not hit]
     return Match(values, unmatched, unused)
-
-
-def unused_hint(pattern: str, names: Sequence[str], patterns: Sequence[str] = ()) -> str:
-    """Why `pattern` may have matched nothing, and what might have been meant; `patterns`
-    are those of all the rules, in order (an earlier one may have taken its names)."""
-    import taktiny.state._problems as err  # (only errors need it: it imports JAX)
-
-    regex = compile_pattern(pattern)
-    mine = [n for n in names if regex.fullmatch("." + n)]
-    if mine:  # every one taken by an earlier rule
-        first = mine[0]
-        taker = next((p for p in patterns if compile_pattern(p).fullmatch("." + first)), pattern)
-        more = f" and {len(mine) - 1} more" if len(mine) > 1 else ""
-        if taker == pattern:
-            return "an earlier rule has the same pattern; remove one of them"
-        return (
-            f"the names it would match ({first!r}{more}) go to the earlier rule {taker!r}; "
-            f"put the more specific rule first"
-        )
-    group = next((g for g in sorted(err.groups_of(names)) if regex.fullmatch("." + g)), None)
-    if group is not None:
-        return (
-            f"it matches the group {group!r}, not a parameter: '{pattern}.**' matches "
-            f"everything in it"
-        )
-    parts = pattern.split(".")
-    fixed = next((i for i, p in enumerate(parts) if any(c in p for c in "*?[")), len(parts))
-    prefix = ".".join(parts[:fixed])
-    close = err.closest(prefix, names)  # None when the first part is wild
-    if close is not None and close != prefix:
-        return f"did you mean {'.'.join([close, *parts[fixed:]])!r}?"
-    respelt = _respelt(parts, names)  # a wild pattern: its misspelt parts, respelt
-    if respelt is not None:
-        return f"did you mean {respelt!r}?"
-    if close is None:
-        return "no name is close to it"
-    # (a wild part follows the prefix: a name or group would have matched)
-    return f"the names in {prefix!r} do not match the rest, {'.'.join(parts[fixed:])!r}"
-
-
-def _respelt(parts: Sequence[str], names: Sequence[str]) -> str | None:
-    """The pattern of `parts` with each plain part that no name has replaced by the
-    closest part that one has (``*.dwon.bias``: ``*.down.bias``), if that matches a name;
-    None otherwise."""
-    import taktiny.state._problems as err  # (see unused_hint)
-
-    known = sorted({part for name in names for part in name.split(".")})
-    have = set(known)
-    respelt = [
-        p if p == "**" or any(c in p for c in "*?[") or p in have else err.closest(p, known)
-        for p in parts
-    ]
-    if respelt == list(parts) or None in respelt:
-        return None
-    pattern = ".".join(str(p) for p in respelt)
-    regex = compile_pattern(pattern)
-    return pattern if any(regex.fullmatch("." + name) for name in names) else None

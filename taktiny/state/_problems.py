@@ -1,176 +1,33 @@
-"""The problems a load, a conversion or a selection by name can find, and the errors
-that list them.
+"""The problems of a state's walk, and `StateDictError`, the `ProblemsError` that lists a
+load's `StateProblem` records (``taktiny._problems``).
 
-Every problem is a `StateProblem`, one immutable record of one shape (kind, name,
-expected, got, hint; read as ``'name': hint``), whatever found it: a load of a state dict
-(`_resolve`, `_values`, `_represent`) or of a checkpoint read from its headers
-(`taktiny.io`), a conversion (`taktiny.convert` builds its own kinds, and names the
-record `ConversionProblem`), or a choice by name (`tt.by_name`, `tt.shard`, and the
-layer surgery of `tt.lora`, `tt.quantize` and their reverses). A load's and a selection's
-problems are each built by exactly one function here (its builder). A load collects them
-and raises one `StateDictError` listing them all; a selection raises one
-`SelectionError`. The builders come in five groups: names and structure (unknown names,
-with the closest valid name as a suggestion; bad keys; a dict where an array belongs),
-selections (a pattern that matches nothing; a leaf no rule reaches; a spec a leaf cannot
-take), values (not an array; a shape or dtype kind that differs; a cast that would change
-values; an array outside its leaf's mesh), quantized arrays (a float array where the model
-holds a `QArray` or the reverse; parts that make none) and checkpoints (what a
-checkpoint's headers already show).
+Each kind of problem is built by exactly one function (its builder); a load collects them
+and raises one `StateDictError` listing them all. Here are the builders several checks
+share: unknown names (with the closest valid name as a suggestion), a dict where an array
+belongs, a shape or dtype kind that differs, an array deleted or outside its leaf's mesh,
+a leaf not supplied (the streaming load's headers show these too). The others sit beside
+the one check that finds them: a name's or a key's in `_resolve.py`, a value's in
+`_values.py`, another representation's in `_represent.py`, a stack of layers' in
+`_layers.py`, a selection's in `_selection.py`, a checkpoint's headers' in
+``taktiny.loading``.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import difflib
-import warnings
-from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Any, cast
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
+from .._problems import ProblemsError, StateProblem, Suggester
 from ..arrays import mesh_text
 from ..quant import PARTS, QArray
 
-
-@dataclasses.dataclass(frozen=True, init=False)
-class StateProblem:
-    """One problem with a model's state, or with choosing from it by name: found while
-    loading it (:class:`StateDictError`), converting it (``convert.ConversionError``, whose
-    ``convert.ConversionProblem`` is this class) or choosing leaves and layers by name
-    (:class:`SelectionError`). Every one has the same fields, and reads as
-    ``'name': what is wrong; the fix``.
-
-    Attributes:
-        kind: what is wrong. A load's: ``"unknown"`` (no such name), ``"key"`` (a nested
-            key that is not a string, or contains ``"."``), ``"structure"`` (a dict where
-            one array belongs, or the reverse; a state that contains itself, or nests too
-            deeply), ``"shape"``, ``"dtype"`` (a change of dtype kind, or a cast to a
-            narrower dtype that would change values: an integer out of range, a float too
-            large that would become inf, or NaN or its largest value in a dtype without
-            inf), ``"value"`` (not an array, or one that holds no values: a deleted array, a
-            tracer leaked out of a finished transformation; or a NumPy masked array),
-            ``"representation"`` (a float array where the model holds a
-            :class:`~taktiny.QArray`, or the reverse, or a QArray quantized another way),
-            ``"sharding"`` (an array on devices outside the mesh of the leaf it replaces),
-            ``"missing"`` (not supplied under ``strict=True``) or ``"abstract"`` (not
-            supplied to an abstract model). A conversion's are listed by
-            ``convert.ConversionError``. A selection's: ``"unmatched"`` (a pattern that
-            matches nothing it could choose), ``"missing"`` (a leaf no rule reaches, where
-            every leaf must be), ``"sharding"`` (a spec a leaf cannot take) and ``"rule"``
-            (a rule whose pattern or value is not one).
-        name: the flat name (``"layers.1.kernel"``) the problem is about; for a pattern
-            that matches nothing, the pattern.
-        expected: what belongs there (a shape, a dtype name, a description); None when
-            the hint alone says it.
-        got: what was given or found there; None when nothing was.
-        hint: the full explanation, with the fix.
-
-    Args:
-        kind: as above.
-        name: as above.
-        expected: as above.
-        got: as above.
-        hint: as above.
-        key: the name, under its old keyword (deprecated: pass `name`).
-
-    ``ConversionProblem(kind, name, hint)``, the form of earlier releases, still makes the
-    record, with a ``FutureWarning``: pass ``hint=`` by keyword.
-
-    Raises:
-        TypeError: `name` or `hint` is not given, or both `name` and `key` are.
-    """
-
-    kind: str
-    name: str
-    expected: Any
-    got: Any
-    hint: str
-
-    def __init__(
-        self,
-        kind: str,
-        name: str | None = None,
-        expected: Any = None,
-        got: Any = None,
-        hint: str | None = None,
-        *,
-        key: str | None = None,
-    ) -> None:
-        if key is not None:
-            if name is not None:
-                raise TypeError("StateProblem takes the name once: pass name=, not also key=.")
-            warnings.warn(_KEY_RENAMED, FutureWarning, stacklevel=2)
-            name = key
-        if hint is None and got is None and isinstance(expected, str):
-            warnings.warn(_HINT_MOVED, FutureWarning, stacklevel=2)
-            expected, hint = None, expected  # ConversionProblem(kind, name, hint), as it was
-        if name is None or hint is None:
-            raise TypeError(
-                f"StateProblem(kind, name, expected=None, got=None, hint) needs a name and a "
-                f"hint, got name={name!r}, hint={hint!r}."
-            )
-        values = (kind, name, expected, got, hint)
-        for field, value in zip(("kind", "name", "expected", "got", "hint"), values, strict=True):
-            object.__setattr__(self, field, value)  # (frozen: set once, here)
-
-    @property
-    def key(self) -> str:
-        """The name, under its old attribute (deprecated: read ``name``)."""
-        warnings.warn(_KEY_RENAMED, FutureWarning, stacklevel=2)
-        return self.name
-
-    def __str__(self) -> str:
-        return f"{self.name!r}: {self.hint}"
-
-
-_HINT_MOVED = (
-    "ConversionProblem(kind, name, hint) is now the record of every problem, "
-    "StateProblem(kind, name, expected=None, got=None, hint): pass hint= by keyword. The "
-    "three-argument form goes in the next release."
-)
-_KEY_RENAMED = (
-    "StateProblem.key is now StateProblem.name (the same flat name, as ConversionProblem "
-    "calls it); read and pass name. key goes in the next release."
-)
-
-
 _ORDER = {"unknown": 0, "key": 0, "structure": 0, "missing": 2, "abstract": 2}  # values: 1
-SHOWN = 20  # problems printed in the message; all of them stay in `problems`
 
 
-class Problems:
-    """The problems one load has found, in the order found. Records are only added: none
-    is removed or changed afterwards (a step that learns more about a problem builds a
-    new record before adding it), so what a step has added is what the error lists."""
-
-    __slots__ = ("_records",)
-
-    def __init__(self, records: Iterable[StateProblem] = ()) -> None:
-        self._records = list(records)
-
-    def append(self, problem: StateProblem) -> None:
-        self._records.append(problem)
-
-    def extend(self, problems: Iterable[StateProblem]) -> None:
-        self._records.extend(problems)
-
-    def __iadd__(self, problems: Iterable[StateProblem]) -> Problems:
-        self._records.extend(problems)
-        return self
-
-    def __len__(self) -> int:
-        return len(self._records)
-
-    def __iter__(self) -> Iterator[StateProblem]:
-        return iter(self._records)
-
-    def __repr__(self) -> str:
-        return f"Problems({self._records!r})"
-
-
-class StateDictError(ValueError):
+class StateDictError(ProblemsError):
     """The one error type for state problems; raised once, listing every offending name.
 
     When it is raised nothing has been loaded: the module is unchanged and no new
@@ -197,16 +54,15 @@ class StateDictError(ValueError):
         problems: the problems, ordered as above.
     """
 
+    _unexpected = ("unknown", "key")  # the kinds of a problem with a name given
+
     def __init__(self, where: str, problems: Iterable[StateProblem], *, matched: int | None = None):
-        self.problems = tuple(sorted(problems, key=lambda p: _ORDER.get(p.kind, 1)))
-        n = len(self.problems)
-        lines = listed(
-            f"{where}: {n} problem{'s' if n > 1 else ''}; nothing was loaded.", self.problems
-        )
-        unknown = sum(p.kind == "unknown" for p in self.problems)
+        ordered = sorted(problems, key=lambda p: _ORDER.get(p.kind, 1))
+        unknown = sum(p.kind == "unknown" for p in ordered)
+        tail: list[str] = []
         if matched is not None and unknown >= 3 and 10 * matched <= matched + unknown:
-            lines.append(_renamed(matched, matched + unknown))
-        super().__init__("\n".join(lines))
+            tail.append(_renamed(matched, matched + unknown))
+        super().__init__(where, ordered, "; nothing was loaded.", tail=tail)
 
     @property
     def missing_keys(self) -> tuple[str, ...]:
@@ -216,44 +72,7 @@ class StateDictError(ValueError):
     @property
     def unexpected_keys(self) -> tuple[str, ...]:
         """Names in the state that the module does not have."""
-        return tuple(p.name for p in self.problems if p.kind in ("unknown", "key"))
-
-
-class SelectionError(ValueError):
-    """Raised once, listing every problem with choosing leaves or layers by name; nothing
-    was changed.
-
-    :func:`~taktiny.by_name`, :func:`~taktiny.shard` and :func:`~taktiny.sharding_plan`
-    raise it for their rules; :func:`~taktiny.lora`, :func:`~taktiny.merge_lora`,
-    :func:`~taktiny.quantize` and :func:`~taktiny.dequantize` for their `where`. Each
-    problem is a :class:`StateProblem`: ``"unmatched"`` for a pattern that matches nothing
-    it could choose (with what it matches instead, or the closest names), ``"missing"``
-    for a leaf no rule reaches where every leaf must be, ``"sharding"`` for a spec a leaf
-    cannot take, ``"rule"`` for a rule that is not one. The message shows the first 20; all
-    of them are in :attr:`problems`. It is a ``ValueError``, as these calls raised before.
-
-    Args:
-        where: the call that failed, which starts the message (``"taktiny.lora on Net"``).
-        problems: every problem found, in the order found.
-
-    Attributes:
-        problems: the problems, a tuple of :class:`StateProblem`.
-    """
-
-    def __init__(self, where: str, problems: Iterable[StateProblem]):
-        self.problems = tuple(problems)
-        n = len(self.problems)
-        super().__init__(
-            "\n".join(listed(f"{where}: {n} problem{'s' if n > 1 else ''}:", self.problems))
-        )
-
-
-def listed(head: str, problems: Sequence[StateProblem]) -> list[str]:
-    """The lines of an error's message: `head`, then the first `SHOWN` problems, one a line."""
-    lines = [head, *(f"  - {p}" for p in problems[:SHOWN])]
-    if len(problems) > SHOWN:
-        lines.append(f"  ... and {len(problems) - SHOWN} more (all in .problems)")
-    return lines
+        return tuple(p.name for p in self.problems if p.kind in self._unexpected)
 
 
 def _renamed(matched: int, given: int) -> str:
@@ -287,114 +106,7 @@ def describe(value: Any) -> str:
 
 # --- Names and structure -----------------------------------------------------
 
-_Indices = Iterable[np.intp]  # an array of indices, as it is iterated
 _SUGGESTED = 100  # unknown names that get a suggestion; later ones are only listed
-_SHORTLIST = 64  # candidates whose similarity to an unknown name is measured (see _Suggester)
-
-
-def groups_of(names: Iterable[str]) -> set[str]:
-    """Every group above the names: ``a.b.c`` is in ``a.b`` and ``a``."""
-    return {n.rsplit(".", k)[0] for n in names for k in range(1, n.count(".") + 1)}
-
-
-class _Suggester:
-    """Finds the closest valid name for unknown ones: among the names (and groups) the
-    state does not already supply, those with the same last part first, preferring one
-    whose parts include all the given ones in order (``fc.2.bias`` in
-    ``fc.layers.2.bias``), then by string similarity.
-
-    String similarity (difflib's) costs tens of microseconds a pair, too much to measure
-    between a name and every one of a large model's. So it is measured against a shortlist:
-    the `_SHORTLIST` candidates that share the most character pairs with the name, counted
-    for all candidates at once from an index of their pairs (and of their parts, to find
-    those that hold every part of the name). Up to `_SHORTLIST` candidates, every one is
-    measured."""
-
-    def __init__(self, names: Sequence[str], given: Collection[str]):
-        groups = groups_of(names)
-        self.names, self.known, self.groups = names, set(names), groups
-        self.candidates = [n for n in (*names, *sorted(groups)) if n not in given]
-        by_part: dict[str, list[int]] = {}
-        by_last: dict[str, list[int]] = {}
-        by_pair: dict[str, list[int]] = {}
-        pairs: list[int] = []
-        for i, candidate in enumerate(self.candidates):
-            parts = candidate.split(".")
-            for part in set(parts):
-                by_part.setdefault(part, []).append(i)
-            by_last.setdefault(parts[-1], []).append(i)
-            own = _pairs(candidate)
-            pairs.append(len(own))
-            for pair in own:
-                by_pair.setdefault(pair, []).append(i)
-        self._by_part = {part: np.array(ids) for part, ids in by_part.items()}
-        self._by_last = {last: np.array(ids) for last, ids in by_last.items()}
-        self._by_pair = {pair: np.array(ids) for pair, ids in by_pair.items()}
-        self._pairs = np.array(pairs, np.float64)
-
-    def __call__(self, name: str) -> str | None:
-        parts = name.split(".")
-        pool = self._by_last.get(parts[-1])  # the candidates with the same last part
-        alike: list[Any] = []  # the pairs in common with each candidate, once counted
-        if pool is not None:
-            # of the candidates that hold every part of the name, those that hold them in order
-            distinct = set(parts)
-            held = np.bincount(
-                np.concatenate([self._by_part[p] for p in distinct if p in self._by_part]),
-                minlength=len(self.candidates),
-            )
-            whole = pool[held[pool] == len(distinct)]
-            contained = [i for i in cast(_Indices, whole) if _in_order(parts, self.candidates[i])]
-            if contained:
-                short = self._shortlist(name, np.array(contained), alike)
-                return max(
-                    # the first of equals
-                    (self.candidates[i] for i in cast(_Indices, np.sort(short))),
-                    key=lambda c: difflib.SequenceMatcher(None, name, c).ratio(),
-                )
-        for among in (pool, None):  # the same last part first, then every candidate
-            short = self._shortlist(name, among, alike)
-            close = difflib.get_close_matches(
-                name, [self.candidates[i] for i in cast(_Indices, short)], n=1
-            )
-            if close:  # (the most alike, if at least 0.6 alike)
-                return close[0]
-        return None
-
-    def _shortlist(self, name: str, among: Any, alike: list[Any]) -> Any:
-        """The indices of the `_SHORTLIST` candidates of `among` (indices; None: all) that
-        share the most character pairs with `name` (for their length); all of them when
-        there are no more. `alike` caches the count, the first time it is needed."""
-        ids = np.arange(len(self.candidates)) if among is None else among
-        if len(ids) <= _SHORTLIST:
-            return ids
-        if not alike:
-            own = _pairs(name)
-            found = [self._by_pair[p] for p in own if p in self._by_pair]
-            common = np.bincount(
-                np.concatenate(found) if found else np.zeros(0, np.int64),
-                minlength=len(self.candidates),
-            )
-            alike.append(2 * common / (len(own) + self._pairs))  # Dice's coefficient
-        order = np.argsort(-alike[0][ids], kind="stable")
-        return ids[order[:_SHORTLIST]]
-
-
-def _pairs(name: str) -> set[str]:
-    """The pairs of adjacent characters of `name`, its ends included (" a", "a.", ...)."""
-    padded = f" {name} "
-    return {padded[i : i + 2] for i in range(len(padded) - 1)}
-
-
-def _in_order(parts: Sequence[str], candidate: str) -> bool:
-    """Whether the parts of `candidate` include all of `parts`, in order."""
-    rest = iter(candidate.split("."))
-    return all(part in rest for part in parts)
-
-
-def closest(name: str, candidates: Sequence[str]) -> str | None:
-    """The candidate closest to `name`, as a suggestion; None when none is close."""
-    return _Suggester(candidates, ())(name)
 
 
 def unknown(
@@ -403,14 +115,14 @@ def unknown(
     """A problem for each (name, value) whose name has no leaf: a group of parameters, a
     child of an array, or simply unknown. Suggestions leave out the names in `given`
     (what the same state already supplies)."""
-    suggest = _Suggester(names, given)
+    suggest = Suggester(names, given)
     return [
         _unknown(name, value, flat, suggest, i < _SUGGESTED)
         for i, (name, value) in enumerate(items)
     ]
 
 
-def _unknown(name: str, value: Any, flat: bool, names: _Suggester, suggest: bool) -> StateProblem:
+def _unknown(name: str, value: Any, flat: bool, names: Suggester, suggest: bool) -> StateProblem:
     if name in names.groups:
         inside = [n for n in names.names if n.startswith(name + ".")]
         listed = ", ".join(inside[:4]) + (", ..." if len(inside) > 4 else "")
@@ -458,64 +170,6 @@ def inside_array(name: str, parent: str, value: Any) -> StateProblem:
     )
 
 
-def unknown_part(name: str, parts: Sequence[str]) -> StateProblem:
-    return StateProblem(
-        "unknown",
-        name,
-        list(parts),
-        name,
-        f"unknown key; this parameter's parts are {list(parts)}.",
-    )
-
-
-def dotted_key(name: str) -> StateProblem:
-    return StateProblem(
-        "key",
-        name,
-        "a key without '.'",
-        name.rsplit(".", 1)[-1],
-        "nested state keys must not contain '.'; nest it as a dict, or pass dotted names to "
-        "load_flat_state_dict().",
-    )
-
-
-def non_string_key(name: str, key: Any, as_string_exists: bool, flat: bool) -> StateProblem:
-    same = f"; did you mean {str(key)!r}?" if as_string_exists else "."
-    return StateProblem(
-        "key",
-        name,
-        "a str key",
-        key,
-        f"{'flat' if flat else 'nested'} state keys must be strings, got "
-        f"{type(key).__name__} {key!r}{same}",
-    )
-
-
-def contains_itself(name: str, outer: str) -> StateProblem:
-    """A nested state that contains itself: the dict at `name` is the one at `outer`."""
-    got = f"the dict at {outer!r}" if outer else "the whole state"
-    return StateProblem(
-        "structure",
-        name,
-        "a dict of this submodule's parameters",
-        got,
-        f"its value is {got}, which contains it: a state that contains itself never ends. "
-        f"Give this name a dict of its own parameters.",
-    )
-
-
-def too_deep(name: str, value: Any) -> StateProblem:
-    """A value that nests too deeply to be read (a list that contains itself, say)."""
-    return StateProblem(
-        "structure",
-        name,
-        "a value of this parameter's structure",
-        describe(value),
-        f"got {describe(value)} nested too deeply to be read (it may contain itself); give "
-        f"this parameter as the model holds it, or a dict of its parts.",
-    )
-
-
 def array_expected(name: str, value: Any, why: str) -> StateProblem:
     return StateProblem(
         "structure",
@@ -523,16 +177,6 @@ def array_expected(name: str, value: Any, why: str) -> StateProblem:
         "an array",
         describe(value),
         f"expected an array, got {describe(value)}; {why}.",
-    )
-
-
-def group_expected(name: str, keys: list[str], value: Any) -> StateProblem:
-    return StateProblem(
-        "structure",
-        name,
-        f"a dict with keys {keys[:6]}",
-        describe(value),
-        f"expected a dict of this submodule's parameters (keys {keys[:6]}), got {describe(value)}.",
     )
 
 
@@ -573,60 +217,7 @@ def abstract(name: str) -> StateProblem:
     )
 
 
-# --- Selections ----------------------------------------------------------------
-# What choosing by name finds: tt.by_name's and tt.shard's rules, and the `where` of the
-# layer surgery (tt.lora, tt.merge_lora, tt.quantize, tt.dequantize).
-
-
-def unmatched(pattern: str, what: str, why: str) -> StateProblem:
-    """A pattern that matches no `what` (``"name"``, ``"Linear or Embed layer"``), and
-    `why`: what it matches instead, or the closest names (``_patterns.unused_hint``)."""
-    end = "" if why.endswith("?") else "."
-    return StateProblem("unmatched", pattern, what, None, f"matches no {what}; {why}{end}")
-
-
-def unreached(name: str, fix: str) -> StateProblem:
-    """A leaf that no rule matches, where every leaf must be; `fix` says how to reach it."""
-    return StateProblem("missing", name, "a rule", None, f"no rule matches it; {fix}.")
-
-
-def bad_rule(pattern: str, why: str) -> StateProblem:
-    """A rule whose pattern or value is not one (`why`: the error that says so)."""
-    return StateProblem("rule", pattern, None, None, why)
-
-
-def unplaceable(name: str, shape: tuple[int, ...], spec: Any, mesh: str, why: str) -> StateProblem:
-    """A leaf of `shape` that the spec its rule gives cannot place on the mesh (`mesh`: its
-    text), and `why`."""
-    return StateProblem(
-        "sharding", name, spec, shape, f"shape {shape} by {spec} on the mesh {mesh}: {why}."
-    )
-
-
 # --- Values ------------------------------------------------------------------
-
-
-def bits(name: str, expected: Any, got: Any) -> StateProblem:
-    """An integer cast to or from a 4-bit dtype: quantized values of another width."""
-    want, have = np.dtype(expected).name, np.dtype(got).name
-    hint = (
-        f"the model holds {want} here and the state {have}: integers of another width, as "
-        f"quantized values of another number of bits are, which a cast would not re-scale. "
-        f"Cast the value yourself (value.astype(jnp.{want})) if it really holds {want} values."
-    )
-    return StateProblem("dtype", name, want, have, hint)
-
-
-def not_an_array(name: str, value: Any) -> StateProblem:
-    if isinstance(value, jax.ShapeDtypeStruct):
-        why = f"got {describe(value)} (from jax.eval_shape): restore real arrays first."
-    elif value is None:  # (a dict is reported as array_expected before it gets here)
-        why = "got a value of type NoneType."
-    else:
-        why = f"got a value that is not numeric ({value!r:.60})."
-    return StateProblem(
-        "value", name, "an array", type(value).__name__, f"expected an array, {why}"
-    )
 
 
 def shape(name: str, expected: tuple[int, ...], got: tuple[int, ...]) -> StateProblem:
@@ -649,74 +240,20 @@ def dtype_kind(
     )
 
 
-def narrowing(name: str, expected: Any, got: Any, traced: bool) -> StateProblem:
-    want, have = np.dtype(expected).name, np.dtype(got).name
-    why = "cannot be checked inside jit" if traced else "would change values"
-    hint = f"narrowing {have} to {want} {why}; convert the value yourself."
-    return StateProblem("dtype", name, want, have, hint)
-
-
-def overflow(
-    name: str, expected: Any, got: Any, count: int, largest: float, into: str = "inf"
-) -> StateProblem:
-    """Values too large for a narrower float dtype, which the cast would turn `into`
-    ``"inf"``, ``"nan"`` (a dtype without inf) or ``"max"`` (clipped to its largest)."""
-    want, have = np.dtype(expected).name, np.dtype(got).name
-    limit = float(cast("np.finfo[Any]", jnp.finfo(expected)).max)
-    values = "a value" if count == 1 else f"{count} values"
-    if into == "inf":
-        change, holds = "turn {} into inf", ""
-    elif into == "nan":
-        change, holds = "turn {} into nan", " and has no inf"
-    else:
-        change, holds = f"clip {{}} to its largest, {limit:.4g}", " and has no inf"
-    return StateProblem(
-        "dtype",
-        name,
-        want,
-        have,
-        f"casting {have} to {want} would {change.format(values)}: the largest is "
-        f"{largest:.4g}, and {want} holds at most {limit:.4g}{holds}. Scale or clip the value, "
-        f"or keep this parameter in a wider dtype.",
-    )
-
-
-def _array(value: Any, noun: str = "array") -> str:
+def array_text(value: Any, noun: str = "array") -> str:
     """An array as a message names it: ``array float32[2, 3]``."""
     return f"{noun} {np.dtype(value.dtype).name}{list(value.shape)}"
-
-
-def masked(name: str, value: Any) -> StateProblem:
-    """A NumPy masked array, whose mask a load would drop."""
-    hidden = int(np.ma.count_masked(value))  # pyright: ignore[reportUnknownMemberType, reportUnknownArgumentType]  (NumPy leaves it unannotated)
-    hint = (
-        f"expected a plain array, got a NumPy masked {_array(value)} with {hidden} "
-        f"masked of {value.size}: a load would drop the mask. Pass value.filled(fill) to "
-        f"choose what the masked entries hold, or value.data to load the data under the mask."
-    )
-    return StateProblem("value", name, "an array", f"a masked {_array(value)}", hint)
-
-
-def leaked(name: str, value: Any) -> StateProblem:
-    """A tracer that belongs to no transformation being traced now."""
-    hint = (
-        f"expected an array, got a {_array(value, 'tracer')} ({type(value).__name__}) that "
-        f"belongs to no transformation being traced now: it leaked out of a jax.jit, vmap, grad or "
-        f"make_jaxpr that has finished, so it holds no value. Load what the transformed "
-        f"function returns, or load inside the transformation that made it."
-    )
-    return StateProblem("value", name, "an array", f"a leaked {type(value).__name__}", hint)
 
 
 def deleted(name: str, value: Any) -> StateProblem:
     """A JAX array whose buffers are deleted."""
     hint = (
-        f"expected an array, got a deleted {_array(value)}: its buffers were freed, by "
+        f"expected an array, got a deleted {array_text(value)}: its buffers were freed, by "
         f"value.delete() or by donating it to a jitted function (donate_argnums), so it holds "
         f"no values. Load the array before it is deleted, or the result of the call it was "
         f"donated to."
     )
-    return StateProblem("value", name, "an array", f"a deleted {_array(value)}", hint)
+    return StateProblem("value", name, "an array", f"a deleted {array_text(value)}", hint)
 
 
 def devices(name: str, shape: tuple[int, ...], got: Any, target: Any) -> StateProblem:
@@ -733,283 +270,4 @@ def devices(name: str, shape: tuple[int, ...], got: Any, target: Any) -> StatePr
         f"the value of shape {shape} sits on devices {have}, outside the leaf's mesh {axes} "
         f"(devices {want}, spec {target.spec}). Load host data (NumPy) or arrays on the "
         f"model's mesh: jax.device_put(value, leaf.sharding) first.",
-    )
-
-
-# --- Quantized arrays --------------------------------------------------------
-
-_MATCH = "match_quantization=True"  # the load option that converts representations
-
-
-def _quantize_call(q: QArray) -> str:
-    """The `tt.quantize` call that quantizes a float model's layer as `q` is."""
-    group = "" if q.group_size is None else f", group_size={q.group_size}"
-    return f"tt.quantize(model, bits={q.bits}{group})"
-
-
-def parts_text(parts: Mapping[str, Any]) -> str:
-    """A `{"value", "scale"}` dict of a quantized array's parts, as a message names it."""
-    shown = ", ".join(
-        f"{part} {np.dtype(v.dtype).name}{list(v.shape)}"
-        if hasattr(v, "shape") and hasattr(v, "dtype")
-        else f"{part} of type {type(v).__name__}"
-        for part, v in parts.items()
-    )
-    return f"the parts of a quantized array ({shown})"
-
-
-def quantized_expected(name: str, old: QArray, got: Any) -> StateProblem:
-    """A float array, or a QArray quantized another way, where the model holds `old`."""
-    if isinstance(got, QArray):
-        hint = (
-            f"the model holds {old!r} here and the state {got!r}: quantized another way. Pass "
-            f"{_MATCH} to re-quantize it on load as the model's is (dequantized, then rounded "
-            f"again), or load it into a model quantized as the state is ({_quantize_call(got)})."
-        )
-    else:
-        hint = (
-            f"the model holds a quantized array here, {old!r}, and the state {describe(got)}: "
-            f"the representations differ. Pass {_MATCH} to quantize it on load as the model's is, "
-            f"or load it into the float model and quantize that (tt.quantize)."
-        )
-    return StateProblem("representation", name, repr(old), describe(got), hint)
-
-
-def not_float(name: str, old: QArray, got: Any) -> StateProblem:
-    """A value of another kind than float, to be quantized as the model's `old` is."""
-    hint = (
-        f"cannot quantize {describe(got)} on load as the model's {old!r} is: quantizing "
-        f"takes a float array."
-    )
-    return StateProblem("dtype", name, repr(old), describe(got), hint)
-
-
-def not_quantized(name: str, old: QArray, got: Any) -> StateProblem:
-    """A value that is neither an array nor a QArray where the model holds `old`."""
-    hint = (
-        f"expected a QArray like the model's {old!r} (or a dict of its parts, or a float "
-        f"array to quantize with {_MATCH}), got {describe(got)}."
-    )
-    return StateProblem("structure", name, repr(old), describe(got), hint)
-
-
-def float_expected(name: str, old: Any, got: Any, layout: QArray) -> StateProblem:
-    """A QArray, or a dict of its parts, where the model holds the array `old`; `layout`:
-    the QArray given, or the one its parts make."""
-    given = (
-        parts_text(cast("Mapping[str, Any]", got)) if isinstance(got, Mapping) else describe(got)
-    )
-    hint = (
-        f"the model holds {describe(old)} here and the state {given}: the representations "
-        f"differ. Pass {_MATCH} to dequantize it on load, or quantize the model first to keep "
-        f"it quantized ({_quantize_call(layout)})."
-    )
-    return StateProblem("representation", name, describe(old), given, hint)
-
-
-def unfit_parts(name: str, got: Mapping[str, Any], why: str) -> StateProblem:
-    """Parts of a quantized array that make no QArray, so cannot be dequantized."""
-    given = parts_text(got)
-    hint = f"cannot dequantize {given}: {why}."
-    return StateProblem("representation", name, "a value and a scale", given, hint)
-
-
-def quantized_problem(problem: StateProblem, param: str, q: QArray) -> StateProblem:
-    """`problem`, about a part of the QArray `q` at `param`, told as a problem with `q`."""
-    part = problem.name[len(param) + 1 :]
-    how = (
-        f"A checkpoint quantized another way loads whole, as tt.QArray(value, scale, bits=..., "
-        f"axis=..., group_size=...), with {_MATCH}, which re-quantizes it as the model's is; "
-        f"or quantize the float model as the checkpoint is."
-    )
-    got = _dtype(problem.got) if problem.kind == "dtype" and part == "value" else None
-    if got is not None and jnp.issubdtype(got, jnp.integer):
-        hint = (
-            f"the value of {param!r}, {q!r}, holds {problem.expected} ({_a(q.bits)}-bit "
-            f"quantization); got {got.name}, the integers of another one "
-            f"({jnp.iinfo(got).bits}-bit), which a cast would not re-scale. {how}"
-        )
-    elif got is not None and jnp.issubdtype(got, jnp.floating):
-        hint = (
-            f"the value of {param!r}, {q!r}, holds {problem.expected} ({_a(q.bits)}-bit "
-            f"quantization); got {got.name}, a float array where the quantized integers "
-            f"belong. Give the float weight itself at {param!r}, with {_MATCH}, to quantize it "
-            f"on load as the model's is."
-        )
-    elif problem.kind == "shape" and part == "scale":
-        per = "one per channel" if q.group_size is None else f"one per group of {q.group_size}"
-        hint = (
-            f"the scale of {param!r}, {q!r}, has shape {problem.expected} ({per} along axis "
-            f"{q.axis}), got {problem.got}: the scales of another layout. {how}"
-        )
-    else:
-        hint = f"{problem.hint} (It is the {part} of {param!r}, {q!r}.)"
-    return dataclasses.replace(problem, hint=hint)
-
-
-def _a(bits: int) -> str:
-    return f"an {bits}" if bits == 8 else f"a {bits}"
-
-
-def _dtype(name: Any) -> Any:
-    """The dtype of a name a problem holds (``"int4"`` too); None for another value."""
-    try:
-        return jnp.dtype(name)
-    except TypeError:
-        return None
-
-
-# --- Checkpoints --------------------------------------------------------------
-# What a checkpoint's headers show before any data is read (taktiny.io). A layout is
-# (bits, axis, group_size); its text is how taktiny.io describes it ("int8 per channel").
-
-
-def stored_both(name: str, parts: list[str]) -> StateProblem:
-    """A checkpoint holding a quantized parameter both as a float array and as parts."""
-    return StateProblem(
-        "structure",
-        name,
-        "a float array or its quantized parts",
-        "both",
-        f"the checkpoint holds both the float array {name!r} and the quantized parts "
-        f"{parts} of this quantized parameter; keep one of them.",
-    )
-
-
-def stored_not_float(
-    name: str, layout: str, dtype: np.dtype, shape: tuple[int, ...]
-) -> StateProblem:
-    """A tensor that is no float array where the model quantizes one as `layout`."""
-    have = f"{dtype.name}{list(shape)}"
-    hint = (
-        f"the model quantizes {name!r} as {layout}, and the checkpoint holds {have} under its "
-        f"name, which is not a float array to quantize. Give the float array, or the quantized "
-        f"parts {name}.value and {name}.scale."
-    )
-    return StateProblem("dtype", name, "a float array", dtype.name, hint)
-
-
-def stored_shape(
-    name: str, layout: str, expected: tuple[int, ...], got: tuple[int, ...]
-) -> StateProblem:
-    """A float tensor of another shape than the one the model quantizes as `layout`."""
-    hint = (
-        f"shape mismatch: the model quantizes {name!r} ({layout}) from a float array of shape "
-        f"{expected}, got {got}."
-    )
-    return StateProblem("shape", name, expected, got, hint)
-
-
-def stored_quantized_otherwise(
-    name: str, layout: str, want: tuple[Any, ...], got: str, have: tuple[Any, ...]
-) -> StateProblem:
-    """Quantized parts stored in another layout (`have`, told as `got`; bits None when
-    unknown) than the model's (`want`, told as `layout`)."""
-    group = "" if have[2] is None else f", group_size={have[2]}"
-    fix = (
-        f"Quantize the model as the checkpoint was (tt.quantize(float_model, bits={have[0]}"
-        f"{group})), or load a float checkpoint, which is quantized on load."
-        if have[0]
-        else "Load a float checkpoint, which is quantized on load."
-    )
-    hint = f"the model quantizes {name!r} as {layout}, the checkpoint holds it as {got}. {fix}"
-    return StateProblem("dtype" if have[0] != want[0] else "shape", name, layout, got, hint)
-
-
-def stored_quantized(
-    name: str, dtype: np.dtype, shape: tuple[int, ...], layout: tuple[tuple[Any, ...], str] | None
-) -> StateProblem:
-    """Quantized parts stored where the model holds a float array; `layout` is the parts'
-    recorded layout and its text (None: not recorded)."""
-    bits = group = ""
-    stored, axis = "", "..."
-    if layout is None:
-        bits = "bits=..."
-    else:
-        (b, axis, size), text = layout
-        bits, stored = f"bits={b}", f" as {text}"
-        group = "" if size is None else f", group_size={size}"
-    float_array = f"a float array {dtype.name}{list(shape)}"
-    hint = (
-        f"the checkpoint holds it quantized{stored}, as {name}.value and {name}.scale; the "
-        f"model holds {float_array}. Load it into the quantized model, tt.quantize(model, "
-        f"{bits}{group}) (then tt.dequantize it for floats), or pass rules that dequantize: "
-        f"convert.Rule(['{name}.value', '{name}.scale'], '{name}', "
-        f"convert.dequantize(axis={axis}{group}))."
-    )
-    return StateProblem("structure", name, float_array, "quantized parts", hint)
-
-
-def both_forms(name: str, layers: list[str]) -> StateProblem:
-    shown = ", ".join(repr(n) for n in layers[:3]) + (", ..." if len(layers) > 3 else "")
-    return StateProblem(
-        "structure",
-        name,
-        "the stacked leaf or its layers",
-        f"both ({shown})",
-        f"given both whole and per layer ({shown}): a load takes a stack's leaf in one form; "
-        f"drop one of them.",
-    )
-
-
-def _layers(path: str, count: int) -> str:
-    """The names of a list of `count` layers at `path`: ``'layers.0' … 'layers.3'``."""
-    names = [f"{path}.{i}" if path else str(i) for i in (0, count - 1)]
-    return f"{names[0]!r}" if count == 1 else f"{names[0]!r} … {names[1]!r}"
-
-
-def _whose(source: str) -> tuple[str, str]:
-    """The fix for a state of a stacked model where a list of layers belongs: in a
-    checkpoint (`source` ``"checkpoint"``), or in memory (``"state"``)."""
-    if source == "checkpoint":
-        return "this checkpoint", "save_safetensors(path, model.flat_state_dict(unstacked=True))"
-    return "this state", "model.state_dict(unstacked=True), or flat_state_dict(unstacked=True)"
-
-
-def stacked_into_list(
-    path: str, stacked: str, layers: int | None, count: int, source: str
-) -> StateProblem:
-    """A stack of layers given (its names `stacked`.<rest>, each with a leading axis of
-    `layers`, None when unknown) where the model holds a list of `count` layers at `path`;
-    `source`: ``"checkpoint"`` or ``"state"``."""
-    holds, fix = _whose(source)
-    axis = "a leading layer axis" if layers is None else f"a leading layer axis of {layers}"
-    stack = "a stack of layers" if layers is None else f"a stack of {layers} layers"
-    hint = (
-        f"{holds} holds {stack} at {path!r} (names '{stacked}.…' with {axis}); the model "
-        f"holds a list of {count} layers, {_layers(path, count)}. Give the stacked model's "
-        f"state per layer, named as a list names its layers ({fix}), or hold the model's "
-        f"layers in an nn.Stack."
-    )
-    if layers is not None and layers != count:
-        hint += f" The counts differ too: {layers} layers against {count}."
-    expected = f"a list of {count} layers ({_layers(path, count)})"
-    return StateProblem("structure", path, expected, f"{stack} ('{stacked}.…')", hint)
-
-
-def beyond_stack(path: str, block: str, layers: int, count: int, source: str) -> StateProblem:
-    """Per-layer names of `layers` layers at `path`, where the model's stack there holds
-    `count` < `layers` (its block's leaves `block`.<rest>)."""
-    holds = _whose(source)[0]
-    extra = "layer" if layers == count + 1 else "layers"
-    left = str(count) if layers == count + 1 else f"{count} … {layers - 1}"
-    hint = (
-        f"{holds} holds {layers} layers at {path!r}, per layer ({_layers(path, layers)}); "
-        f"the model holds a stack of {count} layers there (names '{block}.…' with a leading "
-        f"layer axis of {count}). Per-layer names load into a stack, as many layers as it "
-        f"holds: make the model's nn.Stack of {layers} layers, or leave out {extra} {left}."
-    )
-    expected = f"a stack of {count} layers ('{block}.…')"
-    return StateProblem("structure", path, expected, f"{layers} layers, per layer", hint)
-
-
-def layer_without_value(name: str, stacked: str, given: list[int]) -> StateProblem:
-    shown = ", ".join(map(str, given[:8])) + (", ..." if len(given) > 8 else "")
-    return StateProblem(
-        "abstract",
-        name,
-        "a value",
-        None,
-        f"not supplied, while layers {shown} of {stacked!r} are: the model is abstract, so "
-        f"this layer has no value to keep; give every layer, or load into a concrete model.",
     )

@@ -10,6 +10,7 @@ aside only where a plain load would fail, so an ordinary load does no work here.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, NamedTuple, cast
 
@@ -22,10 +23,11 @@ from jax.sharding import NamedSharding
 import taktiny.state._problems as err
 import taktiny.state._values as _values
 
+from .._problems import Problems, StateProblem
 from ..arrays import SCALARS
 from ..quant import PARTS, QArray, parts_layout, quantize_like
 from ._names import tree_util
-from ._problems import Problems, StateProblem
+from ._problems import describe
 from ._views import View
 
 _CHECKED_KINDS = ("dtype", "shape", "value", "structure")  # problems told as a QArray's
@@ -70,7 +72,7 @@ def _plan(other: Other, match: bool, problems: Problems) -> Any:
     name, old, given = other.name, other.old, other.given
     if isinstance(old, QArray) and isinstance(given, QArray):
         if not match:
-            problems.append(err.quantized_expected(name, old, given))
+            problems.append(quantized_expected(name, old, given))
         elif given.shape != old.shape:
             problems.append(err.shape(name, old.shape, given.shape))
         else:
@@ -78,13 +80,13 @@ def _plan(other: Other, match: bool, problems: Problems) -> Any:
         return None
     if isinstance(old, QArray) and _array_like(given):
         if not match:
-            problems.append(err.quantized_expected(name, old, given))
+            problems.append(quantized_expected(name, old, given))
             return None
         if (
             isinstance(given, (jax.Array, np.ndarray))
             and _values.kind(cast("jax.Array | np.ndarray", given).dtype) != "floating"
         ):
-            problems.append(err.not_float(name, old, given))
+            problems.append(not_float(name, old, given))
             return None
         # the shape checked; quantized from float32 (not the scale's narrower dtype)
         wide = jnp.dtype(old.dtype) if jnp.dtype(old.dtype).itemsize > 4 else jnp.float32
@@ -94,7 +96,7 @@ def _plan(other: Other, match: bool, problems: Problems) -> Any:
     if is_quantized(given) and tree_util.treedef_is_leaf(tree_util.tree_structure(old)):
         return _dequantized(other, match, problems)
     if isinstance(old, QArray):
-        problems.append(err.not_quantized(name, old, given))
+        problems.append(not_quantized(name, old, given))
     else:  # a custom parameter given in another structure
         structure = tree_util.tree_structure
         problems.append(err.structure(name, structure(old), structure(given)))
@@ -127,14 +129,14 @@ def _dequantized(other: Other, match: bool, problems: Problems) -> Any:
     if isinstance(made, str):  # parts that make no QArray
         parts: Mapping[str, Any] = other.given
         if match:
-            problems.append(err.unfit_parts(name, parts, made))
+            problems.append(unfit_parts(name, parts, made))
         elif other.flat:  # told as they were given
             problems.extend(err.inside_array(f"{name}.{k}", name, v) for k, v in parts.items())
         else:
             problems.append(err.array_expected(name, parts, "this name is one array"))
         return None
     if not match:
-        problems.append(err.float_expected(name, old, given, made))
+        problems.append(float_expected(name, old, given, made))
         return None
     shape = tuple(np.shape(old))
     dtype = jnp.result_type(old) if getattr(old, "dtype", None) is None else old.dtype
@@ -177,5 +179,128 @@ def in_quantized(
         return list(problems)
     param, q = found
     told: Callable[[StateProblem], StateProblem]
-    told = lambda p: err.quantized_problem(p, param, q) if p.kind in _CHECKED_KINDS else p
+    told = lambda p: quantized_problem(p, param, q) if p.kind in _CHECKED_KINDS else p
     return [told(p) for p in problems]
+
+
+# --- The problems of another representation -------------------------------------
+
+_MATCH = "match_quantization=True"  # the load option that converts representations
+
+
+def _quantize_call(q: QArray) -> str:
+    """The `tt.quantize` call that quantizes a float model's layer as `q` is."""
+    group = "" if q.group_size is None else f", group_size={q.group_size}"
+    return f"tt.quantize(model, bits={q.bits}{group})"
+
+
+def parts_text(parts: Mapping[str, Any]) -> str:
+    """A `{"value", "scale"}` dict of a quantized array's parts, as a message names it."""
+    shown = ", ".join(
+        f"{part} {np.dtype(v.dtype).name}{list(v.shape)}"
+        if hasattr(v, "shape") and hasattr(v, "dtype")
+        else f"{part} of type {type(v).__name__}"
+        for part, v in parts.items()
+    )
+    return f"the parts of a quantized array ({shown})"
+
+
+def quantized_expected(name: str, old: QArray, got: Any) -> StateProblem:
+    """A float array, or a QArray quantized another way, where the model holds `old`."""
+    if isinstance(got, QArray):
+        hint = (
+            f"the model holds {old!r} here and the state {got!r}: quantized another way. Pass "
+            f"{_MATCH} to re-quantize it on load as the model's is (dequantized, then rounded "
+            f"again), or load it into a model quantized as the state is ({_quantize_call(got)})."
+        )
+    else:
+        hint = (
+            f"the model holds a quantized array here, {old!r}, and the state {describe(got)}: "
+            f"the representations differ. Pass {_MATCH} to quantize it on load as the model's is, "
+            f"or load it into the float model and quantize that (tt.quantize)."
+        )
+    return StateProblem("representation", name, repr(old), describe(got), hint)
+
+
+def not_float(name: str, old: QArray, got: Any) -> StateProblem:
+    """A value of another kind than float, to be quantized as the model's `old` is."""
+    hint = (
+        f"cannot quantize {describe(got)} on load as the model's {old!r} is: quantizing "
+        f"takes a float array."
+    )
+    return StateProblem("dtype", name, repr(old), describe(got), hint)
+
+
+def not_quantized(name: str, old: QArray, got: Any) -> StateProblem:
+    """A value that is neither an array nor a QArray where the model holds `old`."""
+    hint = (
+        f"expected a QArray like the model's {old!r} (or a dict of its parts, or a float "
+        f"array to quantize with {_MATCH}), got {describe(got)}."
+    )
+    return StateProblem("structure", name, repr(old), describe(got), hint)
+
+
+def float_expected(name: str, old: Any, got: Any, layout: QArray) -> StateProblem:
+    """A QArray, or a dict of its parts, where the model holds the array `old`; `layout`:
+    the QArray given, or the one its parts make."""
+    given = (
+        parts_text(cast("Mapping[str, Any]", got)) if isinstance(got, Mapping) else describe(got)
+    )
+    hint = (
+        f"the model holds {describe(old)} here and the state {given}: the representations "
+        f"differ. Pass {_MATCH} to dequantize it on load, or quantize the model first to keep "
+        f"it quantized ({_quantize_call(layout)})."
+    )
+    return StateProblem("representation", name, describe(old), given, hint)
+
+
+def unfit_parts(name: str, got: Mapping[str, Any], why: str) -> StateProblem:
+    """Parts of a quantized array that make no QArray, so cannot be dequantized."""
+    given = parts_text(got)
+    hint = f"cannot dequantize {given}: {why}."
+    return StateProblem("representation", name, "a value and a scale", given, hint)
+
+
+def quantized_problem(problem: StateProblem, param: str, q: QArray) -> StateProblem:
+    """`problem`, about a part of the QArray `q` at `param`, told as a problem with `q`."""
+    part = problem.name[len(param) + 1 :]
+    how = (
+        f"A checkpoint quantized another way loads whole, as tt.QArray(value, scale, bits=..., "
+        f"axis=..., group_size=...), with {_MATCH}, which re-quantizes it as the model's is; "
+        f"or quantize the float model as the checkpoint is."
+    )
+    got = _dtype(problem.got) if problem.kind == "dtype" and part == "value" else None
+    if got is not None and jnp.issubdtype(got, jnp.integer):
+        hint = (
+            f"the value of {param!r}, {q!r}, holds {problem.expected} ({_a(q.bits)}-bit "
+            f"quantization); got {got.name}, the integers of another one "
+            f"({jnp.iinfo(got).bits}-bit), which a cast would not re-scale. {how}"
+        )
+    elif got is not None and jnp.issubdtype(got, jnp.floating):
+        hint = (
+            f"the value of {param!r}, {q!r}, holds {problem.expected} ({_a(q.bits)}-bit "
+            f"quantization); got {got.name}, a float array where the quantized integers "
+            f"belong. Give the float weight itself at {param!r}, with {_MATCH}, to quantize it "
+            f"on load as the model's is."
+        )
+    elif problem.kind == "shape" and part == "scale":
+        per = "one per channel" if q.group_size is None else f"one per group of {q.group_size}"
+        hint = (
+            f"the scale of {param!r}, {q!r}, has shape {problem.expected} ({per} along axis "
+            f"{q.axis}), got {problem.got}: the scales of another layout. {how}"
+        )
+    else:
+        hint = f"{problem.hint} (It is the {part} of {param!r}, {q!r}.)"
+    return dataclasses.replace(problem, hint=hint)
+
+
+def _a(bits: int) -> str:
+    return f"an {bits}" if bits == 8 else f"a {bits}"
+
+
+def _dtype(name: Any) -> Any:
+    """The dtype of a name a problem holds (``"int4"`` too); None for another value."""
+    try:
+        return jnp.dtype(name)
+    except TypeError:
+        return None

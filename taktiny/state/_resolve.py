@@ -5,15 +5,16 @@ of a QArray under a float array's name) is set aside for `_represent`."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, NamedTuple, cast
 
 import taktiny.state._problems as err
 
+from .._problems import StateProblem
 from ..quant import PARTS
 from ._layers import other_forms
 from ._names import tree_util
-from ._problems import StateProblem
+from ._problems import describe
 from ._represent import Other
 from ._views import GROUP, LEAF, View
 
@@ -56,7 +57,7 @@ def resolve(view: View[Any], state: Mapping[Any, Any], flat: bool, match: bool =
         for name, value in state.items():
             if type(name) is not str:
                 same = _resolve_name(view, str(name), value, _Found({}, [], {}), match)
-                found.entries.append(err.non_string_key(repr(name), name, same, flat=True))
+                found.entries.append(non_string_key(repr(name), name, same, flat=True))
             elif not _resolve_name(view, name, value, found, match):
                 found.entries.append(_Unknown(name, value))
     else:
@@ -129,10 +130,10 @@ def _resolve_nested(
         if type(key) is not str:
             name = ".".join((*path, repr(key)))
             same = view.child(node, str(key)) is not None
-            found.entries.append(err.non_string_key(name, key, same, flat=False))
+            found.entries.append(non_string_key(name, key, same, flat=False))
             continue
         if "." in key:
-            found.entries.append(err.dotted_key(".".join((*path, key))))
+            found.entries.append(dotted_key(".".join((*path, key))))
             continue
         where = (*path, key)
         step = view.child(node, key)
@@ -149,10 +150,10 @@ def _resolve_nested(
                 if outer is None:
                     _resolve_nested(view, child, group, where, found, above)
                 else:
-                    found.entries.append(err.contains_itself(".".join(where), ".".join(outer)))
+                    found.entries.append(contains_itself(".".join(where), ".".join(outer)))
             else:
                 name = ".".join(where)
-                found.entries.append(err.group_expected(name, view.keys(child), value))
+                found.entries.append(group_expected(name, view.keys(child), value))
         else:
             _resolve_param(view, child, where, value, found)
     del above[id(state)]
@@ -172,12 +173,12 @@ def _resolve_param(
                 found.supplied[by_name[part]] = given
             else:
                 parts = [n for n, _ in inner]
-                found.entries.append(err.unknown_part(f"{name}.{part}", parts))
+                found.entries.append(unknown_part(f"{name}.{part}", parts))
         return
     try:
         leaves, given = tree_util.tree_flatten(value)
     except (RecursionError, SystemError):  # a list that contains itself, say (SystemError:
-        found.entries.append(err.too_deep(".".join(where), value))  # from C++'s recursion)
+        found.entries.append(too_deep(".".join(where), value))  # from C++'s recursion)
         return
     if given != treedef:
         wheres = tuple(w for _, w in inner)
@@ -214,3 +215,74 @@ def _parts(
             yield from _parts(cast("Mapping[Any, Any]", value), (*prefix, str(key)), leaves, depth)
         else:
             yield name, value
+
+
+# --- The problems these checks find -----------------------------------------------
+
+
+def unknown_part(name: str, parts: Sequence[str]) -> StateProblem:
+    return StateProblem(
+        "unknown",
+        name,
+        list(parts),
+        name,
+        f"unknown key; this parameter's parts are {list(parts)}.",
+    )
+
+
+def dotted_key(name: str) -> StateProblem:
+    return StateProblem(
+        "key",
+        name,
+        "a key without '.'",
+        name.rsplit(".", 1)[-1],
+        "nested state keys must not contain '.'; nest it as a dict, or pass dotted names to "
+        "load_flat_state_dict().",
+    )
+
+
+def non_string_key(name: str, key: Any, as_string_exists: bool, flat: bool) -> StateProblem:
+    same = f"; did you mean {str(key)!r}?" if as_string_exists else "."
+    return StateProblem(
+        "key",
+        name,
+        "a str key",
+        key,
+        f"{'flat' if flat else 'nested'} state keys must be strings, got "
+        f"{type(key).__name__} {key!r}{same}",
+    )
+
+
+def contains_itself(name: str, outer: str) -> StateProblem:
+    """A nested state that contains itself: the dict at `name` is the one at `outer`."""
+    got = f"the dict at {outer!r}" if outer else "the whole state"
+    return StateProblem(
+        "structure",
+        name,
+        "a dict of this submodule's parameters",
+        got,
+        f"its value is {got}, which contains it: a state that contains itself never ends. "
+        f"Give this name a dict of its own parameters.",
+    )
+
+
+def too_deep(name: str, value: Any) -> StateProblem:
+    """A value that nests too deeply to be read (a list that contains itself, say)."""
+    return StateProblem(
+        "structure",
+        name,
+        "a value of this parameter's structure",
+        describe(value),
+        f"got {describe(value)} nested too deeply to be read (it may contain itself); give "
+        f"this parameter as the model holds it, or a dict of its parts.",
+    )
+
+
+def group_expected(name: str, keys: list[str], value: Any) -> StateProblem:
+    return StateProblem(
+        "structure",
+        name,
+        f"a dict with keys {keys[:6]}",
+        describe(value),
+        f"expected a dict of this submodule's parameters (keys {keys[:6]}), got {describe(value)}.",
+    )

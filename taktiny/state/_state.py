@@ -24,7 +24,8 @@ import taktiny.state._problems as err
 import taktiny.state._represent as _represent
 import taktiny.state._values as _values
 
-from ._problems import Problems, StateDictError, StateProblem
+from .._problems import Problems, StateProblem
+from ._problems import StateDictError
 from ._represent import Other
 from ._resolve import Resolved, resolve
 from ._views import Flat, View, Walk

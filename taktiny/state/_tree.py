@@ -12,7 +12,7 @@ import taktiny.state._names as _names
 import taktiny.state._patterns as _patterns
 import taktiny.state._state as _state
 
-from ._problems import SelectionError
+from ._selection import SelectionError, rule_problems
 
 MISSING: Any = dataclasses.MISSING  # no default given
 
@@ -180,7 +180,7 @@ class by_name:  # a class used as a function: tt.by_name(rules)(model)
                 "add a rule for it (a last rule '**' matches everything), or pass default= "
                 "(the value of the names no rule matches)"
             )
-        problems = _patterns.rule_problems(found, self.rules, spec.names, fix)
+        problems = rule_problems(found, self.rules, spec.names, fix)
         if problems:
             raise SelectionError(f"taktiny.by_name on {type(tree).__name__}", problems)
         return treedef.unflatten(found.values)

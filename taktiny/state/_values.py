@@ -16,8 +16,9 @@ from jax.core import Tracer
 
 import taktiny.state._problems as err
 
+from .._problems import Problems, StateProblem
 from ..arrays import SCALARS
-from ._problems import Problems, StateProblem
+from ._problems import array_text, describe
 
 
 class _Devices(Protocol):
@@ -115,7 +116,7 @@ def _as_array(name: str, value: Any, problems: Problems) -> tuple[Any, bool]:
         problems.append(err.array_expected(name, value, "this name is one array"))
         return None, False
     if isinstance(value, jax.ShapeDtypeStruct):
-        problems.append(err.not_an_array(name, value))
+        problems.append(not_an_array(name, value))
         return None, False
     if hasattr(value, "__dlpack__") and not isinstance(value, np.generic):
         imported = from_dlpack(value)
@@ -126,7 +127,7 @@ def _as_array(name: str, value: Any, problems: Problems) -> tuple[Any, bool]:
     except Exception:  # noqa: BLE001 - any failure means "not an array"
         array = None
     if array is None or kind(array.dtype) is None:  # not numeric
-        problems.append(err.not_an_array(name, value))
+        problems.append(not_an_array(name, value))
         return None, False
     return array, isinstance(value, (list, tuple, *SCALARS))
 
@@ -136,9 +137,9 @@ def _unusable(name: str, value: Any) -> StateProblem | None:
     would drop its mask), a tracer leaked out of a transformation that has finished, or a
     JAX array whose buffers are deleted (by ``.delete()``, or donated to a jitted call)."""
     if isinstance(value, np.ma.MaskedArray):
-        return err.masked(name, value)
+        return masked(name, value)
     if isinstance(value, Tracer):
-        return None if _live(cast("Tracer[Any]", value)) else err.leaked(name, value)
+        return None if _live(cast("Tracer[Any]", value)) else leaked(name, value)
     if isinstance(value, jax.Array) and value.is_deleted():
         return err.deleted(name, value)
     return None
@@ -162,10 +163,10 @@ def _live(tracer: Tracer[Any]) -> bool:
 def _narrowing(name: str, value: Any, old_dtype: Any, traced: bool) -> StateProblem | None:
     """A problem when the integer `value` does not fit the narrower `old_dtype`."""
     if traced:
-        return err.narrowing(name, old_dtype, value.dtype, traced=True)
+        return narrowing(name, old_dtype, value.dtype, traced=True)
     info = jnp.iinfo(old_dtype)
     if value.size and (int(value.min()) < info.min or int(value.max()) > info.max):
-        return err.narrowing(name, old_dtype, value.dtype, traced=False)
+        return narrowing(name, old_dtype, value.dtype, traced=False)
     return None
 
 
@@ -213,7 +214,7 @@ def _overflow(name: str, value: jax.Array | np.ndarray, cast: Any) -> StateProbl
     if not bool(bad.any()):
         return None
     largest = float(np.max(np.abs(np.asarray(value)[np.asarray(bad)])))
-    return err.overflow(name, cast.dtype, value.dtype, int(bad.sum()), largest, into)
+    return overflow(name, cast.dtype, value.dtype, int(bad.sum()), largest, into)
 
 
 def _wide(value: Any) -> type[np.floating[Any]]:
@@ -246,7 +247,7 @@ def _exact(name: str, value: np.ndarray, dtype: Any, problems: Problems) -> Any:
         # a complex array to a real one warns); NaN stays NaN, so it counts as kept
         exact = np.array_equal(np.real(cast).astype(value.dtype), value, equal_nan=True)
     if not exact:
-        problems.append(err.narrowing(name, dtype, value.dtype, traced=False))
+        problems.append(narrowing(name, dtype, value.dtype, traced=False))
         return None
     return cast
 
@@ -272,7 +273,7 @@ def checked_value(name: str, value: Any, old: Any, problems: Problems) -> Any:
         problems.append(err.dtype_kind(name, old.dtype, value.dtype, target, source))
         return None
     if "integer" in target and 4 in (jnp.iinfo(old.dtype).bits, jnp.iinfo(value.dtype).bits):
-        problems.append(err.bits(name, old.dtype, value.dtype))  # quantized values: no cast
+        problems.append(bits(name, old.dtype, value.dtype))  # quantized values: no cast
         return None
     traced = isinstance(value, Tracer)
     if "integer" in target and jnp.iinfo(old.dtype).bits < jnp.iinfo(value.dtype).bits:
@@ -311,3 +312,83 @@ def placeable(value: Any) -> Any:
     data, so it is placed afresh (JAX 0.10's device_put of one from a mesh of another
     device order makes misshapen shards)."""
     return np.zeros(np.shape(value), value.dtype) if np.size(value) == 0 else value
+
+
+# --- The problems these checks find -----------------------------------------------
+
+
+def bits(name: str, expected: Any, got: Any) -> StateProblem:
+    """An integer cast to or from a 4-bit dtype: quantized values of another width."""
+    want, have = np.dtype(expected).name, np.dtype(got).name
+    hint = (
+        f"the model holds {want} here and the state {have}: integers of another width, as "
+        f"quantized values of another number of bits are, which a cast would not re-scale. "
+        f"Cast the value yourself (value.astype(jnp.{want})) if it really holds {want} values."
+    )
+    return StateProblem("dtype", name, want, have, hint)
+
+
+def not_an_array(name: str, value: Any) -> StateProblem:
+    if isinstance(value, jax.ShapeDtypeStruct):
+        why = f"got {describe(value)} (from jax.eval_shape): restore real arrays first."
+    elif value is None:  # (a dict is reported as array_expected before it gets here)
+        why = "got a value of type NoneType."
+    else:
+        why = f"got a value that is not numeric ({value!r:.60})."
+    return StateProblem(
+        "value", name, "an array", type(value).__name__, f"expected an array, {why}"
+    )
+
+
+def narrowing(name: str, expected: Any, got: Any, traced: bool) -> StateProblem:
+    want, have = np.dtype(expected).name, np.dtype(got).name
+    why = "cannot be checked inside jit" if traced else "would change values"
+    hint = f"narrowing {have} to {want} {why}; convert the value yourself."
+    return StateProblem("dtype", name, want, have, hint)
+
+
+def overflow(
+    name: str, expected: Any, got: Any, count: int, largest: float, into: str = "inf"
+) -> StateProblem:
+    """Values too large for a narrower float dtype, which the cast would turn `into`
+    ``"inf"``, ``"nan"`` (a dtype without inf) or ``"max"`` (clipped to its largest)."""
+    want, have = np.dtype(expected).name, np.dtype(got).name
+    limit = float(cast("np.finfo[Any]", jnp.finfo(expected)).max)
+    values = "a value" if count == 1 else f"{count} values"
+    if into == "inf":
+        change, holds = "turn {} into inf", ""
+    elif into == "nan":
+        change, holds = "turn {} into nan", " and has no inf"
+    else:
+        change, holds = f"clip {{}} to its largest, {limit:.4g}", " and has no inf"
+    return StateProblem(
+        "dtype",
+        name,
+        want,
+        have,
+        f"casting {have} to {want} would {change.format(values)}: the largest is "
+        f"{largest:.4g}, and {want} holds at most {limit:.4g}{holds}. Scale or clip the value, "
+        f"or keep this parameter in a wider dtype.",
+    )
+
+
+def masked(name: str, value: Any) -> StateProblem:
+    """A NumPy masked array, whose mask a load would drop."""
+    hidden = int(np.ma.count_masked(value))  # pyright: ignore[reportUnknownMemberType, reportUnknownArgumentType]  (NumPy leaves it unannotated)
+    hint = (
+        f"expected a plain array, got a NumPy masked {array_text(value)} with {hidden} "
+        f"masked of {value.size}: a load would drop the mask. Pass value.filled(fill) to "
+        f"choose what the masked entries hold, or value.data to load the data under the mask."
+    )
+    return StateProblem("value", name, "an array", f"a masked {array_text(value)}", hint)
+
+
+def leaked(name: str, value: Any) -> StateProblem:
+    """A tracer that belongs to no transformation being traced now."""
+    hint = (
+        f"expected an array, got a {array_text(value, 'tracer')} ({type(value).__name__}) that "
+        f"belongs to no transformation being traced now: it leaked out of a jax.jit, vmap, grad or "
+        f"make_jaxpr that has finished, so it holds no value. Load what the transformed "
+        f"function returns, or load inside the transformation that made it."
+    )
+    return StateProblem("value", name, "an array", f"a leaked {type(value).__name__}", hint)

@@ -615,7 +615,7 @@ def test_ctrl_c_stops_a_load_promptly(s3_proxy, stalled, to):
     A process's SIGINT may be taken by any of its threads (here, deterministically, by a
     thread of the HTTP client); Python's handler then only marks it for the main thread,
     which slept in ``Future.result()`` until the stalled request came back, 30 s later.
-    Planted: `_storage.waited` waiting without its time slices (both "another thread"
+    Planted: `_waits.waited` waiting without its time slices (both "another thread"
     cases took 29 s)."""
     bucket, proxy = s3_proxy
     url = f"{bucket}/model.safetensors"

@@ -124,6 +124,46 @@ def test_the_file_formats_import_neither_the_load_nor_the_conversions():
     assert {name: hits for name, hits in found.items() if hits} == {}
 
 
+def _cycles(package: Path) -> list[list[str]]:
+    """The circles of imports (at run time, inside functions too) among the private files
+    of `package`: each the sorted names of the files that import one another."""
+    files = {f"taktiny.{package.name}.{p.stem}": p for p in package.glob("_*.py")}
+    files.pop(f"taktiny.{package.name}.__init__", None)
+    graph = {
+        module: {m if m in files else m.rsplit(".", 1)[0] for m in runtime_imports(path)}
+        & files.keys() - {module}
+        for module, path in files.items()
+    }
+    circles = {  # (a file's circle: the files it reaches that reach it back)
+        tuple(
+            sorted(m.rsplit(".", 1)[1] for m in _reach(graph, module) if module in _reach(graph, m))
+        )
+        for module in graph
+    }
+    return sorted(list(circle) for circle in circles if circle)
+
+
+def _reach(graph: dict[str, set[str]], start: str) -> set[str]:
+    """The modules `start` imports, directly or through others, in `graph`."""
+    reached, todo = set(), [start]
+    while todo:
+        for other in graph[todo.pop()] - reached:
+            reached.add(other)
+            todo.append(other)
+    return reached
+
+
+def test_no_two_files_of_a_package_import_each_other():
+    """Within a package, imports run one way: no private file imports another that
+    imports it back, directly or through others (io's root error once lived in _read.py,
+    which imports _storage.py, which opens _object_store.py, which raised it)."""
+    graph_of = {"_a": {"_b"}, "_b": {"_c"}, "_c": {"_a"}, "_d": {"_a"}}
+    assert _reach(graph_of, "_d") == {"_a", "_b", "_c"} and "_d" not in _reach(graph_of, "_a")
+    packages = [p for p in sorted((ROOT / "taktiny").iterdir()) if (p / "__init__.py").exists()]
+    assert len(packages) >= 9
+    assert {p.name: _cycles(p) for p in packages if _cycles(p)} == {}
+
+
 # The floors of the house, from the ground up, read from docs/architecture.md's table (the
 # one place they are written): a file imports from its own package, or from a package on
 # a lower floor, never from one above.

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from taktiny.state import _patterns
+from taktiny.state import _patterns, _selection
 
 
 def reference(pattern: str, name: str) -> bool:
@@ -174,11 +174,11 @@ def test_a_double_star_matches_empty_parts_too():
 )  # fmt: skip
 def test_a_rule_that_matched_nothing_gets_a_hint(pattern, hint):
     names = ["enc.inp.kernel", "enc.inp.bias", "head.kernel", "Xproj.kernel"]
-    assert _patterns.unused_hint(pattern, names) == hint
+    assert _selection.unused_hint(pattern, names) == hint
 
 
 def test_a_part_close_to_no_name_leaves_the_pattern_unrespelt():
     """'kernal' is close to 'kernel', but 'zzzzzz' is close to nothing: no respelling is
     offered, not even one whose missing part would read as a name's 'None'."""
-    hint = _patterns.unused_hint("*.zzzzzz.kernal", ["a.None.kernel"])
+    hint = _selection.unused_hint("*.zzzzzz.kernal", ["a.None.kernel"])
     assert hint == "no name is close to it"

@@ -2,6 +2,7 @@
 fields (`kind`, `key`, `expected`, `got`) a program reads. Each message names the key, what
 the model holds, what was given, and what to do."""
 
+import ast
 import dataclasses
 import itertools
 import pathlib
@@ -13,6 +14,7 @@ import pytest
 from _models import MLP
 
 import taktiny as tt
+from taktiny import _problems as record
 from taktiny import nn
 from taktiny.state import _problems
 
@@ -616,7 +618,7 @@ def test_the_message_names_the_call():
 
 
 def test_problems_sort_by_group_and_keep_their_order_within_one():
-    p = lambda kind, key: _problems.StateProblem(kind, key, None, None, key)
+    p = lambda kind, key: record.StateProblem(kind, key, None, None, key)
     error = _problems.StateDictError(
         "f()", [p("missing", "m"), p("shape", "s"), p("unknown", "u"), p("value", "v"),
                 p("key", "k"), p("abstract", "a"), p("dtype", "d"), p("structure", "t")]
@@ -675,7 +677,7 @@ def test_describe_names_what_it_was_given():
     ],
 )
 def test_suggestions(name, candidates, expected):
-    assert _problems.closest(name, candidates) == expected
+    assert record.closest(name, candidates) == expected
 
 
 BLOCKS = [f"blocks.{i}.{part}.{leaf}" for i in range(2500) for part in ("attn", "mlp")
@@ -700,7 +702,7 @@ LAYERS = [f"encoder.layer_{i}.scale" for i in range(10_000)]
 )
 def test_a_misspelling_among_ten_thousand_names_gets_the_name_meant(name, names, expected):
     assert len(names) == 10_000
-    assert _problems.closest(name, names) == expected
+    assert record.closest(name, names) == expected
 
 
 def test_up_to_64_names_each_one_is_measured():
@@ -708,16 +710,16 @@ def test_up_to_64_names_each_one_is_measured():
     # the others 2 of 5 (" a", "ab"): a shortlist by pairs would leave it out, but it is the
     # closest
     names = [f"ab{i:02d}" for i in range(39)] + ["aXbYcZdWeVf"]
-    assert _problems.closest("abcdef", names) == "aXbYcZdWeVf"
+    assert record.closest("abcdef", names) == "aXbYcZdWeVf"
 
 
 def test_of_more_than_64_names_those_sharing_most_character_pairs_are_measured():
     # all 101 hold both parts, in order: the 64 that share the most pairs are compared, among
     # them the shortest, the closest
     names = [f"enc.layer{i}.bias" for i in range(100)] + ["enc.a.bias"]
-    assert _problems.closest("enc.bias", names) == "enc.a.bias"
+    assert record.closest("enc.bias", names) == "enc.a.bias"
     # a name that shares no pair with any of them gets no suggestion
-    assert _problems.closest("qq", [f"w{i}" for i in range(100)]) is None
+    assert record.closest("qq", [f"w{i}" for i in range(100)]) is None
     # of names equally alike, the first 64 are compared: 100 that share no pair with
     # "abcdef" come first, then 100 that share three (" a", "ab", "bc"), the 33rd of them
     # the closest (the rest are no closer than 0.5)
@@ -725,12 +727,12 @@ def test_of_more_than_64_names_those_sharing_most_character_pairs_are_measured()
     unlike = ["".join(p) for p in itertools.permutations(letters, 2)][:100]
     alike = ["abc" + "".join(p) for p in itertools.permutations(letters, 3)][:99]
     alike.insert(32, "abXdeY")
-    assert _problems.closest("abcdef", unlike + alike) == "abXdeY"
+    assert record.closest("abcdef", unlike + alike) == "abXdeY"
 
 
 def test_the_pairs_measured_are_of_adjacent_characters_ends_included():
-    assert _problems._pairs("ab") == {" a", "ab", "b "}
-    assert _problems._pairs("a.bc") == {" a", "a.", ".b", "bc", "c "}
+    assert record._pairs("ab") == {" a", "ab", "b "}
+    assert record._pairs("a.bc") == {" a", "a.", ".b", "bc", "c "}
 
 
 def test_unknown_names_past_the_hundredth_are_listed_without_suggestions():
@@ -772,12 +774,12 @@ def test_a_flat_key_that_is_not_a_string_is_refused_by_its_type(without_type_che
 def test_problems_are_only_added_never_removed_or_changed():
     """A load's problems are collected in `Problems`, which adds and nothing else: no step
     can delete, replace or rewrite a problem another step recorded."""
-    first = _problems.StateProblem("shape", "a", (2,), (3,), "first")
-    found = _problems.Problems([first])
+    first = record.StateProblem("shape", "a", (2,), (3,), "first")
+    found = record.Problems([first])
     found.append(_problems.missing("b"))
     found += [_problems.abstract("c")]
     assert [p.name for p in found] == ["a", "b", "c"] and len(found) == 3 and found
-    assert not _problems.Problems()
+    assert not record.Problems()
     for change in ("__setitem__", "__delitem__", "pop", "remove", "clear", "insert", "sort"):
         assert not hasattr(found, change), change
     with pytest.raises(dataclasses.FrozenInstanceError):
@@ -786,19 +788,99 @@ def test_problems_are_only_added_never_removed_or_changed():
     assert error.problems[0] is first and len(error.problems) == 3
 
 
-def test_every_problem_is_built_in_one_place():
-    """Each kind of a load's or a selection's problem has one builder, in
-    taktiny/state/_problems.py: no other file of the package makes a StateProblem itself
-    (io's header checks, tt.by_name, tt.shard and the layer surgery use the builders). A
-    conversion's problems, the same record under the name convert has always given it, are
-    made in taktiny/convert/ alone."""
+# The builders (and checks that return records) one package uses of another's: the state
+# walk's, which the streaming load shares until one resolve serves both (issue 51), and a
+# selection's, whose checks the layer surgery's `where` and tt.shard's rules make as
+# tt.by_name does.
+SHARED = {
+    "loading/_checks.py": {"missing", "abstract"},
+    "loading/_steps.py": {"unknown", "shape", "dtype_kind"},
+    "nn/_surgery.py": {"unmatched"},
+    "sharding/_shard.py": {"rule_problems", "unreached"},
+}
+
+
+def _builders(tree: ast.Module) -> set[str]:
+    """The module-level functions of `tree` that return StateProblem records (one, maybe
+    None, or a list): its builders, and the checks that call them."""
+    return {
+        node.name
+        for node in tree.body
+        if isinstance(node, ast.FunctionDef)
+        and node.returns is not None
+        and "StateProblem" in ast.unparse(node.returns)
+    }
+
+
+def _made_outside(tree: ast.Module) -> list[str]:
+    """The calls of StateProblem in `tree` outside its builders."""
+    inside = {
+        id(call)
+        for node in tree.body
+        if isinstance(node, ast.FunctionDef) and node.name in _builders(tree)
+        for call in ast.walk(node)
+    }
+    return [
+        ast.unparse(node)[:40]
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call)
+        and ast.unparse(node.func).split(".")[-1] == "StateProblem"
+        and id(node) not in inside
+    ]
+
+
+def _used(tree: ast.Module, names: set[str]) -> set[str]:
+    """Which of `names` `tree` imports by name or reads off an imported module."""
+    modules = {
+        alias.asname or alias.name
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.Import, ast.ImportFrom))
+        for alias in node.names
+        if "problems" in alias.name
+    }
+    imported = {
+        alias.name
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom)
+        for alias in node.names
+    }
+    read = {
+        node.attr
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute) and ast.unparse(node.value) in modules
+    }
+    return (imported | read) & names
+
+
+def test_every_problem_is_built_beside_the_check_that_finds_it():
+    """Each kind of a load's, a selection's or a sharding's problem has one builder (a
+    function that returns the record), in the package whose check finds it: no code makes
+    a StateProblem outside a function that returns records, no two packages define one of
+    a name, and a package uses another's only as SHARED lists. A conversion's problems, the
+    same record under the name convert has always given it, are made in taktiny/convert/
+    and the load's planning of rules alone."""
     root = pathlib.Path(tt.__file__).parent
     texts = {str(path.relative_to(root)): path.read_text() for path in root.rglob("*.py")}
-    assert {path for path, text in texts.items() if "StateProblem(" in text} == {
-        "state/_problems.py"
+    trees = {path: ast.parse(text) for path, text in texts.items()}
+    assert {path: _made_outside(tree) for path, tree in trees.items() if _made_outside(tree)} == {}
+    home = {}  # builder -> the package that defines it
+    for path, tree in trees.items():
+        for name in _builders(tree):
+            assert name not in home, name
+            home[name] = path.split("/")[0]
+    assert {"unknown", "unmatched", "bad_rule", "stored_both"} <= home.keys()
+    assert {home["unknown"], home["bad_rule"], home["stored_both"]} == {
+        "state",
+        "sharding",
+        "loading",
     }
+    used = {
+        path: {n for n in _used(tree, set(home)) if home[n] != path.split("/")[0]}
+        for path, tree in trees.items()
+    }
+    assert {path: names for path, names in used.items() if names} == SHARED
     converting = {path for path, text in texts.items() if "ConversionProblem(" in text}
-    converting -= {"state/_problems.py"}  # (whose docs name the form of earlier releases)
+    converting -= {"_problems.py"}  # (whose docs name the form of earlier releases)
     assert converting and all(
         path.startswith(("convert/", "loading/_steps.py")) for path in converting
     )
@@ -818,10 +900,8 @@ def test_every_problem_is_built_in_one_place():
 def test_a_load_whose_names_are_almost_all_unknown_is_told_to_convert_them(
     matched, unknown, advice
 ):
-    problems = [
-        _problems.StateProblem("unknown", f"u{i}", None, f"u{i}", "?") for i in range(unknown)
-    ]
-    problems += [_problems.StateProblem("missing", f"m{i}", None, None, "?") for i in range(3)]
+    problems = [record.StateProblem("unknown", f"u{i}", None, f"u{i}", "?") for i in range(unknown)]
+    problems += [record.StateProblem("missing", f"m{i}", None, None, "?") for i in range(3)]
     message = str(_problems.StateDictError("f()", problems, matched=matched))
     last = message.splitlines()[-1]
     if advice is None:

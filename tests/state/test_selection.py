@@ -21,6 +21,7 @@ import pytest
 import taktiny as tt
 from taktiny import convert as cv
 from taktiny import nn
+from taktiny._problems import ProblemsError
 
 
 class Block(nn.Module):
@@ -326,6 +327,7 @@ def test_state_conversion_and_selection_problems_are_one_record():
     ]
     for error in (load, conversion, selection):
         assert str(error.value).splitlines()[1] == f"  - {error.value.problems[0]}"
+        assert isinstance(error.value, ProblemsError)  # (one error base lists them all)
 
 
 def test_the_old_key_and_the_old_conversion_form_still_work_with_a_warning():
