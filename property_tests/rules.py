@@ -51,22 +51,49 @@ def as_spec(spec: Any) -> PartitionSpec:
 
 
 def first_rules(
-    rules: list[tuple[str, Any]], names: list[str]
+    rules: list[tuple[str, Any]],
+    names: list[str],
+    params: dict[str, tuple[str, tuple[int, ...], tuple[int, ...]]] | None = None,
 ) -> tuple[dict[str, PartitionSpec], list[str], list[str]]:
     """Each name's spec (its first matching rule's; ``P()`` when none matches), the names no
-    rule matches, and the patterns of the rules that are no name's first match, in order."""
+    rule matches, and the patterns of the rules that are no name's first match, in order.
+
+    A leaf of a custom parameter (`params`: its name -> the parameter's name, the leaf's
+    shape, the parameter's shape) also takes a rule that names its parameter whole, if that
+    comes first: the spec as given where the leaf has the parameter's shape, else its
+    entries on the axes of the parameter's size only (none on a leaf of another rank)."""
     specs: dict[str, PartitionSpec] = {}
     unmatched, first = [], set()
     for name in names:
-        hit = next((i for i, (p, _) in enumerate(rules) if pattern_matches(p, name)), None)
+        param, shape, whole = (params or {}).get(name, (None, (), ()))
+        matching = [name] if param is None else [name, param]
+        hit = next(
+            (i for i, (p, _) in enumerate(rules) if any(pattern_matches(p, n) for n in matching)),
+            None,
+        )
         if hit is None:
             unmatched.append(name)
             specs[name] = PartitionSpec()
-        else:
+        elif pattern_matches(rules[hit][0], name):
             first.add(hit)
             specs[name] = as_spec(rules[hit][1])
+        else:
+            first.add(hit)
+            specs[name] = _of_parameter(as_spec(rules[hit][1]), shape, whole)
     unused = [pattern for i, (pattern, _) in enumerate(rules) if i not in first]
     return specs, unmatched, unused
+
+
+def _of_parameter(spec: PartitionSpec, shape: tuple[int, ...], whole: tuple[int, ...]) -> Any:
+    """A parameter's spec for one of its leaves (the oracle of `first_rules`)."""
+    if shape == whole:
+        return spec
+    if len(shape) != len(whole) or len(spec) > len(whole):
+        return PartitionSpec()
+    entries = list(spec) + [None] * (len(whole) - len(spec))
+    return PartitionSpec(
+        *(e if a == b else None for e, a, b in zip(entries, shape, whole, strict=True))
+    )
 
 
 def fits(spec: PartitionSpec, shape: tuple[int, ...], mesh: Mesh) -> bool:

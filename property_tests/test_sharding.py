@@ -24,7 +24,7 @@ from .arrays import arrays, mesh_placements, partition_specs, shapes
 from .budget import examples
 from .checks import assert_same_leaf, dtype_of, identities, named_leaves, nest
 from .rules import as_spec, first_rules, fits, placing_rules, rule_lists
-from .strategies import models, replaced, revalued
+from .strategies import Scaled, models, replaced, revalued
 
 
 @settings(max_examples=examples(100))
@@ -60,6 +60,24 @@ def test_loading_onto_another_placement_reshards_with_equal_values(platform, dat
             alike = value.sharding.is_equivalent_to(placed[name].sharding, value.ndim)
             assert alike, f"{name}: {value.sharding}"
     assert identities(model) == before and identities(target) == target_before
+
+
+def parameters(model):
+    """Each leaf of a custom parameter (`Scaled`) by its flat name: the parameter's name, the
+    leaf's shape and the parameter's (a value without a shape: ``()``)."""
+    out = {}
+
+    def walk(node, prefix):
+        for key, value in node.items():
+            name = f"{prefix}{key}"
+            if isinstance(value, dict):
+                walk(value, name + ".")
+            elif isinstance(value, Scaled):
+                for part in ("value", "scale"):
+                    out[f"{name}.{part}"] = (name, np.shape(getattr(value, part)), ())
+
+    walk(model.state_dict(), "")
+    return out
 
 
 def assert_whole_shards(x, where):
@@ -102,7 +120,7 @@ def test_shard_places_each_leaf_by_its_first_matching_rule(platform, data):
     abstract = data.draw(st.booleans(), label="abstract")
     strict = data.draw(st.booleans(), label="strict")
     tree = jax.eval_shape(lambda: model) if abstract else model
-    specs, unmatched, unused = first_rules(pairs, list(flat))
+    specs, unmatched, unused = first_rules(pairs, list(flat), parameters(model))
     bad = [name for name, spec in specs.items() if not fits(spec, np.shape(flat[name]), mesh)]
     before, tree_before = identities(model), identities(tree)
 

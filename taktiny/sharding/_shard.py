@@ -24,6 +24,7 @@ from ..state import (
     placeable,
     rule_list,
     rule_problems,
+    unmatched,
     unreached,
 )
 
@@ -124,11 +125,14 @@ def _plan(
     mesh = _concrete_mesh(mesh, caller)
     leaves, treedef, names = flatten(tree)
     found = match(checked, names.names, PartitionSpec())
-    found = _whole_parameters(checked, names, leaves, found)
+    found, shadowed = _whole_parameters(checked, names, leaves, found)
     found = _adapters(checked, names.names, found)
     found = _layer_axes(names, found)
     # a rule that matches nothing is a typo, most often: never silently left out
-    problems = rule_problems(found, checked, names.names, None)
+    problems = [
+        shadowed.get(p.name, p) if p.kind == "unmatched" else p
+        for p in rule_problems(found, checked, names.names, None)
+    ]
     # models repeat a few shapes and specs: each pair is checked, and each spec made into a
     # sharding, once (PartitionSpecs are hashable; the rules hold the same few objects)
     checks: dict[tuple[Any, ...], list[str]] = {}
@@ -156,6 +160,17 @@ def _plan(
     return plan, leaves, treedef, shardings
 
 
+def shadowed_rule(pattern: str, leaf: str, taker: str, param: str) -> StateProblem:
+    """A rule for `leaf`, which the earlier rule `taker` took by naming its parameter
+    `param` whole."""
+    return unmatched(
+        pattern,
+        "name",
+        f"the names it would match ({leaf!r}) go to the earlier rule {taker!r}, which names "
+        f"their parameter {param!r} whole; put the more specific rule first",
+    )
+
+
 def bad_rule(pattern: str, why: str) -> StateProblem:
     """A rule whose pattern or value is not one (`why`: the error that says so)."""
     return StateProblem("rule", pattern, None, None, why)
@@ -174,40 +189,41 @@ def _whole_parameters(
     names: Spec,
     leaves: list[Any],
     found: Match,
-) -> Match:
+) -> tuple[Match, dict[str, StateProblem]]:
     """`found` with the rules that name a custom parameter whole (``"*.kernel"`` for a
     QArray's ``kernel.value`` and ``kernel.scale``) applied to its leaves. For each leaf the
     first rule naming either the leaf or its parameter wins; a parameter's spec splits a
     leaf's axes that have the parameter's size (a QArray's value wholly; its scale on the
     axes it shares with the value, such as the output axis), and the others not at all.
     In a stack of layers the spec is one layer's, so one layer's shapes are compared (the
-    layer axis, which `_layer_axes` adds, left out)."""
+    layer axis, which `_layer_axes` adds, left out). A rule for a leaf that an earlier rule
+    took by naming its parameter whole is unused, with the problem that says so (by
+    pattern)."""
     params = list(customs(names.template))
     if not params:
-        return found
+        return found, {}
     compiled = [compile_pattern(pattern) for pattern, _ in rules]
-    values, unmatched = list(found.values), set(found.unmatched)
-    used: set[str] = set()  # patterns whose first rule names a parameter whole
+    values, unmatched, firsts = list(found.values), set(found.unmatched), list(found.firsts)
+    shadowed: dict[str, tuple[str, str, str]] = {}  # pattern: (leaf, earlier rule, parameter)
     for name, node in params:
         cut = 0 if names.stack_of(name) is None else 1  # (a stack's: one layer's shapes)
         shape = tuple(np.shape(node.treedef.unflatten(leaves[node.start : node.stop])))[cut:]
         for i in range(node.start, node.stop):
-            for regex, (pattern, spec) in zip(compiled, rules, strict=True):
+            for k, (regex, (_, spec)) in enumerate(zip(compiled, rules, strict=True)):
                 if regex.fullmatch("." + names.names[i]):
                     break  # a rule for the leaf itself came first: as matched
                 if regex.fullmatch("." + name):
                     values[i] = _follow(spec, tuple(np.shape(leaves[i]))[cut:], shape)
                     unmatched.discard(names.names[i])
-                    used.add(pattern)
+                    before, firsts[i] = firsts[i], k
+                    if before is not None:  # (that rule, silently ignored, would mislead)
+                        leaf, taker = names.names[i], rules[k][0]
+                        shadowed.setdefault(rules[before][0], (leaf, taker, name))
                     break
-    # A pattern's first rule is the one that names a parameter (a later rule of the same
-    # pattern never matches first); it is in `found.unused` when all of them are.
-    unused = list(found.unused)
-    patterns = [pattern for pattern, _ in rules]
-    for pattern in used:
-        if unused.count(pattern) == patterns.count(pattern):
-            unused.remove(pattern)  # (its first: unused is in rule order)
-    return Match(values, [n for n in found.unmatched if n in unmatched], unused)
+    taken = set(firsts)  # (a rule no leaf takes first is unused)
+    unused = [pattern for k, (pattern, _) in enumerate(rules) if k not in taken]
+    found = Match(values, [n for n in found.unmatched if n in unmatched], unused, tuple(firsts))
+    return found, {p: shadowed_rule(p, *shadowed[p]) for p in unused if p in shadowed}
 
 
 # A low-rank adapter's factors (``nn.LoRALinear``, ``nn.LoRAEmbed``) and the axis of their

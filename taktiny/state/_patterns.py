@@ -73,6 +73,7 @@ class Match(NamedTuple):
     values: list[Any]  # for each name, the value of the first rule matching it (or default)
     unmatched: list[str]  # names no rule matched
     unused: list[str]  # patterns that matched no name
+    firsts: tuple[int | None, ...] = ()  # (rules:) each name's first rule's index, or None
 
 
 def rule_list(rules: Any, what: str) -> list[tuple[str, Any]]:
@@ -98,18 +99,21 @@ def match(rules: list[tuple[str, Any]], names: Sequence[str], default: Any) -> M
     used = [False] * len(compiled)
     values: list[Any] = []
     unmatched: list[str] = []
+    firsts: list[int | None] = []
     for name in names:
         dotted = "." + name
         for i, (regex, value) in enumerate(compiled):
             if regex.fullmatch(dotted):
                 used[i] = True
                 values.append(value)
+                firsts.append(i)
                 break
         else:
             unmatched.append(name)
             values.append(default)
+            firsts.append(None)
     unused = [rules[i][0] for i, hit in enumerate(used) if not hit]
-    return Match(values, unmatched, unused)
+    return Match(values, unmatched, unused, tuple(firsts))
 
 
 def select(patterns: Sequence[str], names: Sequence[str]) -> Match:

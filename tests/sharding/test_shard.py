@@ -566,6 +566,22 @@ def test_a_rule_naming_a_quantized_weight_places_its_value_and_its_scale():
         tt.shard(model, [("encoder.*.up.kernel", (None, None, "model"))], mesh)
 
 
+def test_a_rule_for_a_part_after_a_rule_naming_its_parameter_whole_is_unused():
+    """An earlier rule that names a QArray whole takes its parts, so a later rule for a part
+    is no leaf's first: an error that says why, not a rule silently ignored (found by the
+    thorough property profile: the part stayed replicated where the user asked for a split)."""
+    mesh = mesh_of()
+    model = tt.quantize(nn.Linear(16, 8, rngs=nn.Rngs(0)), bits=8)
+    with pytest.raises(tt.SelectionError, match=r"1 problem:\n  - 'kernel\.value': matches no "
+                       r"name; the names it would match \('kernel\.value'\) go to the earlier "
+                       r"rule '\*', which names their parameter 'kernel' whole; put the more "
+                       r"specific rule first\.$"):  # fmt: skip
+        tt.sharding_plan(model, [("*", ()), ("kernel.value", (None, "model"))], mesh)
+    plan = tt.sharding_plan(model, [("kernel.value", (None, "model")), ("*", ())], mesh)
+    assert plan.specs == {"kernel.value": P(None, "model"), "kernel.scale": P(None, None),
+                          "bias": P()}  # fmt: skip
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class LowRank:

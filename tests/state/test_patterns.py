@@ -129,7 +129,8 @@ def test_match_gives_the_first_rule_and_reports_what_went_unmatched_and_unused()
     assert found.values == [1, 2, 1, 0]
     assert found.unmatched == ["c"]
     assert found.unused == ["zz", "a.x", "q.**"]  # 'a.x' is shadowed by '*.x'
-    assert _patterns.match([], names, default=None) == ([None] * 4, names, [])
+    assert found.firsts == (0, 1, 0, None)  # each name's first rule
+    assert _patterns.match([], names, default=None) == ([None] * 4, names, [], (None,) * 4)
 
 
 def test_a_double_star_matches_empty_parts_too():

@@ -796,7 +796,7 @@ SHARED = {
     "loading/_checks.py": {"missing", "abstract"},
     "loading/_steps.py": {"unknown", "shape", "dtype_kind"},
     "nn/_surgery.py": {"unmatched"},
-    "sharding/_shard.py": {"rule_problems", "unreached"},
+    "sharding/_shard.py": {"rule_problems", "unmatched", "unreached"},
 }
 
 
