@@ -35,7 +35,7 @@ class StateDictError(ProblemsError):
     bad keys, a dict where an array belongs), then problems with values (shape,
     dtype, not an array), then names that were not supplied; within each group, in
     the order of the state. The message shows the first 20; all of them are in
-    :attr:`problems` (a tuple of :class:`StateProblem`), and by name in
+    ``problems`` (a tuple of :class:`StateProblem`), and by name in
     :attr:`missing_keys` and :attr:`unexpected_keys`.
 
     When almost none of the names given is the model's (at most one in ten, and three or

@@ -24,7 +24,7 @@ class SelectionError(ProblemsError):
     it could choose (with what it matches instead, or the closest names), ``"missing"``
     for a leaf no rule reaches where every leaf must be, ``"sharding"`` for a spec a leaf
     cannot take, ``"rule"`` for a rule that is not one. The message shows the first 20; all
-    of them are in :attr:`problems`. It is a ``ValueError``, as these calls raised before.
+    of them are in ``problems``. It is a ``ValueError``, as these calls raised before.
 
     Args:
         where: the call that failed, which starts the message (``"taktiny.lora on Net"``).
