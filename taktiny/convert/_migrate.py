@@ -40,6 +40,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
+from ..quant import part_names
 from ..state import Schema, declared_versions, flatten, schema_of
 from ._convert import Converted
 from ._coverage import ConversionError, ConversionProblem, plan, runner, spec
@@ -456,7 +457,7 @@ def _check_added(added: set[str], leaves: Mapping[str, Any], where: str) -> None
             "rename it in the migration that renamed the parameter.",
         )
         for name in sorted(added)
-        if name not in leaves and f"{name}.value" not in leaves  # (a quantized one: its parts)
+        if name not in leaves and part_names(name)[0] not in leaves  # (a quantized one: parts)
     ]
     if problems:
         raise ConversionError(where, problems)
@@ -466,7 +467,7 @@ def without_values(added: set[str], leaves: Mapping[str, Any]) -> list[Conversio
     """A problem for each name in `added` (the parameters the migrations add, which keep
     the model's values) whose leaf the model holds no value for (an abstract model's), in
     the model's order."""
-    names = {f"{n}.value": n for n in added} | {n: n for n in added}
+    names = {part_names(n)[0]: n for n in added} | {n: n for n in added}
     return [
         ConversionProblem(
             "missing",

@@ -26,7 +26,7 @@ import jax
 import numpy as np
 
 from .._version import __version__
-from ..quant import FOUR_BIT, PACKED, QUANTIZED, QArray, layout, pack
+from ..quant import FOUR_BIT, PACKED, QUANTIZED, Parameter, pack
 from ..state import KEY, Schema, flatten, is_flat, leaf_entry, params, schema_of
 from . import _background, _checksum
 from ._background import BackgroundSave, Commit, Files, T
@@ -586,7 +586,7 @@ def _flat(tree: Any) -> tuple[Mapping[str, Any], dict[str, Any], Callable[[], Sc
                 raise TypeError(f"save_safetensors: tensor names must be strings, got {key!r}")
         return tree, {}, lambda: Schema({n: leaf_entry(v) for n, v in tree.items()})
     leaves, _, spec = flatten(tree)
-    layouts = {n: layout(q) for n, q in params(leaves, spec).items() if isinstance(q, QArray)}
+    layouts = {n: q.record() for n, q in params(leaves, spec).items() if isinstance(q, Parameter)}
     flat = dict(zip(spec.names, leaves, strict=True))
     return flat, layouts, functools.partial(schema_of, leaves, spec)
 

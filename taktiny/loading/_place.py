@@ -19,7 +19,7 @@ from .._problems import Problems
 from ..arrays import default_device
 from ..convert import Step, dequantize_blocks, transpose
 from ..io import MAP_FLAGS, Tensor
-from ..quant import QArray, quantize_like
+from ..quant import Parameter
 from ..state import checked_value, placeable
 from ..state import problems as err
 from ._checks import spec_of
@@ -62,18 +62,17 @@ def transformed(load: Load, step: Step, read: list[np.ndarray], scratch: Scratch
         made: list[tuple[str, Any]] = []
         if isinstance(result, list):  # made for its leaf, or its parts, already
             made = result
-        elif isinstance(result, QArray):  # made quantized (a compressed-tensors module): its
-            if like is not None:  # parts as they are, in the layout the plan checked
-                made = [(f"{name}.value", result.value), (f"{name}.scale", result.scale)]
+        elif isinstance(result, Parameter):  # made quantized (a compressed-tensors module):
+            if like is not None:  # its parts as they are, in the layout the plan checked
+                made = result.named_parts(name)
             elif name in leaves:  # or dequantized into the float leaf's dtype
-                made = [(name, result.dequantize(spec_of(leaves[name])[1]))]
+                made = [(name, result.to_float(spec_of(leaves[name])[1]))]
         elif like is not None:  # checked and cast as for the float model, then quantized
             logical = jax.ShapeDtypeStruct(like.shape, like.dtype)
             result = checked_value(name, result, logical, problems)
             if result is None:
                 continue
-            q = quantize_like(result, like, name)
-            made = [(f"{name}.value", q.value), (f"{name}.scale", q.scale)]
+            made = like.from_float(result, name).named_parts(name)
         elif name in leaves:
             made = [(name, result)]
         for part, value in made:
@@ -100,8 +99,8 @@ def _fp8_placed(
     like = load.quantized.get(name)
     if like is not None:
         weights, scales = arrays
-        value, scale = blocks.placed(weights, scales, like.dtype, like)
-        return [(f"{name}.value", value), (f"{name}.scale", scale)]
+        parts = blocks.placed(weights, scales, like.dtype, like)
+        return list(zip(like.part_names(name), parts, strict=True))
     if name not in load.leaves:
         return []
     weights, scales = arrays

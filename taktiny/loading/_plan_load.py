@@ -23,7 +23,7 @@ from .._messages import table
 from .._problems import StateProblem
 from ..convert import AnyRule, ConversionProblem, Step, identity, stages_text
 from ..io import Checkpoint, byte_size
-from ..quant import QArray
+from ..quant import Parameter
 from ._budget import Budget
 from ._checks import spec_of
 from ._place import sharding_of
@@ -303,7 +303,7 @@ def _planned(way: Way, leaves: Mapping[str, Any], quantized: Mapping[str, Any]) 
                 casts.append((name, tensor.dtype.name, want.name))
     quantizing = way.word == "quantized" and step.rule is not IDENTITY
     outs = results_of(step, sources) if quantizing else ()
-    stored = {n for n, out in zip(step.targets, outs, strict=False) if isinstance(out, QArray)}
+    stored = {n for n, out in zip(step.targets, outs, strict=False) if isinstance(out, Parameter)}
     for name in step.targets:
         if name in stored:  # quantized parts a transform unpacked: placed as they are
             casts.append(

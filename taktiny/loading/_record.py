@@ -30,7 +30,7 @@ from ..convert import (
     without_values,
 )
 from ..io import Checkpoint, open_safetensors, schema_part
-from ..quant import QArray
+from ..quant import Parameter
 from ..state import KEY, Flat, is_flat, load_resolved, params, recorded_versions
 from ._layers import Layered, Stacker, layered
 
@@ -88,7 +88,7 @@ class Load:
     tree: Any
     view: Flat
     leaves: Mapping[str, Any]
-    quantized: Mapping[str, QArray]
+    quantized: Mapping[str, Parameter]
     keys: tuple[str, ...] | None
     rules: Sequence[AnyRule] | None
     allow: Mapping[str, Sequence[str]] | None
@@ -137,7 +137,7 @@ def open_load(
             f"the abstract model with taktiny.eval_shape, which keeps the mesh, or place it "
             f"with taktiny.shard(model, rules, mesh)."
         )
-    quantized = {n: q for n, q in params(view.olds, view.spec).items() if isinstance(q, QArray)}
+    quantized = {n: q for n, q in params(view.olds, view.spec).items() if isinstance(q, Parameter)}
     keys = None if tree is model or layers is not None else tuple(model)
     return Load(
         where, checkpoint, tree, view, leaves, quantized, keys, rules, allow, strict, verify,
@@ -175,9 +175,10 @@ def _clash(leaf: str, longer: str) -> None:
     )
 
 
-def parts_of(name: str, quantized: Mapping[str, QArray]) -> tuple[str, ...]:
-    """The leaves a step's target fills: a quantized parameter's two parts, or itself."""
-    return (f"{name}.value", f"{name}.scale") if name in quantized else (name,)
+def parts_of(name: str, quantized: Mapping[str, Parameter]) -> tuple[str, ...]:
+    """The leaves a step's target fills: a quantized parameter's parts, or itself."""
+    like = quantized.get(name)
+    return (name,) if like is None else like.part_names(name)
 
 
 def migrated(load: Load, *, has_values: bool = False) -> Load:

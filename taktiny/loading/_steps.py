@@ -31,16 +31,7 @@ from ..convert import (
 from ..io import Checkpoint, Tensor
 from ..state import kind, other_forms
 from ..state import problems as err
-from ._checks import (
-    absent_leaves,
-    check_packed_listed,
-    other_layout,
-    other_representation,
-    quantized_into_float,
-    spec_of,
-    stored_both,
-    unquantizable,
-)
+from ._checks import absent_leaves, check_packed_listed, quantized_into_float, spec_of
 from ._record import Load, parts_of
 
 
@@ -110,22 +101,21 @@ def plain_plan(load: Load) -> tuple[list[Step], Problems]:
     done: set[str] = set()  # checkpoint names checked here, as quantized parameters
     covered: set[str] = set()  # the parts of those (loaded, or refused with a problem)
     for name, like in quantized.items():
-        parts = [p for p in (f"{name}.value", f"{name}.scale") if p in checkpoint]
-        tensor = checkpoint.get(name)
-        if tensor is not None:  # a float array, quantized as it is loaded
-            done.update([name, *parts])
+        stored = {n: checkpoint[n] for n in (name, *like.part_names(name)) if n in checkpoint}
+        if not stored:
+            continue
+        problem = like.stored_problem(name, stored, checkpoint.quantized.get(name))
+        if name in stored:  # a float array, quantized as it is loaded
+            done.update(stored)
             covered.update(parts_of(name, quantized))
-            problem = stored_both(name, parts) if parts else unquantizable(name, tensor, like)
             if problem is not None:
                 problems.append(problem)
             else:
                 steps.append(Step(IDENTITY, (name,), (name,)))
-        elif parts:
-            problem = other_representation(name, like, checkpoint)
-            if problem is not None:
-                problems.append(problem)
-                done.update(parts)
-                covered.update(parts_of(name, quantized))
+        elif problem is not None:  # its parts, quantized otherwise
+            problems.append(problem)
+            done.update(stored)
+            covered.update(parts_of(name, quantized))
     unknown = [(n, checkpoint[n]) for n in checkpoint if n not in leaves and n not in done]
     floats = quantized_into_float(checkpoint, leaves, [n for n, _ in unknown])
     problems += floats.values()
@@ -219,7 +209,7 @@ def ruled_steps(
         )
         for name in targets:
             like, got = quantized[name], made_by[name]
-            problem = other_layout(name, like, got, step.sources)
+            problem = like.made_problem(name, got, step.sources)
             if problem is not None:
                 others.append(problem)
     if others:

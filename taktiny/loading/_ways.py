@@ -19,7 +19,7 @@ import numpy as np
 from ..arrays import default_device
 from ..convert import Step, Transform, chain, dequantize_blocks, identity, runner, transpose
 from ..io import BOX_PIECE, Tensor, read_together
-from ..quant import QArray
+from ..quant import Parameter
 from ._checks import spec_of
 from ._layers import Stacker
 from ._place import (
@@ -281,7 +281,7 @@ class Transformed(Way):
         """What the plan counts of the result `out` made for the target `name`: unpacked
         parts, a result quantized or cast."""
         leaf = load.leaves.get(name)
-        if isinstance(out, QArray):  # unpacked parts: placed as they are, or dequantized
+        if isinstance(out, Parameter):  # unpacked parts: placed as they are, or dequantized
             return out.nbytes
         if name in load.quantized or (leaf is not None and np.dtype(out.dtype) != spec_of(leaf)[1]):
             return math.prod(out.shape) * np.dtype(out.dtype).itemsize
@@ -469,6 +469,6 @@ def _stages(transform: Transform) -> list[Transform]:
 
 
 def _nbytes(spec: Any) -> int:
-    if isinstance(spec, QArray):  # (unpacked parts: their own bytes)
+    if isinstance(spec, Parameter):  # (unpacked parts: their own bytes)
         return spec.nbytes
     return math.prod(spec.shape) * np.dtype(spec.dtype).itemsize

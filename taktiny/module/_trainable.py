@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from ..arrays import CACHE_BOUND
-from ..quant import QArray
+from ..quant import Parameter
 from ._module import Module
 
 _TRAINABLE: dict[Any, list[bool]] = {}  # tree structure -> trainable flag per leaf
@@ -27,9 +27,9 @@ def _flags(node: Any, trainable: bool, out: list[bool], adapter: bool, marks: li
                 keep = trainable and getattr(declared.get(name), "trainable", True)
                 _flags(node.__dict__[name], keep, out, adapter or name in adapters, marks)
         return
-    if isinstance(node, QArray):  # neither its integers nor its scales are trained
-        _flags(node.value, False, out, adapter, marks)
-        _flags(node.scale, False, out, adapter, marks)
+    if isinstance(node, Parameter):  # a QArray: neither its integers nor its scales trained
+        for part in node.part_values():
+            _flags(part, trainable and node.trained, out, adapter, marks)
         return
     children, treedef = jax.tree_util.tree_flatten(node, is_leaf=lambda x: x is not node)
     if treedef.num_nodes == 1 and treedef.num_leaves == 1:  # a leaf

@@ -32,9 +32,6 @@ if TYPE_CHECKING:
 else:
     np = _lazy.module("numpy")  # (a header needs no NumPy: imported when a tensor is read)
 
-if TYPE_CHECKING:
-    from ._qarray import QArray
-
 # (JAX and the quantized arrays are imported where a load needs them: opening a file, and
 # listing it with `taktiny inspect`, imports neither)
 PACKED = "taktiny_packed"  # the header metadata keys
@@ -172,8 +169,3 @@ def check_quantized(name: str, record: Mapping[str, Any], tensors: Mapping[str, 
             f"checkpoint holds {scale.dtype.name}{list(scale.shape)}"
         )
     return None
-
-
-def layout(q: QArray) -> dict[str, Any]:
-    """The `QUANTIZED` record of `q`."""
-    return {"bits": q.bits, "axis": q.axis, "group_size": q.group_size, "shape": list(q.shape)}

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping, Sequence
 from functools import partial
-from typing import Any
+from typing import Any, ClassVar
 
 import equinox as eqx
 import jax
@@ -20,7 +21,11 @@ import wadler_lindig as wl
 from jax.core import Tracer
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
+import taktiny.quant._problems as err
+
+from .._problems import StateProblem
 from ..arrays import ARRAY_TYPES, CACHE_BOUND, eval_shape, mesh_text
+from ._parameter import Parameter
 
 INT_DTYPES = {8: jnp.dtype(jnp.int8), 4: jnp.dtype(jnp.int4)}
 _QMAX = {8: 127, 4: 7}
@@ -276,7 +281,7 @@ def _problem(q: QArray) -> str | None:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True, eq=False, repr=False)
-class QArray:
+class QArray(Parameter):
     """A quantized array, ``value * scale``: one parameter of a model.
 
     Its parts are its PyTree children, named ``value`` and ``scale`` in the flat state
@@ -294,6 +299,8 @@ class QArray:
         axis: the quantized axis, along which the scales are taken (a contraction axis).
         group_size: entries per scale along `axis`; None for one scale per channel.
     """
+
+    parts: ClassVar[tuple[str, ...]] = PARTS
 
     value: Any
     scale: Any
@@ -416,3 +423,74 @@ class QArray:
 
     def __pdoc__(self, **kwargs: Any) -> wl.AbstractDoc:
         return wl.TextDoc(repr(self))
+
+    # --- As a `Parameter`: what the state walk, saving and the loaders ask of it -------
+
+    def from_float(self, array: Any, name: str = "the array") -> QArray:
+        """`array` quantized as this QArray is (:func:`quantize_like`)."""
+        return quantize_like(array, self, name)
+
+    def to_float(self, dtype: Any = None) -> Any:
+        """:meth:`dequantize`."""
+        return self.dequantize(dtype)
+
+    @classmethod
+    def from_parts(cls, parts: Mapping[str, Any]) -> QArray | str:
+        """The QArray a ``{"value", "scale"}`` dict makes, its layout read from the parts
+        (:func:`parts_layout`); or why they make none."""
+        missing = [part for part in PARTS if part not in parts]
+        if missing:
+            return f"both the value and the scale are needed, got no {' or '.join(missing)}"
+        value, scale = parts["value"], parts["scale"]
+        if not all(hasattr(x, "shape") and hasattr(x, "dtype") for x in (value, scale)):
+            return "the value and the scale must be arrays"
+        layout = parts_layout(value, scale)
+        if isinstance(layout, str):
+            return layout
+        bits, axis, group_size = layout
+        try:
+            return cls(value, scale, bits=bits, axis=axis, group_size=group_size)
+        except ValueError as error:
+            return str(error).removeprefix("QArray: ").rstrip(".")
+
+    def layout(self) -> dict[str, Any]:
+        """Its bits, axis and group size."""
+        return {"bits": self.bits, "axis": self.axis, "group_size": self.group_size}
+
+    def same_layout(self, other: Parameter) -> bool:
+        """Whether `other` is a QArray of the same bits, axis and group size."""
+        return isinstance(other, QArray) and other.layout() == self.layout()
+
+    def made_by(self) -> str:
+        """The `tt.quantize` call that quantizes a float model's layer as this one is."""
+        group = "" if self.group_size is None else f", group_size={self.group_size}"
+        return f"tt.quantize(model, bits={self.bits}{group})"
+
+    def stored_problem(
+        self, name: str, stored: Mapping[str, Any], record: Mapping[str, Any] | None
+    ) -> StateProblem | None:
+        """Both forms stored; a float array that is not one of its shape; parts stored
+        quantized otherwise (by their record, else their values' dtype)."""
+        return err.stored_problem(self, name, stored, record)
+
+    def made_problem(self, name: str, made: Any, sources: Sequence[str]) -> StateProblem | None:
+        """A QArray a conversion makes, quantized otherwise (None for anything else)."""
+        if not isinstance(made, QArray):
+            return None
+        return err.made_problem(self, name, made, sources)
+
+    def part_problem(self, problem: StateProblem, name: str) -> StateProblem:
+        """A part's problem (its value's dtype, its scale's shape) told as this one's."""
+        return err.quantized_problem(problem, name, self)
+
+
+def part_names(name: str) -> tuple[str, ...]:
+    """The flat names of the stored parts of a quantized parameter named `name`, in
+    flatten order (the first split as the whole is), for code that has its name only."""
+    return QArray.part_names(name)
+
+
+def from_parts(parts: Mapping[str, Any]) -> QArray | str:
+    """The quantized parameter a dict of its stored parts makes (``{"value": ...,
+    "scale": ...}``, as a checkpoint restored without a target gives them); or why none."""
+    return QArray.from_parts(parts)

@@ -12,6 +12,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from .._problems import StateProblem
 from ..arrays import ambient_mesh, as_spec, mesh_text, spec_problems
+from ..quant import part_names
 from ..state import (
     Match,
     Rules,
@@ -254,7 +255,7 @@ def _adapters(rules: list[tuple[str, PartitionSpec]], names: Sequence[str], foun
     for i, name in factors:
         layer, _, part = name.rpartition(".")
         for weight in (f"{layer}.{w}" if layer else w for w in _ADAPTED_WEIGHTS):
-            leaf = next((n for n in (weight, weight + ".value") if n in index), None)
+            leaf = next((n for n in (weight, part_names(weight)[0]) if n in index), None)
             if leaf is not None:
                 break
         else:

@@ -22,7 +22,7 @@ import numpy as np
 
 from .._problems import ProblemsError, StateProblem, Suggester
 from ..arrays import mesh_text
-from ..quant import PARTS, QArray
+from ..quant import PARTS, Parameter
 
 _ORDER = {"unknown": 0, "key": 0, "structure": 0, "missing": 2, "abstract": 2}  # values: 1
 
@@ -94,7 +94,7 @@ def describe(value: Any) -> str:
     """A value as a message names it: ``an array float32[2, 3]``, ``a dict with keys [...]``."""
     if isinstance(value, Mapping):
         return f"a dict with keys {list(cast('Mapping[Any, Any]', value))[:6]}"
-    if isinstance(value, QArray):
+    if isinstance(value, Parameter):
         return f"a {value!r}"
     if isinstance(value, jax.ShapeDtypeStruct):
         return f"an abstract array {np.dtype(value.dtype).name}{list(value.shape)}"

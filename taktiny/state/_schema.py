@@ -12,7 +12,7 @@ from typing import Any, NamedTuple, cast
 import taktiny.state._names as _names
 
 from .._messages import layout_text, short
-from ..quant import QArray
+from ..quant import Parameter
 
 FORMAT = "taktiny-schema/1"  # the JSON's "format": what its reader must know
 KEY = "taktiny_schema"  # the safetensors header metadata key a saved model's schema is under
@@ -289,9 +289,9 @@ def leaf_entry(leaf: Any) -> dict[str, Any]:
         leaf = np.asarray(leaf)
     quantization = None
     placed = leaf
-    if isinstance(leaf, QArray):
-        quantization = {"bits": leaf.bits, "axis": leaf.axis, "group_size": leaf.group_size}
-        placed = leaf.value
+    if isinstance(leaf, Parameter):
+        quantization = leaf.layout()
+        placed = leaf.part_values()[0]  # (its first part, split as the whole is)
     return {
         "shape": [int(n) for n in leaf.shape],
         "dtype": _dtype_name(leaf.dtype),

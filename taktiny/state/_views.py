@@ -18,7 +18,7 @@ from typing import Any, Protocol, TypeVar, cast, runtime_checkable
 import taktiny.state._names as _names
 
 from ..arrays import ARRAY_TYPES, SCALARS
-from ..quant import PARTS, QArray
+from ..quant import Parameter
 from ._names import Custom, Entry, tree_util
 from ._values import array_type
 
@@ -66,8 +66,9 @@ class View(Protocol[Where]):
         """The custom parameter's value in the tree."""
         ...
 
-    def quantized(self, where: Where) -> tuple[str, QArray] | None:
-        """The name and value of the QArray whose part the leaf at `where` is, if any."""
+    def quantized(self, where: Where) -> tuple[str, Parameter] | None:
+        """The name and value of the quantized parameter whose part the leaf at `where`
+        is, if any."""
         ...
 
     def flattened(self) -> tuple[list[Any], _names.Spec]:
@@ -133,17 +134,15 @@ class Flat:
     def name(self, where: int) -> str:
         return self.spec.names[where]
 
-    def quantized(self, where: int) -> tuple[str, QArray] | None:
-        """The name and value of the QArray whose part the leaf at `where` is, if any."""
+    def quantized(self, where: int) -> tuple[str, Parameter] | None:
+        """The name and value of the parameter whose part the leaf at `where` is, if any."""
         param, _, part = self.spec.names[where].rpartition(".")
-        if part not in PARTS:
-            return None
         node: Entry | None = self.spec.template
         for key in param.split("."):
             node = node.get(key) if type(node) is dict else None
         if isinstance(node, Custom):
             value = node.treedef.unflatten(self.olds[node.start : node.stop])
-            if isinstance(value, QArray):
+            if isinstance(value, Parameter) and part in value.parts:
                 return param, value
         return None
 
@@ -252,10 +251,11 @@ class Walk:
     def name(self, where: tuple[str, ...]) -> str:
         return ".".join(where)
 
-    def quantized(self, where: tuple[str, ...]) -> tuple[str, QArray] | None:
-        """The name and value of the QArray whose part the leaf at `where` is, if any."""
+    def quantized(self, where: tuple[str, ...]) -> tuple[str, Parameter] | None:
+        """The name and value of the parameter whose part the leaf at `where` is, if any."""
         param, node = self._params.get(where, ((), None))
-        if isinstance(node, QArray) and len(where) == len(param) + 1 and where[-1] in PARTS:
+        inside = isinstance(node, Parameter) and len(where) == len(param) + 1
+        if inside and where[-1] in node.parts:
             return ".".join(param), node
         return None
 
