@@ -29,9 +29,9 @@ from ..convert import (
     transpose,
 )
 from ..io import Checkpoint, Tensor
-from ..state import kind, other_forms
 from ..state import problems as err
-from ._checks import absent_leaves, check_packed_listed, quantized_into_float, spec_of
+from ..state import resolve_sources, unfilled
+from ._checks import check_packed_listed, spec_of
 from ._record import Load, parts_of
 
 
@@ -70,7 +70,7 @@ def steps_of(
                 raise
             raise explained(error, migration.stages, load.where, migration.problems) from None
         made = {p for s in steps for t in s.targets for p in parts_of(t, load.quantized)}
-        problems = absent_leaves(load.leaves, made | added, load.strict)
+        problems = unfilled(load.leaves.items(), made | added, load.strict)
         if problems:
             raise err.StateDictError(load.where, problems)
     files = {file: str(file) for file in {t.file for t in checkpoint.values()}}
@@ -93,57 +93,22 @@ def tensors_of(checkpoint: Checkpoint, step: Step) -> list[Tensor]:
 def plain_plan(load: Load) -> tuple[list[Step], Problems]:
     """One renaming step per tensor, when the checkpoint uses the model's own names (or a
     quantized parameter's own name for its float array), and every problem with the
-    names, shapes and dtype kinds, and with the leaves not loaded: the steps of the
+    names, shapes and dtype kinds, and with the leaves not loaded: the checkpoint's
+    headers resolved against the model by the state walk's one resolve
+    (:func:`taktiny.state.resolve_sources`), as a load of values is; the steps of the
     tensors that load, beside the problems of the others."""
-    checkpoint, leaves, quantized = load.checkpoint, load.leaves, load.quantized
-    problems = Problems()
-    steps = []
-    done: set[str] = set()  # checkpoint names checked here, as quantized parameters
-    covered: set[str] = set()  # the parts of those (loaded, or refused with a problem)
-    for name, like in quantized.items():
-        stored = {n: checkpoint[n] for n in (name, *like.part_names(name)) if n in checkpoint}
-        if not stored:
-            continue
-        problem = like.stored_problem(name, stored, checkpoint.quantized.get(name))
-        if name in stored:  # a float array, quantized as it is loaded
-            done.update(stored)
-            covered.update(parts_of(name, quantized))
-            if problem is not None:
-                problems.append(problem)
-            else:
-                steps.append(Step(IDENTITY, (name,), (name,)))
-        elif problem is not None:  # its parts, quantized otherwise
-            problems.append(problem)
-            done.update(stored)
-            covered.update(parts_of(name, quantized))
-    unknown = [(n, checkpoint[n]) for n in checkpoint if n not in leaves and n not in done]
-    floats = quantized_into_float(checkpoint, leaves, [n for n, _ in unknown])
-    problems += floats.values()
-    unknown = [(n, t) for n, t in unknown if n.rpartition(".")[0] not in floats]
-    stacks = (load.view if load.layers is None else load.layers.view).spec.stacks
-    forms = other_forms(unknown, leaves, stacks, "checkpoint")  # (a stack for a list, ...)
-    problems += forms.problems
-    unknown = [(n, t) for n, t in unknown if n not in forms.explained]
-    problems += err.unknown(unknown, list(leaves), True, set(checkpoint))
-    kinds: dict[Any, str | None] = {}  # (each dtype's kind, asked once)
+    checkpoint, leaves = load.checkpoint, load.leaves
     for name, tensor in checkpoint.items():
         leaf = leaves.get(name)
-        if leaf is None or name in done:
-            continue
-        shape, dtype = spec_of(leaf)
-        check_packed_listed(tensor, shape, dtype)
-        if tuple(tensor.shape) != shape:
-            problems.append(err.shape(name, shape, tuple(tensor.shape)))
-            continue
-        want, have = (kinds.get(d) or kinds.setdefault(d, kind(d)) for d in (dtype, tensor.dtype))
-        if want != have:
-            problems.append(err.dtype_kind(name, dtype, tensor.dtype, str(want), str(have)))
-        else:
-            steps.append(Step(IDENTITY, (name,), (name,)))
-    made = {p for s in steps for t in s.targets for p in parts_of(t, quantized)}
-    loaded = set(checkpoint) | made | covered | set(floats) | forms.covered
-    problems += absent_leaves(leaves, loaded, load.strict)
-    return steps, problems
+        if leaf is not None:
+            check_packed_listed(tensor, *spec_of(leaf))
+    stacks = (load.view if load.layers is None else load.layers.view).spec.stacks
+    sources = resolve_sources(
+        load.view, checkpoint, strict=load.strict, records=checkpoint.quantized, stacks=stacks
+    )
+    steps = [Step(IDENTITY, (entry,), (leaf,)) for leaf, entry in sources.leaves.items()]
+    steps += [Step(IDENTITY, (entry,), (name,)) for name, entry in sources.floats.items()]
+    return steps, Problems(sources.problems)
 
 
 def ruled_steps(

@@ -41,7 +41,10 @@ from ._selection import rule_problems as rule_problems
 from ._selection import unmatched as unmatched
 from ._selection import unreached as unreached
 from ._selection import unused_hint as unused_hint
+from ._state import Sources as Sources
 from ._state import load_resolved as load_resolved
+from ._state import resolve_sources as resolve_sources
+from ._state import unfilled as unfilled
 from ._tree import by_name as by_name
 from ._tree import flat_state_dict as flat_state_dict
 from ._tree import load_flat_state_dict as load_flat_state_dict

@@ -25,10 +25,10 @@ import taktiny.state._values as _values
 
 from .._problems import Problems, StateProblem
 from ..arrays import SCALARS
-from ..quant import PARTS, Parameter, from_parts
+from ..quant import PARTS, Parameter, from_parts, stored_for_float
 from ._names import tree_util
 from ._problems import describe
-from ._views import View
+from ._views import Flat, View
 
 _CHECKED_KINDS = ("dtype", "shape", "value", "structure")  # problems told as a parameter's
 
@@ -149,6 +149,85 @@ def _dequantized(other: Other, match: bool, problems: Problems) -> Any:
     else:
         return lambda: [(other.wheres[0], made.to_float(dtype))]
     return None
+
+
+def settled_sources(
+    view: Flat,
+    supplied: Mapping[Any, Any],
+    others: Iterable[Other],
+    state: Mapping[str, Any],
+    records: Mapping[str, Any],
+    problems: Problems,
+) -> Settled:
+    """The leaves of a load of abstract values (`state`: shapes and dtypes, a checkpoint's
+    tensors; `supplied` and `others`: what its names resolve to) that take an entry as it
+    is, by leaf name, and the quantized parameters made from a float entry: each checked from its
+    shape and dtype, the parts of a quantized parameter first against their layout (its
+    `records`, or their dtypes) by the parameter itself, a float entry for a parameter by
+    it too, quantized parts for a float leaf told. Problems go to `problems`."""
+    taken: dict[str, str] = {}
+    floats: dict[str, str] = {}
+    covered: set[str] = set()  # the parts of a parameter refused whole: told, not missing
+    unnamed: set[Any] = set()  # the leaves of the others that name nothing after all
+    parts: dict[str, tuple[Parameter, dict[Any, Any]]] = {}  # each parameter's parts given
+    for where, given in supplied.items():
+        owner = view.quantized(where)
+        if owner is None:
+            _take(view, where, given, taken, problems)
+        else:
+            parts.setdefault(owner[0], (owner[1], {}))[1][where] = given
+    for other in others:
+        name, old = other.name, other.old
+        if isinstance(old, Parameter):  # a float array under its name (with its parts?)
+            both = {n: state[n] for n in old.part_names(name) if n in state}
+            problem = old.stored_problem(name, {name: other.given, **both}, None)
+            parts.pop(name, None)  # (its parts, if given too: told with it)
+            if problem is not None:
+                problems.append(problem)
+            else:
+                floats[name] = name
+            continue
+        shape = tuple(np.shape(old))
+        dtype = jnp.result_type(old) if getattr(old, "dtype", None) is None else old.dtype
+        names = [f"{name}.{part}" for part in other.given]
+        problem = stored_for_float(name, names, records, shape, dtype)
+        if problem is not None:
+            problems.append(problem)
+        else:  # (a part alone, unrecorded: a name inside an array, which fills nothing)
+            problems.extend(err.inside_array(n, name, state[n]) for n in names)
+            unnamed.update(other.wheres)
+    for name, (like, given) in parts.items():
+        stored = {view.name(where): value for where, value in given.items()}
+        problem = like.stored_problem(name, stored, records.get(name))
+        if problem is not None:
+            problems.append(problem)
+            covered.update(like.part_names(name))
+            continue
+        for where, value in given.items():
+            _take(view, where, value, taken, problems)
+    return Settled(taken, floats, frozenset(covered), frozenset(unnamed))
+
+
+class Settled(NamedTuple):
+    """What `settled_sources` finds: each leaf's entry and each parameter's float entry
+    (by name), the parts of a parameter refused whole (not missing besides) and the
+    leaves whose other entries name nothing after all (missing, when a load must fill
+    them)."""
+
+    taken: dict[str, str]
+    floats: dict[str, str]
+    covered: frozenset[str]
+    unnamed: frozenset[Any]
+
+
+def _take(view: Flat, where: int, given: Any, taken: dict[str, str], problems: Problems) -> None:
+    """The leaf at `where` takes `given` (a shape and a dtype) as it is, once checked."""
+    name = view.name(where)
+    problem = _values.spec_problem(name, given, view.olds[where])
+    if problem is None:
+        taken[name] = name
+    else:
+        problems.extend(in_quantized(view, where, [problem]))
 
 
 def in_quantized(

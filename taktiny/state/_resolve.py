@@ -5,7 +5,7 @@ of a QArray under a float array's name) is set aside for `_represent`."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple, cast
 
 import taktiny.state._problems as err
@@ -13,7 +13,7 @@ import taktiny.state._problems as err
 from .._problems import StateProblem
 from ..quant import PARTS
 from ._layers import other_forms
-from ._names import tree_util
+from ._names import Stacked, tree_util
 from ._problems import describe
 from ._represent import Other
 from ._views import GROUP, LEAF, View
@@ -48,10 +48,20 @@ class _Found(NamedTuple):
     other: dict[Any, Other]
 
 
-def resolve(view: View[Any], state: Mapping[Any, Any], flat: bool, match: bool = False) -> Resolved:
+def resolve(
+    view: View[Any],
+    state: Mapping[Any, Any],
+    flat: bool,
+    match: bool = False,
+    source: str = "state",
+    stacks: Iterable[Stacked] | None = None,
+) -> Resolved:
     """Finds the leaf each entry of `state` names; lists the entries that name none. With
-    `match` (``match_quantization=True``), the parts of a QArray named under a float
-    array's name are gathered to be dequantized; without it they are unknown names."""
+    `match` (``match_quantization=True``), the parts of a quantized parameter named under
+    a float array's name are gathered to be converted (or told); without it they are
+    unknown names. `source` names the state in messages (``"state"`` or
+    ``"checkpoint"``); `stacks`, the stacks of layers a name may give in another form
+    (None: the view's own)."""
     found = _Found({}, [], {})
     if flat:
         for name, value in state.items():
@@ -67,7 +77,8 @@ def resolve(view: View[Any], state: Mapping[Any, Any], flat: bool, match: bool =
         problems: Any = found.entries
         return Resolved(found.supplied, tuple(problems), found.other)
     leaves, spec = view.flattened()  # (a stack given for a list, or the reverse: told once)
-    forms = other_forms(unknown, dict(zip(spec.names, leaves, strict=True)), spec.stacks, "state")
+    stacks = spec.stacks if stacks is None else stacks
+    forms = other_forms(unknown, dict(zip(spec.names, leaves, strict=True)), stacks, source)
     unknown = [(name, value) for name, value in unknown if name not in forms.explained]
     given = {view.name(w) for w in found.supplied}
     told = iter(err.unknown(unknown, spec.names, flat, given))

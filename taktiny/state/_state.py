@@ -10,7 +10,7 @@ on their paths; one that names many, or a stack's layers, flattens the tree once
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Container, Iterable, Iterator, Mapping
 from typing import Any, NamedTuple, cast
 
 import jax
@@ -244,6 +244,53 @@ def load(
     return _finish(view, found.supplied.items(), found, named, match, in_order)
 
 
+class Sources(NamedTuple):
+    """Where each leaf of a load of abstract values takes its value from (see
+    :func:`resolve_sources`): the names of the state, resolved and checked as a load of
+    values resolves and checks them, no value read.
+
+    Attributes:
+        leaves: each leaf's name -> the entry whose value it takes (cast within its
+            dtype kind), in the state's order.
+        floats: each quantized parameter's name -> the float entry it is made from (as
+            `Parameter.from_float` makes it), in the state's order.
+        problems: every problem: names that name nothing, shapes, dtype kinds, values in
+            another representation that cannot be loaded, leaves left unfilled.
+    """
+
+    leaves: dict[str, str]
+    floats: dict[str, str]
+    problems: list[StateProblem]
+
+
+def resolve_sources(
+    view: Flat,
+    state: Mapping[str, Any],
+    *,
+    strict: bool,
+    records: Mapping[str, Any],
+    source: str = "checkpoint",
+    stacks: Iterable[_names.Stacked] | None = None,
+) -> Sources:
+    """The load of `state` into the tree `view` flattened, abstract: `state`'s values
+    need only a shape and a dtype (a checkpoint's tensors, read from its headers), and
+    each is resolved to the leaf it names (`_resolve`, as a load of values), its shape and
+    dtype kind checked (`_values.spec_problem`), its representation settled
+    (`_represent.settled_sources`: the parts of a quantized parameter against their
+    `records`, a float array made into one), and the leaves left unfilled told, once.
+    `source` names the state in messages; `stacks`, the stacks whose other form a name
+    may give (None: the view's own)."""
+    found = resolve(view, state, True, match=True, source=source, stacks=stacks)
+    problems = Problems(found.problems)
+    settled = _represent.settled_sources(
+        view, found.supplied, found.other.values(), state, records, problems
+    )
+    other = {w: o for w, o in found.other.items() if w not in settled.unnamed}
+    found = found._replace(other=other, covered=found.covered | settled.covered)
+    problems.extend(_unfilled(view, found, strict))
+    return Sources(settled.taken, settled.floats, list(problems))
+
+
 def load_resolved(view: Flat, supplied: Iterable[tuple[int, Any]]) -> Any:
     """The tree `view` flattened, with the leaf at each position in `supplied` replaced by
     its value and the others kept: the one unflatten of a load whose caller has resolved
@@ -329,10 +376,17 @@ def _unfilled(view: View[Any], found: Resolved, strict: bool) -> list[StateProbl
             return []
     leaves, spec = view.flattened()
     named = {view.name(w) for w in wheres} | found.covered
+    return unfilled(zip(spec.names, leaves, strict=True), named, strict)
+
+
+def unfilled(
+    leaves: Iterable[tuple[str, Any]], named: Container[str], strict: bool
+) -> list[StateProblem]:
+    """The leaves (name and leaf) a load leaves unfilled, not `named`, that it must fill:
+    every one under `strict`, else those of an abstract tree (a ``ShapeDtypeStruct``),
+    which have no value to keep."""
     absent = [
-        (name, isinstance(leaf, jax.ShapeDtypeStruct))
-        for name, leaf in zip(spec.names, leaves, strict=True)
-        if name not in named
+        (name, isinstance(leaf, jax.ShapeDtypeStruct)) for name, leaf in leaves if name not in named
     ]
     if strict:
         return [err.missing(name, abstract) for name, abstract in absent]

@@ -252,29 +252,51 @@ def _exact(name: str, value: np.ndarray, dtype: Any, problems: Problems) -> Any:
     return cast
 
 
+def _leaf(old: Any) -> Any:
+    """The leaf `old`, a Python number (in a PyTree that is not a module) as JAX types it."""
+    if type(old) in SCALARS:
+        return jax.ShapeDtypeStruct((), jax.dtypes.canonicalize_dtype(type(old)))
+    return old
+
+
+def spec_problem(name: str, given: Any, old: Any) -> StateProblem | None:
+    """What stops a value of `given`'s shape and dtype (an array, or only its description:
+    a checkpoint's tensor, read from its header) from loading into the leaf `old`, before
+    its values are seen: another shape, another dtype kind, or integers of another width
+    than a 4-bit leaf's (or the reverse). None when nothing does (a cast may still lose
+    values: `checked_value` checks those)."""
+    old = _leaf(old)
+    if tuple(given.shape) != tuple(old.shape):
+        return err.shape(name, tuple(old.shape), tuple(given.shape))
+    if given.dtype == old.dtype:
+        return None
+    source = kind(given.dtype) or str(given.dtype)
+    target = kind(old.dtype) or str(old.dtype)
+    if source != target:
+        return err.dtype_kind(name, old.dtype, given.dtype, target, source)
+    if "integer" in target and 4 in (jnp.iinfo(old.dtype).bits, jnp.iinfo(given.dtype).bits):
+        return bits(name, old.dtype, given.dtype)  # quantized values: no cast
+    return None
+
+
 def checked_value(name: str, value: Any, old: Any, problems: Problems) -> Any:
-    """`value` checked against the leaf `old` it replaces and cast to its dtype; None (and a
-    problem recorded) when it can't be."""
+    """`value` checked against the leaf `old` it replaces (`spec_problem`, then what a cast
+    would lose) and cast to its dtype; None (and a problem recorded) when it can't be."""
     value, python_numbers = _as_array(name, value, problems)
     if value is None:
         return None
-    if type(old) in SCALARS:  # a Python number in a PyTree that is not a module
-        old = jax.ShapeDtypeStruct((), jax.dtypes.canonicalize_dtype(type(old)))
-    if value.shape != old.shape:
-        problems.append(err.shape(name, tuple(old.shape), tuple(value.shape)))
+    old = _leaf(old)
+    if python_numbers and value.shape == old.shape and value.dtype != old.dtype:
+        source = kind(value.dtype) or str(value.dtype)
+        if kind(old.dtype) in _WEAK.get(source, ()):
+            return _exact(name, value, old.dtype, problems)
+    problem = spec_problem(name, value, old)
+    if problem is not None:
+        problems.append(problem)
         return None
     if value.dtype == old.dtype:
         return value
-    source = kind(value.dtype) or str(value.dtype)
     target = kind(old.dtype) or str(old.dtype)
-    if python_numbers and _WEAK.get(source, ()) and target in _WEAK[source]:
-        return _exact(name, value, old.dtype, problems)
-    if source != target:
-        problems.append(err.dtype_kind(name, old.dtype, value.dtype, target, source))
-        return None
-    if "integer" in target and 4 in (jnp.iinfo(old.dtype).bits, jnp.iinfo(value.dtype).bits):
-        problems.append(bits(name, old.dtype, value.dtype))  # quantized values: no cast
-        return None
     traced = isinstance(value, Tracer)
     if "integer" in target and jnp.iinfo(old.dtype).bits < jnp.iinfo(value.dtype).bits:
         problem = _narrowing(name, value, old.dtype, traced)

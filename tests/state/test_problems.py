@@ -789,14 +789,14 @@ def test_problems_are_only_added_never_removed_or_changed():
 
 
 # The builders (and checks that return records) one package uses of another's: the state
-# walk's, which the streaming load shares until one resolve serves both (issue 51), and a
-# selection's, whose checks the layer surgery's `where` and tt.shard's rules make as
-# tt.by_name does.
+# walk's unfilled leaves, which a load by conversion rules tells as the one resolve does; a
+# quantized parameter's, which the state walk asks of stored parts; and a selection's, whose
+# checks the layer surgery's `where` and tt.shard's rules make as tt.by_name does.
 SHARED = {
-    "loading/_checks.py": {"missing", "abstract", "stored_for_float"},
-    "loading/_steps.py": {"unknown", "shape", "dtype_kind"},
+    "loading/_steps.py": {"unfilled"},  # (the leaves a conversion's rules leave unfilled)
     "nn/_surgery.py": {"unmatched"},
     "sharding/_shard.py": {"rule_problems", "unmatched", "unreached"},
+    "state/_represent.py": {"stored_for_float"},  # (quant's: parts stored for a float leaf)
 }
 
 
