@@ -23,12 +23,21 @@ from typing import Any, cast
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, SingleDeviceSharding
+from jax.sharding import SingleDeviceSharding
 
 from ..arrays import CACHE_BOUND, default_device
 from ..convert import transpose
 from ..io import Tensor, aligned_buffer
-from ..state import Flat, Stacked, Walk, is_stack, layer_sharding, load_resolved
+from ..state import (
+    Flat,
+    Stacked,
+    Walk,
+    is_stack,
+    layer_sharded,
+    layer_sharding,
+    layers_writer,
+    load_resolved,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,11 +55,10 @@ def _layer_leaf(leaf: Any) -> Any:
     """One layer of a stacked leaf, on the leaf's sharding without the layer axis
     (replicated along a mesh axis that split the layers): a ``jax.ShapeDtypeStruct`` for
     an abstract leaf, a `Slice` for a concrete one."""
-    sharding = layer_sharding(getattr(leaf, "sharding", None), len(leaf.shape))
-    shape = tuple(leaf.shape[1:])
+    layer = layer_sharded(leaf)
     if isinstance(leaf, jax.ShapeDtypeStruct):
-        return jax.ShapeDtypeStruct(shape, leaf.dtype, sharding=sharding)
-    return Slice(shape, leaf.dtype, sharding)
+        return layer
+    return Slice(layer.shape, layer.dtype, layer.sharding)
 
 
 def _twin(tree: Any, stacks: Sequence[Stacked]) -> Any:
@@ -217,15 +225,17 @@ class Stacker:
     def write(self, stacked: str, index: int, value: jax.Array) -> None:
         """Writes one layer's value into its stacked leaf (begun at its first slice)."""
         big = self.stacked.get(stacked)
+        donate = True  # (the stacked leaf begun here is ours to write in place)
         if big is None:
             old, sharding = self.layers.stacked_leaf(stacked), self.layers.sharding(stacked)
             if stacked in self.covered:
                 big = _zeros(tuple(old.shape), np.dtype(old.dtype), sharding)()
-            else:  # some layers: the others keep their values (a copy: ours to donate)
-                big = _copy(sharding)(old)
+            else:  # some layers: the others keep their values (written into a copy)
+                big, donate = old, False
+        write = layers_writer(self.layers.sharding(stacked), donate)
         # waited for: the slice lives until its write has run, and writes left pending
         # (JAX dispatches them at once) would hold more slices than the budget counts
-        self.stacked[stacked] = _writer(big.sharding)(big, value, index).block_until_ready()
+        self.stacked[stacked] = write(big, np.array([index], np.int32), (value,)).block_until_ready()
 
     def model(self) -> Any:
         """The model with the leaves the load placed (its stacked leaves whole; those
@@ -255,18 +265,3 @@ def covered(layers: Layered, targets: Iterable[str]) -> set[str]:
 @functools.lru_cache(maxsize=CACHE_BOUND)
 def _zeros(shape: tuple[int, ...], dtype: np.dtype, sharding: Any) -> Any:
     return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
-
-
-@functools.lru_cache(maxsize=CACHE_BOUND)
-def _copy(sharding: Any) -> Any:
-    return jax.jit(jnp.copy, out_shardings=sharding)
-
-
-@functools.lru_cache(maxsize=CACHE_BOUND)
-def _writer(sharding: Any) -> Any:
-    write = lambda big, part, i: jax.lax.dynamic_update_index_in_dim(big, part, i, 0)
-    if isinstance(sharding, NamedSharding) and sharding.mesh.explicit_axes:
-        # explicit axes type each array by its sharding, and one layer is not typed as its
-        # row of a stacked leaf whose layer axis is split: the write runs as on Auto axes
-        write = jax.sharding.auto_axes(write, out_sharding=sharding)
-    return jax.jit(write, donate_argnums=0, out_shardings=sharding)

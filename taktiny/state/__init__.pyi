@@ -7,8 +7,10 @@ when first used, so that a process reading only safetensors headers never import
 
 from .._problems import StateProblem as StateProblem
 from . import _problems as problems  # noqa: F401  # pyright: ignore[reportUnusedImport] (a namespace: the problem records)
+from ._layers import layer_sharded as layer_sharded
 from ._layers import layer_sharding as layer_sharding
 from ._layers import layer_slice as layer_slice
+from ._layers import layers_writer as layers_writer
 from ._layers import other_forms as other_forms
 from ._names import Spec as Spec
 from ._names import Stacked as Stacked

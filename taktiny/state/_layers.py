@@ -101,7 +101,8 @@ def layer_sharding(sharding: Any, ndim: int) -> Any:
 
 
 def layer_sharded(leaf: Any) -> jax.ShapeDtypeStruct:
-    """One layer of an abstract stacked leaf (a ``jax.ShapeDtypeStruct``)."""
+    """One layer of a stacked leaf, abstract (a ``jax.ShapeDtypeStruct``): its shape
+    without the layer axis, its dtype, on `layer_sharding` of its sharding."""
     sharding = layer_sharding(getattr(leaf, "sharding", None), len(leaf.shape))
     return jax.ShapeDtypeStruct(tuple(leaf.shape[1:]), leaf.dtype, sharding=sharding)
 
@@ -163,7 +164,7 @@ def restacked(
                 traced = cast(Any, old)
                 out[stacked] = traced.at[index].set(jnp.stack(given))  # (inside jit)
             elif isinstance(old, jax.Array):  # a copy with the layers written in, on devices
-                out[stacked] = _written(old.sharding)(old, index, tuple(given))
+                out[stacked] = layers_writer(old.sharding, False)(old, index, tuple(given))
             else:  # a host array: its copy, the layers written in
                 whole = np.array(old)
                 whole[index] = np.stack([np.asarray(v) for v in given])
@@ -405,14 +406,26 @@ def stacked_state(
 
 
 @functools.lru_cache(maxsize=CACHE_BOUND)
-def _written(sharding: Any) -> Any:
-    """A jitted copy of a stacked leaf on `sharding` with some layers written in, placed
-    as the leaf is (out_shardings: a mesh of explicit axes needs no ``jax.set_mesh``)."""
+def layers_writer(sharding: Any, donate: bool) -> Any:
+    """A jitted ``write(whole, index, layers)``: the stacked leaf `whole` on `sharding`
+    with each of `layers` written in as its layer ``index[k]`` (an int array, traced: one
+    program for any layers), each a dynamic update of its slice, placed as the leaf is
+    (out_shardings: a mesh of explicit axes needs no ``jax.set_mesh``). With `donate` it
+    writes in place of `whole`, which it takes; else into a copy. One per sharding for the
+    process: a load of a stack writes each layer it streams in place, and a load of
+    values writes the layers given into a copy of the model's leaf."""
 
     def write(whole: jax.Array, index: jax.Array, layers: tuple[Any, ...]) -> jax.Array:
-        return whole.at[index].set(jnp.stack(layers))
+        for k, layer in enumerate(layers):
+            whole = jax.lax.dynamic_update_index_in_dim(whole, layer, index[k], 0)
+        return whole
 
-    return jax.jit(write, out_shardings=sharding)  # pyright: ignore[reportUnknownMemberType]  (JAX leaves its parameters unannotated)
+    if isinstance(sharding, NamedSharding) and sharding.mesh.explicit_axes:
+        # explicit axes type each array by its sharding, and one layer is not typed as its
+        # row of a stacked leaf whose layer axis is split: the write runs as on Auto axes
+        write = jax.sharding.auto_axes(write, out_sharding=sharding)  # pyright: ignore[reportUnknownMemberType]  (JAX leaves its parameters unannotated)
+    donated = (0,) if donate else ()
+    return jax.jit(write, donate_argnums=donated, out_shardings=sharding)  # pyright: ignore[reportUnknownMemberType]  (JAX leaves its parameters unannotated)
 
 
 # --- The problems of stacks of layers ------------------------------------------
