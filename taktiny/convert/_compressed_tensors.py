@@ -13,14 +13,14 @@ A quantized ``torch.nn.Linear`` ``<module>`` (weight ``[out, in]``) is three ten
 The weight is ``integers * scale`` of its channel or group, which is what a
 :class:`~taktiny.QArray` quantized along the input axis holds, transposed: a kernel
 ``[in, out]`` with ``axis=0``. Its ``config.json`` describes the scheme under
-``quantization_config`` (:func:`export_compressed_tensors` writes it).
+``quantization_config`` (:func:`export_compressed_tensors` writes it). The packing and
+unpacking of the integers, and the QArray made of them, are `taktiny.quant`'s.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Mapping, Sequence
-from functools import partial
 from typing import Any
 
 import jax
@@ -28,37 +28,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax.core import Tracer
 
-from ..quant import INT_DTYPES, QArray
+from ..quant import INT_DTYPES, QArray, pack_int32, packed_qarray
 from ..state import host_array
 from ._rules import AnyRule, Rule
 from ._transforms import Transform, element_layout, identity, permutation, transpose
 
 FORMAT = "pack-quantized"
 PARTS = ("weight_packed", "weight_scale", "weight_shape")  # a module's tensors, by suffix
-
-
-def pack(values: Any, bits: int) -> np.ndarray:
-    """Integers ``[..., n]`` (int8 or int4, within the signed range of `bits`) packed as
-    compressed-tensors packs them: int32 ``[..., ceil(n * bits / 32)]``."""
-    per = 32 // bits
-    v = (np.asarray(values).astype(np.int16) + (1 << (bits - 1))).astype(np.uint8)
-    pad = -v.shape[-1] % per
-    if pad:
-        v = np.concatenate([v, np.zeros((*v.shape[:-1], pad), np.uint8)], axis=-1)
-    if bits == 4:
-        v = v[..., 0::2] | (v[..., 1::2] << 4)
-    return np.ascontiguousarray(v).view("<i4")
-
-
-@partial(jax.jit, static_argnames=("bits", "n"))
-def _unpacked(packed: Any, bits: int, n: int) -> jax.Array:
-    """The integers `pack` packed: `n` along the last axis, int8 (int4 for 4 bits)."""
-    lead = packed.shape[:-1]
-    data = jax.lax.bitcast_convert_type(packed, jnp.uint8).reshape(*lead, -1)
-    if bits == 4:
-        data = jnp.stack([data & 0x0F, data >> 4], axis=-1).reshape(*lead, -1)
-    values = data[..., :n].astype(jnp.int16) - (1 << (bits - 1))
-    return values.astype(INT_DTYPES[bits])
 
 
 class unpack_quantized(Transform):
@@ -147,12 +123,8 @@ class unpack_quantized(Transform):
                     f"{list(packed.shape)} with scales {list(scale.shape)} hold a weight of "
                     f"shape {[*packed.shape[:-1], n]} for {self!r}{fix}"
                 )
-        values = _unpacked(jnp.asarray(packed), self.bits, n)
-        values, scale = self.layout((values, jnp.asarray(scale)))
-        last = len(packed.shape) - 1
-        perm = permutation(self.layout, last + 1)
-        axis = last if perm is None else perm.index(last)
-        return (QArray(values, scale, bits=self.bits, axis=axis, group_size=self.group_size),)
+        perm = permutation(self.layout, len(packed.shape))
+        return (packed_qarray(packed, scale, self.bits, n, self.group_size, perm),)
 
     def _features(self, packed: Any, scale: Any) -> int:
         """The input features, from the packed integers and the scales (checked)."""
@@ -431,7 +403,7 @@ def export_compressed_tensors(
                 f"(tt.quantize(..., where=...)), or export its rule as a transpose to [out, in]."
             )
         module = name.removesuffix("weight")
-        tensors[module + "weight_packed"] = pack(value, bits)
+        tensors[module + "weight_packed"] = pack_int32(value, bits)
         tensors[module + "weight_scale"] = scale
         tensors[module + "weight_shape"] = np.asarray(value.shape, np.int64)
         groups.setdefault((bits, group_size), []).append(module.removesuffix("."))

@@ -3,172 +3,24 @@ weight ``<module>.weight`` beside a float32 ``<module>.weight_scale_inv`` holdin
 factor per block of ``block_size`` entries (128x128), the last blocks of each axis ragged
 where the block does not divide it. The float weight is ``weight * scale_inv`` of its
 block (the name says inverse: the factor multiplies). `dequantize_blocks` makes it; the
-rules of a model gain it through :func:`taktiny.convert.quantized_rules`.
+rules of a model gain it through :func:`taktiny.convert.quantized_rules`. The arithmetic
+(the products, their rounding, requantizing them) is `taktiny.quant`'s.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
-from functools import partial
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..quant import QArray, quantize_array, rounded_values, stored_scale
+from ..quant import QArray, blocks_held_bytes, dequantized_blocks, placed_blocks, scale_problem
 from ._rules import Rule
 from ._transforms import Transform, chain, element_layout, identity, permutation, transpose
 
 SCALE_SUFFIX = "_scale_inv"  # the scale of "<module>.weight" is "<module>.weight_scale_inv"
-
-
-def blocks_of(shape: Sequence[int], block_size: Sequence[int]) -> tuple[int, ...]:
-    """The scale's shape for weights of `shape` in blocks of `block_size` (over its last
-    axes): the leading axes as they are, each blocked axis the number of blocks, a ragged
-    last block included."""
-    lead = len(shape) - len(block_size)
-    return (*shape[:lead], *(-(-n // b) for n, b in zip(shape[lead:], block_size, strict=True)))
-
-
-def scale_problem(value: Any, scale: Any, block_size: tuple[int, ...]) -> str | None:
-    """What is wrong with `value` and `scale` as block-scaled weights (None: nothing)."""
-    shape, dtype = tuple(value.shape), np.dtype(value.dtype)
-    if len(shape) < len(block_size):
-        return (
-            f"weights in blocks of {_blocks(block_size)} have {len(block_size)} axes at least, "
-            f"got shape {list(shape)}"
-        )
-    if dtype.itemsize != 1 or not jnp.issubdtype(dtype, jnp.floating):
-        return f"block-scaled weights are float8, got {dtype.name}"
-    want = blocks_of(shape, block_size)
-    if tuple(scale.shape) != want or not jnp.issubdtype(scale.dtype, jnp.floating):
-        return (
-            f"weights of shape {list(shape)} in blocks of {_blocks(block_size)} take one float "
-            f"scale per block, a scale of shape {list(want)}; got "
-            f"{np.dtype(scale.dtype).name}{list(scale.shape)}. The checkpoint's block size is "
-            f"its config.json's quantization_config.weight_block_size"
-        )
-    return None
-
-
-def _blocks(block_size: Sequence[int]) -> str:
-    return "x".join(map(str, block_size))
-
-
-def _product(value: Any, scale: Any, blocks: tuple[int, ...]) -> jax.Array:
-    """``value * scale`` of each entry's block (`blocks`: its size along every axis), in
-    float32 (one XLA loop; no array of repeated scales)."""
-    return value.astype(jnp.float32) * _factors(scale, blocks, value.shape)
-
-
-@partial(jax.jit, static_argnames=("blocks", "dtype", "perm"))
-def _dequantized(
-    value: Any, scale: Any, blocks: tuple[int, ...], dtype: Any, perm: Any
-) -> jax.Array:
-    """The block product in `dtype`, its axes permuted by `perm` (None: as they are; one
-    XLA program, so the product is not held beside its transpose)."""
-    product = _product(value, scale, blocks).astype(dtype)
-    return product if perm is None else jnp.transpose(product, perm)
-
-
-@partial(jax.jit, static_argnames=("blocks", "dtype", "bits", "axis", "group_size"))
-def _placed(
-    value: Any,
-    scale: Any,
-    blocks: tuple[int, ...],
-    dtype: Any,
-    bits: int | None,
-    axis: int,
-    group_size: int | None,
-) -> Any:
-    """The block product (rounded to float32) rounded into `dtype`, then (with `bits`)
-    quantized along `axis`, in one XLA program, which holds no float32 product for a
-    float leaf, nor for a quantized one of a `_ROUNDED` dtype from `_ORDERED` weights
-    (`_requantized`)."""
-    if bits is not None and _unheld(value.dtype, dtype):
-        return _requantized(value, scale, blocks, dtype, bits, axis, group_size)
-    product = _product(value, scale, blocks).astype(dtype)
-    if bits is None:
-        return product
-    return quantize_array(product, bits=bits, axis=axis, group_size=group_size, dtype=dtype)
-
-
-# the leaf dtypes whose rounding `jax.lax.reduce_precision` makes exactly as a cast does
-# (float16's smallest subnormals it flushes: those leaves take the unfused path)
-_ROUNDED = {jnp.dtype(jnp.float32): None, jnp.dtype(jnp.bfloat16): (8, 7)}
-# the float8 dtypes whose bytes, sign bit cleared, order as their magnitudes with NaN above
-# every number (the "fnuz" ones keep their NaN in the sign bit: they take the unfused path)
-_ORDERED = {jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2)}
-
-
-def _unheld(weights: Any, dtype: Any) -> bool:
-    """Whether float8 weights of dtype `weights` requantize into a leaf of `dtype` without
-    holding their product (`_requantized`)."""
-    return jnp.dtype(dtype) in _ROUNDED and jnp.dtype(weights) in _ORDERED
-
-
-def _requantized(
-    value: Any,
-    scale: Any,
-    blocks: tuple[int, ...],
-    dtype: Any,
-    bits: int,
-    axis: int,
-    group_size: int | None,
-) -> tuple[jax.Array, jax.Array]:
-    """`quantize_array` of the block product rounded into `dtype`, bit for bit, without
-    holding the product (XLA:CPU materializes it, four bytes a weight, for a reduction
-    and a division that both read it): the scales from the largest magnitudes of the
-    float8 bytes themselves, then the values in one elementwise pass over the bytes.
-
-    The largest ``|w * block scale|`` of a slice is the largest over its blocks of the
-    block's ``|scale|`` times its largest ``|w|``, and the largest ``|w|`` of `_ORDERED`
-    float8 weights is the largest of their bytes with the sign bit cleared; rounding into
-    `dtype` keeps the order, so the maximum of the rounded products is the rounded
-    maximum. A slice (a channel, or a group along `axis`) is cut into segments
-    that lie within one block and one group each. Ragged edge blocks need no padding:
-    the scales are broadcast over whole blocks and cut to the weights."""
-    shape = value.shape
-    group = shape[axis] if group_size is None else group_size
-    segment = math.gcd(group, blocks[axis])
-    # pass 1: each segment's largest byte, a float, times its block's scale
-    magnitude = jax.lax.bitcast_convert_type(value, jnp.uint8) & jnp.uint8(0x7F)
-    split = (*shape[:axis], shape[axis] // segment, segment, *shape[axis + 1 :])
-    tops = jax.lax.bitcast_convert_type(
-        jnp.max(magnitude.reshape(split), axis=axis + 1), value.dtype
-    )
-    per_segment = [b // segment if k == axis else b for k, b in enumerate(blocks)]
-    tops = tops.astype(jnp.float32) * _factors(jnp.abs(scale), per_segment, tops.shape)
-    grouped = (*shape[:axis], shape[axis] // group, group // segment, *shape[axis + 1 :])
-    top = _rounded(jnp.max(tops.reshape(grouped), axis=axis + 1), dtype)
-    stored = stored_scale(top, bits, dtype)  # one per group: scale_shape's
-    # pass 2: the product rounded into dtype, in units of its group's stored scale
-    product = _rounded(_product(value, scale, blocks), dtype)
-    product = product.reshape(*shape[:axis], shape[axis] // group, group, *shape[axis + 1 :])
-    values = rounded_values(product, jnp.expand_dims(stored, axis + 1), bits).reshape(shape)
-    return values, stored
-
-
-def _factors(scale: Any, blocks: Sequence[int], shape: Sequence[int]) -> jax.Array:
-    """Each entry's block scale, for an array of `shape` in blocks of `blocks` entries
-    along each axis (the last ones ragged): the scales broadcast over whole blocks and
-    cut, which XLA computes inside the product that uses them (no array of them)."""
-    grid = scale.shape
-    whole = [d for g, b in zip(grid, blocks, strict=True) for d in (g, b)]
-    factors = jnp.broadcast_to(
-        scale.astype(jnp.float32).reshape([d for g in grid for d in (g, 1)]), whole
-    )
-    factors = factors.reshape([g * b for g, b in zip(grid, blocks, strict=True)])
-    return factors[tuple(slice(n) for n in shape)]
-
-
-def _rounded(array: Any, dtype: Any) -> jax.Array:
-    """`array` (float32) rounded to `dtype`'s precision, still float32: an operation XLA
-    keeps (a cast there and back it may skip inside a fusion)."""
-    bits = _ROUNDED[jnp.dtype(dtype)]
-    return array if bits is None else jax.lax.reduce_precision(array, *bits)
 
 
 class dequantize_blocks(Transform):
@@ -220,7 +72,8 @@ class dequantize_blocks(Transform):
         if problem:
             raise ValueError(problem)
         blocks = self.blocks(len(value.shape))
-        return (_dequantized(value, scale, blocks, self.dtype, self.perm(len(value.shape))),)
+        perm = self.perm(len(value.shape))
+        return (dequantized_blocks(value, scale, blocks, self.dtype, perm),)
 
     def blocks(self, ndim: int) -> tuple[int, ...]:
         """The block's size along every axis of a weight.
@@ -264,7 +117,7 @@ class dequantize_blocks(Transform):
         if perm is not None:
             scale, blocks = jnp.transpose(scale, perm), tuple(blocks[p] for p in perm)
         layout = (None, 0, None) if like is None else (like.bits, like.axis, like.group_size)
-        return _placed(value, scale, blocks, jnp.dtype(dtype), *layout)
+        return placed_blocks(value, scale, blocks, jnp.dtype(dtype), *layout)
 
     def held_bytes(self, weights: Any, dtype: Any, like: QArray | None = None) -> int:
         """The bytes :meth:`placed` holds while it runs, besides its arguments and its
@@ -281,9 +134,7 @@ class dequantize_blocks(Transform):
         Returns:
             A number of bytes.
         """
-        if like is None or _unheld(weights.dtype, dtype):
-            return 0
-        return math.prod(weights.shape) * 4
+        return blocks_held_bytes(weights, dtype, like is not None)
 
     def _args(self) -> str:
         dtype = "" if self.dtype == np.float32 else f", dtype={self.dtype.name!r}"

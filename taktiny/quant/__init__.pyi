@@ -1,8 +1,10 @@
 """Quantized arrays: the `QArray` (its parts, its layout checks, quantizing and
 dequantizing) and its format in safetensors files (4-bit tensors packed two per byte,
-the layout recorded in the header). The quantized layers, and the surgery that swaps
-them in (``tt.quantize``), are `taktiny.nn`'s. Every name is imported when first used:
-reading a file's quantized records imports no JAX."""
+the layout recorded in the header), and the arithmetic of other libraries' quantized
+weights (FP8 blocks, compressed-tensors' packed integers) that `taktiny.convert` reads. The
+quantized layers, and the surgery that swaps them in (``tt.quantize``), are
+`taktiny.nn`'s. Every name is imported when first used: reading a file's quantized
+records imports no JAX."""
 
 from ._format import FOUR_BIT as FOUR_BIT
 from ._format import PACKED as PACKED
@@ -29,3 +31,12 @@ from ._qarray import quantize_like as quantize_like
 from ._qarray import quantized as quantized
 from ._qarray import rounded_values as rounded_values
 from ._qarray import stored_scale as stored_scale
+
+"For Taktiny's own packages (importable, not public):"
+
+from ._compressed_tensors import pack_int32 as pack_int32
+from ._compressed_tensors import packed_qarray as packed_qarray
+from ._fp8 import blocks_held_bytes as blocks_held_bytes
+from ._fp8 import dequantized_blocks as dequantized_blocks
+from ._fp8 import placed_blocks as placed_blocks
+from ._fp8 import scale_problem as scale_problem

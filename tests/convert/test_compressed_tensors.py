@@ -25,8 +25,8 @@ from transformers import AutoModelForCausalLM
 
 import taktiny as tt
 from taktiny import convert, nn
-from taktiny.convert._compressed_tensors import pack
 from taktiny.io import load_safetensors, open_safetensors, save_safetensors
+from taktiny.quant import pack_int32 as pack
 
 sys.path.insert(0, str(Path(__file__).parents[2] / "examples"))
 import llama  # (the example's model and rules)
