@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.core import Tracer
 
-from ..quant import INT_DTYPES, QArray, pack_int32, packed_qarray
+from ..quant import INT_DTYPES, Parameter, pack_int32, packed_qarray
 from ..state import host_array
 from ._rules import AnyRule, Rule
 from ._transforms import Transform, element_layout, identity, permutation, transpose
@@ -357,11 +357,11 @@ def export_compressed_tensors(
     """
     from ._convert import _leaves, export
 
-    is_q = lambda x: isinstance(x, QArray)
+    is_q = lambda x: isinstance(x, Parameter)
     part = lambda which: jax.tree.map(
-        lambda x: getattr(x, which) if is_q(x) else x, model, is_leaf=is_q
+        lambda x: x.part_values()[which] if is_q(x) else x, model, is_leaf=is_q
     )
-    values, scales = _leaves(part("value"), rules), _leaves(part("scale"), rules)
+    values, scales = _leaves(part(0), rules), _leaves(part(1), rules)  # (a QArray's two)
     quantized = [n for n in values if np.dtype(values[n].dtype) != np.dtype(scales[n].dtype)]
     if any(isinstance(a, jax.ShapeDtypeStruct) for a in values.values()):
         raise TypeError(
@@ -371,7 +371,11 @@ def export_compressed_tensors(
     # each QArray's group size (0: per channel), shaped as its scales so that export names
     # and lays it out as them: one group spanning the axis is not per channel to Taktiny
     sizes = jax.tree.map(
-        lambda x: jnp.full(x.scale.shape, x.group_size or 0, jnp.int32) if is_q(x) else x,
+        lambda x: (
+            jnp.full(x.part_values()[1].shape, x.layout()["group_size"] or 0, jnp.int32)
+            if is_q(x)
+            else x
+        ),
         model,
         is_leaf=is_q,
     )

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..quant import QArray, blocks_held_bytes, dequantized_blocks, placed_blocks, scale_problem
+from ..quant import Parameter, blocks_held_bytes, dequantized_blocks, placed_blocks, scale_problem
 from ._rules import Rule
 from ._transforms import Transform, chain, element_layout, identity, permutation, transpose
 
@@ -97,7 +97,7 @@ class dequantize_blocks(Transform):
         """
         return permutation(self.layout, ndim)
 
-    def placed(self, value: Any, scale: Any, dtype: Any, like: QArray | None = None) -> Any:
+    def placed(self, value: Any, scale: Any, dtype: Any, like: Parameter | None = None) -> Any:
         """What a load places from weights already laid out (`value`: read permuted by
         :meth:`perm`, as the load reads them) and their scales as stored: the float32
         product cast to `dtype`; with `like`, quantized as it is (``(value, scale)``
@@ -110,16 +110,17 @@ class dequantize_blocks(Transform):
             like: the quantized parameter the product fills; None for a float leaf.
 
         Returns:
-            The array, or the ``(value, scale)`` parts of the QArray.
+            The array, or the parts of the quantized parameter (a QArray's value and
+            scale).
         """
         ndim, perm = len(scale.shape), self.perm(len(scale.shape))
         blocks = self.blocks(ndim)
         if perm is not None:
             scale, blocks = jnp.transpose(scale, perm), tuple(blocks[p] for p in perm)
-        layout = (None, 0, None) if like is None else (like.bits, like.axis, like.group_size)
-        return placed_blocks(value, scale, blocks, jnp.dtype(dtype), *layout)
+        layout = {"bits": None, "axis": 0, "group_size": None} if like is None else like.layout()
+        return placed_blocks(value, scale, blocks, jnp.dtype(dtype), **layout)
 
-    def held_bytes(self, weights: Any, dtype: Any, like: QArray | None = None) -> int:
+    def held_bytes(self, weights: Any, dtype: Any, like: Parameter | None = None) -> int:
         """The bytes :meth:`placed` holds while it runs, besides its arguments and its
         result: none into a float leaf, nor into a quantized one of a float32 or bfloat16
         logical dtype from ``float8_e4m3fn`` or ``float8_e5m2`` weights (the product is

@@ -235,7 +235,9 @@ class Stacker:
         write = layers_writer(self.layers.sharding(stacked), donate)
         # waited for: the slice lives until its write has run, and writes left pending
         # (JAX dispatches them at once) would hold more slices than the budget counts
-        self.stacked[stacked] = write(big, np.array([index], np.int32), (value,)).block_until_ready()
+        self.stacked[stacked] = write(
+            big, np.array([index], np.int32), (value,)
+        ).block_until_ready()
 
     def model(self) -> Any:
         """The model with the leaves the load placed (its stacked leaves whole; those

@@ -19,6 +19,8 @@ import types
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
+
 from .._messages import table
 from .._problems import StateProblem
 from ..convert import AnyRule, ConversionProblem, Step, identity, stages_text
@@ -305,14 +307,15 @@ def _planned(way: Way, leaves: Mapping[str, Any], quantized: Mapping[str, Any]) 
     outs = results_of(step, sources) if quantizing else ()
     stored = {n for n, out in zip(step.targets, outs, strict=False) if isinstance(out, Parameter)}
     for name in step.targets:
+        like = quantized.get(name)
+        if like is None:
+            continue
+        ints = np.dtype(like.part_values()[0].dtype).name  # (its integers: "int8", "int4")
         if name in stored:  # quantized parts a transform unpacked: placed as they are
-            casts.append(
-                (name, f"int{quantized[name].bits}", f"int{quantized[name].bits} (as stored)")
-            )
-        elif name in quantized:
-            like = quantized[name]
+            casts.append((name, ints, f"{ints} (as stored)"))
+        else:
             have = sources[0].dtype.name if len(sources) == 1 else "float"
-            casts.append((name, have, f"int{like.bits} (quantized)"))
+            casts.append((name, have, f"{ints} (quantized)"))
     rule = "same name" if step.rule is IDENTITY else repr(step.rule)
     nbytes = sum(t.nbytes for t in sources)
     return PlannedStep(

@@ -16,15 +16,11 @@ from ._format import packed_shape as packed_shape
 from ._format import quantized_record as quantized_record
 from ._format import unpack as unpack
 from ._parameter import Parameter as Parameter
-from ._problems import stored_for_float as stored_for_float
-from ._problems import stored_part as stored_part
 from ._qarray import INT_DTYPES as INT_DTYPES
 from ._qarray import PARTS as PARTS
 from ._qarray import QArray as QArray
 from ._qarray import dequantize_array as dequantize_array
-from ._qarray import from_parts as from_parts
 from ._qarray import layer_axes as layer_axes
-from ._qarray import part_names as part_names
 from ._qarray import parts_layout as parts_layout
 from ._qarray import quantize_array as quantize_array
 from ._qarray import quantize_like as quantize_like
@@ -40,3 +36,6 @@ from ._fp8 import blocks_held_bytes as blocks_held_bytes
 from ._fp8 import dequantized_blocks as dequantized_blocks
 from ._fp8 import placed_blocks as placed_blocks
 from ._fp8 import scale_problem as scale_problem
+from ._problems import stored_for_float as stored_for_float
+from ._qarray import from_parts as from_parts
+from ._qarray import part_names as part_names

@@ -60,52 +60,106 @@ class Parameter(abc.ABC):
 
     @abc.abstractmethod
     def from_float(self, array: Any, name: str = "the array") -> Parameter:
-        """`array` (float, of `shape`) made into a parameter of this one's kind and layout;
-        `name` names it in errors."""
+        """A float array made into a parameter of this one's kind and layout (a QArray:
+        quantized as this one is, its bits, axis, group size and scale dtype).
+
+        Args:
+            array: a float array of this parameter's `shape`.
+            name: how errors name the array.
+
+        Returns:
+            The new parameter.
+        """
 
     @abc.abstractmethod
     def to_float(self, dtype: Any = None) -> Any:
-        """The float array it stands for, in `dtype` (None: its own)."""
+        """The float array this parameter stands for.
+
+        Args:
+            dtype: the dtype of the result; None for the parameter's own `dtype`.
+
+        Returns:
+            An array of `shape` (a ``jax.ShapeDtypeStruct`` for an abstract parameter).
+        """
 
     @classmethod
     @abc.abstractmethod
     def from_parts(cls, parts: Mapping[str, Any]) -> Parameter | str:
-        """The parameter that a dict of its parts (``{"value": ..., "scale": ...}``) makes,
-        its layout read from them; or, as a message's clause, why they make none."""
+        """The parameter a dict of its parts makes, its layout read from them (as a
+        checkpoint restored without a target gives them).
+
+        Args:
+            parts: the parts by name (a QArray's ``{"value": ..., "scale": ...}``).
+
+        Returns:
+            The parameter; or, as a clause of a message, why the parts make none.
+        """
 
     @abc.abstractmethod
     def layout(self) -> dict[str, Any]:
-        """Its layout, as a schema records it (``{"bits": 8, "axis": 0, "group_size": None}``)."""
+        """How this parameter is laid out, as a schema records it.
+
+        Returns:
+            A dict of plain values (a QArray's ``{"bits": 8, "axis": 0, "group_size": None}``).
+        """
 
     def record(self) -> dict[str, Any]:
-        """Its record in a file's header, beside its parts: its layout and its shape."""
+        """This parameter's record in a safetensors header, beside its parts.
+
+        Returns:
+            Its ``layout`` and its ``shape`` (a list).
+        """
         return {**self.layout(), "shape": list(self.shape)}
 
     @abc.abstractmethod
-    def same_layout(self, other: Parameter) -> bool:
-        """Whether `other` is laid out as this one is (its parts load into it as they are)."""
-
-    @abc.abstractmethod
     def made_by(self) -> str:
-        """The call that makes a float model's parameter like this one, as a hint shows it."""
+        """The call that makes a float model's parameter like this one, as hints show it.
 
-    # Its problems: each None when nothing is wrong.
+        Returns:
+            Python source (``"tt.quantize(model, bits=4, group_size=64)"``).
+        """
 
     @abc.abstractmethod
     def stored_problem(
         self, name: str, stored: Mapping[str, Any], record: Mapping[str, Any] | None
     ) -> StateProblem | None:
-        """What stops what a file stores for the parameter `name` from loading into this
-        one: `stored` holds, by flat name, its float array (under `name`) or its parts
-        (under :meth:`part_names`), each with a shape and a dtype, and `record` their
-        recorded layout (None: not recorded)."""
+        """What stops what a file stores for a parameter from loading into this one: its
+        float array and its parts both, a float array that does not fit, parts laid out
+        otherwise.
+
+        Args:
+            name: the parameter's flat name.
+            stored: what the file stores for it, by flat name: its float array (under
+                `name`) or its parts (under ``part_names``), each with a ``shape``
+                and a ``dtype`` (a checkpoint's tensors).
+            record: the layout the file records for it; None when none.
+
+        Returns:
+            The problem; None when nothing stops it.
+        """
 
     @abc.abstractmethod
     def made_problem(self, name: str, made: Any, sources: Sequence[str]) -> StateProblem | None:
-        """What stops `made`, a parameter a conversion makes from `sources`, from loading
-        into this one (laid out otherwise)."""
+        """What stops a parameter a conversion makes from loading into this one.
+
+        Args:
+            name: the parameter's flat name.
+            made: what the conversion makes (abstract); anything but a parameter passes.
+            sources: the names the conversion reads, as the message names them.
+
+        Returns:
+            The problem (laid out otherwise); None when nothing stops it.
+        """
 
     @abc.abstractmethod
     def part_problem(self, problem: StateProblem, name: str) -> StateProblem:
-        """`problem`, found with one of its parts, told as a problem with the parameter
-        at `name`."""
+        """A problem found with one of this parameter's parts, told as one with the
+        parameter (a value of another integer width, a scale of another layout).
+
+        Args:
+            problem: the problem with the part (its name the part's flat name).
+            name: the parameter's flat name.
+
+        Returns:
+            The problem, its hint saying what the part is of and how to fix it.
+        """

@@ -79,13 +79,6 @@ def made_problem(q: QArray, name: str, made: Any, sources: Any) -> StateProblem 
     return stored_quantized_otherwise(name, layout_text(*want), want, text, have)
 
 
-def stored_part(name: str) -> str | None:
-    """The parameter whose stored part `name` names (``dense.kernel`` for
-    ``dense.kernel.scale``); None for a name that is no part's."""
-    base, _, part = name.rpartition(".")
-    return base if base and part in ("value", "scale") else None
-
-
 def stored_for_float(
     name: str, names: Any, records: Mapping[str, Any], shape: tuple[int, ...], dtype: Any
 ) -> StateProblem | None:

@@ -427,17 +427,13 @@ class QArray(Parameter):
     # --- As a `Parameter`: what the state walk, saving and the loaders ask of it -------
 
     def from_float(self, array: Any, name: str = "the array") -> QArray:
-        """`array` quantized as this QArray is (:func:`quantize_like`)."""
         return quantize_like(array, self, name)
 
     def to_float(self, dtype: Any = None) -> Any:
-        """:meth:`dequantize`."""
         return self.dequantize(dtype)
 
     @classmethod
     def from_parts(cls, parts: Mapping[str, Any]) -> QArray | str:
-        """The QArray a ``{"value", "scale"}`` dict makes, its layout read from the parts
-        (:func:`parts_layout`); or why they make none."""
         missing = [part for part in PARTS if part not in parts]
         if missing:
             return f"both the value and the scale are needed, got no {' or '.join(missing)}"
@@ -454,33 +450,23 @@ class QArray(Parameter):
             return str(error).removeprefix("QArray: ").rstrip(".")
 
     def layout(self) -> dict[str, Any]:
-        """Its bits, axis and group size."""
         return {"bits": self.bits, "axis": self.axis, "group_size": self.group_size}
 
-    def same_layout(self, other: Parameter) -> bool:
-        """Whether `other` is a QArray of the same bits, axis and group size."""
-        return isinstance(other, QArray) and other.layout() == self.layout()
-
     def made_by(self) -> str:
-        """The `tt.quantize` call that quantizes a float model's layer as this one is."""
         group = "" if self.group_size is None else f", group_size={self.group_size}"
         return f"tt.quantize(model, bits={self.bits}{group})"
 
     def stored_problem(
         self, name: str, stored: Mapping[str, Any], record: Mapping[str, Any] | None
     ) -> StateProblem | None:
-        """Both forms stored; a float array that is not one of its shape; parts stored
-        quantized otherwise (by their record, else their values' dtype)."""
         return err.stored_problem(self, name, stored, record)
 
     def made_problem(self, name: str, made: Any, sources: Sequence[str]) -> StateProblem | None:
-        """A QArray a conversion makes, quantized otherwise (None for anything else)."""
         if not isinstance(made, QArray):
             return None
         return err.made_problem(self, name, made, sources)
 
     def part_problem(self, problem: StateProblem, name: str) -> StateProblem:
-        """A part's problem (its value's dtype, its scale's shape) told as this one's."""
         return err.quantized_problem(problem, name, self)
 
 

@@ -415,17 +415,20 @@ def layers_writer(sharding: Any, donate: bool) -> Any:
     process: a load of a stack writes each layer it streams in place, and a load of
     values writes the layers given into a copy of the model's leaf."""
 
-    def write(whole: jax.Array, index: jax.Array, layers: tuple[Any, ...]) -> jax.Array:
+    update: Any = jax.lax.dynamic_update_index_in_dim  # (JAX leaves its types partial)
+
+    def write(whole: Any, index: Any, layers: tuple[Any, ...]) -> Any:
         for k, layer in enumerate(layers):
-            whole = jax.lax.dynamic_update_index_in_dim(whole, layer, index[k], 0)
+            whole = update(whole, layer, index[k], 0)
         return whole
 
+    run: Any = write
     if isinstance(sharding, NamedSharding) and sharding.mesh.explicit_axes:
         # explicit axes type each array by its sharding, and one layer is not typed as its
         # row of a stacked leaf whose layer axis is split: the write runs as on Auto axes
-        write = jax.sharding.auto_axes(write, out_sharding=sharding)  # pyright: ignore[reportUnknownMemberType]  (JAX leaves its parameters unannotated)
+        run = cast(Any, jax.sharding.auto_axes(write, out_sharding=sharding))  # pyright: ignore[reportUnknownMemberType]  (JAX leaves its parameters unannotated)
     donated = (0,) if donate else ()
-    return jax.jit(write, donate_argnums=donated, out_shardings=sharding)  # pyright: ignore[reportUnknownMemberType]  (JAX leaves its parameters unannotated)
+    return jax.jit(run, donate_argnums=donated, out_shardings=sharding)  # pyright: ignore[reportUnknownMemberType]  (JAX leaves its parameters unannotated)
 
 
 # --- The problems of stacks of layers ------------------------------------------

@@ -142,3 +142,64 @@ def test_tests_use_other_packages_through_their_faces():
         if _private_imports(path) - {path.parent.name}
     }
     assert reaching == set(REACHING_ACROSS)
+
+
+def _quantization_inside(path: Path) -> list[str]:
+    """What the code of `path` knows of QArray that only `quant.Parameter` should tell it:
+    the name QArray, a part's name built from a parameter's (``f"{name}.value"``, ``name +
+    ".scale"``), a QArray's layout read off a parameter (``q.bits``, ``q.group_size``; a
+    transform's own fields, ``self.bits``, are its own). Docstrings may name them."""
+    tree = ast.parse(path.read_text())
+    docs = {
+        id(node.value)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)
+    }
+    found = []
+    for node in ast.walk(tree):
+        text = None
+        if isinstance(node, ast.Name) and node.id == "QArray":
+            text = "QArray"
+        elif isinstance(node, ast.alias) and node.name == "QArray":
+            text = "import QArray"
+        elif isinstance(node, ast.Attribute) and node.attr in ("QArray", "bits", "group_size"):
+            owner = ast.unparse(node.value)
+            text = None if owner == "self" or owner.startswith("jnp.iinfo") else ast.unparse(node)
+        elif (
+            isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docs
+        ):
+            text = node.value if node.value.startswith((".value", ".scale")) else None
+        if text is not None:
+            found.append(f"{getattr(node, 'lineno', '?')}: {text}")
+    return found
+
+
+def test_only_quant_and_the_layers_know_a_quantized_parameter_is_a_QArray():
+    """Outside `quant` (and the layers of `nn`), code asks `quant.Parameter` (a value's
+    parts and their names, how it is made, its layout and record, its problems) and never
+    tests for QArray, builds its parts' names or reads its layout."""
+    library = ROOT / "taktiny"
+    found = {
+        path.relative_to(library).as_posix(): _quantization_inside(path)
+        for path in sorted(library.rglob("*.py"))
+        if not path.relative_to(library).as_posix().startswith(("quant/", "nn/"))
+    }
+    assert {path: hits for path, hits in found.items() if hits} == {}
+
+
+def test_a_file_that_tests_for_QArray_outside_quant_fails(tmp_path):
+    """The check above can fail: each way of knowing a QArray is found."""
+    path = tmp_path / "_file.py"
+    path.write_text(
+        '"""A docstring may name QArray and f"{name}.value"."""\n'
+        "from ..quant import QArray\n"
+        "def f(x, name):\n"
+        "    return isinstance(x, QArray), f'{name}.scale', name + '.value', x.bits\n"
+    )
+    assert sorted(_quantization_inside(path)) == [
+        "2: import QArray",
+        "4: .scale",
+        "4: .value",
+        "4: QArray",
+        "4: x.bits",
+    ]
