@@ -46,7 +46,7 @@ class Budget:
         self.limit, self.ways, self.layers = limit, ways, ways.load.layers
         self.held = ways.held
         self.making = [way.transforms for way in ways.units]
-        self.scratch = sum(buffer.capacity for buffer in ways.scratch)
+        self.scratch = sum(buffer.capacity for buffer in ways.buffers)
         self.flying: list[int] = []  # the units taken and not yet released
         self.peak = self.scratch  # the most counted at once
         self.error = None if limit is None else _refusal(self, limit)
@@ -132,14 +132,19 @@ def _refusal(budget: Budget, limit: int) -> ValueError | None:
     units, held = budget.ways.units, budget.held
     if not units or budget.scratch + max(held) <= limit:  # (each unit alone)
         return None
-    own = [0 if way.scratch is None else Scratch.bytes_for(way.sources) for way in units]
+    own = [
+        Scratch.bytes_for(way.sources) if way.scratch is not None or way.word == "staged" else 0
+        for way in units
+    ]
     u = max(range(len(units)), key=lambda j: (held[j], own[j]))
     needed = budget.scratch + held[u]
     sources = [n for part in units[u].parts for n in part.step.sources]
     targets = [n for part in units[u].parts for n in part.step.targets]
     named, into = _names(sources), _names(targets)
     parts = []
-    if own[u]:
+    if own[u] and units[u].word == "staged":
+        parts.append(f"a staging buffer of {own[u]:,} bytes to copy it onto its devices")
+    elif own[u]:
         parts.append(f"a scratch buffer of {own[u]:,} bytes for its sources")
     elif budget.scratch:
         read = [way for way in units if way.scratch is not None]

@@ -273,7 +273,7 @@ def planned(
     # the two steps after it (those read into scratch buffers hold nothing more)
     made, held = [0, *made], [0, *held, 0, 0]
     at_once = max(m + held[j + 1] + held[j + 2] for j, m in enumerate(made))
-    extra = sum(buffer.capacity for buffer in ways.scratch) + at_once
+    extra = sum(buffer.capacity for buffer in ways.buffers) + at_once
     on_host = sum(n for d, n in device_bytes.items() if d.platform == "cpu")
     kept: tuple[str, ...] = ()
     if migration is not None:

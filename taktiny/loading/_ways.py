@@ -1,4 +1,5 @@
 """The ways a load reads its steps, one type each: whole into its leaf's buffer (`Whole`),
+whole through a ring of staging buffers onto devices that copy host memory (`Staged`),
 each device's block (`Blocks`), transposed piece by piece (`Transposed`), straight into its
 layer's slice of a stacked leaf (`InStack`), small tensors read together (`Batch`), through a
 scratch buffer to be transformed (`Transformed`), FP8 blocks laid out as they are read
@@ -10,10 +11,12 @@ from __future__ import annotations
 
 import functools
 import math
+import queue
 from collections.abc import Iterable, Mapping
 from typing import Any, cast
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from ..arrays import default_device
@@ -24,6 +27,7 @@ from ._checks import spec_of
 from ._layers import Stacker
 from ._place import (
     Scratch,
+    placed,
     placed_by_device,
     placed_together,
     placed_transposed,
@@ -110,6 +114,33 @@ class Whole(Way):
         if tensor.nbytes == 0 or sharding.is_fully_replicated:
             return dict.fromkeys(by_process, tensor.nbytes)
         return {p: tensor.bytes_read(b, verify=verify) for p, b in by_process.items()}
+
+
+class Staged(Whole):
+    """A renamed tensor for a leaf on devices that copy host memory instead of adopting it
+    (a TPU, a GPU), read whole into one of the load's staging buffers (`Ways.ring`, taken
+    in turns and reused: their pages fault once for the load, where a fresh buffer for each
+    tensor would fault every page of the checkpoint, the most such a load pays for), copied
+    onto its devices, and the buffer free for the next once the copy has read it. It holds
+    nothing of its own: the ring is counted once, for the load, as the scratch buffers are."""
+
+    word = "staged"
+    ring: queue.SimpleQueue[Scratch] | None = None
+
+    def held(self, load: Load, shapes: dict[Any, Any]) -> int:
+        return waiting(load, self.step, self.sources[0], shared=True)
+
+    def read(self, verify: bool, stacker: Stacker | None) -> Any:
+        ring = cast("queue.SimpleQueue[Scratch]", self.ring)
+        buffer = ring.get()  # (a reader waits here while the others hold every buffer)
+        try:
+            array = placed(buffer.read(self.sources, verify)[0], sharding_of(self.leaf))
+            if buffer.holds(array):  # (a device that adopted it after all: its own copy)
+                array = jnp.copy(array)
+            array.block_until_ready()  # copied: the buffer is free for the next tensor
+        finally:
+            ring.put(buffer)
+        return {self.step.targets[0]: array}
 
 
 class Blocks(Whole):
@@ -352,6 +383,24 @@ class Ways:
         self.scratch = [Scratch(size) for size in sizes]
         for k, way in enumerate(transforming):
             way.scratch = self.scratch[k % buffers]
+        staged = [way for way in self.units if isinstance(way, Staged)]
+        size = max((Scratch.bytes_for(way.sources) for way in staged), default=0)
+        count = min(RING, len(staged))
+        room = None if limit is None else limit - sum(sizes) - max(self.held, default=0)
+        while room is not None and count > 1 and count * size > room:
+            count -= 1  # (within a budget: fewer staging buffers, down to one)
+        self.ring = [Scratch(size) for _ in range(count)]
+        free: queue.SimpleQueue[Scratch] = queue.SimpleQueue()
+        for buffer in self.ring:
+            free.put(buffer)
+        for way in staged:
+            way.ring = free
+
+    @property
+    def buffers(self) -> list[Scratch]:
+        """Every buffer the load keeps for its whole length, as mapped: the scratch
+        buffers and the staging ring."""
+        return [*self.scratch, *self.ring]
 
     @functools.cached_property
     def held(self) -> list[int]:
@@ -368,6 +417,13 @@ def _way(load: Load, step: Step) -> Way:
     if leaf is not None and isinstance(transform, identity):
         sharding = sharding_of(leaf)
         whole = len(sharding.device_set) == 1 or sharding.is_fully_replicated
+        if (
+            whole
+            and _staging(sharding)
+            and not sources[0].packed
+            and sources[0].nbytes <= RING_MOST
+        ):
+            return Staged(step, sources, leaf)
         return (Whole if whole else Blocks)(step, sources, leaf)
     if leaf is not None and isinstance(transform, transpose):
         return Transposed(step, sources, leaf)
@@ -387,6 +443,16 @@ def _one_to_one(step: Step, sources: list[Tensor], leaves: Mapping[str, Any]) ->
     return None
 
 
+RING = 4  # the staging buffers of a load onto devices that copy host memory (`Staged`)
+RING_MOST = 256 * 2**20  # a larger renamed tensor is read into a buffer of its own
+
+
+def _staging(sharding: Any) -> bool:
+    """Whether a leaf on `sharding` is read through the staging ring: its devices copy
+    host memory (none is a CPU device, which adopts a buffer instead)."""
+    return all(device.platform != "cpu" for device in sharding.device_set)
+
+
 SMALL = 4096  # a renamed tensor of at most this many bytes is read with its neighbours
 BATCH = 64 * 1024  # the most bytes of small tensors read together (and the most steps:
 BATCH_STEPS = 256  # tensors of no bytes take none)
@@ -401,7 +467,7 @@ def _units(load: Load, ways: list[Way]) -> list[Way]:
     held = 0
     for way in ways:
         tensor = way.sources[0]
-        small = type(way) is Whole and tensor.nbytes <= SMALL and not tensor.packed
+        small = type(way) in (Whole, Staged) and tensor.nbytes <= SMALL and not tensor.packed
         if run and (not small or held + tensor.nbytes > BATCH or len(run) == BATCH_STEPS):
             units.append(Batch(run) if len(run) > 1 else _in_stack(load, run[0]))
             run, held = [], 0

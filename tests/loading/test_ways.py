@@ -135,3 +135,55 @@ def test_the_bytes_a_way_holds_are_what_the_plan_and_the_load_count(tmp_path, ca
     within = load_safetensors(make(), path, rules=rules, max_host_bytes=held)
     for a, b in zip(jax.tree.leaves(free), jax.tree.leaves(within), strict=True):
         assert a.dtype == b.dtype and np.asarray(a).tobytes() == np.asarray(b).tobytes()
+
+
+def _staged_everywhere(monkeypatch):
+    """CPU devices taken as devices that copy host memory (a TPU's, a GPU's): the loads
+    below read through the staging ring. A CPU device adopts an aligned buffer instead of
+    copying it, so each value it adopts from the ring must be copied before the buffer is
+    reused: a load that forgot it would hand out arrays that the next reads overwrite."""
+    import taktiny.loading._ways as ways_module
+
+    monkeypatch.setattr(ways_module, "_staging", lambda sharding: True)
+    return ways_module
+
+
+def test_a_load_onto_devices_that_copy_reads_through_a_reused_staging_ring(tmp_path, monkeypatch):
+    ways_module = _staged_everywhere(monkeypatch)
+    rng = np.random.default_rng(0)
+    state = {f"w{i}": rng.standard_normal((64, 40 + i)).astype(np.float32) for i in range(10)}
+    path = tmp_path / "m.safetensors"
+    save_safetensors(path, state)
+    target = {n: jax.ShapeDtypeStruct(v.shape, v.dtype) for n, v in state.items()}
+    plan = plan_load(target, path)
+    assert [s.way for s in plan.steps] == ["staged"] * 10
+    largest = -(-state["w9"].nbytes // 64) * 64
+    assert plan.scratch_bytes == ways_module.RING * largest  # four buffers, for ten tensors
+    mapped = []
+    real = ways_module.Scratch.read
+
+    def read(self, tensors, verify, perm=None):
+        mapped.append(id(self))
+        return real(self, tensors, verify, perm)
+
+    monkeypatch.setattr(ways_module.Scratch, "read", read)
+    loaded = load_safetensors(target, path)
+    assert len(mapped) == 10 and len(set(mapped)) <= ways_module.RING  # reused in turns
+    for name, value in state.items():  # each its own array, none overwritten by a later read
+        np.testing.assert_array_equal(np.asarray(loaded[name]), value)
+
+
+def test_a_staging_ring_shrinks_within_a_budget(tmp_path, monkeypatch):
+    ways_module = _staged_everywhere(monkeypatch)
+    state = {f"w{i}": np.full((256, 256), i, np.float32) for i in range(6)}  # 256 KiB each
+    path = tmp_path / "m.safetensors"
+    save_safetensors(path, state)
+    target = {n: jax.ShapeDtypeStruct(v.shape, v.dtype) for n, v in state.items()}
+    each = state["w0"].nbytes
+    assert plan_load(target, path).scratch_bytes == 4 * each
+    assert plan_load(target, path, max_host_bytes=2 * each).scratch_bytes == 2 * each
+    loaded = load_safetensors(target, path, max_host_bytes=each)  # one buffer, in turns
+    assert [float(loaded[n][0, 0]) for n in state] == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
+    assert plan_load(target, path, max_host_bytes=each).error is None
+    refused = plan_load(target, path, max_host_bytes=each - 1).error
+    assert "a staging buffer of 262,144 bytes to copy it onto its devices" in str(refused)
