@@ -174,7 +174,7 @@ def test_a_load_onto_devices_that_copy_reads_through_a_reused_staging_ring(tmp_p
 
 
 def test_a_staging_ring_shrinks_within_a_budget(tmp_path, monkeypatch):
-    ways_module = _staged_everywhere(monkeypatch)
+    _staged_everywhere(monkeypatch)
     state = {f"w{i}": np.full((256, 256), i, np.float32) for i in range(6)}  # 256 KiB each
     path = tmp_path / "m.safetensors"
     save_safetensors(path, state)
