@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test property mutate bench bench-quick lint format docs clean
+.PHONY: demo test test-accelerator property mutate bench bench-quick lint format docs clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +28,12 @@ LONGER := -o timeout=1800 -o faulthandler_timeout=1740
 property: $(STAMP)
 	$(PY) -m pytest -q property_tests --hypothesis-profile=thorough $(LONGER)
 	$(PY) -m pytest -q -n 2 -m thorough tests $(LONGER)
+
+# The suite on an accelerator host (a TPU or a GPU; docs/testing.md): one process (one at a
+# time may hold a TPU), JAX's default devices the 8 simulated CPU ones (the sharding tests
+# build their meshes from them), the accelerator's for the [tpu] and [gpu] property variants
+test-accelerator: $(STAMP)
+	JAX_PLATFORM_NAME=cpu $(PY) -m pytest -q -m "not thorough" tests property_tests --hypothesis-profile=accelerator
 
 # Mutation testing (docs/testing.md): the mutants of taktiny/ not judged yet (all of them the
 # first time; then those of changed functions), the survivors again against today's tests,

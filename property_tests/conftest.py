@@ -15,9 +15,11 @@ A test that takes a ``platform`` argument runs once per platform: ``cpu``, and `
 ``tpu``, which report as skipped, with the reason, on machines without such devices.
 """
 
+from collections.abc import Iterator
+
 import jax
 import pytest
-from hypothesis import HealthCheck, Verbosity, settings
+from hypothesis import HealthCheck, Phase, Verbosity, settings
 
 _COMMON = dict(
     deadline=None,  # compiling and checkpointing take as long as they take
@@ -27,6 +29,16 @@ _COMMON = dict(
 )
 settings.register_profile("ci", max_examples=100, derandomize=True, database=None, **_COMMON)
 settings.register_profile("thorough", max_examples=1000, **_COMMON)
+# on an accelerator: as `ci`, but a failure is reported as found, not shrunk (each example
+# shrinking tries compiles new programs, seconds each on a TPU, under Hypothesis's tracing)
+settings.register_profile(
+    "accelerator",
+    max_examples=100,
+    derandomize=True,
+    database=None,
+    phases=[Phase.explicit, Phase.generate],
+    **_COMMON,
+)
 settings.load_profile("ci")  # `--hypothesis-profile=...` on the command line overrides it
 
 PLATFORMS = ("cpu", "gpu", "tpu")
@@ -45,11 +57,19 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 
 
 @pytest.fixture(autouse=True)
-def _skip_absent_platform(request: pytest.FixtureRequest) -> None:
+def _on_platform(request: pytest.FixtureRequest) -> Iterator[None]:
     """Skips a platform's run where it has no devices: asked as the test runs, not as it
     is collected, because asking starts JAX's backend (which `make mutate`'s fork server
-    must not have started; tests/package/test_mutation.py checks it)."""
+    must not have started; tests/package/test_mutation.py checks it). Runs it with the
+    platform's first device as JAX's default device: on an accelerator host whose default
+    is the CPU (``make test-accelerator``), the arrays a test makes without placing them
+    are the platform's, as a user's on that platform are."""
     callspec = getattr(request.node, "callspec", None)
     platform = callspec.params.get("platform") if callspec is not None else None
-    if platform is not None and not _has_devices(platform):
+    if platform is None:
+        yield
+        return
+    if not _has_devices(platform):
         pytest.skip(f"no {platform.upper()} devices here")
+    with jax.default_device(jax.devices(platform)[0]):
+        yield
