@@ -187,6 +187,10 @@ def settled_sources(
             else:
                 floats[name] = name
             continue
+        if not other.flat:  # a custom parameter named whole, stored as one tensor
+            structure = tree_util.tree_structure
+            problems.append(err.structure(name, structure(old), structure(other.given)))
+            continue
         shape = tuple(np.shape(old))
         dtype = jnp.result_type(old) if getattr(old, "dtype", None) is None else old.dtype
         names = [f"{name}.{part}" for part in other.given]

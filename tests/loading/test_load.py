@@ -11,7 +11,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 import safetensors.numpy
-from _models import MLP
+from _models import MLP, Scaled
 from _reads import log_reads
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -765,3 +765,17 @@ def test_rules_with_a_double_star_rename_every_depth_tensor_by_tensor(tmp_path, 
     loaded = load_safetensors(jax.eval_shape(lambda: model), path, rules=rules, progress=False)
     assert_same(loaded, flat_numpy(model))
     assert sorted(name for name, _ in reads) == sorted(theirs)
+
+
+def test_a_custom_parameter_stored_as_one_tensor_is_a_structure_problem(tmp_path):
+    """A custom PyTree parameter (not a quantized one) that the checkpoint holds whole, as
+    one tensor under its name, is told as a value of another structure, not read into it
+    nor crashed on; its parts are not told missing besides."""
+    model = {"w": Scaled(jnp.zeros(3, jnp.int8), jnp.ones(1)), "b": jnp.zeros(2)}
+    path = tmp_path / "m.safetensors"
+    save_safetensors(path, {"w": np.zeros(3, np.float32), "b": np.ones(2, np.float32)})
+    with pytest.raises(tt.StateDictError, match="1 problem") as caught:
+        load_safetensors(model, path)
+    [problem] = caught.value.problems
+    assert (problem.kind, problem.name) == ("structure", "w")
+    assert problem.hint.startswith("expected a value structured as PyTreeDef(CustomNode(Scaled")
