@@ -43,8 +43,10 @@ class PlannedStep:
         targets: the model's leaves it fills (a quantized parameter's two parts).
         rule: the rule that makes it (``"same name"`` without rules).
         transform: the rule's transform (``identity()``: a rename).
-        way: how it is read: ``"direct"`` (whole into its leaf's buffer), ``"blocks"``
-            (each device's block into its own buffer), ``"transposed"`` (permuted piece by
+        way: how it is read: ``"direct"`` (whole into its leaf's buffer), ``"staged"``
+            (whole into one of the load's reused staging buffers, then copied onto
+            devices that copy host memory: a TPU's, a GPU's), ``"blocks"`` (each
+            device's block into its own buffer), ``"transposed"`` (permuted piece by
             piece into its leaf's buffer), ``"scratch"`` (into a reused buffer, then
             transformed and cast by XLA) or ``"quantized"`` (through the scratch buffer,
             then quantized).

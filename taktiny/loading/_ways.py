@@ -1,5 +1,6 @@
 """The ways a load reads its steps, one type each: whole into its leaf's buffer (`Whole`),
-whole through a ring of staging buffers onto devices that copy host memory (`Staged`),
+whole or transposed through a ring of staging buffers onto devices that copy host memory
+(`Staged`, `StagedTransposed`),
 each device's block (`Blocks`), transposed piece by piece (`Transposed`), straight into its
 layer's slice of a stacked leaf (`InStack`), small tensors read together (`Batch`), through a
 scratch buffer to be transformed (`Transformed`), FP8 blocks laid out as they are read
@@ -130,17 +131,39 @@ class Staged(Whole):
     def held(self, load: Load, shapes: dict[Any, Any]) -> int:
         return waiting(load, self.step, self.sources[0], shared=True)
 
+    def _into(self, buffer: Scratch, verify: bool) -> np.ndarray:
+        """The tensor read into `buffer`."""
+        return buffer.read(self.sources, verify)[0]
+
     def read(self, verify: bool, stacker: Stacker | None) -> Any:
         ring = cast("queue.SimpleQueue[Scratch]", self.ring)
         buffer = ring.get()  # (a reader waits here while the others hold every buffer)
         try:
-            array = placed(buffer.read(self.sources, verify)[0], sharding_of(self.leaf))
+            array = placed(self._into(buffer, verify), sharding_of(self.leaf))
             if buffer.holds(array):  # (a device that adopted it after all: its own copy)
                 array = jnp.copy(array)
             array.block_until_ready()  # copied: the buffer is free for the next tensor
         finally:
             ring.put(buffer)
         return {self.step.targets[0]: array}
+
+
+class StagedTransposed(Staged):
+    """A tensor the rules only transpose, for a leaf on devices that copy host memory:
+    read piece by piece with its axes permuted into one of the staging buffers
+    (:meth:`Tensor.read_transposed`), then copied as `Staged` copies. It holds a piece of
+    rows besides the ring."""
+
+    def held(self, load: Load, shapes: dict[Any, Any]) -> int:
+        return _piece(self.sources[0]) + super().held(load, shapes)
+
+    def temporary(self, load: Load) -> int:
+        return BOX_PIECE + super().temporary(load)
+
+    def _into(self, buffer: Scratch, verify: bool) -> np.ndarray:
+        perm = cast(transpose, self.step.rule.transform).perm  # (None: the axes reversed)
+        axes = tuple(range(self.sources[0].ndim))
+        return buffer.read(self.sources, verify, axes[::-1] if perm is None else perm)[0]
 
 
 class Blocks(Whole):
@@ -414,22 +437,16 @@ def _way(load: Load, step: Step) -> Way:
     """The way `step` is read, alone."""
     sources, transform = tensors_of(load.checkpoint, step), step.rule.transform
     leaf = _one_to_one(step, sources, load.leaves)
-    if leaf is not None and isinstance(transform, identity):
-        sharding = sharding_of(leaf)
-        whole = len(sharding.device_set) == 1 or sharding.is_fully_replicated
-        if (
-            whole
-            and _staging(sharding)
-            and not sources[0].packed
-            and sources[0].nbytes <= RING_MOST
-        ):
-            return Staged(step, sources, leaf)
-        return (Whole if whole else Blocks)(step, sources, leaf)
-    if leaf is not None and isinstance(transform, transpose):
-        return Transposed(step, sources, leaf)
-    word = "quantized" if any(t in load.quantized for t in step.targets) else "scratch"
-    kind = Fp8Blocks if isinstance(transform, dequantize_blocks) else Transformed
-    return kind(step, sources, word)
+    if leaf is None or not isinstance(transform, identity | transpose):
+        word = "quantized" if any(t in load.quantized for t in step.targets) else "scratch"
+        kind = Fp8Blocks if isinstance(transform, dequantize_blocks) else Transformed
+        return kind(step, sources, word)
+    sharding, tensor = sharding_of(leaf), sources[0]
+    whole = len(sharding.device_set) == 1 or sharding.is_fully_replicated
+    staged = whole and _staging(sharding) and not tensor.packed and tensor.nbytes <= RING_MOST
+    if isinstance(transform, transpose):
+        return (StagedTransposed if staged else Transposed)(step, sources, leaf)
+    return (Staged if staged else Whole if whole else Blocks)(step, sources, leaf)
 
 
 def _one_to_one(step: Step, sources: list[Tensor], leaves: Mapping[str, Any]) -> Any:

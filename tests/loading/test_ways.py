@@ -187,3 +187,20 @@ def test_a_staging_ring_shrinks_within_a_budget(tmp_path, monkeypatch):
     assert plan_load(target, path, max_host_bytes=each).error is None
     refused = plan_load(target, path, max_host_bytes=each - 1).error
     assert "a staging buffer of 262,144 bytes to copy it onto its devices" in str(refused)
+
+
+def test_a_transposed_tensor_onto_devices_that_copy_is_permuted_into_the_staging_ring(
+    tmp_path, monkeypatch
+):
+    _staged_everywhere(monkeypatch)
+    rng = np.random.default_rng(1)
+    state = {f"w{i}": rng.standard_normal((64, 40 + i)).astype(np.float32) for i in range(6)}
+    path = tmp_path / "m.safetensors"
+    save_safetensors(path, state)
+    target = {n: jax.ShapeDtypeStruct(v.T.shape, v.dtype) for n, v in state.items()}
+    rules = [cv.Rule("{name}", "{name}", cv.transpose())]
+    plan = plan_load(target, path, rules=rules)
+    assert [s.way for s in plan.steps] == ["staged"] * 6
+    loaded = load_safetensors(target, path, rules=rules)
+    for name, value in state.items():  # permuted as read, none overwritten by a later read
+        np.testing.assert_array_equal(np.asarray(loaded[name]), value.T)
