@@ -20,13 +20,10 @@ from ._qarray import INT_DTYPES as INT_DTYPES
 from ._qarray import PARTS as PARTS
 from ._qarray import QArray as QArray
 from ._qarray import dequantize_array as dequantize_array
-from ._qarray import layer_axes as layer_axes
 from ._qarray import parts_layout as parts_layout
 from ._qarray import quantize_array as quantize_array
 from ._qarray import quantize_like as quantize_like
 from ._qarray import quantized as quantized
-from ._qarray import rounded_values as rounded_values
-from ._qarray import stored_scale as stored_scale
 
 "For Taktiny's own packages (importable, not public):"
 

@@ -43,7 +43,6 @@ from ._selection import rule_problems as rule_problems
 from ._selection import unmatched as unmatched
 from ._selection import unreached as unreached
 from ._selection import unused_hint as unused_hint
-from ._state import Sources as Sources
 from ._state import load_resolved as load_resolved
 from ._state import resolve_sources as resolve_sources
 from ._state import unfilled as unfilled
