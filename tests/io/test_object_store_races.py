@@ -103,7 +103,7 @@ def test_a_killed_save_leaves_one_version_and_the_next_save_cleans_up(s3, kills)
 def test_each_of_two_processes_reads_at_most_its_share_of_an_object(s3, tmp_path):
     """bench/_process_load.py against a URL: each process of a model split over 2 reads
     its half of each tensor (and the header), bitwise, as from a local file."""
-    from test_multiprocess import lines, run_processes
+    from _processes import lines, run_processes
 
     rng = np.random.default_rng(0)
     values = {
