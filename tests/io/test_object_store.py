@@ -625,6 +625,8 @@ def test_ctrl_c_stops_a_load_promptly(s3_proxy, stalled, to):
     proxy.stall = 30.0
     shapes = {k: v.shape for k, v in values(1).items()}
     script = (
+        "import faulthandler, signal\n"  # (SIGUSR1: every thread's stack, for a failure)
+        "faulthandler.register(signal.SIGUSR1, all_threads=True)\n"
         "import jax.numpy as jnp, numpy as np, sys\n"
         "from taktiny.io import load_safetensors\n"
         "print('loading', flush=True)\n"
@@ -657,7 +659,11 @@ def test_ctrl_c_stops_a_load_promptly(s3_proxy, stalled, to):
         try:
             _, err = job.communicate(timeout=40)
         except subprocess.TimeoutExpired:
-            pytest.fail("the load did not stop within 40 s of Ctrl-C")
+            job.send_signal(signal.SIGUSR1)  # what each of its threads waits on, shown
+            time.sleep(1)
+            job.kill()
+            _, err = job.communicate()
+            pytest.fail(f"the load did not stop within 40 s of Ctrl-C; its threads:\n{err[-8000:]}")
     finally:
         if job.poll() is None:
             job.kill()  # (never left running: its pipes would leak into the next test)
