@@ -627,6 +627,9 @@ def test_ctrl_c_stops_a_load_promptly(s3_proxy, stalled, to):
     script = (
         "import faulthandler, signal\n"  # (SIGUSR1: every thread's stack, for a failure)
         "faulthandler.register(signal.SIGUSR1, all_threads=True)\n"
+        # Ctrl-C raises KeyboardInterrupt, as in a terminal, though the suite may run as a
+        # background job, whose SIGINT the shell ignores (and Python then leaves ignored)
+        "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
         "import jax.numpy as jnp, numpy as np, sys\n"
         "from taktiny.io import load_safetensors\n"
         "print('loading', flush=True)\n"
