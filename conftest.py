@@ -5,6 +5,7 @@ beartype through pyproject.toml (``filterwarnings`` and ``--jaxtyping-packages``
 import gc
 import os
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -68,3 +69,40 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     each mutant's time."""
     if session.config.option.collectonly and "mutmut" in sys.modules:
         gc.freeze()
+
+
+# A test that takes a `platform` argument runs once per platform: `cpu`, and `gpu` and
+# `tpu`, which report as skipped, with the reason, on machines without such devices (the
+# property suite's every property; the unit tests of what an accelerator does otherwise)
+PLATFORMS = ("cpu", "gpu", "tpu")
+
+
+def _has_devices(platform: str) -> bool:
+    try:
+        return bool(jax.devices(platform))
+    except RuntimeError:  # JAX raises for a platform it has no backend for
+        return False
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "platform" in metafunc.fixturenames:
+        metafunc.parametrize("platform", PLATFORMS)
+
+
+@pytest.fixture(autouse=True)
+def _on_platform(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Skips a platform's run where it has no devices: asked as the test runs, not as it
+    is collected, because asking starts JAX's backend (which `make mutate`'s fork server
+    must not have started; tests/package/test_mutation.py checks it). Runs it with the
+    platform's first device as JAX's default device: on an accelerator host whose default
+    is the CPU (``make test-accelerator``), the arrays a test makes without placing them
+    are the platform's, as a user's on that platform are."""
+    callspec = getattr(request.node, "callspec", None)
+    platform = callspec.params.get("platform") if callspec is not None else None
+    if platform is None:
+        yield
+        return
+    if not _has_devices(platform):
+        pytest.skip(f"no {platform.upper()} devices here")
+    with jax.default_device(jax.devices(platform)[0]):
+        yield

@@ -11,14 +11,10 @@ root ``conftest.py``. Profiles:
 
 Both print a failing example in full with the blob that reproduces it (``print_blob``).
 
-A test that takes a ``platform`` argument runs once per platform: ``cpu``, and ``gpu`` and
-``tpu``, which report as skipped, with the reason, on machines without such devices.
+Each property takes a ``platform`` argument and runs once per platform (the root
+``conftest.py`` parametrises it, for the unit tests too).
 """
 
-from collections.abc import Iterator
-
-import jax
-import pytest
 from hypothesis import HealthCheck, Phase, Verbosity, settings
 
 _COMMON = dict(
@@ -40,36 +36,3 @@ settings.register_profile(
     **_COMMON,
 )
 settings.load_profile("ci")  # `--hypothesis-profile=...` on the command line overrides it
-
-PLATFORMS = ("cpu", "gpu", "tpu")
-
-
-def _has_devices(platform: str) -> bool:
-    try:
-        return bool(jax.devices(platform))
-    except RuntimeError:  # JAX raises for a platform it has no backend for
-        return False
-
-
-def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
-    if "platform" in metafunc.fixturenames:
-        metafunc.parametrize("platform", PLATFORMS)
-
-
-@pytest.fixture(autouse=True)
-def _on_platform(request: pytest.FixtureRequest) -> Iterator[None]:
-    """Skips a platform's run where it has no devices: asked as the test runs, not as it
-    is collected, because asking starts JAX's backend (which `make mutate`'s fork server
-    must not have started; tests/package/test_mutation.py checks it). Runs it with the
-    platform's first device as JAX's default device: on an accelerator host whose default
-    is the CPU (``make test-accelerator``), the arrays a test makes without placing them
-    are the platform's, as a user's on that platform are."""
-    callspec = getattr(request.node, "callspec", None)
-    platform = callspec.params.get("platform") if callspec is not None else None
-    if platform is None:
-        yield
-        return
-    if not _has_devices(platform):
-        pytest.skip(f"no {platform.upper()} devices here")
-    with jax.default_device(jax.devices(platform)[0]):
-        yield

@@ -111,7 +111,7 @@ def contents(file):
 
 
 @pytest.mark.parametrize("limit", [None, 500], ids=["one file", "shards"])
-def test_a_background_save_writes_what_a_save_that_waits_writes(tmp_path, limit):
+def test_a_background_save_writes_what_a_save_that_waits_writes(tmp_path, limit, platform):
     # a model with 4-bit quantized layers (packed two per byte) and float32 ones
     import taktiny as tt
     from taktiny import nn
@@ -144,7 +144,7 @@ def test_the_save_holds_the_values_at_the_call(tmp_path, gate):
     assert loaded(path) == as_loaded(version(2))
 
 
-def test_a_jax_arrays_buffer_may_be_donated_at_once(tmp_path, gate):
+def test_a_jax_arrays_buffer_may_be_donated_at_once(tmp_path, gate, platform):
     weights = jnp.arange(4096, dtype=jnp.float32).reshape(64, 64)
     expected = np.arange(4096, dtype=np.float32).reshape(64, 64)
     path = tmp_path / "model.safetensors"

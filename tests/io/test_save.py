@@ -169,7 +169,7 @@ def test_a_model_round_trips_bitwise_with_metadata_in_the_header(tmp_path):
     ],
     ids=lambda d: np.dtype(d).name,
 )
-def test_every_dtype_round_trips_bitwise(tmp_path, dtype):
+def test_every_dtype_round_trips_bitwise(tmp_path, dtype, platform):
     value = random_array(dtype, (3, 5))
     path = tmp_path / "flat.safetensors"
     save_safetensors(path, {"layer.weight": value, "empty": jnp.zeros((0, 4), dtype)})

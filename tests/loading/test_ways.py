@@ -137,19 +137,23 @@ def test_the_bytes_a_way_holds_are_what_the_plan_and_the_load_count(tmp_path, ca
         assert a.dtype == b.dtype and np.asarray(a).tobytes() == np.asarray(b).tobytes()
 
 
-def _staged_everywhere(monkeypatch):
-    """CPU devices taken as devices that copy host memory (a TPU's, a GPU's): the loads
-    below read through the staging ring. A CPU device adopts an aligned buffer instead of
+def _staged_everywhere(monkeypatch, platform):
+    """The loads below read through the staging ring: on a TPU or a GPU (the `platform`'s
+    first device is the default, where the targets go) as they are; on the CPU, its devices
+    taken as devices that copy host memory. A CPU device adopts an aligned buffer instead of
     copying it, so each value it adopts from the ring must be copied before the buffer is
     reused: a load that forgot it would hand out arrays that the next reads overwrite."""
     import taktiny.loading._ways as ways_module
 
-    monkeypatch.setattr(ways_module, "_staging", lambda sharding: True)
+    if platform == "cpu":
+        monkeypatch.setattr(ways_module, "_staging", lambda sharding: True)
     return ways_module
 
 
-def test_a_load_onto_devices_that_copy_reads_through_a_reused_staging_ring(tmp_path, monkeypatch):
-    ways_module = _staged_everywhere(monkeypatch)
+def test_a_load_onto_devices_that_copy_reads_through_a_reused_staging_ring(
+    tmp_path, monkeypatch, platform
+):
+    ways_module = _staged_everywhere(monkeypatch, platform)
     rng = np.random.default_rng(0)
     state = {f"w{i}": rng.standard_normal((64, 40 + i)).astype(np.float32) for i in range(10)}
     path = tmp_path / "m.safetensors"
@@ -170,11 +174,12 @@ def test_a_load_onto_devices_that_copy_reads_through_a_reused_staging_ring(tmp_p
     loaded = load_safetensors(target, path)
     assert len(mapped) == 10 and len(set(mapped)) <= ways_module.RING  # reused in turns
     for name, value in state.items():  # each its own array, none overwritten by a later read
+        assert loaded[name].devices() == {jax.devices(platform)[0]}
         np.testing.assert_array_equal(np.asarray(loaded[name]), value)
 
 
-def test_a_staging_ring_shrinks_within_a_budget(tmp_path, monkeypatch):
-    _staged_everywhere(monkeypatch)
+def test_a_staging_ring_shrinks_within_a_budget(tmp_path, monkeypatch, platform):
+    _staged_everywhere(monkeypatch, platform)
     state = {f"w{i}": np.full((256, 256), i, np.float32) for i in range(6)}  # 256 KiB each
     path = tmp_path / "m.safetensors"
     save_safetensors(path, state)
@@ -190,9 +195,9 @@ def test_a_staging_ring_shrinks_within_a_budget(tmp_path, monkeypatch):
 
 
 def test_a_transposed_tensor_onto_devices_that_copy_is_permuted_into_the_staging_ring(
-    tmp_path, monkeypatch
+    tmp_path, monkeypatch, platform
 ):
-    _staged_everywhere(monkeypatch)
+    _staged_everywhere(monkeypatch, platform)
     rng = np.random.default_rng(1)
     state = {f"w{i}": rng.standard_normal((64, 40 + i)).astype(np.float32) for i in range(6)}
     path = tmp_path / "m.safetensors"
