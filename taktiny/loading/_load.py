@@ -24,6 +24,9 @@ from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+import jax
+
+from ..arrays import default_device
 from ..convert import AnyRule
 from ..io import RETRIES, Checkpoint, Replaced, byte_size, result_of, stop_reads
 from ._budget import Budget
@@ -195,9 +198,14 @@ def _load(
     running: dict[int, Future[Any]] = {}
     submitted = 0  # units
 
+    # the caller's default device (`jax.default_device` is the calling thread's own): where
+    # the reader threads place a leaf that names no sharding, as the load's thread does
+    here = default_device()
+
     def read(u: int) -> Any:  # in a reader thread: preadv, hashing and XLA release the GIL
         ahead.reached(starts[u])  # the disk reads on while this unit is read and placed
-        return units[u].read(verify, stacker)
+        with jax.default_device(here):
+            return units[u].read(verify, stacker)
 
     # slices placed on devices wait for the load's thread to write them into their stacked
     # leaves: with such stacks, few units in flight, so that the host holds few slices

@@ -643,6 +643,31 @@ def test_a_tree_of_numpy_arrays_loads_onto_the_default_device(tmp_path):
     assert np.array_equal(loaded["w"], np.arange(4, dtype=np.float32))
 
 
+@pytest.mark.parametrize("staged", [False, True], ids=["adopted", "staged"])
+def test_leaves_without_a_sharding_load_onto_the_callers_default_device(
+    tmp_path, monkeypatch, staged
+):
+    # `jax.default_device` is the calling thread's: the reader threads place as it says
+    # (placed, or staged for devices that copy, a TPU's; simulated on the CPU), each way
+    if staged:
+        import taktiny.loading._ways as ways_module
+
+        monkeypatch.setattr(ways_module, "_staging", lambda sharding: True)
+    path = tmp_path / "n.safetensors"
+    state = {"w": np.arange(4, dtype=np.float32), "t": np.ones((3, 2), np.float32)}
+    save_safetensors(path, state)
+    rules = [cv.Rule("w", "w"), cv.Rule("t", "t", cv.transpose())]
+    target = {"w": jax.ShapeDtypeStruct((4,), np.float32), "t": np.zeros((3, 2), np.float32)}
+    turned = {**target, "t": np.zeros((2, 3), np.float32)}  # (numpy leaves: no sharding)
+    there = jax.devices()[5]
+    with jax.default_device(there):
+        plain, ruled = load_safetensors(target, path), load_safetensors(turned, path, rules=rules)
+    for loaded in (plain, ruled):
+        assert {n: v.devices() for n, v in loaded.items()} == {"w": {there}, "t": {there}}
+        assert np.array_equal(loaded["w"], state["w"])
+    assert np.array_equal(plain["t"], state["t"]) and np.array_equal(ruled["t"], state["t"].T)
+
+
 def test_a_file_cut_after_it_was_opened_is_named_by_the_load_that_reads_it(tmp_path):
     path = tmp_path / "cut.safetensors"
     save_safetensors(path, {"w": np.arange(64, dtype=np.float32)})
