@@ -25,7 +25,10 @@ test_sharding    host (NumPy) values load onto the leaves' shardings     50    5
 test_sharding    tt.eval_shape(optimizer.init): moments as params        40    400
 =====================================================================  ====  ========
 
-(The numbers in brackets are the invariants of issue 4.) With ``-n 2`` on two shared cores the
-``ci`` suite takes about 40-70 s. `mutants.py` runs deliberately broken variants of the state
-walk against the properties that are expected to catch them: ``python -m property_tests.mutants``.
+(The numbers in brackets are the invariants of issue 4.) The ``accelerator`` profile (``make
+test-accelerator``) runs half the ``ci`` counts, and a GPU's or TPU's variant draws its arrays
+from a few fixed shapes and dtypes (`property_tests.arrays`). With ``-n 2`` on two shared cores
+the ``ci`` suite takes about 40-70 s. `mutants.py` runs deliberately broken variants of the
+state walk against the properties that are expected to catch them:
+``python -m property_tests.mutants``.
 """

@@ -3,10 +3,15 @@
 A :class:`Placement` is where all arrays of one model live: the platform's first device with
 arrays left uncommitted (as ``jnp.asarray`` makes them), one chosen device (committed), or a
 mesh. (Each property runs per platform, so "default" means the platform's own first device even
-where JAX's default device is on another platform.)
-arrays), one chosen device, or a mesh. On a mesh every array gets its own random valid
-PartitionSpec: each dimension is unsharded or sharded over unused mesh axes (one or two) whose
-sizes divide it, and trailing unsharded entries may be left out.
+where JAX's default device is on another platform.) On a mesh every array gets its own random
+valid PartitionSpec: each dimension is unsharded or sharded over unused mesh axes (one or two)
+whose sizes divide it, and trailing unsharded entries may be left out.
+
+On an accelerator (`on_accelerator`) arrays take one of a few fixed shapes and dtypes: each
+program an example runs (a cast, a reshard, a jitted load) is compiled for the shapes, dtypes
+and shardings of its arrays, in 0.1 to 10 s on a TPU against milliseconds on the CPU, and a
+few shapes let an example run mostly the programs earlier examples compiled. The CPU's draws
+are free (and the ``ci`` profile's examples those they always were).
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import os
 from typing import Any
 
 import jax
@@ -26,6 +32,19 @@ DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16, jnp.int8, jnp.int32, jnp.uint8
 SIZES = (1, 2, 4, 3, 8)
 MESH_SHAPES = ((8,), (2, 4), (4, 2))
 SPECIALS = (np.nan, np.inf, -np.inf, -0.0)
+# An accelerator's few: ranks 0 to 3, a dimension of 1, an odd size, sizes that meshes of 2,
+# 4 and 8 devices split; one zero-size shape; a dtype of each kind (two floating).
+ACCELERATOR_SHAPES = ((), (3,), (8,), (2, 4), (4, 1, 2))
+ACCELERATOR_EMPTY = (4, 0)
+ACCELERATOR_DTYPES = (jnp.float32, jnp.bfloat16, jnp.int8, jnp.uint8, jnp.bool_)
+
+
+def on_accelerator(devices: list[Any]) -> bool:
+    """Whether arrays on `devices` (of one platform) draw from the accelerator's few shapes and
+    dtypes: they do on any platform but the CPU, and on the CPU too with
+    ``TAKTINY_ACCELERATOR_DRAW=1`` in the environment (to see there what an accelerator's
+    examples draw, and how many programs they compile)."""
+    return devices[0].platform != "cpu" or os.environ.get("TAKTINY_ACCELERATOR_DRAW") == "1"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,6 +55,12 @@ class Placement:
     kind: str
     device: Any = None
     mesh: Mesh | None = None
+
+    @property
+    def on_accelerator(self) -> bool:
+        """Whether its arrays draw from the accelerator's few shapes and dtypes."""
+        device = self.device if self.mesh is None else self.mesh.devices.flat[0]
+        return on_accelerator([device])
 
     def shardings(self, shape: tuple[int, ...]) -> st.SearchStrategy[Any]:
         """The sharding of one array of `shape`: None means uncommitted, on the default device."""
@@ -142,8 +167,11 @@ def host_values(seed: int, shape: tuple[int, ...], dtype: Any, special: bool) ->
 
 
 @st.composite
-def shapes(draw: Any, allow_empty: bool = True) -> tuple[int, ...]:
-    """A shape of 0 to 3 dimensions; with `allow_empty`, one in eight has a dimension of 0."""
+def shapes(draw: Any, allow_empty: bool = True, accelerator: bool = False) -> tuple[int, ...]:
+    """A shape of 0 to 3 dimensions; with `allow_empty`, one in eight has a dimension of 0.
+    With `accelerator`, one of `ACCELERATOR_SHAPES` (or `ACCELERATOR_EMPTY`)."""
+    if accelerator:
+        return draw(st.sampled_from(ACCELERATOR_SHAPES + (ACCELERATOR_EMPTY,) * allow_empty))
     shape = [draw(st.sampled_from(SIZES)) for _ in range(draw(st.integers(0, 3)))]
     if allow_empty and shape and draw(st.integers(0, 7)) == 0:
         shape[draw(st.integers(0, len(shape) - 1))] = 0
@@ -158,10 +186,16 @@ def arrays(
     shape: tuple[int, ...] | None = None,
     dtype: Any = None,
     allow_empty: bool = True,
+    accelerator: bool | None = None,
 ) -> Any:
-    """A JAX array placed by `placement` (a NumPy array when it is None)."""
-    dtype = draw(st.sampled_from(DTYPES)) if dtype is None else dtype
-    shape = draw(shapes(allow_empty)) if shape is None else tuple(shape)
+    """A JAX array placed by `placement` (a NumPy array when it is None), of the given shape
+    and dtype or drawn ones: the accelerator's few where `accelerator` is true (by default,
+    where the placement's devices are an accelerator's)."""
+    if accelerator is None:
+        accelerator = placement is not None and placement.on_accelerator
+    if dtype is None:
+        dtype = draw(st.sampled_from(ACCELERATOR_DTYPES if accelerator else DTYPES))
+    shape = draw(shapes(allow_empty, accelerator)) if shape is None else tuple(shape)
     special = jnp.issubdtype(dtype, jnp.floating) and draw(st.booleans())
     host = host_values(draw(st.integers(0, 2**16)), shape, dtype, special)
     if placement is None:

@@ -8,11 +8,15 @@ root ``conftest.py``. Profiles:
   ``examples(...)`` (see `property_tests.budget`).
 - ``thorough`` (``make property``): random, ten times the examples, failures saved in the local
   ``.hypothesis`` database and replayed first on the next run.
+- ``accelerator`` (``make test-accelerator``): as ``ci`` with half the examples, and a failure
+  reported as found, not shrunk.
 
-Both print a failing example in full with the blob that reproduces it (``print_blob``).
+All print a failing example in full with the blob that reproduces it (``print_blob``).
 
 Each property takes a ``platform`` argument and runs once per platform (the root
-``conftest.py`` parametrises it, for the unit tests too).
+``conftest.py`` parametrises it, for the unit tests too). On a GPU or TPU an example's arrays
+take a few fixed shapes and dtypes (`property_tests.arrays`), so that it runs programs
+earlier examples compiled.
 """
 
 from hypothesis import HealthCheck, Phase, Verbosity, settings
@@ -26,10 +30,12 @@ _COMMON = dict(
 settings.register_profile("ci", max_examples=100, derandomize=True, database=None, **_COMMON)
 settings.register_profile("thorough", max_examples=1000, **_COMMON)
 # on an accelerator: as `ci`, but a failure is reported as found, not shrunk (each example
-# shrinking tries compiles new programs, seconds each on a TPU, under Hypothesis's tracing)
+# shrinking tries compiles new programs, seconds each on a TPU, under Hypothesis's tracing);
+# and half the examples: on a TPU an example also costs its transfers to and from the chip
+# and a jitted property's compiles, which no reuse saves (`ci` on the CPU keeps the variety)
 settings.register_profile(
     "accelerator",
-    max_examples=100,
+    max_examples=50,
     derandomize=True,
     database=None,
     phases=[Phase.explicit, Phase.generate],
