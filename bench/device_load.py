@@ -57,43 +57,33 @@ MiB = 2**20
 
 # The staging knobs each variant sets (taktiny.loading._ways, and _readers' START); the
 # rest keep their values
+PIECES = {"STAGE_JOIN": True, "STAGE_PIECE": 8 * MiB, "RING": 8}
+WHOLE = {"STAGE_JOIN": False, "STAGE_THREADS": 1, "RING": 4}
 VARIANTS: dict[str, dict[str, Any]] = {
-    "pieces_4MiB_ring16": {"STAGE_JOIN": True, "STAGE_PIECE": 4 * MiB, "RING": 16},
-    "pieces_8MiB_ring8": {"STAGE_JOIN": True, "STAGE_PIECE": 8 * MiB, "RING": 8},
-    "pieces_8MiB_ring16": {"STAGE_JOIN": True, "STAGE_PIECE": 8 * MiB, "RING": 16},
-    "pieces_16MiB_ring8": {"STAGE_JOIN": True, "STAGE_PIECE": 16 * MiB, "RING": 8},
-    "pieces_8MiB_ring8_small_pages": {
-        "STAGE_JOIN": True,
-        "STAGE_PIECE": 8 * MiB,
-        "RING": 8,
-        "HUGE_PAGES": False,
-    },
-    "pieces_8MiB_ring8_start8": {
-        "STAGE_JOIN": True,
-        "STAGE_PIECE": 8 * MiB,
-        "RING": 8,
-        "START": 8,
-    },
-    "whole_ring4": {"STAGE_JOIN": False, "STAGE_THREADS": 1, "RING": 4},
-    "whole_ring4_small_pages": {
-        "STAGE_JOIN": False,
-        "STAGE_THREADS": 1,
-        "RING": 4,
-        "HUGE_PAGES": False,
-    },  # (the load before pieces)
-    "whole_ring4_threads4_8MiB": {
-        "STAGE_JOIN": False,
+    "pieces_4MiB_ring16": {**PIECES, "STAGE_PIECE": 4 * MiB, "RING": 16},
+    "pieces_8MiB_ring8": PIECES,
+    "pieces_8MiB_ring16": {**PIECES, "RING": 16},
+    "pieces_16MiB_ring8": {**PIECES, "STAGE_PIECE": 16 * MiB},
+    "pieces_8MiB_ring8_start8": {**PIECES, "START": 8},
+    "pieces_8MiB_ring8_small_pages": {**PIECES, "HUGE_PAGES": False},  # (where THP exist)
+    "whole_ring4": WHOLE,  # (as before pieces, but a buffer's copy is not waited for)
+    "whole_ring8": {**WHOLE, "RING": 8},
+    "whole_ring4_threads4_8MiB": {**WHOLE, "STAGE_THREADS": 4, "STAGE_PIECE": 8 * MiB},
+    "whole_ring4_threads4_8MiB_start8": {
+        **WHOLE,
         "STAGE_THREADS": 4,
         "STAGE_PIECE": 8 * MiB,
-        "RING": 4,
+        "START": 8,
     },
+    "whole_ring4_threads8_4MiB": {**WHOLE, "STAGE_THREADS": 8, "STAGE_PIECE": 4 * MiB},
     "whole_ring2_threads8_4MiB": {
-        "STAGE_JOIN": False,
+        **WHOLE,
+        "RING": 2,
         "STAGE_THREADS": 8,
         "STAGE_PIECE": 4 * MiB,
-        "RING": 2,
     },
 }
+ON_HOST = {**WHOLE, "TRANSPOSE_ON_DEVICE": False}  # transposed as read (as before pieces)
 
 
 def _arrays() -> dict[str, np.ndarray]:
@@ -325,6 +315,10 @@ def _cases(
     cases["transposed"] = _figure(
         nbytes, limit, lambda: load_safetensors(flat, hf, rules=transposed), turned
     )
+    with _knobs(ON_HOST):
+        cases["transposed_on_host"] = _figure(
+            nbytes, limit, lambda: load_safetensors(flat, hf, rules=transposed), turned
+        )
     del turned
     cases["raw_limit_hf_GiBps"] = limit
 

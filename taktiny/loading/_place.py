@@ -7,6 +7,7 @@ for a quantized parameter quantized as it is placed)."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import mmap
 from collections.abc import Sequence
@@ -179,13 +180,25 @@ def _mapped(size: int, huge: bool) -> mmap.mmap:
     `huge`, asked for in huge pages first (``MADV_HUGEPAGE``: one fault each 2 MiB instead
     of each 4 KiB, where the kernel's transparent huge pages allow it, else small ones)."""
     advice = getattr(mmap, "MADV_HUGEPAGE", None)
-    if not huge or advice is None:
+    if not huge or advice is None or not _huge_pages():
         return mmap.mmap(-1, size, flags=MAP_FLAGS)
     memory = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    with contextlib.suppress(OSError):  # (a kernel without them: small pages)
+    with contextlib.suppress(OSError):  # (refused: small pages)
         memory.madvise(advice)
     np.frombuffer(memory, np.uint8)[:: mmap.PAGESIZE] = 0  # each page faulted, as populated
     return memory
+
+
+@functools.cache
+def _huge_pages() -> bool:
+    """Whether the kernel gives transparent huge pages to memory that asks for them (a
+    kernel without them, or a sandbox's, has no such setting: the buffer is then mapped
+    and faulted in one call, which is cheaper there than one fault each page)."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as setting:
+            return "[never]" not in setting.read()
+    except OSError:
+        return False
 
 
 def sharding_of(leaf: Any) -> Any:

@@ -1,6 +1,6 @@
 """The ways a load reads its steps, one type each: whole into its leaf's buffer (`Whole`),
-whole or transposed through a ring of staging buffers onto devices that copy host memory
-(`Staged`, `StagedTransposed`),
+renamed or transposed through a ring of staging buffers onto devices that copy host memory,
+a few MiB of rows at a time (`Staged`, `StagedTransposed`, `Ring`, `Staging`),
 each device's block (`Blocks`), transposed piece by piece (`Transposed`), straight into its
 layer's slice of a stacked leaf (`InStack`), small tensors read together (`Batch`), through a
 scratch buffer to be transformed (`Transformed`), FP8 blocks laid out as they are read
@@ -334,12 +334,19 @@ class Staging:
         return cls(*knobs)
 
     def rows(self, tensor: Tensor) -> int:
-        """The rows of `tensor` (along its first axis) read and copied at a time."""
+        """The rows of `tensor` (along its first axis) read and copied at a time: the most
+        that fit a piece, or fewer, down to half as many, that divide its rows (pieces of
+        one shape: one program writes them all, where a last piece of its own shape would
+        be compiled for again)."""
         count = tensor.shape[0] if tensor.ndim else 1
         row = tensor.nbytes // count if count else 0
         if not self.join or not row:
             return max(count, 1)
-        return max(1, min(count, self.piece // row))
+        most = max(1, min(count, self.piece // row))
+        for rows in range(most, max(most // 2, most - DIVISORS), -1):
+            if count % rows == 0:
+                return rows
+        return most
 
     def pieces(self, tensor: Tensor) -> int:
         """The pieces `tensor` is read and copied in."""
@@ -620,7 +627,8 @@ class Ways:
             way.scratch = self.scratch[k % buffers]
         staged = [way for way in self.units if isinstance(way, Staged)]
         size = max((way.own() for way in staged), default=0)
-        count = min(staging.count, sum(staging.pieces(way.sources[0]) for way in staged))
+        pieces = sum(staging.pieces(way.sources[0]) for way in staged)
+        count = min(max(staging.count, 1), pieces)
         room = None if limit is None else limit - sum(sizes) - max(self.held, default=0)
         while room is not None and count > 1 and count * size > room:
             count -= 1  # (within a budget: fewer staging buffers, down to one)
@@ -685,6 +693,7 @@ STAGE_JOIN = True  # pieces copied as read and joined on the devices; else tenso
 STAGE_THREADS = 4  # (whole tensors) the threads that read one tensor's pieces at once
 HUGE_PAGES = True  # the ring's buffers asked for in huge pages (``MADV_HUGEPAGE``)
 TRANSPOSE_ON_DEVICE = True  # (whole tensors) transposed by the devices, not as they are read
+DIVISORS = 4096  # the most piece sizes tried for one that divides a tensor's rows
 
 
 def _staging(sharding: Any) -> bool:
