@@ -377,8 +377,10 @@ def _object_storage(folder: Path, path: Path, arrays: dict[str, np.ndarray]) -> 
     S3-compatible server (``bench._s3_stub``, which sends each range with ``sendfile``, as
     the storage group does: moto reads the whole object for each ranged GET) loaded onto
     the CPU (which adopts what is read: no copy onto a device), against the raw local read
-    of the same file, and checked bitwise."""
+    of the same file (and, for context, the storage group's raw ranged GETs of it into a
+    faulted buffer, 8 in flight), and checked bitwise."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from bench import storage
     from bench._s3_stub import Stub
     from taktiny.io import load_safetensors
 
@@ -394,6 +396,8 @@ def _object_storage(folder: Path, path: Path, arrays: dict[str, np.ndarray]) -> 
         try:
             url = f"s3://bench/{path.name}"
             seconds, _, out = _timed(lambda: load_safetensors(abstract, url))
+            ranged = storage.Raw(path.stat().st_size)  # (bucket "bench", this file's name)
+            gets, _, _ = _timed(lambda: ranged(8))
         finally:
             for k, v in saved.items():
                 if v is None:
@@ -409,6 +413,7 @@ def _object_storage(folder: Path, path: Path, arrays: dict[str, np.ndarray]) -> 
         "GiBps": speed,
         "raw_local_read_GiBps": raw,
         "vs_raw_local_read": speed / raw,
+        "raw_ranged_gets_GiBps": path.stat().st_size / GiB / gets,  # (8 in flight, obstore)
         "bitwise": same,
     }
 
