@@ -22,6 +22,7 @@ picks the best; ``taktiny`` is the load with the knobs as they are.
 ``--peak folder [case]`` then loads a file written there alone, in a process of its own,
 for its peak host memory (``ru_maxrss`` after the load, less before it) and its ways
 (case: ``renamed`` (default), ``transposed``, ``int8``, ``fp8_int8``, ``stack``).
+``--summary FILE...`` prints a few lines from the JSON those wrote.
 
 Run ``python bench/device_load.py [folder]`` on a machine with an accelerator; it prints one
 JSON object. On a CPU the figures mean little (a CPU device adopts host memory): there the
@@ -291,15 +292,20 @@ def _write_fp8(folder: Path, arrays: dict[str, np.ndarray]) -> tuple[Path, dict[
 
 
 def _cases(
-    folder: Path, path: Path, arrays: dict[str, np.ndarray], put: float, want: dict[str, Any]
-) -> dict[str, Any]:
+    folder: Path,
+    path: Path,
+    arrays: dict[str, np.ndarray],
+    put: float,
+    want: dict[str, Any],
+    cases: dict[str, Any],
+) -> None:
     """The loads the issue lists besides the plain one, each against the raw limit of its
-    own file (read) and the device_put figure of this run (`put`), checked bitwise."""
+    own file (read) and the device_put figure of this run (`put`), checked bitwise; their
+    figures put into `cases` as they come."""
     import taktiny as tt
     from taktiny import convert as cv
     from taktiny.io import load_safetensors, open_safetensors, save_safetensors
 
-    cases: dict[str, Any] = {}
     hf = folder / "hf.safetensors"  # torch's names; [out, in] = the file's kernels' bytes
     save_safetensors(hf, {f"model.layers.{i}.weight": a for i, a in enumerate(arrays.values())})
     hf.read_bytes()
@@ -359,7 +365,6 @@ def _cases(
         nbytes, limit, lambda: load_safetensors(int8, fp8.parent, rules=rules), oracle
     )
     cases["raw_limit_fp8_GiBps"] = limit
-    return cases
 
 
 def _sockets() -> bool:
@@ -475,6 +480,7 @@ def main(folder: Path) -> dict[str, object]:
         "GiB": nbytes / GiB,
         "transparent_hugepages": _thp(),
     }
+    SO_FAR.append(figures)  # (what a run stopped midway prints)
     figures["raw_read_GiBps"] = _raw([path], 8, put=False)
     figures["raw_device_put_GiBps"] = put = _raw_put(arrays)
     figures["raw_pipeline_GiBps"] = _raw([path], 4, put=True)
@@ -496,15 +502,15 @@ def main(folder: Path) -> dict[str, object]:
     figures["taktiny_vs_raw_limit"] = figures["taktiny"]["vs_raw_limit"]
     with _staged_on_cpu() as forced:
         figures["staging_forced_on_cpu"] = forced
-        variants = {}
+        figures["variants"] = variants = {}
         for name, settings in VARIANTS.items():
             with _knobs(settings):
                 variants[name] = _figure(
                     nbytes, limit, lambda: load_safetensors(abstract, path), want
                 )
-        figures["variants"] = variants
         figures["best_variant"] = max(variants, key=lambda v: variants[v]["GiBps"])
-        figures["cases"] = _cases(folder, path, arrays, put, want)
+        figures["cases"] = {}
+        _cases(folder, path, arrays, put, want, figures["cases"])
     if _sockets():
         figures["object_storage"] = _object_storage(folder, path, arrays)
     else:
@@ -520,10 +526,57 @@ def _thp() -> str:
         return "unknown"
 
 
+def summary(paths: list[Path]) -> str:
+    """A few lines from a run's JSON and its ``--peak`` ones: each load's GiB/s (median,
+    first) and its ratio to the raw limit, whether it was bitwise, and the peaks."""
+    lines = []
+    for path in paths:
+        try:
+            figures = json.loads(path.read_text())
+        except (OSError, ValueError) as error:
+            lines.append(f"{path.name}: {error}")
+            continue
+        if "case" in figures:
+            peak_mib = figures["taktiny_peak_host_MiB"]
+            lines.append(f"peak {figures['case']}: {peak_mib:.0f} MiB {figures['ways']}")
+            continue
+        raw = ("raw_read_GiBps", "raw_device_put_GiBps", "raw_pipeline_GiBps", "raw_limit_GiBps")
+        lines.append(" ".join(f"{k[:-6]}={figures[k]:.2f}" for k in raw if k in figures))
+        if figures.get("stopped"):
+            lines.append("STOPPED midway (timeout): the figures so far")
+        cases = figures.get("cases", {})
+        loads = {k: v for k, v in figures.items() if isinstance(v, dict) and "vs_raw_limit" in v}
+        loads.update({f"variant {k}": v for k, v in figures.get("variants", {}).items()})
+        loads.update({f"case {k}": v for k, v in cases.items() if isinstance(v, dict)})
+        for name, f in loads.items():
+            lines.append(
+                f"{name}: {f['GiBps']:.2f} GiB/s (first {f['first_GiBps']:.2f}) "
+                f"{f['vs_raw_limit']:.2f}x{'' if f['bitwise'] else ' NOT BITWISE'}"
+            )
+        limits = {k: round(v, 2) for k, v in cases.items() if k.startswith("raw")}
+        lines.append(f"best variant: {figures.get('best_variant')}; case limits {limits}")
+        lines.append(f"object storage: {figures.get('object_storage')}")
+    return "\n".join(lines)
+
+
+SO_FAR: list[dict[str, Any]] = []  # the figures of the run under way (main's)
+
+
+def _stopped(signum: int, frame: Any) -> None:
+    """On SIGTERM (a ``timeout``), the figures so far, printed as the whole run's are."""
+    print(json.dumps({**(SO_FAR[-1] if SO_FAR else {}), "stopped": True}, indent=1), flush=True)
+    os._exit(124)
+
+
 if __name__ == "__main__":
+    import signal
+
+    signal.signal(signal.SIGTERM, _stopped)
     if sys.argv[1:2] == ["--peak"]:  # (after a run that wrote the files: their folder)
         case = sys.argv[3] if len(sys.argv) > 3 else "renamed"
         print(json.dumps(peak(Path(sys.argv[2]), case), indent=1))
+    elif sys.argv[1:2] == ["--summary"]:  # (the JSON files of a run)
+        print(summary([Path(p) for p in sys.argv[2:]]))
     elif len(sys.argv) > 1:
         print(json.dumps(main(Path(sys.argv[1])), indent=1))
     else:

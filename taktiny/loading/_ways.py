@@ -132,7 +132,9 @@ class Staged(Whole):
     tensor would fault every page of the checkpoint, the most such a load pays for) and
     copied onto its devices: a few MiB of rows at a time (`Staging.piece`), each piece
     copied as soon as it is read and written into its place in the leaf on the devices,
-    while the next is read; or whole into one buffer. A buffer is free for the next read
+    while the next is read; or whole into one buffer (`Staging.join`; always, for a leaf
+    whose devices span processes: a program writing pieces into place would be each
+    process's own, entered in any order by its readers). A buffer is free for the next read
     once the copy made from it has read it. It holds nothing of its own: the ring is
     counted once, for the load, as the scratch buffers are."""
 
@@ -359,11 +361,9 @@ class Staging:
         row = tensor.nbytes // count if count else 0
         return -(-min(tensor.nbytes, self.rows(tensor) * row) // 64) * 64
 
-    def fits(self, tensor: Tensor, sharding: Any) -> bool:
-        """Whether `tensor` is staged for a leaf on `sharding`: its buffer is at most
-        `RING_MOST` bytes, and in pieces, its leaf is on this process's devices alone (the
-        pieces are written into place by a program each process runs on its own)."""
-        return self.slot(tensor) <= RING_MOST and (not self.join or sharding.is_fully_addressable)
+    def fits(self, tensor: Tensor) -> bool:
+        """Whether `tensor` is staged: its buffer is at most `RING_MOST` bytes."""
+        return self.slot(tensor) <= RING_MOST
 
 
 # The jitted writes of pieces into the leaves they make, one per axes and sharding for the
@@ -627,7 +627,7 @@ class Ways:
             way.scratch = self.scratch[k % buffers]
         staged = [way for way in self.units if isinstance(way, Staged)]
         size = max((way.own() for way in staged), default=0)
-        pieces = sum(staging.pieces(way.sources[0]) for way in staged)
+        pieces = sum(way.staging.pieces(way.sources[0]) for way in staged)
         count = min(max(staging.count, 1), pieces)
         room = None if limit is None else limit - sum(sizes) - max(self.held, default=0)
         while room is not None and count > 1 and count * size > room:
@@ -664,7 +664,9 @@ def _way(load: Load, step: Step, staging: Staging) -> Way:
         return kind(step, sources, word)
     sharding, tensor = sharding_of(leaf), sources[0]
     whole = len(sharding.device_set) == 1 or sharding.is_fully_replicated
-    staged = whole and _staging(sharding) and not tensor.packed and staging.fits(tensor, sharding)
+    if not sharding.is_fully_addressable:  # (pieces are written into place by a program
+        staging = dataclasses.replace(staging, join=False)  # each process runs alone)
+    staged = whole and _staging(sharding) and not tensor.packed and staging.fits(tensor)
     if staged:
         kind = StagedTransposed if isinstance(transform, transpose) else Staged
         return kind(step, sources, leaf, staging)
