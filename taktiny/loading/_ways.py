@@ -15,7 +15,7 @@ import functools
 import math
 import queue
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, cast
 
@@ -182,27 +182,28 @@ class Staged(Whole):
             whole = piece if whole is None else write(whole, piece, np.int32(k * rows))
         return {self.step.targets[0]: whole}
 
-    def _pieces(self, ring: Ring, rows: int, sharding: Any, verify: bool) -> list[jax.Array]:
+    def _pieces(self, ring: Ring, rows: int, sharding: Any, verify: bool) -> Iterator[jax.Array]:
         """The tensor's pieces of `rows` rows (all of them: the tensor whole), each read
         into a buffer of the ring and copied onto `sharding`, the buffer given back with
-        its copy (the next to take it waits for that copy to have read it)."""
+        its copy (the next to take it waits for that copy to have read it): yielded one
+        by one, so that each is written into place while the next is read."""
         taken: list[Scratch] = []
-        pieces: list[jax.Array] = []
         try:
             if not self.staging.join:  # whole, into one buffer
                 taken.append(ring.take())
-                pieces.append(_copied(taken[-1], self._into(taken[-1], verify), sharding))
-                ring.give(taken.pop(), pieces[-1])
-                return pieces
+                copy = _copied(taken[-1], self._into(taken[-1], verify), sharding)
+                ring.give(taken.pop(), copy)
+                yield copy
+                return
 
             def into(nbytes: int) -> memoryview:
                 taken.append(ring.take())  # (a reader waits here while the others hold all)
                 return taken[-1].view(nbytes)
 
             for host in self.sources[0].read_rows(rows, into, verify=verify):
-                pieces.append(_copied(taken[-1], host, sharding))
-                ring.give(taken.pop(), pieces[-1])
-            return pieces
+                copy = _copied(taken[-1], host, sharding)
+                ring.give(taken.pop(), copy)
+                yield copy
         finally:
             for buffer in taken:  # (a read that failed: nothing copied from it)
                 ring.give(buffer)
