@@ -1,41 +1,93 @@
 """Loads onto an accelerator (issue 52, point 3): a 1 GiB bfloat16 safetensors file (32
 layers of 4096 x 4096) loaded onto the default device, against the raw limit measured in
-the same run and against the peers.
+the same run and against the peers; then the same loads through rules that rename and
+transpose, quantizing ones (bfloat16 into int8 and int4, FP8 blocks into bfloat16 and
+int8), one into a stack of layers, and, where sockets work, one from object storage.
 
 The raw limit is the slower of the file read into reused host buffers (8 threads, each its
-own buffer) and ``jax.device_put`` of host arrays already in memory; the pipeline of the
-two (4 threads, each reading into its own reused buffer and copying it onto the device) is
-reported beside them. The peers: ``safetensors.flax.load_file``, Orbax's restore of the same
-model, and the plain loop (``safetensors.numpy.load_file`` then ``jax.device_put``). Every
-load is checked bitwise against the file. ``--peak folder`` then loads the file written
-there alone, in a process of its own, for its peak host memory (``ru_maxrss`` after the
-load, less before it) and its ways.
+own buffer, faulted before the clock) and ``jax.device_put`` of host arrays already in
+memory; the pipeline of the two (4 threads, each reading into its own reused buffer and
+copying it onto the device) is reported beside them. Each case's limit reads its own file.
+The peers: ``safetensors.flax.load_file``, Orbax's restore of the same model, and the plain
+loop (``safetensors.numpy.load_file`` then ``jax.device_put``). Every load is checked
+bitwise on the device: against the file's arrays (renamed, stacked), their transposes
+(transposed), ``tt.quantize`` of the float model (quantizing loads) and NumPy's float32
+product of the FP8 blocks rounded to bfloat16 (FP8).
 
-Run ``python bench/device_load.py [folder]`` on a machine with an accelerator (on a CPU
-the figures mean little: a CPU device adopts host memory). It prints one JSON object.
+``variants`` loads the file with other settings of the staging knobs
+(``taktiny/loading/_ways.py``: the pieces, the ring, huge pages, whole tensors read by
+threads; the readers' start), each against the same limit, so that one run on the TPU
+picks the best; ``taktiny`` is the load with the knobs as they are.
+
+``--peak folder [case]`` then loads a file written there alone, in a process of its own,
+for its peak host memory (``ru_maxrss`` after the load, less before it) and its ways
+(case: ``renamed`` (default), ``transposed``, ``int8``, ``fp8_int8``, ``stack``).
+``--summary FILE...`` prints a few lines from the JSON those wrote.
+
+Run ``python bench/device_load.py [folder]`` on a machine with an accelerator; it prints one
+JSON object. On a CPU the figures mean little (a CPU device adopts host memory): there the
+variants force the staging ring so that its code runs. ``DEVICE_LOAD_LAYERS`` (32) and
+``DEVICE_LOAD_WIDTH`` (4096) make it smaller; ``DEVICE_LOAD_REPEATS`` (3) sets the samples.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import socket
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import jax
+import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
 LAYERS = int(os.environ.get("DEVICE_LOAD_LAYERS", "32"))  # (fewer for a quick try on a CPU)
-WIDTH = 4096
+WIDTH = int(os.environ.get("DEVICE_LOAD_WIDTH", "4096"))
+REPEATS = int(os.environ.get("DEVICE_LOAD_REPEATS", "3"))
 GiB = 2**30
+MiB = 2**20
+
+# The staging knobs each variant sets (taktiny.loading._ways, and _readers' START); the
+# rest keep their values
+PIECES = {"STAGE_JOIN": True, "STAGE_PIECE": 8 * MiB, "RING": 8}
+WHOLE = {"STAGE_JOIN": False, "STAGE_THREADS": 1, "RING": 4}
+VARIANTS: dict[str, dict[str, Any]] = {
+    "pieces_4MiB_ring16": {**PIECES, "STAGE_PIECE": 4 * MiB, "RING": 16},
+    "pieces_8MiB_ring8": PIECES,
+    "pieces_8MiB_ring16": {**PIECES, "RING": 16},
+    "pieces_16MiB_ring8": {**PIECES, "STAGE_PIECE": 16 * MiB},
+    "pieces_8MiB_ring8_start8": {**PIECES, "START": 8},
+    "pieces_8MiB_ring8_small_pages": {**PIECES, "HUGE_PAGES": False},  # (where THP exist)
+    "whole_ring4": WHOLE,  # (as before pieces, but a buffer's copy is not waited for)
+    "whole_ring8": {**WHOLE, "RING": 8},
+    "whole_ring4_threads4_8MiB": {**WHOLE, "STAGE_THREADS": 4, "STAGE_PIECE": 8 * MiB},
+    "whole_ring4_threads4_8MiB_start8": {
+        **WHOLE,
+        "STAGE_THREADS": 4,
+        "STAGE_PIECE": 8 * MiB,
+        "START": 8,
+    },
+    "whole_ring4_threads8_4MiB": {**WHOLE, "STAGE_THREADS": 8, "STAGE_PIECE": 4 * MiB},
+    "whole_ring2_threads8_4MiB": {
+        **WHOLE,
+        "RING": 2,
+        "STAGE_THREADS": 8,
+        "STAGE_PIECE": 4 * MiB,
+    },
+}
+ON_HOST = {**WHOLE, "TRANSPOSE_ON_DEVICE": False}  # transposed as read (as before pieces)
 
 
-def _model() -> dict[str, np.ndarray]:
+def _arrays() -> dict[str, np.ndarray]:
     rng = np.random.default_rng(0)
     out = {}
     for i in range(LAYERS):
@@ -44,13 +96,37 @@ def _model() -> dict[str, np.ndarray]:
     return out
 
 
-def _abstract(shapes: dict[str, tuple[tuple[int, ...], np.dtype]]) -> dict[str, object]:
-    device = jax.devices()[0]
-    sharding = jax.sharding.SingleDeviceSharding(device)
-    return {n: jax.ShapeDtypeStruct(s, d, sharding=sharding) for n, (s, d) in shapes.items()}
+def _sharding() -> Any:
+    return jax.sharding.SingleDeviceSharding(jax.devices()[0])
 
 
-def _timed(fn, repeats: int = 3) -> tuple[float, object]:
+def _abstract(shapes: dict[str, tuple[tuple[int, ...], Any]]) -> dict[str, Any]:
+    return {n: jax.ShapeDtypeStruct(s, d, sharding=_sharding()) for n, (s, d) in shapes.items()}
+
+
+def _modules(stacked: bool) -> Any:
+    """The abstract model of LAYERS Linear(WIDTH, WIDTH) layers without biases, in
+    bfloat16 on the default device: a list of layers, or an ``nn.Stack`` of them."""
+    import taktiny as tt
+    from taktiny import nn
+
+    class Layers(nn.Module):
+        def __init__(self, *, rngs: nn.Rngs):
+            linear = lambda rngs: nn.Linear(WIDTH, WIDTH, use_bias=False, rngs=rngs)
+            if stacked:
+                self.layers = nn.Stack(linear, LAYERS, rngs=rngs)
+            else:
+                self.layers = [linear(rngs) for _ in range(LAYERS)]
+
+    abstract = tt.eval_shape(lambda: Layers(rngs=nn.Rngs(0)))
+    sharding = _sharding()
+    return jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, jnp.bfloat16, sharding=sharding), abstract
+    )
+
+
+def _timed(fn: Callable[[], Any], repeats: int = REPEATS) -> tuple[float, float, Any]:
+    """The median and the first of `repeats` timed calls, and the last one's result."""
     times, out = [], None
     for _ in range(repeats):
         out = None
@@ -58,7 +134,7 @@ def _timed(fn, repeats: int = 3) -> tuple[float, object]:
         out = fn()
         jax.block_until_ready(out)
         times.append(time.perf_counter() - start)
-    return statistics.median(times), out
+    return statistics.median(times), times[0], out
 
 
 def _ranges(path: Path) -> list[tuple[int, int]]:
@@ -74,54 +150,311 @@ def _ranges(path: Path) -> list[tuple[int, int]]:
     ]
 
 
-def _raw(path: Path, threads: int, put: bool) -> float:
-    """GiB/s of the file read by `threads` threads, each into its own reused buffer
+def _raw(paths: list[Path], threads: int, put: bool) -> float:
+    """GiB/s of the files read by `threads` threads, each into its own reused buffer
     (faulted before the clock); with `put`, each tensor then copied onto the device."""
-    ranges = _ranges(path)
-    buffers = [np.zeros(max(n for _, n in ranges), np.uint8) for _ in range(threads)]
-    fd = os.open(path, os.O_RDONLY)
+    ranges = [(path, offset, n) for path in paths for offset, n in _ranges(path)]
+    buffers = [np.zeros(max(n for _, _, n in ranges), np.uint8) for _ in range(threads)]
+    fds = {path: os.open(path, os.O_RDONLY) for path in paths}
     device = jax.devices()[0]
 
     def work(k: int) -> None:
-        for offset, n in ranges[k::threads]:
+        for path, offset, n in ranges[k::threads]:
             view, got = memoryview(buffers[k])[:n], 0
             while got < n:
-                got += os.preadv(fd, [view[got:]], offset + got)
+                got += os.preadv(fds[path], [view[got:]], offset + got)
             if put:
                 host = buffers[k][:n].view(ml_dtypes.bfloat16)
                 jax.device_put(host, device).block_until_ready()
 
-    start = time.perf_counter()
-    with ThreadPoolExecutor(threads) as pool:
-        list(pool.map(work, range(threads)))
-    seconds = time.perf_counter() - start
-    os.close(fd)
-    return sum(n for _, n in ranges) / GiB / seconds
+    times = []
+    for _ in range(REPEATS):
+        start = time.perf_counter()
+        with ThreadPoolExecutor(threads) as pool:
+            list(pool.map(work, range(threads)))
+        times.append(time.perf_counter() - start)
+    for fd in fds.values():
+        os.close(fd)
+    return sum(n for _, _, n in ranges) / GiB / statistics.median(times)
 
 
-def _raw_put(model: dict[str, np.ndarray]) -> float:
+def _raw_put(arrays: dict[str, np.ndarray]) -> float:
     device = jax.devices()[0]
-    arrays = list(model.values())
-    start = time.perf_counter()
-    jax.block_until_ready([jax.device_put(a, device) for a in arrays])
-    return sum(a.nbytes for a in arrays) / GiB / (time.perf_counter() - start)
+    values = list(arrays.values())
+    times = []
+    for _ in range(REPEATS):
+        start = time.perf_counter()
+        jax.block_until_ready([jax.device_put(a, device) for a in values])
+        times.append(time.perf_counter() - start)
+    return sum(a.nbytes for a in values) / GiB / statistics.median(times)
 
 
-def peak(path: Path) -> dict[str, object]:
-    """Taktiny's load alone (run it in a process of its own: one process at a time may
-    hold a TPU): its peak host memory beyond what the process held before the load, and
-    the way each step was read."""
+@jax.jit
+def _same(a: jax.Array, b: jax.Array) -> jax.Array:
+    """Whether two arrays hold the same bits (NaNs and signed zeros included)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return jnp.array(False)
+    if jnp.issubdtype(a.dtype, jnp.floating):
+        unsigned = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[a.dtype.itemsize]
+        a, b = jax.lax.bitcast_convert_type(a, unsigned), jax.lax.bitcast_convert_type(b, unsigned)
+    return jnp.all(a == b)
+
+
+def _bitwise(got: Any, want: Any) -> bool:
+    """Whether two trees hold the same leaves bit for bit (checked on the device)."""
+    a, b = jax.tree.leaves(got), jax.tree.leaves(want)
+    if len(a) != len(b):
+        return False
+    return all(bool(_same(x, jnp.asarray(y))) for x, y in zip(a, b, strict=True))
+
+
+@contextlib.contextmanager
+def _knobs(settings: dict[str, Any]) -> Iterator[None]:
+    """The staging knobs set as `settings` says for the block (restored after)."""
+    import taktiny.loading._readers as readers
+    import taktiny.loading._ways as ways
+
+    old = {}
+    for name, value in settings.items():
+        module = readers if name == "START" else ways
+        old[name] = (module, getattr(module, name))
+        setattr(module, name, value)
+    try:
+        yield
+    finally:
+        for name, (module, value) in old.items():
+            setattr(module, name, value)
+
+
+@contextlib.contextmanager
+def _staged_on_cpu() -> Iterator[bool]:
+    """On a CPU device, the staging ring forced (a CPU device adopts host memory, so a load
+    never stages there): its code runs, its figures mean little. Yields whether forced."""
+    import taktiny.loading._ways as ways
+
+    if jax.devices()[0].platform != "cpu":
+        yield False
+        return
+    real = ways._staging
+    ways._staging = lambda sharding: True
+    try:
+        yield True
+    finally:
+        ways._staging = real
+
+
+def _figure(
+    nbytes: int, limit: float, load: Callable[[], Any], want: Any, **timing: Any
+) -> dict[str, Any]:
+    """One load timed: GiB/s of `nbytes` (median, and the first call's, which compiles),
+    against `limit`, and whether it gave `want` bit for bit."""
+    seconds, first, out = _timed(load, **timing)
+    speed = nbytes / GiB / seconds
+    return {
+        "GiBps": speed,
+        "first_GiBps": nbytes / GiB / first,
+        "vs_raw_limit": speed / limit,
+        "bitwise": _bitwise(out, want),
+    }
+
+
+def _write_fp8(folder: Path, arrays: dict[str, np.ndarray]) -> tuple[Path, dict[str, Any]]:
+    """An FP8 block-scaled checkpoint of the layers (as DeepSeek's and transformers'
+    FineGrainedFP8 write one: ``weight`` [out, in] in float8_e4m3fn beside a float32
+    ``weight_scale_inv`` of one factor per 128 x 128 block, and its config.json), and the
+    oracle: each product in float32, rounded to bfloat16, laid out [in, out]."""
+    from taktiny.io import save_safetensors
+
+    tensors, oracle = {}, {}
+    block = 128
+    for i, (name, array) in enumerate(arrays.items()):
+        w = np.asarray(array, np.float32).T  # [out, in], as a torch Linear holds it
+        blocks = w.reshape(WIDTH // block, block, WIDTH // block, block)
+        scale = np.abs(blocks).max(axis=(1, 3)) / 448
+        scale = np.where(scale == 0, 1, scale).astype(np.float32)
+        full = np.repeat(np.repeat(scale, block, 0), block, 1)
+        weight = (w / full).astype(ml_dtypes.float8_e4m3fn)
+        tensors[f"model.layers.{i}.proj.weight"] = weight
+        tensors[f"model.layers.{i}.proj.weight_scale_inv"] = scale
+        product = weight.astype(np.float32) * full
+        oracle[name] = jax.device_put(product.astype(ml_dtypes.bfloat16).T, _sharding())
+    fp8 = folder / "fp8"
+    fp8.mkdir(exist_ok=True)
+    save_safetensors(fp8 / "model.safetensors", tensors)
+    config = {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "weight_block_size": [block, block],
+    }
+    (fp8 / "config.json").write_text(json.dumps({"quantization_config": config}))
+    return fp8 / "model.safetensors", oracle
+
+
+def _cases(
+    folder: Path,
+    path: Path,
+    arrays: dict[str, np.ndarray],
+    put: float,
+    want: dict[str, Any],
+    cases: dict[str, Any],
+) -> None:
+    """The loads the issue lists besides the plain one, each against the raw limit of its
+    own file (read) and the device_put figure of this run (`put`), checked bitwise; their
+    figures put into `cases` as they come."""
+    import taktiny as tt
+    from taktiny import convert as cv
+    from taktiny.io import load_safetensors, open_safetensors, save_safetensors
+
+    hf = folder / "hf.safetensors"  # torch's names; [out, in] = the file's kernels' bytes
+    save_safetensors(hf, {f"model.layers.{i}.weight": a for i, a in enumerate(arrays.values())})
+    hf.read_bytes()
+    limit = min(_raw([hf], 8, put=False), put)
+    nbytes = sum(a.nbytes for a in arrays.values())
+    flat = _abstract({n: (a.shape, a.dtype) for n, a in arrays.items()})
+    renamed = [cv.Rule("model.layers.{i}.weight", "layers.{i}.kernel")]
+    cases["renamed"] = _figure(
+        nbytes, limit, lambda: load_safetensors(flat, hf, rules=renamed), want
+    )
+    transposed = [cv.Rule("model.layers.{i}.weight", "layers.{i}.kernel", cv.transpose())]
+    turned = {n: jnp.transpose(a) for n, a in want.items()}
+    cases["transposed"] = _figure(
+        nbytes, limit, lambda: load_safetensors(flat, hf, rules=transposed), turned
+    )
+    with _knobs(ON_HOST):
+        cases["transposed_on_host"] = _figure(
+            nbytes, limit, lambda: load_safetensors(flat, hf, rules=transposed), turned
+        )
+    del turned
+    cases["raw_limit_hf_GiBps"] = limit
+
+    limit = min(_raw([path], 8, put=False), put)
+    layers = _modules(stacked=False)
+    floats = load_safetensors(layers, path)
+    stack = _modules(stacked=True)
+    stacked = {"kernel": jnp.stack([want[n] for n in arrays])}
+    cases["stack"] = _figure(nbytes, limit, lambda: load_safetensors(stack, path), stacked)
+    del stacked
+    for name, options in {"int8": {"bits": 8}, "int4": {"bits": 4, "group_size": 128}}.items():
+        quantized = tt.quantize(layers, **options)
+        oracle = tt.quantize(floats, **options)
+        load = lambda quantized=quantized: load_safetensors(quantized, path)
+        cases[name] = _figure(nbytes, limit, load, oracle)
+        del oracle
+    cases["raw_limit_GiBps"] = limit
+
+    fp8, oracle = _write_fp8(folder, arrays)
+    fp8.read_bytes()
+    limit = min(_raw([fp8], 8, put=False), put)
+    nbytes = fp8.stat().st_size
+    rules = cv.quantized_rules(
+        [
+            r
+            for i in range(LAYERS)
+            for r in cv.linear(f"model.layers.{i}.proj", f"layers.{i}", bias=False)
+        ],
+        open_safetensors(fp8.parent),
+    )
+    cases["fp8_bf16"] = _figure(
+        nbytes, limit, lambda: load_safetensors(layers, fp8.parent, rules=rules), oracle
+    )
+    bf16 = load_safetensors(layers, fp8.parent, rules=rules)
+    int8, oracle = tt.quantize(layers), tt.quantize(bf16)
+    del bf16
+    cases["fp8_int8"] = _figure(
+        nbytes, limit, lambda: load_safetensors(int8, fp8.parent, rules=rules), oracle
+    )
+    cases["raw_limit_fp8_GiBps"] = limit
+
+
+def _sockets() -> bool:
+    """Whether this machine opens TCP sockets (the TPU machine lent here does not)."""
+    try:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+        return True
+    except OSError:
+        return False
+
+
+def _object_storage(folder: Path, path: Path, arrays: dict[str, np.ndarray]) -> dict[str, Any]:
+    """The read half of a load from object storage: the file served by a local
+    S3-compatible server (``bench._s3_stub``, which sends each range with ``sendfile``, as
+    the storage group does: moto reads the whole object for each ranged GET) loaded onto
+    the CPU (which adopts what is read: no copy onto a device), against the raw local read
+    of the same file (and, for context, the storage group's raw ranged GETs of it into a
+    faulted buffer, 8 in flight), and checked bitwise."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from bench import storage
+    from bench._s3_stub import Stub
+    from taktiny.io import load_safetensors
+
+    cpu = jax.devices("cpu")[0]
+    sharding = jax.sharding.SingleDeviceSharding(cpu)
+    abstract = {
+        n: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding) for n, a in arrays.items()
+    }
+    raw = _raw([path], 8, put=False)
+    with Stub(folder) as stub:
+        saved = {k: os.environ.get(k) for k in stub.environment()}
+        os.environ.update(stub.environment())
+        try:
+            url = f"s3://bench/{path.name}"
+            seconds, _, out = _timed(lambda: load_safetensors(abstract, url))
+            ranged = storage.Raw(path.stat().st_size)  # (bucket "bench", this file's name)
+            gets, _, _ = _timed(lambda: ranged(8))
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+    same = all(
+        np.array_equal(np.asarray(out[n]).view(np.uint16), a.view(np.uint16))
+        for n, a in arrays.items()
+    )
+    speed = sum(a.nbytes for a in arrays.values()) / GiB / seconds
+    return {
+        "GiBps": speed,
+        "raw_local_read_GiBps": raw,
+        "vs_raw_local_read": speed / raw,
+        "raw_ranged_gets_GiBps": path.stat().st_size / GiB / gets,  # (8 in flight, obstore)
+        "bitwise": same,
+    }
+
+
+def peak(folder: Path, case: str = "renamed") -> dict[str, object]:
+    """One of Taktiny's loads alone (run it in a process of its own: one process at a time
+    may hold a TPU), from the files a run wrote in `folder`: its peak host memory beyond
+    what the process held before the load, and the way each step was read."""
     import resource
 
+    import taktiny as tt
+    from taktiny import convert as cv
     from taktiny.io import load_safetensors, open_safetensors, plan_load
 
+    path, rules = folder / "model.safetensors", None
     checkpoint = open_safetensors(path)
-    model = _abstract({n: (tuple(t.shape), t.dtype) for n, t in checkpoint.items()})
-    ways = sorted({s.way for s in plan_load(model, path).steps})
+    model: Any = _abstract({n: (tuple(t.shape), t.dtype) for n, t in checkpoint.items()})
+    if case == "transposed":
+        path = folder / "hf.safetensors"
+        rules = [cv.Rule("model.layers.{i}.weight", "layers.{i}.kernel", cv.transpose())]
+    elif case == "int8":
+        model = tt.quantize(_modules(stacked=False))
+    elif case == "stack":
+        model = _modules(stacked=True)
+    elif case == "fp8_int8":
+        path = folder / "fp8"
+        linear = [
+            cv.linear(f"model.layers.{i}.proj", f"layers.{i}", bias=False) for i in range(LAYERS)
+        ]
+        rules = cv.quantized_rules([r for rs in linear for r in rs], open_safetensors(path))
+        model = tt.quantize(_modules(stacked=False))
+    ways = sorted({s.way for s in plan_load(model, path, rules=rules).steps})
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    jax.block_until_ready(load_safetensors(model, path))
+    jax.block_until_ready(load_safetensors(model, path, rules=rules))
     after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return {"taktiny_peak_host_MiB": (after - before) / 1024, "ways": ways}
+    return {"case": case, "taktiny_peak_host_MiB": (after - before) / 1024, "ways": ways}
 
 
 def main(folder: Path) -> dict[str, object]:
@@ -131,63 +464,119 @@ def main(folder: Path) -> dict[str, object]:
 
     from taktiny.io import load_safetensors, save_safetensors
 
-    model = _model()
+    arrays = _arrays()
     path = folder / "model.safetensors"
-    save_safetensors(path, model)  # (with its checksums, which the load verifies)
+    save_safetensors(path, arrays)  # (with its checksums, which the load verifies)
     path.read_bytes()  # in the page cache, for every reader alike
-    abstract = _abstract({n: (a.shape, a.dtype) for n, a in model.items()})
-    nbytes = sum(a.nbytes for a in model.values()) / GiB
-    on_device = {n: jax.device_put(a, jax.devices()[0]) for n, a in model.items()}
+    abstract = _abstract({n: (a.shape, a.dtype) for n, a in arrays.items()})
+    nbytes = sum(a.nbytes for a in arrays.values())
+    want = {n: jax.device_put(a, jax.devices()[0]) for n, a in arrays.items()}
     orbax_path = folder / "orbax"
     checkpointer = ocp.StandardCheckpointer()
-    checkpointer.save(orbax_path.resolve(), on_device)
+    checkpointer.save(orbax_path.resolve(), want)
     checkpointer.wait_until_finished()
-    del on_device
-    figures: dict[str, object] = {"device": str(jax.devices()[0].device_kind), "GiB": nbytes}
-    figures["raw_read_GiBps"] = _raw(path, 8, put=False)
-    figures["raw_device_put_GiBps"] = _raw_put(model)
-    figures["raw_pipeline_GiBps"] = _raw(path, 4, put=True)
+    figures: dict[str, Any] = {
+        "device": str(jax.devices()[0].device_kind),
+        "GiB": nbytes / GiB,
+        "transparent_hugepages": _thp(),
+    }
+    SO_FAR.append(figures)  # (what a run stopped midway prints)
+    figures["raw_read_GiBps"] = _raw([path], 8, put=False)
+    figures["raw_device_put_GiBps"] = put = _raw_put(arrays)
+    figures["raw_pipeline_GiBps"] = _raw([path], 4, put=True)
+    limit = min(figures["raw_read_GiBps"], put)
+    figures["raw_limit_GiBps"] = limit
     loads = {
         "taktiny": lambda: load_safetensors(abstract, path),
+        "taktiny_unverified": lambda: load_safetensors(abstract, path, verify=False),
         "safetensors_flax": lambda: flax_load(str(path)),
         "orbax": lambda: checkpointer.restore(orbax_path.resolve(), target=abstract),
         "device_put_loop": lambda: {
             n: jax.device_put(a, jax.devices()[0]) for n, a in numpy_load(str(path)).items()
         },
     }
-    if os.environ.get("DEVICE_LOAD_VARIANTS"):  # (what the load's figure depends on)
-        import taktiny.loading._ways as ways
-
-        def ring(count: int, verify: bool = True):
-            def load():
-                default, ways.RING = ways.RING, count
-                try:
-                    return load_safetensors(abstract, path, verify=verify)
-                finally:
-                    ways.RING = default
-
-            return load
-
-        loads.update(
-            taktiny_ring2=ring(2), taktiny_ring8=ring(8), taktiny_unverified=ring(4, False)
-        )
     for name, load in loads.items():
-        seconds, out = _timed(load)
-        figures[f"{name}_GiBps"] = nbytes / seconds
-        same = all(
-            np.array_equal(np.asarray(out[n]).view(np.uint16), model[n].view(np.uint16))
-            for n in model
-        )
-        figures[f"{name}_bitwise"] = same
-        del out
-    limit = min(figures["raw_read_GiBps"], figures["raw_device_put_GiBps"])
-    figures["taktiny_vs_raw_limit"] = figures["taktiny_GiBps"] / limit
+        figures[name] = _figure(nbytes, limit, load, want)
+        figures[f"{name}_GiBps"] = figures[name]["GiBps"]  # (the keys of earlier runs)
+        figures[f"{name}_bitwise"] = figures[name]["bitwise"]
+    figures["taktiny_vs_raw_limit"] = figures["taktiny"]["vs_raw_limit"]
+    with _staged_on_cpu() as forced:
+        figures["staging_forced_on_cpu"] = forced
+        figures["variants"] = variants = {}
+        for name, settings in VARIANTS.items():
+            with _knobs(settings):
+                variants[name] = _figure(
+                    nbytes, limit, lambda: load_safetensors(abstract, path), want
+                )
+        figures["best_variant"] = max(variants, key=lambda v: variants[v]["GiBps"])
+        figures["cases"] = {}
+        _cases(folder, path, arrays, put, want, figures["cases"])
+    if _sockets():
+        figures["object_storage"] = _object_storage(folder, path, arrays)
+    else:
+        figures["object_storage"] = "skipped: this machine opens no sockets"
     return figures
 
 
+def _thp() -> str:
+    """The kernel's transparent huge pages setting (``[madvise]``: where asked for)."""
+    try:
+        return Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text().strip()
+    except OSError:
+        return "unknown"
+
+
+def summary(paths: list[Path]) -> str:
+    """A few lines from a run's JSON and its ``--peak`` ones: each load's GiB/s (median,
+    first) and its ratio to the raw limit, whether it was bitwise, and the peaks."""
+    lines = []
+    for path in paths:
+        try:
+            figures = json.loads(path.read_text())
+        except (OSError, ValueError) as error:
+            lines.append(f"{path.name}: {error}")
+            continue
+        if "case" in figures:
+            peak_mib = figures["taktiny_peak_host_MiB"]
+            lines.append(f"peak {figures['case']}: {peak_mib:.0f} MiB {figures['ways']}")
+            continue
+        raw = ("raw_read_GiBps", "raw_device_put_GiBps", "raw_pipeline_GiBps", "raw_limit_GiBps")
+        lines.append(" ".join(f"{k[:-6]}={figures[k]:.2f}" for k in raw if k in figures))
+        if figures.get("stopped"):
+            lines.append("STOPPED midway (timeout): the figures so far")
+        cases = figures.get("cases", {})
+        loads = {k: v for k, v in figures.items() if isinstance(v, dict) and "vs_raw_limit" in v}
+        loads.update({f"variant {k}": v for k, v in figures.get("variants", {}).items()})
+        loads.update({f"case {k}": v for k, v in cases.items() if isinstance(v, dict)})
+        for name, f in loads.items():
+            lines.append(
+                f"{name}: {f['GiBps']:.2f} GiB/s (first {f['first_GiBps']:.2f}) "
+                f"{f['vs_raw_limit']:.2f}x{'' if f['bitwise'] else ' NOT BITWISE'}"
+            )
+        limits = {k: round(v, 2) for k, v in cases.items() if k.startswith("raw")}
+        lines.append(f"best variant: {figures.get('best_variant')}; case limits {limits}")
+        lines.append(f"object storage: {figures.get('object_storage')}")
+    return "\n".join(lines)
+
+
+SO_FAR: list[dict[str, Any]] = []  # the figures of the run under way (main's)
+
+
+def _stopped(signum: int, frame: Any) -> None:
+    """On SIGTERM (a ``timeout``), the figures so far, printed as the whole run's are."""
+    print(json.dumps({**(SO_FAR[-1] if SO_FAR else {}), "stopped": True}, indent=1), flush=True)
+    os._exit(124)
+
+
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["--peak"]:  # (after a run that wrote the file: its folder)
-        print(json.dumps(peak(Path(sys.argv[2]) / "model.safetensors"), indent=1))
+    import signal
+
+    signal.signal(signal.SIGTERM, _stopped)
+    if sys.argv[1:2] == ["--peak"]:  # (after a run that wrote the files: their folder)
+        case = sys.argv[3] if len(sys.argv) > 3 else "renamed"
+        print(json.dumps(peak(Path(sys.argv[2]), case), indent=1))
+    elif sys.argv[1:2] == ["--summary"]:  # (the JSON files of a run)
+        print(summary([Path(p) for p in sys.argv[2:]]))
     elif len(sys.argv) > 1:
         print(json.dumps(main(Path(sys.argv[1])), indent=1))
     else:

@@ -20,6 +20,7 @@ import itertools
 import math
 import mmap
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Executor, wait
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -545,7 +546,9 @@ class Tensor:
         )
         return math.prod(stop - start for start, stop in bounds[partial:]) * self.dtype.itemsize
 
-    def read_into(self, memory: Any, *, verify: bool = True) -> np.ndarray:
+    def read_into(
+        self, memory: Any, *, verify: bool = True, pool: Executor | None = None, piece: int = 0
+    ) -> np.ndarray:
         """Reads the whole tensor into the start of `memory`.
 
         The caller owns `memory`, and must not reuse it while anything still uses the
@@ -554,6 +557,11 @@ class Tensor:
         Args:
             memory: a writable buffer of at least ``nbytes``.
             verify: check the bytes against ``checksum`` (when there is one).
+            pool: threads that read its pieces (`piece` bytes each) at once, each piece
+                hashed by the caller, in order, as soon as it is read; None: the caller
+                reads them one after the other. (A local file's: an object's storage
+                reads large ranges in parallel parts itself.)
+            piece: the bytes of each piece `pool` reads (0: 4 MiB).
 
         Returns:
             A read-only array of ``shape`` and ``dtype`` viewing `memory`.
@@ -561,15 +569,57 @@ class Tensor:
         Raises:
             SafetensorsError: the bytes are damaged, or the file was truncated.
         """
-        return self._checked(memory, verify)
+        return self._checked(memory, verify, pool, piece or _PIECE)
 
-    def _checked(self, memory: Any, verify: bool) -> np.ndarray:
+    def read_rows(
+        self, rows: int, into: Callable[[int], Any], *, verify: bool = True
+    ) -> Iterator[np.ndarray]:
+        """Reads the whole tensor `rows` rows (along its first axis) at a time, each piece
+        into the memory `into(nbytes)` gives it (the caller's, reused once the caller is
+        done with the piece), and yields the pieces in order, each a read-only array of
+        its rows viewing that memory (a 0-d tensor: one piece, itself). With `verify`, the
+        bytes are hashed in order as they are read and checked after the last piece: a
+        damaged tensor raises before the iteration ends, so a caller keeps nothing of
+        the pieces until it has ended.
+
+        Args:
+            rows: the rows of each piece (the last one may have fewer), at least 1.
+            into: gives the writable memory for a piece of `nbytes` bytes.
+            verify: check the bytes against ``checksum`` (when there is one).
+
+        Raises:
+            ValueError: a packed tensor (read it with :meth:`read`), or `rows` below 1.
+            SafetensorsError: the bytes are damaged, or the file was truncated.
+        """
+        if self.packed or rows < 1:
+            raise ValueError(
+                f"Tensor.read_rows of {self.name!r}: reads a tensor stored as it is (not a "
+                f"packed 4-bit one), at least one row at a time; got rows={rows}"
+            )
+        stream = _checksum.streaming() if verify and self.checksum is not None else None
+        count = self.shape[0] if self.ndim else 1
+        row = self.nbytes // count if count else 0
+        with self._opened() as storage:
+            for r0 in range(0, count, rows):
+                r1 = min(r0 + rows, count)
+                raw = memoryview(into((r1 - r0) * row)).cast("B")[: (r1 - r0) * row]
+                if len(raw):
+                    _pread(storage, raw, self.offset + r0 * row, self, stream and stream.update)
+                shape = (r1 - r0, *self.shape[1:]) if self.ndim else ()
+                piece = np.frombuffer(raw, self.dtype, math.prod(shape)).reshape(shape)
+                piece.flags.writeable = False
+                yield piece
+        self._confirm(stream)
+
+    def _checked(
+        self, memory: Any, verify: bool, pool: Executor | None = None, piece: int = _PIECE
+    ) -> np.ndarray:
         """The whole tensor read (into `memory`, or a fresh buffer), with `verify` hashed
-        piece by piece as it is read and checked."""
+        piece by piece as it is read and checked (`pool`, `piece`: as `read_into`)."""
         if not verify or self.checksum is None:
-            return self._piecewise(None, memory)
+            return self._piecewise(None, memory, pool, piece)
         stream = _checksum.streaming()
-        out = self._piecewise(stream.update, memory)
+        out = self._piecewise(stream.update, memory, pool, piece)
         self._confirm(stream)
         return out
 
@@ -667,10 +717,18 @@ class Tensor:
             bounds.append((start, max(start, stop)))
         return bounds
 
-    def _piecewise(self, send: Callable[[Any], Any] | None, memory: Any = None) -> np.ndarray:
+    def _piecewise(
+        self,
+        send: Callable[[Any], Any] | None,
+        memory: Any = None,
+        pool: Executor | None = None,
+        piece: int = _PIECE,
+    ) -> np.ndarray:
         """The whole tensor read, into `memory` (as :meth:`read_into`) or a fresh buffer;
         with `send`, 4 MiB at a time, each piece of its stored bytes handed to `send` as
-        soon as it is read, in order, still in the CPU's cache. Nothing is verified here."""
+        soon as it is read, in order, still in the CPU's cache (with `pool`, its threads
+        read `piece` bytes each at once, handed to `send` in order). Nothing is verified
+        here."""
         if memory is None:
             out, raw = _buffer(self.shape, self.dtype)
         else:
@@ -678,7 +736,10 @@ class Tensor:
             raw = memoryview(memory).cast("B")[: self.nbytes]
         if self.nbytes:
             with self._opened() as storage:
-                _pread(storage, raw, self.offset, self, send)
+                if pool is None or storage.large_reads or self.nbytes <= piece:
+                    _pread(storage, raw, self.offset, self, send)
+                else:
+                    _pread_together(storage, raw, self.offset, self, send, pool, piece)
         out.flags.writeable = False
         return out
 
@@ -763,11 +824,19 @@ class Packed(Tensor):
         blocks (with `verify`, when they have no tiles to check the blocks' bytes by)."""
         return verify and self.stored.tiles is None
 
-    def read_into(self, memory: Any, *, verify: bool = True) -> np.ndarray:
-        return self._unpacked(self.stored.read_into(memory, verify=verify))
+    def read_into(
+        self, memory: Any, *, verify: bool = True, pool: Executor | None = None, piece: int = 0
+    ) -> np.ndarray:
+        return self._unpacked(self.stored.read_into(memory, verify=verify, pool=pool, piece=piece))
 
-    def _piecewise(self, send: Callable[[Any], Any] | None, memory: Any = None) -> np.ndarray:
-        return self._unpacked(self.stored._piecewise(send, memory))
+    def _piecewise(
+        self,
+        send: Callable[[Any], Any] | None,
+        memory: Any = None,
+        pool: Executor | None = None,
+        piece: int = _PIECE,
+    ) -> np.ndarray:
+        return self._unpacked(self.stored._piecewise(send, memory, pool, piece))
 
     def read_blocks(
         self, blocks: Sequence[Sequence[tuple[int, int]]], *, verify: bool = True
@@ -919,3 +988,27 @@ def _pread(
             done += got
         if send is not None:
             send(into[start:end])
+
+
+def _pread_together(
+    storage: Storage,
+    into: memoryview,
+    offset: int,
+    tensor: Tensor,
+    send: Callable[[Any], Any] | None,
+    pool: Executor,
+    piece: int,
+) -> None:
+    """Fills `into` from `storage` at `offset`, `piece` bytes at a time, the pieces read
+    by `pool`'s threads at once; with `send`, each piece handed to `send` in order, as
+    soon as it and those before it are read (while the next are read). Every read has
+    ended when it returns or raises: none writes into `into` afterwards."""
+    starts = range(0, len(into), piece)
+    reads = [pool.submit(_pread, storage, into[s : s + piece], offset + s, tensor) for s in starts]
+    try:
+        for start, read in zip(starts, reads, strict=True):
+            read.result()
+            if send is not None:
+                send(into[start : start + piece])
+    finally:
+        wait(reads)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from ._place import Scratch
 from ._readers import Readers
-from ._ways import Ways
+from ._ways import Staged, Ways
 
 
 class Budget:
@@ -132,17 +132,14 @@ def _refusal(budget: Budget, limit: int) -> ValueError | None:
     units, held = budget.ways.units, budget.held
     if not units or budget.scratch + max(held) <= limit:  # (each unit alone)
         return None
-    own = [
-        Scratch.bytes_for(way.sources) if way.scratch is not None or way.word == "staged" else 0
-        for way in units
-    ]
+    own = [way.own() for way in units]
     u = max(range(len(units)), key=lambda j: (held[j], own[j]))
     needed = budget.scratch + held[u]
     sources = [n for part in units[u].parts for n in part.step.sources]
     targets = [n for part in units[u].parts for n in part.step.targets]
     named, into = _names(sources), _names(targets)
     parts = []
-    if own[u] and units[u].word == "staged":
+    if own[u] and isinstance(units[u], Staged):
         parts.append(f"a staging buffer of {own[u]:,} bytes to copy it onto its devices")
     elif own[u]:
         parts.append(f"a scratch buffer of {own[u]:,} bytes for its sources")

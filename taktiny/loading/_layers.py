@@ -229,7 +229,7 @@ class Stacker:
         if big is None:
             old, sharding = self.layers.stacked_leaf(stacked), self.layers.sharding(stacked)
             if stacked in self.covered:
-                big = _zeros(tuple(old.shape), np.dtype(old.dtype), sharding)()
+                big = zeros_on(tuple(old.shape), np.dtype(old.dtype), sharding)()
             else:  # some layers: the others keep their values (written into a copy)
                 big, donate = old, False
         write = layers_writer(self.layers.sharding(stacked), donate)
@@ -265,5 +265,5 @@ def covered(layers: Layered, targets: Iterable[str]) -> set[str]:
 # The jitted functions of the writes onto devices, one per shape and sharding for the
 # process (a function made per load would be traced and compiled again by every load)
 @functools.lru_cache(maxsize=CACHE_BOUND)
-def _zeros(shape: tuple[int, ...], dtype: np.dtype, sharding: Any) -> Any:
+def zeros_on(shape: tuple[int, ...], dtype: np.dtype, sharding: Any) -> Any:
     return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)

@@ -18,6 +18,7 @@ while what the load holds beyond the model's arrays stays within it.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 from collections.abc import Mapping, Sequence
@@ -228,6 +229,7 @@ def _load(
             submitted += 1
 
     with (
+        contextlib.closing(ways),  # (after the readers: what the staging ring keeps let go)
         _bar(progress, sum(sizes), load.checkpoint) as bar,
         Readahead(order, _ahead(budget, 256 * 2**20)) as ahead,
         ThreadPoolExecutor(readers.most, thread_name_prefix="taktiny-read") as pool,

@@ -6,6 +6,8 @@ for a quantized parameter quantized as it is placed)."""
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import math
 import mmap
 from collections.abc import Sequence
@@ -122,10 +124,10 @@ class Scratch:
         size: the bytes the largest of its steps reads.
     """
 
-    def __init__(self, size: int) -> None:
+    def __init__(self, size: int, huge: bool = False) -> None:
         self.memory: Any = bytearray()  # (a step of zero-size tensors alone allocates none)
         self.start = self.size = 0
-        self.capacity = size
+        self.capacity, self.huge = size, huge
 
     @staticmethod
     def bytes_for(tensors: Sequence[Tensor]) -> int:
@@ -138,13 +140,7 @@ class Scratch:
         """The tensors read into the buffer; with `verify`, each one's bytes hashed piece
         by piece as they are read, and checked; with `perm`, the first one's axes permuted
         as it is read (:meth:`Tensor.read_transposed`)."""
-        needed = self.bytes_for(tensors)
-        if needed > self.size:
-            self.memory = bytearray()  # (let go first: not held beside the larger one)
-            self.size = max(needed, self.capacity)
-            self.memory = mmap.mmap(-1, self.size, flags=MAP_FLAGS)
-            self.start = np.frombuffer(self.memory, np.uint8).ctypes.data
-        view, at, out = memoryview(self.memory), 0, []
+        view, at, out = self.view(self.bytes_for(tensors)), 0, []
         for k, tensor in enumerate(tensors):
             size = self.bytes_for([tensor])
             if size and k == 0 and perm is not None:
@@ -158,6 +154,17 @@ class Scratch:
             at += size
         return out
 
+    def view(self, nbytes: int) -> memoryview:
+        """The buffer's first `nbytes`, mapped at the first call (as large as `size`, or
+        `nbytes` when more) with its pages faulted at once: in huge pages (2 MiB, where
+        the kernel has them to give) for a buffer made `huge`."""
+        if nbytes > self.size:
+            self.memory = bytearray()  # (let go first: not held beside the larger one)
+            self.size = max(nbytes, self.capacity)
+            self.memory = _mapped(self.size, self.huge)
+            self.start = np.frombuffer(self.memory, np.uint8).ctypes.data
+        return memoryview(self.memory)[:nbytes]
+
     def holds(self, array: jax.Array) -> bool:
         """Whether `array` uses the buffer's memory (a result that is one of its sources)."""
         end = self.start + self.size
@@ -165,6 +172,32 @@ class Scratch:
             if shard.device.platform == "cpu" and shard.data.size:
                 if self.start <= shard.data.unsafe_buffer_pointer() < end:
                     return True
+        return False
+
+
+def _mapped(size: int, huge: bool) -> mmap.mmap:
+    """`size` bytes of fresh anonymous memory, page-aligned, every page faulted now; with
+    `huge`, asked for in huge pages first (``MADV_HUGEPAGE``: one fault each 2 MiB instead
+    of each 4 KiB, where the kernel's transparent huge pages allow it, else small ones)."""
+    advice = getattr(mmap, "MADV_HUGEPAGE", None)
+    if not huge or advice is None or not _huge_pages():
+        return mmap.mmap(-1, size, flags=MAP_FLAGS)
+    memory = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    with contextlib.suppress(OSError):  # (refused: small pages)
+        memory.madvise(advice)
+    np.frombuffer(memory, np.uint8)[:: mmap.PAGESIZE] = 0  # each page faulted, as populated
+    return memory
+
+
+@functools.cache
+def _huge_pages() -> bool:
+    """Whether the kernel gives transparent huge pages to memory that asks for them (a
+    kernel without them, or a sandbox's, has no such setting: the buffer is then mapped
+    and faulted in one call, which is cheaper there than one fault each page)."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as setting:
+            return "[never]" not in setting.read()
+    except OSError:
         return False
 
 

@@ -44,8 +44,9 @@ class PlannedStep:
         rule: the rule that makes it (``"same name"`` without rules).
         transform: the rule's transform (``identity()``: a rename).
         way: how it is read: ``"direct"`` (whole into its leaf's buffer), ``"staged"``
-            (whole into one of the load's reused staging buffers, then copied onto
-            devices that copy host memory: a TPU's, a GPU's), ``"blocks"`` (each
+            (through the load's reused staging buffers, a few MiB of rows at a time,
+            onto devices that copy host memory, a TPU's or a GPU's, and written into
+            place there, transposed there too), ``"blocks"`` (each
             device's block into its own buffer), ``"transposed"`` (permuted piece by
             piece into its leaf's buffer), ``"scratch"`` (into a reused buffer, then
             transformed and cast by XLA) or ``"quantized"`` (through the scratch buffer,

@@ -1,6 +1,6 @@
 """The ways a load reads its steps, one type each: whole into its leaf's buffer (`Whole`),
-whole or transposed through a ring of staging buffers onto devices that copy host memory
-(`Staged`, `StagedTransposed`),
+renamed or transposed through a ring of staging buffers onto devices that copy host memory,
+a few MiB of rows at a time (`Staged`, `StagedTransposed`, `Ring`, `Staging`),
 each device's block (`Blocks`), transposed piece by piece (`Transposed`), straight into its
 layer's slice of a stacked leaf (`InStack`), small tensors read together (`Batch`), through a
 scratch buffer to be transformed (`Transformed`), FP8 blocks laid out as they are read
@@ -10,22 +10,25 @@ names it; `Ways` builds them once per load, from the headers."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import queue
-from collections.abc import Iterable, Mapping
+import threading
+from collections.abc import Iterable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..arrays import default_device
+from ..arrays import CACHE_BOUND, default_device
 from ..convert import Step, Transform, chain, dequantize_blocks, identity, runner, transpose
 from ..io import BOX_PIECE, Tensor, read_together
 from ..quant import Parameter
 from ._checks import spec_of
-from ._layers import Stacker
+from ._layers import Stacker, zeros_on
 from ._place import (
     Scratch,
     placed,
@@ -70,6 +73,11 @@ class Way:
         """The host bytes it holds for a while besides its leaves and the scratch buffers,
         as `LoadPlan.scratch_bytes` counts them."""
         raise NotImplementedError
+
+    def own(self) -> int:
+        """The bytes of the load's buffer it reads into (a scratch buffer's, a staging
+        buffer's), as large as it needs; 0: none."""
+        return 0
 
     def read(self, verify: bool, stacker: Stacker | None) -> Any:
         """Reads it, in a reader thread: its leaves placed (``{name: array}``), or what
@@ -119,51 +127,259 @@ class Whole(Way):
 
 class Staged(Whole):
     """A renamed tensor for a leaf on devices that copy host memory instead of adopting it
-    (a TPU, a GPU), read whole into one of the load's staging buffers (`Ways.ring`, taken
-    in turns and reused: their pages fault once for the load, where a fresh buffer for each
-    tensor would fault every page of the checkpoint, the most such a load pays for), copied
-    onto its devices, and the buffer free for the next once the copy has read it. It holds
-    nothing of its own: the ring is counted once, for the load, as the scratch buffers are."""
+    (a TPU, a GPU), read through the load's staging ring (`Ring`: a few buffers taken in
+    turns and reused, whose pages fault once for the load, where a fresh buffer for each
+    tensor would fault every page of the checkpoint, the most such a load pays for) and
+    copied onto its devices: a few MiB of rows at a time (`Staging.piece`), each piece
+    copied as soon as it is read and written into its place in the leaf on the devices,
+    while the next is read; or whole into one buffer (`Staging.join`; always, for a leaf
+    whose devices span processes: a program writing pieces into place would be each
+    process's own, entered in any order by its readers). A buffer is free for the next read
+    once the copy made from it has read it. It holds nothing of its own: the ring is
+    counted once, for the load, as the scratch buffers are."""
 
     word = "staged"
-    ring: queue.SimpleQueue[Scratch] | None = None
+    ring: Ring | None = None
+
+    def __init__(self, step: Step, sources: list[Tensor], leaf: Any, staging: Staging) -> None:
+        super().__init__(step, sources, leaf)
+        self.staging = staging
 
     def held(self, load: Load, shapes: dict[Any, Any]) -> int:
         return waiting(load, self.step, self.sources[0], shared=True)
 
+    def own(self) -> int:
+        return self.staging.slot(self.sources[0])
+
+    def _axes(self) -> tuple[int, ...] | None:
+        """The axes the rules permute the tensor by; None: as it is."""
+        return None
+
+    def _perm(self) -> tuple[int, ...] | None:
+        """The axes the devices permute the tensor by as it is placed; None: as it is."""
+        return None
+
     def _into(self, buffer: Scratch, verify: bool) -> np.ndarray:
-        """The tensor read into `buffer`."""
-        return buffer.read(self.sources, verify)[0]
+        """The tensor read whole into `buffer`."""
+        tensor, ring = self.sources[0], cast(Ring, self.ring)
+        memory = buffer.view(Scratch.bytes_for(self.sources))
+        return tensor.read_into(memory, verify=verify, pool=ring.pool(), piece=self.staging.piece)
 
     def read(self, verify: bool, stacker: Stacker | None) -> Any:
-        ring = cast("queue.SimpleQueue[Scratch]", self.ring)
-        buffer = ring.get()  # (a reader waits here while the others hold every buffer)
+        tensor, sharding = self.sources[0], sharding_of(self.leaf)
+        ring, perm = cast(Ring, self.ring), self._perm()
+        if tensor.nbytes == 0:
+            host, axes = tensor.read(verify=verify), self._axes()
+            host = host if axes is None else np.transpose(host, axes)
+            return {self.step.targets[0]: placed(host, sharding)}
+        rows = self.staging.rows(tensor)
+        whole: jax.Array | None = None  # (the leaf, on its devices, begun at the first piece)
+        if rows < (tensor.shape[0] if tensor.ndim else 1) or perm is not None:
+            shape = tuple(tensor.shape[p] for p in perm) if perm else tuple(tensor.shape)
+            whole = zeros_on(shape, np.dtype(tensor.dtype), sharding)()
+        write = _writer(perm, sharding)
+        for k, piece in enumerate(self._pieces(ring, rows, sharding, verify)):
+            whole = piece if whole is None else write(whole, piece, np.int32(k * rows))
+        return {self.step.targets[0]: whole}
+
+    def _pieces(self, ring: Ring, rows: int, sharding: Any, verify: bool) -> Iterator[jax.Array]:
+        """The tensor's pieces of `rows` rows (all of them: the tensor whole), each read
+        into a buffer of the ring and copied onto `sharding`, the buffer given back with
+        its copy (the next to take it waits for that copy to have read it): yielded one
+        by one, so that each is written into place while the next is read."""
+        taken: list[Scratch] = []
         try:
-            array = placed(self._into(buffer, verify), sharding_of(self.leaf))
-            if buffer.holds(array):  # (a device that adopted it after all: its own copy)
-                array = jnp.copy(array)
-            array.block_until_ready()  # copied: the buffer is free for the next tensor
+            if not self.staging.join:  # whole, into one buffer
+                taken.append(ring.take())
+                copy = _copied(taken[-1], self._into(taken[-1], verify), sharding)
+                ring.give(taken.pop(), copy)
+                yield copy
+                return
+
+            def into(nbytes: int) -> memoryview:
+                taken.append(ring.take())  # (a reader waits here while the others hold all)
+                return taken[-1].view(nbytes)
+
+            for host in self.sources[0].read_rows(rows, into, verify=verify):
+                copy = _copied(taken[-1], host, sharding)
+                ring.give(taken.pop(), copy)
+                yield copy
         finally:
-            ring.put(buffer)
-        return {self.step.targets[0]: array}
+            for buffer in taken:  # (a read that failed: nothing copied from it)
+                ring.give(buffer)
 
 
 class StagedTransposed(Staged):
-    """A tensor the rules only transpose, for a leaf on devices that copy host memory:
-    read piece by piece with its axes permuted into one of the staging buffers
-    (:meth:`Tensor.read_transposed`), then copied as `Staged` copies. It holds a piece of
-    rows besides the ring."""
+    """A tensor the rules only transpose, for a leaf on devices that copy host memory,
+    staged as `Staged` stages a renamed one and permuted by its devices as each piece is
+    written into place (`Staging.on_device`, for a leaf on devices of this process
+    alone), or read whole with its axes permuted into a buffer of the ring, a piece of
+    rows at a time (:meth:`Tensor.read_transposed`), which then holds a piece of rows
+    besides the ring."""
+
+    def __init__(self, step: Step, sources: list[Tensor], leaf: Any, staging: Staging) -> None:
+        super().__init__(step, sources, leaf, staging)
+        addressable = sharding_of(leaf).is_fully_addressable
+        self.on_device = staging.join or (staging.on_device and addressable)
 
     def held(self, load: Load, shapes: dict[Any, Any]) -> int:
-        return _piece(self.sources[0]) + super().held(load, shapes)
+        return (0 if self.on_device else _piece(self.sources[0])) + super().held(load, shapes)
 
     def temporary(self, load: Load) -> int:
-        return BOX_PIECE + super().temporary(load)
+        return (0 if self.on_device else BOX_PIECE) + super().temporary(load)
+
+    def _axes(self) -> tuple[int, ...] | None:
+        perm, ndim = cast(transpose, self.step.rule.transform).perm, self.sources[0].ndim
+        return tuple(range(ndim))[::-1] if perm is None else tuple(p % ndim for p in perm)
+
+    def _perm(self) -> tuple[int, ...] | None:
+        return self._axes() if self.on_device else None
 
     def _into(self, buffer: Scratch, verify: bool) -> np.ndarray:
-        perm = cast(transpose, self.step.rule.transform).perm  # (None: the axes reversed)
-        axes = tuple(range(self.sources[0].ndim))
-        return buffer.read(self.sources, verify, axes[::-1] if perm is None else perm)[0]
+        if self.on_device:
+            return super()._into(buffer, verify)
+        return buffer.read(self.sources, verify, self._axes())[0]
+
+
+def _copied(buffer: Scratch, host: np.ndarray, sharding: Any) -> jax.Array:
+    """`host` (in `buffer`) copied onto `sharding`; a device that adopted it after all (a
+    CPU's) gets its own copy, since the buffer is read into again."""
+    array = placed(host, sharding)
+    return jnp.copy(array) if buffer.holds(array) else array
+
+
+class Ring:
+    """The staging buffers of a load onto devices that copy host memory (`Staged`), taken
+    in turns by its readers: `count` buffers of `size` bytes (the most that one piece of
+    a staged tensor takes), each mapped at its first use and reused to the load's end.
+
+    A reader takes a buffer (:meth:`take`), reads into it, starts its copy onto the
+    devices and gives it back with that copy (:meth:`give`) without waiting for it: the
+    next reader to take the buffer waits until the copy has read it. :meth:`pool` gives
+    the threads that read one whole tensor's pieces at once (``Staging.threads``).
+
+    Args:
+        staging: how the load stages.
+        count: the buffers.
+        size: the bytes of each.
+    """
+
+    def __init__(self, staging: Staging, count: int, size: int) -> None:
+        self.staging = staging
+        self.buffers = [Scratch(size, staging.huge) for _ in range(count)]
+        self._free: queue.SimpleQueue[tuple[Scratch, Any]] = queue.SimpleQueue()
+        for buffer in self.buffers:
+            self._free.put((buffer, None))
+        self._pool: ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
+
+    def take(self) -> Scratch:
+        """A free buffer: waits while the other readers hold every one, then until the
+        copy last made from it has read it."""
+        buffer, copy = self._free.get()
+        if copy is not None:
+            jax.block_until_ready(copy)
+        return buffer
+
+    def give(self, buffer: Scratch, copy: Any = None) -> None:
+        """Gives `buffer` back, with the `copy` (an array) that still reads it, if any."""
+        self._free.put((buffer, copy))
+
+    def pool(self) -> ThreadPoolExecutor | None:
+        """The threads that read a whole tensor's pieces at once (made at the first call);
+        None: its reader reads them one after the other."""
+        if self.staging.join or self.staging.threads < 2:
+            return None
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self.staging.threads, "taktiny-stage")
+            return self._pool
+
+    def close(self) -> None:
+        """Lets go of the threads and of the copies the buffers kept (once the load's
+        readers are done; the copies still reading a buffer keep it mapped)."""
+        if self._pool is not None:
+            self._pool.shutdown()
+        while not self._free.empty():
+            self._free.get_nowait()
+        for buffer in self.buffers:
+            self._free.put((buffer, None))
+
+
+@dataclasses.dataclass(frozen=True)
+class Staging:
+    """How a load stages tensors onto devices that copy host memory, from the module's
+    constants when the load begins (`RING`, `STAGE_PIECE`, `STAGE_JOIN`, `STAGE_THREADS`,
+    `HUGE_PAGES`, `TRANSPOSE_ON_DEVICE`; see them).
+
+    Attributes:
+        count: the ring's buffers (fewer within a budget, and never more than pieces).
+        piece: the bytes of a piece of a tensor (whole rows, at least one, when joined).
+        join: each piece copied as soon as it is read and written into place on the
+            devices; else each tensor read whole into one buffer (its pieces by
+            `threads` threads at once) and copied whole.
+        threads: for whole tensors, the threads that read one tensor's pieces at once.
+        huge: the ring's buffers in huge pages.
+        on_device: transposed tensors permuted by the devices (always, when joined).
+    """
+
+    count: int
+    piece: int
+    join: bool
+    threads: int
+    huge: bool
+    on_device: bool
+
+    @classmethod
+    def now(cls) -> Staging:
+        """The module's constants, as they are now."""
+        knobs = (RING, STAGE_PIECE, STAGE_JOIN, STAGE_THREADS, HUGE_PAGES, TRANSPOSE_ON_DEVICE)
+        return cls(*knobs)
+
+    def rows(self, tensor: Tensor) -> int:
+        """The rows of `tensor` (along its first axis) read and copied at a time: the most
+        that fit a piece, or fewer, down to half as many, that divide its rows (pieces of
+        one shape: one program writes them all, where a last piece of its own shape would
+        be compiled for again)."""
+        count = tensor.shape[0] if tensor.ndim else 1
+        row = tensor.nbytes // count if count else 0
+        if not self.join or not row:
+            return max(count, 1)
+        most = max(1, min(count, self.piece // row))
+        for rows in range(most, max(most // 2, most - DIVISORS), -1):
+            if count % rows == 0:
+                return rows
+        return most
+
+    def pieces(self, tensor: Tensor) -> int:
+        """The pieces `tensor` is read and copied in."""
+        count = tensor.shape[0] if tensor.ndim else 1
+        return max(1, -(-count // self.rows(tensor)))
+
+    def slot(self, tensor: Tensor) -> int:
+        """The bytes of a ring buffer that `tensor`'s pieces take (each at a multiple of 64)."""
+        count = tensor.shape[0] if tensor.ndim else 1
+        row = tensor.nbytes // count if count else 0
+        return -(-min(tensor.nbytes, self.rows(tensor) * row) // 64) * 64
+
+    def fits(self, tensor: Tensor) -> bool:
+        """Whether `tensor` is staged: its buffer is at most `RING_MOST` bytes."""
+        return self.slot(tensor) <= RING_MOST
+
+
+# The jitted writes of pieces into the leaves they make, one per axes and sharding for the
+# process (one made per load would be traced and compiled again by every load)
+@functools.lru_cache(maxsize=CACHE_BOUND)
+def _writer(perm: tuple[int, ...] | None, sharding: Any) -> Any:
+    """``write(whole, piece, at)``: `whole` (taken: donated) with `piece`, rows ``at`` on of
+    a tensor, written in its place (permuted by `perm`: into the axis its rows go)."""
+    axis = 0 if perm is None else perm.index(0)
+
+    def write(whole: Any, piece: Any, at: Any) -> Any:
+        piece = piece if perm is None else jnp.transpose(piece, perm)
+        return jax.lax.dynamic_update_slice_in_dim(whole, piece, at, axis) if whole.ndim else piece
+
+    return jax.jit(write, donate_argnums=0, out_shardings=sharding)  # pyright: ignore[reportUnknownMemberType]  (JAX leaves its parameters unannotated)
 
 
 class Blocks(Whole):
@@ -341,6 +557,9 @@ class Transformed(Way):
             return math.prod(out.shape) * np.dtype(out.dtype).itemsize
         return 0
 
+    def own(self) -> int:
+        return Scratch.bytes_for(self.sources)
+
     def read(self, verify: bool, stacker: Stacker | None) -> Any:
         return cast(Scratch, self.scratch).read(self.sources, verify, self.perm)
 
@@ -397,7 +616,8 @@ class Ways:
 
     def __init__(self, load: Load, steps: list[Step], limit: int | None = None) -> None:
         self.load = load
-        self.units = _units(load, [_way(load, step) for step in steps])
+        staging = Staging.now()
+        self.units = _units(load, [_way(load, step, staging) for step in steps])
         transforming = [way for way in self.units if isinstance(way, Transformed)]
         buffers = 1 if any(t in load.quantized for s in steps for t in s.targets) else 2
         sizes = _sizes(transforming, buffers)
@@ -407,23 +627,25 @@ class Ways:
         for k, way in enumerate(transforming):
             way.scratch = self.scratch[k % buffers]
         staged = [way for way in self.units if isinstance(way, Staged)]
-        size = max((Scratch.bytes_for(way.sources) for way in staged), default=0)
-        count = min(RING, len(staged))
+        size = max((way.own() for way in staged), default=0)
+        pieces = sum(way.staging.pieces(way.sources[0]) for way in staged)
+        count = min(max(staging.count, 1), pieces)
         room = None if limit is None else limit - sum(sizes) - max(self.held, default=0)
         while room is not None and count > 1 and count * size > room:
             count -= 1  # (within a budget: fewer staging buffers, down to one)
-        self.ring = [Scratch(size) for _ in range(count)]
-        free: queue.SimpleQueue[Scratch] = queue.SimpleQueue()
-        for buffer in self.ring:
-            free.put(buffer)
+        self.ring = Ring(staging, count, size)
         for way in staged:
-            way.ring = free
+            way.ring = self.ring
 
     @property
     def buffers(self) -> list[Scratch]:
         """Every buffer the load keeps for its whole length, as mapped: the scratch
         buffers and the staging ring."""
-        return [*self.scratch, *self.ring]
+        return [*self.scratch, *self.ring.buffers]
+
+    def close(self) -> None:
+        """Lets go of what the staging ring keeps (`Ring.close`), once the reads are done."""
+        self.ring.close()
 
     @functools.cached_property
     def held(self) -> list[int]:
@@ -433,8 +655,8 @@ class Ways:
         return [way.held(self.load, shapes) for way in self.units]
 
 
-def _way(load: Load, step: Step) -> Way:
-    """The way `step` is read, alone."""
+def _way(load: Load, step: Step, staging: Staging) -> Way:
+    """The way `step` is read, alone (`staging`: how the load stages)."""
     sources, transform = tensors_of(load.checkpoint, step), step.rule.transform
     leaf = _one_to_one(step, sources, load.leaves)
     if leaf is None or not isinstance(transform, identity | transpose):
@@ -443,10 +665,15 @@ def _way(load: Load, step: Step) -> Way:
         return kind(step, sources, word)
     sharding, tensor = sharding_of(leaf), sources[0]
     whole = len(sharding.device_set) == 1 or sharding.is_fully_replicated
-    staged = whole and _staging(sharding) and not tensor.packed and tensor.nbytes <= RING_MOST
+    if not sharding.is_fully_addressable:  # (pieces are written into place by a program
+        staging = dataclasses.replace(staging, join=False)  # each process runs alone)
+    staged = whole and _staging(sharding) and not tensor.packed and staging.fits(tensor)
+    if staged:
+        kind = StagedTransposed if isinstance(transform, transpose) else Staged
+        return kind(step, sources, leaf, staging)
     if isinstance(transform, transpose):
-        return (StagedTransposed if staged else Transposed)(step, sources, leaf)
-    return (Staged if staged else Whole if whole else Blocks)(step, sources, leaf)
+        return Transposed(step, sources, leaf)
+    return (Whole if whole else Blocks)(step, sources, leaf)
 
 
 def _one_to_one(step: Step, sources: list[Tensor], leaves: Mapping[str, Any]) -> Any:
@@ -460,8 +687,16 @@ def _one_to_one(step: Step, sources: list[Tensor], leaves: Mapping[str, Any]) ->
     return None
 
 
-RING = 4  # the staging buffers of a load onto devices that copy host memory (`Staged`)
-RING_MOST = 256 * 2**20  # a larger renamed tensor is read into a buffer of its own
+# How a load stages tensors onto devices that copy host memory (`Staged`, `Staging`); read
+# when each load begins (bench/device_load.py tries others: bench/FINDINGS.md section 14)
+RING = 8  # the staging buffers, taken in turns
+RING_MOST = 256 * 2**20  # the most bytes of one (a tensor that needs more: a buffer of its own)
+STAGE_PIECE = 8 * 2**20  # the bytes of a piece of a tensor (whole rows, when joined)
+STAGE_JOIN = True  # pieces copied as read and joined on the devices; else tensors whole
+STAGE_THREADS = 4  # (whole tensors) the threads that read one tensor's pieces at once
+HUGE_PAGES = True  # the ring's buffers asked for in huge pages (``MADV_HUGEPAGE``)
+TRANSPOSE_ON_DEVICE = True  # (whole tensors) transposed by the devices, not as they are read
+DIVISORS = 4096  # the most piece sizes tried for one that divides a tensor's rows
 
 
 def _staging(sharding: Any) -> bool:

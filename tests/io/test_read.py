@@ -1,6 +1,7 @@
 """taktiny.io.open_safetensors on bad input: every corrupt file, header and index is one
 SafetensorsError that names the file and the tensor, raised before any data is read."""
 
+import itertools
 import json
 import struct
 
@@ -80,6 +81,58 @@ def test_read_into_fills_the_start_of_a_buffer_it_views(tmp_path):
     assert np.shares_memory(got, np.frombuffer(memory, np.uint8))
     assert memory[tensor.nbytes :] == b"\xff" * 16  # only its bytes are written
     assert memory[: tensor.nbytes] == cube.tobytes()
+
+
+def test_read_into_by_several_threads_hashes_the_pieces_in_order(tmp_path):
+    from concurrent.futures import ThreadPoolExecutor
+
+    big = np.arange(50_000, dtype=np.float32).reshape(100, 500)  # 200,000 bytes: 49 pieces
+    path = tmp_path / "big.safetensors"
+    save_safetensors(path, {"big": big})
+    tensor = open_safetensors(path)["big"]
+    with ThreadPoolExecutor(3) as pool:
+        memory = bytearray(tensor.nbytes)
+        got = tensor.read_into(memory, pool=pool, piece=4096)
+        assert got.tobytes() == big.tobytes() and np.shares_memory(
+            got, np.frombuffer(memory, np.uint8)
+        )
+        raw = bytearray(path.read_bytes())
+        raw[-1000] ^= 1
+        path.write_bytes(bytes(raw))
+        damaged = open_safetensors(path)["big"]
+        with pytest.raises(SafetensorsError, match="the bytes of 'big' are damaged"):
+            damaged.read_into(bytearray(tensor.nbytes), pool=pool, piece=4096)
+        unchecked = damaged.read_into(bytearray(tensor.nbytes), verify=False, pool=pool, piece=4096)
+        assert (unchecked != big).sum() == 1
+
+
+def test_read_rows_gives_the_pieces_in_order_each_into_the_memory_asked(tmp_path):
+    cube = np.arange(7 * 3 * 5, dtype=np.int16).reshape(7, 3, 5)
+    path = tmp_path / "cube.safetensors"
+    save_safetensors(path, {"cube": cube, "one": np.float32(2.5)})
+    tensor = open_safetensors(path)["cube"]
+    asked, buffers = [], [bytearray(96), bytearray(96)]
+
+    def into(nbytes):
+        asked.append(nbytes)
+        return buffers[len(asked) % 2]
+
+    pieces = [p.copy() for p in tensor.read_rows(3, into)]  # (each buffer read into again)
+    assert asked == [90, 90, 30] and [p.shape for p in pieces] == [(3, 3, 5)] * 2 + [(1, 3, 5)]
+    assert np.array_equal(np.concatenate(pieces), cube)
+    (scalar,) = open_safetensors(path)["one"].read_rows(1, lambda n: bytearray(n))
+    assert scalar.shape == () and scalar == np.float32(2.5)
+    header, data = parts(path)
+    raw = bytearray(path.read_bytes())
+    raw[len(raw) - len(data) + header["cube"]["data_offsets"][1] - 10] ^= 1  # (its last row)
+    path.write_bytes(bytes(raw))
+    damaged = open_safetensors(path)["cube"]
+    read = damaged.read_rows(3, lambda n: bytearray(n))
+    assert [p.shape[0] for p in itertools.islice(read, 3)] == [3, 3, 1]  # every piece, then
+    with pytest.raises(SafetensorsError, match="the bytes of 'cube' are damaged"):
+        next(read)  # the check, before the iteration ends
+    with pytest.raises(ValueError, match="at least one row at a time; got rows=0"):
+        next(tensor.read_rows(0, lambda n: bytearray(n)))
 
 
 def test_the_array_protocol_reads_in_the_dtype_asked(good):

@@ -137,23 +137,38 @@ def test_the_bytes_a_way_holds_are_what_the_plan_and_the_load_count(tmp_path, ca
         assert a.dtype == b.dtype and np.asarray(a).tobytes() == np.asarray(b).tobytes()
 
 
-def _staged_everywhere(monkeypatch, platform):
-    """The loads below read through the staging ring: on a TPU or a GPU (the `platform`'s
-    first device is the default, where the targets go) as they are; on the CPU, its devices
-    taken as devices that copy host memory. A CPU device adopts an aligned buffer instead of
-    copying it, so each value it adopts from the ring must be copied before the buffer is
-    reused: a load that forgot it would hand out arrays that the next reads overwrite."""
+# The ways a load may stage onto devices that copy host memory (`_ways.Staging`): in pieces
+# of a few rows joined on the devices (here 4 KiB, so that every tensor below is cut), in
+# small pages too, and whole (read by one thread, or its pieces by three at once)
+STAGINGS = {
+    "pieces": {"STAGE_PIECE": 4096, "STAGE_JOIN": True, "RING": 3},
+    "pieces in small pages": {"STAGE_PIECE": 4096, "STAGE_JOIN": True, "HUGE_PAGES": False},
+    "whole": {"STAGE_JOIN": False, "STAGE_THREADS": 1, "TRANSPOSE_ON_DEVICE": False},
+    "whole by threads": {"STAGE_JOIN": False, "STAGE_PIECE": 4096, "STAGE_THREADS": 3},
+}
+
+
+def _staged_everywhere(monkeypatch, platform="cpu", **knobs):
+    """The loads below read through the staging ring, staged as `knobs` say: on a TPU or a
+    GPU (the `platform`'s first device is the default, where the targets go) as they are;
+    on the CPU, its devices taken as devices that copy host memory. A CPU device adopts an
+    aligned buffer instead of copying it, so each value it adopts from the ring must be
+    copied before the buffer is reused: a load that forgot it would hand out arrays that
+    the next reads overwrite."""
     import taktiny.loading._ways as ways_module
 
     if platform == "cpu":
         monkeypatch.setattr(ways_module, "_staging", lambda sharding: True)
+    for name, value in knobs.items():
+        monkeypatch.setattr(ways_module, name, value)
     return ways_module
 
 
+@pytest.mark.parametrize("staging", STAGINGS)
 def test_a_load_onto_devices_that_copy_reads_through_a_reused_staging_ring(
-    tmp_path, monkeypatch, platform
+    tmp_path, monkeypatch, staging, platform
 ):
-    ways_module = _staged_everywhere(monkeypatch, platform)
+    ways_module = _staged_everywhere(monkeypatch, platform, **STAGINGS[staging])
     rng = np.random.default_rng(0)
     state = {f"w{i}": rng.standard_normal((64, 40 + i)).astype(np.float32) for i in range(10)}
     path = tmp_path / "m.safetensors"
@@ -161,25 +176,102 @@ def test_a_load_onto_devices_that_copy_reads_through_a_reused_staging_ring(
     target = {n: jax.ShapeDtypeStruct(v.shape, v.dtype) for n, v in state.items()}
     plan = plan_load(target, path)
     assert [s.way for s in plan.steps] == ["staged"] * 10
-    largest = -(-state["w9"].nbytes // 64) * 64
-    assert plan.scratch_bytes == ways_module.RING * largest  # four buffers, for ten tensors
+    if ways_module.STAGE_JOIN:  # pieces of 16 rows: 20 to 25 fit 4 KiB, 16 divide 64
+        slot = 16 * 49 * 4
+    else:  # a buffer holds the largest tensor
+        slot = -(-state["w9"].nbytes // 64) * 64
+    assert plan.scratch_bytes == ways_module.RING * slot
     mapped = []
-    real = ways_module.Scratch.read
+    real = ways_module.Scratch.view
 
-    def read(self, tensors, verify, perm=None):
+    def view(self, nbytes):
         mapped.append(id(self))
-        return real(self, tensors, verify, perm)
+        return real(self, nbytes)
 
-    monkeypatch.setattr(ways_module.Scratch, "read", read)
+    monkeypatch.setattr(ways_module.Scratch, "view", view)
     loaded = load_safetensors(target, path)
-    assert len(mapped) == 10 and len(set(mapped)) <= ways_module.RING  # reused in turns
+    pieces = 40 if ways_module.STAGE_JOIN else 10
+    assert len(mapped) == pieces and len(set(mapped)) == ways_module.RING  # reused in turns
     for name, value in state.items():  # each its own array, none overwritten by a later read
         assert loaded[name].devices() == {jax.devices(platform)[0]}
         np.testing.assert_array_equal(np.asarray(loaded[name]), value)
 
 
+@pytest.mark.parametrize("staging", STAGINGS)
+def test_a_transposed_tensor_onto_devices_that_copy_is_permuted_through_the_staging_ring(
+    tmp_path, monkeypatch, staging, platform
+):
+    _staged_everywhere(monkeypatch, platform, **STAGINGS[staging])
+    rng = np.random.default_rng(1)
+    state = {f"w{i}": rng.standard_normal((64, 40 + i)).astype(np.float32) for i in range(6)}
+    state["cube"] = rng.standard_normal((30, 7, 9)).astype(np.float32)
+    state["prime"] = rng.standard_normal((67, 40)).astype(np.float32)  # (a ragged last piece)
+    path = tmp_path / "m.safetensors"
+    save_safetensors(path, state)
+    target = {n: jax.ShapeDtypeStruct(v.T.shape, v.dtype) for n, v in state.items()}
+    target["cube"] = jax.ShapeDtypeStruct((7, 30, 9), np.float32)
+    rules = [
+        cv.Rule("cube", "cube", cv.transpose((1, 0, 2))),
+        cv.Rule("{name}", "{name}", cv.transpose()),
+    ]
+    plan = plan_load(target, path, rules=rules)
+    assert [s.way for s in plan.steps] == ["staged"] * 8
+    loaded = load_safetensors(target, path, rules=rules)
+    for name, value in state.items():  # permuted, none overwritten by a later read
+        want = value.transpose(1, 0, 2) if name == "cube" else value.T
+        np.testing.assert_array_equal(np.asarray(loaded[name]), want)
+
+
+@pytest.mark.parametrize("staging", STAGINGS)
+def test_damaged_bytes_staged_onto_devices_that_copy_fail_the_load(
+    tmp_path, monkeypatch, staging, platform
+):
+    from taktiny.io import SafetensorsError
+
+    _staged_everywhere(monkeypatch, platform, **STAGINGS[staging])
+    state = {f"w{i}": np.full((64, 48), i, np.float32) for i in range(4)}
+    path = tmp_path / "m.safetensors"
+    save_safetensors(path, state)
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 4  # (w3[-1, -1], in its last piece)
+    path.write_bytes(bytes(data))
+    target = {n: jax.ShapeDtypeStruct(v.shape, v.dtype) for n, v in state.items()}
+    with pytest.raises(SafetensorsError, match="the bytes of 'w3' are damaged"):
+        load_safetensors(target, path)
+    loaded = load_safetensors(target, path, verify=False)  # the check is what refused it
+    assert float(loaded["w3"][-1, -1]) != 3.0 and float(loaded["w2"][-1, -1]) == 2.0
+
+
+@pytest.mark.parametrize("staging", ["pieces", "whole"])
+def test_a_stack_and_a_replicated_leaf_onto_devices_that_copy_are_staged(
+    tmp_path, monkeypatch, staging
+):
+    _staged_everywhere(monkeypatch, **STAGINGS[staging])
+    mesh = jax.make_mesh((8,), ("x",))
+    replicated = NamedSharding(mesh, P())
+
+    class Model(nn.Module):
+        def __init__(self, *, rngs):
+            self.layers = nn.Stack(lambda rngs: nn.Linear(32, 48, rngs=rngs), 3, rngs=rngs)
+            self.out = nn.Linear(48, 40, rngs=rngs)
+
+    model = Model(rngs=nn.Rngs(0))
+    path = tmp_path / "layers.safetensors"
+    save_safetensors(path, model.flat_state_dict(unstacked=True))  # layers.0.kernel, ...
+    target = jax.eval_shape(lambda: Model(rngs=nn.Rngs(1)))
+    target = jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated), target
+    )
+    plan = plan_load(target, path)
+    assert {s.way for s in plan.steps} <= {"staged"}
+    loaded = load_safetensors(target, path)
+    for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(model), strict=True):
+        assert a.sharding.is_equivalent_to(replicated, a.ndim)
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def test_a_staging_ring_shrinks_within_a_budget(tmp_path, monkeypatch, platform):
-    _staged_everywhere(monkeypatch, platform)
+    _staged_everywhere(monkeypatch, platform, RING=4, STAGE_PIECE=8 * MiB)
     state = {f"w{i}": np.full((256, 256), i, np.float32) for i in range(6)}  # 256 KiB each
     path = tmp_path / "m.safetensors"
     save_safetensors(path, state)
@@ -192,20 +284,7 @@ def test_a_staging_ring_shrinks_within_a_budget(tmp_path, monkeypatch, platform)
     assert plan_load(target, path, max_host_bytes=each).error is None
     refused = plan_load(target, path, max_host_bytes=each - 1).error
     assert "a staging buffer of 262,144 bytes to copy it onto its devices" in str(refused)
-
-
-def test_a_transposed_tensor_onto_devices_that_copy_is_permuted_into_the_staging_ring(
-    tmp_path, monkeypatch, platform
-):
-    _staged_everywhere(monkeypatch, platform)
-    rng = np.random.default_rng(1)
-    state = {f"w{i}": rng.standard_normal((64, 40 + i)).astype(np.float32) for i in range(6)}
-    path = tmp_path / "m.safetensors"
-    save_safetensors(path, state)
-    target = {n: jax.ShapeDtypeStruct(v.T.shape, v.dtype) for n, v in state.items()}
-    rules = [cv.Rule("{name}", "{name}", cv.transpose())]
-    plan = plan_load(target, path, rules=rules)
-    assert [s.way for s in plan.steps] == ["staged"] * 6
-    loaded = load_safetensors(target, path, rules=rules)
-    for name, value in state.items():  # permuted as read, none overwritten by a later read
-        np.testing.assert_array_equal(np.asarray(loaded[name]), value.T)
+    _staged_everywhere(monkeypatch, platform, STAGE_PIECE=64 * MiB // 1024)  # 64 rows a piece
+    assert plan_load(target, path, max_host_bytes=each).scratch_bytes == 4 * each // 4
+    loaded = load_safetensors(target, path, max_host_bytes=each // 4)
+    assert [float(loaded[n][-1, -1]) for n in state] == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
