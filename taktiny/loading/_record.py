@@ -32,7 +32,7 @@ from ..convert import (
 from ..io import Checkpoint, open_safetensors, schema_part
 from ..quant import Parameter
 from ..state import KEY, Flat, is_flat, load_resolved, params, recorded_versions
-from ._layers import Layered, Stacker, layered
+from ._layers import Layered, Stacker
 
 
 class Migrated(NamedTuple):
@@ -119,7 +119,7 @@ def open_load(
     view = Flat(tree)
     layers = None
     if per_layer(view.spec, checkpoint, rules):  # written per layer: the model's twin
-        layers = layered(tree, view)
+        layers = Layered(tree, view)
         tree = layers.twin
         view = Flat(tree)
     leaves = dict(zip(view.spec.names, view.olds, strict=True))
