@@ -78,9 +78,9 @@ class Load:
         migration: how an older checkpoint is migrated; None when it needs no migration
             (or before :func:`migrated` has asked).
         layers: for a checkpoint that names the model's stacks of layers per layer
-            (``layers.3.attention.query.kernel``), the model itself and where each
-            per-layer leaf goes; `tree`, `view` and `leaves` are then its per-layer twin
-            (`_layers`). None for any other load.
+            (``layers.3.attention.query.kernel``), the model's per-layer form (state's
+            `Layers`: the model itself, and where each per-layer leaf goes); `tree`,
+            `view` and `leaves` are then its per-layer twin. None for any other load.
     """
 
     where: str
