@@ -2,22 +2,21 @@
 
 A checkpoint written per layer (``model.layers.{i}...`` converted to ``layers.{i}...``)
 loads into a model whose stacks hold each parameter once, ``[count, ...]``. The load then
-runs on the model's per-layer twin: each stack replaced by a list of ``count`` blocks, each
-leaf one layer's shape and dtype on the stacked leaf's sharding without the layer axis (a
-`Slice`; a ``jax.ShapeDtypeStruct`` for an abstract model). Every step, check and plan is
-the load's own, over per-layer names. The `Stacker` puts each layer into its stacked leaf:
-read straight into a host buffer that JAX adopts (a leaf on one CPU device), or written in
-place into the leaf made on its devices. No stacked array is ever assembled beside its
-parts (see the README beside this file).
+runs on the model's per-layer twin, state's description of its per-layer form
+(`taktiny.state.Layers`): each stack replaced by a list of ``count`` blocks, each leaf one
+layer's shape and dtype on the stacked leaf's sharding without the layer axis. Every step,
+check and plan is the load's own, over per-layer names. The `Stacker` puts each layer into
+its stacked leaf: read straight into a host buffer that JAX adopts (a leaf on one CPU
+device), or written in place into the leaf made on its devices. No stacked array is ever
+assembled beside its parts (see the README beside this file).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 import threading
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable
 from typing import Any, cast
 
 import jax
@@ -28,87 +27,22 @@ from jax.sharding import SingleDeviceSharding
 from ..arrays import CACHE_BOUND, default_device
 from ..convert import transpose
 from ..io import Tensor, aligned_buffer
-from ..state import (
-    Flat,
-    Stacked,
-    Walk,
-    is_stack,
-    layer_sharded,
-    layer_sharding,
-    layers_writer,
-    load_resolved,
-)
-
-
-@dataclasses.dataclass(frozen=True)
-class Slice:
-    """One layer of a concrete stacked leaf, as the load sees it: its shape, dtype and
-    sharding (no values: the layer keeps the stacked leaf's unless the load writes it).
-    Not a ``jax.ShapeDtypeStruct``, which a load takes for a leaf with no value."""
-
-    shape: tuple[int, ...]
-    dtype: Any
-    sharding: Any
-
-
-def _layer_leaf(leaf: Any) -> Any:
-    """One layer of a stacked leaf, on the leaf's sharding without the layer axis
-    (replicated along a mesh axis that split the layers): a ``jax.ShapeDtypeStruct`` for
-    an abstract leaf, a `Slice` for a concrete one."""
-    layer = layer_sharded(leaf)
-    if isinstance(leaf, jax.ShapeDtypeStruct):
-        return layer
-    return Slice(layer.shape, layer.dtype, layer.sharding)
-
-
-def _twin(tree: Any, stacks: Sequence[Stacked]) -> Any:
-    """`tree` with each stack replaced by the list of its layers, abstract: a walk down the
-    stacks' paths, no flatten (the nodes on them rebuilt, the others kept)."""
-
-    def layers(node: Any, stack: Stacked) -> list[Any]:
-        block = jax.tree.map(_layer_leaf, getattr(node, type(node)._taktiny_stacked))
-        return [block] * stack.count
-
-    if is_stack(tree):
-        return layers(tree, stacks[0])
-    walk = Walk(tree)
-    replaced: dict[tuple[str, ...], Any] = {}
-    for stack in stacks:
-        where = tuple(stack.path.split("."))
-        node = tree
-        for key in where:
-            node = cast("tuple[str, Any]", walk.child(node, key))[1]
-        replaced[where] = layers(node, stack)
-    return walk.write(replaced)
-
+from ..state import Layers, layer_sharding, layers_writer, load_resolved
 
 SLICES_AT_ONCE = 2  # units in flight when placed slices wait to be written into stacks
 
 
-@dataclasses.dataclass(frozen=True)
-class Layered:
-    """A load of per-layer names into a model's stacks: the model itself (flattened once),
-    and each per-layer leaf name's stacked leaf and layer.
+class Layered(Layers):
+    """A load of per-layer names into a model's stacks: the model's per-layer form
+    (state's `Layers`: each per-layer leaf's stacked leaf and layer, the twin the load
+    resolves and plans on), with what the reads ask of it.
 
     A stacked leaf on one CPU device is filled on the host, each layer read into its slice
     of the buffer JAX adopts (:meth:`in_place`); the slices of any other are placed on its
     devices and wait, holding their memory, until the load's thread writes them into the
     stacked leaf (:meth:`waiting` counts it for the budget). Such a load keeps at most
     `SLICES_AT_ONCE` units in flight (:meth:`widest`).
-
-    Attributes:
-        view: the model itself, flattened once (its leaves, their names).
-        twin: the model with each stack as a list of abstract layers: what the load walks.
-        slices: each per-layer leaf name -> (its stacked leaf's name, the layer).
     """
-
-    view: Flat
-    twin: Any
-    slices: Mapping[str, tuple[str, int]]
-
-    def stacked_leaf(self, stacked: str) -> Any:
-        """The model's stacked leaf of that name."""
-        return self.view.olds[self.view.spec.index[stacked]]
 
     def sharding(self, stacked: str) -> Any:
         """The sharding of a stacked leaf (the default device when it has none)."""
@@ -123,7 +57,7 @@ class Layered:
     def in_place(self, name: str, tensor: Tensor) -> bool:
         """Whether the per-layer leaf `name` is read straight into its stacked leaf's host
         buffer (a hosted stacked leaf; a tensor stored as it is held, not packed)."""
-        hit = self.slices.get(name)
+        hit = self.slice_of(name)
         return hit is not None and not tensor.packed and self.hosted(hit[0])
 
     def widest(self, most: int) -> int:
@@ -134,7 +68,8 @@ class Layered:
 
     @functools.cached_property
     def _all_hosted(self) -> bool:
-        return all(self.hosted(stacked) for stacked in {s for s, _ in self.slices.values()})
+        spec = self.view.spec
+        return all(self.hosted(n) for n in spec.names if spec.stack_of(n) is not None)
 
     def waiting(self, name: str, shared: bool) -> int:
         """The host bytes the placed value of the per-layer leaf `name` holds until it is
@@ -142,7 +77,7 @@ class Layered:
         CPU devices (other devices' memory is not the host's). `shared`: the devices that
         hold the same block share one buffer (placed from one host array), counted once;
         else each device's own copy is counted."""
-        hit = self.slices.get(name)
+        hit = self.slice_of(name)
         if hit is None:
             return 0
         old = self.stacked_leaf(hit[0])
@@ -156,19 +91,6 @@ class Layered:
         if shared:
             blocks = list(dict.fromkeys(blocks))
         return sum(math.prod(b - a for a, b in block) * itemsize for block in blocks)
-
-
-def layered(model: Any, view: Flat) -> Layered:
-    """The per-layer twin of `model` (which holds stacks; `view` is it flattened)."""
-    spec = view.spec
-    twin = _twin(model, spec.stacks)
-    slices: dict[str, tuple[str, int]] = {}
-    for name in spec.names:
-        stack = spec.stack_of(name)
-        if stack is not None:
-            for i in range(stack.count):
-                slices[stack.layer_name(name, i)] = (name, i)
-    return Layered(view, twin, slices)
 
 
 class Stacker:
@@ -204,7 +126,7 @@ class Stacker:
     def read(self, name: str, tensor: Tensor, verify: bool, transposed: transpose | None) -> None:
         """Reads `tensor` into its layer's slice of its stacked leaf's host buffer (in a
         reader thread): as it is, or with its axes permuted by the `transposed` transform."""
-        stacked, index = self.layers.slices[name]
+        stacked, index = cast("tuple[str, int]", self.layers.slice_of(name))
         part = self._buffer(stacked)[index]
         if transposed is None:
             tensor.read_into(part.reshape(-1).view(np.uint8).data, verify=verify)
@@ -214,7 +136,7 @@ class Stacker:
     def update(self, values: Iterable[tuple[str, Any]]) -> None:
         """Takes the placed ``(name, value)`` pairs (``dict.update``'s pairs)."""
         for name, value in values:
-            hit = self.layers.slices.get(name)
+            hit = self.layers.slice_of(name)
             if hit is None:
                 self.placed[name] = value
             elif self.layers.hosted(hit[0]):
@@ -250,16 +172,6 @@ class Stacker:
         index = view.spec.index
         supplied = [(index[n], v) for n, v in (*self.placed.items(), *stacked.items())]
         return load_resolved(view, supplied)
-
-
-def covered(layers: Layered, targets: Iterable[str]) -> set[str]:
-    """The stacked leaves whose every layer is among the per-layer `targets`."""
-    counts: dict[str, int] = {}
-    for name in targets:
-        hit = layers.slices.get(name)
-        if hit is not None:
-            counts[hit[0]] = counts.get(hit[0], 0) + 1
-    return {name for name, n in counts.items() if n == layers.stacked_leaf(name).shape[0]}
 
 
 # The jitted functions of the writes onto devices, one per shape and sharding for the

@@ -31,7 +31,7 @@ from ..arrays import default_device
 from ..convert import AnyRule
 from ..io import RETRIES, Checkpoint, Replaced, byte_size, result_of, stop_reads
 from ._budget import Budget
-from ._layers import Stacker, covered
+from ._layers import Stacker
 from ._place import Scratch
 from ._readers import Readahead, Readers
 from ._record import loaded, migrated, open_load, parts_of, unkept
@@ -195,7 +195,7 @@ def _load(
     stacker = None
     if load.layers is not None:  # per-layer names: each slice written into its stacked leaf
         made = {p for s in steps for t in s.targets for p in parts_of(t, load.quantized)}
-        placed = stacker = Stacker(load.layers, covered(load.layers, made))
+        placed = stacker = Stacker(load.layers, load.layers.covered(made))
     running: dict[int, Future[Any]] = {}
     submitted = 0  # units
 

@@ -32,7 +32,7 @@ from ..convert import (
 from ..io import Checkpoint, open_safetensors, schema_part
 from ..quant import Parameter
 from ..state import KEY, Flat, is_flat, load_resolved, params, recorded_versions
-from ._layers import Layered, Stacker, layered
+from ._layers import Layered, Stacker
 
 
 class Migrated(NamedTuple):
@@ -78,9 +78,9 @@ class Load:
         migration: how an older checkpoint is migrated; None when it needs no migration
             (or before :func:`migrated` has asked).
         layers: for a checkpoint that names the model's stacks of layers per layer
-            (``layers.3.attention.query.kernel``), the model itself and where each
-            per-layer leaf goes; `tree`, `view` and `leaves` are then its per-layer twin
-            (`_layers`). None for any other load.
+            (``layers.3.attention.query.kernel``), the model's per-layer form (state's
+            `Layers`: the model itself, and where each per-layer leaf goes); `tree`,
+            `view` and `leaves` are then its per-layer twin. None for any other load.
     """
 
     where: str
@@ -119,7 +119,7 @@ def open_load(
     view = Flat(tree)
     layers = None
     if per_layer(view.spec, checkpoint, rules):  # written per layer: the model's twin
-        layers = layered(tree, view)
+        layers = Layered(tree, view)
         tree = layers.twin
         view = Flat(tree)
     leaves = dict(zip(view.spec.names, view.olds, strict=True))

@@ -37,7 +37,7 @@ from ..state import (
     compile_pattern,
     flatten,
     key_name,
-    layer_sharding,
+    layer_sharded,
     layer_slice,
     select,
     unmatched,
@@ -110,7 +110,7 @@ def swap(model: Any, chosen: Mapping[str, Module], make: Callable[[str, Any, Any
         pairs, treedef = jax.tree_util.tree_flatten_with_path(made)
         if all(path in had for path, _ in pairs):
             return made
-        alone = jax.tree.leaves(make(name, jax.tree.map(_one_layer, layer), 0))
+        alone = jax.tree.leaves(make(name, jax.tree.map(layer_sharded, layer), 0))
         placed = [
             x if path in had else _with_layer_axis(x, like, stack.axis)
             for (path, x), like in zip(pairs, alone, strict=True)
@@ -127,12 +127,6 @@ def _with_layer_axis(x: Any, like: Any, axis: str | None) -> Any:
     if not isinstance(sharding, NamedSharding):
         return x
     return jax.device_put(x, NamedSharding(sharding.mesh, P(axis, *sharding.spec)))
-
-
-def _one_layer(x: Any) -> Any:
-    """One layer of a stacked array, abstract, placed as the stacked one without its axis."""
-    sharding = layer_sharding(getattr(x, "sharding", None), x.ndim)
-    return jax.ShapeDtypeStruct(x.shape[1:], x.dtype, sharding=sharding)
 
 
 def layer_of(layer: Any, index: int) -> Any:

@@ -7,6 +7,7 @@ when first used, so that a process reading only safetensors headers never import
 
 from .._problems import StateProblem as StateProblem
 from . import _problems as problems  # noqa: F401  # pyright: ignore[reportUnusedImport] (a namespace: the problem records)
+from ._layers import Layers as Layers
 from ._layers import layer_sharded as layer_sharded
 from ._layers import layer_sharding as layer_sharding
 from ._layers import layer_slice as layer_slice

@@ -1,15 +1,21 @@
 """The two forms of a stack's state: stacked (``layers.block.<rest>``, one leaf
 ``[count, ...]``) and per layer (``layers.<i>.<rest>``, one slice per layer).
 
-Reading per layer slices each stacked leaf; a load given per-layer names (all layers of a
-leaf, or some) turns them into the stacked leaf before the one resolution, checking each
-slice as the leaf it stands for: a load of every layer stacks them, a load of some writes
-their slices into a copy of the leaf (JAX arrays are immutable: the floor is one new
-array per leaf touched; the model's other leaves are kept as they are).
+A model's per-layer form is one object, `Layers`: which stacked leaf and layer each
+per-layer name is, each layer's leaf (abstract), and the model with each stack a list of
+those layers (its twin). Both loads of per-layer names ask it. Reading per layer slices
+each stacked leaf; a load of values given per-layer names (all layers of a leaf, or some)
+turns them into the stacked leaf before the one resolution, checking each slice as its
+layer's leaf: a load of every layer stacks them, a load of some writes their slices into
+a copy of the leaf (JAX arrays are immutable: the floor is one new array per leaf touched;
+the model's other leaves are kept as they are). The streamed load resolves a checkpoint's
+names against the twin, and writes each layer it reads into its stacked leaf
+(`layers_writer`, as the load of values writes some layers).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 from collections.abc import Callable, Iterable, Mapping
@@ -28,6 +34,7 @@ from ..arrays import CACHE_BOUND
 from ._names import Custom, Spec, Stacked, customs, fields, is_stack, tree_util
 from ._problems import StateDictError
 from ._values import checked_value
+from ._views import Flat, Walk
 
 
 def unstacked(spec: Spec, leaves: list[Any], params: bool = False) -> dict[str, Any]:
@@ -107,15 +114,102 @@ def layer_sharded(leaf: Any) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(tuple(leaf.shape[1:]), leaf.dtype, sharding=sharding)
 
 
+@dataclasses.dataclass(frozen=True)
+class Slice:
+    """One layer of a concrete stacked leaf, as a load sees it: its shape, dtype and
+    sharding (no values: the layer keeps the stacked leaf's unless the load writes it).
+    Not a ``jax.ShapeDtypeStruct``, which a load takes for a leaf with no value."""
+
+    shape: tuple[int, ...]
+    dtype: Any
+    sharding: Any
+
+
+def layer_leaf(leaf: Any) -> Any:
+    """One layer of a stacked leaf, as the per-layer form holds it (`layer_sharded`): a
+    ``jax.ShapeDtypeStruct`` for an abstract leaf, a `Slice` for a concrete one."""
+    layer = layer_sharded(leaf)
+    if isinstance(leaf, jax.ShapeDtypeStruct):
+        return layer
+    return Slice(layer.shape, layer.dtype, layer.sharding)
+
+
+class Layers:
+    """A model's per-layer form, the one description both loads of per-layer names ask:
+    which stacked leaf and layer a per-layer name is (:meth:`slice_of`, by the one parse,
+    ``Spec.split_layer``), what each layer's leaf is (:meth:`layer`), which stacked leaves
+    some names cover in every layer (:meth:`covered`), and the model with each stack a
+    list of its layers (:attr:`twin`), which the streamed load resolves a checkpoint
+    against.
+
+    Attributes:
+        tree: the model (it holds stacks).
+        view: the model flattened once.
+    """
+
+    def __init__(self, tree: Any, view: Flat) -> None:
+        self.tree, self.view = tree, view
+
+    def slice_of(self, name: str) -> tuple[str, int] | None:
+        """The stacked leaf the per-layer leaf `name` is a slice of, and the layer; None
+        for any other name."""
+        hit = self.view.spec.split_layer(name)
+        return None if hit is None or hit[0] not in self.view.spec.index else hit[:2]
+
+    def stacked_leaf(self, stacked: str) -> Any:
+        """The model's stacked leaf of that name."""
+        return self.view.olds[self.view.spec.index[stacked]]
+
+    def layer(self, stacked: str) -> Any:
+        """One layer of the stacked leaf `stacked` (`layer_leaf`)."""
+        return layer_leaf(self.stacked_leaf(stacked))
+
+    def covered(self, names: Iterable[str]) -> set[str]:
+        """The stacked leaves whose every layer is among the per-layer `names`."""
+        layers: dict[str, set[int]] = {}
+        for name in names:
+            hit = self.slice_of(name)
+            if hit is not None:
+                layers.setdefault(hit[0], set()).add(hit[1])
+        return {n for n, given in layers.items() if len(given) == self.stacked_leaf(n).shape[0]}
+
+    @functools.cached_property
+    def twin(self) -> Any:
+        """The model with each stack replaced by the list of its layers, each leaf a
+        `layer_leaf`: a walk down the stacks' paths, no flatten (the nodes on them
+        rebuilt, the others kept)."""
+        stacks = self.view.spec.stacks
+
+        def layers(node: Any, stack: Stacked) -> list[Any]:
+            field: str = getattr(node, "_taktiny_stacked")  # noqa: B009  (nn.Stack's class attribute)
+            block = jax.tree.map(layer_leaf, getattr(node, field))
+            return [block] * stack.count
+
+        if is_stack(self.tree):
+            return layers(self.tree, stacks[0])
+        walk = Walk(self.tree)
+        replaced: dict[tuple[str, ...], Any] = {}
+        for stack in stacks:
+            where = tuple(stack.path.split("."))
+            node = self.tree
+            for key in where:
+                node = cast("tuple[str, Any]", walk.child(node, key))[1]
+            replaced[where] = layers(node, stack)
+        return walk.write(replaced)
+
+
 def restacked(
-    spec: Spec, leaves: list[Any], flat: Mapping[Any, Any], caller: str, strict: bool = False
+    layers: Layers, flat: Mapping[Any, Any], caller: str, strict: bool = False
 ) -> dict[Any, Any]:
-    """`flat` with its per-layer names turned into the stacked leaves they are slices of
-    (a key that is not a string kept as it is, for the resolution to report):
-    every layer given, the slices stacked; some, written into a copy of the leaf. Raises
-    StateDictError for a slice of the wrong shape or kind (named per layer), for a leaf
-    given both whole and per layer, and for some layers of an abstract leaf (the others
-    have no value) or under `strict` (each layer not given is missing)."""
+    """`flat` with its per-layer names turned into the stacked leaves of the model
+    `layers` describes that they are slices of (a key that is not a string kept as it
+    is, for the resolution to report): every layer given, the slices stacked; some,
+    written into a copy of the leaf. Each slice is checked as its layer's leaf
+    (`Layers.layer`). Raises StateDictError for a slice of the wrong shape or kind (named
+    per layer), for a leaf given both whole and per layer, and for some layers of an
+    abstract leaf (the others have no value) or under `strict` (each layer not given is
+    missing)."""
+    spec = layers.view.spec
     out: dict[Any, Any] = {}
     groups: dict[str, dict[int, tuple[str, Any]]] = {}
     params = {name: custom for _, (name, custom) in _stacked_params(spec).items()}
@@ -132,11 +226,11 @@ def restacked(
             groups.setdefault(hit[0], {})[hit[1]] = (name, value)
     problems = Problems()
     for stacked, slices in groups.items():
-        old = leaves[spec.index[stacked]]
+        old = layers.stacked_leaf(stacked)
         if stacked in out:
             problems.append(both_forms(stacked, [n for n, _ in slices.values()]))
             continue
-        layer = jax.ShapeDtypeStruct(tuple(old.shape[1:]), old.dtype)
+        layer = layers.layer(stacked)
         checked = {i: checked_value(n, v, layer, problems) for i, (n, v) in slices.items()}
         if any(v is None for v in checked.values()):
             continue
@@ -363,8 +457,8 @@ def names_layers(tree: Any, state: Mapping[Any, Any], flat: bool) -> bool:
 
 
 def stacked_state(
-    leaves: list[Any],
-    spec: Spec,
+    tree: Any,
+    view: Flat,
     state: Mapping[Any, Any],
     flat: bool,
     caller: Any,
@@ -372,11 +466,13 @@ def stacked_state(
 ) -> Mapping[Any, Any]:
     """`state` with per-layer names of the tree's stacks turned into their stacked leaves
     (:func:`restacked`, `strict` as the load's); `state` itself when it has none. The tree
-    is given flattened (its `leaves`, and `spec`); `caller()` names the load."""
+    is given with its `view`, flattened once; `caller()` names the load."""
+    spec = view.spec
     if not spec.stacks:
         return state
+    layers = Layers(tree, view)
     if flat:
-        return restacked(spec, leaves, state, caller(), strict)
+        return restacked(layers, state, caller(), strict)
     out: dict[Any, Any] = dict(state)
     for stack in spec.stacks:  # each stack's subtree given per layer: made stacked
         path = stack.path.split(".") if stack.path else []
@@ -395,7 +491,7 @@ def stacked_state(
                 continue
             dotted: dict[str, Any] = {}
             _dotted(node, stack.path, dotted)  # pyright: ignore[reportUnknownArgumentType]
-            made = nest(restacked(spec, leaves, dotted, caller(), strict))
+            made = nest(restacked(layers, dotted, caller(), strict))
             for key in path:
                 made = made[key]
             rebuilt: Any = made  # copies along the path: the caller's dicts are not changed

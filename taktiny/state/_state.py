@@ -232,7 +232,7 @@ def load(
         view = Walk(tree, flat)
     else:  # (per-layer names of a stack: stacked first, from the tree flattened once)
         view = flat_view = Flat(tree)
-        state = _layers.stacked_state(flat_view.olds, flat_view.spec, state, flat, named, strict)
+        state = _layers.stacked_state(tree, flat_view, state, flat, named, strict)
         values = _in_order(flat_view, state, flat)  # every leaf, in leaf order: the fast path
         if values is not None:
             return _finish(view, enumerate(values), None, named, match)

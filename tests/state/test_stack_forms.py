@@ -12,7 +12,7 @@ import pytest
 
 import taktiny as tt
 from taktiny import nn
-from taktiny.state import _state
+from taktiny.state import Flat, Layers, _state
 
 
 class Block(nn.Module):
@@ -61,6 +61,33 @@ def test_stacked_names_and_per_layer_names():
     )
     abstract = tt.flat_state_dict(jax.eval_shape(lambda: Model(rngs=nn.Rngs(0))), unstacked=True)
     assert abstract["layers.1.dense.kernel"].shape == (4, 4)
+
+
+@pytest.mark.parametrize("abstract", [False, True])
+def test_both_loads_ask_one_per_layer_form(abstract):
+    """state.Layers is the one description of a model's per-layer form: each name of its
+    twin (the streamed load resolves a checkpoint against it) is, as `slice_of` says, a
+    layer of a stacked leaf, held as `layer` says (the leaf the load of values checks each
+    slice against), named as flat_state_dict(unstacked=True) names it, in its order."""
+    make = lambda: Model(rngs=nn.Rngs(0))
+    model = jax.eval_shape(make) if abstract else make()
+    layers = Layers(model, Flat(model))
+    twin = tt.flat_state_dict(layers.twin)
+    assert list(twin) == list(tt.flat_state_dict(model, unstacked=True))
+    stacked = tt.flat_state_dict(model)
+    for name, leaf in twin.items():
+        if not name.startswith("layers."):
+            assert layers.slice_of(name) is None and leaf is stacked[name]
+            continue
+        _, index, rest = name.split(".", 2)
+        assert layers.slice_of(name) == (f"layers.block.{rest}", int(index))
+        assert leaf == layers.layer(f"layers.block.{rest}")
+        assert leaf.shape == stacked[f"layers.block.{rest}"].shape[1:]
+        assert isinstance(leaf, jax.ShapeDtypeStruct) == abstract
+    for name in ("layers.3.dense.kernel", "layers.block.dense.kernel", "layers.0.dense.nope"):
+        assert layers.slice_of(name) is None
+    assert layers.covered(twin) == {n for n in stacked if n.startswith("layers.")}
+    assert layers.covered(n for n in twin if not n.startswith("layers.2.")) == set()
 
 
 def test_a_load_takes_either_form():
