@@ -14,10 +14,11 @@ bitwise on the device: against the file's arrays (renamed, stacked), their trans
 (transposed), ``tt.quantize`` of the float model (quantizing loads) and NumPy's float32
 product of the FP8 blocks rounded to bfloat16 (FP8).
 
-``variants`` loads the file with other settings of the staging knobs
-(``taktiny/loading/_ways.py``: the pieces, the ring, huge pages, whole tensors read by
-threads; the readers' start), each against the same limit, so that one run on the TPU
-picks the best; ``taktiny`` is the load with the knobs as they are.
+``variants`` loads the file with pieces of other sizes and rings of other lengths (the
+module constants ``STAGE_PIECE`` and ``RING`` of ``taktiny/loading/_ways.py``), each
+against the same limit; ``taktiny`` is the load as it is (pieces of 8 MiB, a ring of 8).
+Other ways to stage (tensors whole, read by threads; small pages; transposed on the host;
+more readers from the start) were measured and pruned: bench/FINDINGS.md section 14.
 
 ``--peak folder [case]`` then loads a file written there alone, in a process of its own,
 for its peak host memory (``ru_maxrss`` after the load, less before it) and its ways
@@ -56,35 +57,14 @@ REPEATS = int(os.environ.get("DEVICE_LOAD_REPEATS", "3"))
 GiB = 2**30
 MiB = 2**20
 
-# The staging knobs each variant sets (taktiny.loading._ways, and _readers' START); the
-# rest keep their values
-PIECES = {"STAGE_JOIN": True, "STAGE_PIECE": 8 * MiB, "RING": 8}
-WHOLE = {"STAGE_JOIN": False, "STAGE_THREADS": 1, "RING": 4}
+# The piece size and ring length each variant sets (taktiny.loading._ways's STAGE_PIECE and
+# RING, restored after)
 VARIANTS: dict[str, dict[str, Any]] = {
-    "pieces_4MiB_ring16": {**PIECES, "STAGE_PIECE": 4 * MiB, "RING": 16},
-    "pieces_8MiB_ring8": PIECES,
-    "pieces_8MiB_ring16": {**PIECES, "RING": 16},
-    "pieces_16MiB_ring8": {**PIECES, "STAGE_PIECE": 16 * MiB},
-    "pieces_8MiB_ring8_start8": {**PIECES, "START": 8},
-    "pieces_8MiB_ring8_small_pages": {**PIECES, "HUGE_PAGES": False},  # (where THP exist)
-    "whole_ring4": WHOLE,  # (as before pieces, but a buffer's copy is not waited for)
-    "whole_ring8": {**WHOLE, "RING": 8},
-    "whole_ring4_threads4_8MiB": {**WHOLE, "STAGE_THREADS": 4, "STAGE_PIECE": 8 * MiB},
-    "whole_ring4_threads4_8MiB_start8": {
-        **WHOLE,
-        "STAGE_THREADS": 4,
-        "STAGE_PIECE": 8 * MiB,
-        "START": 8,
-    },
-    "whole_ring4_threads8_4MiB": {**WHOLE, "STAGE_THREADS": 8, "STAGE_PIECE": 4 * MiB},
-    "whole_ring2_threads8_4MiB": {
-        **WHOLE,
-        "RING": 2,
-        "STAGE_THREADS": 8,
-        "STAGE_PIECE": 4 * MiB,
-    },
+    "pieces_4MiB_ring16": {"STAGE_PIECE": 4 * MiB, "RING": 16},
+    "pieces_8MiB_ring8": {"STAGE_PIECE": 8 * MiB, "RING": 8},  # (the load's own)
+    "pieces_8MiB_ring16": {"STAGE_PIECE": 8 * MiB, "RING": 16},
+    "pieces_16MiB_ring8": {"STAGE_PIECE": 16 * MiB, "RING": 8},
 }
-ON_HOST = {**WHOLE, "TRANSPOSE_ON_DEVICE": False}  # transposed as read (as before pieces)
 
 
 def _arrays() -> dict[str, np.ndarray]:
@@ -209,21 +189,19 @@ def _bitwise(got: Any, want: Any) -> bool:
 
 
 @contextlib.contextmanager
-def _knobs(settings: dict[str, Any]) -> Iterator[None]:
-    """The staging knobs set as `settings` says for the block (restored after)."""
-    import taktiny.loading._readers as readers
+def _settings(settings: dict[str, Any]) -> Iterator[None]:
+    """The constants of taktiny.loading._ways set as `settings` says for the block
+    (restored after)."""
     import taktiny.loading._ways as ways
 
-    old = {}
+    old = {name: getattr(ways, name) for name in settings}
     for name, value in settings.items():
-        module = readers if name == "START" else ways
-        old[name] = (module, getattr(module, name))
-        setattr(module, name, value)
+        setattr(ways, name, value)
     try:
         yield
     finally:
-        for name, (module, value) in old.items():
-            setattr(module, name, value)
+        for name, value in old.items():
+            setattr(ways, name, value)
 
 
 @contextlib.contextmanager
@@ -321,10 +299,6 @@ def _cases(
     cases["transposed"] = _figure(
         nbytes, limit, lambda: load_safetensors(flat, hf, rules=transposed), turned
     )
-    with _knobs(ON_HOST):
-        cases["transposed_on_host"] = _figure(
-            nbytes, limit, lambda: load_safetensors(flat, hf, rules=transposed), turned
-        )
     del turned
     cases["raw_limit_hf_GiBps"] = limit
 
@@ -504,7 +478,7 @@ def main(folder: Path) -> dict[str, object]:
         figures["staging_forced_on_cpu"] = forced
         figures["variants"] = variants = {}
         for name, settings in VARIANTS.items():
-            with _knobs(settings):
+            with _settings(settings):
                 variants[name] = _figure(
                     nbytes, limit, lambda: load_safetensors(abstract, path), want
                 )

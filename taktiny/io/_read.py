@@ -20,7 +20,6 @@ import itertools
 import math
 import mmap
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Executor, wait
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -546,9 +545,7 @@ class Tensor:
         )
         return math.prod(stop - start for start, stop in bounds[partial:]) * self.dtype.itemsize
 
-    def read_into(
-        self, memory: Any, *, verify: bool = True, pool: Executor | None = None, piece: int = 0
-    ) -> np.ndarray:
+    def read_into(self, memory: Any, *, verify: bool = True) -> np.ndarray:
         """Reads the whole tensor into the start of `memory`.
 
         The caller owns `memory`, and must not reuse it while anything still uses the
@@ -557,11 +554,6 @@ class Tensor:
         Args:
             memory: a writable buffer of at least ``nbytes``.
             verify: check the bytes against ``checksum`` (when there is one).
-            pool: threads that read its pieces (`piece` bytes each) at once, each piece
-                hashed by the caller, in order, as soon as it is read; None: the caller
-                reads them one after the other. (A local file's: an object's storage
-                reads large ranges in parallel parts itself.)
-            piece: the bytes of each piece `pool` reads (0: 4 MiB).
 
         Returns:
             A read-only array of ``shape`` and ``dtype`` viewing `memory`.
@@ -569,7 +561,7 @@ class Tensor:
         Raises:
             SafetensorsError: the bytes are damaged, or the file was truncated.
         """
-        return self._checked(memory, verify, pool, piece or _PIECE)
+        return self._checked(memory, verify)
 
     def read_rows(
         self, rows: int, into: Callable[[int], Any], *, verify: bool = True
@@ -611,15 +603,13 @@ class Tensor:
                 yield piece
         self._confirm(stream)
 
-    def _checked(
-        self, memory: Any, verify: bool, pool: Executor | None = None, piece: int = _PIECE
-    ) -> np.ndarray:
+    def _checked(self, memory: Any, verify: bool) -> np.ndarray:
         """The whole tensor read (into `memory`, or a fresh buffer), with `verify` hashed
-        piece by piece as it is read and checked (`pool`, `piece`: as `read_into`)."""
+        piece by piece as it is read and checked."""
         if not verify or self.checksum is None:
-            return self._piecewise(None, memory, pool, piece)
+            return self._piecewise(None, memory)
         stream = _checksum.streaming()
-        out = self._piecewise(stream.update, memory, pool, piece)
+        out = self._piecewise(stream.update, memory)
         self._confirm(stream)
         return out
 
@@ -717,18 +707,10 @@ class Tensor:
             bounds.append((start, max(start, stop)))
         return bounds
 
-    def _piecewise(
-        self,
-        send: Callable[[Any], Any] | None,
-        memory: Any = None,
-        pool: Executor | None = None,
-        piece: int = _PIECE,
-    ) -> np.ndarray:
+    def _piecewise(self, send: Callable[[Any], Any] | None, memory: Any = None) -> np.ndarray:
         """The whole tensor read, into `memory` (as :meth:`read_into`) or a fresh buffer;
         with `send`, 4 MiB at a time, each piece of its stored bytes handed to `send` as
-        soon as it is read, in order, still in the CPU's cache (with `pool`, its threads
-        read `piece` bytes each at once, handed to `send` in order). Nothing is verified
-        here."""
+        soon as it is read, in order, still in the CPU's cache. Nothing is verified here."""
         if memory is None:
             out, raw = _buffer(self.shape, self.dtype)
         else:
@@ -736,10 +718,7 @@ class Tensor:
             raw = memoryview(memory).cast("B")[: self.nbytes]
         if self.nbytes:
             with self._opened() as storage:
-                if pool is None or storage.large_reads or self.nbytes <= piece:
-                    _pread(storage, raw, self.offset, self, send)
-                else:
-                    _pread_together(storage, raw, self.offset, self, send, pool, piece)
+                _pread(storage, raw, self.offset, self, send)
         out.flags.writeable = False
         return out
 
@@ -824,19 +803,11 @@ class Packed(Tensor):
         blocks (with `verify`, when they have no tiles to check the blocks' bytes by)."""
         return verify and self.stored.tiles is None
 
-    def read_into(
-        self, memory: Any, *, verify: bool = True, pool: Executor | None = None, piece: int = 0
-    ) -> np.ndarray:
-        return self._unpacked(self.stored.read_into(memory, verify=verify, pool=pool, piece=piece))
+    def read_into(self, memory: Any, *, verify: bool = True) -> np.ndarray:
+        return self._unpacked(self.stored.read_into(memory, verify=verify))
 
-    def _piecewise(
-        self,
-        send: Callable[[Any], Any] | None,
-        memory: Any = None,
-        pool: Executor | None = None,
-        piece: int = _PIECE,
-    ) -> np.ndarray:
-        return self._unpacked(self.stored._piecewise(send, memory, pool, piece))
+    def _piecewise(self, send: Callable[[Any], Any] | None, memory: Any = None) -> np.ndarray:
+        return self._unpacked(self.stored._piecewise(send, memory))
 
     def read_blocks(
         self, blocks: Sequence[Sequence[tuple[int, int]]], *, verify: bool = True
@@ -988,27 +959,3 @@ def _pread(
             done += got
         if send is not None:
             send(into[start:end])
-
-
-def _pread_together(
-    storage: Storage,
-    into: memoryview,
-    offset: int,
-    tensor: Tensor,
-    send: Callable[[Any], Any] | None,
-    pool: Executor,
-    piece: int,
-) -> None:
-    """Fills `into` from `storage` at `offset`, `piece` bytes at a time, the pieces read
-    by `pool`'s threads at once; with `send`, each piece handed to `send` in order, as
-    soon as it and those before it are read (while the next are read). Every read has
-    ended when it returns or raises: none writes into `into` afterwards."""
-    starts = range(0, len(into), piece)
-    reads = [pool.submit(_pread, storage, into[s : s + piece], offset + s, tensor) for s in starts]
-    try:
-        for start, read in zip(starts, reads, strict=True):
-            read.result()
-            if send is not None:
-                send(into[start : start + piece])
-    finally:
-        wait(reads)

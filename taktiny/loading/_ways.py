@@ -1,6 +1,6 @@
 """The ways a load reads its steps, one type each: whole into its leaf's buffer (`Whole`),
 renamed or transposed through a ring of staging buffers onto devices that copy host memory,
-a few MiB of rows at a time (`Staged`, `StagedTransposed`, `Ring`, `Staging`),
+a few MiB of rows at a time (`Staged`, `StagedTransposed`, `Ring`),
 each device's block (`Blocks`), transposed piece by piece (`Transposed`), straight into its
 layer's slice of a stacked leaf (`InStack`), small tensors read together (`Batch`), through a
 scratch buffer to be transformed (`Transformed`), FP8 blocks laid out as they are read
@@ -10,13 +10,10 @@ names it; `Ways` builds them once per load, from the headers."""
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 import queue
-import threading
-from collections.abc import Iterable, Iterator, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, cast
 
 import jax
@@ -130,26 +127,40 @@ class Staged(Whole):
     (a TPU, a GPU), read through the load's staging ring (`Ring`: a few buffers taken in
     turns and reused, whose pages fault once for the load, where a fresh buffer for each
     tensor would fault every page of the checkpoint, the most such a load pays for) and
-    copied onto its devices: a few MiB of rows at a time (`Staging.piece`), each piece
-    copied as soon as it is read and written into its place in the leaf on the devices,
-    while the next is read; or whole into one buffer (`Staging.join`; always, for a leaf
-    whose devices span processes: a program writing pieces into place would be each
-    process's own, entered in any order by its readers). A buffer is free for the next read
-    once the copy made from it has read it. It holds nothing of its own: the ring is
-    counted once, for the load, as the scratch buffers are."""
+    copied onto its devices a few MiB of rows at a time (`STAGE_PIECE`): each piece copied
+    as soon as it is read and written into its place in the leaf on the devices, while the
+    next is read. A leaf whose devices span processes is staged whole, in one piece
+    (`_joined`). A buffer is free for the next read once the copy made from it has read
+    it. It holds nothing of its own: the ring is counted once, for the load, as the scratch
+    buffers are.
+
+    Args:
+        step, sources, leaf: as `Way`'s.
+        piece: the most bytes of a piece (whole rows, at least one).
+    """
 
     word = "staged"
     ring: Ring | None = None
 
-    def __init__(self, step: Step, sources: list[Tensor], leaf: Any, staging: Staging) -> None:
+    def __init__(self, step: Step, sources: list[Tensor], leaf: Any, piece: int) -> None:
         super().__init__(step, sources, leaf)
-        self.staging = staging
+        tensor = sources[0]
+        self.joined = _joined(sharding_of(leaf))
+        self.rows = _rows(tensor, piece) if self.joined else max(_count(tensor), 1)
 
     def held(self, load: Load, shapes: dict[Any, Any]) -> int:
         return waiting(load, self.step, self.sources[0], shared=True)
 
     def own(self) -> int:
-        return self.staging.slot(self.sources[0])
+        """The bytes of a ring buffer its pieces take (at a multiple of 64)."""
+        tensor = self.sources[0]
+        count = _count(tensor)
+        row = tensor.nbytes // count if count else 0
+        return -(-self.rows * row // 64) * 64
+
+    def pieces(self) -> int:
+        """The pieces its tensor is read and copied in."""
+        return max(1, -(-_count(self.sources[0]) // self.rows))
 
     def _axes(self) -> tuple[int, ...] | None:
         """The axes the rules permute the tensor by; None: as it is."""
@@ -159,11 +170,10 @@ class Staged(Whole):
         """The axes the devices permute the tensor by as it is placed; None: as it is."""
         return None
 
-    def _into(self, buffer: Scratch, verify: bool) -> np.ndarray:
-        """The tensor read whole into `buffer`."""
-        tensor, ring = self.sources[0], cast(Ring, self.ring)
-        memory = buffer.view(Scratch.bytes_for(self.sources))
-        return tensor.read_into(memory, verify=verify, pool=ring.pool(), piece=self.staging.piece)
+    def _host(self, into: Callable[[int], memoryview], verify: bool) -> Iterator[np.ndarray]:
+        """The tensor's pieces of `rows` rows on the host, each read into the memory
+        `into(nbytes)` gives it."""
+        return self.sources[0].read_rows(self.rows, into, verify=verify)
 
     def read(self, verify: bool, stacker: Stacker | None) -> Any:
         tensor, sharding = self.sources[0], sharding_of(self.leaf)
@@ -172,35 +182,28 @@ class Staged(Whole):
             host, axes = tensor.read(verify=verify), self._axes()
             host = host if axes is None else np.transpose(host, axes)
             return {self.step.targets[0]: placed(host, sharding)}
-        rows = self.staging.rows(tensor)
         whole: jax.Array | None = None  # (the leaf, on its devices, begun at the first piece)
-        if rows < (tensor.shape[0] if tensor.ndim else 1) or perm is not None:
+        if self.pieces() > 1 or perm is not None:
             shape = tuple(tensor.shape[p] for p in perm) if perm else tuple(tensor.shape)
             whole = zeros_on(shape, np.dtype(tensor.dtype), sharding)()
         write = _writer(perm, sharding)
-        for k, piece in enumerate(self._pieces(ring, rows, sharding, verify)):
-            whole = piece if whole is None else write(whole, piece, np.int32(k * rows))
+        for k, piece in enumerate(self._pieces(ring, sharding, verify)):
+            whole = piece if whole is None else write(whole, piece, np.int32(k * self.rows))
         return {self.step.targets[0]: whole}
 
-    def _pieces(self, ring: Ring, rows: int, sharding: Any, verify: bool) -> Iterator[jax.Array]:
-        """The tensor's pieces of `rows` rows (all of them: the tensor whole), each read
-        into a buffer of the ring and copied onto `sharding`, the buffer given back with
-        its copy (the next to take it waits for that copy to have read it): yielded one
-        by one, so that each is written into place while the next is read."""
+    def _pieces(self, ring: Ring, sharding: Any, verify: bool) -> Iterator[jax.Array]:
+        """The tensor's pieces, each read into a buffer of the ring and copied onto
+        `sharding`, the buffer given back with its copy (the next to take it waits for
+        that copy to have read it): yielded one by one, so that each is written into
+        place while the next is read."""
         taken: list[Scratch] = []
+
+        def into(nbytes: int) -> memoryview:
+            taken.append(ring.take())  # (a reader waits here while the others hold all)
+            return taken[-1].view(nbytes)
+
         try:
-            if not self.staging.join:  # whole, into one buffer
-                taken.append(ring.take())
-                copy = _copied(taken[-1], self._into(taken[-1], verify), sharding)
-                ring.give(taken.pop(), copy)
-                yield copy
-                return
-
-            def into(nbytes: int) -> memoryview:
-                taken.append(ring.take())  # (a reader waits here while the others hold all)
-                return taken[-1].view(nbytes)
-
-            for host in self.sources[0].read_rows(rows, into, verify=verify):
+            for host in self._host(into, verify):
                 copy = _copied(taken[-1], host, sharding)
                 ring.give(taken.pop(), copy)
                 yield copy
@@ -212,33 +215,31 @@ class Staged(Whole):
 class StagedTransposed(Staged):
     """A tensor the rules only transpose, for a leaf on devices that copy host memory,
     staged as `Staged` stages a renamed one and permuted by its devices as each piece is
-    written into place (`Staging.on_device`, for a leaf on devices of this process
-    alone), or read whole with its axes permuted into a buffer of the ring, a piece of
-    rows at a time (:meth:`Tensor.read_transposed`), which then holds a piece of rows
-    besides the ring."""
-
-    def __init__(self, step: Step, sources: list[Tensor], leaf: Any, staging: Staging) -> None:
-        super().__init__(step, sources, leaf, staging)
-        addressable = sharding_of(leaf).is_fully_addressable
-        self.on_device = staging.join or (staging.on_device and addressable)
+    written into place; for a leaf whose devices span processes (staged whole), read with
+    its axes permuted into a buffer of the ring, a piece of rows at a time
+    (:meth:`Tensor.read_transposed`), which then holds a piece of rows besides the ring."""
 
     def held(self, load: Load, shapes: dict[Any, Any]) -> int:
-        return (0 if self.on_device else _piece(self.sources[0])) + super().held(load, shapes)
+        return (0 if self.joined else _piece(self.sources[0])) + super().held(load, shapes)
 
     def temporary(self, load: Load) -> int:
-        return (0 if self.on_device else BOX_PIECE) + super().temporary(load)
+        return (0 if self.joined else BOX_PIECE) + super().temporary(load)
 
     def _axes(self) -> tuple[int, ...] | None:
         perm, ndim = cast(transpose, self.step.rule.transform).perm, self.sources[0].ndim
         return tuple(range(ndim))[::-1] if perm is None else tuple(p % ndim for p in perm)
 
     def _perm(self) -> tuple[int, ...] | None:
-        return self._axes() if self.on_device else None
+        return self._axes() if self.joined else None
 
-    def _into(self, buffer: Scratch, verify: bool) -> np.ndarray:
-        if self.on_device:
-            return super()._into(buffer, verify)
-        return buffer.read(self.sources, verify, self._axes())[0]
+    def _host(self, into: Callable[[int], memoryview], verify: bool) -> Iterator[np.ndarray]:
+        if self.joined:
+            yield from super()._host(into, verify)
+            return
+        tensor, axes = self.sources[0], cast(tuple[int, ...], self._axes())
+        shape = tuple(tensor.shape[p] for p in axes)
+        out = np.frombuffer(into(tensor.nbytes), tensor.dtype, math.prod(shape))
+        yield tensor.read_transposed(axes, verify=verify, out=out.reshape(shape))
 
 
 def _copied(buffer: Scratch, host: np.ndarray, sharding: Any) -> jax.Array:
@@ -251,27 +252,22 @@ def _copied(buffer: Scratch, host: np.ndarray, sharding: Any) -> jax.Array:
 class Ring:
     """The staging buffers of a load onto devices that copy host memory (`Staged`), taken
     in turns by its readers: `count` buffers of `size` bytes (the most that one piece of
-    a staged tensor takes), each mapped at its first use and reused to the load's end.
+    a staged tensor takes), each mapped at its first use (in huge pages, where the kernel
+    gives them) and reused to the load's end.
 
     A reader takes a buffer (:meth:`take`), reads into it, starts its copy onto the
     devices and gives it back with that copy (:meth:`give`) without waiting for it: the
-    next reader to take the buffer waits until the copy has read it. :meth:`pool` gives
-    the threads that read one whole tensor's pieces at once (``Staging.threads``).
+    next reader to take the buffer waits until the copy has read it.
 
     Args:
-        staging: how the load stages.
         count: the buffers.
         size: the bytes of each.
     """
 
-    def __init__(self, staging: Staging, count: int, size: int) -> None:
-        self.staging = staging
-        self.buffers = [Scratch(size, staging.huge) for _ in range(count)]
+    def __init__(self, count: int, size: int) -> None:
+        self.buffers = [Scratch(size, huge=True) for _ in range(count)]
         self._free: queue.SimpleQueue[tuple[Scratch, Any]] = queue.SimpleQueue()
-        for buffer in self.buffers:
-            self._free.put((buffer, None))
-        self._pool: ThreadPoolExecutor | None = None
-        self._lock = threading.Lock()
+        self.close()
 
     def take(self) -> Scratch:
         """A free buffer: waits while the other readers hold every one, then until the
@@ -285,86 +281,34 @@ class Ring:
         """Gives `buffer` back, with the `copy` (an array) that still reads it, if any."""
         self._free.put((buffer, copy))
 
-    def pool(self) -> ThreadPoolExecutor | None:
-        """The threads that read a whole tensor's pieces at once (made at the first call);
-        None: its reader reads them one after the other."""
-        if self.staging.join or self.staging.threads < 2:
-            return None
-        with self._lock:
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(self.staging.threads, "taktiny-stage")
-            return self._pool
-
     def close(self) -> None:
-        """Lets go of the threads and of the copies the buffers kept (once the load's
-        readers are done; the copies still reading a buffer keep it mapped)."""
-        if self._pool is not None:
-            self._pool.shutdown()
+        """Lets go of the copies the buffers kept (once the load's readers are done; the
+        copies still reading a buffer keep it mapped): every buffer free."""
         while not self._free.empty():
             self._free.get_nowait()
         for buffer in self.buffers:
             self._free.put((buffer, None))
 
 
-@dataclasses.dataclass(frozen=True)
-class Staging:
-    """How a load stages tensors onto devices that copy host memory, from the module's
-    constants when the load begins (`RING`, `STAGE_PIECE`, `STAGE_JOIN`, `STAGE_THREADS`,
-    `HUGE_PAGES`, `TRANSPOSE_ON_DEVICE`; see them).
+def _count(tensor: Tensor) -> int:
+    """The rows of `tensor`, along its first axis (a 0-d tensor: one)."""
+    return tensor.shape[0] if tensor.ndim else 1
 
-    Attributes:
-        count: the ring's buffers (fewer within a budget, and never more than pieces).
-        piece: the bytes of a piece of a tensor (whole rows, at least one, when joined).
-        join: each piece copied as soon as it is read and written into place on the
-            devices; else each tensor read whole into one buffer (its pieces by
-            `threads` threads at once) and copied whole.
-        threads: for whole tensors, the threads that read one tensor's pieces at once.
-        huge: the ring's buffers in huge pages.
-        on_device: transposed tensors permuted by the devices (always, when joined).
-    """
 
-    count: int
-    piece: int
-    join: bool
-    threads: int
-    huge: bool
-    on_device: bool
-
-    @classmethod
-    def now(cls) -> Staging:
-        """The module's constants, as they are now."""
-        knobs = (RING, STAGE_PIECE, STAGE_JOIN, STAGE_THREADS, HUGE_PAGES, TRANSPOSE_ON_DEVICE)
-        return cls(*knobs)
-
-    def rows(self, tensor: Tensor) -> int:
-        """The rows of `tensor` (along its first axis) read and copied at a time: the most
-        that fit a piece, or fewer, down to half as many, that divide its rows (pieces of
-        one shape: one program writes them all, where a last piece of its own shape would
-        be compiled for again)."""
-        count = tensor.shape[0] if tensor.ndim else 1
-        row = tensor.nbytes // count if count else 0
-        if not self.join or not row:
-            return max(count, 1)
-        most = max(1, min(count, self.piece // row))
-        for rows in range(most, max(most // 2, most - DIVISORS), -1):
-            if count % rows == 0:
-                return rows
-        return most
-
-    def pieces(self, tensor: Tensor) -> int:
-        """The pieces `tensor` is read and copied in."""
-        count = tensor.shape[0] if tensor.ndim else 1
-        return max(1, -(-count // self.rows(tensor)))
-
-    def slot(self, tensor: Tensor) -> int:
-        """The bytes of a ring buffer that `tensor`'s pieces take (each at a multiple of 64)."""
-        count = tensor.shape[0] if tensor.ndim else 1
-        row = tensor.nbytes // count if count else 0
-        return -(-min(tensor.nbytes, self.rows(tensor) * row) // 64) * 64
-
-    def fits(self, tensor: Tensor) -> bool:
-        """Whether `tensor` is staged: its buffer is at most `RING_MOST` bytes."""
-        return self.slot(tensor) <= RING_MOST
+def _rows(tensor: Tensor, piece: int) -> int:
+    """The rows of `tensor` read and copied at a time in pieces of at most `piece` bytes:
+    the most that fit (at least one), or fewer, down to half as many, that divide its rows
+    (pieces of one shape: one program writes them all, where a last piece of its own shape
+    would be compiled for again)."""
+    count = _count(tensor)
+    row = tensor.nbytes // count if count else 0
+    if not row:
+        return max(count, 1)
+    most = max(1, min(count, piece // row))
+    for rows in range(most, max(most // 2, most - DIVISORS), -1):
+        if count % rows == 0:
+            return rows
+    return most
 
 
 # The jitted writes of pieces into the leaves they make, one per axes and sharding for the
@@ -616,8 +560,8 @@ class Ways:
 
     def __init__(self, load: Load, steps: list[Step], limit: int | None = None) -> None:
         self.load = load
-        staging = Staging.now()
-        self.units = _units(load, [_way(load, step, staging) for step in steps])
+        piece = STAGE_PIECE  # (read when each load begins)
+        self.units = _units(load, [_way(load, step, piece) for step in steps])
         transforming = [way for way in self.units if isinstance(way, Transformed)]
         buffers = 1 if any(t in load.quantized for s in steps for t in s.targets) else 2
         sizes = _sizes(transforming, buffers)
@@ -628,12 +572,11 @@ class Ways:
             way.scratch = self.scratch[k % buffers]
         staged = [way for way in self.units if isinstance(way, Staged)]
         size = max((way.own() for way in staged), default=0)
-        pieces = sum(way.staging.pieces(way.sources[0]) for way in staged)
-        count = min(max(staging.count, 1), pieces)
+        count = min(max(RING, 1), sum(way.pieces() for way in staged))
         room = None if limit is None else limit - sum(sizes) - max(self.held, default=0)
         while room is not None and count > 1 and count * size > room:
             count -= 1  # (within a budget: fewer staging buffers, down to one)
-        self.ring = Ring(staging, count, size)
+        self.ring = Ring(count, size)
         for way in staged:
             way.ring = self.ring
 
@@ -655,8 +598,8 @@ class Ways:
         return [way.held(self.load, shapes) for way in self.units]
 
 
-def _way(load: Load, step: Step, staging: Staging) -> Way:
-    """The way `step` is read, alone (`staging`: how the load stages)."""
+def _way(load: Load, step: Step, piece: int) -> Way:
+    """The way `step` is read, alone (`piece`: the most bytes a staged piece takes)."""
     sources, transform = tensors_of(load.checkpoint, step), step.rule.transform
     leaf = _one_to_one(step, sources, load.leaves)
     if leaf is None or not isinstance(transform, identity | transpose):
@@ -665,12 +608,11 @@ def _way(load: Load, step: Step, staging: Staging) -> Way:
         return kind(step, sources, word)
     sharding, tensor = sharding_of(leaf), sources[0]
     whole = len(sharding.device_set) == 1 or sharding.is_fully_replicated
-    if not sharding.is_fully_addressable:  # (pieces are written into place by a program
-        staging = dataclasses.replace(staging, join=False)  # each process runs alone)
-    staged = whole and _staging(sharding) and not tensor.packed and staging.fits(tensor)
-    if staged:
+    if whole and _staging(sharding) and not tensor.packed:
         kind = StagedTransposed if isinstance(transform, transpose) else Staged
-        return kind(step, sources, leaf, staging)
+        staged = kind(step, sources, leaf, piece)
+        if staged.own() <= RING_MOST:  # (else read into a buffer of its own, as below)
+            return staged
     if isinstance(transform, transpose):
         return Transposed(step, sources, leaf)
     return (Whole if whole else Blocks)(step, sources, leaf)
@@ -687,15 +629,11 @@ def _one_to_one(step: Step, sources: list[Tensor], leaves: Mapping[str, Any]) ->
     return None
 
 
-# How a load stages tensors onto devices that copy host memory (`Staged`, `Staging`); read
-# when each load begins (bench/device_load.py tries others: bench/FINDINGS.md section 14)
+# How a load stages tensors onto devices that copy host memory (`Staged`, `Ring`), read
+# when each load begins (bench/FINDINGS.md section 14 measured others: none 3% faster)
 RING = 8  # the staging buffers, taken in turns
 RING_MOST = 256 * 2**20  # the most bytes of one (a tensor that needs more: a buffer of its own)
-STAGE_PIECE = 8 * 2**20  # the bytes of a piece of a tensor (whole rows, when joined)
-STAGE_JOIN = True  # pieces copied as read and joined on the devices; else tensors whole
-STAGE_THREADS = 4  # (whole tensors) the threads that read one tensor's pieces at once
-HUGE_PAGES = True  # the ring's buffers asked for in huge pages (``MADV_HUGEPAGE``)
-TRANSPOSE_ON_DEVICE = True  # (whole tensors) transposed by the devices, not as they are read
+STAGE_PIECE = 8 * 2**20  # the most bytes of a piece of a tensor (whole rows, at least one)
 DIVISORS = 4096  # the most piece sizes tried for one that divides a tensor's rows
 
 
@@ -703,6 +641,13 @@ def _staging(sharding: Any) -> bool:
     """Whether a leaf on `sharding` is read through the staging ring: its devices copy
     host memory (none is a CPU device, which adopts a buffer instead)."""
     return all(device.platform != "cpu" for device in sharding.device_set)
+
+
+def _joined(sharding: Any) -> bool:
+    """Whether a staged leaf on `sharding` is staged in pieces joined on its devices: they
+    are this process's alone (a program writing pieces into place would be each process's
+    own, entered in any order by its readers); else whole, in one piece."""
+    return sharding.is_fully_addressable
 
 
 SMALL = 4096  # a renamed tensor of at most this many bytes is read with its neighbours

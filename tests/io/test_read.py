@@ -83,29 +83,6 @@ def test_read_into_fills_the_start_of_a_buffer_it_views(tmp_path):
     assert memory[: tensor.nbytes] == cube.tobytes()
 
 
-def test_read_into_by_several_threads_hashes_the_pieces_in_order(tmp_path):
-    from concurrent.futures import ThreadPoolExecutor
-
-    big = np.arange(50_000, dtype=np.float32).reshape(100, 500)  # 200,000 bytes: 49 pieces
-    path = tmp_path / "big.safetensors"
-    save_safetensors(path, {"big": big})
-    tensor = open_safetensors(path)["big"]
-    with ThreadPoolExecutor(3) as pool:
-        memory = bytearray(tensor.nbytes)
-        got = tensor.read_into(memory, pool=pool, piece=4096)
-        assert got.tobytes() == big.tobytes() and np.shares_memory(
-            got, np.frombuffer(memory, np.uint8)
-        )
-        raw = bytearray(path.read_bytes())
-        raw[-1000] ^= 1
-        path.write_bytes(bytes(raw))
-        damaged = open_safetensors(path)["big"]
-        with pytest.raises(SafetensorsError, match="the bytes of 'big' are damaged"):
-            damaged.read_into(bytearray(tensor.nbytes), pool=pool, piece=4096)
-        unchecked = damaged.read_into(bytearray(tensor.nbytes), verify=False, pool=pool, piece=4096)
-        assert (unchecked != big).sum() == 1
-
-
 def test_read_rows_gives_the_pieces_in_order_each_into_the_memory_asked(tmp_path):
     cube = np.arange(7 * 3 * 5, dtype=np.int16).reshape(7, 3, 5)
     path = tmp_path / "cube.safetensors"

@@ -137,24 +137,17 @@ def test_the_bytes_a_way_holds_are_what_the_plan_and_the_load_count(tmp_path, ca
         assert a.dtype == b.dtype and np.asarray(a).tobytes() == np.asarray(b).tobytes()
 
 
-# The ways a load may stage onto devices that copy host memory (`_ways.Staging`): in pieces
-# of a few rows joined on the devices (here 4 KiB, so that every tensor below is cut), in
-# small pages too, and whole (read by one thread, or its pieces by three at once)
-STAGINGS = {
-    "pieces": {"STAGE_PIECE": 4096, "STAGE_JOIN": True, "RING": 3},
-    "pieces in small pages": {"STAGE_PIECE": 4096, "STAGE_JOIN": True, "HUGE_PAGES": False},
-    "whole": {"STAGE_JOIN": False, "STAGE_THREADS": 1, "TRANSPOSE_ON_DEVICE": False},
-    "whole by threads": {"STAGE_JOIN": False, "STAGE_PIECE": 4096, "STAGE_THREADS": 3},
-}
+# Pieces of 4 KiB, so that every tensor below is cut into several (the load's own are 8 MiB)
+SMALL_PIECES = {"STAGE_PIECE": 4096}
 
 
 def _staged_everywhere(monkeypatch, platform="cpu", **knobs):
-    """The loads below read through the staging ring, staged as `knobs` say: on a TPU or a
-    GPU (the `platform`'s first device is the default, where the targets go) as they are;
-    on the CPU, its devices taken as devices that copy host memory. A CPU device adopts an
-    aligned buffer instead of copying it, so each value it adopts from the ring must be
-    copied before the buffer is reused: a load that forgot it would hand out arrays that
-    the next reads overwrite."""
+    """The loads below read through the staging ring, with the module constants `knobs`
+    set (``RING``, ``STAGE_PIECE``): on a TPU or a GPU (the `platform`'s first device is
+    the default, where the targets go) as they are; on the CPU, its devices taken as
+    devices that copy host memory. A CPU device adopts an aligned buffer instead of copying
+    it, so each value it adopts from the ring must be copied before the buffer is reused: a
+    load that forgot it would hand out arrays that the next reads overwrite."""
     import taktiny.loading._ways as ways_module
 
     if platform == "cpu":
@@ -164,11 +157,10 @@ def _staged_everywhere(monkeypatch, platform="cpu", **knobs):
     return ways_module
 
 
-@pytest.mark.parametrize("staging", STAGINGS)
 def test_a_load_onto_devices_that_copy_reads_through_a_reused_staging_ring(
-    tmp_path, monkeypatch, staging, platform
+    tmp_path, monkeypatch, platform
 ):
-    ways_module = _staged_everywhere(monkeypatch, platform, **STAGINGS[staging])
+    ways_module = _staged_everywhere(monkeypatch, platform, **SMALL_PIECES, RING=3)
     rng = np.random.default_rng(0)
     state = {f"w{i}": rng.standard_normal((64, 40 + i)).astype(np.float32) for i in range(10)}
     path = tmp_path / "m.safetensors"
@@ -176,11 +168,8 @@ def test_a_load_onto_devices_that_copy_reads_through_a_reused_staging_ring(
     target = {n: jax.ShapeDtypeStruct(v.shape, v.dtype) for n, v in state.items()}
     plan = plan_load(target, path)
     assert [s.way for s in plan.steps] == ["staged"] * 10
-    if ways_module.STAGE_JOIN:  # pieces of 16 rows: 20 to 25 fit 4 KiB, 16 divide 64
-        slot = 16 * 49 * 4
-    else:  # a buffer holds the largest tensor
-        slot = -(-state["w9"].nbytes // 64) * 64
-    assert plan.scratch_bytes == ways_module.RING * slot
+    slot = 16 * 49 * 4  # pieces of 16 rows: 20 to 25 fit 4 KiB, 16 divide 64
+    assert plan.scratch_bytes == 3 * slot
     mapped = []
     real = ways_module.Scratch.view
 
@@ -190,45 +179,82 @@ def test_a_load_onto_devices_that_copy_reads_through_a_reused_staging_ring(
 
     monkeypatch.setattr(ways_module.Scratch, "view", view)
     loaded = load_safetensors(target, path)
-    pieces = 40 if ways_module.STAGE_JOIN else 10
-    assert len(mapped) == pieces and len(set(mapped)) == ways_module.RING  # reused in turns
+    assert len(mapped) == 40 and len(set(mapped)) == 3  # 4 pieces each, the ring in turns
     for name, value in state.items():  # each its own array, none overwritten by a later read
         assert loaded[name].devices() == {jax.devices(platform)[0]}
         np.testing.assert_array_equal(np.asarray(loaded[name]), value)
 
 
-@pytest.mark.parametrize("staging", STAGINGS)
+def _turned(rng, shapes):
+    """Tensors of `shapes` saved, and the rules and target that transpose them."""
+    state = {n: rng.standard_normal(s).astype(np.float32) for n, s in shapes.items()}
+    target = {n: jax.ShapeDtypeStruct(v.T.shape, v.dtype) for n, v in state.items()}
+    rules = [cv.Rule("{name}", "{name}", cv.transpose())]
+    if "cube" in state:
+        target["cube"] = jax.ShapeDtypeStruct((7, 30, 9), np.float32)
+        rules.insert(0, cv.Rule("cube", "cube", cv.transpose((1, 0, 2))))
+    want = {n: v.transpose(1, 0, 2) if n == "cube" else v.T for n, v in state.items()}
+    return state, target, rules, want
+
+
 def test_a_transposed_tensor_onto_devices_that_copy_is_permuted_through_the_staging_ring(
-    tmp_path, monkeypatch, staging, platform
+    tmp_path, monkeypatch, platform
 ):
-    _staged_everywhere(monkeypatch, platform, **STAGINGS[staging])
-    rng = np.random.default_rng(1)
-    state = {f"w{i}": rng.standard_normal((64, 40 + i)).astype(np.float32) for i in range(6)}
-    state["cube"] = rng.standard_normal((30, 7, 9)).astype(np.float32)
-    state["prime"] = rng.standard_normal((67, 40)).astype(np.float32)  # (a ragged last piece)
+    _staged_everywhere(monkeypatch, platform, **SMALL_PIECES)
+    shapes = {f"w{i}": (64, 40 + i) for i in range(6)}
+    shapes |= {"cube": (30, 7, 9), "prime": (67, 40)}  # (prime: a ragged last piece)
+    state, target, rules, want = _turned(np.random.default_rng(1), shapes)
     path = tmp_path / "m.safetensors"
     save_safetensors(path, state)
-    target = {n: jax.ShapeDtypeStruct(v.T.shape, v.dtype) for n, v in state.items()}
-    target["cube"] = jax.ShapeDtypeStruct((7, 30, 9), np.float32)
-    rules = [
-        cv.Rule("cube", "cube", cv.transpose((1, 0, 2))),
-        cv.Rule("{name}", "{name}", cv.transpose()),
-    ]
     plan = plan_load(target, path, rules=rules)
     assert [s.way for s in plan.steps] == ["staged"] * 8
     loaded = load_safetensors(target, path, rules=rules)
-    for name, value in state.items():  # permuted, none overwritten by a later read
-        want = value.transpose(1, 0, 2) if name == "cube" else value.T
-        np.testing.assert_array_equal(np.asarray(loaded[name]), want)
+    for name, value in want.items():  # permuted, none overwritten by a later read
+        np.testing.assert_array_equal(np.asarray(loaded[name]), value)
 
 
-@pytest.mark.parametrize("staging", STAGINGS)
-def test_damaged_bytes_staged_onto_devices_that_copy_fail_the_load(
-    tmp_path, monkeypatch, staging, platform
-):
+def test_a_leaf_whose_devices_span_processes_is_staged_whole(tmp_path, monkeypatch, platform):
+    """(Simulated: each leaf taken as one whose devices span processes.) Each tensor is
+    read whole into one buffer of the ring and copied in one piece (no program joins pieces,
+    which each process would run on its own); a transposed one is permuted as it is read,
+    a piece of rows at a time, which it holds besides the ring."""
+    ways_module = _staged_everywhere(monkeypatch, platform, **SMALL_PIECES, RING=2)
+    monkeypatch.setattr(ways_module, "_joined", lambda sharding: False)
+    shapes = {"w0": (64, 40), "w1": (64, 41), "cube": (30, 7, 9)}
+    state, turned, rules, want = _turned(np.random.default_rng(2), shapes)
+    path = tmp_path / "m.safetensors"
+    save_safetensors(path, state)
+    renamed = {n: jax.ShapeDtypeStruct(v.shape, v.dtype) for n, v in state.items()}
+    largest = -(-state["w1"].nbytes // 64) * 64  # (a buffer holds a tensor whole)
+    pieces = sum(v.nbytes for v in state.values())  # (each under 4 MiB: its piece, whole)
+    for target, how, temporary, held in [
+        (renamed, None, 0, 0),
+        (turned, rules, 2 * 4 * MiB, pieces),  # (a 4 MiB piece for each of two readers)
+    ]:
+        plan = plan_load(target, path, rules=how)
+        assert [s.way for s in plan.steps] == ["staged"] * 3
+        assert plan.scratch_bytes == 2 * largest + temporary
+        assert plan.held_bytes == 2 * largest + held
+    mapped = []
+    real = ways_module.Scratch.view
+
+    def view(self, nbytes):
+        mapped.append(id(self))
+        return real(self, nbytes)
+
+    monkeypatch.setattr(ways_module.Scratch, "view", view)
+    for target, how, values in [(renamed, None, state), (turned, rules, want)]:
+        mapped.clear()
+        loaded = load_safetensors(target, path, rules=how)
+        assert len(mapped) == 3 and len(set(mapped)) == 2  # one piece each, the ring in turns
+        for name, value in values.items():
+            np.testing.assert_array_equal(np.asarray(loaded[name]), value)
+
+
+def test_damaged_bytes_staged_onto_devices_that_copy_fail_the_load(tmp_path, monkeypatch, platform):
     from taktiny.io import SafetensorsError
 
-    _staged_everywhere(monkeypatch, platform, **STAGINGS[staging])
+    _staged_everywhere(monkeypatch, platform, **SMALL_PIECES)
     state = {f"w{i}": np.full((64, 48), i, np.float32) for i in range(4)}
     path = tmp_path / "m.safetensors"
     save_safetensors(path, state)
@@ -242,11 +268,8 @@ def test_damaged_bytes_staged_onto_devices_that_copy_fail_the_load(
     assert float(loaded["w3"][-1, -1]) != 3.0 and float(loaded["w2"][-1, -1]) == 2.0
 
 
-@pytest.mark.parametrize("staging", ["pieces", "whole"])
-def test_a_stack_and_a_replicated_leaf_onto_devices_that_copy_are_staged(
-    tmp_path, monkeypatch, staging
-):
-    _staged_everywhere(monkeypatch, **STAGINGS[staging])
+def test_a_stack_and_a_replicated_leaf_onto_devices_that_copy_are_staged(tmp_path, monkeypatch):
+    _staged_everywhere(monkeypatch, **SMALL_PIECES)
     mesh = jax.make_mesh((8,), ("x",))
     replicated = NamedSharding(mesh, P())
 
