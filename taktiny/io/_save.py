@@ -18,7 +18,7 @@ import shutil
 import threading
 import uuid
 import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, Literal, overload
 
@@ -200,6 +200,7 @@ def save_safetensors(
         header[QUANTIZED] = json.dumps(layouts)
     tensors: dict[str, np.ndarray] = {}
     packed: dict[str, dict[str, Any]] = {}
+    _start_copies(flat.values())
     for name, value in flat.items():
         array = _host(name, value, copy=not wait)
         if array.dtype.name in FOUR_BIT:
@@ -591,10 +592,35 @@ def _flat(tree: Any) -> tuple[Mapping[str, Any], dict[str, Any], Callable[[], Sc
     return flat, layouts, functools.partial(schema_of, leaves, spec)
 
 
+def _start_copies(values: Iterable[Any]) -> None:
+    """Starts the copy to host memory of every array in an accelerator's memory, all at
+    once, before the save waits for the first (``jax.Array.copy_to_host_async``): the
+    transfers overlap one another, and the save's work on the first arrays to arrive."""
+    for value in values:
+        if (
+            isinstance(value, jax.Array)
+            and _in_device_memory(value)
+            and value.is_fully_addressable
+            and not value.is_deleted()  # (`_host` raises JAX's own error for it)
+            and not jax.dtypes.issubdtype(value.dtype, jax.dtypes.prng_key)
+        ):
+            value.copy_to_host_async()
+
+
+def _in_device_memory(value: jax.Array) -> bool:
+    """Whether `value` lives in an accelerator's own memory: ``np.asarray`` of it is then a
+    transfer into host memory that JAX makes for it alone (and keeps read-only), never a
+    view of its buffer, whatever becomes of the array afterwards."""
+    if value.sharding.memory_kind not in (None, "device"):
+        return False
+    return all(device.platform != "cpu" for device in value.devices())
+
+
 def _host(name: str, value: Any, copy: bool = False) -> np.ndarray:
     """`value` as a contiguous host array that safetensors can store; with `copy`, one of
     the save's own (``np.asarray`` of an array on JAX's CPU device may be a view of its
-    buffer, and of a NumPy array is that array)."""
+    buffer, and of a NumPy array is that array; of an array in an accelerator's memory it
+    is a copy already, which is not copied again)."""
     dtype = getattr(value, "dtype", None)
     if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
         raise TypeError(
@@ -607,6 +633,8 @@ def _host(name: str, value: Any, copy: bool = False) -> np.ndarray:
             f"holds only part of it; gather it first (for example with "
             f"jax.experimental.multihost_utils.process_allgather), or save from each process"
         )
+    if copy and isinstance(value, jax.Array) and _in_device_memory(value):
+        copy = False  # (the transfer's own memory: the save's as much as a copy would be)
     # (np.ascontiguousarray makes a 0-d array 1-d)
     array = np.array(value, order="C", copy=True) if copy else np.asarray(value, order="C")
     if array.dtype.name not in _STORED and array.dtype.name not in FOUR_BIT:
