@@ -61,7 +61,7 @@ class Sizes:
     width: int = 4096
     batch: int = 2048  # the training loop's rows
     rounds: int = 5  # rounds of the save cases (fewer when `budget` runs out)
-    budget: float = 180.0  # seconds for the save cases, after 3 rounds
+    budget: float = 150.0  # seconds for the save cases, after 3 rounds
     interval: float = 10.0  # seconds of training between two saves
 
     @classmethod
