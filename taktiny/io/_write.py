@@ -1,6 +1,7 @@
 """Writing one safetensors file as its tensors reach host memory: the header first, sized
-for the checksums it will hold, then each tensor's bytes in turn, hashed as they are
-written, and last the header again, with those checksums and its own digest.
+for the checksums it will hold, then each tensor's bytes in turn (hashed, on a thread of
+the writer's own, while they are written), and last the header again, with those
+checksums and its own digest.
 
 A tensor may still be on its way off a device when the file is begun (a JAX array whose
 copy to host memory `_save._start_copies` started): the writer waits for it when its turn
@@ -22,6 +23,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import queue
+import threading
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -71,7 +74,7 @@ def write_sealed(
 
 def write_file(tensors: Mapping[str, Any], file: Path, metadata: Mapping[str, str]) -> None:
     """Writes `tensors` ({name: host or JAX array}) to `file` as a safetensors file whose
-    header holds `metadata` and, computed from the bytes as they are written, each
+    header holds `metadata` and, computed from the bytes while they are written, each
     tensor's checksum, its tiles' checksums (`_checksum.tile_digests`) and the header's own
     digest (`_checksum.sealed`)."""
     order = layout(tensors)
@@ -84,23 +87,70 @@ def write_file(tensors: Mapping[str, Any], file: Path, metadata: Mapping[str, st
     # (the tensors with tiles: those `_checksum.tile_digests` gives digests for)
     tiled = {n: (g, _ZERO * math.prod(g)) for n, g in grids.items() if math.prod(g) > 1}
     head = _head(tensors, ranges, _sealable(metadata, dict.fromkeys(tensors, _ZERO), tiled))
-    digests: dict[str, str] = {}
-    with open(file, "wb", buffering=0) as f:
-        _write_all(f, memoryview(head))
-        for name in order:
-            host = np.asarray(tensors[name], order="C")  # (a JAX array's: waits for it)
-            data = host.reshape(-1).view(np.uint8)
-            digests[name] = _checksum.digest(data)
-            if (tiles := _checksum.tile_digests(host)) is not None:
-                tiled[name] = tiles
-            _write_all(f, data.data)
-            del host, data
-        own = _sealable(metadata, {n: digests[n] for n in tensors}, tiled)
-        final = _head(tensors, ranges, own)
-        if len(final) != len(head):  # pragma: no cover - the writer's fault
-            raise AssertionError(f"{file}: the header changed length once its digests were in")
-        f.seek(0)
-        _write_all(f, memoryview(_checksum.sealed(final, own)))
+    hasher = _Hasher()
+    try:
+        with open(file, "wb", buffering=0) as f:
+            _write_all(f, memoryview(head))
+            for name in order:
+                host = np.asarray(tensors[name], order="C")  # (a JAX array's: waits for it)
+                hasher.put(name, host)
+                _write_all(f, host.reshape(-1).view(np.uint8).data)
+                del host
+            hashed = hasher.result()
+            digests = {n: hashed[n][0] for n in tensors}
+            tiled |= {n: t for n in tensors if (t := hashed[n][1]) is not None}
+            own = _sealable(metadata, digests, tiled)
+            final = _head(tensors, ranges, own)
+            if len(final) != len(head):  # pragma: no cover - the writer's fault
+                raise AssertionError(f"{file}: the header's length changed with its digests")
+            f.seek(0)
+            _write_all(f, memoryview(_checksum.sealed(final, own)))
+    finally:
+        hasher.stop()
+
+
+class _Hasher:
+    """Hashes host arrays on a thread of its own, while the writer writes them: each
+    array's checksum, and its grid and tiles' checksums (xxhash and the tiles' copies
+    release the GIL). A plain thread, not an executor's: a background save may still be
+    writing when the interpreter exits, and executors take no work once it has begun to."""
+
+    def __init__(self) -> None:
+        self._todo: queue.SimpleQueue[tuple[str, np.ndarray] | None] = queue.SimpleQueue()
+        self._done: dict[str, tuple[str, tuple[tuple[int, ...], str] | None]] = {}
+        self._error: BaseException | None = None
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run, name="taktiny hash", daemon=True)
+        self._thread.start()
+
+    def put(self, name: str, host: np.ndarray) -> None:
+        """Hashes `host` (a C-contiguous array) as `name`, after those put before."""
+        self._todo.put((name, host))
+
+    def result(self) -> dict[str, tuple[str, tuple[tuple[int, ...], str] | None]]:
+        """Waits for every array put; {name: (checksum, (grid, tiles' checksums) or None)}."""
+        self._todo.put(None)
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._done
+
+    def stop(self) -> None:
+        """Ends the thread, leaving what is not hashed yet (after a failure)."""
+        self._stopped = True
+        self._todo.put(None)
+        self._thread.join()
+
+    def _run(self) -> None:
+        while (item := self._todo.get()) is not None:
+            if self._stopped or self._error is not None:
+                continue
+            name, host = item
+            try:
+                digest = _checksum.digest(host.reshape(-1).view(np.uint8))
+                self._done[name] = digest, _checksum.tile_digests(host)
+            except BaseException as error:  # noqa: BLE001 - raised by result()
+                self._error = error
 
 
 def layout(tensors: Mapping[str, Any]) -> list[str]:
