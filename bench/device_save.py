@@ -25,7 +25,8 @@ separate two saves. One save is read back and compared bitwise with the device's
     python bench/device_save.py [folder]                  # prints one JSON object
     DEVICE_SAVE_SMALL=1 python bench/device_save.py       # 4 layers of 1024 x 1024 (CPU)
 
-``DEVICE_SAVE_LAYERS`` sets the layer count. On a CPU the figures mean little: its arrays
+``DEVICE_SAVE_LAYERS`` sets the layer count, ``DEVICE_SAVE_INTERVAL`` the seconds of
+training between two saves (10). On a CPU the figures mean little: its arrays
 are host memory already.
 """
 
@@ -68,12 +69,15 @@ class Sizes:
     def chosen(cls, small: bool | None = None) -> Sizes:
         """The full sizes, or with `small` (default: the environment's
         ``DEVICE_SAVE_SMALL``) 4 layers of 1024 x 1024; ``DEVICE_SAVE_LAYERS`` sets the
-        layer count either way."""
+        layer count either way, ``DEVICE_SAVE_INTERVAL`` the seconds of training between
+        two saves."""
         if small is None:
             small = bool(os.environ.get("DEVICE_SAVE_SMALL"))
         sizes = cls(4, 1024, 64, 3, 30.0, 1.0) if small else cls()
         if layers := os.environ.get("DEVICE_SAVE_LAYERS"):
             sizes = dataclasses.replace(sizes, layers=int(layers))
+        if interval := os.environ.get("DEVICE_SAVE_INTERVAL"):
+            sizes = dataclasses.replace(sizes, interval=float(interval))
         return sizes
 
 
