@@ -106,3 +106,8 @@ def fmt_time(seconds: float) -> str:
 def fmt_ratio(value: float) -> str:
     """A measured ratio with the digits that matter near the thresholds: 0.836, 1.000, 137."""
     return f"{value:.3f}" if value < 100 else f"{value:.0f}"
+
+
+class Skipped(Exception):
+    """Raised by a group that cannot run on this machine (the accelerator group without an
+    accelerator), with the reason; ``bench/run.py`` reports it and goes on."""

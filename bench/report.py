@@ -11,11 +11,6 @@ import platform
 from pathlib import Path
 from typing import Any
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt
-
 from ._results import Cell, Group, Table, Target, fmt_ratio, fmt_time
 
 # Benchmarks that arrive with later issues; the report keeps a place for each
@@ -58,6 +53,11 @@ def _markdown_table(table: Table) -> list[str]:
 
 def plot(table: Table, path: Path) -> None:
     """A grouped bar chart: one group of bars per operation, one bar per system."""
+    import matplotlib  # (here: an accelerator's host may not have it; `write` skips plots)
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     systems = [s for s in table.systems if any(s in row for row in table.rows.values())]
     ops = list(table.rows)
     width = 0.8 / len(systems)
@@ -118,22 +118,24 @@ def plot(table: Table, path: Path) -> None:
 
 
 def _versions() -> str:
-    import equinox
-    import flax
-    import jax
-    import orbax.checkpoint
-    import safetensors
-    import torch
+    import importlib
 
-    pairs = [
-        ("jax", jax),
-        ("flax", flax),
-        ("equinox", equinox),
-        ("torch", torch),
-        ("orbax-checkpoint", orbax.checkpoint),
-        ("safetensors", safetensors),
+    names = [
+        ("jax", "jax"),
+        ("flax", "flax"),
+        ("equinox", "equinox"),
+        ("torch", "torch"),
+        ("orbax-checkpoint", "orbax.checkpoint"),
+        ("safetensors", "safetensors"),
     ]
-    return ", ".join(f"{n} {getattr(m, '__version__', '?')}" for n, m in pairs)
+    versions = []
+    for name, module in names:
+        try:
+            version = getattr(importlib.import_module(module), "__version__", "?")
+        except ImportError:
+            version = "not installed"
+        versions.append(f"{name} {version}")
+    return ", ".join(versions)
 
 
 def load(path: Path) -> list[Group]:
@@ -224,12 +226,15 @@ def write(
     seconds: float,
     command: str,
     merge: bool = False,
+    order: list[str] | None = None,
 ) -> Path:
     """Writes results.md, plots/*.png and results.json under `out`; returns results.md.
 
     Each group without a ``run`` is marked as measured by this one (command, mode, wall
     time). With `merge`, the groups already in ``out/results.json`` are kept, but for those
     of the same names as `groups`, and the report names the run each group comes from.
+    With `order` (group names), the groups are written in that order (others last). Without
+    matplotlib, no plots are drawn (an accelerator's host may lack it).
     """
     this_run = {"command": command, "mode": mode, "seconds": round(seconds, 1)}
     for group in groups:
@@ -237,6 +242,16 @@ def write(
             group.run = this_run
     if merge and (out / "results.json").exists():
         groups = _merged(load(out / "results.json"), groups)
+    if order is not None:
+        rank = {name: i for i, name in enumerate(order)}
+        groups = sorted(groups, key=lambda g: rank.get(g.name, len(order)))
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        drawn = False
+        print("[bench] matplotlib is not installed: no plots drawn")
+    else:
+        drawn = True
     main, provenance = _provenance(groups, this_run)
     plots = out / "plots"
     plots.mkdir(parents=True, exist_ok=True)
@@ -274,9 +289,10 @@ def write(
         lines += ["", f"## {group.title}", "", f"Group `{group.name}`, {group.seconds:.0f} s.", ""]
         for i, table in enumerate(group.tables, 1):
             name = f"{group.name}-{i}.png"
-            plot(table, plots / name)
             lines += _markdown_table(table)
-            lines += [f"![{table.title}](plots/{name})", ""]
+            if drawn:
+                plot(table, plots / name)
+                lines += [f"![{table.title}](plots/{name})", ""]
         lines += [f"- {note}" for note in group.notes]
     if PENDING:
         lines += ["", "## Later groups", ""]

@@ -27,7 +27,10 @@ the 1 GB checkpoint, against the measured), overhead (what load_safetensors spen
 outside reading bytes on a warm checkpoint of 3,000 small tensors), background (how long
 save_safetensors(..., wait=False) blocks its caller, against a host copy of the arrays, and
 the whole save against one that waits, and a training loop saving in the background,
-with saves that wait and without), storage (load_safetensors of a 512 MiB checkpoint from
+with saves that wait and without), accelerator (bench/device_load.py's load onto an
+accelerator and bench/device_save.py's saves from it, against their raw limits, beside
+the same ratios on the CPU; without an accelerator, the figures of the last run on one,
+from bench/accelerator.json, or skipped), storage (load_safetensors of a 512 MiB checkpoint from
 an s3:// URL served by a local S3 stub, against concurrent ranged GETs of the same object
 with obstore, Run:ai's Model Streamer and s3fs, and its peak host memory), scanned (the
 Llama example with its layers in an nn.Stack run by lax.scan against a list of layers: the
@@ -39,10 +42,12 @@ memory, and a load of one layer). A full run takes under 30 minutes on 2 cores.
 from __future__ import annotations
 
 import argparse
+import importlib
 import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -54,47 +59,36 @@ import jax  # noqa: E402
 # The sharded group needs 8 devices; JAX takes the count only before its first use
 jax.config.update("jax_num_cpu_devices", 8)
 
-from bench import (  # noqa: E402
-    background_save,
-    checkpoint,
-    checksums,
-    decoding,
-    dispatch,
-    errors,
-    headers,
-    load_overhead,
-    load_plan,
-    lora,
-    memory,
-    quantized,
-    report,
-    scanned,
-    sharded,
-    state,
-    storage,
-    streaming,
-)
-from bench._results import Config, Group, fmt_ratio  # noqa: E402
+from bench import report  # noqa: E402
+from bench._results import Config, Group, Skipped, fmt_ratio  # noqa: E402
 
+# group name -> its module in bench/, imported when the group runs (an accelerator's host
+# may lack what the others import: flax, torch, equinox)
 GROUPS = {
-    "state": state.run,
-    "dispatch": dispatch.run,
-    "checkpoint": checkpoint.run,
-    "memory": memory.run,
-    "sharded": sharded.run,
-    "streaming": streaming.run,
-    "quantized": quantized.run,
-    "decoding": decoding.run,
-    "errors": errors.run,
-    "checksums": checksums.run,
-    "headers": headers.run,
-    "lora": lora.run,
-    "plan": load_plan.run,
-    "overhead": load_overhead.run,
-    "background": background_save.run,
-    "storage": storage.run,
-    "scanned": scanned.run,
+    "state": "state",
+    "dispatch": "dispatch",
+    "checkpoint": "checkpoint",
+    "memory": "memory",
+    "sharded": "sharded",
+    "streaming": "streaming",
+    "quantized": "quantized",
+    "decoding": "decoding",
+    "errors": "errors",
+    "checksums": "checksums",
+    "headers": "headers",
+    "lora": "lora",
+    "plan": "load_plan",
+    "overhead": "load_overhead",
+    "background": "background_save",
+    "accelerator": "accelerator",
+    "storage": "storage",
+    "scanned": "scanned",
 }
+
+
+def runner(name: str) -> Callable[[Config], Group]:
+    """The function that runs the group `name`."""
+    return importlib.import_module(f"bench.{GROUPS[name]}").run
 
 
 def main(argv: list[str] | None = None) -> list[Group]:
@@ -135,14 +129,27 @@ def main(argv: list[str] | None = None) -> list[Group]:
     try:
         for name in names:
             print(f"[bench] {name} ...", flush=True)
-            groups.append(GROUPS[name](config))
+            try:
+                groups.append(runner(name)(config))
+            except Skipped as why:
+                print(f"[bench] {name} skipped: {why}", flush=True)
+                continue
             print(f"[bench] {name} done in {groups[-1].seconds:.1f} s", flush=True)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     seconds = time.perf_counter() - start
+    if not groups:
+        print("[bench] nothing measured; no report written")
+        return groups
     command = "python bench/run.py " + " ".join(argv if argv is not None else sys.argv[1:])
     path = report.write(
-        groups, out, mode=mode, seconds=seconds, command=command.strip(), merge=args.merge
+        groups,
+        out,
+        mode=mode,
+        seconds=seconds,
+        command=command.strip(),
+        merge=args.merge,
+        order=list(GROUPS),
     )
     for group in groups:
         for t in group.targets:

@@ -39,7 +39,7 @@ SCENARIOS = {  # name: (the layout saved first, or no checkpoint; the layout sav
     "shards over shards": (THREE, THREE),
     "fewer shards over shards": (THREE, TWO),
 }
-STEPS = ("save_file", "write", "fsync", "replace", "unlink")  # the file operations counted
+STEPS = ("write_file", "write", "fsync", "replace", "unlink")  # the file operations counted
 
 
 def version(seed: int, scale: int = 1) -> dict[str, np.ndarray]:
@@ -130,11 +130,11 @@ def tidied(folder: Path) -> str | None:
 def steps(hook: Callable[[str, int], None]) -> Iterator[None]:
     """Calls `hook(step, count)` right after each file operation of a save (`count` of
     them so far, from 1); `hook` may raise (a fault) or kill the process."""
-    import safetensors.numpy
+    from taktiny.io import _write
 
     count = 0
-    real = {name: getattr(os, name) for name in STEPS if name != "save_file"}
-    real_save = safetensors.numpy.save_file
+    real = {name: getattr(os, name) for name in STEPS if name != "write_file"}
+    real_save = _write.write_file
 
     def wrap(name: str, call: Callable[..., Any]) -> Callable[..., Any]:
         def step(*args: Any, **kwargs: Any) -> Any:
@@ -148,13 +148,13 @@ def steps(hook: Callable[[str, int], None]) -> Iterator[None]:
 
     for name, call in real.items():
         setattr(os, name, wrap(name, call))
-    safetensors.numpy.save_file = wrap("save_file", real_save)
+    _write.write_file = wrap("write_file", real_save)
     try:
         yield
     finally:
         for name, call in real.items():
             setattr(os, name, call)
-        safetensors.numpy.save_file = real_save
+        _write.write_file = real_save
 
 
 def count_steps(folder: Path, scenario: str) -> list[str]:

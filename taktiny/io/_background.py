@@ -1,12 +1,13 @@
 """Saves that go on in the background (``save_safetensors(..., wait=False)``): one thread
 per save, at most one save per path at a time, and no failure left unsaid.
 
-The caller prepares a save and hands over two things: a function that finishes its files
-(the checksums: it reads only the host copies the caller made, so it runs here, off the
-caller's thread) and a commit, the object that writes the files and commits them in one
-step: ``save(files)`` returns what it wrote, and ``warnings`` lists what went wrong after
-the commit. `_save._Commit` commits to a local folder; any object with the same two
-members (a commit to an object store, say) goes through the same machinery unchanged.
+The caller prepares a save and hands over two things: a function that makes its files
+(each file's tensors, host copies the caller made, and header metadata; the checksums are
+computed by the writer, here, off the caller's thread) and a commit, the object that
+writes the files and commits them in one step: ``save(files)`` returns what it wrote,
+and ``warnings`` lists what went wrong after the commit. `_save._Commit` commits to a
+local folder; any object with the same two members (a commit to an object store, say)
+goes through the same machinery unchanged.
 
 Rules:
 
@@ -45,13 +46,11 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
 
-import numpy as np
-
 from ._object_store import Url
 
-Files = list[tuple[dict[str, np.ndarray], dict[str, str]]]
-"""What a commit saves: each file's tensors (host arrays the save owns) and its header
-metadata."""
+Files = list[tuple[dict[str, Any], dict[str, str]]]
+"""What a commit saves: each file's tensors (host arrays the save owns; for a save that
+waits, JAX arrays too, read as they are written: `_write`) and its header metadata."""
 
 T = TypeVar("T")  # what a commit gives for each file it wrote (a local Path, say)
 

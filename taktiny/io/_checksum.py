@@ -24,7 +24,7 @@ The header checks itself: the entry ``"taktiny_header_checksums"`` is ``{"algori
 "xxh3_128", "header": 32 hex digits, "metadata": {key: 32 hex digits}, "metadata_digest":
 32 hex digits}``. ``header`` is the digest of the file's first bytes, the 8-byte length
 prefix and the header (its padding included), with the 32 digits of ``header`` itself read
-as ``0`` (the entry is written with a placeholder, and :func:`seal` writes the digest over
+as ``0`` (the entry is written with a placeholder, and :func:`sealed` writes the digest over
 it once the file is written); ``metadata`` the digest of each other metadata entry's value,
 and ``metadata_digest`` that of ``metadata`` (compact JSON), so that a damaged header names
 the entry that changed. A bit flipped anywhere in such a header fails the open.
@@ -228,7 +228,7 @@ def attach(tensors: Mapping[str, Any], metadata: Mapping[str, str], bad: Any) ->
 def header_record(metadata: Mapping[str, str]) -> str:
     """The value of ``"taktiny_header_checksums"`` for a header whose other metadata is
     `metadata`: each entry's digest, the digest of those digests, and a placeholder for
-    the header's own (32 hex digits unique to this save), which :func:`seal` replaces
+    the header's own (32 hex digits unique to this save), which :func:`sealed` replaces
     once the file is written."""
     import uuid  # (only a save needs it)
 
@@ -246,19 +246,15 @@ def _entries_digest(entries: Mapping[str, str]) -> str:
     return digest(json.dumps(entries, separators=(",", ":")).encode())
 
 
-def seal(file: Any, metadata: Mapping[str, str]) -> None:
-    """Writes the digest of the header of `file` (written with `metadata`, which holds a
-    :func:`header_record`) over the record's placeholder: the digest of the file's first
-    bytes, its length prefix and header, with those 32 digits read as zeros."""
+def sealed(head: bytes, metadata: Mapping[str, str]) -> bytes:
+    """`head`, a file's first bytes (its length prefix and header, written with `metadata`,
+    which holds a :func:`header_record`), with the header's digest written over the
+    record's placeholder: the digest of those bytes with the 32 digits read as zeros."""
     placeholder = json.loads(metadata[HEADER_KEY])["header"].encode()
-    with open(file, "r+b", buffering=0) as f:
-        prefix = f.read(8)
-        head = prefix + f.read(int.from_bytes(prefix, "little"))
-        at = head.find(placeholder)
-        if at < 0 or head.count(placeholder) != 1:  # pragma: no cover - the writer's fault
-            raise AssertionError(f"{file}: the header's placeholder digest is not found once")
-        f.seek(at)
-        f.write(_header_digest(head, at).encode())
+    at = head.find(placeholder)
+    if at < 0 or head.count(placeholder) != 1:  # pragma: no cover - the writer's fault
+        raise AssertionError("the header's placeholder digest is not found once")
+    return head[:at] + _header_digest(head, at).encode() + head[at + 32 :]
 
 
 def _header_digest(head: bytes, at: int) -> str:
@@ -279,7 +275,7 @@ def header_problem(
     file's first bytes (its length prefix, its header), `metadata` the header's, `own`
     Taktiny's metadata keys.
 
-    A header Taktiny sealed (:func:`seal`) must hash to the digest it records; when it does
+    A header Taktiny sealed (:func:`sealed`) must hash to the digest it records; when it does
     not, its metadata entries are checked against their digests, to name the one that
     changed. A header without a record (another program's, or an older Taktiny's) has
     nothing to hash against, but one of Taktiny's keys a bit away from its name (the

@@ -18,7 +18,7 @@ import shutil
 import threading
 import uuid
 import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, Literal, overload
 
@@ -34,6 +34,7 @@ from ._checkpoint import SHARD, read_weight_map
 from ._errors import SafetensorsError
 from ._object_commit import ObjectCommit
 from ._object_store import MissingExtra, Url, locate
+from ._write import layout, write_error, write_sealed
 
 _SUFFIX = ".safetensors"
 _RESERVED = (
@@ -198,16 +199,20 @@ def save_safetensors(
     flat, layouts, described = _flat(tree)
     if layouts:
         header[QUANTIZED] = json.dumps(layouts)
-    tensors: dict[str, np.ndarray] = {}
+    tensors: dict[str, Any] = {}  # (host arrays, and for a save that waits JAX arrays)
     packed: dict[str, dict[str, Any]] = {}
+    if not wait:  # (the call waits for every copy below)
+        _start_copies(flat.values())
     for name, value in flat.items():
-        array = _host(name, value, copy=not wait)
+        array = _host(name, value, wait)
         if array.dtype.name in FOUR_BIT:
             packed[name] = {"dtype": array.dtype.name, "shape": list(array.shape)}
-            array = pack(array)
+            array = pack(np.asarray(array))
         tensors[name] = array
     header[KEY] = described().to_json()  # (after the values' checks: they are named first)
     shards = _split(tensors, byte_size(max_shard_size, "save_safetensors: max_shard_size"))
+    if wait:  # (in the order the files are written, each the order of its bytes)
+        _start_copies(shard[n] for shard in shards for n in layout(shard))
     files = functools.partial(_files, shards, header, packed)
     if isinstance(target, Url):
         done, said = _committed(target, files, ObjectCommit(target, write_sealed), wait)
@@ -245,21 +250,16 @@ def _committed(
 
 
 def _files(
-    shards: list[dict[str, np.ndarray]], header: dict[str, str], packed: dict[str, dict[str, Any]]
+    shards: list[dict[str, Any]], header: dict[str, str], packed: dict[str, dict[str, Any]]
 ) -> Files:
-    """Each shard with its header metadata: `header`, its packed tensors' records, and the
-    checksums of its tensors and of the header itself."""
+    """Each shard with its header metadata: `header` and its packed tensors' records (the
+    writer adds the checksums, `_write.write_file`)."""
     files: Files = []
     for shard in shards:
         own = dict(header)
         records = {n: packed[n] for n in shard if n in packed}
         if records:
             own[PACKED] = json.dumps(records)
-        own[_checksum.KEY] = _checksum.record({n: _checksum.digest(a) for n, a in shard.items()})
-        tiled = {n: t for n, a in shard.items() if (t := _checksum.tile_digests(a)) is not None}
-        if tiled:
-            own[_checksum.TILES_KEY] = _checksum.tiles_record(tiled)
-        own[_checksum.HEADER_KEY] = _checksum.header_record(own)  # (last: it covers the others)
         files.append((shard, own))
     return files
 
@@ -330,7 +330,7 @@ class _Commit:
                 finally:
                     os.close(fd)
             except OSError as error:
-                raise _write_error(error, self.index) from error
+                raise write_error(error, self.index) from error
             self._sync(self.folder)  # the shards' new names, before an index names them
             os.replace(temp, self.index)  # the commit, unless `target` is one file
             if self.target.exists():
@@ -376,12 +376,12 @@ class _Commit:
         token = uuid.uuid4().hex[:8]
         return [f"{n[: -len(_SUFFIX)]}-{token}{_SUFFIX}" for n in plain]
 
-    def _write(self, name: str, shard: dict[str, np.ndarray], metadata: dict[str, str]) -> Path:
+    def _write(self, name: str, shard: dict[str, Any], metadata: dict[str, str]) -> Path:
         temp = self.staging / name
         write_sealed(temp, shard, metadata, self.folder / name)
-        # safetensors creates its files readable by their owner only; a checkpoint's are
-        # 0o644 less the umask, as the index and torch.save's files are: the staging folder,
-        # made 0o777 less the umask, has those bits
+        # a checkpoint's files are 0o644 less the umask, as the index and torch.save's files
+        # are (not 0o666 less it, as open() makes them): the staging folder, made 0o777
+        # less the umask, has those bits
         os.chmod(temp, self.staging.stat().st_mode & 0o644)
         _fsync(temp)
         return temp
@@ -442,46 +442,7 @@ class _Commit:
             _fsync(folder)
 
 
-def write_sealed(
-    file: Path,
-    shard: dict[str, np.ndarray],
-    metadata: dict[str, str],
-    final: Path | Url | None = None,
-) -> None:
-    """Writes `shard` as a safetensors file with `metadata`, and seals its header (writes
-    the header's digest into it: `_checksum.seal`). A failure is an OSError naming the
-    file's `final` name (`_write_error`)."""
-    import safetensors.numpy
-
-    try:
-        safetensors.numpy.save_file(shard, file, metadata=metadata)
-    except Exception as error:
-        raise _write_error(error, final or file) from error
-    _checksum.seal(file, metadata)  # the header's digest, into the header
-
-
 _TEMPORARY = re.compile(r"\..+\.[0-9a-f]{12}\.tmp")
-# how Rust's std::io::Error shows an error of the OS, which safetensors' writer reports
-# only in its message: "I/O error: No space left on device (os error 28)"
-_OS_ERROR = re.compile(r"\(os error (\d+)\)")
-
-
-def _write_error(error: Exception, file: Path | Url) -> OSError:
-    """The error for a new file of the checkpoint that could not be written: an OSError
-    with the errno of the OS's error that stopped it (an OSError's own, or the one the
-    safetensors writer gives in its message) and the file's final name; without an errno,
-    the error's message."""
-    code = error.errno if isinstance(error, OSError) else None
-    if code is None and (found := _OS_ERROR.search(str(error))) is not None:
-        code = int(found.group(1))
-    if code is None:
-        return OSError(f"save_safetensors: writing {file}: {error}")
-    return OSError(
-        code,
-        f"save_safetensors: {os.strerror(code)} (the previous checkpoint is left as it was), "
-        f"writing",
-        str(file),
-    )
 
 
 @contextlib.contextmanager
@@ -591,31 +552,76 @@ def _flat(tree: Any) -> tuple[Mapping[str, Any], dict[str, Any], Callable[[], Sc
     return flat, layouts, functools.partial(schema_of, leaves, spec)
 
 
-def _host(name: str, value: Any, copy: bool = False) -> np.ndarray:
-    """`value` as a contiguous host array that safetensors can store; with `copy`, one of
-    the save's own (``np.asarray`` of an array on JAX's CPU device may be a view of its
-    buffer, and of a NumPy array is that array)."""
+def _start_copies(values: Iterable[Any]) -> None:
+    """Starts the copy to host memory of every array in an accelerator's memory, all at
+    once and in the order given, before the save waits for the first
+    (``jax.Array.copy_to_host_async``): the transfers overlap one another, and a save that
+    waits writes the first arrays to arrive while the others come (`_write`)."""
+    for value in values:
+        if (
+            isinstance(value, jax.Array)
+            and not value.is_deleted()  # (`_host` raises its error)
+            and value.is_fully_addressable
+            and _in_device_memory(value)
+            and not jax.dtypes.issubdtype(value.dtype, jax.dtypes.prng_key)
+        ):
+            value.copy_to_host_async()
+
+
+def _in_device_memory(value: jax.Array) -> bool:
+    """Whether `value` lives in an accelerator's own memory: ``np.asarray`` of it is then a
+    transfer into host memory that JAX makes for it alone (and keeps read-only), never a
+    view of its buffer, whatever becomes of the array afterwards."""
+    if value.sharding.memory_kind not in (None, "device"):
+        return False
+    return all(device.platform != "cpu" for device in value.sharding.device_set)
+
+
+def _host(name: str, value: Any, wait: bool) -> np.ndarray | jax.Array:
+    """`value` as the save keeps it, checked: a JAX array as it is for a save that waits
+    (the writer reads it when its turn comes, its copy to host under way: `_start_copies`);
+    else a contiguous host array, for a background save one of its own (``np.asarray`` of
+    an array on JAX's CPU device may be a view of its buffer, and of a NumPy array is that
+    array; of an array in an accelerator's memory it is a copy already, not copied again)."""
     dtype = getattr(value, "dtype", None)
     if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
         raise TypeError(
             f"save_safetensors: {name!r} is an array of PRNG keys, which safetensors cannot "
             f"store; save jax.random.key_data() of it instead"
         )
-    if isinstance(value, jax.Array) and not value.is_fully_addressable:
-        raise ValueError(
-            f"save_safetensors: {name!r} is spread over several processes and this process "
-            f"holds only part of it; gather it first (for example with "
-            f"jax.experimental.multihost_utils.process_allgather), or save from each process"
-        )
+    if isinstance(value, jax.Array):
+        if not value.is_fully_addressable:
+            raise ValueError(
+                f"save_safetensors: {name!r} is spread over several processes and this "
+                f"process holds only part of it; gather it first (for example with "
+                f"jax.experimental.multihost_utils.process_allgather), or save from each "
+                f"process"
+            )
+        _storable(name, np.dtype(value.dtype))
+        if value.is_deleted():
+            raise RuntimeError(
+                f"save_safetensors: {name!r} is an array that has been deleted (donated to a "
+                f"jitted function, say); save the arrays that replaced it"
+            )
+        if wait:
+            return value
+        if _in_device_memory(value):  # (the transfer's own memory: the save's)
+            return np.asarray(value, order="C")
+        return np.array(value, order="C", copy=True)
     # (np.ascontiguousarray makes a 0-d array 1-d)
-    array = np.array(value, order="C", copy=True) if copy else np.asarray(value, order="C")
-    if array.dtype.name not in _STORED and array.dtype.name not in FOUR_BIT:
+    array = np.asarray(value, order="C") if wait else np.array(value, order="C", copy=True)
+    _storable(name, array.dtype)
+    return array
+
+
+def _storable(name: str, dtype: np.dtype) -> None:
+    """Raises TypeError for a dtype safetensors cannot store (4-bit ones are packed)."""
+    if dtype.name not in _STORED and dtype.name not in FOUR_BIT:
         raise TypeError(
-            f"save_safetensors: {name!r} has dtype {array.dtype.name}, which safetensors cannot "
+            f"save_safetensors: {name!r} has dtype {dtype.name}, which safetensors cannot "
             f"store; it stores {', '.join(sorted(_STORED))}, and {', '.join(FOUR_BIT)} "
             f"packed two per byte"
         )
-    return array
 
 
 def byte_size(value: int | str | None, where: str) -> int | None:
@@ -655,9 +661,9 @@ def byte_size(value: int | str | None, where: str) -> int | None:
     return size
 
 
-def _split(tensors: dict[str, np.ndarray], limit: int | None) -> list[dict[str, np.ndarray]]:
+def _split(tensors: dict[str, Any], limit: int | None) -> list[dict[str, Any]]:
     """The tensors in order, in shards of at most `limit` bytes (a larger tensor alone)."""
-    shards: list[dict[str, np.ndarray]] = [{}]
+    shards: list[dict[str, Any]] = [{}]
     used = 0
     for name, array in tensors.items():
         if limit is not None and shards[-1] and used + array.nbytes > limit:

@@ -17,7 +17,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 import taktiny as tt
 from taktiny import nn
-from taktiny.io import save_safetensors
+from taktiny.io import _write, save_safetensors
 
 # safetensors' dtype names; its numpy loader knows no bfloat16 or float8, so the tests parse
 # the files themselves (an 8-byte header length, a JSON header, then the tensor bytes)
@@ -247,16 +247,16 @@ def test_a_limit_everything_fits_in_writes_one_file_and_no_index(tmp_path):
 
 
 def test_a_failed_sharded_save_leaves_no_file_and_no_temporary(tmp_path, monkeypatch):
-    real = safetensors.numpy.save_file
+    real = _write.write_file
     calls = []
 
-    def fail_on_the_second_shard(tensors, filename, metadata=None):
+    def fail_on_the_second_shard(tensors, filename, metadata):
         calls.append(filename)
-        real(tensors, filename, metadata=metadata)  # the bytes are on disk, then it fails
+        real(tensors, filename, metadata)  # the bytes are on disk, then it fails
         if len(calls) == 2:
             raise RuntimeError("disk full")
 
-    monkeypatch.setattr(safetensors.numpy, "save_file", fail_on_the_second_shard)
+    monkeypatch.setattr(_write, "write_file", fail_on_the_second_shard)
     with pytest.raises(OSError, match=r"writing .*model-00002-of-00003\.safetensors: disk full"):
         save_safetensors(tmp_path / "model.safetensors", MLP(rngs=nn.Rngs(0)), max_shard_size=1200)
     assert len(calls) == 2
@@ -368,6 +368,47 @@ def test_an_array_other_processes_hold_parts_of_is_refused_by_name(tmp_path, mon
 def test_prng_keys_are_refused_by_name(tmp_path):
     with pytest.raises(TypeError, match=r"'seed' is an array of PRNG keys.*key_data"):
         save_safetensors(tmp_path / "k.safetensors", {"seed": jax.random.key(0)})
+
+
+@pytest.mark.parametrize("wait", [True, False], ids=["waits", "background"])
+def test_a_deleted_array_is_refused_by_name_before_anything_is_written(tmp_path, wait):
+    step = jax.jit(lambda w: w + 1, donate_argnums=0)
+    weights = jnp.ones(8)
+    step(weights)  # (donated: deleted)
+    with pytest.raises(RuntimeError, match=r"'w' is an array that has been deleted \(donated"):
+        save_safetensors(tmp_path / "d.safetensors", {"w": weights, "b": jnp.ones(2)}, wait=wait)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_tensors_are_laid_out_as_the_safetensors_library_lays_them_out(tmp_path):
+    # by dtype, largest item size first, each at a multiple of its item size, then by name
+    state = {
+        "z": np.arange(3, dtype=np.int8),
+        "b": np.arange(5, dtype=np.float16),
+        "y": np.arange(3, dtype=np.float64),
+        "a": jnp.arange(7, dtype=jnp.int16),
+        "c": np.arange(2, dtype=np.uint8),
+    }
+    path = tmp_path / "l.safetensors"
+    save_safetensors(path, state)
+    data = path.read_bytes()
+    (length,) = struct.unpack("<Q", data[:8])
+    assert length % 8 == 0 and data[8 + length - 1 : 8 + length] in (b"}", b" ")
+    header = json.loads(data[8 : 8 + length])
+    ranges = {n: e["data_offsets"] for n, e in header.items() if n != "__metadata__"}
+    assert sorted(ranges, key=lambda n: ranges[n][0]) == ["y", "b", "a", "z", "c"]
+    for name, (start, stop) in ranges.items():
+        assert start % np.asarray(state[name]).itemsize == 0
+        assert data[8 + length + start : 8 + length + stop] == np.asarray(state[name]).tobytes()
+    loaded = safetensors.numpy.load_file(path)  # (the library's own reader takes it)
+    assert all(np.array_equal(loaded[n], np.asarray(a)) for n, a in state.items())
+    header["__metadata__"] = {"format": "taktiny"}  # (the library writes the same layout)
+    safetensors.numpy.save_file({n: np.asarray(a) for n, a in state.items()}, tmp_path / "s")
+    theirs = (tmp_path / "s").read_bytes()
+    (n,) = struct.unpack("<Q", theirs[:8])
+    assert {k: v for k, v in json.loads(theirs[8 : 8 + n]).items() if k != "__metadata__"} == {
+        k: v for k, v in header.items() if k != "__metadata__"
+    }
 
 
 @pytest.mark.usefixtures("without_type_checks")

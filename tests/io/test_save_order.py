@@ -5,8 +5,8 @@ flushed before the index that names them is committed; the commit is flushed bef
 file of the previous checkpoint is removed, and the removals are flushed last.
 
 A save's file operations are recorded at the ``os`` boundary (``open``, ``write``,
-``fsync``, ``replace``, ``unlink``, and safetensors' own ``save_file``), each with the path
-it acts on, for a save in each layout of tests/_crash.py. A save that makes the same calls
+``fsync``, ``replace``, ``unlink``, and Taktiny's writer of one file, ``_write.write_file``),
+each with the path it acts on, for a save in each layout of tests/_crash.py. A save that makes the same calls
 in another order (an ``fsync`` after the rename it should precede, the old shards removed
 before the commit is flushed) fails here though it passes every count."""
 
@@ -14,8 +14,9 @@ import os
 from pathlib import Path
 
 import pytest
-import safetensors.numpy
 from _crash import SCENARIOS, prepare, save, version
+
+from taktiny.io import _write
 
 
 class Recorder:
@@ -26,7 +27,7 @@ class Recorder:
         self.events: list[tuple[str, Path] | tuple[str, Path, Path]] = []
         self.fds: dict[int, Path] = {}
         real = {n: getattr(os, n) for n in ("open", "close", "write", "fsync", "replace")}
-        real_rename, real_unlink, real_save = os.rename, os.unlink, safetensors.numpy.save_file
+        real_rename, real_unlink, real_save = os.rename, os.unlink, _write.write_file
 
         def path(p, dir_fd=None):
             p = Path(os.fsdecode(p))
@@ -62,9 +63,9 @@ class Recorder:
             self.events.append(("unlink", path(p, dir_fd)))
             return real_unlink(p, dir_fd=dir_fd)
 
-        def save_file(tensors, filename, metadata=None):
+        def write_file(tensors, filename, metadata):
             self.events.append(("write", path(filename)))
-            return real_save(tensors, filename, metadata=metadata)
+            return real_save(tensors, filename, metadata)
 
         for name, call in [
             ("open", open_),
@@ -76,7 +77,7 @@ class Recorder:
             ("unlink", unlink),
         ]:
             monkeypatch.setattr(os, name, call)
-        monkeypatch.setattr(safetensors.numpy, "save_file", save_file)
+        monkeypatch.setattr(_write, "write_file", write_file)
 
     def where(self, kind: str, *paths: Path, after: int = -1) -> list[int]:
         """The positions of the events `kind` on `paths`, after position `after`."""

@@ -1,6 +1,7 @@
 """Smoke test of the benchmark suite: every group runs once on tiny sizes, so the
 benchmarks cannot rot. (The real runs are `make bench` and `make bench-quick`.)"""
 
+import json
 import math
 import sys
 from pathlib import Path
@@ -12,6 +13,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # bench/ is not installed
 
 from bench import (
+    accelerator,
     background_save,
     checkpoint,
     checksums,
@@ -32,7 +34,7 @@ from bench import (
     storage,
     streaming,
 )
-from bench._results import Config, Group, Table, Target
+from bench._results import Config, Group, Skipped, Table, Target
 from bench._timing import Case, Stats, compare, paired_ratio
 
 pytestmark = pytest.mark.program
@@ -225,3 +227,65 @@ def test_s3_stub_speaks_enough_s3(tmp_path, monkeypatch):
         ]
         flat = tio.load_safetensors({"w": np.zeros(6, np.float32)}, "s3://any/", progress=False)
         assert np.array_equal(np.asarray(flat["w"]), np.arange(6, dtype=np.float32))
+
+
+def _accelerator_figures() -> dict:
+    """What bench/accelerator.json holds after a run on an accelerator (made-up figures)."""
+    seconds = {"d2h": 0.5, "d2h_serial": 0.9, "raw_pipelined": 2.0, "raw_serial": 2.4}
+    seconds |= {"save": 2.2, "background": 0.55, "background_total": 2.3}
+    training = {"step_seconds": 0.04, "every": 250, "steps": 750, "saves": 2}
+    training |= {"loop_seconds": {"background": 31.0, "none": 30.0}}
+    training |= {"stall_per_save_seconds": 0.5, "training_vs_none": 1.03}
+    save = {"GiB": 1.0, "layers": 32, "width": 4096, "filesystem": "ext4 (/dev/sda1 on /)"}
+    save |= {"rounds": 5, "seconds": seconds, "GiBps": {k: 1 / v for k, v in seconds.items()}}
+    save |= {"raw": "raw_pipelined", "d2h_reference": "d2h", "save_vs_raw": 0.91}
+    save |= {"background_vs_d2h": 1.1, "training_vs_none": 1.03, "training": training}
+    save |= {"save_bitwise": True, "background_bitwise": True}
+    load = {"GiB": 1.0, "raw_read_GiBps": 5.3, "raw_device_put_GiBps": 11.5}
+    load |= {"taktiny_GiBps": 3.2, "taktiny_bitwise": True, "taktiny_vs_raw_limit": 0.6}
+    return {
+        "device": "TPU v5 lite",
+        "platform": "tpu",
+        "jax": "0.10.2",
+        "date": "2026-12-06",
+        "command": "python bench/run.py --only accelerator --out /tmp/report",
+        "seconds": 300.0,
+        "save": save,
+        "load": load,
+    }
+
+
+def test_the_accelerator_group_is_skipped_on_a_cpu_without_figures(tmp_path, monkeypatch):
+    monkeypatch.setattr(accelerator, "FIGURES", tmp_path / "accelerator.json")
+    monkeypatch.delenv(accelerator.ON_CPU, raising=False)
+    with pytest.raises(Skipped, match=r"no accelerator \(JAX's default device is cpu\)"):
+        accelerator.run(Config("smoke", tmp_path))
+
+
+def test_the_accelerator_group_reports_the_last_run_on_one_from_a_cpu(tmp_path, monkeypatch):
+    figures = _accelerator_figures()
+    monkeypatch.setattr(accelerator, "FIGURES", tmp_path / "accelerator.json")
+    accelerator.FIGURES.write_text(json.dumps(figures))
+    monkeypatch.delenv(accelerator.ON_CPU, raising=False)
+    group = accelerator.run(Config("smoke", tmp_path))
+    check(group)
+    assert group.run and group.run["command"] == figures["command"]  # (that run's, not this)
+    assert [t.met for t in group.targets] == [False, True, True, True]
+    ratios = group.tables[-1]
+    assert ratios.value("the background call / the device-to-host copy (<= 1.2)", "TPU v5 lite")
+    out = report.write([group], tmp_path / "report", mode="full", seconds=1.0, command="x")
+    text = out.read_text()
+    assert "## Loads and saves on an accelerator: TPU v5 lite" in text
+    assert "`python bench/run.py --only accelerator --out /tmp/report` — mode" in text
+
+
+@pytest.mark.thorough
+def test_the_accelerator_group_runs_small_on_a_cpu_when_asked(tmp_path, monkeypatch):
+    monkeypatch.setattr(accelerator, "FIGURES", tmp_path / "accelerator.json")
+    monkeypatch.setenv(accelerator.ON_CPU, "1")
+    (tmp_path / "scratch").mkdir()
+    group = accelerator.run(Config("smoke", tmp_path / "scratch"))
+    check(group)
+    assert len(group.targets) == 4 and "read back bitwise equal" in " ".join(group.notes)
+    assert list((tmp_path / "scratch").iterdir()) == []
+    assert not accelerator.FIGURES.exists()  # (figures of a CPU are not kept)

@@ -1,0 +1,297 @@
+"""Loads and saves on an accelerator (issue 52, points 3 to 5): bench/device_load.py's and
+bench/device_save.py's measurements on whatever accelerator JAX's default device is (a
+TPU, a GPU), reported with the device named, beside the same ratios measured on the CPU by
+the groups ``streaming`` (the load against the raw read) and ``background`` (the background
+save against a host copy, and the training loop).
+
+- On an accelerator the group runs both scripts' ``main`` (the save first), and in a full
+  run writes what they printed to bench/accelerator.json, each part as it ends.
+- Without one (JAX's default device a CPU) it measures nothing: it reports the figures of
+  the last run on an accelerator, from bench/accelerator.json, or is skipped when there
+  are none. ``BENCH_ACCELERATOR_ON_CPU=1`` runs it on the CPU anyway, small (a check that
+  the code runs; the figures mean nothing there, and no file is written).
+
+    python bench/run.py --only accelerator --out /tmp/report   # on the accelerator's host
+    python bench/run.py --only accelerator --merge             # then here: into results.md
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import shutil
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import jax
+
+from ._results import Config, Group, Skipped, Table, Target
+
+HERE = Path(__file__).resolve().parent
+FIGURES = HERE / "accelerator.json"  # the last run on an accelerator
+ON_CPU = "BENCH_ACCELERATOR_ON_CPU"
+# device_load's figures (GiB/s) by their keys, named for the report
+LOADS = {
+    "taktiny": "Taktiny",
+    "raw_read": "raw: file read (8 threads, reused buffers)",
+    "raw_device_put": "raw: jax.device_put of host arrays",
+    "raw_pipeline": "raw: read and device_put pipelined",
+    "safetensors_flax": "safetensors.flax",
+    "orbax": "Orbax restore",
+    "device_put_loop": "safetensors.numpy + device_put",
+}
+
+
+def run(config: Config) -> Group:
+    """Measures on the accelerator, or reports bench/accelerator.json (see the module)."""
+    start = time.perf_counter()
+    device = jax.devices()[0]
+    forced = bool(os.environ.get(ON_CPU))
+    if device.platform == "cpu" and not forced:
+        if not FIGURES.exists():
+            raise Skipped(
+                f"no accelerator (JAX's default device is {device.platform}) and no figures "
+                f"of an earlier run in {FIGURES.name}; run it on an accelerator's host, or "
+                f"set {ON_CPU}=1 to try the code here"
+            )
+        figures = json.loads(FIGURES.read_text())
+        print(
+            f"[bench] accelerator: no accelerator here; reporting the figures measured on "
+            f"{figures['device']} ({figures['date']}) from bench/{FIGURES.name}",
+            flush=True,
+        )
+        group = build(figures, _twins())
+        group.run = {
+            "command": figures["command"],
+            "mode": "full",
+            "seconds": figures["seconds"],
+        }
+        return group
+    figures = measure(config, small=device.platform == "cpu")
+    figures["seconds"] = round(time.perf_counter() - start, 1)
+    if config.mode == "full" and device.platform != "cpu":
+        FIGURES.write_text(json.dumps(figures, indent=1) + "\n")
+    group = build(figures, _twins())
+    group.seconds = time.perf_counter() - start
+    return group
+
+
+def measure(config: Config, small: bool) -> dict[str, Any]:
+    """Runs device_save's and device_load's ``main`` in scratch folders; a part that fails
+    is recorded with its error, not raised (the other's figures still count). A full run
+    on an accelerator writes bench/accelerator.json after each part."""
+    if small:  # (device_load takes its size from the environment when imported)
+        os.environ.setdefault("DEVICE_LOAD_LAYERS", "2")
+    from . import device_load, device_save
+
+    device = jax.devices()[0]
+    figures: dict[str, Any] = {
+        "device": str(device.device_kind),
+        "platform": device.platform,
+        "jax": jax.__version__,
+        "date": datetime.date.today().isoformat(),
+        "command": " ".join(["python", *sys.argv]).replace(str(HERE.parent) + "/", ""),
+    }
+    parts = {
+        "save": lambda folder: device_save.main(folder, small=small or None),
+        "load": device_load.main,
+    }
+    for name, part in parts.items():
+        folder = Path(config.scratch) / f"device_{name}"
+        folder.mkdir(parents=True, exist_ok=True)
+        print(f"[bench] accelerator: {name} on {figures['device']} ...", flush=True)
+        try:
+            figures[name] = part(folder)
+        except Exception as error:  # noqa: BLE001 - recorded; the other part goes on
+            traceback.print_exc()
+            figures[name] = {"error": f"{type(error).__name__}: {error}"}
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+        if config.mode == "full" and device.platform != "cpu":
+            FIGURES.write_text(json.dumps(figures, indent=1) + "\n")
+    return figures
+
+
+def _twins() -> dict[str, float]:
+    """The CPU twins of the group's ratios, from the CPU run in bench/results.json (those
+    it has): the streaming load against the raw read, the background save's call against
+    a host copy, and the training loop saving in the background against no saves."""
+    path = HERE / "results.json"
+    if not path.exists():
+        return {}
+    groups = {g["name"]: g for g in json.loads(path.read_text())}
+    twins: dict[str, float] = {}
+    for target in groups.get("streaming", {}).get("targets", []):
+        if target["goal"].startswith("Taktiny streaming load of the") and "raw" in target["goal"]:
+            twins["load"] = target["value"]
+    for target in groups.get("background", {}).get("targets", []):
+        if target["goal"].startswith("a background save blocks its caller"):
+            twins["background"] = target["value"]
+    for table in groups.get("background", {}).get("tables", []):
+        if table["title"].startswith("a training loop"):
+            row = table["rows"].get("a step", {})
+            if "wait=False" in row and "no saves" in row:
+                twins["training"] = row["wait=False"]["value"] / row["no saves"]["value"]
+    return twins
+
+
+def build(figures: dict[str, Any], twins: dict[str, float]) -> Group:
+    """The group's tables, targets and notes from the scripts' figures (`figures`, as
+    bench/accelerator.json holds them) and the CPU twins (`_twins`)."""
+    kind = figures["device"]
+    save, load = figures.get("save", {}), figures.get("load", {})
+    group = Group("accelerator", f"Loads and saves on an accelerator: {kind}")
+    ratios = Table(
+        f"Ratios on {kind}, beside their CPU twins (bench/results.json)",
+        [kind, "CPU twin"],
+        unit="x",
+        reference=kind,
+        log=False,
+    )
+    if "taktiny_vs_raw_limit" in load:
+        gib = load["GiB"]
+        table = Table(
+            f"Loading a {gib:.2g} GiB bfloat16 safetensors file onto {kind}",
+            [LOADS.get(k, k) for k in _speeds(load)],
+            reference="Taktiny",
+        )
+        for key, speed in _speeds(load).items():
+            call = "bench/device_load.py" + (" (bitwise)" if load.get(f"{key}_bitwise") else "")
+            table.add("the load", LOADS.get(key, key), call, gib / speed)
+        group.tables.append(table)
+        op = "load / the raw limit (>= 0.8; CPU: >= 0.85 the raw read)"
+        ratios.add(op, kind, "bench/device_load.py", load["taktiny_vs_raw_limit"])
+        if "load" in twins:
+            ratios.add(op, "CPU twin", "group streaming", twins["load"])
+        group.targets.append(
+            Target(
+                f"a load onto {kind} >= 0.8x the raw limit (the slower of the file read and "
+                f"jax.device_put)",
+                load["taktiny_vs_raw_limit"],
+                0.8,
+                True,
+                "Taktiny's GiB/s / the raw limit's (bench/device_load.py)",
+            )
+        )
+    if "save_vs_raw" in save:
+        _save_tables(group, ratios, save, twins, kind)
+    if ratios.rows:
+        group.tables.append(ratios)
+    for name, part in (("save", save), ("load", load)):
+        if "error" in part:
+            group.notes.append(f"The {name} part failed: {part['error']}.")
+    kept = "; figures in bench/accelerator.json" if figures["platform"] != "cpu" else ""
+    group.notes.append(
+        f"Measured on {kind} ({figures['platform']}, JAX {figures['jax']}) on "
+        f"{figures['date']} by `{figures['command']}`{kept}. CPU twins: the same ratios in "
+        f"this report's groups `streaming` and `background`."
+    )
+    return group
+
+
+def _speeds(load: dict[str, Any]) -> dict[str, float]:
+    """device_load's GiB/s figures by key (``taktiny`` first)."""
+    speeds = {k[: -len("_GiBps")]: v for k, v in load.items() if k.endswith("_GiBps")}
+    return dict(sorted(speeds.items(), key=lambda kv: kv[0] != "taktiny"))
+
+
+def _save_tables(
+    group: Group, ratios: Table, save: dict[str, Any], twins: dict[str, float], kind: str
+) -> None:
+    seconds, gib = save["seconds"], save["GiB"]
+    raw, d2h = save["raw"], save["d2h_reference"]
+    table = Table(
+        f"Saving a {gib:.2g} GiB bfloat16 model ({save['layers']} x {save['width']} x "
+        f"{save['width']}) from {kind} to {save['filesystem']}",
+        ["Taktiny", "raw write", "device-to-host copy"],
+    )
+    raw_call = {
+        "raw_pipelined": "copy_to_host_async() of all, then each written as it arrives; fsync",
+        "raw_serial": "np.asarray of each, written in turn; fsync",
+    }[raw]
+    d2h_call = {
+        "d2h": "copy_to_host_async() of all, then np.asarray of each",
+        "d2h_serial": "np.asarray of each in turn",
+    }[d2h]
+    waits, call, whole = "save, wait=True", "save, wait=False: the call", "save, wait=False: all"
+    table.add(waits, "Taktiny", "save_safetensors(path, model)", seconds["save"])
+    table.add(waits, "raw write", raw_call, seconds[raw])
+    table.add(waits, "device-to-host copy", d2h_call, seconds[d2h])
+    table.add(call, "Taktiny", "save_safetensors(path, model, wait=False)", seconds["background"])
+    table.add(call, "device-to-host copy", d2h_call, seconds[d2h])
+    table.add(
+        whole, "Taktiny", "save_safetensors(path, model, wait=False).result()",
+        seconds["background_total"],
+    )  # fmt: skip
+    table.add(whole, "raw write", raw_call, seconds[raw])
+    group.tables.append(table)
+    training = save["training"]
+    loop = Table(
+        f"A training loop on {kind}: {training['steps']} steps of "
+        f"{training['step_seconds'] * 1e3:.0f} ms, a background save every {training['every']}",
+        ["no saves", "background saves"],
+        reference="no saves",
+    )
+    for name, key in (("no saves", "none"), ("background saves", "background")):
+        loop.add("the loop", name, f"bench/device_save.py: {key}", training["loop_seconds"][key])
+    group.tables.append(loop)
+    rows = {
+        "blocking save / a raw write, in speed (>= 0.8)": ("save_vs_raw", None),
+        "the background call / the device-to-host copy (<= 1.2)": (
+            "background_vs_d2h",
+            "background",
+        ),
+        "the loop saving in the background / without saves (<= 1.1)": (
+            "training_vs_none",
+            "training",
+        ),
+    }
+    for op, (key, twin) in rows.items():
+        ratios.add(op, kind, "bench/device_save.py", save[key])
+        if twin in twins:
+            ratios.add(op, "CPU twin", "group background", twins[twin])
+    group.targets += [
+        Target(
+            f"a save from {kind} that waits >= 0.8x a raw write of the same bytes (the "
+            f"device-to-host copy included)",
+            save["save_vs_raw"],
+            0.8,
+            True,
+            "raw write time / save_safetensors time, median of per-round ratios",
+        ),
+        Target(
+            f"a background save from {kind} blocks its caller <= 1.2x the device-to-host copy "
+            f"alone",
+            save["background_vs_d2h"],
+            1.2,
+            False,
+            "save_safetensors(..., wait=False)'s time / the copy's, median of per-round ratios",
+        ),
+        Target(
+            f"a training loop on {kind} saving in the background every "
+            f"{training['every']} steps <= 1.1x the loop without saves",
+            save["training_vs_none"],
+            1.1,
+            False,
+            "the loop's time / the same loop's without saves, median of per-round ratios",
+        ),
+    ]
+    checks = [k for k in ("save_bitwise", "background_bitwise") if not save.get(k)]
+    group.notes.append(
+        f"The saves: {save['rounds']} interleaved rounds, fresh arrays on the device before "
+        f"each clock, every file removed and os.sync() run after it; raw write "
+        f"{save['GiBps'][raw]:.2f} GiB/s, Taktiny's save {save['GiBps']['save']:.2f} GiB/s, "
+        f"the device-to-host copy {save['GiBps'][d2h]:.2f} GiB/s (one at a time: "
+        f"{save['GiBps']['d2h_serial']:.2f}); a background save blocks "
+        f"{seconds['background'] * 1e3:.0f} ms, stalls the training loop "
+        f"{training['stall_per_save_seconds'] * 1e3:.0f} ms per save. "
+        + (
+            "Both saves read back bitwise equal to the device's arrays."
+            if not checks
+            else f"READ BACK DIFFERENT: {', '.join(checks)}."
+        )
+    )
