@@ -579,6 +579,10 @@ class Tensor:
             into: gives the writable memory for a piece of `nbytes` bytes.
             verify: check the bytes against ``checksum`` (when there is one).
 
+        Returns:
+            An iterator of the pieces, in order: each a read-only array of `rows` rows
+            (the last of the rest) and the tensor's other axes, in the memory `into` gave.
+
         Raises:
             ValueError: a packed tensor (read it with :meth:`read`), or `rows` below 1.
             SafetensorsError: the bytes are damaged, or the file was truncated.

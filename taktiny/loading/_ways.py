@@ -135,7 +135,9 @@ class Staged(Whole):
     buffers are.
 
     Args:
-        step, sources, leaf: as `Way`'s.
+        step: the step it reads (a rename).
+        sources: its one tensor.
+        leaf: the model's leaf it fills.
         piece: the most bytes of a piece (whole rows, at least one).
     """
 
