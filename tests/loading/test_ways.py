@@ -141,6 +141,20 @@ def test_the_bytes_a_way_holds_are_what_the_plan_and_the_load_count(tmp_path, ca
 SMALL_PIECES = {"STAGE_PIECE": 4096}
 
 
+def _views(monkeypatch, ways_module):
+    """The ring buffers the loads below read into, one entry per piece (each buffer's id),
+    as a list the test reads."""
+    mapped = []
+    real = ways_module.Scratch.view
+
+    def view(self, nbytes):
+        mapped.append(id(self))
+        return real(self, nbytes)
+
+    monkeypatch.setattr(ways_module.Scratch, "view", view)
+    return mapped
+
+
 def _staged_everywhere(monkeypatch, platform="cpu", **knobs):
     """The loads below read through the staging ring, with the module constants `knobs`
     set (``RING``, ``STAGE_PIECE``): on a TPU or a GPU (the `platform`'s first device is
@@ -170,14 +184,7 @@ def test_a_load_onto_devices_that_copy_reads_through_a_reused_staging_ring(
     assert [s.way for s in plan.steps] == ["staged"] * 10
     slot = 16 * 49 * 4  # pieces of 16 rows: 20 to 25 fit 4 KiB, 16 divide 64
     assert plan.scratch_bytes == 3 * slot
-    mapped = []
-    real = ways_module.Scratch.view
-
-    def view(self, nbytes):
-        mapped.append(id(self))
-        return real(self, nbytes)
-
-    monkeypatch.setattr(ways_module.Scratch, "view", view)
+    mapped = _views(monkeypatch, ways_module)
     loaded = load_safetensors(target, path)
     assert len(mapped) == 40 and len(set(mapped)) == 3  # 4 pieces each, the ring in turns
     for name, value in state.items():  # each its own array, none overwritten by a later read
@@ -235,14 +242,7 @@ def test_a_leaf_whose_devices_span_processes_is_staged_whole(tmp_path, monkeypat
         assert [s.way for s in plan.steps] == ["staged"] * 3
         assert plan.scratch_bytes == 2 * largest + temporary
         assert plan.held_bytes == 2 * largest + held
-    mapped = []
-    real = ways_module.Scratch.view
-
-    def view(self, nbytes):
-        mapped.append(id(self))
-        return real(self, nbytes)
-
-    monkeypatch.setattr(ways_module.Scratch, "view", view)
+    mapped = _views(monkeypatch, ways_module)
     for target, how, values in [(renamed, None, state), (turned, rules, want)]:
         mapped.clear()
         loaded = load_safetensors(target, path, rules=how)
