@@ -2,7 +2,9 @@
 a 1 GiB bfloat16 file loaded onto the default device, warm, with the staging functions
 wrapped in timers; prints GiB/s and the seconds summed over the reader threads (the read
 and hash of each piece without the wait for a ring buffer, that wait, `device_put`, and the
-dispatch of the jitted write into place), checksums verified and not.
+dispatch of the jitted write into place, a unit's whole read, the leaf begun as zeros),
+the load's own thread (waiting for each unit in turn, placing it), and the readers'
+width after each unit, checksums verified and not.
 
     python bench/device_load_profile.py FOLDER     # on an accelerator's host
 """
@@ -18,6 +20,8 @@ import ml_dtypes
 import numpy as np
 
 import taktiny.io._read as R
+import taktiny.loading._load as L
+import taktiny.loading._readers as readers_module
 import taktiny.loading._ways as W
 from taktiny.io import load_safetensors, save_safetensors
 
@@ -69,6 +73,21 @@ path.read_bytes()
 target = {n: jax.ShapeDtypeStruct(v.shape, v.dtype) for n, v in state.items()}
 jax.block_until_ready(load_safetensors(target, path, progress=False))  # warm: compiles
 W.placed = timed("device_put", W.placed)
+W.Staged.read = timed("a unit's read, whole (reader)", W.Staged.read)
+W.Staged.place = timed("placing a unit (load's thread)", W.Staged.place)
+real_zeros = W.zeros_on
+W.zeros_on = lambda *a: timed("the leaf begun (zeros)", real_zeros(*a))
+L.result_of = timed("waiting for a unit (load's thread)", L.result_of)
+widths = []
+real_finished = readers_module.Readers.finished
+
+
+def finished(self, nbytes):
+    real_finished(self, nbytes)
+    widths.append(self.width)
+
+
+readers_module.Readers.finished = finished
 W.Ring.take = timed("ring.take (wait)", W.Ring.take)
 R.Tensor.read_rows = timed_iter("read+hash a piece", R.Tensor.read_rows)
 real_writer = W._writer
@@ -83,4 +102,7 @@ for verify in (True, False):
     print(
         f"verify={verify}: {1 / wall:.2f} GiB/s, wall {wall:.3f} s; thread-seconds:",
         {k: round(v, 3) for k, v in spent.items()},
+        "readers' width after each unit:",
+        widths,
     )
+    widths.clear()
