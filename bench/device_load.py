@@ -45,6 +45,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -369,20 +370,11 @@ def _object_storage(folder: Path, path: Path, arrays: dict[str, np.ndarray]) -> 
         n: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding) for n, a in arrays.items()
     }
     raw = _raw([path], 8, put=False)
-    with Stub(folder) as stub:
-        saved = {k: os.environ.get(k) for k in stub.environment()}
-        os.environ.update(stub.environment())
-        try:
-            url = f"s3://bench/{path.name}"
-            seconds, _, out = _timed(lambda: load_safetensors(abstract, url))
-            ranged = storage.Raw(path.stat().st_size)  # (bucket "bench", this file's name)
-            gets, _, _ = _timed(lambda: ranged(8))
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
+    with Stub(folder) as stub, mock.patch.dict(os.environ, stub.environment()):
+        url = f"s3://bench/{path.name}"
+        seconds, _, out = _timed(lambda: load_safetensors(abstract, url))
+        ranged = storage.Raw(path.stat().st_size)  # (bucket "bench", this file's name)
+        gets, _, _ = _timed(lambda: ranged(8))
     same = all(
         np.array_equal(np.asarray(out[n]).view(np.uint16), a.view(np.uint16))
         for n, a in arrays.items()

@@ -155,10 +155,7 @@ class Staged(Whole):
 
     def own(self) -> int:
         """The bytes of a ring buffer its pieces take (at a multiple of 64)."""
-        tensor = self.sources[0]
-        count = _count(tensor)
-        row = tensor.nbytes // count if count else 0
-        return -(-self.rows * row // 64) * 64
+        return -(-self.rows * _row(self.sources[0]) // 64) * 64
 
     def pieces(self) -> int:
         """The pieces its tensor is read and copied in."""
@@ -297,13 +294,18 @@ def _count(tensor: Tensor) -> int:
     return tensor.shape[0] if tensor.ndim else 1
 
 
+def _row(tensor: Tensor) -> int:
+    """The bytes of one row of `tensor` (0 for a tensor of no rows)."""
+    count = _count(tensor)
+    return tensor.nbytes // count if count else 0
+
+
 def _rows(tensor: Tensor, piece: int) -> int:
     """The rows of `tensor` read and copied at a time in pieces of at most `piece` bytes:
     the most that fit (at least one), or fewer, down to half as many, that divide its rows
     (pieces of one shape: one program writes them all, where a last piece of its own shape
     would be compiled for again)."""
-    count = _count(tensor)
-    row = tensor.nbytes // count if count else 0
+    count, row = _count(tensor), _row(tensor)
     if not row:
         return max(count, 1)
     most = max(1, min(count, piece // row))
