@@ -177,6 +177,17 @@ def build(figures: dict[str, Any], twins: dict[str, float]) -> Group:
                 "Taktiny's GiB/s / the raw limit's (bench/device_load.py)",
             )
         )
+    if "taktiny_vs_raw_pipeline" in load:
+        group.targets.append(
+            Target(
+                f"a load onto {kind} >= 0.8x the raw pipeline (the file read into reused "
+                f"buffers, each piece copied by jax.device_put as it is read)",
+                load["taktiny_vs_raw_pipeline"],
+                0.8,
+                True,
+                "Taktiny's GiB/s / the raw pipeline's (bench/device_load.py)",
+            )
+        )
     if "save_vs_raw" in save:
         _save_tables(group, ratios, save, twins, kind)
     if ratios.rows:

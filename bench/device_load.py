@@ -6,19 +6,22 @@ int8), one into a stack of layers, and, where sockets work, one from object stor
 
 The raw limit is the slower of the file read into reused host buffers (8 threads, each its
 own buffer, faulted before the clock) and ``jax.device_put`` of host arrays already in
-memory; the pipeline of the two (4 threads, each reading into its own reused buffer and
-copying it onto the device) is reported beside them. Each case's limit reads its own file.
+memory; the pipeline of the two (8 threads, each reading 8 MiB pieces into two reused
+buffers of its own in turns and copying each onto the device as soon as it is read) is
+reported beside them, with Taktiny's load against it. Each case's limit reads its own file.
 The peers: ``safetensors.flax.load_file``, Orbax's restore of the same model, and the plain
 loop (``safetensors.numpy.load_file`` then ``jax.device_put``). Every load is checked
 bitwise on the device: against the file's arrays (renamed, stacked), their transposes
 (transposed), ``tt.quantize`` of the float model (quantizing loads) and NumPy's float32
 product of the FP8 blocks rounded to bfloat16 (FP8).
 
-``variants`` loads the file with pieces of other sizes and rings of other lengths (the
-module constants ``STAGE_PIECE`` and ``RING`` of ``taktiny/loading/_ways.py``), each
-against the same limit; ``taktiny`` is the load as it is (pieces of 8 MiB, a ring of 8).
-Other ways to stage (tensors whole, read by threads; small pages; transposed on the host;
-more readers from the start) were measured and pruned: bench/FINDINGS.md section 14.
+``taktiny`` is the load as it is: each tensor copied onto the device from the file's
+mapped pages (``Mapped`` in ``taktiny/loading/_ways.py``). ``variants`` loads the file with
+more readers from the start (``_readers.START``), and through the staging ring that a
+tensor in object storage takes (pieces of 8 MiB and a ring of 8, as the load stages one;
+16 and 16), each against the same limit. Other ways to stage (tensors whole, read by
+threads; small pages; transposed on the host) were measured and pruned:
+bench/FINDINGS.md section 14.
 
 ``--peak folder [case]`` then loads a file written there alone, in a process of its own,
 for its peak host memory (``ru_maxrss`` after the load, less before it) and its ways
@@ -36,6 +39,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import socket
 import statistics
 import sys
@@ -58,13 +62,18 @@ REPEATS = int(os.environ.get("DEVICE_LOAD_REPEATS", "3"))
 GiB = 2**30
 MiB = 2**20
 
-# The piece size and ring length each variant sets (taktiny.loading._ways's STAGE_PIECE and
-# RING, restored after)
+# What each variant sets, restored after: the readers a load starts with (`_readers.START`;
+# they then grow while it pays), or a local file staged through the ring as a tensor in
+# object storage is (`_ways._local`), with that ring's piece size and length
 VARIANTS: dict[str, dict[str, Any]] = {
-    "pieces_4MiB_ring16": {"STAGE_PIECE": 4 * MiB, "RING": 16},
-    "pieces_8MiB_ring8": {"STAGE_PIECE": 8 * MiB, "RING": 8},  # (the load's own)
-    "pieces_8MiB_ring16": {"STAGE_PIECE": 8 * MiB, "RING": 16},
-    "pieces_16MiB_ring8": {"STAGE_PIECE": 16 * MiB, "RING": 8},
+    "readers_from_4": {"_readers.START": 4},
+    "readers_from_8": {"_readers.START": 8},
+    "ring_pieces_8MiB_ring8": {"_ways._local": lambda tensor: False},
+    "ring_pieces_16MiB_ring16": {
+        "_ways._local": lambda tensor: False,
+        "_ways.STAGE_PIECE": 16 * MiB,
+        "_ways.RING": 16,
+    },
 }
 
 
@@ -131,32 +140,60 @@ def _ranges(path: Path) -> list[tuple[int, int]]:
     ]
 
 
-def _raw(paths: list[Path], threads: int, put: bool) -> float:
+def _raw(paths: list[Path], threads: int) -> float:
     """GiB/s of the files read by `threads` threads, each into its own reused buffer
-    (faulted before the clock); with `put`, each tensor then copied onto the device."""
+    (faulted before the clock)."""
     ranges = [(path, offset, n) for path in paths for offset, n in _ranges(path)]
     buffers = [np.zeros(max(n for _, _, n in ranges), np.uint8) for _ in range(threads)]
     fds = {path: os.open(path, os.O_RDONLY) for path in paths}
-    device = jax.devices()[0]
 
     def work(k: int) -> None:
         for path, offset, n in ranges[k::threads]:
             view, got = memoryview(buffers[k])[:n], 0
             while got < n:
                 got += os.preadv(fds[path], [view[got:]], offset + got)
-            if put:
-                host = buffers[k][:n].view(ml_dtypes.bfloat16)
-                jax.device_put(host, device).block_until_ready()
 
+    seconds = _threaded(threads, work)
+    for fd in fds.values():
+        os.close(fd)
+    return sum(n for _, _, n in ranges) / GiB / seconds
+
+
+def _raw_pipeline(path: Path, threads: int = 8, piece: int = 8 * MiB) -> float:
+    """GiB/s of the file read `piece` bytes at a time by `threads` threads, each into two
+    reused buffers of its own in turns (faulted before the clock), each piece copied onto
+    the device as soon as it is read; a buffer is read into again once its copy is done."""
+    size = path.stat().st_size
+    pieces = [(offset, min(piece, size - offset)) for offset in range(0, size, piece)]
+    buffers = [[np.ones(piece, np.uint8) for _ in range(2)] for _ in range(threads)]
+    fd, device = os.open(path, os.O_RDONLY), jax.devices()[0]
+
+    def work(k: int) -> None:
+        copies: list[Any] = [None, None]
+        for i, (offset, n) in enumerate(pieces[k::threads]):
+            if copies[i % 2] is not None:
+                copies[i % 2].block_until_ready()
+            view, got = memoryview(buffers[k][i % 2])[:n], 0
+            while got < n:
+                got += os.preadv(fd, [view[got:]], offset + got)
+            copies[i % 2] = jax.device_put(buffers[k][i % 2][:n], device)
+        jax.block_until_ready(copies)
+
+    seconds = _threaded(threads, work)
+    os.close(fd)
+    return size / GiB / seconds
+
+
+def _threaded(threads: int, work: Callable[[int], None]) -> float:
+    """The median seconds of `REPEATS` runs of ``work(k)`` for k in range(threads), each
+    in a thread of its own."""
     times = []
     for _ in range(REPEATS):
         start = time.perf_counter()
         with ThreadPoolExecutor(threads) as pool:
             list(pool.map(work, range(threads)))
         times.append(time.perf_counter() - start)
-    for fd in fds.values():
-        os.close(fd)
-    return sum(n for _, _, n in ranges) / GiB / statistics.median(times)
+    return statistics.median(times)
 
 
 def _raw_put(arrays: dict[str, np.ndarray]) -> float:
@@ -191,18 +228,21 @@ def _bitwise(got: Any, want: Any) -> bool:
 
 @contextlib.contextmanager
 def _settings(settings: dict[str, Any]) -> Iterator[None]:
-    """The constants of taktiny.loading._ways set as `settings` says for the block
-    (restored after)."""
-    import taktiny.loading._ways as ways
+    """The attributes of taktiny.loading's modules set as `settings` names them
+    (``"_ways.RING"``) for the block, restored after."""
+    import importlib
 
-    old = {name: getattr(ways, name) for name in settings}
+    old = {}
     for name, value in settings.items():
-        setattr(ways, name, value)
+        module, attribute = name.split(".")
+        module = importlib.import_module(f"taktiny.loading.{module}")
+        old[name] = (module, attribute, getattr(module, attribute))
+        setattr(module, attribute, value)
     try:
         yield
     finally:
-        for name, value in old.items():
-            setattr(ways, name, value)
+        for module, attribute, value in old.values():
+            setattr(module, attribute, value)
 
 
 @contextlib.contextmanager
@@ -288,7 +328,7 @@ def _cases(
     hf = folder / "hf.safetensors"  # torch's names; [out, in] = the file's kernels' bytes
     save_safetensors(hf, {f"model.layers.{i}.weight": a for i, a in enumerate(arrays.values())})
     hf.read_bytes()
-    limit = min(_raw([hf], 8, put=False), put)
+    limit = min(_raw([hf], 8), put)
     nbytes = sum(a.nbytes for a in arrays.values())
     flat = _abstract({n: (a.shape, a.dtype) for n, a in arrays.items()})
     renamed = [cv.Rule("model.layers.{i}.weight", "layers.{i}.kernel")]
@@ -303,7 +343,7 @@ def _cases(
     del turned
     cases["raw_limit_hf_GiBps"] = limit
 
-    limit = min(_raw([path], 8, put=False), put)
+    limit = min(_raw([path], 8), put)
     layers = _modules(stacked=False)
     floats = load_safetensors(layers, path)
     stack = _modules(stacked=True)
@@ -320,7 +360,7 @@ def _cases(
 
     fp8, oracle = _write_fp8(folder, arrays)
     fp8.read_bytes()
-    limit = min(_raw([fp8], 8, put=False), put)
+    limit = min(_raw([fp8], 8), put)
     nbytes = fp8.stat().st_size
     rules = cv.quantized_rules(
         [
@@ -329,6 +369,10 @@ def _cases(
             for r in cv.linear(f"model.layers.{i}.proj", f"layers.{i}", bias=False)
         ],
         open_safetensors(fp8.parent),
+    )
+    # (the oracle in the model's order: a dict's leaves come sorted, layers.10 before layers.2)
+    oracle = jax.tree.unflatten(
+        jax.tree.structure(layers), [oracle[f"layers.{i}.kernel"] for i in range(LAYERS)]
     )
     cases["fp8_bf16"] = _figure(
         nbytes, limit, lambda: load_safetensors(layers, fp8.parent, rules=rules), oracle
@@ -369,7 +413,7 @@ def _object_storage(folder: Path, path: Path, arrays: dict[str, np.ndarray]) -> 
     abstract = {
         n: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding) for n, a in arrays.items()
     }
-    raw = _raw([path], 8, put=False)
+    raw = _raw([path], 8)
     with Stub(folder) as stub, mock.patch.dict(os.environ, stub.environment()):
         url = f"s3://bench/{path.name}"
         seconds, _, out = _timed(lambda: load_safetensors(abstract, url))
@@ -438,6 +482,7 @@ def main(folder: Path) -> dict[str, object]:
     nbytes = sum(a.nbytes for a in arrays.values())
     want = {n: jax.device_put(a, jax.devices()[0]) for n, a in arrays.items()}
     orbax_path = folder / "orbax"
+    shutil.rmtree(orbax_path, ignore_errors=True)  # (Orbax refuses to save over a folder)
     checkpointer = ocp.StandardCheckpointer()
     checkpointer.save(orbax_path.resolve(), want)
     checkpointer.wait_until_finished()
@@ -447,9 +492,9 @@ def main(folder: Path) -> dict[str, object]:
         "transparent_hugepages": _thp(),
     }
     SO_FAR.append(figures)  # (what a run stopped midway prints)
-    figures["raw_read_GiBps"] = _raw([path], 8, put=False)
+    figures["raw_read_GiBps"] = _raw([path], 8)
     figures["raw_device_put_GiBps"] = put = _raw_put(arrays)
-    figures["raw_pipeline_GiBps"] = _raw([path], 4, put=True)
+    figures["raw_pipeline_GiBps"] = pipeline = _raw_pipeline(path)
     limit = min(figures["raw_read_GiBps"], put)
     figures["raw_limit_GiBps"] = limit
     loads = {
@@ -466,6 +511,7 @@ def main(folder: Path) -> dict[str, object]:
         figures[f"{name}_GiBps"] = figures[name]["GiBps"]  # (the keys of earlier runs)
         figures[f"{name}_bitwise"] = figures[name]["bitwise"]
     figures["taktiny_vs_raw_limit"] = figures["taktiny"]["vs_raw_limit"]
+    figures["taktiny_vs_raw_pipeline"] = figures["taktiny"]["GiBps"] / pipeline
     with _staged_on_cpu() as forced:
         figures["staging_forced_on_cpu"] = forced
         figures["variants"] = variants = {}
@@ -508,6 +554,8 @@ def summary(paths: list[Path]) -> str:
             continue
         raw = ("raw_read_GiBps", "raw_device_put_GiBps", "raw_pipeline_GiBps", "raw_limit_GiBps")
         lines.append(" ".join(f"{k[:-6]}={figures[k]:.2f}" for k in raw if k in figures))
+        if "taktiny_vs_raw_pipeline" in figures:
+            lines.append(f"taktiny vs raw pipeline: {figures['taktiny_vs_raw_pipeline']:.2f}x")
         if figures.get("stopped"):
             lines.append("STOPPED midway (timeout): the figures so far")
         cases = figures.get("cases", {})
@@ -544,6 +592,7 @@ if __name__ == "__main__":
     elif sys.argv[1:2] == ["--summary"]:  # (the JSON files of a run)
         print(summary([Path(p) for p in sys.argv[2:]]))
     elif len(sys.argv) > 1:
+        Path(sys.argv[1]).mkdir(parents=True, exist_ok=True)
         print(json.dumps(main(Path(sys.argv[1])), indent=1))
     else:
         with tempfile.TemporaryDirectory() as folder:

@@ -314,6 +314,10 @@ class RemoteFile:
     def advise(self, offset: int, size: int) -> None:
         """Nothing: a read of an object fetches its parts at once when it is made."""
 
+    def mapped(self, offset: int, size: int) -> memoryview | None:
+        """None: an object's bytes are fetched, never mapped."""
+        return None
+
     def interrupt(self) -> None:
         """Cancels the reads in flight (they raise CancelledError): a load stopped by an
         error or Ctrl-C does not wait for them."""

@@ -607,6 +607,33 @@ class Tensor:
                 yield piece
         self._confirm(stream)
 
+    def mapped(self) -> np.ndarray | None:
+        """The tensor's stored bytes, not read but mapped: a read-only array of ``shape``
+        and ``dtype`` over the file's own pages (those the page cache holds, or faulted
+        in as they are touched), with no copy made and no memory of the process's own
+        taken. Not verified: check it with :meth:`check`. A mapped file must not be cut
+        short in place while the array lives (reading a page past its new end stops the
+        process, as it does every reader of a mapping); Taktiny's saves replace a file
+        whole, which leaves the mapping reading the old one.
+
+        Returns:
+            The array, or None where there is nothing to map: a tensor in object
+            storage, one stored packed (4-bit), one of no bytes.
+
+        Raises:
+            SafetensorsError: the file ends before the tensor does.
+        """
+        if self.packed or not self.nbytes:
+            return None
+        with self._opened() as storage:
+            try:
+                raw = storage.mapped(self.offset, self.nbytes)
+            except ValueError:  # (beyond the file's end)
+                raise _truncated(self) from None
+        if raw is None:
+            return None
+        return np.frombuffer(raw, self.dtype, math.prod(self.shape)).reshape(self.shape)
+
     def _checked(self, memory: Any, verify: bool) -> np.ndarray:
         """The whole tensor read (into `memory`, or a fresh buffer), with `verify` hashed
         piece by piece as it is read and checked."""
@@ -956,10 +983,15 @@ def _pread(
         while done < end:
             got = storage.read_into(offset + done, into[done:end])
             if got == 0:
-                raise SafetensorsError(
-                    f"{tensor.file}: the file ends inside the bytes of {tensor.name!r}; it "
-                    f"was truncated after it was opened. Write it again."
-                )
+                raise _truncated(tensor)
             done += got
         if send is not None:
             send(into[start:end])
+
+
+def _truncated(tensor: Tensor) -> SafetensorsError:
+    """The error of a file that ends inside `tensor`'s bytes."""
+    return SafetensorsError(
+        f"{tensor.file}: the file ends inside the bytes of {tensor.name!r}; it was truncated "
+        f"after it was opened. Write it again."
+    )

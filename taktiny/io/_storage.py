@@ -2,7 +2,8 @@
 
 The format layer (a header read and checked, a tensor or a block of it read, hashed and
 unpacked) and the load above it ask a file for nothing else: its name, its size, the
-bytes at an offset into a buffer they own, and, as a hint, the bytes they will read next.
+bytes at an offset into a buffer they own, and, as a hint, the bytes they will read next;
+a local file's bytes can also be mapped, read where the page cache holds them.
 `OpenFile` answers for a local file held open by its descriptor, `RemoteFile`
 (`_object_store`) for an object in a bucket; the readers above them do not change.
 """
@@ -10,6 +11,7 @@ bytes at an offset into a buffer they own, and, as a hint, the bytes they will r
 from __future__ import annotations
 
 import concurrent.futures
+import mmap
 import os
 import weakref
 from collections.abc import Iterable
@@ -49,6 +51,13 @@ class Storage(Protocol):
     def advise(self, offset: int, size: int) -> None:
         """Says that the `size` bytes at `offset` will be read soon (a hint: fetching them
         ahead of the read, or nothing)."""
+        ...
+
+    def mapped(self, offset: int, size: int) -> memoryview | None:
+        """The `size` bytes at `offset` mapped read-only into memory, not copied (the
+        mapping lasts as long as the view does), or None where the storage cannot be
+        mapped (an object's, or a file on a file system that maps none). Raises
+        ValueError when the file ends before them."""
         ...
 
     def replaced(self) -> bool:
@@ -93,6 +102,16 @@ class OpenFile:
     def advise(self, offset: int, size: int) -> None:
         if hasattr(os, "posix_fadvise"):
             os.posix_fadvise(self.fd, offset, size, os.POSIX_FADV_WILLNEED)
+
+    def mapped(self, offset: int, size: int) -> memoryview | None:
+        start = offset - offset % mmap.ALLOCATIONGRANULARITY  # (a mapping starts on one)
+        try:  # (raises ValueError past the file's end)
+            mapping = mmap.mmap(
+                self.fd, offset + size - start, access=mmap.ACCESS_READ, offset=start
+            )
+        except OSError:  # (a file system that cannot map files)
+            return None
+        return memoryview(mapping)[offset - start :]
 
     def replaced(self) -> bool:
         try:

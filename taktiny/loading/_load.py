@@ -6,7 +6,10 @@ once; several readers read several tensors at a time, as many as make the reads 
 (`Readers`). A tensor the rules only rename, loaded into a leaf of its own dtype, is read
 into the leaf's own buffers: whole, or the blocks this process's devices hold read
 together, each becoming its device's shard (``jax.make_array_from_single_device_arrays``);
-a tensor the rules only transpose is read into its leaf's buffer piece by piece. Anything
+a tensor the rules only transpose is read into its leaf's buffer piece by piece. Onto
+devices that copy host memory (a TPU, a GPU), a tensor in a local file is not read but
+mapped and copied from the page cache (`Mapped`), one in object storage staged through a
+ring of reused buffers (`Staged`). Anything
 else a rule transforms is read whole into a reused buffer, transformed by XLA and placed
 with ``jax.device_put``. A float tensor loaded into a quantized parameter (a `QArray`) is
 quantized as it is placed, so a quantizing load holds one float tensor at a time besides
@@ -123,8 +126,10 @@ def load_safetensors(
             starts only while the scratch, the steps in flight and its own bytes stay
             within the budget, and the read-ahead asked of the OS stays within what is
             left (the page cache it fills is the kernel's, not counted). Not counted: the
-            model's arrays, which are the result, and XLA's working memory inside one
-            operation. A budget too small for one step is refused before a byte is read.
+            model's arrays, which are the result, XLA's working memory inside one
+            operation, and the page cache's pages of a local file mapped to be copied onto
+            a TPU or a GPU (the kernel's too). A budget too small for one step is refused
+            before a byte is read.
             :func:`~taktiny.io.plan_load` says what a load needs (``held_bytes``). None
             (the default): no budget, as many steps in flight as the readers read at
             once.

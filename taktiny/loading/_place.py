@@ -28,7 +28,7 @@ from ._checks import spec_of
 from ._record import Load
 
 
-def _canonical(names: Sequence[str], read: list[np.ndarray], problems: Problems) -> list[Any]:
+def _canonical(names: Sequence[str], read: list[Any], problems: Problems) -> list[Any]:
     """The tensors read, those of a 64-bit dtype cast to what JAX holds them in without
     x64 (int32, float32, ...) when every value survives; a problem for each that does not
     (JAX itself would wrap 2**40 + 5 to 5, or turn 1e300 into inf, without a word)."""
@@ -41,8 +41,9 @@ def _canonical(names: Sequence[str], read: list[np.ndarray], problems: Problems)
     return out
 
 
-def transformed(load: Load, step: Step, read: list[np.ndarray], scratch: Scratch) -> dict[str, Any]:
-    """A transforming step's targets, made from its sources (read into `scratch`) by XLA
+def transformed(load: Load, step: Step, read: list[Any], scratch: Scratch) -> dict[str, Any]:
+    """A transforming step's targets, made from its sources (read into `scratch`, or
+    already copied onto the default device: NumPy or JAX arrays) by XLA
     on the default device and placed on their leaves' shardings; a float array made for a
     quantized parameter is quantized as it is, and its parts placed."""
     leaves, quantized, where = load.leaves, load.quantized, load.where
@@ -167,12 +168,17 @@ class Scratch:
 
     def holds(self, array: jax.Array) -> bool:
         """Whether `array` uses the buffer's memory (a result that is one of its sources)."""
-        end = self.start + self.size
-        for shard in array.addressable_shards:
-            if shard.device.platform == "cpu" and shard.data.size:
-                if self.start <= shard.data.unsafe_buffer_pointer() < end:
-                    return True
-        return False
+        return adopted(array, self.start, self.size)
+
+
+def adopted(array: jax.Array, start: int, size: int) -> bool:
+    """Whether a shard of `array` is the host memory of `size` bytes at address `start`
+    (a CPU device adopts host memory it is given instead of copying it)."""
+    for shard in array.addressable_shards:
+        if shard.device.platform == "cpu" and shard.data.size:
+            if start <= shard.data.unsafe_buffer_pointer() < start + size:
+                return True
+    return False
 
 
 def _mapped(size: int, huge: bool) -> mmap.mmap:

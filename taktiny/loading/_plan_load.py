@@ -43,10 +43,12 @@ class PlannedStep:
         targets: the model's leaves it fills (a quantized parameter's two parts).
         rule: the rule that makes it (``"same name"`` without rules).
         transform: the rule's transform (``identity()``: a rename).
-        way: how it is read: ``"direct"`` (whole into its leaf's buffer), ``"staged"``
+        way: how it is read: ``"direct"`` (whole into its leaf's buffer), ``"mapped"``
+            (a local file's pages copied onto devices that copy host memory, a TPU's or a
+            GPU's, and transposed there: no host memory of the load's), ``"staged"``
             (through the load's reused staging buffers, a few MiB of rows at a time,
-            onto devices that copy host memory, a TPU's or a GPU's, and written into
-            place there, transposed there too), ``"blocks"`` (each
+            onto such devices, and written into place there, transposed there too: a
+            tensor in object storage), ``"blocks"`` (each
             device's block into its own buffer), ``"transposed"`` (permuted piece by
             piece into its leaf's buffer), ``"scratch"`` (into a reused buffer, then
             transformed and cast by XLA) or ``"quantized"`` (through the scratch buffer,

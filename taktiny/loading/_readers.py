@@ -20,6 +20,7 @@ from pathlib import Path
 
 from ..io import Storage, Tensor, Url, open_storage
 
+START = 2  # the readers a load starts with
 WINDOW = 128 * 2**20  # bytes read between two measurements
 GAIN = 1.1  # a doubling of the readers must read this much faster to stay
 AHEAD_S = 0.25  # seconds of reading the read-ahead keeps requested
@@ -37,7 +38,7 @@ class Readers:
 
     def __init__(self, most: int = 16, window: int = WINDOW):
         self.most, self.window = most, window
-        self.width = min(2, most)
+        self.width = min(START, most)
         self.ahead = 256 * 2**20
         self.rates: dict[int, float] = {}  # width -> bytes per second measured with it
         self.settled = False

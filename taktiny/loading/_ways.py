@@ -1,6 +1,7 @@
 """The ways a load reads its steps, one type each: whole into its leaf's buffer (`Whole`),
-renamed or transposed through a ring of staging buffers onto devices that copy host memory,
-a few MiB of rows at a time (`Staged`, `StagedTransposed`, `Ring`),
+renamed or transposed onto devices that copy host memory, from a local file's mapped
+pages (`Mapped`) or else through a ring of staging buffers, a few MiB of rows at a time
+(`Staged`, `StagedTransposed`, `Ring`),
 each device's block (`Blocks`), transposed piece by piece (`Transposed`), straight into its
 layer's slice of a stacked leaf (`InStack`), small tensors read together (`Batch`), through a
 scratch buffer to be transformed (`Transformed`), FP8 blocks laid out as they are read
@@ -14,6 +15,7 @@ import functools
 import math
 import queue
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from pathlib import Path
 from typing import Any, cast
 
 import jax
@@ -28,6 +30,7 @@ from ._checks import spec_of
 from ._layers import Stacker, zeros_on
 from ._place import (
     Scratch,
+    adopted,
     placed,
     placed_by_device,
     placed_together,
@@ -122,6 +125,48 @@ class Whole(Way):
         return {p: tensor.bytes_read(b, verify=verify) for p, b in by_process.items()}
 
 
+class Mapped(Whole):
+    """A tensor the rules only rename or transpose, in a local file, for a leaf on devices
+    that copy host memory (a TPU, a GPU), all of them this process's: its bytes mapped
+    from the file (:meth:`Tensor.mapped`: the page cache's own pages, with no copy made on
+    the host and no memory of the load's own) and copied onto the devices whole, hashed
+    while the copy reads them; a transposed one permuted there (its devices hold the
+    tensor as stored and the leaf for a moment). Where the file system cannot map the
+    file, read whole into fresh memory instead. Copying from the page cache runs at
+    twice the speed of the staging ring's reads on a TPU v5e (bench/FINDINGS.md
+    section 14), which a tensor in object storage still takes (`Staged`).
+
+    Args:
+        step: the step it reads (a rename or a transpose).
+        sources: its one tensor.
+        leaf: the model's leaf it fills.
+        perm: the axes its devices permute the tensor by; None: as it is.
+    """
+
+    word = "mapped"
+
+    def __init__(
+        self, step: Step, sources: list[Tensor], leaf: Any, perm: tuple[int, ...] | None
+    ) -> None:
+        super().__init__(step, sources, leaf)
+        self.perm = perm
+
+    def held(self, load: Load, shapes: dict[Any, Any]) -> int:
+        return waiting(load, self.step, self.sources[0], shared=True)  # (into stacks)
+
+    def read(self, verify: bool, stacker: Stacker | None) -> Any:
+        tensor, sharding = self.sources[0], sharding_of(self.leaf)
+        host = tensor.mapped()
+        if host is None:  # (no bytes; or a file system that cannot map)
+            array = placed(tensor.read(verify=verify), sharding)
+        else:
+            array = _copied(host, sharding)
+            if verify:  # (hashed while the copy reads the same pages)
+                tensor.check(host.view(np.uint8))
+        perm = self.perm
+        return {self.step.targets[0]: array if perm is None else _turned(perm, sharding)(array)}
+
+
 class Staged(Whole):
     """A renamed tensor for a leaf on devices that copy host memory instead of adopting it
     (a TPU, a GPU), read through the load's staging ring (`Ring`: a few buffers taken in
@@ -203,7 +248,7 @@ class Staged(Whole):
 
         try:
             for host in self._host(into, verify):
-                copy = _copied(taken[-1], host, sharding)
+                copy = _copied(host, sharding)
                 ring.give(taken.pop(), copy)
                 yield copy
         finally:
@@ -225,8 +270,7 @@ class StagedTransposed(Staged):
         return (0 if self.joined else BOX_PIECE) + super().temporary(load)
 
     def _axes(self) -> tuple[int, ...] | None:
-        perm, ndim = cast(transpose, self.step.rule.transform).perm, self.sources[0].ndim
-        return tuple(range(ndim))[::-1] if perm is None else tuple(p % ndim for p in perm)
+        return _axes(self.step, self.sources[0])
 
     def _perm(self) -> tuple[int, ...] | None:
         return self._axes() if self.joined else None
@@ -241,11 +285,31 @@ class StagedTransposed(Staged):
         yield tensor.read_transposed(axes, verify=verify, out=out.reshape(shape))
 
 
-def _copied(buffer: Scratch, host: np.ndarray, sharding: Any) -> jax.Array:
-    """`host` (in `buffer`) copied onto `sharding`; a device that adopted it after all (a
-    CPU's) gets its own copy, since the buffer is read into again."""
+def _axes(step: Step, tensor: Tensor) -> tuple[int, ...]:
+    """The axes `step`'s transpose permutes `tensor` by."""
+    perm, ndim = cast(transpose, step.rule.transform).perm, tensor.ndim
+    return tuple(range(ndim))[::-1] if perm is None else tuple(p % ndim for p in perm)
+
+
+def _copied(host: np.ndarray, sharding: Any) -> jax.Array:
+    """`host` (a staging buffer's, reused; or a file's mapped pages) copied onto
+    `sharding`; a device that adopted it after all (a CPU's) gets its own copy."""
     array = placed(host, sharding)
-    return jnp.copy(array) if buffer.holds(array) else array
+    return jnp.copy(array) if adopted(array, host.ctypes.data, host.nbytes) else array
+
+
+@functools.lru_cache(maxsize=CACHE_BOUND)
+def _turned(perm: tuple[int, ...], sharding: Any) -> Any:
+    """``turn(array)``: `array`'s axes permuted by `perm`, on `sharding` (one program per
+    axes and sharding for the process)."""
+
+    def turn(array: Any) -> Any:
+        if array.dtype.itemsize == 1 and jnp.issubdtype(array.dtype, jnp.floating):
+            bytes_ = jax.lax.bitcast_convert_type(array, jnp.uint8)  # (float8, moved as bytes)
+            return jax.lax.bitcast_convert_type(jnp.transpose(bytes_, perm), array.dtype)
+        return jnp.transpose(array, perm)
+
+    return jax.jit(turn, out_shardings=sharding)  # pyright: ignore[reportUnknownMemberType]  (JAX leaves its parameters unannotated)
 
 
 class Ring:
@@ -435,10 +499,15 @@ class Transformed(Way):
     not its tensor's): its sources read into a scratch buffer (`scratch`, taking turns
     with the load's other such steps), transformed by XLA in the load's thread, one step
     at a time, and placed (a float array for a quantized parameter quantized as it is);
-    `word` is ``"quantized"`` or ``"scratch"``. Besides the buffer (counted once, for the
-    load), it holds the arrays its transform makes on the default device that are not the
-    leaves: a chain's intermediate results, results cast or quantized afterwards (and the
-    cast), results placed on other devices, and 64-bit sources cast to what JAX holds."""
+    `word` is ``"quantized"`` or ``"scratch"``. Onto a default device that copies host
+    memory (a TPU, a GPU), sources in local files, of dtypes JAX holds as they are, are
+    copied onto it from their files' mapped pages instead (as `Mapped` copies; the first
+    one permuted there by `perm`, where it would be read permuted), still taking their
+    turn with the buffer, which is never mapped if no step reads into it. Besides the
+    buffer (counted once, for the load), it holds the arrays its transform makes on the
+    default device that are not the leaves: a chain's intermediate results, results cast
+    or quantized afterwards (and the cast), results placed on other devices, and 64-bit
+    sources cast to what JAX holds."""
 
     transforms = True
     perm: tuple[int, ...] | None = None  # the first source's axes, as it is read
@@ -509,6 +578,17 @@ class Transformed(Way):
         return Scratch.bytes_for(self.sources)
 
     def read(self, verify: bool, stacker: Stacker | None) -> Any:
+        here = jax.sharding.SingleDeviceSharding(default_device())
+        if _staging(here):  # (onto a device that copies host memory)
+            mapped = [t.mapped() if _plain(t) else None for t in self.sources]
+            if all(host is not None for host in mapped):  # (their local files' pages)
+                arrays = [_copied(cast(np.ndarray, host), here) for host in mapped]
+                for tensor, host in zip(self.sources, mapped, strict=True):
+                    if verify:  # (hashed while the copies read the same pages)
+                        tensor.check(cast(np.ndarray, host).view(np.uint8))
+                if self.perm is not None:  # (the first laid out there, as it would be read)
+                    arrays[0] = _turned(self.perm, here)(arrays[0])
+                return arrays
         return cast(Scratch, self.scratch).read(self.sources, verify, self.perm)
 
     def place(self, load: Load, data: Any) -> Iterable[tuple[str, Any]]:
@@ -613,6 +693,9 @@ def _way(load: Load, step: Step, piece: int) -> Way:
     sharding, tensor = sharding_of(leaf), sources[0]
     whole = len(sharding.device_set) == 1 or sharding.is_fully_replicated
     if whole and _staging(sharding) and not tensor.packed:
+        if _joined(sharding) and _local(tensor):
+            turned = isinstance(transform, transpose)
+            return Mapped(step, sources, leaf, _axes(step, tensor) if turned else None)
         kind = StagedTransposed if isinstance(transform, transpose) else Staged
         staged = kind(step, sources, leaf, piece)
         if staged.own() <= RING_MOST:  # (else read into a buffer of its own, as below)
@@ -647,6 +730,17 @@ def _staging(sharding: Any) -> bool:
     return all(device.platform != "cpu" for device in sharding.device_set)
 
 
+def _plain(tensor: Tensor) -> bool:
+    """Whether `tensor` is in a local file (`_local`), in a dtype JAX holds as it is."""
+    return _local(tensor) and tensor.dtype == jax.dtypes.canonicalize_dtype(tensor.dtype)
+
+
+def _local(tensor: Tensor) -> bool:
+    """Whether `tensor` is in a local file, whose pages can be mapped (`Mapped`); else in
+    object storage."""
+    return isinstance(tensor.file, Path)
+
+
 def _joined(sharding: Any) -> bool:
     """Whether a staged leaf on `sharding` is staged in pieces joined on its devices: they
     are this process's alone (a program writing pieces into place would be each process's
@@ -668,7 +762,8 @@ def _units(load: Load, ways: list[Way]) -> list[Way]:
     held = 0
     for way in ways:
         tensor = way.sources[0]
-        small = type(way) in (Whole, Staged) and tensor.nbytes <= SMALL and not tensor.packed
+        as_stored = type(way) in (Whole, Staged) or (type(way) is Mapped and way.perm is None)
+        small = as_stored and tensor.nbytes <= SMALL and not tensor.packed
         if run and (not small or held + tensor.nbytes > BATCH or len(run) == BATCH_STEPS):
             units.append(Batch(run) if len(run) > 1 else _in_stack(load, run[0]))
             run, held = [], 0

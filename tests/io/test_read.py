@@ -3,6 +3,7 @@ SafetensorsError that names the file and the tensor, raised before any data is r
 
 import itertools
 import json
+import os
 import struct
 
 import ml_dtypes
@@ -110,6 +111,43 @@ def test_read_rows_gives_the_pieces_in_order_each_into_the_memory_asked(tmp_path
         next(read)  # the check, before the iteration ends
     with pytest.raises(ValueError, match="at least one row at a time; got rows=0"):
         next(tensor.read_rows(0, lambda n: bytearray(n)))
+
+
+def test_mapped_gives_a_local_files_own_pages_read_only(tmp_path, monkeypatch):
+    import mmap
+    import types
+
+    import taktiny.io._storage as storage_module
+
+    rng = np.random.default_rng(0)
+    state = {f"t{i}": rng.standard_normal(1000 + 37 * i).astype(np.float32) for i in range(5)}
+    state |= {"cube": np.arange(7 * 3 * 5, dtype=np.int16).reshape(7, 3, 5)}
+    state |= {"none": np.zeros((0, 4), np.float32), "q": np.arange(-8, 8, dtype=ml_dtypes.int4)}
+    path = tmp_path / "m.safetensors"
+    save_safetensors(path, state)
+    checkpoint = open_safetensors(path)
+    for name, value in state.items():
+        mapped = checkpoint[name].mapped()
+        if name in ("none", "q"):  # (no bytes; stored packed two a byte)
+            assert mapped is None
+            continue
+        assert mapped.dtype == value.dtype and not mapped.flags.writeable
+        np.testing.assert_array_equal(mapped, value)  # (at offsets of every alignment)
+    unmappable = types.SimpleNamespace(**{**vars(mmap), "mmap": _refused})
+    monkeypatch.setattr(storage_module, "mmap", unmappable)
+    assert open_safetensors(path)["cube"].mapped() is None  # (a file system that maps none)
+    monkeypatch.undo()
+    os.truncate(path, checkpoint["cube"].offset + 10)  # (cut after it was opened)
+    with pytest.raises(
+        SafetensorsError,
+        match=rf"^{path}: the file ends inside the bytes of 'cube'; it was truncated after it "
+        r"was opened\. Write it again\.$",
+    ):
+        checkpoint["cube"].mapped()
+
+
+def _refused(*args, **kwargs):
+    raise OSError(19, "No such device")  # (ENODEV)
 
 
 def test_the_array_protocol_reads_in_the_dtype_asked(good):

@@ -668,7 +668,14 @@ def test_leaves_without_a_sharding_load_onto_the_callers_default_device(
     assert np.array_equal(plain["t"], state["t"]) and np.array_equal(ruled["t"], state["t"].T)
 
 
-def test_a_file_cut_after_it_was_opened_is_named_by_the_load_that_reads_it(tmp_path):
+@pytest.mark.parametrize("mapped", [False, True], ids=["read", "mapped"])
+def test_a_file_cut_after_it_was_opened_is_named_by_the_load_that_reads_it(
+    tmp_path, monkeypatch, mapped
+):
+    if mapped:  # (onto devices that copy host memory, a TPU's; simulated on the CPU)
+        import taktiny.loading._ways as ways_module
+
+        monkeypatch.setattr(ways_module, "_staging", lambda sharding: True)
     path = tmp_path / "cut.safetensors"
     save_safetensors(path, {"w": np.arange(64, dtype=np.float32)})
     checkpoint = open_safetensors(path)

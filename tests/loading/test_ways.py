@@ -155,17 +155,21 @@ def _views(monkeypatch, ways_module):
     return mapped
 
 
-def _staged_everywhere(monkeypatch, platform="cpu", **knobs):
-    """The loads below read through the staging ring, with the module constants `knobs`
-    set (``RING``, ``STAGE_PIECE``): on a TPU or a GPU (the `platform`'s first device is
-    the default, where the targets go) as they are; on the CPU, its devices taken as
-    devices that copy host memory. A CPU device adopts an aligned buffer instead of copying
-    it, so each value it adopts from the ring must be copied before the buffer is reused: a
-    load that forgot it would hand out arrays that the next reads overwrite."""
+def _staged_everywhere(monkeypatch, platform="cpu", ring=True, **knobs):
+    """The loads below read onto devices that copy host memory, with the module constants
+    `knobs` set (``RING``, ``STAGE_PIECE``): on a TPU or a GPU (the `platform`'s first
+    device is the default, where the targets go) as they are; on the CPU, its devices taken
+    as devices that copy. With `ring`, through the staging ring, each local file taken as
+    an object in storage is (`Mapped` reads a local one; tests/io's object-storage tests
+    read a real one). A CPU device adopts an aligned buffer instead of copying it, so each
+    value it adopts from the ring (or from a file's mapped pages) must be copied: a load
+    that forgot it would hand out arrays that the next reads overwrite."""
     import taktiny.loading._ways as ways_module
 
     if platform == "cpu":
         monkeypatch.setattr(ways_module, "_staging", lambda sharding: True)
+    if ring:
+        monkeypatch.setattr(ways_module, "_local", lambda tensor: False)
     for name, value in knobs.items():
         monkeypatch.setattr(ways_module, name, value)
     return ways_module
@@ -251,10 +255,13 @@ def test_a_leaf_whose_devices_span_processes_is_staged_whole(tmp_path, monkeypat
             np.testing.assert_array_equal(np.asarray(loaded[name]), value)
 
 
-def test_damaged_bytes_staged_onto_devices_that_copy_fail_the_load(tmp_path, monkeypatch, platform):
+@pytest.mark.parametrize("ring", [True, False], ids=["ring", "mapped"])
+def test_damaged_bytes_staged_onto_devices_that_copy_fail_the_load(
+    tmp_path, monkeypatch, platform, ring
+):
     from taktiny.io import SafetensorsError
 
-    _staged_everywhere(monkeypatch, platform, **SMALL_PIECES)
+    _staged_everywhere(monkeypatch, platform, ring, **SMALL_PIECES)
     state = {f"w{i}": np.full((64, 48), i, np.float32) for i in range(4)}
     path = tmp_path / "m.safetensors"
     save_safetensors(path, state)
@@ -268,8 +275,11 @@ def test_damaged_bytes_staged_onto_devices_that_copy_fail_the_load(tmp_path, mon
     assert float(loaded["w3"][-1, -1]) != 3.0 and float(loaded["w2"][-1, -1]) == 2.0
 
 
-def test_a_stack_and_a_replicated_leaf_onto_devices_that_copy_are_staged(tmp_path, monkeypatch):
-    _staged_everywhere(monkeypatch, **SMALL_PIECES)
+@pytest.mark.parametrize("ring", [True, False], ids=["ring", "mapped"])
+def test_a_stack_and_a_replicated_leaf_onto_devices_that_copy_are_staged(
+    tmp_path, monkeypatch, ring
+):
+    _staged_everywhere(monkeypatch, "cpu", ring, **SMALL_PIECES)
     mesh = jax.make_mesh((8,), ("x",))
     replicated = NamedSharding(mesh, P())
 
@@ -286,7 +296,7 @@ def test_a_stack_and_a_replicated_leaf_onto_devices_that_copy_are_staged(tmp_pat
         lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated), target
     )
     plan = plan_load(target, path)
-    assert {s.way for s in plan.steps} <= {"staged"}
+    assert {s.way for s in plan.steps} == {"staged" if ring else "mapped"}
     loaded = load_safetensors(target, path)
     for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(model), strict=True):
         assert a.sharding.is_equivalent_to(replicated, a.ndim)
@@ -311,3 +321,130 @@ def test_a_staging_ring_shrinks_within_a_budget(tmp_path, monkeypatch, platform)
     assert plan_load(target, path, max_host_bytes=each).scratch_bytes == 4 * each // 4
     loaded = load_safetensors(target, path, max_host_bytes=each // 4)
     assert [float(loaded[n][-1, -1]) for n in state] == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
+
+
+def test_a_local_file_onto_devices_that_copy_is_copied_from_its_mapped_pages(
+    tmp_path, monkeypatch, platform
+):
+    """A renamed or transposed tensor in a local file is copied onto its devices from the
+    file's mapped pages: no staging buffer, no host memory held, bitwise. The values are
+    the devices' own: bytes written into the file afterwards (in place, which a mapping
+    would show) change none of them."""
+    ways_module = _staged_everywhere(monkeypatch, platform, ring=False, **SMALL_PIECES)
+    shapes = {f"w{i}": (2, 513) for i in range(8)} | {"cube": (30, 7, 9)}
+    state, turned, rules, want = _turned(np.random.default_rng(3), shapes)
+    path = tmp_path / "m.safetensors"
+    save_safetensors(path, state)
+    # (4,104 bytes each, 8 past a multiple of 64: one of them starts on a multiple of 64,
+    # where a CPU device adopts the mapped memory it is given)
+    assert any(t.offset % 64 == 0 for t in open_safetensors(path).values())
+    renamed = {n: jax.ShapeDtypeStruct(v.shape, v.dtype) for n, v in state.items()}
+    for target, how in [(renamed, None), (turned, rules)]:
+        plan = plan_load(target, path, rules=how)
+        assert [s.way for s in plan.steps] == ["mapped"] * 9
+        assert plan.scratch_bytes == plan.held_bytes == 0
+    views = _views(monkeypatch, ways_module)
+    plain, permuted = load_safetensors(renamed, path), load_safetensors(turned, path, rules=rules)
+    assert views == []  # (no buffer of the ring taken)
+    size = path.stat().st_size
+    with open(path, "r+b") as file:  # every tensor's bytes overwritten, in place
+        file.seek(size - sum(v.nbytes for v in state.values()))
+        file.write(b"\xff" * (size - file.tell()))
+    for name, value in state.items():
+        assert plain[name].devices() == {jax.devices(platform)[0]}
+        np.testing.assert_array_equal(np.asarray(plain[name]), value)
+        np.testing.assert_array_equal(np.asarray(permuted[name]), want[name])
+
+
+def test_a_file_that_cannot_be_mapped_is_read_whole(tmp_path, monkeypatch, platform):
+    from taktiny.io import Tensor
+
+    _staged_everywhere(monkeypatch, platform, ring=False)
+    monkeypatch.setattr(Tensor, "mapped", lambda self: None)  # (as on a file system that maps none)
+    state = {"w": np.arange(48, dtype=np.float32).reshape(6, 8)}
+    path = tmp_path / "m.safetensors"
+    save_safetensors(path, state)
+    target = {"w": jax.ShapeDtypeStruct((8, 6), np.float32)}
+    loaded = load_safetensors(target, path, rules=[cv.Rule("w", "w", cv.transpose())])
+    np.testing.assert_array_equal(np.asarray(loaded["w"]), state["w"].T)
+
+
+def test_an_object_onto_devices_that_copy_is_staged_through_the_ring(s3, tmp_path, monkeypatch):
+    ways_module = _staged_everywhere(monkeypatch, ring=False, **SMALL_PIECES, RING=2)
+    state = {f"w{i}": np.full((64, 48), i, np.float32) for i in range(3)}
+    save_safetensors(f"{s3}/m.safetensors", state)
+    target = {n: jax.ShapeDtypeStruct(v.shape, v.dtype) for n, v in state.items()}
+    plan = plan_load(target, f"{s3}/m.safetensors")
+    assert [s.way for s in plan.steps] == ["staged"] * 3
+    views = _views(monkeypatch, ways_module)
+    loaded = load_safetensors(target, f"{s3}/m.safetensors")
+    assert len(views) == 12 and len(set(views)) == 2  # 4 pieces each, the ring in turns
+    for name, value in state.items():
+        np.testing.assert_array_equal(np.asarray(loaded[name]), value)
+
+
+def test_a_quantizing_load_onto_devices_that_copy_copies_from_mapped_pages(
+    tmp_path, monkeypatch, platform
+):
+    """Float tensors quantized (or cast) on their way onto devices that copy host memory
+    are copied there from their files' mapped pages: no scratch buffer is mapped, each
+    step still waits for the one before it, and the result is what ``tt.quantize`` of the
+    float model gives; damaged bytes still fail the load."""
+    from taktiny.io import SafetensorsError
+
+    ways_module = _staged_everywhere(monkeypatch, platform, ring=False)
+    model = _linear()
+    path = tmp_path / "m.safetensors"
+    save_safetensors(path, model)
+    target = tt.quantize(tt.eval_shape(_linear))
+    want = tt.quantize(model)
+    plan = plan_load(target, path)
+    assert {s.way for s in plan.steps} >= {"quantized"}
+    views = _views(monkeypatch, ways_module)
+    loaded = load_safetensors(target, path)
+    assert views == []  # (the scratch buffer never mapped)
+    for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(want), strict=True):
+        assert a.devices() == {jax.devices(platform)[0]}
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 4
+    path.write_bytes(bytes(data))
+    with pytest.raises(SafetensorsError, match="are damaged"):
+        load_safetensors(target, path)
+
+
+def test_fp8_blocks_onto_devices_that_copy_are_copied_from_mapped_pages(
+    tmp_path, monkeypatch, platform
+):
+    """FP8 blocks for devices that copy host memory: their weights and scales copied from
+    the files' mapped pages (no scratch buffer mapped), the weights laid out by the
+    devices; bitwise what the load gives on devices that adopt host memory (read through
+    the scratch buffer, laid out on the host), into bfloat16 and into int8."""
+    rng = np.random.default_rng(5)
+    path = tmp_path / "fp8"
+    weights = {f"layers.{i}.weight": rng.standard_normal((256, 384), np.float32) for i in range(2)}
+    fp8_folder(weights, path, quantized=lambda name: True, shards=1)
+    rules = [r for i in range(2) for r in cv.linear(f"layers.{i}", f"layers.{i}", bias=False)]
+    rules = cv.quantized_rules(rules, open_safetensors(path))
+
+    class Layers(nn.Module):
+        def __init__(self, *, rngs):
+            self.layers = [nn.Linear(384, 256, use_bias=False, rngs=rngs) for _ in range(2)]
+
+    floats = jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct(a.shape, jnp.bfloat16),
+        tt.eval_shape(lambda: Layers(rngs=nn.Rngs(0))),
+    )
+    targets = {"bf16": floats, "int8": tt.quantize(floats)}
+    with jax.default_device(jax.devices("cpu")[0]):  # (adopting devices: the scratch buffer)
+        want = {k: load_safetensors(t, path, rules=rules) for k, t in targets.items()}
+    ways_module = _staged_everywhere(monkeypatch, platform, ring=False)
+    views = _views(monkeypatch, ways_module)
+    for name, target in targets.items():
+        loaded = load_safetensors(target, path, rules=rules)
+        for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(want[name]), strict=True):
+            assert a.dtype == b.dtype and a.devices() == {jax.devices(platform)[0]}
+            np.testing.assert_array_equal(
+                np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8)
+            )
+    assert views == []

@@ -286,6 +286,6 @@ def test_the_accelerator_group_runs_small_on_a_cpu_when_asked(tmp_path, monkeypa
     (tmp_path / "scratch").mkdir()
     group = accelerator.run(Config("smoke", tmp_path / "scratch"))
     check(group)
-    assert len(group.targets) == 4 and "read back bitwise equal" in " ".join(group.notes)
+    assert len(group.targets) == 5 and "read back bitwise equal" in " ".join(group.notes)
     assert list((tmp_path / "scratch").iterdir()) == []
     assert not accelerator.FIGURES.exists()  # (figures of a CPU are not kept)
