@@ -9,6 +9,8 @@ import sys
 import time
 from pathlib import Path
 
+import _loopback
+
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "distributed.py"
 PROCESSES = 2
@@ -25,7 +27,9 @@ def run_processes(
 ) -> list[str]:
     """Runs `mode` as PROCESSES processes of one distributed job (examples/distributed.py,
     or `program` with its arguments); returns what each printed. Fails (after killing the
-    others) as soon as one exits with an error, or at `timeout`."""
+    others) as soon as one exits with an error, or at `timeout`. Skips the test, with the
+    reason, on a host that opens no TCP connection (the coordinator listens on one)."""
+    _loopback.needed()
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": "4"}
     env.pop("XLA_FLAGS", None)  # no --xla_force_host_platform_device_count from outside
     program = program or [str(EXAMPLE), mode, str(tmp_path / "run"), "--mesh", mesh]

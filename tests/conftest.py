@@ -57,9 +57,12 @@ def without_type_checks():
 
 @pytest.fixture(scope="session")
 def s3_server():
-    """moto's S3 server on 127.0.0.1, one per test process (tests/_s3.py)."""
+    """moto's S3 server on 127.0.0.1, one per test process (tests/_s3.py); skipped, with
+    the reason, on a host that opens no TCP connection (tests/_loopback.py)."""
+    import _loopback
     from _s3 import Server
 
+    _loopback.needed()
     server = Server()
     try:
         yield server

@@ -16,6 +16,7 @@ import sys
 import time
 from pathlib import Path
 
+import _loopback
 import jax.numpy as jnp
 import numpy as np
 import obstore
@@ -772,6 +773,7 @@ def test_a_plain_http_url_is_read(tmp_path, monkeypatch):
     server of bench/_s3_stub.py, from a folder)."""
     from bench._s3_stub import Stub
 
+    _loopback.needed()
     for key in ("AWS_ENDPOINT_URL", "AWS_ENDPOINT"):
         monkeypatch.delenv(key, raising=False)
     save_safetensors(tmp_path / "model.safetensors", values(1))

@@ -6,6 +6,7 @@ import math
 import sys
 from pathlib import Path
 
+import _loopback
 import jax
 import numpy as np
 import pytest
@@ -99,6 +100,8 @@ SLOW = ("streaming", "plan", "scanned", "quantized", "dispatch", "headers", "mem
 def test_benchmark_group_runs_on_tiny_sizes(name, tmp_path, request, fast_compile):
     if name in ("dispatch", "lora", "scanned"):  # their training steps use optax's Adam
         request.getfixturevalue("optax_promotion")
+    if name == "storage":  # (its S3 stub listens on 127.0.0.1)
+        _loopback.needed()
     (tmp_path / "scratch").mkdir()
     group = GROUPS[name].run(Config("smoke", tmp_path / "scratch"))
     check(group)
@@ -200,6 +203,8 @@ def test_s3_stub_speaks_enough_s3(tmp_path, monkeypatch):
     from obstore.store import from_url
 
     import taktiny.io as tio
+
+    _loopback.needed()
     from bench._s3_stub import Stub
 
     data = bytes(range(256)) * 64
