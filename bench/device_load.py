@@ -16,11 +16,11 @@ bitwise on the device: against the file's arrays (renamed, stacked), their trans
 product of the FP8 blocks rounded to bfloat16 (FP8).
 
 ``taktiny`` is the load as it is: each tensor copied onto the device from the file's
-mapped pages (``Mapped`` in ``taktiny/loading/_ways.py``). ``variants`` loads the file with
-more readers from the start (``_readers.START``), and through the staging ring that a
-tensor in object storage takes (pieces of 8 MiB and a ring of 8, as the load stages one;
-16 and 16), each against the same limit. Other ways to stage (tensors whole, read by
-threads; small pages; transposed on the host) were measured and pruned:
+mapped pages (``Mapped`` in ``taktiny/loading/_ways.py``), four readers from the start.
+``variants`` loads the file with two or eight readers from the start, and through the
+staging ring that a tensor in object storage takes (pieces of 8 MiB and a ring of 8, as
+the load stages one; 16 and 16), each against the same limit. Other ways to stage (tensors
+whole, read by threads; small pages; transposed on the host) were measured and pruned:
 bench/FINDINGS.md section 14.
 
 ``--peak folder [case]`` then loads a file written there alone, in a process of its own,
@@ -62,12 +62,13 @@ REPEATS = int(os.environ.get("DEVICE_LOAD_REPEATS", "3"))
 GiB = 2**30
 MiB = 2**20
 
-# What each variant sets, restored after: the readers a load starts with (`_readers.START`;
-# they then grow while it pays), or a local file staged through the ring as a tensor in
-# object storage is (`_ways._local`), with that ring's piece size and length
+# What each variant sets, restored after: the readers a load of mapped tensors starts with
+# (`_ways.MAPPED_START`, 4; they then grow while it pays), or a local file staged through
+# the ring as a tensor in object storage is (`_ways._local`), with that ring's piece size
+# and length
 VARIANTS: dict[str, dict[str, Any]] = {
-    "readers_from_4": {"_readers.START": 4},
-    "readers_from_8": {"_readers.START": 8},
+    "readers_from_2": {"_ways.MAPPED_START": 2},
+    "readers_from_8": {"_ways.MAPPED_START": 8},
     "ring_pieces_8MiB_ring8": {"_ways._local": lambda tensor: False},
     "ring_pieces_16MiB_ring16": {
         "_ways._local": lambda tensor: False,

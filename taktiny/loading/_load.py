@@ -195,7 +195,7 @@ def _load(
     starts = list(itertools.accumulate((len(way.sources) for way in units), initial=0))
     sizes = [sum(t.nbytes for t in way.sources) for way in units]
     holder: set[Scratch] = set()  # the scratch buffers holding a step's sources
-    readers = Readers()
+    readers = Readers(start=ways.start)
     placed: Any = {}
     stacker = None
     if load.layers is not None:  # per-layer names: each slice written into its stacked leaf

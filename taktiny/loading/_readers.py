@@ -20,7 +20,7 @@ from pathlib import Path
 
 from ..io import Storage, Tensor, Url, open_storage
 
-START = 2  # the readers a load starts with
+START = 2  # the readers a load starts with (one that copies mapped pages: `_ways.MAPPED_START`)
 WINDOW = 128 * 2**20  # bytes read between two measurements
 GAIN = 1.1  # a doubling of the readers must read this much faster to stay
 AHEAD_S = 0.25  # seconds of reading the read-ahead keeps requested
@@ -34,11 +34,12 @@ class Readers:
     Args:
         most: the most readers ever used.
         window: the bytes finished between two measurements.
+        start: the readers it starts with.
     """
 
-    def __init__(self, most: int = 16, window: int = WINDOW):
+    def __init__(self, most: int = 16, window: int = WINDOW, start: int = START):
         self.most, self.window = most, window
-        self.width = min(START, most)
+        self.width = min(start, most)
         self.ahead = 256 * 2**20
         self.rates: dict[int, float] = {}  # width -> bytes per second measured with it
         self.settled = False

@@ -38,6 +38,7 @@ from ._place import (
     sharding_of,
     transformed,
 )
+from ._readers import START
 from ._record import Load, parts_of
 from ._steps import results_of, tensors_of
 
@@ -663,6 +664,8 @@ class Ways:
         self.ring = Ring(count, size)
         for way in staged:
             way.ring = self.ring
+        mapped = any(isinstance(way, Mapped) for way in self.units)
+        self.start = MAPPED_START if mapped else START  # (the readers it starts with)
 
     @property
     def buffers(self) -> list[Scratch]:
@@ -718,6 +721,8 @@ def _one_to_one(step: Step, sources: list[Tensor], leaves: Mapping[str, Any]) ->
 
 # How a load stages tensors onto devices that copy host memory (`Staged`, `Ring`), read
 # when each load begins (bench/FINDINGS.md section 14 measured others: none 3% faster)
+MAPPED_START = 4  # the readers a load with `Mapped` steps starts with (four were 7-15% faster
+# than two in three runs on a TPU v5e, eight 5% slower than four; `Readers` grows from there)
 RING = 8  # the staging buffers, taken in turns
 RING_MOST = 256 * 2**20  # the most bytes of one (a tensor that needs more: a buffer of its own)
 STAGE_PIECE = 8 * 2**20  # the most bytes of a piece of a tensor (whole rows, at least one)

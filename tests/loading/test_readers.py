@@ -88,7 +88,7 @@ def test_a_load_keeps_width_reads_in_flight_and_gives_the_same_model(tmp_path, m
     target = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in values.items()}
 
     class Fixed(Readers):
-        def __init__(self):
+        def __init__(self, start):
             super().__init__(most=width)
             self.width = width
 

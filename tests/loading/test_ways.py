@@ -155,6 +155,21 @@ def _views(monkeypatch, ways_module):
     return mapped
 
 
+def _starts(monkeypatch):
+    """The readers each load below starts with, as a list the test reads."""
+    import taktiny.loading._load as load_module
+
+    starts = []
+
+    class Counted(load_module.Readers):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            starts.append(self.width)
+
+    monkeypatch.setattr(load_module, "Readers", Counted)
+    return starts
+
+
 def _staged_everywhere(monkeypatch, platform="cpu", ring=True, **knobs):
     """The loads below read onto devices that copy host memory, with the module constants
     `knobs` set (``RING``, ``STAGE_PIECE``): on a TPU or a GPU (the `platform`'s first
@@ -188,9 +203,10 @@ def test_a_load_onto_devices_that_copy_reads_through_a_reused_staging_ring(
     assert [s.way for s in plan.steps] == ["staged"] * 10
     slot = 16 * 49 * 4  # pieces of 16 rows: 20 to 25 fit 4 KiB, 16 divide 64
     assert plan.scratch_bytes == 3 * slot
-    mapped = _views(monkeypatch, ways_module)
+    mapped, starts = _views(monkeypatch, ways_module), _starts(monkeypatch)
     loaded = load_safetensors(target, path)
     assert len(mapped) == 40 and len(set(mapped)) == 3  # 4 pieces each, the ring in turns
+    assert starts == [2]
     for name, value in state.items():  # each its own array, none overwritten by a later read
         assert loaded[name].devices() == {jax.devices(platform)[0]}
         np.testing.assert_array_equal(np.asarray(loaded[name]), value)
@@ -343,9 +359,10 @@ def test_a_local_file_onto_devices_that_copy_is_copied_from_its_mapped_pages(
         plan = plan_load(target, path, rules=how)
         assert [s.way for s in plan.steps] == ["mapped"] * 9
         assert plan.scratch_bytes == plan.held_bytes == 0
-    views = _views(monkeypatch, ways_module)
+    views, starts = _views(monkeypatch, ways_module), _starts(monkeypatch)
     plain, permuted = load_safetensors(renamed, path), load_safetensors(turned, path, rules=rules)
     assert views == []  # (no buffer of the ring taken)
+    assert starts == [4, 4]  # (ways_module.MAPPED_START readers from the start)
     size = path.stat().st_size
     with open(path, "r+b") as file:  # every tensor's bytes overwritten, in place
         file.seek(size - sum(v.nbytes for v in state.values()))
