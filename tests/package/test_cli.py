@@ -543,6 +543,7 @@ def untied():
 
 
 @pytest.mark.program
+@pytest.mark.thorough  # (20 s, importing transformers: `make property` runs it)
 def test_diff_imports_a_factory_module_that_imports_transformers_model_classes(tmp_path):
     # a lazily loaded NumPy left in sys.modules by the command made SciPy's import fail
     # inside transformers' (module 'numpy._core' has no attribute '_multiarray_umath'),

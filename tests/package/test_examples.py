@@ -69,7 +69,8 @@ def test_bert_example_matches_transformers_and_exports_back():
     assert apart <= 1e-5, out
 
 
-def test_gpt2_example_matches_transformers_and_exports_back():
+@pytest.mark.thorough  # (22 s: `make property` runs it; tests/convert/test_hf_corpus.py's
+def test_gpt2_example_matches_transformers_and_exports_back():  # GPT-2 runs in `make test`)
     out = run_example("gpt2.py")
     reports = parity_reports(out)
     assert list(reports) == [

@@ -3,7 +3,10 @@
 import pytest
 from test_examples import parity_reports, run_example
 
-pytestmark = pytest.mark.program
+# (about 19 s each: `make property` runs them, keeping `make test` under 12 minutes; in
+# `make test`, tests/convert/test_hf_corpus.py loads both models' transformers checkpoints
+# with these examples' rules and checks their outputs)
+pytestmark = [pytest.mark.program, pytest.mark.thorough]
 
 
 def test_vit_example_matches_transformers_and_exports_back():
