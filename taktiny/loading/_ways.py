@@ -163,7 +163,7 @@ class Mapped(Whole):
         else:
             array = _copied(host, sharding)
             if verify:  # (hashed while the copy reads the same pages)
-                tensor.check(host.view(np.uint8))
+                tensor.check(host.reshape(-1).view(np.uint8))
         perm = self.perm
         return {self.step.targets[0]: array if perm is None else _turned(perm, sharding)(array)}
 
@@ -586,7 +586,7 @@ class Transformed(Way):
                 arrays = [_copied(cast(np.ndarray, host), here) for host in mapped]
                 for tensor, host in zip(self.sources, mapped, strict=True):
                     if verify:  # (hashed while the copies read the same pages)
-                        tensor.check(cast(np.ndarray, host).view(np.uint8))
+                        tensor.check(cast(np.ndarray, host).reshape(-1).view(np.uint8))
                 if self.perm is not None:  # (the first laid out there, as it would be read)
                     arrays[0] = _turned(self.perm, here)(arrays[0])
                 return arrays

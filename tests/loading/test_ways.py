@@ -465,3 +465,19 @@ def test_fp8_blocks_onto_devices_that_copy_are_copied_from_mapped_pages(
                 np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8)
             )
     assert views == []
+
+
+def test_scalars_and_casts_onto_devices_that_copy_are_copied_from_mapped_pages(
+    tmp_path, monkeypatch, platform
+):
+    """A 0-d tensor and a cast one (transformed) copied from mapped pages, checked."""
+    _staged_everywhere(monkeypatch, platform, ring=False)
+    state = {"scale": np.float32(2.5), "w": np.linspace(-1, 1, 2048, dtype=np.float32)}
+    path = tmp_path / "m.safetensors"
+    save_safetensors(path, state)
+    target = {n: jax.ShapeDtypeStruct(np.shape(v), jnp.bfloat16) for n, v in state.items()}
+    assert {s.way for s in plan_load(target, path).steps} == {"scratch"}
+    loaded = load_safetensors(target, path)
+    for name, value in state.items():
+        assert loaded[name].dtype == jnp.bfloat16
+        np.testing.assert_array_equal(np.asarray(loaded[name]), jnp.asarray(value, jnp.bfloat16))
