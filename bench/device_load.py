@@ -44,6 +44,7 @@ import socket
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -437,7 +438,9 @@ def _object_storage(folder: Path, path: Path, arrays: dict[str, np.ndarray]) -> 
 def peak(folder: Path, case: str = "renamed") -> dict[str, object]:
     """One of Taktiny's loads alone (run it in a process of its own: one process at a time
     may hold a TPU), from the files a run wrote in `folder`: its peak host memory beyond
-    what the process held before the load, and the way each step was read."""
+    what the process held before the load (``ru_maxrss``, which counts the page cache's
+    pages the load maps, and the process's own memory alone: anonymous pages, sampled
+    every millisecond), and the way each step was read."""
     import resource
 
     import taktiny as tt
@@ -462,10 +465,50 @@ def peak(folder: Path, case: str = "renamed") -> dict[str, object]:
         rules = cv.quantized_rules([r for rs in linear for r in rs], open_safetensors(path))
         model = tt.quantize(_modules(stacked=False))
     ways = sorted({s.way for s in plan_load(model, path, rules=rules).steps})
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    jax.block_until_ready(load_safetensors(model, path, rules=rules))
+    before, anonymous = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, _anonymous()
+    with _Sampled(_anonymous) as most:
+        jax.block_until_ready(load_safetensors(model, path, rules=rules))
     after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return {"case": case, "taktiny_peak_host_MiB": (after - before) / 1024, "ways": ways}
+    return {
+        "case": case,
+        "taktiny_peak_host_MiB": (after - before) / 1024,
+        "taktiny_peak_anonymous_MiB": (most.value - anonymous) / MiB,
+        "ways": ways,
+    }
+
+
+def _anonymous() -> int:
+    """The process's anonymous resident bytes (``RssAnon``; 0 where /proc has none)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+class _Sampled:
+    """The most that `measure()` gave, sampled every millisecond in a thread while the
+    block runs (``value``)."""
+
+    def __init__(self, measure: Callable[[], int]) -> None:
+        self.measure, self.value = measure, measure()
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self.done.wait(0.001):
+            self.value = max(self.value, self.measure())
+
+    def __enter__(self) -> _Sampled:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.done.set()
+        self.thread.join()
+        self.value = max(self.value, self.measure())
 
 
 def main(folder: Path) -> dict[str, object]:
@@ -551,7 +594,11 @@ def summary(paths: list[Path]) -> str:
             continue
         if "case" in figures:
             peak_mib = figures["taktiny_peak_host_MiB"]
-            lines.append(f"peak {figures['case']}: {peak_mib:.0f} MiB {figures['ways']}")
+            own = figures.get("taktiny_peak_anonymous_MiB", float("nan"))
+            lines.append(
+                f"peak {figures['case']}: {peak_mib:.0f} MiB ({own:.0f} MiB the process's "
+                f"own) {figures['ways']}"
+            )
             continue
         raw = ("raw_read_GiBps", "raw_device_put_GiBps", "raw_pipeline_GiBps", "raw_limit_GiBps")
         lines.append(" ".join(f"{k[:-6]}={figures[k]:.2f}" for k in raw if k in figures))
