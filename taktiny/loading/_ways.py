@@ -161,9 +161,7 @@ class Mapped(Whole):
         if host is None:  # (no bytes; or a file system that cannot map)
             array = placed(tensor.read(verify=verify), sharding)
         else:
-            array = _copied(host, sharding)
-            if verify:  # (hashed while the copy reads the same pages)
-                tensor.check(host.reshape(-1).view(np.uint8))
+            array = _from_pages(tensor, host, sharding, verify)
         perm = self.perm
         return {self.step.targets[0]: array if perm is None else _turned(perm, sharding)(array)}
 
@@ -297,6 +295,15 @@ def _copied(host: np.ndarray, sharding: Any) -> jax.Array:
     `sharding`; a device that adopted it after all (a CPU's) gets its own copy."""
     array = placed(host, sharding)
     return jnp.copy(array) if adopted(array, host.ctypes.data, host.nbytes) else array
+
+
+def _from_pages(tensor: Tensor, host: np.ndarray, sharding: Any, verify: bool) -> jax.Array:
+    """`host`, `tensor`'s mapped pages, copied onto `sharding`; with `verify`, hashed while
+    the copy reads the same pages, and checked."""
+    array = _copied(host, sharding)
+    if verify:
+        tensor.check(host.reshape(-1).view(np.uint8))  # (its bytes: a 0-d array's too)
+    return array
 
 
 @functools.lru_cache(maxsize=CACHE_BOUND)
@@ -583,10 +590,8 @@ class Transformed(Way):
         if _staging(here):  # (onto a device that copies host memory)
             mapped = [t.mapped() if _plain(t) else None for t in self.sources]
             if all(host is not None for host in mapped):  # (their local files' pages)
-                arrays = [_copied(cast(np.ndarray, host), here) for host in mapped]
-                for tensor, host in zip(self.sources, mapped, strict=True):
-                    if verify:  # (hashed while the copies read the same pages)
-                        tensor.check(cast(np.ndarray, host).reshape(-1).view(np.uint8))
+                pairs = zip(self.sources, cast(list[np.ndarray], mapped), strict=True)
+                arrays = [_from_pages(t, host, here, verify) for t, host in pairs]
                 if self.perm is not None:  # (the first laid out there, as it would be read)
                     arrays[0] = _turned(self.perm, here)(arrays[0])
                 return arrays
