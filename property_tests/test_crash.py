@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from property_tests.budget import examples
+from tests._child import cpu_environment
 
 HARNESS = Path(__file__).parent.parent / "tests" / "_crash.py"
 
@@ -28,7 +29,7 @@ def test_saves_killed_at_random_moments_leave_one_whole_version(tmp_path, how):
         capture_output=True,
         text=True,
         timeout=900,
-        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+        env=cpu_environment(),
     )
     assert run.returncode == 0, run.stderr
     results = json.loads(run.stdout)

@@ -18,6 +18,7 @@ import os
 import random
 import signal
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -26,6 +27,7 @@ from typing import Any
 
 import ml_dtypes
 import numpy as np
+from _child import cpu_environment
 
 # each version of the checkpoint: tensors of several dtypes and sizes; shard limits that
 # give one file, two shards or three
@@ -135,11 +137,18 @@ def steps(hook: Callable[[str, int], None]) -> Iterator[None]:
     count = 0
     real = {name: getattr(os, name) for name in STEPS if name != "write_file"}
     real_save = _write.write_file
+    # the threads already running (the test runner's, a platform's) make no operation of
+    # the save's: counted, they would shift every step after theirs (on the TPU host, the
+    # child killed after step k ran fewer steps than its parent counted; a forked child
+    # runs no other thread)
+    others = set(threading.enumerate()) - {threading.current_thread()}
 
     def wrap(name: str, call: Callable[..., Any]) -> Callable[..., Any]:
         def step(*args: Any, **kwargs: Any) -> Any:
             nonlocal count
             result = call(*args, **kwargs)
+            if threading.current_thread() in others:
+                return result
             count += 1
             hook(name, count)
             return result
@@ -204,7 +213,9 @@ def kill_after_each_step(
 
             _, status = os.waitpid(_killed_child(run), 0)
             if not os.WIFSIGNALED(status):
-                results["failures"].append(f"{scenario}: the child was not killed at step {k}")
+                results["failures"].append(
+                    f"{scenario}: the child was not killed at step {k} of {made}"
+                )
                 continue
             results["kills"] += 1
             got = outcome(folder, old, new)
@@ -263,7 +274,7 @@ def run_program(*argv: str, timeout: float = 600) -> dict[str, Any]:
         capture_output=True,
         text=True,
         timeout=timeout,
-        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+        env=cpu_environment(),
     )
     assert run.returncode == 0, run.stderr
     results = json.loads(run.stdout)

@@ -2,7 +2,6 @@
 program taking its coordinator arguments), for the multi-process tests of loading and of
 object storage."""
 
-import os
 import socket
 import subprocess
 import sys
@@ -10,6 +9,7 @@ import time
 from pathlib import Path
 
 import _loopback
+from _child import cpu_environment
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "distributed.py"
@@ -30,7 +30,7 @@ def run_processes(
     others) as soon as one exits with an error, or at `timeout`. Skips the test, with the
     reason, on a host that opens no TCP connection (the coordinator listens on one)."""
     _loopback.needed()
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": "4"}
+    env = cpu_environment(JAX_NUM_CPU_DEVICES="4")
     env.pop("XLA_FLAGS", None)  # no --xla_force_host_platform_device_count from outside
     program = program or [str(EXAMPLE), mode, str(tmp_path / "run"), "--mesh", mesh]
     command = [sys.executable, *program, "--coordinator", f"127.0.0.1:{free_port()}",

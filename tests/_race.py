@@ -12,7 +12,6 @@ then saves B, A, B, ... until the file STOP exists, and prints a JSON line with 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
@@ -21,6 +20,7 @@ from typing import Any
 
 import ml_dtypes
 import numpy as np
+from _child import cpu_environment
 
 HERE = Path(__file__).parent
 # tensors of 8, 8, 8, 8, 16 and 16 KiB (times the scale): shard limits of 16 KiB give 4
@@ -94,7 +94,7 @@ def race(folder: Path, seconds: float, scale: int = 1, reads: int = 0) -> dict[s
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+        env=cpu_environment(),
     )
     counts: dict[str, Any] = {"reads": 0, "A": 0, "B": 0, "wrong": 0, "errors": 0}
     problems: list[str] = []

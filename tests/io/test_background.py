@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _child import cpu_environment
 from _crash import SCENARIOS, as_loaded, loaded, prepare, run_program, version
 
 from taktiny.io import BackgroundSave, _background, _write, open_safetensors, save_safetensors
@@ -465,7 +466,7 @@ def run_python(script: str, *args: str) -> subprocess.CompletedProcess[str]:
         capture_output=True,
         text=True,
         timeout=120,
-        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+        env=cpu_environment(),
     )
 
 

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from _child import cpu_environment
 
 from taktiny import _cli
 from taktiny.io import (
@@ -401,7 +402,7 @@ def test_the_command_runs_as_a_program_without_a_traceback(tmp_path):
     path = make_file(tmp_path, header(a=entry(shape=[0, 2**64], data_offsets=[0, 0])))
     run = subprocess.run([sys.executable, "-m", "taktiny", "inspect", str(path)],
                          capture_output=True, text=True, timeout=120,
-                         env={**os.environ, "JAX_PLATFORMS": "cpu"})  # fmt: skip
+                         env=cpu_environment())  # fmt: skip
     assert run.returncode == 2 and run.stdout == ""
     assert run.stderr.splitlines() == [
         f"taktiny: {path}: the header entry of 'a' is {{'data_offsets': [0, 0], 'dtype': 'F32', "

@@ -8,13 +8,13 @@ within ``held_bytes``, what ``max_host_bytes`` counts (a budget that counted not
 the rows a block read cuts from, onto CPU devices, fails here: planted by hand)."""
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from _child import cpu_environment
 from _peak import CASES, SHAPES
 from _quantized_files import fp8_folder
 
@@ -39,12 +39,10 @@ def test_the_predicted_peak_of_loads_through_scratch_buffers_is_the_measured(tmp
         quantized=lambda n: True,
         shards=1,
     )
-    env = {
-        **os.environ,
-        "JAX_PLATFORMS": "cpu",
-        "PYTHONPATH": str(HERE.parent),
-        "MALLOC_MMAP_THRESHOLD_": str(2**20),  # (see tests/_peak.py)
-    }
+    env = cpu_environment(
+        PYTHONPATH=str(HERE.parent),
+        MALLOC_MMAP_THRESHOLD_=str(2**20),  # (see tests/_peak.py)
+    )
     run = subprocess.run(
         [sys.executable, str(HERE / "_peak.py"), str(tmp_path), *map(str, range(len(CASES)))],
         capture_output=True,

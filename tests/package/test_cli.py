@@ -1,7 +1,6 @@
 """`taktiny inspect` and `taktiny diff` on safetensors files, indexes and Orbax checkpoints."""
 
 import json
-import os
 import re
 import subprocess
 import sys
@@ -14,6 +13,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 import safetensors.numpy
+from _child import cpu_environment
 
 from taktiny import _cli, nn
 from taktiny._cli import main
@@ -191,7 +191,7 @@ def test_diff_reports_names_in_one_only_shape_changes_and_the_largest_difference
 def test_the_command_runs_as_python_dash_m(two):
     run = subprocess.run([sys.executable, "-m", "taktiny", "inspect", two[0], "--filter", "head.*"],
                          capture_output=True, text=True, cwd=ROOT, timeout=120,
-                         env={**os.environ, "JAX_PLATFORMS": "cpu"})  # fmt: skip
+                         env=cpu_environment())  # fmt: skip
     assert run.returncode == 0, run.stderr
     assert run.stdout.splitlines()[-1] == "1 tensors, 6 parameters, 6 bytes"
 
@@ -552,7 +552,7 @@ def test_diff_imports_a_factory_module_that_imports_transformers_model_classes(t
     run = subprocess.run(
         [sys.executable, "-m", "taktiny", "diff", "llama_models:tied", "llama_models:untied"],
         capture_output=True, text=True, cwd=tmp_path, timeout=300,
-        env={**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)},
+        env=cpu_environment(PYTHONPATH=str(ROOT)),
     )  # fmt: skip
     assert (run.returncode, run.stderr) == (1, ""), run.stderr
     assert run.stdout.splitlines() == [
