@@ -91,9 +91,9 @@ class LoRALinear(_Adapter):
     """A :class:`Linear` or :class:`QuantizedLinear` with a low-rank adapter:
     ``y = x @ kernel + bias + scale * (x @ lora_a) @ lora_b``.
 
-    The base layer computes its output as it would alone (dequantizing a quantized
-    kernel), and the adapter's term is added to it, computed from the activations
-    through the rank: two skinny products, ``[*batch, in] @ [in, rank]`` then
+    The base layer computes its output as it would alone (a quantized kernel as
+    :class:`QuantizedLinear` applies it), and the adapter's term is added to it, computed
+    from the activations through the rank: two skinny products, ``[*batch, in] @ [in, rank]`` then
     ``[*batch, rank] @ [rank, out]``, in the dtype the base computes in, at its
     precision. The adapted kernel ``kernel + scale * lora_a @ lora_b`` is never formed,
     and nothing ``[in, out]``-sized is computed for the frozen kernel in the backward

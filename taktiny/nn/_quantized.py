@@ -16,20 +16,57 @@ from jaxtyping import Array, Float, Integer
 from ..arrays import Spec
 from ..module import Module, Rngs, finalise
 from ..quant import QArray, dequantize_array, quantized
-from ._explicit import explicit_axes, free, project, typed_spec
+from ._explicit import explicit_axes, follow, free, project, typed_spec
 from ._layer_checks import check_features, check_ids
 from ._precision import DTYPE, PRECISION, compute_dtype, static_dtype, static_precision
 from ._random import lecun_normal, normal, zero_bias
 
 
-def dequantized(weight: QArray, dtype: jnp.dtype | None, x: Any) -> tuple[jnp.dtype, jax.Array]:
-    """The dtype a quantized layer computes in on input `x` (its `dtype`; when that is None,
-    the input's if it is float, else the scales'), and the weight dequantized into it."""
+def layer_dtype(weight: QArray, dtype: jnp.dtype | None, x: Any) -> jnp.dtype:
+    """The dtype a quantized layer computes in on input `x`: its `dtype`; when that is
+    None, the input's if it is float, else the scales'."""
     if dtype is None and jnp.issubdtype(x.dtype, jnp.floating):
         dtype = jnp.dtype(x.dtype)
-    dtype = compute_dtype(dtype, weight)
-    meta = {"axis": weight.axis, "group_size": weight.group_size, "dtype": dtype}
-    return dtype, dequantize_array(weight.value, weight.scale, **meta)
+    return compute_dtype(dtype, weight)
+
+
+def quantized_project(
+    x: jax.Array,
+    weight: QArray,
+    bias: jax.Array | None,
+    precision: jax.lax.PrecisionLike,
+    *,
+    rows: bool = False,
+) -> jax.Array:
+    """``x @ dequantize(weight) + bias`` on the last axis of `x` (already in the dtype the
+    layer computes in), or ``x @ dequantize(weight).T`` with `rows` (a table quantized
+    along its features, scored by `QuantizedEmbed.attend`). With one scale per output
+    channel, quantized along the contracted axis, the integers enter the product (only
+    converted, which XLA may fuse into the product's read of the weight) and the scales
+    multiply its ``[*batch, out]`` result rather than the weight: ``(x @ q) * s`` equals
+    ``x @ (q * s)`` up to rounding (the integers are exact in any float dtype; the scale
+    rounds once per output rather than once per weight). With groups, the weight is
+    dequantized first.
+
+    Args:
+        x: ``[*batch, in]``, in the dtype the layer computes in.
+        weight: ``[in, out]`` (``[out, in]`` with `rows`).
+        bias: ``[out]``, in that dtype, or None.
+        precision: the product's precision.
+
+    Returns:
+        ``[*batch, out]``, in `x`'s dtype.
+    """
+    dtype, contracted = x.dtype, 1 if rows else 0
+    if weight.group_size is not None or weight.axis != contracted:
+        table = dequantize_array(
+            weight.value, weight.scale, axis=weight.axis, group_size=weight.group_size, dtype=dtype
+        )
+        return project(x, table.T if rows else table, bias, precision)
+    value = weight.value.astype(dtype)
+    y = project(x, value.T if rows else value, None, precision)
+    y = y * follow(jnp.squeeze(weight.scale, contracted).astype(dtype), y)
+    return y if bias is None else y + follow(bias, y)
 
 
 class QuantizedLinear(Module):
@@ -43,8 +80,10 @@ class QuantizedLinear(Module):
             quantized.
         bias: ``[out_features]``, float, zeros; ``None`` when ``use_bias=False``.
 
-    The layer computes in ``dtype``: the input is cast to it, the kernel dequantized into
-    it, and the output has it. By default (``dtype=None``) that is the input's dtype, so
+    The layer computes in ``dtype``: the input is cast to it, and the output has it. With
+    one scale per output channel the integers enter the product and the scales multiply
+    its result (no float kernel is scaled first); in groups, the kernel is dequantized into
+    ``dtype`` first (`quantized_project`). By default (``dtype=None``) that is the input's dtype, so
     the int weights serve a float32 and a bfloat16 caller alike.
 
     Args:
@@ -97,7 +136,7 @@ class QuantizedLinear(Module):
     def __call__(
         self, x: Float[Array, "*batch in_features"]
     ) -> Float[Array, "*batch out_features"]:
-        """Dequantizes the kernel into ``dtype`` and applies it to the last axis of `x`.
+        """Applies the kernel to the last axis of `x` in ``dtype`` (`quantized_project`).
 
         Args:
             x: ``[*batch, in_features]``, any number of batch axes, float or int.
@@ -113,9 +152,9 @@ class QuantizedLinear(Module):
             check_features(
                 "QuantizedLinear", x, shape[0], why=f"its kernel is {shape}", argument="in_features"
             )
-            dtype, kernel = dequantized(self.kernel, self.dtype, x)
+            dtype = layer_dtype(self.kernel, self.dtype, x)
             bias = None if self.bias is None else self.bias.astype(dtype)
-            return project(x.astype(dtype), kernel, bias, self.precision)
+            return quantized_project(x.astype(dtype), self.kernel, bias, self.precision)
 
 
 class QuantizedEmbed(Module):
@@ -222,8 +261,10 @@ class QuantizedEmbed(Module):
             shape = self.embedding.shape
             why = f"its embedding is {shape}"
             check_features("QuantizedEmbed.attend", x, shape[1], why=why, argument="features")
-            dtype, table = dequantized(self.embedding, self.dtype, x)
-            return project(x.astype(dtype), table.T, None, self.precision)
+            dtype = layer_dtype(self.embedding, self.dtype, x)
+            return quantized_project(
+                x.astype(dtype), self.embedding, None, self.precision, rows=True
+            )
 
 
 def build(cls: type[Module], **fields: Any) -> Any:

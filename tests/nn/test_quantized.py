@@ -65,6 +65,44 @@ def test_linear_computes_with_the_dequantized_kernel(bits, group_size, batch, pl
     ]
 
 
+def _scaled_shapes(fn, *args):
+    """The shapes of every multiply in `fn`'s program (nested ones too)."""
+    jaxpr = jax.make_jaxpr(fn)(*args).jaxpr
+    return {tuple(e.outvars[0].aval.shape) for e in _eqns(jaxpr) if e.primitive.name == "mul"}
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_per_channel_scales_multiply_the_product_not_the_weight(bits):
+    # one scale per output channel: the integers enter the product and the scales multiply
+    # its [*batch, out] result, so no float weight is scaled first (issue 53); in groups,
+    # the weight is dequantized first
+    layer = nn.QuantizedLinear(64, 16, bits=bits, rngs=nn.Rngs(0))
+    x = jnp.asarray(data(3, 64, seed=2))
+    assert _scaled_shapes(layer, x) == {(3, 16)}
+    grouped = nn.QuantizedLinear(64, 16, bits=bits, group_size=16, rngs=nn.Rngs(0))
+    assert (4, 16, 16) in _scaled_shapes(grouped, x)  # [groups, group_size, out]
+    embed = nn.QuantizedEmbed(11, 64, bits=bits, rngs=nn.Rngs(0))
+    assert _scaled_shapes(embed.attend, x) == {(3, 11)}
+    # and the same values as the weight dequantized first, at full float32
+    exact = layer.replace(precision="highest")
+    dequantized = np.asarray(layer.kernel.dequantize(), np.float64)
+    expected = np.asarray(x, np.float64) @ dequantized + np.asarray(layer.bias)
+    np.testing.assert_allclose(exact(x), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_a_bfloat16_product_of_per_channel_scales_is_within_bfloat16s_rounding():
+    # in bfloat16 the scale rounds once per output, where a dequantized weight rounds once
+    # per weight: both within a few units of bfloat16's last place of the exact product
+    layer = nn.QuantizedLinear(256, 32, dtype=jnp.bfloat16, rngs=nn.Rngs(0))
+    x = jnp.asarray(data(8, 256, seed=3)).astype(jnp.bfloat16)
+    exact = np.asarray(x, np.float64) @ np.asarray(layer.kernel.dequantize(), np.float64)
+    weight_first = x @ layer.kernel.dequantize(jnp.bfloat16)  # (the path before)
+    scale = np.abs(exact).max()
+    for got in (layer(x), weight_first):
+        assert got.dtype == jnp.bfloat16
+        np.testing.assert_allclose(np.asarray(got, np.float64), exact, atol=2**-7 * scale)
+
+
 def test_linear_stores_scales_in_param_dtype_and_computes_in_dtype_or_the_inputs():
     layer = nn.QuantizedLinear(8, 4, param_dtype=jnp.bfloat16, rngs=nn.Rngs(0))
     assert layer.kernel.scale.dtype == jnp.bfloat16 and layer.bias is not None
@@ -93,6 +131,9 @@ def test_embed_looks_up_dequantized_rows_and_attends_to_the_table():
     assert np.isnan(y[1, 1]).all()  # past the end: a row of NaNs
     x = data(4, 16, seed=1)
     np.testing.assert_allclose(embed.attend(jnp.asarray(x)), x @ table.T, rtol=1e-5, atol=1e-5)
+    rows = nn.QuantizedEmbed(11, 16, bits=8, precision="highest", rngs=nn.Rngs(0))  # per row
+    per_row = np.asarray(rows.embedding.dequantize())
+    np.testing.assert_allclose(rows.attend(jnp.asarray(x)), x @ per_row.T, rtol=1e-5, atol=1e-5)
     assert embed.attend(jnp.ones(16, jnp.bfloat16)).dtype == jnp.bfloat16  # the input's
     half = embed.replace(dtype=jnp.dtype(jnp.bfloat16))  # looked up and attending in bfloat16
     assert half(ids).dtype == half.attend(jnp.ones(16)).dtype == jnp.bfloat16
