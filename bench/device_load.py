@@ -351,10 +351,6 @@ def _cases(
     stack = _modules(stacked=True)
     stacked = {"kernel": jnp.stack([want[n] for n in arrays])}
     cases["stack"] = _figure(nbytes, limit, lambda: load_safetensors(stack, path), stacked)
-    with _settings({"_layers.SLICES_AT_ONCE": 4}):  # (the slices wait on the device here)
-        cases["stack_4_slices"] = _figure(
-            nbytes, limit, lambda: load_safetensors(stack, path), stacked
-        )
     del stacked
     for name, options in {"int8": {"bits": 8}, "int4": {"bits": 4, "group_size": 128}}.items():
         quantized = tt.quantize(layers, **options)

@@ -9,7 +9,9 @@ calls each):
 - ``product``: the layer as it computes (one scale per output channel: the integers enter
   the product and the scales multiply its result; in groups, the weight dequantized first);
 - ``weight_first``: the weight dequantized into bfloat16, then multiplied (the layer's path
-  before issue 53), as a plain function of the same arrays.
+  before issue 53), as a plain function of the same arrays;
+- ``group_products`` (groups only): each group's partial product, scaled, then summed
+  (`_group_products`), a candidate for the grouped path.
 
 Both are checked against the bfloat16 forward of the dequantized weights (within
 bfloat16's rounding, relative to the largest output). Targets (issue 53, on a TPU):
@@ -67,6 +69,21 @@ def _weight_first(layers: list[Any], x: jax.Array) -> jax.Array:
     return x
 
 
+def _group_products(layers: list[Any], x: jax.Array) -> jax.Array:
+    """In groups: each group's rows of the integer kernel times its slice of `x`, the
+    partial products scaled by the group's scales, then summed (no float kernel made;
+    ``[*batch, groups, out]`` partial products instead): a candidate for the layer's
+    grouped path at small batches, measured here first."""
+    for layer in layers:
+        kernel = layer.kernel
+        groups, size = kernel.scale.shape[0], kernel.group_size
+        value = kernel.value.astype(jnp.bfloat16).reshape(groups, size, -1)
+        pieces = x.reshape(*x.shape[:-1], groups, size)
+        partial = jnp.einsum("...gi,gio->...go", pieces, value)
+        x = jnp.tanh(jnp.sum(partial * kernel.scale.astype(jnp.bfloat16), axis=-2))
+    return x
+
+
 def _timed(fn: Callable[[], Any]) -> float:
     times = []
     for _ in range(REPEATS):
@@ -85,6 +102,7 @@ def main() -> dict[str, Any]:
     device = jax.devices()[0]
     out: dict[str, Any] = {"device": device.device_kind, "layers": LAYERS, "width": WIDTH}
     forward, weight_first = jax.jit(_forward), jax.jit(_weight_first)
+    grouped = jax.jit(_group_products)
     dense = _layers(None, None)
     quantized = {name: _layers(*layout) for name, layout in LAYOUTS.items()}
     dequantized = {  # (bfloat16 layers of the dequantized weights: the oracle)
@@ -104,6 +122,9 @@ def main() -> dict[str, Any]:
             row[f"{name}_product_close"] = _close(forward(layers, x), want)
             row[f"{name}_weight_first_close"] = _close(weight_first(layers, x), want)
             times[f"{name}_product"], times[f"{name}_weight_first"] = [], []
+            if layers[0].kernel.group_size is not None:
+                row[f"{name}_group_products_close"] = _close(grouped(layers, x), want)
+                times[f"{name}_group_products"] = []
         for _ in range(3):  # (interleaved rounds)
             times["bf16"].append(_timed(lambda x=x: forward(dense, x)))
             for name, layers in quantized.items():
@@ -111,6 +132,10 @@ def main() -> dict[str, Any]:
                 times[f"{name}_weight_first"].append(
                     _timed(lambda q=layers, x=x: weight_first(q, x))
                 )
+                if f"{name}_group_products" in times:
+                    times[f"{name}_group_products"].append(
+                        _timed(lambda q=layers, x=x: grouped(q, x))
+                    )
         bf16 = statistics.median(times["bf16"])
         row["bf16_ms"] = bf16 * 1e3
         for key, values in times.items():

@@ -29,7 +29,13 @@ from ..convert import transpose
 from ..io import Tensor, aligned_buffer
 from ..state import Layers, layer_sharding, layers_writer, load_resolved
 
-SLICES_AT_ONCE = 2  # units in flight when placed slices wait to be written into stacks
+SLICES_AT_ONCE = 2  # units in flight when placed slices wait in host memory to be written
+# into stacks (`Layered.widest`)
+
+
+def on_host(sharding: Any) -> bool:
+    """Whether arrays placed on `sharding` are host memory: some of its devices are CPUs."""
+    return any(device.platform == "cpu" for device in sharding.device_set)
 
 
 class Layered(Layers):
@@ -40,8 +46,9 @@ class Layered(Layers):
     A stacked leaf on one CPU device is filled on the host, each layer read into its slice
     of the buffer JAX adopts (:meth:`in_place`); the slices of any other are placed on its
     devices and wait, holding their memory, until the load's thread writes them into the
-    stacked leaf (:meth:`waiting` counts it for the budget). Such a load keeps at most
-    `SLICES_AT_ONCE` units in flight (:meth:`widest`).
+    stacked leaf (:meth:`waiting` counts what is host memory for the budget). A load whose
+    slices so wait in host memory keeps at most `SLICES_AT_ONCE` units in flight
+    (:meth:`widest`).
     """
 
     def sharding(self, stacked: str) -> Any:
@@ -61,15 +68,21 @@ class Layered(Layers):
         return hit is not None and not tensor.packed and self.hosted(hit[0])
 
     def widest(self, most: int) -> int:
-        """The most units a load keeps in flight, of `most` readers: all of them when every
-        stacked leaf is hosted; else `SLICES_AT_ONCE`, so that the host holds few placed
-        slices beside the model."""
-        return most if self._all_hosted else min(most, SLICES_AT_ONCE)
+        """The most units a load keeps in flight, of `most` readers: `SLICES_AT_ONCE` when
+        the placed slices of some stacked leaf wait in host memory (a stack on CPU devices
+        that is not hosted: :meth:`waiting`), so that the host holds few of them beside the
+        model; else all of them (every stack hosted, or on devices that copy host memory,
+        a TPU's or a GPU's, whose slices wait in the devices' own memory)."""
+        return min(most, SLICES_AT_ONCE) if self._slices_on_host else most
 
     @functools.cached_property
-    def _all_hosted(self) -> bool:
+    def _slices_on_host(self) -> bool:
         spec = self.view.spec
-        return all(self.hosted(n) for n in spec.names if spec.stack_of(n) is not None)
+        return any(
+            not self.hosted(n) and on_host(self.sharding(n))
+            for n in spec.names
+            if spec.stack_of(n) is not None
+        )
 
     def waiting(self, name: str, shared: bool) -> int:
         """The host bytes the placed value of the per-layer leaf `name` holds until it is

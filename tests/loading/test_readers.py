@@ -8,9 +8,12 @@ import time
 import jax
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
+import taktiny as tt
+from taktiny import nn
 from taktiny.io import load_safetensors, save_safetensors
-from taktiny.loading import _load, _place, _readers, _ways
+from taktiny.loading import _layers, _load, _place, _readers, _ways
 from taktiny.loading._readers import Readers
 
 MiB = 2**20
@@ -115,3 +118,58 @@ def test_a_load_keeps_width_reads_in_flight_and_gives_the_same_model(tmp_path, m
     assert most[0] == width
     for name, value in values.items():
         assert np.array_equal(loaded[name], value)
+
+
+@pytest.mark.parametrize("slices_on_host", [True, False])
+def test_a_load_into_stacks_on_devices_keeps_few_slices_in_flight_only_on_the_host(
+    tmp_path, monkeypatch, slices_on_host
+):
+    """A stack on the 8 CPU devices, replicated: each layer's slice is placed on them and
+    waits in host memory until it is written into the stacked leaf, so the load keeps
+    `SLICES_AT_ONCE` reads in flight; on devices that copy host memory (a TPU's: here the
+    CPU devices taken for such) the slices wait in the devices' own memory, and the
+    readers' width holds."""
+
+    class Wide(nn.Module):
+        def __init__(self, *, rngs):
+            linear = lambda rngs: nn.Linear(64, 64, use_bias=False, rngs=rngs)
+            self.layers = nn.Stack(linear, 6, rngs=rngs)
+
+    model = Wide(rngs=nn.Rngs(0))
+    path = tmp_path / "layers.safetensors"
+    save_safetensors(path, model.flat_state_dict(unstacked=True))
+    replicated = jax.sharding.NamedSharding(jax.make_mesh((8,), ("x",)), P())
+    target = jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated),
+        tt.eval_shape(lambda: Wide(rngs=nn.Rngs(0))),
+    )
+
+    class Fixed(Readers):
+        def __init__(self, start):
+            super().__init__(most=6)
+            self.width = 6
+
+        def finished(self, nbytes):  # never changes its width
+            pass
+
+    lock, in_flight, most = threading.Lock(), [0], [0]
+    placed = _place.placed_by_device
+
+    def slow(tensor, sharding, verify):
+        with lock:
+            in_flight[0] += 1
+            most[0] = max(most[0], in_flight[0])
+        time.sleep(0.1)
+        try:
+            return placed(tensor, sharding, verify)
+        finally:
+            with lock:
+                in_flight[0] -= 1
+
+    monkeypatch.setattr(_load, "Readers", Fixed)
+    monkeypatch.setattr(_ways, "placed_by_device", slow)
+    if not slices_on_host:
+        monkeypatch.setattr(_layers, "on_host", lambda sharding: False)
+    loaded = load_safetensors(target, path)
+    assert most[0] == (_layers.SLICES_AT_ONCE if slices_on_host else 6)
+    assert np.array_equal(loaded.layers.block.kernel, model.layers.block.kernel)
