@@ -41,9 +41,9 @@ def _canonical(names: Sequence[str], read: list[Any], problems: Problems) -> lis
     return out
 
 
-def transformed(load: Load, step: Step, read: list[Any], scratch: Scratch) -> dict[str, Any]:
-    """A transforming step's targets, made from its sources (read into `scratch`, or
-    already copied onto the default device: NumPy or JAX arrays) by XLA
+def transformed(load: Load, step: Step, read: list[Any], scratch: Scratch | None) -> dict[str, Any]:
+    """A transforming step's targets, made from its sources (read into `scratch`, or, with
+    None, already copied onto the default device: NumPy or JAX arrays) by XLA
     on the default device and placed on their leaves' shardings; a float array made for a
     quantized parameter is quantized as it is, and its parts placed."""
     leaves, quantized, where = load.leaves, load.quantized, load.where
@@ -87,8 +87,10 @@ def transformed(load: Load, step: Step, read: list[Any], scratch: Scratch) -> di
                 value = jax.device_put(placeable(value), target)
             else:  # it spans processes: each places its own devices' parts of the (equal)
                 value = placed(np.asarray(value), target)  # host value
-            out[part] = jnp.copy(value) if scratch.holds(value) else value  # (an identity)
-    jax.block_until_ready(out)  # the scratch is free again once the results exist
+            held = scratch is not None and scratch.holds(value)
+            out[part] = jnp.copy(value) if held else value  # (an identity)
+    if scratch is not None:
+        jax.block_until_ready(out)  # the scratch is free again once the results exist
     if problems:
         raise err.StateDictError(where, problems)
     return out

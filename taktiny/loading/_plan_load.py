@@ -51,8 +51,9 @@ class PlannedStep:
             tensor in object storage), ``"blocks"`` (each
             device's block into its own buffer), ``"transposed"`` (permuted piece by
             piece into its leaf's buffer), ``"scratch"`` (into a reused buffer, then
-            transformed and cast by XLA) or ``"quantized"`` (through the scratch buffer,
-            then quantized).
+            transformed and cast by XLA; onto a default device that copies host memory,
+            copied there from a local file's mapped pages instead) or ``"quantized"``
+            (the same, then quantized).
         casts: ``(leaf, from dtype, to dtype)`` for each leaf whose dtype is not the one
             the transform makes.
         nbytes: the bytes its sources hold in the file.

@@ -509,13 +509,13 @@ class Transformed(Way):
     at a time, and placed (a float array for a quantized parameter quantized as it is);
     `word` is ``"quantized"`` or ``"scratch"``. Onto a default device that copies host
     memory (a TPU, a GPU), sources in local files, of dtypes JAX holds as they are, are
-    copied onto it from their files' mapped pages instead (as `Mapped` copies; the first
-    one permuted there by `perm`, where it would be read permuted), still taking their
-    turn with the buffer, which is never mapped if no step reads into it. Besides the
-    buffer (counted once, for the load), it holds the arrays its transform makes on the
-    default device that are not the leaves: a chain's intermediate results, results cast
-    or quantized afterwards (and the cast), results placed on other devices, and 64-bit
-    sources cast to what JAX holds."""
+    copied onto it from their files' mapped pages instead (`maps`, as `Mapped` copies; the
+    first one permuted there by `perm`, where it would be read permuted): such a step takes
+    no buffer, so its reads run beside the other steps' while the load's thread transforms
+    one step after another. Besides the buffer (counted once, for the load), it holds the
+    arrays its transform makes on the default device that are not the leaves: a chain's
+    intermediate results, results cast or quantized afterwards (and the cast), results
+    placed on other devices, and 64-bit sources cast to what JAX holds."""
 
     transforms = True
     perm: tuple[int, ...] | None = None  # the first source's axes, as it is read
@@ -582,23 +582,39 @@ class Transformed(Way):
             return math.prod(out.shape) * np.dtype(out.dtype).itemsize
         return 0
 
+    @functools.cached_property
+    def maps(self) -> bool:
+        """Whether its sources are copied onto the default device from their files' mapped
+        pages: a default device that copies host memory, sources in local files, of dtypes
+        JAX holds as they are. Then it takes no scratch buffer (`Ways` gives it none) and
+        runs beside the load's other steps, as many at once as the readers."""
+        here = jax.sharding.SingleDeviceSharding(default_device())
+        return _staging(here) and all(_plain(t) and not t.packed for t in self.sources)
+
     def own(self) -> int:
-        return Scratch.bytes_for(self.sources)
+        return 0 if self.maps else Scratch.bytes_for(self.sources)
 
     def read(self, verify: bool, stacker: Stacker | None) -> Any:
-        here = jax.sharding.SingleDeviceSharding(default_device())
-        if _staging(here):  # (onto a device that copies host memory)
-            mapped = [t.mapped() if _plain(t) else None for t in self.sources]
-            if all(host is not None for host in mapped):  # (their local files' pages)
-                pairs = zip(self.sources, cast(list[np.ndarray], mapped), strict=True)
-                arrays = [_from_pages(t, host, here, verify) for t, host in pairs]
-                if self.perm is not None:  # (the first laid out there, as it would be read)
-                    arrays[0] = _turned(self.perm, here)(arrays[0])
-                return arrays
-        return cast(Scratch, self.scratch).read(self.sources, verify, self.perm)
+        if self.scratch is not None:
+            return self.scratch.read(self.sources, verify, self.perm)
+        here = jax.sharding.SingleDeviceSharding(default_device())  # (`maps`)
+        arrays = [_source(t, here, verify) for t in self.sources]
+        if self.perm is not None:  # (the first laid out there, as it would be read)
+            arrays[0] = _turned(self.perm, here)(arrays[0])
+        return arrays
 
     def place(self, load: Load, data: Any) -> Iterable[tuple[str, Any]]:
-        return transformed(load, self.step, data, cast(Scratch, self.scratch)).items()
+        return transformed(load, self.step, data, self.scratch).items()
+
+
+def _source(tensor: Tensor, here: Any, verify: bool) -> jax.Array:
+    """A transformed step's source on `here`, copied from its file's mapped pages
+    (`_from_pages`); read whole into fresh memory where there are none to map (a tensor
+    of no bytes; a file system that cannot map files)."""
+    host = tensor.mapped()
+    if host is None:
+        return placed(tensor.read(verify=verify), here)
+    return _from_pages(tensor, host, here, verify)
 
 
 class Fp8Blocks(Transformed):
@@ -640,7 +656,8 @@ class Ways:
     overlap, would be the most memory such a load holds beside the model;
     bench/FINDINGS.md section 13), or for a load within a budget `limit` too small for two
     beside the unit that holds the most. Each buffer is mapped once, at its first read, as
-    large as the most that its steps read.
+    large as the most that its steps read. Transformed steps whose sources are copied from
+    their files' mapped pages (`Transformed.maps`) take no buffer.
 
     Args:
         load: the load.
@@ -652,7 +669,7 @@ class Ways:
         self.load = load
         piece = STAGE_PIECE  # (read when each load begins)
         self.units = _units(load, [_way(load, step, piece) for step in steps])
-        transforming = [way for way in self.units if isinstance(way, Transformed)]
+        transforming = [w for w in self.units if isinstance(w, Transformed) and not w.maps]
         buffers = 1 if any(t in load.quantized for s in steps for t in s.targets) else 2
         sizes = _sizes(transforming, buffers)
         if limit is not None and buffers > 1 and sum(sizes) + max(self.held, default=0) > limit:
@@ -669,7 +686,7 @@ class Ways:
         self.ring = Ring(count, size)
         for way in staged:
             way.ring = self.ring
-        mapped = any(isinstance(way, Mapped) for way in self.units)
+        mapped = any(isinstance(w, Mapped) or getattr(w, "maps", False) for w in self.units)
         self.start = MAPPED_START if mapped else START  # (the readers it starts with)
 
     @property
@@ -726,8 +743,9 @@ def _one_to_one(step: Step, sources: list[Tensor], leaves: Mapping[str, Any]) ->
 
 # How a load stages tensors onto devices that copy host memory (`Staged`, `Ring`), read
 # when each load begins (bench/FINDINGS.md section 14 measured others: none 3% faster)
-MAPPED_START = 4  # the readers a load with `Mapped` steps starts with (four were 7-15% faster
-# than two in three runs on a TPU v5e, eight 5% slower than four; `Readers` grows from there)
+MAPPED_START = 4  # the readers a load with mapped steps (`Mapped`, `maps`) starts with (four
+# were 7-15% faster than two in three runs on a TPU v5e, eight 5% slower than four; `Readers`
+# grows from there)
 RING = 8  # the staging buffers, taken in turns
 RING_MOST = 256 * 2**20  # the most bytes of one (a tensor that needs more: a buffer of its own)
 STAGE_PIECE = 8 * 2**20  # the most bytes of a piece of a tensor (whole rows, at least one)

@@ -3,6 +3,9 @@ the same: a checkpoint read in one way alone needs (beside its scratch buffer) t
 that way holds, which ``plan_load`` names in its refusal and as its ``held_bytes``, and
 which the load itself refuses one byte less of and loads within."""
 
+import threading
+import time
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -404,9 +407,9 @@ def test_a_quantizing_load_onto_devices_that_copy_copies_from_mapped_pages(
     tmp_path, monkeypatch, platform
 ):
     """Float tensors quantized (or cast) on their way onto devices that copy host memory
-    are copied there from their files' mapped pages: no scratch buffer is mapped, each
-    step still waits for the one before it, and the result is what ``tt.quantize`` of the
-    float model gives; damaged bytes still fail the load."""
+    are copied there from their files' mapped pages: no scratch buffer is mapped, and the
+    result is what ``tt.quantize`` of the float model gives; damaged bytes still fail the
+    load."""
     from taktiny.io import SafetensorsError
 
     ways_module = _staged_everywhere(monkeypatch, platform, ring=False)
@@ -428,6 +431,43 @@ def test_a_quantizing_load_onto_devices_that_copy_copies_from_mapped_pages(
     path.write_bytes(bytes(data))
     with pytest.raises(SafetensorsError, match="are damaged"):
         load_safetensors(target, path)
+
+
+def test_quantizing_steps_onto_devices_that_copy_take_no_scratch_and_read_together(
+    tmp_path, monkeypatch, platform
+):
+    """Steps whose sources are copied from mapped pages take no scratch buffer: the plan
+    counts none, and their reads run several at once (the load's thread still quantizes
+    one step after another), with what ``tt.quantize`` gives."""
+    ways_module = _staged_everywhere(monkeypatch, platform, ring=False)
+    layers = nn.Sequential(
+        *[nn.Linear(256, 256, use_bias=False, rngs=nn.Rngs(i)) for i in range(6)]
+    )
+    path = tmp_path / "m.safetensors"
+    save_safetensors(path, layers)
+    target = tt.quantize(tt.eval_shape(lambda: layers))
+    plan = plan_load(target, path)
+    assert {s.way for s in plan.steps} == {"quantized"} and plan.scratch_bytes == 0
+    lock, in_flight, most = threading.Lock(), [0], [0]
+    real = ways_module._source
+
+    def slow(tensor, here, verify):
+        with lock:
+            in_flight[0] += 1
+            most[0] = max(most[0], in_flight[0])
+        time.sleep(0.1)
+        try:
+            return real(tensor, here, verify)
+        finally:
+            with lock:
+                in_flight[0] -= 1
+
+    monkeypatch.setattr(ways_module, "_source", slow)
+    loaded = load_safetensors(target, path)
+    assert most[0] >= 2
+    for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(tt.quantize(layers)), strict=True):
+        assert a.devices() == {jax.devices(platform)[0]}
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_fp8_blocks_onto_devices_that_copy_are_copied_from_mapped_pages(
