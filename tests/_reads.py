@@ -5,6 +5,7 @@ read of a file's bytes makes."""
 
 import os
 import threading
+import time
 
 from taktiny.io import Tensor
 from taktiny.loading import _ways
@@ -61,3 +62,25 @@ def log_preads(monkeypatch):
 
     monkeypatch.setattr(os, "preadv", logged)
     return log
+
+
+def in_flight(monkeypatch, owner, name, seconds=0.1):
+    """Patches `owner.name` (a function that reads) to take at least `seconds` a call, and
+    counts the calls under way at once, from any thread: returns a list whose one entry is
+    the most seen so far."""
+    lock, now, most = threading.Lock(), [0], [0]
+    real = getattr(owner, name)
+
+    def slow(*args, **kwargs):
+        with lock:
+            now[0] += 1
+            most[0] = max(most[0], now[0])
+        time.sleep(seconds)
+        try:
+            return real(*args, **kwargs)
+        finally:
+            with lock:
+                now[0] -= 1
+
+    monkeypatch.setattr(owner, name, slow)
+    return most

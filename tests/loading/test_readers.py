@@ -8,6 +8,7 @@ import time
 import jax
 import numpy as np
 import pytest
+from _reads import in_flight
 from jax.sharding import PartitionSpec as P
 
 import taktiny as tt
@@ -152,22 +153,8 @@ def test_a_load_into_stacks_on_devices_keeps_few_slices_in_flight_only_on_the_ho
         def finished(self, nbytes):  # never changes its width
             pass
 
-    lock, in_flight, most = threading.Lock(), [0], [0]
-    placed = _place.placed_by_device
-
-    def slow(tensor, sharding, verify):
-        with lock:
-            in_flight[0] += 1
-            most[0] = max(most[0], in_flight[0])
-        time.sleep(0.1)
-        try:
-            return placed(tensor, sharding, verify)
-        finally:
-            with lock:
-                in_flight[0] -= 1
-
     monkeypatch.setattr(_load, "Readers", Fixed)
-    monkeypatch.setattr(_ways, "placed_by_device", slow)
+    most = in_flight(monkeypatch, _ways, "placed_by_device")
     if not slices_on_host:
         monkeypatch.setattr(_layers, "on_host", lambda sharding: False)
     loaded = load_safetensors(target, path)

@@ -3,14 +3,12 @@ the same: a checkpoint read in one way alone needs (beside its scratch buffer) t
 that way holds, which ``plan_load`` names in its refusal and as its ``held_bytes``, and
 which the load itself refuses one byte less of and loads within."""
 
-import threading
-import time
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from _quantized_files import fp8_folder
+from _reads import in_flight
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -448,21 +446,7 @@ def test_quantizing_steps_onto_devices_that_copy_take_no_scratch_and_read_togeth
     target = tt.quantize(tt.eval_shape(lambda: layers))
     plan = plan_load(target, path)
     assert {s.way for s in plan.steps} == {"quantized"} and plan.scratch_bytes == 0
-    lock, in_flight, most = threading.Lock(), [0], [0]
-    real = ways_module._source
-
-    def slow(tensor, here, verify):
-        with lock:
-            in_flight[0] += 1
-            most[0] = max(most[0], in_flight[0])
-        time.sleep(0.1)
-        try:
-            return real(tensor, here, verify)
-        finally:
-            with lock:
-                in_flight[0] -= 1
-
-    monkeypatch.setattr(ways_module, "_source", slow)
+    most = in_flight(monkeypatch, ways_module, "_source")
     loaded = load_safetensors(target, path)
     assert most[0] >= 2
     for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(tt.quantize(layers)), strict=True):
