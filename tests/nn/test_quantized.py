@@ -83,6 +83,9 @@ def test_per_channel_scales_multiply_the_product_not_the_weight(bits):
     assert (4, 16, 16) in _scaled_shapes(grouped, x)  # [groups, group_size, out]
     embed = nn.QuantizedEmbed(11, 64, bits=bits, rngs=nn.Rngs(0))
     assert _scaled_shapes(embed.attend, x) == {(3, 11)}
+    linear = lambda rngs: nn.Linear(64, 64, use_bias=False, rngs=rngs)
+    stack = tt.quantize(nn.Stack(linear, 3, rngs=nn.Rngs(0)), bits=bits)  # (each layer's slice)
+    assert _scaled_shapes(stack, x) == {(3, 64)}
     # and the same values as the weight dequantized first, at full float32
     exact = layer.replace(precision="highest")
     dequantized = np.asarray(layer.kernel.dequantize(), np.float64)
