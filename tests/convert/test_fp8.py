@@ -44,7 +44,8 @@ BLOCKS = [
 
 
 @pytest.mark.parametrize("shape, block", BLOCKS)
-def test_dequantize_blocks_is_the_numpy_oracle_bit_for_bit(shape, block):
+def test_dequantize_blocks_is_the_numpy_oracle_bit_for_bit(shape, block, platform):
+    # (on each platform: the products are float32's, rounded once into bfloat16)
     w = np.random.default_rng(0).standard_normal(shape).astype(np.float32) * 3
     weight, scale = fp8_blocks(w, block)
     assert scale.shape[-2:] == (-(-shape[-2] // block[0]), -(-shape[-1] // block[1]))
@@ -110,8 +111,9 @@ LEAF_DTYPES = [  # float32 and float16 over every layout under `make property`; 
 @pytest.mark.parametrize("dtype", LEAF_DTYPES)
 @pytest.mark.parametrize("shape, block, bits, back, group", REQUANTIZED)
 def test_fp8_blocks_requantize_as_quantize_of_the_dequantized_weights_bit_for_bit(
-    shape, block, bits, back, group, dtype
+    shape, block, bits, back, group, dtype, platform
 ):
+    # (on each platform, against tt.quantize on the same one)
     place, args, expected, _ = requantized(shape, block, bits, back, group, dtype)
     for ours, theirs in zip(place(*args), (expected.value, expected.scale), strict=True):
         assert (ours.shape, ours.dtype) == (theirs.shape, theirs.dtype)
