@@ -1,10 +1,11 @@
-"""Loads and saves on an accelerator (issue 52, points 3 to 5): bench/device_load.py's and
-bench/device_save.py's measurements on whatever accelerator JAX's default device is (a
+"""Loads and saves on an accelerator (issue 52, points 3 to 5), and quantized layers at
+decode shapes (issue 53 point 1): bench/device_load.py's, bench/device_save.py's and
+bench/device_quantized.py's measurements on whatever accelerator JAX's default device is (a
 TPU, a GPU), reported with the device named, beside the same ratios measured on the CPU by
 the groups ``streaming`` (the load against the raw read) and ``background`` (the background
 save against a host copy, and the training loop).
 
-- On an accelerator the group runs both scripts' ``main`` (the save first), and in a full
+- On an accelerator the group runs the scripts' ``main`` (the save first), and in a full
   run writes what they printed to bench/accelerator.json, each part as it ends.
 - Without one (JAX's default device a CPU) it measures nothing: it reports the figures of
   the last run on an accelerator, from bench/accelerator.json, or is skipped when there
@@ -81,12 +82,15 @@ def run(config: Config) -> Group:
 
 
 def measure(config: Config, small: bool) -> dict[str, Any]:
-    """Runs device_save's and device_load's ``main`` in scratch folders; a part that fails
+    """Runs device_save's, device_load's and device_quantized's ``main`` (in scratch
+    folders); a part that fails
     is recorded with its error, not raised (the other's figures still count). A full run
     on an accelerator writes bench/accelerator.json after each part."""
-    if small:  # (device_load takes its size from the environment when imported)
+    if small:  # (device_load and device_quantized take their sizes from the environment)
         os.environ.setdefault("DEVICE_LOAD_LAYERS", "2")
-    from . import device_load, device_save
+        for name, value in (("LAYERS", "2"), ("WIDTH", "256"), ("REPEATS", "2")):
+            os.environ.setdefault(f"DEVICE_Q_{name}", value)
+    from . import device_load, device_quantized, device_save
 
     device = jax.devices()[0]
     figures: dict[str, Any] = {
@@ -99,6 +103,7 @@ def measure(config: Config, small: bool) -> dict[str, Any]:
     parts = {
         "save": lambda folder: device_save.main(folder, small=small or None),
         "load": device_load.main,
+        "quantized": lambda folder: device_quantized.main(),
     }
     for name, part in parts.items():
         folder = Path(config.scratch) / f"device_{name}"
@@ -190,9 +195,12 @@ def build(figures: dict[str, Any], twins: dict[str, float]) -> Group:
         )
     if "save_vs_raw" in save:
         _save_tables(group, ratios, save, twins, kind)
+    quantized = figures.get("quantized", {})
+    if "batch_1" in quantized:
+        _quantized_tables(group, quantized, kind)
     if ratios.rows:
         group.tables.append(ratios)
-    for name, part in (("save", save), ("load", load)):
+    for name, part in (("save", save), ("load", load), ("quantized", quantized)):
         if "error" in part:
             group.notes.append(f"The {name} part failed: {part['error']}.")
     kept = "; figures in bench/accelerator.json" if figures["platform"] != "cpu" else ""
@@ -202,6 +210,63 @@ def build(figures: dict[str, Any], twins: dict[str, float]) -> Group:
         f"this report's groups `streaming` and `background`."
     )
     return group
+
+
+def _quantized_tables(group: Group, quantized: dict[str, Any], kind: str) -> None:
+    """device_quantized's forward times (ms) by batch, and issue 53's targets: int8 at most
+    0.6x bfloat16's time and int4 at most 0.35x at decode batches (1 and 16), neither
+    slower than bfloat16 at batch 256."""
+    layers, width = quantized["layers"], quantized["width"]
+    paths = {"bf16": "bfloat16"}
+    for layout in ("int8", "int4_g128"):
+        for path in ("product", "weight_first", "group_products"):
+            if f"{layout}_{path}_ms" in quantized["batch_1"]:
+                paths[f"{layout}_{path}"] = f"{layout}, {path.replace('_', ' ')}"
+    table = Table(
+        f"A forward through {layers} quantized layers of {width} x {width} on {kind} "
+        f"(jitted; bfloat16 inputs)",
+        list(paths.values()),
+        reference="bfloat16",
+    )
+    batches = [int(k[len("batch_") :]) for k in quantized if k.startswith("batch_")]
+    for batch in batches:
+        row = quantized[f"batch_{batch}"]
+        for key, name in paths.items():
+            table.add(f"batch {batch}", name, "bench/device_quantized.py", row[f"{key}_ms"] / 1e3)
+    group.tables.append(table)
+    decode = [b for b in batches if b <= 16]
+    for layout, most in (("int8", 0.6), ("int4_g128", 0.35)):
+        worst = max(quantized[f"batch_{b}"][f"{layout}_product_vs_bf16"] for b in decode)
+        group.targets.append(
+            Target(
+                f"{layout} layers on {kind} at batches {decode} <= {most}x bfloat16's time",
+                worst,
+                most,
+                False,
+                "the layer's forward / bfloat16's, the slowest batch (bench/device_quantized.py)",
+            )
+        )
+        if "batch_256" in quantized:
+            group.targets.append(
+                Target(
+                    f"{layout} layers on {kind} at batch 256 no slower than bfloat16",
+                    quantized["batch_256"][f"{layout}_product_vs_bf16"],
+                    1.0,
+                    False,
+                    "the layer's forward / bfloat16's (bench/device_quantized.py)",
+                )
+            )
+    wrong = [
+        f"{k[: -len('_close')]} at batch {b}"
+        for b in batches
+        for k, v in quantized[f"batch_{b}"].items()
+        if k.endswith("_close") and not v
+    ]
+    group.notes.append(
+        "The quantized forwards: each path checked against the bfloat16 forward of the "
+        "dequantized weights (within 2^-6 of the largest output): "
+        + (f"NOT within it: {', '.join(wrong)}." if wrong else "all within it.")
+    )
 
 
 def _speeds(load: dict[str, Any]) -> dict[str, float]:

@@ -248,6 +248,14 @@ def _accelerator_figures() -> dict:
     save |= {"save_bitwise": True, "background_bitwise": True}
     load = {"GiB": 1.0, "raw_read_GiBps": 5.3, "raw_device_put_GiBps": 11.5}
     load |= {"taktiny_GiBps": 3.2, "taktiny_bitwise": True, "taktiny_vs_raw_limit": 0.6}
+    quantized = {"device": "TPU v5 lite", "layers": 32, "width": 4096}
+    for batch, int8, int4 in ((1, 0.55, 0.4), (16, 0.58, 0.3), (256, 0.9, 1.1)):
+        row = {"bf16_ms": 2.0}
+        for name, ratio in (("int8_product", int8), ("int8_weight_first", 0.7),
+                            ("int4_g128_product", int4), ("int4_g128_weight_first", 0.9),
+                            ("int4_g128_group_products", 0.5)):  # fmt: skip
+            row |= {f"{name}_ms": 2.0 * ratio, f"{name}_vs_bf16": ratio, f"{name}_close": True}
+        quantized[f"batch_{batch}"] = row
     return {
         "device": "TPU v5 lite",
         "platform": "tpu",
@@ -257,6 +265,7 @@ def _accelerator_figures() -> dict:
         "seconds": 300.0,
         "save": save,
         "load": load,
+        "quantized": quantized,
     }
 
 
@@ -275,7 +284,11 @@ def test_the_accelerator_group_reports_the_last_run_on_one_from_a_cpu(tmp_path, 
     group = accelerator.run(Config("smoke", tmp_path))
     check(group)
     assert group.run and group.run["command"] == figures["command"]  # (that run's, not this)
-    assert [t.met for t in group.targets] == [False, True, True, True]
+    # the load, the three saves, then int8 (decode, 256) and int4 (decode: 0.4 > 0.35; 256)
+    assert [t.met for t in group.targets] == [False, True, True, True, True, True, False, False]
+    assert "all within it" in " ".join(group.notes)
+    forward = next(t for t in group.tables if t.title.startswith("A forward through 32"))
+    assert forward.value("batch 16", "int4_g128, product") == pytest.approx(0.6e-3)
     ratios = group.tables[-1]
     assert ratios.value("the background call / the device-to-host copy (<= 1.2)", "TPU v5 lite")
     out = report.write([group], tmp_path / "report", mode="full", seconds=1.0, command="x")
@@ -291,6 +304,6 @@ def test_the_accelerator_group_runs_small_on_a_cpu_when_asked(tmp_path, monkeypa
     (tmp_path / "scratch").mkdir()
     group = accelerator.run(Config("smoke", tmp_path / "scratch"))
     check(group)
-    assert len(group.targets) == 5 and "read back bitwise equal" in " ".join(group.notes)
+    assert len(group.targets) == 9 and "read back bitwise equal" in " ".join(group.notes)
     assert list((tmp_path / "scratch").iterdir()) == []
     assert not accelerator.FIGURES.exists()  # (figures of a CPU are not kept)
