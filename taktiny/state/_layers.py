@@ -137,7 +137,7 @@ def layer_leaf(leaf: Any) -> Any:
 class Layers:
     """A model's per-layer form, the one description both loads of per-layer names ask:
     which stacked leaf and layer a per-layer name is (:meth:`slice_of`, by the one parse,
-    ``Spec.split_layer``), what each layer's leaf is (:meth:`layer`), which stacked leaves
+    :meth:`split`), what each layer's leaf is (:meth:`layer`), which stacked leaves
     some names cover in every layer (:meth:`covered`), and the model with each stack a
     list of its layers (:attr:`twin`), which the streamed load resolves a checkpoint
     against.
@@ -153,8 +153,14 @@ class Layers:
     def slice_of(self, name: str) -> tuple[str, int] | None:
         """The stacked leaf the per-layer leaf `name` is a slice of, and the layer; None
         for any other name."""
-        hit = self.view.spec.split_layer(name)
+        hit = self.split(name)
         return None if hit is None or hit[0] not in self.view.spec.index else hit[:2]
+
+    def split(self, name: str) -> tuple[str, int, Stacked] | None:
+        """The per-layer name `name` parsed (``Spec.split_layer``): the stacked name it is a
+        slice of (a leaf's, or a custom parameter's, whose parts are the leaves), the
+        layer, and the stack; None for any other name."""
+        return self.view.spec.split_layer(name)
 
     def stacked_leaf(self, stacked: str) -> Any:
         """The model's stacked leaf of that name."""
@@ -214,7 +220,7 @@ def restacked(
     groups: dict[str, dict[int, tuple[str, Any]]] = {}
     params = {name: custom for _, (name, custom) in _stacked_params(spec).items()}
     for name, value in flat.items():
-        hit = spec.split_layer(name) if type(name) is str else None
+        hit = layers.split(name) if type(name) is str else None
         parts = None if hit is None or hit[0] not in params else _parts(value, params[hit[0]])
         if hit is not None and parts is not None:  # a custom parameter's layer, whole: its
             custom = params[hit[0]]  # parts, as if given by their per-layer names
