@@ -60,18 +60,23 @@ def project(
     kernel: jax.Array,
     bias: jax.Array | None = None,
     precision: jax.lax.PrecisionLike = None,
+    preferred_element_type: Any = None,
 ) -> jax.Array:
     """``x @ kernel + bias`` on the last axis of `x` (already in the kernel's dtype), the
-    product at `precision`.
+    product at `precision` (and in `preferred_element_type`, when given; else in the
+    kernel's dtype).
 
     Under Explicit mesh axes the output is split as the input on its batch axes and as the
     kernel's output axis on its last axis (unsplit where that would split two axes over one
     mesh axis); a contraction over split features is summed across the devices.
     """
+    kind = preferred_element_type
     if not explicit_axes():
-        y = jnp.matmul(x, kernel, precision=precision)
+        y = jnp.matmul(x, kernel, precision=precision, preferred_element_type=kind)
         return y if bias is None else y + bias
     batch = typed_spec(x)[:-1]
     out = free(typed_spec(kernel)[-1], *batch)
-    y = jnp.matmul(x, kernel, precision=precision, out_sharding=P(*batch, out))
+    y = jnp.matmul(
+        x, kernel, precision=precision, preferred_element_type=kind, out_sharding=P(*batch, out)
+    )
     return y if bias is None else y + follow(bias, y)

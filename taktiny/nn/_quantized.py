@@ -44,9 +44,10 @@ def quantized_project(
     channel, quantized along the contracted axis, the integers enter the product (only
     converted, which XLA may fuse into the product's read of the weight) and the scales
     multiply its ``[*batch, out]`` result rather than the weight: ``(x @ q) * s`` equals
-    ``x @ (q * s)`` up to rounding (the integers are exact in any float dtype; the scale
-    rounds once per output rather than once per weight). With groups, the weight is
-    dequantized first.
+    ``x @ (q * s)`` up to rounding (the integers are exact in any float dtype). The
+    product is taken in float32, where the unscaled sums cannot overflow (in float16 they
+    would: 4096 inputs of 8 times 127 exceed its range before the scales bring them back),
+    scaled, and rounded into the dtype once. With groups, the weight is dequantized first.
 
     Args:
         x: ``[*batch, in]``, in the dtype the layer computes in.
@@ -64,8 +65,8 @@ def quantized_project(
         )
         return project(x, table.T if rows else table, bias, precision)
     value = weight.value.astype(dtype)
-    y = project(x, value.T if rows else value, None, precision)
-    y = y * follow(jnp.squeeze(weight.scale, contracted).astype(dtype), y)
+    y = project(x, value.T if rows else value, None, precision, jnp.float32)
+    y = (y * follow(jnp.squeeze(weight.scale, contracted).astype(jnp.float32), y)).astype(dtype)
     return y if bias is None else y + follow(bias, y)
 
 

@@ -106,6 +106,27 @@ def test_a_bfloat16_product_of_per_channel_scales_is_within_bfloat16s_rounding()
         np.testing.assert_allclose(np.asarray(got, np.float64), exact, atol=2**-7 * scale)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
+def test_unscaled_integer_products_do_not_overflow_a_half_precision_dtype(dtype):
+    # 4096 inputs of 8 times 127: 4.2e6 before the scales (1e-3) bring it back to 4162,
+    # beyond float16's range (65504): the product is taken in float32, then scaled
+    layer = nn.QuantizedLinear(4096, 8, use_bias=False, dtype=dtype, rngs=nn.Rngs(0))
+    layer = layer.load_flat_state_dict(
+        {"kernel.value": np.full((4096, 8), 127, np.int8), "kernel.scale": np.full((1, 8), 1e-3)}
+    )
+    y = layer(jnp.full((2, 4096), 8.0, dtype))
+    assert y.dtype == dtype
+    np.testing.assert_allclose(np.asarray(y, np.float64), 8 * 127 * 4096 * 1e-3, rtol=2**-7)
+    embed = nn.QuantizedEmbed(8, 4096, dtype=dtype, rngs=nn.Rngs(0)).load_flat_state_dict(
+        {
+            "embedding.value": np.full((8, 4096), 127, np.int8),
+            "embedding.scale": np.full((8, 1), 1e-3),
+        }
+    )
+    scores = embed.attend(jnp.full((2, 4096), 8.0, dtype))
+    np.testing.assert_allclose(np.asarray(scores, np.float64), 8 * 127 * 4096 * 1e-3, rtol=2**-7)
+
+
 def test_linear_stores_scales_in_param_dtype_and_computes_in_dtype_or_the_inputs():
     layer = nn.QuantizedLinear(8, 4, param_dtype=jnp.bfloat16, rngs=nn.Rngs(0))
     assert layer.kernel.scale.dtype == jnp.bfloat16 and layer.bias is not None
