@@ -219,7 +219,7 @@ def _quantized_tables(group: Group, quantized: dict[str, Any], kind: str) -> Non
     layers, width = quantized["layers"], quantized["width"]
     paths = {"bf16": "bfloat16"}
     for layout in ("int8", "int4_g128"):
-        for path in ("product", "weight_first", "group_products"):
+        for path in ("product", "weight_first", "group_products", "group_kernel"):
             if f"{layout}_{path}_ms" in quantized["batch_1"]:
                 paths[f"{layout}_{path}"] = f"{layout}, {path.replace('_', ' ')}"
     table = Table(
@@ -262,10 +262,12 @@ def _quantized_tables(group: Group, quantized: dict[str, Any], kind: str) -> Non
         for k, v in quantized[f"batch_{b}"].items()
         if k.endswith("_close") and not v
     ]
+    failed = {k: v for k, v in quantized["batch_1"].items() if k.endswith("_error")}
     group.notes.append(
         "The quantized forwards: each path checked against the bfloat16 forward of the "
         "dequantized weights (within 2^-6 of the largest output): "
         + (f"NOT within it: {', '.join(wrong)}." if wrong else "all within it.")
+        + "".join(f" The path {k[: -len('_error')]} failed: {v}." for k, v in failed.items())
     )
 
 

@@ -11,7 +11,9 @@ calls each):
 - ``weight_first``: the weight dequantized into bfloat16, then multiplied (the layer's path
   before issue 53), as a plain function of the same arrays;
 - ``group_products`` (groups only): each group's partial product, scaled, then summed
-  (`_group_products`), a candidate for the grouped path.
+  (`_group_products`), a candidate for the grouped path;
+- ``group_kernel`` (groups only): a Pallas kernel that dequantizes tile by tile in VMEM
+  (`bench/_grouped_kernel.py`), another candidate (interpreted off a TPU: slow there).
 
 Both are checked against the bfloat16 forward of the dequantized weights (within
 bfloat16's rounding, relative to the largest output). Targets (issue 53, on a TPU):
@@ -27,8 +29,10 @@ from __future__ import annotations
 import json
 import os
 import statistics
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -84,6 +88,18 @@ def _group_products(layers: list[Any], x: jax.Array) -> jax.Array:
     return x
 
 
+def _group_kernel(layers: list[Any], x: jax.Array) -> jax.Array:
+    """In groups, through the candidate Pallas kernel (`bench._grouped_kernel`): the
+    integers read once, dequantized tile by tile in VMEM."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # (run as a script too)
+    from bench._grouped_kernel import grouped_matmul
+
+    for layer in layers:
+        kernel = layer.kernel
+        x = jnp.tanh(grouped_matmul(x, kernel.value, kernel.scale, kernel.group_size))
+    return x
+
+
 def _timed(fn: Callable[[], Any]) -> float:
     times = []
     for _ in range(REPEATS):
@@ -102,7 +118,7 @@ def main() -> dict[str, Any]:
     device = jax.devices()[0]
     out: dict[str, Any] = {"device": device.device_kind, "layers": LAYERS, "width": WIDTH}
     forward, weight_first = jax.jit(_forward), jax.jit(_weight_first)
-    grouped = jax.jit(_group_products)
+    grouped, kernel = jax.jit(_group_products), jax.jit(_group_kernel)
     dense = _layers(None, None)
     quantized = {name: _layers(*layout) for name, layout in LAYOUTS.items()}
     dequantized = {  # (bfloat16 layers of the dequantized weights: the oracle)
@@ -125,6 +141,11 @@ def main() -> dict[str, Any]:
             if layers[0].kernel.group_size is not None:
                 row[f"{name}_group_products_close"] = _close(grouped(layers, x), want)
                 times[f"{name}_group_products"] = []
+                try:  # (a candidate: a kernel Mosaic refuses is recorded, not raised)
+                    row[f"{name}_group_kernel_close"] = _close(kernel(layers, x), want)
+                    times[f"{name}_group_kernel"] = []
+                except Exception as error:  # noqa: BLE001 - recorded in the figures
+                    row[f"{name}_group_kernel_error"] = f"{type(error).__name__}: {error}"[:500]
         for _ in range(3):  # (interleaved rounds)
             times["bf16"].append(_timed(lambda x=x: forward(dense, x)))
             for name, layers in quantized.items():
@@ -136,6 +157,8 @@ def main() -> dict[str, Any]:
                     times[f"{name}_group_products"].append(
                         _timed(lambda q=layers, x=x: grouped(q, x))
                     )
+                if f"{name}_group_kernel" in times:
+                    times[f"{name}_group_kernel"].append(_timed(lambda q=layers, x=x: kernel(q, x)))
         bf16 = statistics.median(times["bf16"])
         row["bf16_ms"] = bf16 * 1e3
         for key, values in times.items():
