@@ -195,13 +195,16 @@ def _measure(
         **env,
         "PYTHONPATH": os.pathsep.join([str(memory.ROOT), os.environ.get("PYTHONPATH", "")]),
     }
-    args = [sys.executable, "-m", "bench.storage", "--worker", case]
+    args = [sys.executable, "-X", "faulthandler", "-m", "bench.storage", "--worker", case]
     args += [str(width), str(depth), str(size), str(n)]
     done = subprocess.run(
         args, capture_output=True, text=True, cwd=memory.ROOT, env=environment, check=False
     )
-    if done.returncode != 0:
-        raise RuntimeError(f"storage memory worker {case!r} failed:\n{done.stderr[-3000:]}")
+    if done.returncode != 0:  # (a negative code: the signal that ended it)
+        raise RuntimeError(
+            f"storage memory worker {case!r} failed (exit code {done.returncode}):\n"
+            f"{done.stderr[-3000:]}\nits output: {done.stdout[-500:]}"
+        )
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
