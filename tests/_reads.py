@@ -1,7 +1,7 @@
 """Logs of a load's reads: every outermost call of Tensor's read methods (a read that
 another read method makes on its behalf is part of that one), from any reader thread, and
 each tensor of a `read_together` of several; and every os.preadv, the system call each
-read of a file's bytes makes."""
+read of a file's bytes makes; and the most reads under way at once (`in_flight`)."""
 
 import os
 import threading
