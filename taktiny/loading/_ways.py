@@ -53,11 +53,13 @@ class Way:
         word: how :class:`~taktiny.io.PlannedStep` names it (its ``way``).
         transforms: whether the load's own thread transforms it, one step at a time.
         scratch: the buffer it is read into, for a step that is transformed.
+        maps: whether it copies its sources from their files' mapped pages.
         parts: its steps, each as a way of its own (a batch's several, in order).
     """
 
     word = "direct"
     transforms = False
+    maps = False
     scratch: Scratch | None = None
 
     def __init__(self, step: Step, sources: list[Tensor], leaf: Any = None) -> None:
@@ -145,6 +147,7 @@ class Mapped(Whole):
     """
 
     word = "mapped"
+    maps = True
 
     def __init__(
         self, step: Step, sources: list[Tensor], leaf: Any, perm: tuple[int, ...] | None
@@ -156,12 +159,8 @@ class Mapped(Whole):
         return waiting(load, self.step, self.sources[0], shared=True)  # (into stacks)
 
     def read(self, verify: bool, stacker: Stacker | None) -> Any:
-        tensor, sharding = self.sources[0], sharding_of(self.leaf)
-        host = tensor.mapped()
-        if host is None:  # (no bytes; or a file system that cannot map)
-            array = placed(tensor.read(verify=verify), sharding)
-        else:
-            array = _from_pages(tensor, host, sharding, verify)
+        sharding = sharding_of(self.leaf)
+        array = _from_file(self.sources[0], sharding, verify)
         perm = self.perm
         return {self.step.targets[0]: array if perm is None else _turned(perm, sharding)(array)}
 
@@ -297,9 +296,14 @@ def _copied(host: np.ndarray, sharding: Any) -> jax.Array:
     return jnp.copy(array) if adopted(array, host.ctypes.data, host.nbytes) else array
 
 
-def _from_pages(tensor: Tensor, host: np.ndarray, sharding: Any, verify: bool) -> jax.Array:
-    """`host`, `tensor`'s mapped pages, copied onto `sharding`; with `verify`, hashed while
-    the copy reads the same pages, and checked."""
+def _from_file(tensor: Tensor, sharding: Any, verify: bool) -> jax.Array:
+    """`tensor` (in a local file) on `sharding`: its mapped pages copied there, with
+    `verify` hashed while the copy reads the same pages, and checked; read whole into
+    fresh memory where there are none to map (a tensor of no bytes; a file system that
+    cannot map files)."""
+    host = tensor.mapped()
+    if host is None:
+        return placed(tensor.read(verify=verify), sharding)
     array = _copied(host, sharding)
     if verify:
         tensor.check(host.reshape(-1).view(np.uint8))  # (its bytes: a 0-d array's too)
@@ -598,23 +602,13 @@ class Transformed(Way):
         if self.scratch is not None:
             return self.scratch.read(self.sources, verify, self.perm)
         here = jax.sharding.SingleDeviceSharding(default_device())  # (`maps`)
-        arrays = [_source(t, here, verify) for t in self.sources]
+        arrays = [_from_file(t, here, verify) for t in self.sources]
         if self.perm is not None:  # (the first laid out there, as it would be read)
             arrays[0] = _turned(self.perm, here)(arrays[0])
         return arrays
 
     def place(self, load: Load, data: Any) -> Iterable[tuple[str, Any]]:
         return transformed(load, self.step, data, self.scratch).items()
-
-
-def _source(tensor: Tensor, here: Any, verify: bool) -> jax.Array:
-    """A transformed step's source on `here`, copied from its file's mapped pages
-    (`_from_pages`); read whole into fresh memory where there are none to map (a tensor
-    of no bytes; a file system that cannot map files)."""
-    host = tensor.mapped()
-    if host is None:
-        return placed(tensor.read(verify=verify), here)
-    return _from_pages(tensor, host, here, verify)
 
 
 class Fp8Blocks(Transformed):
@@ -686,7 +680,7 @@ class Ways:
         self.ring = Ring(count, size)
         for way in staged:
             way.ring = self.ring
-        mapped = any(isinstance(w, Mapped) or getattr(w, "maps", False) for w in self.units)
+        mapped = any(way.maps for way in self.units)
         self.start = MAPPED_START if mapped else START  # (the readers it starts with)
 
     @property

@@ -446,7 +446,7 @@ def test_quantizing_steps_onto_devices_that_copy_take_no_scratch_and_read_togeth
     target = tt.quantize(tt.eval_shape(lambda: layers))
     plan = plan_load(target, path)
     assert {s.way for s in plan.steps} == {"quantized"} and plan.scratch_bytes == 0
-    most = in_flight(monkeypatch, ways_module, "_source")
+    most = in_flight(monkeypatch, ways_module, "_from_file")
     loaded = load_safetensors(target, path)
     assert most[0] >= 2
     for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(tt.quantize(layers)), strict=True):
