@@ -3,7 +3,6 @@ its slice as it arrives (renamed, transposed, quantized, sharded), some layers o
 planned, exported back, within the host memory of the unstacked load."""
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _child import cpu_environment
 from jax.sharding import PartitionSpec as P
 
 import taktiny as tt
@@ -241,7 +241,7 @@ def test_the_host_holds_no_stacked_array_beside_its_parts_and_the_budget_counts_
     stack = make(layers, width)
     path = tmp_path / "layers.safetensors"
     save_safetensors(path, stack.flat_state_dict(unstacked=True))
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(2**20)}
+    env = cpu_environment(MALLOC_MMAP_THRESHOLD_=str(2**20))
     run = subprocess.run(
         [sys.executable, str(HERE / "_stack_peak.py"), str(path), str(layers), str(width)],
         capture_output=True, text=True, env=env, timeout=300, check=True,

@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from _child import cpu_environment
 
 pytestmark = pytest.mark.program
 
@@ -20,6 +21,7 @@ def run_example(name: str) -> str:
         timeout=300,
         cwd=ROOT,
         check=False,
+        env=cpu_environment(),
     )
     assert result.returncode == 0, result.stderr[-3000:]
     return result.stdout

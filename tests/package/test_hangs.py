@@ -12,6 +12,7 @@ import tomllib
 from pathlib import Path
 
 import pytest
+from _child import cpu_environment
 
 pytestmark = pytest.mark.program
 
@@ -42,7 +43,7 @@ def test_the_suite_limits_every_test_and_a_test_that_hangs_fails_naming_where(tm
         [sys.executable, "-m", "pytest", "-c", str(ROOT / "pyproject.toml"), "--rootdir",
          str(tmp_path), "-o", "timeout=4", "-o", "faulthandler_timeout=2", "-p",
          "no:cacheprovider", "-q", "-n", "1", str(tmp_path / "test_hang.py")],
-        capture_output=True, text=True, timeout=120, cwd=tmp_path,
+        capture_output=True, text=True, timeout=120, cwd=tmp_path, env=cpu_environment(),
     )  # fmt: skip
     took = time.monotonic() - started
     assert done.returncode == 1, done.stdout + done.stderr

@@ -158,9 +158,12 @@ def test_the_fingerprint_is_the_same_in_another_process():
         "{'*.kernel': (None, 'model')}, mesh_of())\n"
         "print(tt.schema(model).fingerprint)\n"
     )
+    from _child import cpu_environment  # (here: the child imports this module, without tests/)
+
     done = subprocess.run(
-        [sys.executable, "-c", program], capture_output=True, text=True, check=True, timeout=300
-    )
+        [sys.executable, "-c", program], capture_output=True, text=True, check=True, timeout=300,
+        env=cpu_environment(),
+    )  # fmt: skip
     assert done.stdout.strip() == tt.schema(model).fingerprint
 
 

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _child import HOST_WARNING, cpu_environment
 
 import taktiny as tt
 from taktiny import convert as cv
@@ -136,8 +137,9 @@ def test_deprecations_are_shown_by_default_from_a_users_module(tmp_path):
         "    tt.quantize({'head': nn.Linear(4, 3, rngs=nn.Rngs(0))}, filter='head')\n"
         "    tt.StateProblem('shape', key='a', hint='h')\n"
     )
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONWARNINGS"}
-    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), *sys.path])
+    # Python's default filters, but for the host's warning at JAX's import (tests/_child.py)
+    path = os.pathsep.join([str(tmp_path), *sys.path])
+    env = cpu_environment(PYTHONWARNINGS=HOST_WARNING, PYTHONPATH=path)
     done = subprocess.run(
         [sys.executable, "-c", "import user_code; user_code.run()"],
         env=env, capture_output=True, text=True, timeout=120, check=True,
