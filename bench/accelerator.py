@@ -262,11 +262,16 @@ def _quantized_tables(group: Group, quantized: dict[str, Any], kind: str) -> Non
         for k, v in quantized[f"batch_{b}"].items()
         if k.endswith("_close") and not v
     ]
+    checked = any(k.endswith("_close") for k in quantized["batch_1"])
     failed = {k: v for k, v in quantized["batch_1"].items() if k.endswith("_error")}
     group.notes.append(
-        "The quantized forwards: each path checked against the bfloat16 forward of the "
+        "The quantized forwards: each path checked against the bfloat16 layer of the "
         "dequantized weights (within 2^-6 of the largest output): "
-        + (f"NOT within it: {', '.join(wrong)}." if wrong else "all within it.")
+        + (
+            (f"NOT within it: {', '.join(wrong)}." if wrong else "all within it.")
+            if checked
+            else "not recorded in this run (see the command)."
+        )
         + "".join(f" The path {k[: -len('_error')]} failed: {v}." for k, v in failed.items())
     )
 
