@@ -158,21 +158,26 @@ class Stacker:
                 self.write(hit[0], hit[1], value)
 
     def write(self, stacked: str, index: int, value: jax.Array) -> None:
-        """Writes one layer's value into its stacked leaf (begun at its first slice)."""
+        """Writes one layer's value into its stacked leaf (begun at its first slice). A
+        slice lives until its write has run. In host memory (CPU devices) each write is
+        waited for: writes left pending (JAX dispatches them at once) would hold more
+        slices than the budget counts. On an accelerator's devices a slice holds the
+        devices' memory, not the host's: one write a stacked leaf is left pending (the one
+        before is waited for), so the load's thread takes the next unit while it runs."""
         big = self.stacked.get(stacked)
+        sharding = self.layers.sharding(stacked)
+        hosted = on_host(sharding)
         donate = True  # (the stacked leaf begun here is ours to write in place)
         if big is None:
-            old, sharding = self.layers.stacked_leaf(stacked), self.layers.sharding(stacked)
+            old = self.layers.stacked_leaf(stacked)
             if stacked in self.covered:
                 big = zeros_on(tuple(old.shape), np.dtype(old.dtype), sharding)()
             else:  # some layers: the others keep their values (written into a copy)
                 big, donate = old, False
-        write = layers_writer(self.layers.sharding(stacked), donate)
-        # waited for: the slice lives until its write has run, and writes left pending
-        # (JAX dispatches them at once) would hold more slices than the budget counts
-        self.stacked[stacked] = write(
-            big, np.array([index], np.int32), (value,)
-        ).block_until_ready()
+        elif not hosted:
+            big.block_until_ready()  # the write before this one
+        written = layers_writer(sharding, donate)(big, np.array([index], np.int32), (value,))
+        self.stacked[stacked] = written.block_until_ready() if hosted else written
 
     def model(self) -> Any:
         """The model with the leaves the load placed (its stacked leaves whole; those

@@ -18,6 +18,7 @@ from jax.sharding import PartitionSpec as P
 import taktiny as tt
 from taktiny import convert, nn
 from taktiny.io import load_safetensors, open_safetensors, plan_load, save_safetensors
+from taktiny.loading import _layers
 
 HERE = Path(__file__).parents[1]
 
@@ -116,7 +117,41 @@ def test_some_layers_change_only_their_slices(tmp_path, model):
         load_safetensors(model, tmp_path / "one.safetensors")
 
 
-def test_a_sharded_stack_gets_each_slice_on_its_devices(tmp_path, model):
+def test_a_stack_streams_in_on_each_platform_every_layer_or_some(tmp_path, platform):
+    """Per-layer names streamed into a stack on the platform's first device: on a CPU read
+    into the host buffer JAX adopts; on an accelerator each slice written into its stacked
+    leaf on the device, one write a leaf left pending while the next unit is taken
+    (`Stacker.write`). Every layer into an abstract model, and two into a concrete one
+    (written into a copy of its leaves), each bitwise and on the device."""
+    device = jax.devices(platform)[0]
+    model, other = Model(rngs=nn.Rngs(0)), Model(rngs=nn.Rngs(1))
+    save_safetensors(tmp_path / "layers.safetensors", model.flat_state_dict(unstacked=True))
+    loaded = load_safetensors(abstract(), tmp_path / "layers.safetensors")
+    assert equal(loaded, model)
+    assert all(leaf.devices() == {device} for leaf in jax.tree.leaves(loaded))
+    some = {
+        k: v
+        for k, v in other.flat_state_dict(unstacked=True).items()
+        if k.startswith(("layers.1.", "layers.2."))
+    }
+    save_safetensors(tmp_path / "some.safetensors", some)
+    changed = load_safetensors(model, tmp_path / "some.safetensors", strict=False)
+    for name, leaf in changed.flat_state_dict().items():
+        old, new = model.flat_state_dict()[name], other.flat_state_dict()[name]
+        want = np.array(old)
+        if name.startswith("layers."):
+            want[1:3] = np.asarray(new)[1:3]
+        np.testing.assert_array_equal(leaf, want)
+        assert leaf.devices() == {device}
+
+
+@pytest.mark.parametrize("pending", [False, True])
+def test_a_sharded_stack_gets_each_slice_on_its_devices(tmp_path, model, pending, monkeypatch):
+    """`pending`: the CPU devices taken for an accelerator's (`_layers.on_host` False), so
+    that each stacked leaf's writes run as on a TPU, the one before waited for, the last
+    left pending."""
+    if pending:
+        monkeypatch.setattr(_layers, "on_host", lambda sharding: False)
     mesh = jax.make_mesh((2, 4), ("data", "model"))
     rules = {"layers.*.attention.kernel": P(None, "model"), "**": P()}
     sharded = tt.shard(abstract(), rules, mesh)
