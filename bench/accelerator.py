@@ -219,7 +219,13 @@ def _quantized_tables(group: Group, quantized: dict[str, Any], kind: str) -> Non
     layers, width = quantized["layers"], quantized["width"]
     paths = {"bf16": "bfloat16"}
     for layout in ("int8", "int4_g128"):
-        for path in ("product", "weight_first", "group_products", "group_kernel"):
+        for path in (
+            "product",
+            "weight_first",
+            "group_products",
+            "group_products_f32",
+            "group_kernel",
+        ):
             if f"{layout}_{path}_ms" in quantized["batch_1"]:
                 paths[f"{layout}_{path}"] = f"{layout}, {path.replace('_', ' ')}"
     table = Table(
@@ -232,7 +238,10 @@ def _quantized_tables(group: Group, quantized: dict[str, Any], kind: str) -> Non
     for batch in batches:
         row = quantized[f"batch_{batch}"]
         for key, name in paths.items():
-            table.add(f"batch {batch}", name, "bench/device_quantized.py", row[f"{key}_ms"] / 1e3)
+            if f"{key}_ms" in row:  # (a candidate that failed at this batch: in the notes)
+                table.add(
+                    f"batch {batch}", name, "bench/device_quantized.py", row[f"{key}_ms"] / 1e3
+                )
     group.tables.append(table)
     decode = [b for b in batches if b <= 16]
     for layout, most in (("int8", 0.6), ("int4_g128", 0.35)):
@@ -263,7 +272,12 @@ def _quantized_tables(group: Group, quantized: dict[str, Any], kind: str) -> Non
         if k.endswith("_close") and not v
     ]
     checked = any(k.endswith("_close") for k in quantized["batch_1"])
-    failed = {k: v for k, v in quantized["batch_1"].items() if k.endswith("_error")}
+    failed = {
+        f"{k[: -len('_error')]} at batch {b}": v
+        for b in batches
+        for k, v in quantized[f"batch_{b}"].items()
+        if k.endswith("_error")
+    }
     group.notes.append(
         "The quantized forwards: each path checked against the bfloat16 layer of the "
         "dequantized weights (within 2^-6 of the largest output): "
@@ -272,7 +286,7 @@ def _quantized_tables(group: Group, quantized: dict[str, Any], kind: str) -> Non
             if checked
             else "not recorded in this run (see the command)."
         )
-        + "".join(f" The path {k[: -len('_error')]} failed: {v}." for k, v in failed.items())
+        + "".join(f" The path {k} failed: {v}." for k, v in failed.items())
     )
 
 

@@ -11,7 +11,8 @@ calls each):
 - ``weight_first``: the weight dequantized into bfloat16, then multiplied (the layer's path
   before issue 53), as a plain function of the same arrays;
 - ``group_products`` (groups only): each group's partial product, scaled, then summed
-  (`_group_products`), a candidate for the grouped path;
+  (`_group_products`), a candidate for the grouped path; ``group_products_f32`` the same
+  in float32, rounded once;
 - ``group_kernel`` (groups only): a Pallas kernel that dequantizes tile by tile in VMEM
   (`bench/_grouped_kernel.py`), another candidate (interpreted off a TPU: slow there).
 
@@ -26,6 +27,7 @@ int8 at most 0.6x the bfloat16 time and int4 (groups of 128) at most 0.35x at ba
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import statistics
@@ -73,18 +75,22 @@ def _weight_first(layers: list[Any], x: jax.Array) -> jax.Array:
     return x
 
 
-def _group_products(layers: list[Any], x: jax.Array) -> jax.Array:
+def _group_products(layers: list[Any], x: jax.Array, wide: bool = False) -> jax.Array:
     """In groups: each group's rows of the integer kernel times its slice of `x`, the
     partial products scaled by the group's scales, then summed (no float kernel made;
     ``[*batch, groups, out]`` partial products instead): a candidate for the layer's
-    grouped path at small batches, measured here first."""
+    grouped path at small batches, measured here first. `wide`: the partial products,
+    their scaling and their sum in float32, rounded into bfloat16 once (as the layer's
+    per-channel path takes its product), twice the partial products' bytes."""
+    work = jnp.float32 if wide else jnp.bfloat16
     for layer in layers:
         kernel = layer.kernel
         groups, size = kernel.scale.shape[0], kernel.group_size
         value = kernel.value.astype(jnp.bfloat16).reshape(groups, size, -1)
         pieces = x.reshape(*x.shape[:-1], groups, size)
-        partial = jnp.einsum("...gi,gio->...go", pieces, value)
-        x = jnp.tanh(jnp.sum(partial * kernel.scale.astype(jnp.bfloat16), axis=-2))
+        partial = jnp.einsum("...gi,gio->...go", pieces, value, preferred_element_type=work)
+        summed = jnp.sum(partial * kernel.scale.astype(work), axis=-2)
+        x = jnp.tanh(summed.astype(jnp.bfloat16))
     return x
 
 
@@ -118,7 +124,11 @@ def main() -> dict[str, Any]:
     device = jax.devices()[0]
     out: dict[str, Any] = {"device": device.device_kind, "layers": LAYERS, "width": WIDTH}
     forward, weight_first = jax.jit(_forward), jax.jit(_weight_first)
-    grouped, kernel = jax.jit(_group_products), jax.jit(_group_kernel)
+    candidates = {  # the grouped path's candidates (groups only)
+        "group_products": jax.jit(_group_products),
+        "group_products_f32": jax.jit(functools.partial(_group_products, wide=True)),
+        "group_kernel": jax.jit(_group_kernel),
+    }
     dense = _layers(None, None)
     quantized = {name: _layers(*layout) for name, layout in LAYOUTS.items()}
     dequantized = {  # (bfloat16 layers of the dequantized weights: the oracle)
@@ -141,14 +151,14 @@ def main() -> dict[str, Any]:
             row[f"{name}_product_close"] = _close(forward(first, x), want)
             row[f"{name}_weight_first_close"] = _close(weight_first(first, x), want)
             times[f"{name}_product"], times[f"{name}_weight_first"] = [], []
-            if layers[0].kernel.group_size is not None:
-                row[f"{name}_group_products_close"] = _close(grouped(first, x), want)
-                times[f"{name}_group_products"] = []
+            for path, run in candidates.items():
+                if layers[0].kernel.group_size is None:
+                    continue
                 try:  # (a candidate: a kernel Mosaic refuses is recorded, not raised)
-                    row[f"{name}_group_kernel_close"] = _close(kernel(first, x), want)
-                    times[f"{name}_group_kernel"] = []
+                    row[f"{name}_{path}_close"] = _close(run(first, x), want)
+                    times[f"{name}_{path}"] = []
                 except Exception as error:  # noqa: BLE001 - recorded in the figures
-                    row[f"{name}_group_kernel_error"] = f"{type(error).__name__}: {error}"[:500]
+                    row[f"{name}_{path}_error"] = f"{type(error).__name__}: {error}"[:500]
         for _ in range(3):  # (interleaved rounds)
             times["bf16"].append(_timed(lambda x=x: forward(dense, x)))
             for name, layers in quantized.items():
@@ -156,12 +166,9 @@ def main() -> dict[str, Any]:
                 times[f"{name}_weight_first"].append(
                     _timed(lambda q=layers, x=x: weight_first(q, x))
                 )
-                if f"{name}_group_products" in times:
-                    times[f"{name}_group_products"].append(
-                        _timed(lambda q=layers, x=x: grouped(q, x))
-                    )
-                if f"{name}_group_kernel" in times:
-                    times[f"{name}_group_kernel"].append(_timed(lambda q=layers, x=x: kernel(q, x)))
+                for path, run in candidates.items():
+                    if f"{name}_{path}" in times:
+                        times[f"{name}_{path}"].append(_timed(lambda r=run, q=layers, x=x: r(q, x)))
         bf16 = statistics.median(times["bf16"])
         row["bf16_ms"] = bf16 * 1e3
         for key, values in times.items():

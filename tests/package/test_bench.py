@@ -298,8 +298,17 @@ def test_the_accelerator_group_reports_the_last_run_on_one_from_a_cpu(tmp_path, 
     for row in (r for k, r in figures["quantized"].items() if k.startswith("batch_")):
         for key in [k for k in row if k.endswith("_close")]:
             del row[key]  # (figures of a run whose check was left out)
-    notes = " ".join(accelerator.build(figures, {}).notes)
+    row = figures["quantized"]["batch_16"]  # a candidate that failed at one batch only
+    row["int4_g128_group_products_error"] = "JaxRuntimeError: refused"
+    del row["int4_g128_group_products_ms"], row["int4_g128_group_products_vs_bf16"]
+    built = accelerator.build(figures, {})
+    notes = " ".join(built.notes)
     assert "not recorded in this run" in notes and "all within it" not in notes
+    assert "group_products at batch 16 failed: JaxRuntimeError: refused" in notes
+    forward = next(t for t in built.tables if t.title.startswith("A forward through 32"))
+    assert forward.value("batch 1", "int4_g128, group products") == pytest.approx(1e-3)
+    with pytest.raises(KeyError):
+        forward.value("batch 16", "int4_g128, group products")
 
 
 @pytest.mark.thorough
