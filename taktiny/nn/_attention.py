@@ -19,6 +19,7 @@ from ._dot_product_attention import attend, check_inputs, fold_mask, split_heads
 from ._explicit import explicit_axes, typed_spec
 from ._layer_checks import divisors
 from ._linear import Linear
+from ._norm import RMSNorm
 from ._precision import DTYPE, PRECISION, compute_dtype, static_dtype, static_precision
 from ._rotary import RotaryEmbedding, fold_positions
 
@@ -44,7 +45,11 @@ class MultiHeadAttention(Module):
     with the names they convert from in PyTorch's ``nn.MultiheadAttention`` and in
     Hugging Face's Llama (``model.layers.{i}.self_attn``); every PyTorch weight
     ``[out, in]`` is transposed. Kernels are LeCun-normal, biases zeros (absent with
-    ``use_bias=False``, as Llama's ``attention_bias=False``).
+    ``use_bias=False``, as Llama's ``attention_bias=False``; Qwen2's query, key and value
+    projections have biases and its output projection none: ``use_out_bias=False``).
+    With ``qk_norm_epsilon`` each query and key head is RMS-normalised over its
+    ``head_dim`` features before the rotary embeddings, as Qwen3's ``q_norm`` and
+    ``k_norm`` do.
 
     Attributes:
         query: ``kernel [in_features, qkv_features]``, ``bias [qkv_features]``; torch
@@ -55,6 +60,9 @@ class MultiHeadAttention(Module):
             ``2E:3E``; Llama ``v_proj``.
         out: ``kernel [qkv_features, out_features]``, ``bias [out_features]``; torch
             ``out_proj``; Llama ``o_proj``.
+        query_norm: an :class:`RMSNorm` of ``scale [head_dim]`` shared by the query
+            heads with ``qk_norm_epsilon``, else None; Qwen3 ``q_norm``.
+        key_norm: the same for the key heads; Qwen3 ``k_norm``.
         rotary: a :class:`RotaryEmbedding` when ``rope_theta`` is given, else None. It
             has no parameters (Hugging Face keeps its rotary ``inv_freq`` out of
             checkpoints too).
@@ -75,6 +83,11 @@ class MultiHeadAttention(Module):
             ``rope_scaling``) dict gives it: "linear", "dynamic", "llama3" or "yarn" (see
             :class:`RotaryEmbedding`); None for none.
         use_bias: whether the four projections have biases.
+        use_out_bias: whether the output projection has a bias; None (the default) as
+            `use_bias` says.
+        qk_norm_epsilon: RMS-normalise each query and key head before the rotary
+            embeddings (:class:`RMSNorm`, with this epsilon: Qwen3's ``rms_norm_eps``);
+            None (the default) for no such norm.
         dropout_rate: the dropout applied to attention weights when a ``key`` is given.
         dtype: the dtype the layer computes in and returns; None (the default) computes
             in the parameters' dtype.
@@ -107,6 +120,8 @@ class MultiHeadAttention(Module):
     key: Linear
     value: Linear
     out: Linear
+    query_norm: RMSNorm | None
+    key_norm: RMSNorm | None
     rotary: RotaryEmbedding | None
     num_heads: int
     num_kv_heads: int
@@ -126,6 +141,8 @@ class MultiHeadAttention(Module):
         rope_theta: float | None = None,
         rope_scaling: Mapping[str, Any] | None = None,
         use_bias: bool = True,
+        use_out_bias: bool | None = None,
+        qk_norm_epsilon: float | None = None,
         dropout_rate: float = 0.0,
         dtype: DTypeLike | None = None,
         param_dtype: DTypeLike = jnp.float32,
@@ -159,21 +176,22 @@ class MultiHeadAttention(Module):
         head_dim = qkv // num_heads
         kv, kv_out = in_features if kv_features is None else kv_features, kv_heads * head_dim
         out = in_features if out_features is None else out_features
+        out_bias = use_bias if use_out_bias is None else use_out_bias
         shardings = {
-            "query": (in_features, qkv, query_kernel_sharding, query_bias_sharding),
-            "key": (kv, kv_out, key_kernel_sharding, key_bias_sharding),
-            "value": (kv, kv_out, value_kernel_sharding, value_bias_sharding),
-            "out": (qkv, out, out_kernel_sharding, out_bias_sharding),
+            "query": (in_features, qkv, query_kernel_sharding, query_bias_sharding, use_bias),
+            "key": (kv, kv_out, key_kernel_sharding, key_bias_sharding, use_bias),
+            "value": (kv, kv_out, value_kernel_sharding, value_bias_sharding, use_bias),
+            "out": (qkv, out, out_kernel_sharding, out_bias_sharding, out_bias),
         }
-        for name, (n_in, n_out, kernel, bias) in shardings.items():
+        for name, (n_in, n_out, kernel, bias, biased) in shardings.items():
             # checked here first, so that an error names the projection
             placement(kernel, (n_in, n_out), f"{_NAME}.{name}.kernel")
-            placement(bias if use_bias else None, (n_out,), f"{_NAME}.{name}.bias")
+            placement(bias if biased else None, (n_out,), f"{_NAME}.{name}.bias")
         self.query, self.key, self.value, self.out = (
             Linear(
                 n_in,
                 n_out,
-                use_bias=use_bias,
+                use_bias=biased,
                 dtype=dtype,
                 param_dtype=param_dtype,
                 precision=precision,
@@ -181,8 +199,13 @@ class MultiHeadAttention(Module):
                 bias_sharding=bias,
                 rngs=rngs,
             )
-            for n_in, n_out, kernel, bias in shardings.values()
+            for n_in, n_out, kernel, bias, biased in shardings.values()
         )
+        self.query_norm = self.key_norm = None
+        if qk_norm_epsilon is not None:
+            eps = qk_norm_epsilon
+            self.query_norm = RMSNorm(head_dim, epsilon=eps, dtype=dtype, param_dtype=param_dtype)
+            self.key_norm = RMSNorm(head_dim, epsilon=eps, dtype=dtype, param_dtype=param_dtype)
         if rope_scaling is not None and rope_theta is None:
             raise ValueError(
                 f"{_NAME} got rope_scaling without rope_theta: scaling stretches rotary "
@@ -308,6 +331,8 @@ class MultiHeadAttention(Module):
             q = split_heads(self.query(inputs_q), heads, kv_heads, whole_time=False)
             k = split_heads(self.key(inputs_kv), kv_heads, kv_heads, whole_time=True)
             v = split_heads(self.value(inputs_kv), kv_heads, kv_heads, whole_time=True)
+            if self.query_norm is not None and self.key_norm is not None:  # (per head)
+                q, k = self.query_norm(q), self.key_norm(k)
             if self.rotary is not None:
                 offset = None if cache is None else cache.length
                 at = fold_positions(_NAME, positions, batch, q_length, offset)

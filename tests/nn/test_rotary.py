@@ -426,3 +426,79 @@ def test_with_x64_float64_inputs_rotate_in_float64_and_float32_ones_in_float32()
         y64 = rotary(x64, jnp.zeros(3, jnp.int32))
         assert y64.dtype == jnp.float64
         np.testing.assert_array_equal(y64, x64)
+
+
+def _qwen(version: int):
+    """A small random Qwen2 or Qwen3 attention (eager), its config and its state in
+    MultiHeadAttention's names: Qwen2's query, key and value projections have biases and
+    its output projection none; Qwen3's have none, and it RMS-normalises each query and key
+    head (``q_norm``, ``k_norm``) before the rotation."""
+    from transformers import Qwen2Config, Qwen3Config
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2Attention
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention
+
+    kind, attention = (
+        (Qwen2Config, Qwen2Attention) if version == 2 else (Qwen3Config, Qwen3Attention)
+    )
+    config = kind(
+        hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+        rms_norm_eps=1e-5, rope_parameters={"rope_type": "default", "rope_theta": 1e4},
+    )  # fmt: skip
+    config._attn_implementation = "eager"
+    reference = randomize_(attention(config, layer_idx=0))
+    names = {"q_proj": "query", "k_proj": "key", "v_proj": "value", "o_proj": "out"}
+    names |= {"q_norm": "query_norm", "k_norm": "key_norm"}
+    leaf = {"weight": "kernel", "bias": "bias"}
+    state = {}
+    for name, p in reference.named_parameters():
+        module, kind_ = name.split(".")
+        norm = module.endswith("_norm")
+        key = f"{names[module]}.{'scale' if norm else leaf[kind_]}"
+        state[key] = numpy(p) if norm or kind_ == "bias" else numpy(p.T)
+    return config, reference, state
+
+
+@pytest.mark.parametrize("version", [2, 3])
+def test_qwen_attention_biases_and_head_norms_match_hugging_face(version):
+    """Qwen2 (biases but on the output projection: ``use_out_bias=False``) and Qwen3 (each
+    head RMS-normalised before the rotation: ``qk_norm_epsilon``) against transformers,
+    causally, at positions of a later chunk (a norm after the rotation, or a bias on the
+    output, would not match)."""
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    config, reference, state = _qwen(version)
+    qwen2 = version == 2
+    mha = build(
+        lambda: nn.MultiHeadAttention(
+            4, 32, qkv_features=32, num_kv_heads=2, rope_theta=1e4, use_bias=qwen2,
+            use_out_bias=False, qk_norm_epsilon=None if qwen2 else 1e-5,
+            precision="highest", rngs=nn.Rngs(0),
+        ),
+        state,
+    )  # fmt: skip
+    assert (mha.out.bias is None) and (mha.query.bias is not None) == qwen2
+    assert (mha.query_norm is None) == qwen2 and (mha.key_norm is None) == qwen2
+    x = randn(2, 6, 32, seed=4)
+    positions = np.arange(6)[None] + 5
+    embeddings = LlamaRotaryEmbedding(config)(torch.from_numpy(x), torch.from_numpy(positions))
+    allowed = np.tril(np.ones((6, 6), bool))
+    additive = np.where(allowed, 0.0, np.finfo(np.float32).min).astype(np.float32)
+    expected, _ = reference(
+        torch.from_numpy(x),
+        position_embeddings=embeddings,
+        attention_mask=torch.from_numpy(additive[None, None]),
+    )
+    ours = mha(jnp.asarray(x), causal=True, positions=jnp.asarray(positions, jnp.int32))
+    assert_close(ours, numpy(expected))
+
+
+def test_the_head_norms_and_the_output_bias_are_parameters_only_when_asked():
+    plain = nn.MultiHeadAttention(4, 32, rngs=nn.Rngs(0))
+    normed = nn.MultiHeadAttention(
+        4, 32, qkv_features=16, use_out_bias=False, qk_norm_epsilon=1e-6, rngs=nn.Rngs(0)
+    )
+    assert "query_norm.scale" not in plain.flat_state_dict() and plain.out.bias is not None
+    shapes = {n: v.shape for n, v in normed.flat_state_dict().items()}
+    assert shapes["query_norm.scale"] == shapes["key_norm.scale"] == (4,)  # head_dim 16 / 4
+    assert "out.bias" not in shapes and shapes["query.bias"] == (16,)
+    assert normed.query_norm is not None and normed.query_norm.epsilon == 1e-6
