@@ -23,10 +23,11 @@ import pytest
 import taktiny
 import taktiny.convert
 import taktiny.io
+import taktiny.models
 import taktiny.nn
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = (taktiny, taktiny.nn, taktiny.io, taktiny.convert)
+PACKAGES = (taktiny, taktiny.nn, taktiny.io, taktiny.convert, taktiny.models)
 DIRECTIVE = re.compile(r"^::: (\S+)", re.M)
 UNDOCUMENTED_PARAMETERS = {"self", "cls"}
 ABSTRACT = {"NotImplementedError"}  # a base class's method that subclasses override

@@ -1,0 +1,12 @@
+"""Models people load every day, importable: the Llama family of causal decoders (Llama
+2, 3, 3.1 and 3.2, Mistral, Qwen2 and Qwen2.5, Qwen3; `_decoder.py`), from a Hugging Face
+folder in one call and back (`_pretrained.py`). Above the library's floors: nothing in the
+library imports it. Each name is imported when first used."""
+
+from ._decoder import FAMILIES as FAMILIES
+from ._decoder import Decoder as Decoder
+from ._decoder import DecoderConfig as DecoderConfig
+from ._decoder import DecoderLayer as DecoderLayer
+from ._decoder import rules as rules
+from ._pretrained import from_pretrained as from_pretrained
+from ._pretrained import save_pretrained as save_pretrained
