@@ -48,8 +48,10 @@ def plain_forward(w: dict[str, jax.Array], ids: jax.Array, config: Any) -> jax.A
     def rms(x: jax.Array, scale: jax.Array) -> jax.Array:
         return x * jax.lax.rsqrt(jnp.mean(jnp.square(x), -1, keepdims=True) + eps) * scale
 
-    theta, scaling = llama.rope(config)  # (Llama 3.1's scaled frequencies: a constant)
-    inv_freq = llama.nn.RotaryEmbedding(d, theta=theta, scaling=scaling).inv_freq()
+    parsed = llama.models.DecoderConfig.from_hf(config.to_dict())  # (the model's own reading)
+    scaling = None if parsed.rope_scaling is None else dict(parsed.rope_scaling)
+    rotary = llama.nn.RotaryEmbedding(d, theta=parsed.rope_theta, scaling=scaling)
+    inv_freq = rotary.inv_freq()  # (Llama 3.1's scaled frequencies: a constant)
     angles = jnp.arange(t, dtype=jnp.float32)[:, None] * inv_freq  # [t, d / 2]
     cos, sin = jnp.cos(angles)[:, None], jnp.sin(angles)[:, None]  # [t, 1, d / 2]
 

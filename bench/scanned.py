@@ -59,7 +59,9 @@ SIZES = {
 }
 VOCAB = 1024
 # the example's rules for the decoder layers alone: a file of one layer loads with these
-LAYER_RULES = [r for r in llama.RULES if getattr(r, "sources", ("",))[0].startswith(llama.HF)]
+LAYER_RULES = [
+    r for r in llama.UNTIED_RULES if getattr(r, "sources", ("",))[0].startswith("model.layers.{i}.")
+]
 
 
 def llama_config(width: int, layers: int) -> Any:

@@ -1,12 +1,13 @@
-"""A Llama causal decoder built from Taktiny layers, loaded from Hugging Face's `LlamaForCausalLM`.
+"""A Llama causal decoder (`taktiny.models.Decoder`), loaded from Hugging Face's `LlamaForCausalLM`.
 
 The reference is a small random `transformers.LlamaForCausalLM` (nothing is downloaded):
 RMSNorm, rotary position embeddings, grouped-query attention without biases (2 key/value
 heads for 4 query heads) and a SwiGLU MLP. It runs twice: as Llama 2, with the output
 projection tied to the token embedding (`Embed.attend`, a `convert.Tie`), and as Llama 3.1,
-with its own `lm_head` and rotary embeddings scaled the "llama3" way (`rope_scaling`). `RULES`
-loads the folder `save_pretrained` writes (checked name by name, loaded strictly into a
-model built without initialising it; a tied model's file has no `lm_head.weight`) and
+with its own `lm_head` and rotary embeddings scaled the "llama3" way (`rope_scaling`). The
+rules (`models.rules`) load the folder `save_pretrained` writes (checked name by name,
+loaded strictly into a model built without initialising it; a tied model's file has no
+`lm_head.weight`) and
 exports the model back into a folder that `LlamaForCausalLM.from_pretrained` loads with no
 missing or unexpected names; `convert.parity` compares the logits both times, at full
 float32 matmul precision. Then it decodes greedily with a `KVCache` per layer: the prompt in
@@ -40,128 +41,26 @@ from torch.distributed.checkpoint.quantized_hf_storage import QuantizedHuggingFa
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import taktiny as tt
-from taktiny import convert, nn
+from taktiny import convert, models, nn
 from taktiny.io import load_safetensors, open_safetensors, save_safetensors
 
 
-def rope(config: LlamaConfig) -> tuple[float, dict[str, Any] | None]:
-    """The base of Llama's rotary embeddings and their scaling, from the config's
-    `rope_parameters` (transformers 5; `rope_scaling` in 4): None for plain ones (Llama 2),
-    the dict itself for scaled ones (Llama 3.1's "llama3", "linear", "dynamic", "yarn"),
-    which `MultiHeadAttention(rope_scaling=...)` takes as it is."""
-    parameters: dict[str, Any] = {**(config.rope_parameters or {})}
-    if parameters.get("rope_type", "default") == "default":
-        return parameters["rope_theta"], None
-    if parameters.get("rope_type") == "dynamic":  # the context it stretches from
-        parameters["max_position_embeddings"] = config.max_position_embeddings
-    return parameters["rope_theta"], parameters
+def Llama(config: LlamaConfig, *, rngs: nn.Rngs, scanned: bool = False) -> models.Decoder:
+    """The Llama of `config` (transformers' own config object), from `taktiny.models`: token
+    ids [batch, length] -> next-token logits; with `caches` (from `init_caches`), the caches
+    advanced too. `scanned=True` holds the decoder layers as one `nn.Stack` run by
+    `jax.lax.scan`; its per-layer names are those of the list of layers, so the same rules
+    load and export both."""
+    return models.Decoder(config.to_dict(), scanned=scanned, rngs=rngs)
 
 
-class MLP(nn.Module):
-    """SwiGLU: ``down(silu(gate(x)) * up(x))``, no biases."""
-
-    def __init__(self, config: LlamaConfig, *, rngs: nn.Rngs):
-        hidden, inner = config.hidden_size, config.intermediate_size
-        self.gate = nn.Linear(hidden, inner, use_bias=False, rngs=rngs)
-        self.up = nn.Linear(hidden, inner, use_bias=False, rngs=rngs)
-        self.down = nn.Linear(inner, hidden, use_bias=False, rngs=rngs)
-
-    def __call__(self, x):
-        return self.down(jax.nn.silu(self.gate(x)) * self.up(x))
-
-
-class DecoderLayer(nn.Module):
-    """Pre-norm: each block normalises its input and adds its output to the residual."""
-
-    def __init__(self, config: LlamaConfig, *, rngs: nn.Rngs):
-        hidden, eps = config.hidden_size, config.rms_norm_eps
-        self.attention_norm = nn.RMSNorm(hidden, epsilon=eps)
-        theta, scaling = rope(config)
-        self.attention = nn.MultiHeadAttention(
-            config.num_attention_heads, hidden, num_kv_heads=config.num_key_value_heads,
-            rope_theta=theta, rope_scaling=scaling, use_bias=False, rngs=rngs,
-        )  # fmt: skip
-        self.mlp_norm = nn.RMSNorm(hidden, epsilon=eps)
-        self.mlp = MLP(config, rngs=rngs)
-
-    def __call__(self, x, cache=None):
-        if cache is None:
-            y = self.attention(self.attention_norm(x), causal=True)
-        else:  # the new keys and values are written into the cache, which comes back
-            y, cache = self.attention(self.attention_norm(x), causal=True, cache=cache)
-        x = x + y
-        return x + self.mlp(self.mlp_norm(x)), cache
-
-
-class Llama(nn.Module):
-    """Token ids [batch, length] -> next-token logits [batch, length, vocab]; with
-    `caches` (from `init_caches`), (logits, the caches advanced).
-
-    `scanned=True` holds the decoder layers as one `nn.Stack` (each parameter
-    [layers, ...]) run by `jax.lax.scan`: jit compiles one layer whatever the depth, and the
-    caches are one stacked KVCache. Its per-layer names (`layers.3.attention.query.kernel`)
-    are those of the list of layers, so the same rules load and export both."""
-
-    def __init__(self, config: LlamaConfig, *, rngs: nn.Rngs, scanned: bool = False):
-        hidden, vocab, count = config.hidden_size, config.vocab_size, config.num_hidden_layers
-        self.embed = nn.Embed(vocab, hidden, rngs=rngs)
-        if scanned:
-            self.layers = nn.Stack(lambda rngs: DecoderLayer(config, rngs=rngs), count, rngs=rngs)
-        else:
-            self.layers = [DecoderLayer(config, rngs=rngs) for _ in range(count)]
-        self.norm = nn.RMSNorm(hidden, epsilon=config.rms_norm_eps)
-        tied = config.tie_word_embeddings  # tied: the output projection is the embedding
-        self.lm_head = None if tied else nn.Linear(hidden, vocab, use_bias=False, rngs=rngs)
-
-    def init_caches(self, batch: int, max_length: int) -> Any:
-        """Empty caches for `batch` sequences of up to `max_length` tokens in all: a list
-        of KVCaches, one per layer; scanned, one KVCache stacked [layers, ...]."""
-        make = lambda layer: layer.attention.init_cache(batch, max_length)
-        if isinstance(self.layers, nn.Stack):
-            return self.layers.map(make)
-        return [make(layer) for layer in self.layers]
-
-    def __call__(self, ids, *, caches=None):
-        x = self.embed(ids)
-        if isinstance(self.layers, nn.Stack):  # each layer gets its slice of the caches
-            x, advanced = self.layers(x) if caches is None else self.layers(x, caches)
-        else:
-            advanced = []
-            for i, layer in enumerate(self.layers):
-                x, cache = layer(x, None if caches is None else caches[i])
-                advanced.append(cache)
-        x = self.norm(x)
-        logits = self.embed.attend(x) if self.lm_head is None else self.lm_head(x)
-        return logits if caches is None else (logits, advanced)
-
-
-# Hugging Face name -> Taktiny name, written with the presets; {i} carries the layer number
-# across. Every projection is a bias-free `nn.Linear` (weight [out, in], transposed); the
-# RMSNorms have a weight only. The key/value heads need no reordering: both sides split
-# features into heads as consecutive blocks and pair query head h with key/value head
-# h // (heads // kv_heads). Rotary embeddings have no parameters (HF's `inv_freq` is a
-# buffer kept out of the state dict).
-HF, OURS = "model.layers.{i}.", "layers.{i}."
-RULES = [
-    *convert.embedding("model.embed_tokens", "embed"),
-    *convert.layer_norm(HF + "input_layernorm", OURS + "attention_norm", bias=False),
-    *convert.linear(HF + "self_attn.q_proj", OURS + "attention.query", bias=False),
-    *convert.linear(HF + "self_attn.k_proj", OURS + "attention.key", bias=False),
-    *convert.linear(HF + "self_attn.v_proj", OURS + "attention.value", bias=False),
-    *convert.linear(HF + "self_attn.o_proj", OURS + "attention.out", bias=False),
-    *convert.layer_norm(HF + "post_attention_layernorm", OURS + "mlp_norm", bias=False),
-    *convert.linear(HF + "mlp.gate_proj", OURS + "mlp.gate", bias=False),
-    *convert.linear(HF + "mlp.up_proj", OURS + "mlp.up", bias=False),
-    *convert.linear(HF + "mlp.down_proj", OURS + "mlp.down", bias=False),
-    *convert.layer_norm("model.norm", "norm", bias=False),
-]
-# tied, `lm_head.weight` is the token embedding itself: a Tie reads it as that (checking that
-# both are equal where a file holds both, and fine where it leaves the copy out) and
-# exports only the embedding, as save_pretrained writes it; `convert.buffers()` drops the
-# rotary `inv_freq` that older files hold
-TIED_RULES = [*RULES, convert.Tie("lm_head.weight", same_as="model.embed_tokens.weight"),
-              *convert.buffers()]  # fmt: skip
-UNTIED_RULES = [*RULES, *convert.linear("lm_head", "lm_head", bias=False), *convert.buffers()]
+def rules_for(tied: bool) -> list[Any]:
+    """Hugging Face name <-> Taktiny name, from `taktiny.models.rules`: every projection a
+    bias-free `nn.Linear` (weight [out, in], transposed), the RMSNorms a weight only; tied,
+    `lm_head.weight` is the token embedding itself (a `convert.Tie`: both checked equal
+    where a file holds both, and only the embedding exported, as save_pretrained writes
+    it); `convert.buffers()` drops the rotary `inv_freq` that older files hold."""
+    return models.rules(models.DecoderConfig.from_hf(llama_config(tied).to_dict()))
 
 
 def llama_config(tied: bool) -> LlamaConfig:
@@ -179,6 +78,9 @@ def llama_config(tied: bool) -> LlamaConfig:
         max_position_embeddings=128, tie_word_embeddings=tied,
         bos_token_id=None, eos_token_id=None, pad_token_id=None,  # generate never stops early
     )  # fmt: skip
+
+
+TIED_RULES, UNTIED_RULES = rules_for(tied=True), rules_for(tied=False)
 
 
 def hugging_face(config: LlamaConfig) -> LlamaForCausalLM:
@@ -199,7 +101,7 @@ def randomized(config: LlamaConfig) -> LlamaForCausalLM:
     return reference
 
 
-def greedy(model: Llama, prompt: np.ndarray, new_tokens: int) -> tuple[np.ndarray, int]:
+def greedy(model: models.Decoder, prompt: np.ndarray, new_tokens: int) -> tuple[np.ndarray, int]:
     """`new_tokens` tokens decoded greedily after `prompt` [batch, length], and how many
     times the one-token step was traced (compiled)."""
     traces = 0
