@@ -5,6 +5,7 @@ its conversion rules both ways."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from collections.abc import Mapping
 from pathlib import Path
@@ -324,6 +325,55 @@ class Decoder(nn.Module):
             else nn.Linear(hidden, vocab, use_bias=False, param_dtype=param_dtype, rngs=rngs)
         )
 
+    def generate(
+        self,
+        ids: Int[Array, "batch length"],
+        max_new_tokens: int,
+        *,
+        temperature: float = 0.0,
+        key: Any = None,
+    ) -> Int[Array, "batch max_new_tokens"]:
+        """Tokens decoded after the prompt `ids`, through caches: the prompt in one
+        step, then one token a step, all in one jitted program (compiled once per prompt
+        shape and `max_new_tokens`).
+
+        Args:
+            ids: the prompt's token ids ``[batch, length]`` (every sequence as long: no
+                padding).
+            max_new_tokens: how many tokens to decode.
+            temperature: 0 (the default) takes the likeliest token each step (greedy, as
+                transformers' ``generate(do_sample=False)``); above 0, each token is drawn
+                from ``softmax(logits / temperature)``.
+            key: a PRNG key for the draws (needed with a temperature above 0).
+
+        Returns:
+            The new tokens ``[batch, max_new_tokens]`` (int32).
+
+        Raises:
+            ValueError: `max_new_tokens` is below 1, `temperature` below 0, or a
+                temperature above 0 comes without a key.
+        """
+        if int(max_new_tokens) < 1:
+            raise ValueError(
+                f"Decoder.generate's max_new_tokens must be at least 1, got {max_new_tokens!r}."
+            )
+        if not temperature >= 0:
+            raise ValueError(
+                f"Decoder.generate's temperature must be 0 (greedy) or above, got {temperature!r}."
+            )
+        if temperature > 0 and key is None:
+            raise ValueError(
+                f"Decoder.generate draws tokens at temperature {temperature!r}: pass "
+                f"key=jax.random.key(seed), or temperature=0 for greedy decoding."
+            )
+        return _generate(
+            self,
+            jnp.asarray(ids),
+            None if temperature == 0 else key,
+            max_new_tokens=int(max_new_tokens),
+            temperature=float(temperature),
+        )
+
     def init_caches(self, batch: int, max_length: int) -> Any:
         """Empty caches for decoding.
 
@@ -385,6 +435,32 @@ class Decoder(nn.Module):
             queries = start + jnp.arange(length)
             keys = jnp.arange(first.keys.shape[-3])
         return queries[:, None] - keys[None, :] < window
+
+
+@functools.partial(jax.jit, static_argnames=("max_new_tokens", "temperature"))
+def _generate(
+    model: Decoder, ids: jax.Array, key: Any, *, max_new_tokens: int, temperature: float
+) -> jax.Array:
+    """`Decoder.generate`'s program: the prompt, then ``jax.lax.scan`` over the steps."""
+    batch, length = ids.shape
+    keys = None if key is None else jax.random.split(key, max_new_tokens)
+
+    def pick(logits: jax.Array, at: Any) -> jax.Array:  # logits [batch, vocab] -> [batch]
+        if at is None:
+            return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        return jax.random.categorical(at, logits / temperature, axis=-1).astype(jnp.int32)
+
+    logits, caches = model(ids, caches=model.init_caches(batch, length + max_new_tokens))
+    first = pick(logits[:, -1], None if keys is None else keys[0])
+
+    def step(carry: Any, at: Any) -> tuple[Any, jax.Array]:
+        token, caches = carry
+        logits, caches = model(token[:, None], caches=caches)
+        return (pick(logits[:, -1], at), caches), token
+
+    rest = None if keys is None else keys[1:]
+    (last, _), tokens = jax.lax.scan(step, (first, caches), rest, length=max_new_tokens - 1)
+    return jnp.concatenate([tokens.T, last[:, None]], axis=1)
 
 
 def rules(config: DecoderConfig) -> list[Any]:

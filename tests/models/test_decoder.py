@@ -125,3 +125,50 @@ def test_a_folder_without_a_config_or_a_url_is_refused_saying_what_it_holds(tmp_
         models.from_pretrained(tmp_path / "missing")
     with pytest.raises(ValueError, match=r"reads a local folder; 's3://bucket/llama' is a URL"):
         models.from_pretrained("s3://bucket/llama")
+
+
+@pytest.mark.parametrize(
+    ("name", "scanned"), [("llama3.1", False), ("mistral-window", True), ("qwen3", False)]
+)
+def test_greedy_generate_gives_the_tokens_of_transformers_generate(tmp_path, name, scanned):
+    theirs = reference(name)
+    theirs.save_pretrained(tmp_path)
+    ours = models.from_pretrained(tmp_path, scanned=scanned)
+    prompt = np.random.default_rng(3).integers(0, 96, (2, 5))
+    with jax.default_matmul_precision("highest"):
+        tokens = ours.generate(jnp.asarray(prompt), 12)
+    expected = theirs.generate(
+        torch.from_numpy(prompt),
+        attention_mask=torch.ones(prompt.shape, dtype=torch.long),
+        max_new_tokens=12,
+        do_sample=False,
+    )[:, 5:].numpy()
+    assert tokens.shape == (2, 12) and tokens.dtype == jnp.int32
+    np.testing.assert_array_equal(np.asarray(tokens), expected)
+    assert len(set(expected.ravel().tolist())) > 2  # (not one token repeated)
+
+
+def test_sampling_draws_by_the_key_and_a_tiny_temperature_is_greedy():
+    model = models.Decoder(reference("qwen2").config.to_dict(), rngs=models_rngs())
+    prompt = jnp.asarray(np.random.default_rng(4).integers(0, 96, (3, 4)))
+    key = jax.random.key(0)
+    drawn = model.generate(prompt, 16, temperature=1.5, key=key)
+    assert drawn.shape == (3, 16) and int(drawn.min()) >= 0 and int(drawn.max()) < 96
+    np.testing.assert_array_equal(drawn, model.generate(prompt, 16, temperature=1.5, key=key))
+    other = model.generate(prompt, 16, temperature=1.5, key=jax.random.key(1))
+    assert not np.array_equal(drawn, other)
+    greedy = model.generate(prompt, 16)
+    assert not np.array_equal(drawn, greedy)
+    np.testing.assert_array_equal(model.generate(prompt, 16, temperature=1e-6, key=key), greedy)
+    np.testing.assert_array_equal(model.generate(prompt, 1), greedy[:, :1])
+
+
+def test_generate_refuses_what_it_cannot_do_naming_the_fix():
+    model = models.Decoder(reference("qwen2").config.to_dict(), rngs=models_rngs())
+    prompt = jnp.zeros((1, 3), jnp.int32)
+    with pytest.raises(ValueError, match=r"max_new_tokens must be at least 1, got 0"):
+        model.generate(prompt, 0)
+    with pytest.raises(ValueError, match=r"temperature must be 0 \(greedy\) or above, got -1.0"):
+        model.generate(prompt, 2, temperature=-1.0)
+    with pytest.raises(ValueError, match=r"at temperature 0.7: pass key=jax.random.key\(seed\)"):
+        model.generate(prompt, 2, temperature=0.7)
