@@ -107,7 +107,7 @@ class DecoderConfig:
             raise ValueError(
                 f"taktiny.models.Decoder got a config.json of model_type {family!r}; it builds "
                 f"{', '.join(map(repr, FAMILIES))} (the Llama family). For another model, "
-                f"write its modules and rules (docs/conversion.md)."
+                f"write its modules and rules (docs/converting.md)."
             )
         if values.get("hidden_act", "silu") != "silu":
             raise ValueError(
