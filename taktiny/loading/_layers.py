@@ -166,7 +166,7 @@ class Stacker:
         before is waited for), so the load's thread takes the next unit while it runs."""
         big = self.stacked.get(stacked)
         sharding = self.layers.sharding(stacked)
-        hosted = on_host(sharding)
+        in_host_memory = on_host(sharding)
         donate = True  # (the stacked leaf begun here is ours to write in place)
         if big is None:
             old = self.layers.stacked_leaf(stacked)
@@ -174,10 +174,10 @@ class Stacker:
                 big = zeros_on(tuple(old.shape), np.dtype(old.dtype), sharding)()
             else:  # some layers: the others keep their values (written into a copy)
                 big, donate = old, False
-        elif not hosted:
+        elif not in_host_memory:
             big.block_until_ready()  # the write before this one
         written = layers_writer(sharding, donate)(big, np.array([index], np.int32), (value,))
-        self.stacked[stacked] = written.block_until_ready() if hosted else written
+        self.stacked[stacked] = written.block_until_ready() if in_host_memory else written
 
     def model(self) -> Any:
         """The model with the leaves the load placed (its stacked leaves whole; those

@@ -52,9 +52,7 @@ class DecoderConfig:
         max_position_embeddings: the context the model was trained for.
         tie_word_embeddings: whether the output projection is the token embedding.
         attention_bias: biases on the four attention projections (Llama's, Qwen3's).
-        qkv_bias: biases on the query, key and value projections only (Qwen2's).
         mlp_bias: biases on the MLP's projections (Llama's).
-        qk_norm: each query and key head RMS-normalised before the rotation (Qwen3).
         sliding_window: each query attends to at most this many keys, its own included
             (Mistral's), or None.
     """
@@ -73,9 +71,7 @@ class DecoderConfig:
     max_position_embeddings: int
     tie_word_embeddings: bool
     attention_bias: bool
-    qkv_bias: bool
     mlp_bias: bool
-    qk_norm: bool
     sliding_window: int | None
 
     @classmethod
@@ -127,9 +123,7 @@ class DecoderConfig:
             scaling = (
                 None if kind == "default" else tuple(sorted({**rope, "rope_type": kind}.items()))
             )
-            window = values.get("sliding_window") if family == "mistral" else None
-            if family == "mistral" and "sliding_window" not in values:
-                window = 4096
+            window = values.get("sliding_window", 4096) if family == "mistral" else None
             return cls(
                 model_type=family,
                 vocab_size=int(values["vocab_size"]),
@@ -147,9 +141,7 @@ class DecoderConfig:
                 max_position_embeddings=int(values.get("max_position_embeddings", 2048)),
                 tie_word_embeddings=bool(values.get("tie_word_embeddings", False)),
                 attention_bias=bool(values.get("attention_bias", False)),
-                qkv_bias=family == "qwen2",
                 mlp_bias=bool(values.get("mlp_bias", False)),
-                qk_norm=family == "qwen3",
                 sliding_window=None if window is None else int(window),
             )
         except KeyError as missing:
@@ -157,6 +149,17 @@ class DecoderConfig:
                 f"taktiny.models.Decoder: the {family} config.json has no {missing.args[0]!r}, "
                 f"which shapes the model; give it."
             ) from None
+
+    @property
+    def qkv_bias(self) -> bool:
+        """Whether the query, key and value projections have biases: with
+        `attention_bias`, and always in Qwen2 (whose output projection has none)."""
+        return self.attention_bias or self.model_type == "qwen2"
+
+    @property
+    def qk_norm(self) -> bool:
+        """Whether each query and key head is RMS-normalised before the rotation (Qwen3)."""
+        return self.model_type == "qwen3"
 
     def to_hf(self) -> dict[str, Any]:
         """The ``config.json`` that transformers builds the same model from.
@@ -242,7 +245,7 @@ class DecoderLayer(nn.Module):
             num_kv_heads=config.num_key_value_heads,
             rope_theta=config.rope_theta,
             rope_scaling=None if config.rope_scaling is None else dict(config.rope_scaling),
-            use_bias=config.attention_bias or config.qkv_bias,
+            use_bias=config.qkv_bias,
             use_out_bias=config.attention_bias,
             qk_norm_epsilon=eps if config.qk_norm else None,
             param_dtype=param_dtype,
@@ -476,7 +479,7 @@ def rules(config: DecoderConfig) -> list[Any]:
         rotary ``inv_freq`` older files hold dropped.
     """
     hf, ours = "model.layers.{i}.", "layers.{i}."
-    qkv, out, mlp = config.attention_bias or config.qkv_bias, config.attention_bias, config.mlp_bias
+    qkv, out, mlp = config.qkv_bias, config.attention_bias, config.mlp_bias
     made = [
         *convert.embedding("model.embed_tokens", "embed"),
         *convert.layer_norm(hf + "input_layernorm", ours + "attention_norm", bias=False),
