@@ -1,11 +1,11 @@
-"""A BERT encoder built from Taktiny layers, loaded from a Hugging Face `BertModel`.
+"""A BERT encoder (`taktiny.models.Encoder`), loaded from a Hugging Face `BertModel`.
 
 The reference is a small random `transformers.BertModel` (nothing is downloaded). Its
-state dict is converted by `RULES`, built from `taktiny.convert`'s presets for PyTorch's
-layers; the conversion is checked name by name before anything converts, loaded strictly
-into a model built without initialising it, and both models run on the same padded batch
-(`convert.parity`). The model is then exported back into a fresh `BertModel`, loaded with
-strict=True, and compared again.
+state dict is converted by `RULES` (`models.encoder_rules`, built from `taktiny.convert`'s
+presets for PyTorch's layers); the conversion is checked name by name before anything
+converts, loaded strictly into a model built without initialising it, and both models run
+on the same padded batch (`convert.parity`). The model is then exported back into a fresh
+`BertModel`, loaded with strict=True, and compared again.
 
 Then the scanned variant (`Bert(config, rngs=..., scanned=True)`): its encoder layers are one
 `nn.Stack` (each parameter [layers, ...]) run by `jax.lax.scan`, the padding mask given to
@@ -30,105 +30,48 @@ import torch
 from transformers import BertConfig, BertModel
 
 import taktiny as tt
-from taktiny import convert, nn
+from taktiny import convert, models, nn
 from taktiny.io import load_safetensors, save_safetensors
 
-
-class EncoderLayer(nn.Module):
-    def __init__(self, config: BertConfig, *, rngs: nn.Rngs):
-        hidden, eps = config.hidden_size, config.layer_norm_eps
-        self.attention = nn.MultiHeadAttention(
-            config.num_attention_heads,
-            hidden,
-            dropout_rate=config.attention_probs_dropout_prob,
-            rngs=rngs,
-        )
-        self.attention_norm = nn.LayerNorm(hidden, epsilon=eps)
-        self.intermediate = nn.Linear(hidden, config.intermediate_size, rngs=rngs)
-        self.output = nn.Linear(config.intermediate_size, hidden, rngs=rngs)
-        self.output_norm = nn.LayerNorm(hidden, epsilon=eps)
-        self.dropout = nn.Dropout(config.hidden_dropout_prob)
-
-    def __call__(self, x, *, mask, key=None):
-        keys = jax.random.split(key, 3) if key is not None else [None] * 3
-        attended = self.attention(x, mask=mask, key=keys[0])
-        x = self.attention_norm(x + self.dropout(attended, key=keys[1]))
-        h = self.output(jax.nn.gelu(self.intermediate(x), approximate=False))
-        return self.output_norm(x + self.dropout(h, key=keys[2]))
+EncoderLayer = models.EncoderLayer  # (the package's: one layer of the Encoder)
 
 
-class Bert(nn.Module):
+def Bert(config: BertConfig, *, rngs: nn.Rngs, scanned: bool = False) -> models.Encoder:
     """Token ids [batch, length] -> hidden states [batch, length, hidden] and the pooled
-    first token [batch, hidden]. Dropout runs only when a `key` is given.
+    first token [batch, hidden]: `taktiny.models.Encoder`, built from transformers'
+    `BertConfig` (its `to_dict()` is what a config.json holds). Dropout runs only when a
+    `key` is given.
 
     `scanned=True` holds the encoder layers as one `nn.Stack` (each parameter
     [layers, ...]) run by `jax.lax.scan`: jit compiles one layer whatever the depth. Its
     per-layer names (`layers.1.attention.query.kernel`) are those of the list of layers,
     so the same rules load and export both; with the same `key`, both drop the same
     activations (each layer's key is split from one key for all the layers)."""
-
-    def __init__(self, config: BertConfig, *, rngs: nn.Rngs, scanned: bool = False):
-        hidden, count = config.hidden_size, config.num_hidden_layers
-        self.word = nn.Embed(config.vocab_size, hidden, rngs=rngs)
-        self.position = nn.Embed(config.max_position_embeddings, hidden, rngs=rngs)
-        self.token_type = nn.Embed(config.type_vocab_size, hidden, rngs=rngs)
-        self.embed_norm = nn.LayerNorm(hidden, epsilon=config.layer_norm_eps)
-        self.dropout = nn.Dropout(config.hidden_dropout_prob)
-        if scanned:
-            self.layers = nn.Stack(lambda rngs: EncoderLayer(config, rngs=rngs), count, rngs=rngs)
-        else:
-            self.layers = [EncoderLayer(config, rngs=rngs) for _ in range(count)]
-        self.pooler = nn.Linear(hidden, hidden, rngs=rngs)
-
-    def __call__(self, ids, token_types, valid, *, key=None):
-        embed_key, layers_key = (None, None) if key is None else jax.random.split(key)
-        positions = jnp.arange(ids.shape[-1])
-        x = self.word(ids) + self.position(positions) + self.token_type(token_types)
-        x = self.dropout(self.embed_norm(x), key=embed_key)
-        mask = valid[:, None, None, :]  # padding: no query attends to a padded key
-        if isinstance(self.layers, nn.Stack):  # the stack splits layers_key, one per layer
-            x = self.layers(x, mask=mask, key=layers_key)  # the mask reaches every layer
-        else:
-            keys = [None] * len(self.layers)
-            if layers_key is not None:  # as nn.Stack splits it
-                keys = list(jax.random.split(layers_key, len(self.layers)))
-            for layer, layer_key in zip(self.layers, keys, strict=True):
-                x = layer(x, mask=mask, key=layer_key)
-        return x, jnp.tanh(self.pooler(x[:, 0]))
+    return models.Encoder(
+        models.EncoderConfig.from_hf(config.to_dict()), scanned=scanned, rngs=rngs
+    )
 
 
-# Hugging Face name -> Taktiny name, written with the presets for PyTorch's layers: each
-# maps one layer's parameters (a Linear's weight [out, in] to a kernel [in, out], a
-# LayerNorm's weight to scale), and {i} carries the layer number across.
-HF, OURS = "encoder.layer.{i}.", "layers.{i}."
-RULES = [
-    *convert.embedding("embeddings.word_embeddings", "word"),
-    *convert.embedding("embeddings.position_embeddings", "position"),
-    *convert.embedding("embeddings.token_type_embeddings", "token_type"),
-    *convert.layer_norm("embeddings.LayerNorm", "embed_norm"),
-    *convert.linear(HF + "attention.self.query", OURS + "attention.query"),
-    *convert.linear(HF + "attention.self.key", OURS + "attention.key"),
-    *convert.linear(HF + "attention.self.value", OURS + "attention.value"),
-    *convert.linear(HF + "attention.output.dense", OURS + "attention.out"),
-    *convert.layer_norm(HF + "attention.output.LayerNorm", OURS + "attention_norm"),
-    *convert.linear(HF + "intermediate.dense", OURS + "intermediate"),
-    *convert.linear(HF + "output.dense", OURS + "output"),
-    *convert.layer_norm(HF + "output.LayerNorm", OURS + "output_norm"),
-    *convert.linear("pooler.dense", "pooler"),
-    *convert.buffers(),  # `embeddings.position_ids` and the like, in older files: dropped
-]
+# The small random BERT this example builds (nothing is downloaded).
+CONFIG = BertConfig(
+    vocab_size=99,
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    intermediate_size=37,
+    max_position_embeddings=64,
+    attn_implementation="eager",
+)
+# Hugging Face name -> Taktiny name, from `taktiny.models.encoder_rules`: written with the
+# presets for PyTorch's layers, each mapping one layer's parameters (a Linear's weight
+# [out, in] to a kernel [in, out], a LayerNorm's weight to scale), {i} carrying the layer
+# number across; `embeddings.position_ids` and the like, in older files, dropped. Every
+# BERT's rules are the same (they load the other configs of tests/convert too).
+RULES = models.encoder_rules(models.EncoderConfig.from_hf(CONFIG.to_dict()))
 
 
 def main():
-    config = BertConfig(
-        vocab_size=99,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        intermediate_size=37,
-        max_position_embeddings=64,
-        attn_implementation="eager",
-    )
+    config = CONFIG
     torch.manual_seed(0)
     reference = BertModel(config).eval()
     with torch.no_grad():  # move every parameter off its init (zero biases hide mistakes)

@@ -549,12 +549,14 @@ def test_a_load_of_transformers_names_without_rules_says_to_pass_them(tmp_path):
         r"ResNet\)\.$"
     )
     problems = given + len(tt.flat_state_dict(abstract))  # every name unknown, every leaf missing
-    head = rf"(?s)^taktiny\.io\.load_safetensors\(Bert\): {problems} problems; nothing was loaded"
+    head = (
+        rf"(?s)^taktiny\.io\.load_safetensors\(Encoder\): {problems} problems; nothing was loaded"
+    )
     with pytest.raises(tt.StateDictError, match=head + ".*" + advice):
         load_safetensors(abstract, path, progress=False)
     flat = {k: numpy(v) for k, v in theirs.state_dict().items()}
     with pytest.raises(
-        tt.StateDictError, match=r"(?s)^Bert\.load_flat_state_dict\(\): .*" + advice
+        tt.StateDictError, match=r"(?s)^Encoder\.load_flat_state_dict\(\): .*" + advice
     ):
         abstract.load_flat_state_dict(flat, strict=True)
     loaded = load_safetensors(abstract, path, rules=bert.RULES, progress=False)
