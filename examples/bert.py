@@ -1,7 +1,7 @@
 """A BERT encoder (`taktiny.models.Encoder`), loaded from a Hugging Face `BertModel`.
 
 The reference is a small random `transformers.BertModel` (nothing is downloaded). Its
-state dict is converted by `RULES` (`models.encoder_rules`, built from `taktiny.convert`'s
+state dict is converted by `RULES` (`models.rules`, built from `taktiny.convert`'s
 presets for PyTorch's layers); the conversion is checked name by name before anything
 converts, loaded strictly into a model built without initialising it, and both models run
 on the same padded batch (`convert.parity`). The model is then exported back into a fresh
@@ -62,12 +62,12 @@ CONFIG = BertConfig(
     max_position_embeddings=64,
     attn_implementation="eager",
 )
-# Hugging Face name -> Taktiny name, from `taktiny.models.encoder_rules`: written with the
+# Hugging Face name -> Taktiny name, from `taktiny.models.rules`: written with the
 # presets for PyTorch's layers, each mapping one layer's parameters (a Linear's weight
 # [out, in] to a kernel [in, out], a LayerNorm's weight to scale), {i} carrying the layer
 # number across; `embeddings.position_ids` and the like, in older files, dropped. Every
 # BERT's rules are the same (they load the other configs of tests/convert too).
-RULES = models.encoder_rules(models.EncoderConfig.from_hf(CONFIG.to_dict()))
+RULES = models.rules(models.EncoderConfig.from_hf(CONFIG.to_dict()))
 
 
 def main():

@@ -23,6 +23,7 @@ from ._torch import read_torch as read_torch
 from ._checkpoint import RETRIES as RETRIES
 from ._checkpoint import schema_part as schema_part
 from ._header import SCHEMA_KEY as SCHEMA_KEY
+from ._object_commit import put_object as put_object
 from ._object_store import MissingExtra as MissingExtra
 from ._object_store import Replaced as Replaced
 from ._object_store import Url as Url
@@ -41,6 +42,7 @@ from ._save import byte_size as byte_size
 from ._storage import OpenFile as OpenFile
 from ._storage import Storage as Storage
 from ._storage import open_storage as open_storage
+from ._storage import read_range as read_range
 from ._storage import stop_reads as stop_reads
 from ._verify import verify as verify
 from ._waits import result_of as result_of

@@ -222,20 +222,7 @@ class ObjectCommit:
             file.unlink(missing_ok=True)
 
     def _put(self, url: Url, data: Path | bytes) -> None:
-        obstore = obstore_for(url)
-        size = data.stat().st_size if isinstance(data, Path) else len(data)
-        call(
-            url,
-            "PUT",
-            lambda: obstore.put_async(
-                store(url),
-                url.key,
-                data,
-                use_multipart=size > MULTIPART,
-                chunk_size=PART,
-                max_concurrency=PARTS_AT_ONCE,
-            ),
-        )
+        put_object(url, data)
 
     def _delete(self, urls: list[Url]) -> None:
         obstore = obstore_for(self.folder)
@@ -280,3 +267,22 @@ class ObjectCommit:
             re.fullmatch(rf"\.{re.escape(self.target.name)}\.[0-9a-f]{{16}}\.previous", name)
             is not None
         )
+
+
+def put_object(url: Url, data: Path | bytes) -> None:
+    """Writes `data` (a local file's bytes, or bytes) as the object `url`, replacing it
+    whole in one step (large ones in parallel parts), retried as every request is."""
+    obstore = obstore_for(url)
+    size = data.stat().st_size if isinstance(data, Path) else len(data)
+    call(
+        url,
+        "PUT",
+        lambda: obstore.put_async(
+            store(url),
+            url.key,
+            data,
+            use_multipart=size > MULTIPART,
+            chunk_size=PART,
+            max_concurrency=PARTS_AT_ONCE,
+        ),
+    )

@@ -5,16 +5,14 @@ sentence-transformers' sentence embeddings through `mean_pool`; `_encoder.py`). 
 library's floors: nothing in the library imports it. Each name is imported when first
 used."""
 
-from ._decoder import FAMILIES as FAMILIES
 from ._decoder import Decoder as Decoder
 from ._decoder import DecoderConfig as DecoderConfig
 from ._decoder import DecoderLayer as DecoderLayer
-from ._decoder import rules as rules
-from ._encoder import ENCODER_FAMILIES as ENCODER_FAMILIES
 from ._encoder import Encoder as Encoder
 from ._encoder import EncoderConfig as EncoderConfig
 from ._encoder import EncoderLayer as EncoderLayer
 from ._encoder import mean_pool as mean_pool
-from ._encoder import rules as encoder_rules  # noqa: F401 (the face names the encoder's rules apart)
+from ._pretrained import FAMILIES as FAMILIES
 from ._pretrained import from_pretrained as from_pretrained
+from ._pretrained import rules as rules
 from ._pretrained import save_pretrained as save_pretrained

@@ -18,7 +18,7 @@ from jaxtyping import Array, Float, Int
 
 from .. import convert, nn
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+TYPES = ("llama", "mistral", "qwen2", "qwen3")
 """The ``model_type`` values of the ``config.json`` files :class:`Decoder` builds."""
 _ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
@@ -87,7 +87,7 @@ class DecoderConfig:
             The config.
 
         Raises:
-            ValueError: its ``model_type`` is not one of `FAMILIES` (the message lists
+            ValueError: its ``model_type`` is not one of the Llama family's (the message lists
                 them), it asks for what this decoder does not compute (an activation but
                 SiLU, Qwen's per-layer sliding windows), or a field is missing.
         """
@@ -99,11 +99,12 @@ class DecoderConfig:
             path = path / "config.json" if path.is_dir() else path
             values = json.loads(path.read_text())
         family = values.get("model_type")
-        if family not in FAMILIES:
+        if family not in TYPES:
             raise ValueError(
                 f"taktiny.models.Decoder got a config.json of model_type {family!r}; it builds "
-                f"{', '.join(map(repr, FAMILIES))} (the Llama family). For another model, "
-                f"write its modules and rules (docs/converting.md)."
+                f"{', '.join(map(repr, TYPES))} (the Llama family), and taktiny.models.Encoder "
+                f"builds 'bert'. For another model, write its modules and rules "
+                f"(docs/converting.md)."
             )
         if values.get("hidden_act", "silu") != "silu":
             raise ValueError(
@@ -120,6 +121,10 @@ class DecoderConfig:
             rope = dict(values.get("rope_parameters") or values.get("rope_scaling") or {})
             theta = float(rope.pop("rope_theta", values.get("rope_theta", 10000.0)))
             kind = rope.pop("rope_type", rope.pop("type", "default"))
+            if kind == "dynamic":  # (transformers grows theta past the config's context)
+                rope.setdefault(
+                    "max_position_embeddings", values.get("max_position_embeddings", 2048)
+                )
             scaling = (
                 None if kind == "default" else tuple(sorted({**rope, "rope_type": kind}.items()))
             )
@@ -169,6 +174,8 @@ class DecoderConfig:
             model; transformers fills in the rest).
         """
         rope = {"rope_type": "default", **dict(self.rope_scaling or ())}
+        if rope["rope_type"] == "dynamic":  # transformers reads the config's own
+            rope.pop("max_position_embeddings")
         out: dict[str, Any] = {
             "architectures": [_ARCHITECTURES[self.model_type]],
             "model_type": self.model_type,
@@ -280,8 +287,9 @@ class Decoder(nn.Module):
     logits ``[batch, length, vocab_size]``; with ``caches`` (:meth:`init_caches`),
     ``(logits, caches)`` advanced.
 
-    Its state's names are Hugging Face's with :func:`rules` (``layers.3.attention.query.kernel``
-    for ``model.layers.3.self_attn.q_proj.weight``), scanned or not.
+    Its state's names are Hugging Face's with :func:`~taktiny.models.rules`
+    (``layers.3.attention.query.kernel`` for ``model.layers.3.self_attn.q_proj.weight``),
+    scanned or not.
 
     Attributes:
         config: what it was built from.

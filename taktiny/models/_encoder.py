@@ -17,9 +17,9 @@ from jax.typing import DTypeLike
 from jaxtyping import Array, Bool, Float, Int
 
 from .. import convert, nn
-from ._decoder import FAMILIES
+from ._decoder import TYPES as DECODER_TYPES
 
-ENCODER_FAMILIES = ("bert",)
+TYPES = ("bert",)
 """The ``model_type`` values of the ``config.json`` files :class:`Encoder` builds."""
 _GELU = {"gelu": False, "gelu_new": True, "gelu_pytorch_tanh": True}  # name -> tanh approximation
 
@@ -71,7 +71,7 @@ class EncoderConfig:
             The config.
 
         Raises:
-            ValueError: its ``model_type`` is not one of `ENCODER_FAMILIES` (the message
+            ValueError: its ``model_type`` is not one of the BERT family's (the message
                 lists the families :class:`Encoder` and
                 :class:`~taktiny.models.Decoder` build), it asks
                 for what this encoder does not compute (an activation but GELU, position
@@ -84,11 +84,11 @@ class EncoderConfig:
             path = Path(config) / "config.json" if Path(config).is_dir() else Path(config)
             values = json.loads(path.read_text())
         family = values.get("model_type")
-        if family not in ENCODER_FAMILIES:
+        if family not in TYPES:
             raise ValueError(
                 f"taktiny.models.Encoder got a config.json of model_type {family!r}; it builds "
-                f"{', '.join(map(repr, ENCODER_FAMILIES))} (the BERT family), and "
-                f"taktiny.models.Decoder builds {', '.join(map(repr, FAMILIES))}. For "
+                f"{', '.join(map(repr, TYPES))} (the BERT family), and "
+                f"taktiny.models.Decoder builds {', '.join(map(repr, DECODER_TYPES))}. For "
                 f"another model, write its modules and rules (docs/converting.md)."
             )
         act = values.get("hidden_act", "gelu")
@@ -232,7 +232,7 @@ class Encoder(nn.Module):
     states ``[batch, length, hidden_size]`` and the pooled first token
     ``[batch, hidden_size]``. Dropout runs only when a ``key`` is given.
 
-    Its state's names are Hugging Face's with :func:`~taktiny.models.encoder_rules`
+    Its state's names are Hugging Face's with :func:`~taktiny.models.rules`
     (``layers.3.attention.query.kernel`` for
     ``encoder.layer.3.attention.self.query.weight``), scanned or not; with the same `key`,
     both variants drop the same activations (each layer's key is split from one key for
@@ -384,8 +384,7 @@ def rules(config: EncoderConfig, *, prefix: str = "", pooler: bool = True) -> li
     ways (``convert.convert`` or ``load_safetensors(rules=)`` in, ``convert.export`` out).
 
     Args:
-        config: the encoder's config (every BERT's rules are alike today; a decoder's
-            are :func:`~taktiny.models.rules`).
+        config: the encoder's config (every BERT's rules are alike today).
         prefix: what every Hugging Face name starts with: ``""`` for a ``BertModel``'s
             files, ``"bert."`` for those of ``BertForPreTraining``, ``BertForMaskedLM`` and
             the other heads on a BERT; with a prefix, the heads' ``cls.**`` names are
@@ -404,7 +403,7 @@ def rules(config: EncoderConfig, *, prefix: str = "", pooler: bool = True) -> li
     """
     if prefix and not prefix.endswith("."):
         raise ValueError(
-            f"taktiny.models.encoder_rules: prefix {prefix!r} is the start of every name, "
+            f"taktiny.models.rules: prefix {prefix!r} is the start of every name, "
             f"up to its dot: pass {prefix + '.'!r}."
         )
     hf, ours = prefix + "encoder.layer.{i}.", "layers.{i}."

@@ -70,7 +70,7 @@ def test_a_bert_model_folder_loads_to_transformers_outputs(tmp_path, act, scanne
     config = models.EncoderConfig.from_hf(tmp_path)
     assert config.hidden_act == act and config.max_position_embeddings == 16
     model = load_safetensors(
-        abstract(config, scanned=scanned), tmp_path, rules=models.encoder_rules(config)
+        abstract(config, scanned=scanned), tmp_path, rules=models.rules(config)
     )
     assert isinstance(model.layers, nn.Stack) == scanned
     hidden, pooled = ours(model)
@@ -88,7 +88,7 @@ def test_the_files_of_bert_with_heads_load_through_the_prefix(tmp_path, model_cl
     bert = reference(model_class)
     bert.save_pretrained(tmp_path)
     config = models.EncoderConfig.from_hf(tmp_path / "config.json")
-    rules = models.encoder_rules(config, prefix="bert.", pooler=pooler)
+    rules = models.rules(config, prefix="bert.", pooler=pooler)
     target = abstract(config, pooler=pooler)
     report = convert.check(rules, open_safetensors(tmp_path), target=target)
     assert report.ignored and all(name.startswith("cls.") for name in report.ignored)
@@ -106,7 +106,7 @@ def test_the_files_of_bert_with_heads_load_through_the_prefix(tmp_path, model_cl
 def test_an_export_is_a_bert_model_folder_bit_for_bit(tmp_path):
     bert = reference()
     config = models.EncoderConfig.from_hf(bert.config.to_dict())
-    rules = models.encoder_rules(config)
+    rules = models.rules(config)
     state = {
         **bert.state_dict(),
         "embeddings.position_ids": torch.arange(16)[None],
@@ -139,7 +139,7 @@ def test_the_real_minilm_gives_sentence_transformers_embeddings():
     folder = minilm_folder()
     config = models.EncoderConfig.from_hf(folder)
     assert (config.hidden_size, config.num_hidden_layers, config.hidden_act) == (384, 6, "gelu")
-    rules = models.encoder_rules(config)
+    rules = models.rules(config)
     model = load_safetensors(
         abstract(config, scanned=True), folder / "model.safetensors", rules=rules
     )
@@ -211,4 +211,4 @@ def test_what_the_encoder_does_not_compute_is_refused_naming_it():
     ):
         models.Encoder(config, rngs=nn.Rngs(0))(jnp.zeros((1, 17), jnp.int32))
     with pytest.raises(ValueError, match=r"prefix 'bert' is the start .*: pass 'bert\.'"):
-        models.encoder_rules(config, prefix="bert")
+        models.rules(config, prefix="bert")
