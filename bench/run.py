@@ -36,7 +36,10 @@ with obstore, Run:ai's Model Streamer and s3fs, and its peak host memory), scann
 Llama example with its layers in an nn.Stack run by lax.scan against a list of layers: the
 compile and step time of a training step at 16 and 32 layers, streaming a 1 GB per-layer
 Hugging Face checkpoint into the stacked model against the unstacked one, in time and peak
-memory, and a load of one layer). A full run takes under 30 minutes on 2 cores.
+memory, and a load of one layer), models (taktiny.models.from_pretrained of a Llama 3.2
+1B-shaped Hugging Face folder, in bfloat16, scanned, and quantized to int8 and int4 on the
+way in, against transformers' from_pretrained and safetensors.flax, in time and peak host
+memory). A full run takes under 30 minutes on 2 cores.
 """
 
 from __future__ import annotations
@@ -83,6 +86,7 @@ GROUPS = {
     "accelerator": "accelerator",
     "storage": "storage",
     "scanned": "scanned",
+    "models": "models",
 }
 
 

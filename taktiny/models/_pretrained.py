@@ -190,8 +190,13 @@ def save_pretrained(model: Decoder | Encoder, path: str | os.PathLike[str]) -> l
     """Writes `model` as a Hugging Face folder: ``model.safetensors`` in Hugging Face's
     names and layouts, and the ``config.json`` transformers builds the model from
     (transformers' ``from_pretrained`` loads it with nothing missing or unexpected: a
-    decoder as its ``*ForCausalLM``, an encoder as ``BertModel``). A quantized model is
-    written in float (each kernel dequantized), sharded ones from their devices.
+    decoder as its ``*ForCausalLM``, an encoder as ``BertModel``). A quantized model
+    (``from_pretrained(quantize=...)``, :func:`taktiny.quantize`) is written as
+    compressed-tensors (its integers packed and its scales as they are, the
+    ``quantization_config`` in ``config.json``), which transformers decompresses to
+    exactly its dequantized weights and :func:`from_pretrained` loads back bit for bit;
+    ``tt.dequantize(model)`` first writes it in float. A sharded model is written from
+    its devices.
 
     Args:
         model: the decoder or the encoder.
@@ -212,10 +217,13 @@ def save_pretrained(model: Decoder | Encoder, path: str | os.PathLike[str]) -> l
     config["torch_dtype"] = str(jnp.dtype(dtype))
     if isinstance(where, Path):
         where.mkdir(parents=True, exist_ok=True)
-    float_model = model if not _quantized(model) else nn.dequantize(model)
-    written = io.save_safetensors(
-        str(where / "model.safetensors"), convert.export(made_rules, float_model)
-    )
+    if _quantized(model):
+        tensors, config["quantization_config"] = convert.export_compressed_tensors(
+            made_rules, model
+        )
+    else:
+        tensors = convert.export(made_rules, model)
+    written = io.save_safetensors(str(where / "model.safetensors"), tensors)
     text = (json.dumps(config, indent=2) + "\n").encode()
     if isinstance(where, Path):
         partial = where / ".config.json.partial"

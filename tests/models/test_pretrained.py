@@ -102,10 +102,23 @@ def test_quantize_gives_what_quantizing_the_float_model_gives(llama, scanned, bi
     assert isinstance(loaded.lm_head, tt.nn.Linear)
 
 
-def test_a_quantized_model_saves_in_float_and_loads_back_dequantized(llama, tmp_path):
-    int8 = models.from_pretrained(llama, quantize="int8")
-    models.save_pretrained(int8, tmp_path)
-    assert same(models.from_pretrained(tmp_path), tt.dequantize(int8))
+def test_a_quantized_model_saves_as_compressed_tensors_and_loads_back_bit_for_bit(llama, tmp_path):
+    int4 = models.from_pretrained(llama, scanned=True, quantize="int4", group_size=16)
+    models.save_pretrained(int4, tmp_path / "int4")
+    config = json.loads((tmp_path / "int4" / "config.json").read_text())
+    assert config["quantization_config"]["quant_method"] == "compressed-tensors"
+    back = models.from_pretrained(tmp_path / "int4", quantize="int4", group_size=16)
+    assert same(back, int4)
+    assert same(models.from_pretrained(tmp_path / "int4"), tt.dequantize(int4))
+    # transformers decompresses it to the same weights: the same logits
+    served = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "int4").eval()
+    served.set_attn_implementation("eager")
+    ids = np.random.default_rng(0).integers(0, 96, (2, 7))
+    with torch.no_grad(), jax.default_matmul_precision("highest"):
+        expected = served(torch.from_numpy(ids)).logits.numpy()
+        np.testing.assert_allclose(int4(jnp.asarray(ids)), expected, atol=1e-5, rtol=0)
+    models.save_pretrained(tt.dequantize(int4), tmp_path / "float")
+    assert "quantization_config" not in json.loads((tmp_path / "float" / "config.json").read_text())
 
 
 @pytest.mark.parametrize("scanned", [False, True])

@@ -27,6 +27,7 @@ from bench import (
     load_plan,
     lora,
     memory,
+    models,
     quantized,
     report,
     scanned,
@@ -58,6 +59,7 @@ GROUPS = {
     "background": background_save,
     "storage": storage,
     "scanned": scanned,
+    "models": models,
 }
 
 
@@ -88,10 +90,10 @@ def fast_compile():
 
 # the groups whose smoke runs load in many fresh processes (quantized's: seven, about 40 s),
 # compile training steps (dispatch, 16 s; scanned, of the Llama example, which imports
-# transformers), or take 10 s or more (headers, memory): `make property` runs them, keeping
+# transformers), or take 10 s or more (headers, memory; models, six fresh processes: 31 s): `make property` runs them, keeping
 # `make test` under 12 minutes (storage's, one fresh process and an S3 stub, takes about
 # 6 s: it stays in `make test`)
-SLOW = ("streaming", "plan", "scanned", "quantized", "dispatch", "headers", "memory")
+SLOW = ("streaming", "plan", "scanned", "quantized", "dispatch", "headers", "memory", "models")
 
 
 @pytest.mark.parametrize(
