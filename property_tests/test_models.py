@@ -79,7 +79,7 @@ def randomized(family: str, fields: dict, seed: int) -> torch.nn.Module:
     return model
 
 
-@settings(max_examples=examples(8))
+@settings(max_examples=examples(5))
 @given(drawn=configs(), scanned=st.booleans(), seed=st.integers(0, 2**16))
 def test_a_drawn_config_loads_exports_and_loads_back_as_transformers_does(
     tmp_path_factory, drawn, scanned, seed

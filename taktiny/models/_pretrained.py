@@ -142,8 +142,8 @@ def from_pretrained(
         ValueError: the folder holds no ``config.json`` (the message lists what it holds),
             its ``model_type`` is not in :data:`FAMILIES` (the message lists them), its
             config asks for what the model does not compute, `quantize` is neither
-            ``"int8"`` nor ``"int4"``, or a mesh without a ``"model"`` axis is given no
-            `sharding`.
+            ``"int8"`` nor ``"int4"`` (or `group_size` comes without it), or a mesh
+            without a ``"model"`` axis is given no `sharding`.
         taktiny.StateDictError: the files do not fit the model (every problem named).
     """
     where = io.locate(os.fspath(path))
@@ -159,6 +159,11 @@ def from_pretrained(
     if quantize is not None and quantize not in _BITS:
         raise ValueError(
             f"taktiny.models.from_pretrained: quantize={quantize!r}; give 'int8', 'int4' or None."
+        )
+    if group_size is not None and quantize is None:
+        raise ValueError(
+            f"taktiny.models.from_pretrained: group_size={group_size!r} is quantize's; give "
+            f"quantize='int8' or 'int4' with it, or leave it out."
         )
     checkpoint = io.open_safetensors(os.fspath(path))
     names = set(checkpoint)

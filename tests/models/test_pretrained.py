@@ -184,6 +184,8 @@ def test_what_it_does_not_build_is_refused_naming_the_families(tmp_path, llama):
         models.from_pretrained(tmp_path)
     with pytest.raises(ValueError, match=r"quantize='int2'; give 'int8', 'int4' or None"):
         models.from_pretrained(llama, quantize="int2")
+    with pytest.raises(ValueError, match=r"group_size=16 is quantize's; give quantize="):
+        models.from_pretrained(llama, group_size=16)
     with pytest.raises(ValueError, match=r"has no config\.json \(no such folder\)"):
         models.from_pretrained(tmp_path / "missing")
 

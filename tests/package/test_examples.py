@@ -50,6 +50,9 @@ def parity_reports(out: str) -> dict[str, dict[str, float]]:
     }
 
 
+# 23 s: `make property` runs it; the Encoder it builds is taktiny.models', which
+# tests/models/test_encoder.py checks against transformers in `make test`
+@pytest.mark.thorough
 def test_bert_example_matches_transformers_and_exports_back():
     out = run_example("bert.py")
     reports = parity_reports(out)

@@ -29,6 +29,9 @@ def greedy_runs(out: str) -> dict[str, dict[str, object]]:
     return runs
 
 
+# 23 s: `make property` runs it; the Decoder it builds, and its FP8 and compressed-tensors
+# loads, are checked in `make test` by tests/models (test_decoder.py, test_pretrained.py)
+@pytest.mark.thorough
 def test_llama_example_matches_transformers_exports_back_and_decodes_as_generate():
     out = run_example("llama.py")
     reports = parity_reports(out)
