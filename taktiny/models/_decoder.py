@@ -14,7 +14,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax.typing import DTypeLike
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Bool, Float, Int
 
 from .. import convert, nn
 
@@ -269,7 +269,8 @@ class DecoderLayer(nn.Module):
         Args:
             x: ``[batch, length, hidden_size]``.
             cache: the layer's KVCache, or None.
-            mask: the sliding window's mask ``[length, keys]`` (True: may attend), or None.
+            mask: which keys each query may attend to (True: may), broadcastable to
+                ``[batch, 1, length, keys]`` (the sliding window, the padding), or None.
 
         Returns:
             ``(y, cache)``: ``y`` as `x`; the cache advanced (None without one).
@@ -341,6 +342,7 @@ class Decoder(nn.Module):
         ids: Int[Array, "batch length"],
         max_new_tokens: int,
         *,
+        valid: Bool[Array, "batch length"] | None = None,
         temperature: float = 0.0,
         key: Any = None,
     ) -> Int[Array, "batch max_new_tokens"]:
@@ -349,9 +351,11 @@ class Decoder(nn.Module):
         shape and `max_new_tokens`).
 
         Args:
-            ids: the prompt's token ids ``[batch, length]`` (every sequence as long: no
-                padding).
+            ids: the prompt's token ids ``[batch, length]``; prompts of other lengths
+                padded on the left (as transformers pads for ``generate``).
             max_new_tokens: how many tokens to decode.
+            valid: which of the prompt's tokens are real ``[batch, length]`` (booleans,
+                or a tokenizer's 0/1 ``attention_mask``), the padding False; None: all.
             temperature: 0 (the default) takes the likeliest token each step (greedy, as
                 transformers' ``generate(do_sample=False)``); above 0, each token is drawn
                 from ``softmax(logits / temperature)``.
@@ -380,6 +384,7 @@ class Decoder(nn.Module):
         return _generate(
             self,
             jnp.asarray(ids),
+            None if valid is None else jnp.asarray(valid).astype(bool),
             None if temperature == 0 else key,
             max_new_tokens=int(max_new_tokens),
             temperature=float(temperature),
@@ -401,7 +406,11 @@ class Decoder(nn.Module):
         return [make(layer) for layer in self.layers]
 
     def __call__(
-        self, ids: Int[Array, "batch length"], *, caches: Any = None
+        self,
+        ids: Int[Array, "batch length"],
+        *,
+        caches: Any = None,
+        valid: Bool[Array, "batch keys"] | None = None,
     ) -> Float[Array, "batch length vocab"] | tuple[Float[Array, "batch length vocab"], Any]:
         """The next-token logits of every position.
 
@@ -409,6 +418,12 @@ class Decoder(nn.Module):
             ids: token ids ``[batch, length]``.
             caches: from :meth:`init_caches`, or None: the tokens are written at the
                 caches' length, and attend to every token before them.
+            valid: which places hold real tokens, not padding ``[batch, keys]`` (``keys``
+                is `length` without caches, the caches' ``max_length`` with them: the
+                places to come included), or None for all: no token attends to padding.
+                (The rotary embeddings rotate by the tokens' places; a left-padded
+                sequence's are all shifted alike, which leaves every attention score as
+                it would be unpadded: the rotation is relative.)
 
         Returns:
             ``logits [batch, length, vocab_size]``; with ``caches``, ``(logits, caches)``
@@ -416,6 +431,9 @@ class Decoder(nn.Module):
         """
         with jax.named_scope("Decoder"):
             mask = self._window(ids.shape[1], caches)
+            if valid is not None:  # no query attends to a padded key
+                padding = jnp.asarray(valid).astype(bool)[:, None, None, :]
+                mask = padding if mask is None else padding & mask
             x = self.embed(ids)
             if isinstance(self.layers, nn.Stack):
                 x, advanced = (
@@ -450,10 +468,18 @@ class Decoder(nn.Module):
 
 @functools.partial(jax.jit, static_argnames=("max_new_tokens", "temperature"))
 def _generate(
-    model: Decoder, ids: jax.Array, key: Any, *, max_new_tokens: int, temperature: float
+    model: Decoder,
+    ids: jax.Array,
+    valid: jax.Array | None,
+    key: Any,
+    *,
+    max_new_tokens: int,
+    temperature: float,
 ) -> jax.Array:
     """`Decoder.generate`'s program: the prompt, then ``jax.lax.scan`` over the steps."""
     batch, length = ids.shape
+    if valid is not None:  # the places to come hold real tokens
+        valid = jnp.concatenate([valid, jnp.ones((batch, max_new_tokens), bool)], axis=1)
     keys = None if key is None else jax.random.split(key, max_new_tokens)
 
     def pick(logits: jax.Array, at: Any) -> jax.Array:  # logits [batch, vocab] -> [batch]
@@ -461,12 +487,13 @@ def _generate(
             return jnp.argmax(logits, axis=-1).astype(jnp.int32)
         return jax.random.categorical(at, logits / temperature, axis=-1).astype(jnp.int32)
 
-    logits, caches = model(ids, caches=model.init_caches(batch, length + max_new_tokens))
+    caches = model.init_caches(batch, length + max_new_tokens)
+    logits, caches = model(ids, caches=caches, valid=valid)
     first = pick(logits[:, -1], None if keys is None else keys[0])
 
     def step(carry: Any, at: Any) -> tuple[Any, jax.Array]:
         token, caches = carry
-        logits, caches = model(token[:, None], caches=caches)
+        logits, caches = model(token[:, None], caches=caches, valid=valid)
         return (pick(logits[:, -1], at), caches), token
 
     rest = None if keys is None else keys[1:]

@@ -158,6 +158,32 @@ def test_greedy_generate_gives_the_tokens_of_transformers_generate(tmp_path, nam
     assert len(set(expected.ravel().tolist())) > 2  # (not one token repeated)
 
 
+@pytest.mark.parametrize(("name", "scanned"), [("llama3.1", False), ("qwen2", True)])
+def test_a_left_padded_batch_decodes_as_transformers_and_as_each_prompt_alone(
+    tmp_path, name, scanned
+):
+    theirs = reference(name)
+    theirs.save_pretrained(tmp_path)
+    ours = models.from_pretrained(tmp_path, scanned=scanned)
+    rng = np.random.default_rng(5)
+    prompt = rng.integers(1, 96, (3, 7))
+    valid = np.ones(prompt.shape, bool)
+    valid[0, :3] = valid[2, :1] = False  # prompts of 4, 7 and 6 tokens, padded on the left
+    prompt[~valid] = 0
+    with jax.default_matmul_precision("highest"):
+        tokens = np.asarray(ours.generate(jnp.asarray(prompt), 10, valid=jnp.asarray(valid)))
+        for row in range(3):  # each prompt alone, unpadded, decodes the same tokens
+            alone = ours.generate(jnp.asarray(prompt[row : row + 1, valid[row]]), 10)
+            np.testing.assert_array_equal(tokens[row : row + 1], alone)
+    expected = theirs.generate(
+        torch.from_numpy(prompt),
+        attention_mask=torch.from_numpy(valid.astype(np.int64)),
+        max_new_tokens=10,
+        do_sample=False,
+    )[:, 7:].numpy()
+    np.testing.assert_array_equal(tokens, expected)
+
+
 def test_sampling_draws_by_the_key_and_a_tiny_temperature_is_greedy():
     model = models.Decoder(reference("qwen2").config.to_dict(), rngs=models_rngs())
     prompt = jnp.asarray(np.random.default_rng(4).integers(0, 96, (3, 4)))
