@@ -1,9 +1,11 @@
-"""Loads and saves on an accelerator (issue 52, points 3 to 5), and quantized layers at
-decode shapes (issue 53 point 1): bench/device_load.py's, bench/device_save.py's and
-bench/device_quantized.py's measurements on whatever accelerator JAX's default device is (a
-TPU, a GPU), reported with the device named, beside the same ratios measured on the CPU by
-the groups ``streaming`` (the load against the raw read) and ``background`` (the background
-save against a host copy, and the training loop).
+"""Loads and saves on an accelerator (issue 52, points 3 to 5), and quantized, adapted and
+scanned compute there (issue 53): bench/device_load.py's, bench/device_save.py's,
+bench/device_quantized.py's, bench/device_lora.py's and bench/device_scanned.py's
+measurements on whatever accelerator JAX's default device is (a TPU, a GPU), reported with
+the device named, beside the same ratios measured on the CPU by the groups ``streaming``
+(the load against the raw read), ``background`` (the background save against a host copy,
+and the training loop), ``lora`` (LoRA against full fine-tuning) and ``scanned`` (the
+scanned step against the unrolled one).
 
 - On an accelerator the group runs the scripts' ``main`` (the save first), and in a full
   run writes what they printed to bench/accelerator.json, each part as it ends.
@@ -82,15 +84,15 @@ def run(config: Config) -> Group:
 
 
 def measure(config: Config, small: bool) -> dict[str, Any]:
-    """Runs device_save's, device_load's and device_quantized's ``main`` (in scratch
-    folders); a part that fails
-    is recorded with its error, not raised (the other's figures still count). A full run
-    on an accelerator writes bench/accelerator.json after each part."""
+    """Runs device_save's, device_load's, device_quantized's, device_lora's and
+    device_scanned's ``main`` (in scratch folders); a part that fails is recorded with its
+    error, not raised (the others' figures still count). A full run on an accelerator
+    writes bench/accelerator.json after each part."""
     if small:  # (device_load and device_quantized take their sizes from the environment)
         os.environ.setdefault("DEVICE_LOAD_LAYERS", "2")
         for name, value in (("LAYERS", "2"), ("WIDTH", "256"), ("REPEATS", "2")):
             os.environ.setdefault(f"DEVICE_Q_{name}", value)
-    from . import device_load, device_quantized, device_save
+    from . import device_load, device_lora, device_quantized, device_save, device_scanned
 
     device = jax.devices()[0]
     figures: dict[str, Any] = {
@@ -104,6 +106,8 @@ def measure(config: Config, small: bool) -> dict[str, Any]:
         "save": lambda folder: device_save.main(folder, small=small or None),
         "load": device_load.main,
         "quantized": lambda folder: device_quantized.main(),
+        "lora": lambda folder: device_lora.main(small),
+        "scanned": lambda folder: device_scanned.main(["--smoke"] if small else []),
     }
     for name, part in parts.items():
         folder = Path(config.scratch) / f"device_{name}"
@@ -124,7 +128,9 @@ def measure(config: Config, small: bool) -> dict[str, Any]:
 def _twins() -> dict[str, float]:
     """The CPU twins of the group's ratios, from the CPU run in bench/results.json (those
     it has): the streaming load against the raw read, the background save's call against
-    a host copy, and the training loop saving in the background against no saves."""
+    a host copy, the training loop saving in the background against no saves, the LoRA
+    step against full fine-tuning, and the scanned step against the unrolled one (as a
+    user gets `nn.Stack`, and with ``remat=dots_saveable``)."""
     path = HERE / "results.json"
     if not path.exists():
         return {}
@@ -136,6 +142,14 @@ def _twins() -> dict[str, float]:
     for target in groups.get("background", {}).get("targets", []):
         if target["goal"].startswith("a background save blocks its caller"):
             twins["background"] = target["value"]
+    for target in groups.get("lora", {}).get("targets", []):
+        if target["goal"].startswith("a LoRA training step (rank 8 on every layer)"):
+            twins["lora"] = target["value"]
+    for target in groups.get("scanned", {}).get("targets", []):
+        if target["goal"].startswith("training step time, scanned <="):
+            twins["scanned"] = target["value"]
+        if target["goal"].startswith("training step time, scanned with remat=dots_saveable"):
+            twins["scanned_remat"] = target["value"]
     for table in groups.get("background", {}).get("tables", []):
         if table["title"].startswith("a training loop"):
             row = table["rows"].get("a step", {})
@@ -149,7 +163,7 @@ def build(figures: dict[str, Any], twins: dict[str, float]) -> Group:
     bench/accelerator.json holds them) and the CPU twins (`_twins`)."""
     kind = figures["device"]
     save, load = figures.get("save", {}), figures.get("load", {})
-    group = Group("accelerator", f"Loads and saves on an accelerator: {kind}")
+    group = Group("accelerator", f"Loads, saves and training on an accelerator: {kind}")
     ratios = Table(
         f"Ratios on {kind}, beside their CPU twins (bench/results.json)",
         [kind, "CPU twin"],
@@ -198,18 +212,137 @@ def build(figures: dict[str, Any], twins: dict[str, float]) -> Group:
     quantized = figures.get("quantized", {})
     if "batch_1" in quantized:
         _quantized_tables(group, quantized, kind)
+    lora, scanned = figures.get("lora", {}), figures.get("scanned", {})
+    if "full" in lora:
+        _lora_tables(group, ratios, lora, twins, kind)
+    if "step_ms" in scanned.get("unrolled", {}):
+        _scanned_tables(group, ratios, scanned, twins, kind)
     if ratios.rows:
         group.tables.append(ratios)
-    for name, part in (("save", save), ("load", load), ("quantized", quantized)):
+    parts = {"save": save, "load": load, "quantized": quantized, "lora": lora, "scanned": scanned}
+    for name, part in parts.items():
         if "error" in part:
             group.notes.append(f"The {name} part failed: {part['error']}.")
     kept = "; figures in bench/accelerator.json" if figures["platform"] != "cpu" else ""
     group.notes.append(
         f"Measured on {kind} ({figures['platform']}, JAX {figures['jax']}) on "
         f"{figures['date']} by `{figures['command']}`{kept}. CPU twins: the same ratios in "
-        f"this report's groups `streaming` and `background`."
+        f"this report's groups `streaming`, `background`, `lora` and `scanned`."
     )
     return group
+
+
+def _lora_tables(
+    group: Group, ratios: Table, lora: dict[str, Any], twins: dict[str, float], kind: str
+) -> None:
+    """device_lora's step times and XLA's bytes, and issue 53 point 3's targets: LoRA at
+    most 0.75x full fine-tuning, QLoRA at most LoRA's time."""
+    names = {
+        "full": "full fine-tuning",
+        "lora": "LoRA",
+        "qlora_int8": "QLoRA, int8",
+        "qlora_int4_g128": "QLoRA, int4 g128",
+    }
+    found = {k: v for k, v in names.items() if "step_ms" in lora.get(k, {})}
+    title = f"A training step on {kind}: 32 x Linear(4096, 4096), {lora['rows']} rows, rank 8"
+    table = Table(title, list(found.values()), reference="full fine-tuning")
+    peak = Table(
+        f"{title}: XLA's bytes", list(found.values()), unit="B", reference="full fine-tuning"
+    )
+    for key, name in found.items():
+        table.add("the step", name, "bench/device_lora.py", lora[key]["step_ms"] / 1e3)
+        if lora[key].get("peak_bytes") is not None:
+            call = "arguments + outputs not donated + temporaries"
+            peak.add("the step", name, call, lora[key]["peak_bytes"])
+    group.tables += [table, *([peak] if peak.rows else [])]
+    if "x_full" not in lora.get("lora", {}):
+        return
+    op = "LoRA step / full fine-tuning's (<= 0.75)"
+    ratios.add(op, kind, "bench/device_lora.py", lora["lora"]["x_full"])
+    if "lora" in twins:
+        ratios.add(op, "CPU twin", "group lora", twins["lora"])
+    group.targets.append(
+        Target(
+            f"a LoRA step on {kind} <= 0.75x full fine-tuning's time",
+            lora["lora"]["x_full"],
+            0.75,
+            False,
+            "median step times (bench/device_lora.py)",
+        )
+    )
+    for key in ("qlora_int8", "qlora_int4_g128"):
+        if "x_lora" in lora.get(key, {}):
+            group.targets.append(
+                Target(
+                    f"a {names[key]} step on {kind} <= LoRA's time",
+                    lora[key]["x_lora"],
+                    1.0,
+                    False,
+                    "median step times (bench/device_lora.py)",
+                )
+            )
+
+
+def _scanned_tables(
+    group: Group, ratios: Table, scanned: dict[str, Any], twins: dict[str, float], kind: str
+) -> None:
+    """device_scanned's step and compile times by variant, and issue 53 point 2's targets:
+    the stack as a user gets it within 1.05x the unrolled step, compiling in at most 0.2x
+    its time, with no more temporary memory at 4 x 512 tokens."""
+    names = {
+        "unrolled": "unrolled",
+        "stack": "nn.Stack",
+        "stack_remat_dots": "remat=dots_saveable",
+        "stack_remat_nobatch": "remat=dots_with_no_batch_dims_saveable",
+        "stack_remat_all": "remat=True",
+        "stack_unroll2": "scan unroll=2",
+        "loop_over_stacked": "stacked weights, Python loop",
+    }
+    found = {k: v for k, v in names.items() if "step_ms" in scanned.get(k, {})}
+    title = f"A Llama training step on {kind} (width 1024, 32 layers, 4 x 256 tokens, Adam)"
+    step = Table(title, list(found.values()), reference="unrolled")
+    for key, name in found.items():
+        step.add("the step", name, "bench/device_scanned.py", scanned[key]["step_ms"] / 1e3)
+        step.add("its compile", name, "bench/device_scanned.py", scanned[key]["compile_s"])
+    group.tables.append(step)
+    unrolled, stack = scanned["unrolled"], scanned.get("stack", {})
+    if "x_unrolled" not in stack:
+        return
+    for op, key, twin in (
+        ("scanned step / unrolled (<= 1.05)", "stack", "scanned"),
+        ("scanned step, remat=dots_saveable / unrolled", "stack_remat_dots", "scanned_remat"),
+    ):
+        if "x_unrolled" in scanned.get(key, {}):
+            ratios.add(op, kind, "bench/device_scanned.py", scanned[key]["x_unrolled"])
+            if twin in twins:
+                ratios.add(op, "CPU twin", "group scanned", twins[twin])
+    group.targets += [
+        Target(
+            f"a scanned step on {kind} (nn.Stack's defaults) <= 1.05x the unrolled step",
+            stack["x_unrolled"],
+            1.05,
+            False,
+            "median step times (bench/device_scanned.py)",
+        ),
+        Target(
+            f"its compile on {kind} <= 0.2x the unrolled step's",
+            stack["compile_s"] / unrolled["compile_s"],
+            0.2,
+            False,
+            "lower().compile() times (bench/device_scanned.py)",
+        ),
+    ]
+    longer = "temp_MiB_twice_the_tokens"
+    if longer in stack and longer in unrolled:
+        group.targets.append(
+            Target(
+                f"its temporary memory on {kind} at 4 x 512 tokens <= the unrolled step's",
+                stack[longer] / unrolled[longer],
+                1.0,
+                False,
+                "compiled.memory_analysis().temp_size_in_bytes (bench/device_scanned.py)",
+            )
+        )
 
 
 def _quantized_tables(group: Group, quantized: dict[str, Any], kind: str) -> None:

@@ -258,6 +258,14 @@ def _accelerator_figures() -> dict:
                             ("int4_g128_group_products", 0.5)):  # fmt: skip
             row |= {f"{name}_ms": 2.0 * ratio, f"{name}_vs_bf16": ratio, f"{name}_close": True}
         quantized[f"batch_{batch}"] = row
+    lora = {"device": "TPU v5 lite", "rows": 2048, "full": {"step_ms": 50.0, "peak_bytes": 8e9}}
+    for name, ms in (("lora", 30.0), ("qlora_int8", 28.5), ("qlora_int4_g128", 36.0)):
+        lora[name] = {"step_ms": ms, "peak_bytes": 2e9, "x_full": ms / 50, "x_lora": ms / 30}
+    scanned = {"device": "TPU v5 lite"}
+    for name, ms, compile_s, temp in (("unrolled", 30.0, 80.0, 3000.0), ("stack", 39.0, 8.0, 2700.0),
+                                      ("stack_remat_dots", 36.0, 9.0, 2000.0)):  # fmt: skip
+        scanned[name] = {"step_ms": ms, "compile_s": compile_s, "x_unrolled": ms / 30}
+        scanned[name] |= {"temp_MiB_twice_the_tokens": temp}
     return {
         "device": "TPU v5 lite",
         "platform": "tpu",
@@ -268,6 +276,8 @@ def _accelerator_figures() -> dict:
         "save": save,
         "load": load,
         "quantized": quantized,
+        "lora": lora,
+        "scanned": scanned,
     }
 
 
@@ -286,8 +296,18 @@ def test_the_accelerator_group_reports_the_last_run_on_one_from_a_cpu(tmp_path, 
     group = accelerator.run(Config("smoke", tmp_path))
     check(group)
     assert group.run and group.run["command"] == figures["command"]  # (that run's, not this)
-    # the load, the three saves, then int8 (decode, 256) and int4 (decode: 0.4 > 0.35; 256)
-    assert [t.met for t in group.targets] == [False, True, True, True, True, True, False, False]
+    # the load, the three saves, then int8 (decode, 256) and int4 (decode: 0.4 > 0.35; 256),
+    # LoRA against full fine-tuning, QLoRA int8 and int4 against LoRA (1.2x), the scanned
+    # step (1.3x), its compile (0.1x) and its memory at twice the tokens (0.9x)
+    met = [False, True, True, True, True, True, False, False, True, True, False]
+    assert [t.met for t in group.targets] == [*met, False, True, True]
+    assert group.targets[-3].value == pytest.approx(1.3)
+    assert group.targets[-1].value == pytest.approx(0.9)
+    step = next(t for t in group.tables if t.title.startswith("A Llama training step"))
+    assert step.value("its compile", "nn.Stack") == 8.0
+    twins = accelerator.build(figures, {"lora": 0.49, "scanned": 1.11}).tables[-1]
+    assert twins.value("scanned step / unrolled (<= 1.05)", "CPU twin") == 1.11
+    assert twins.value("LoRA step / full fine-tuning's (<= 0.75)", "TPU v5 lite") == 0.6
     assert "all within it" in " ".join(group.notes)
     forward = next(t for t in group.tables if t.title.startswith("A forward through 32"))
     assert forward.value("batch 16", "int4_g128, product") == pytest.approx(0.6e-3)
@@ -295,7 +315,7 @@ def test_the_accelerator_group_reports_the_last_run_on_one_from_a_cpu(tmp_path, 
     assert ratios.value("the background call / the device-to-host copy (<= 1.2)", "TPU v5 lite")
     out = report.write([group], tmp_path / "report", mode="full", seconds=1.0, command="x")
     text = out.read_text()
-    assert "## Loads and saves on an accelerator: TPU v5 lite" in text
+    assert "## Loads, saves and training on an accelerator: TPU v5 lite" in text
     assert "`python bench/run.py --only accelerator --out /tmp/report` — mode" in text
     for row in (r for k, r in figures["quantized"].items() if k.startswith("batch_")):
         for key in [k for k in row if k.endswith("_close")]:
@@ -314,13 +334,15 @@ def test_the_accelerator_group_reports_the_last_run_on_one_from_a_cpu(tmp_path, 
 
 
 @pytest.mark.thorough
-def test_the_accelerator_group_runs_small_on_a_cpu_when_asked(tmp_path, monkeypatch):
+def test_the_accelerator_group_runs_small_on_a_cpu_when_asked(
+    tmp_path, monkeypatch, optax_promotion
+):
     monkeypatch.setattr(accelerator, "FIGURES", tmp_path / "accelerator.json")
     monkeypatch.setenv(accelerator.ON_CPU, "1")
     (tmp_path / "scratch").mkdir()
     group = accelerator.run(Config("smoke", tmp_path / "scratch"))
     check(group)
-    assert len(group.targets) == 9 and "read back bitwise equal" in " ".join(group.notes)
+    assert len(group.targets) == 15 and "read back bitwise equal" in " ".join(group.notes)
     assert list((tmp_path / "scratch").iterdir()) == []
     assert not accelerator.FIGURES.exists()  # (figures of a CPU are not kept)
 
