@@ -7,14 +7,16 @@ Each quantized layout is timed two ways in interleaved rounds (median of ``REPEA
 calls each):
 
 - ``product``: the layer as it computes (one scale per output channel: the integers enter
-  the product and the scales multiply its result; in groups, the weight dequantized first);
+  the product and the scales multiply its result; int4 in groups of 128 on one TPU, the
+  Pallas kernel of ``nn._grouped_product``, which dequantizes tile by tile in VMEM; other
+  groups, the weight dequantized first);
 - ``weight_first``: the weight dequantized into bfloat16, then multiplied (the layer's path
   before issue 53), as a plain function of the same arrays;
 - ``group_products`` (groups only): each group's partial product, scaled, then summed
   (`_group_products`), a candidate for the grouped path; ``group_products_f32`` the same
-  in float32, rounded once;
-- ``group_kernel`` (groups only): a Pallas kernel that dequantizes tile by tile in VMEM
-  (`bench/_grouped_kernel.py`), another candidate (interpreted off a TPU: slow there).
+  in float32, rounded once. (The eighth session moved the earlier candidate
+  ``group_kernel``, a Pallas kernel, into the layer: its figures in bench/accelerator.json
+  are from before that.)
 
 Each is checked against the bfloat16 layer of the dequantized weights, on the first layer
 (within bfloat16's rounding, relative to its largest output). Targets (issue 53, on a TPU):
@@ -31,10 +33,8 @@ import functools
 import json
 import os
 import statistics
-import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import jax
@@ -94,18 +94,6 @@ def _group_products(layers: list[Any], x: jax.Array, wide: bool = False) -> jax.
     return x
 
 
-def _group_kernel(layers: list[Any], x: jax.Array) -> jax.Array:
-    """In groups, through the candidate Pallas kernel (`bench._grouped_kernel`): the
-    integers read once, dequantized tile by tile in VMEM."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # (run as a script too)
-    from bench._grouped_kernel import grouped_matmul
-
-    for layer in layers:
-        kernel = layer.kernel
-        x = jnp.tanh(grouped_matmul(x, kernel.value, kernel.scale, kernel.group_size))
-    return x
-
-
 def _timed(fn: Callable[[], Any]) -> float:
     times = []
     for _ in range(REPEATS):
@@ -127,7 +115,6 @@ def main() -> dict[str, Any]:
     candidates = {  # the grouped path's candidates (groups only)
         "group_products": jax.jit(_group_products),
         "group_products_f32": jax.jit(functools.partial(_group_products, wide=True)),
-        "group_kernel": jax.jit(_group_kernel),
     }
     dense = _layers(None, None)
     quantized = {name: _layers(*layout) for name, layout in LAYOUTS.items()}

@@ -345,23 +345,3 @@ def test_the_accelerator_group_runs_small_on_a_cpu_when_asked(
     assert len(group.targets) == 15 and "read back bitwise equal" in " ".join(group.notes)
     assert list((tmp_path / "scratch").iterdir()) == []
     assert not accelerator.FIGURES.exists()  # (figures of a CPU are not kept)
-
-
-@pytest.mark.parametrize("bits", [4, 8])
-def test_the_grouped_kernel_candidate_is_the_dequantized_product(bits):
-    # (bench/_grouped_kernel.py, interpreted here: a candidate for issue 53's grouped path)
-    import jax.numpy as jnp
-
-    import taktiny as tt
-    from bench._grouped_kernel import grouped_matmul
-    from taktiny import nn
-
-    layer = nn.Linear(1024, 1024, use_bias=False, rngs=nn.Rngs(0))  # (one tile of rows)
-    kernel = tt.quantize(layer, bits=bits, group_size=128).kernel
-    x = jnp.asarray(np.random.default_rng(0).normal(size=(3, 1024)), jnp.bfloat16)
-    got = grouped_matmul(x, kernel.value, kernel.scale, kernel.group_size)
-    want = np.asarray(x, np.float64) @ np.asarray(kernel.dequantize(), np.float64)
-    assert got.shape == (3, 1024) and got.dtype == jnp.bfloat16
-    assert np.abs(np.asarray(got, np.float64) - want).max() <= 2**-7 * np.abs(want).max()
-    with pytest.raises(ValueError, match=r"\(3, 1024\) @ \(1024, 1000\) do not tile by 1024, 512"):
-        grouped_matmul(x, kernel.value[:, :1000], kernel.scale[:, :1000], 128)
