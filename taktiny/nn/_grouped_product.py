@@ -6,8 +6,8 @@ took 0.90x and 0.77x bfloat16's time, the kernel 0.60x and 0.62x (1.15x against 
 256; bench/FINDINGS.md section 16).
 
 It is taken only for what was measured there: bfloat16 inputs of at most `ROWS` rows, an
-int4 kernel in groups of 128 whose axes tile by `TILE_K` and `TILE_N`, on a process whose
-default backend is a TPU with one device (a Pallas call is not partitioned across
+int4 kernel in groups of 128 whose axes tile by `TILE_K` and `TILE_N`, where arrays go to
+a TPU by default and the run has one TPU device (a Pallas call is not partitioned across
 devices: XLA would gather a sharded kernel onto each). `lax.platform_dependent` still
 picks XLA's product wherever the computation runs on another platform, and the gradients
 are those of XLA's product (`jax.custom_jvp`: forward and reverse mode), so training
@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Integer
 
+from ..arrays import default_device
 from ..quant import QArray, dequantize_array
 
 TILE_K = 1024  # input rows a program reads at a time (whole groups)
@@ -48,8 +49,9 @@ def takes(x: jax.Array, weight: QArray) -> bool:
 
 
 def _one_tpu() -> bool:
-    """Whether this process computes on one TPU device by default."""
-    return jax.default_backend() == "tpu" and jax.device_count() == 1
+    """Whether arrays go to a TPU by default (`default_device`: ``jax.default_device``'s,
+    or the first device), and it is the only TPU device of the run."""
+    return default_device().platform == "tpu" and len(jax.devices("tpu")) == 1
 
 
 def grouped_product(

@@ -31,13 +31,29 @@ def test_the_kernel_is_the_groups_product_taken_in_float32(rows):
     kernel = layer(k=2048, n=1024).kernel
     x = inputs(rows)
     got = np.asarray(grouped.kernel(x, kernel.value, kernel.scale, interpret=True), np.float64)
-    q = np.asarray(kernel.value, np.float64).reshape(16, 128, 1024)
-    w = (q * np.asarray(kernel.scale, np.float64)[:, None, :]).reshape(2048, 1024)
-    want = np.asarray(x, np.float64) @ w
+    want = oracle(layer(k=2048, n=1024).replace(bias=jnp.zeros(1024)), x)
     assert got.shape == (rows, 1024)
     assert np.abs(got - want).max() <= 2**-8 * np.abs(want).max()
     xla = np.asarray(grouped._xla(x, kernel.value, kernel.scale, None), np.float64)
     assert np.abs(got - want).mean() < np.abs(xla - want).mean()
+
+
+def oracle(model, x):
+    """NumPy's float64 product of the dequantized kernel, and the bias."""
+    kernel, k = model.kernel, model.kernel.value.shape[0]
+    q = np.asarray(kernel.value, np.float64).reshape(k // 128, 128, -1)
+    w = (q * np.asarray(kernel.scale, np.float64)[:, None, :]).reshape(k, -1)
+    return np.asarray(x, np.float64) @ w + np.asarray(model.bias, np.float64)
+
+
+def test_on_each_platform_the_layer_is_the_groups_product(platform):
+    """On a TPU (one device: the kernel taken, compiled by Mosaic) and anywhere else (XLA's
+    product), the layer's output is within a bfloat16 rounding of NumPy's product."""
+    model, x = layer(), inputs(16)
+    assert grouped.takes(x, model.kernel) == (platform == "tpu")
+    got = np.asarray(jax.jit(lambda m, x: m(x))(model, x), np.float64)
+    want = oracle(model, x)
+    assert np.abs(got - want).max() <= 2**-7 * np.abs(want).max()
 
 
 def test_a_layer_takes_it_only_where_it_was_measured(monkeypatch):
