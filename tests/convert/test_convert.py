@@ -881,3 +881,41 @@ def test_coverage_reads_shapes_and_dtypes_without_the_data_where_it_can():
     assert spec([1, 2]) == jax.ShapeDtypeStruct((2,), jnp.int32)  # read: no shape
     assert spec(Shaped()) == jax.ShapeDtypeStruct((3,), jnp.int8)  # read: a shape, no dtype
     assert spec(torch.zeros(2, 3)) == f32(2, 3)  # read: a torch dtype is not NumPy's
+
+
+class Cut(cv.Transform):
+    """A transform of the user's whose repr does not show what it does: the first `n`
+    rows (every instance reads ``Cut()``)."""
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def __call__(self, arrays, count=None):
+        return tuple(a[: self.n] for a in arrays)
+
+
+def test_a_plan_traces_equal_transforms_once_a_shape_and_never_trusts_a_users_repr(
+    monkeypatch,
+):
+    """A per-layer rule's steps share one trace of their transform for each input shape
+    (each trace costs about a millisecond a step; a 32-layer FP8 load planned 32); a
+    transform of the user's class is traced for every step, its repr being no promise of
+    what it makes."""
+    from taktiny.convert import _coverage
+
+    traced = []
+    real = _coverage.runner
+    monkeypatch.setattr(_coverage, "runner", lambda t, count: traced.append(t) or real(t, count))
+    source = {f"l.{i}.w": np.zeros((3, 5 if i == 3 else 4), np.float32) for i in range(4)}
+    target = {f"l.{i}.w": np.zeros((5 if i == 3 else 4, 3), np.float32) for i in range(4)}
+    flat = cv.convert([cv.Rule("l.{i}.w", "l.{i}.w", cv.transpose())], source, target=target)
+    assert [np.shape(flat[n]) for n in target] == [(4, 3), (4, 3), (4, 3), (5, 3)]
+    assert len(traced) == 2  # (layers 0-2 alike; layer 3's inputs another shape)
+    traced.clear()
+    rules = [cv.Rule(f"l.{i}.w", f"l.{i}.w", Cut(i + 1)) for i in range(4)]
+    cut = {f"l.{i}.w": np.zeros((i + 1, 4), np.float32) for i in range(4)}
+    flat = cv.convert(
+        rules, {n: np.zeros((3 if n != "l.3.w" else 4, 4), np.float32) for n in cut}, target=cut
+    )
+    assert [np.shape(flat[n]) for n in cut] == [(1, 4), (2, 4), (3, 4), (4, 4)]
+    assert len(traced) == 4
