@@ -23,7 +23,7 @@ def inputs(rows, k=2048, dtype=jnp.bfloat16):
     return jnp.asarray(np.random.default_rng(1).normal(size=(rows, k)), dtype)
 
 
-@pytest.mark.parametrize("rows", [1, 16, 19])
+@pytest.mark.parametrize("rows", [1, 19])  # (one tile of rows; two, padded)
 def test_the_kernel_is_the_groups_product_taken_in_float32(rows):
     """Interpreted: within one bfloat16 rounding of the float64 product of the dequantized
     kernel (NumPy), and closer to it than XLA's product, which rounds the dequantized

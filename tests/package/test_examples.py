@@ -88,6 +88,8 @@ def test_gpt2_example_matches_transformers_and_exports_back():  # GPT-2 runs in 
     assert "causal: earlier positions do not see later tokens" in out
 
 
+@pytest.mark.thorough  # (10 s: `make property` runs it; tests/nn/test_batchnorm.py checks the
+# layer, its running statistics and their training mode in `make test`)
 def test_batchnorm_example_trains_through_nested_layers():
     out = run_example("batchnorm.py")
     losses = [float(line.split()[-1]) for line in out.splitlines() if line.startswith("step")]
