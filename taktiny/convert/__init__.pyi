@@ -55,7 +55,7 @@ from ._convert import per_layer as per_layer
 from ._coverage import allowed_by as allowed_by
 from ._coverage import check_allow as check_allow
 from ._coverage import plan as plan
-from ._coverage import runner as runner
+from ._coverage import transformed_specs as transformed_specs
 from ._migrate import PASS_ALLOWED as PASS_ALLOWED
 from ._migrate import Stage as Stage
 from ._migrate import explained as explained

@@ -19,8 +19,8 @@ from ._coverage import (
     Step,
     check_allow,
     plan,
-    runner,
     spec,
+    transformed_specs,
 )
 from ._moments import owners, plan_state
 from ._rules import AnyRule, Ignore, Rule, Tie, capture_names, compile_template, fill
@@ -269,7 +269,7 @@ class Converted(Mapping[str, Any]):
         arrays = tuple(_read(self._source[n]) for n in step.sources)
         count = None if step.rule.gathered else len(step.targets)
         if any(isinstance(a, jax.ShapeDtypeStruct) for a in arrays):
-            results = jax.eval_shape(runner(step.rule.transform, count), *arrays)
+            results = transformed_specs(step.rule.transform, count, arrays)
         else:
             results = step.rule.transform(arrays, count)
         out = dict(zip(step.targets, results, strict=True))

@@ -110,20 +110,21 @@ def runner(transform: Transform, count: int | None) -> Any:
     return lambda *arrays: transform(arrays, count)
 
 
-def _results(
-    transform: Transform, count: int | None, specs: list[Any], made: dict[Any, Any]
+def transformed_specs(
+    transform: Transform, count: int | None, specs: Any, traced: dict[Any, Any] | None = None
 ) -> Any:
-    """What `transform` makes of arrays of `specs` (``jax.eval_shape``, which traces it), from
-    `made` when an equal transform was traced on the same inputs (a per-layer rule's steps:
-    one trace, not one a layer, each about a millisecond) and put there. Only transforms whose
-    repr says all they do are looked up: Taktiny's own, of Taktiny's own inside (a transform
-    of the user's class may hold what its repr does not show)."""
-    if not _described(transform):
+    """What `transform` makes of arrays of `specs`, abstract (``jax.eval_shape``, which
+    traces it). With `traced` (a dict kept across calls), an equal transform traced on the
+    same inputs is looked up there instead (a per-layer rule's steps: one trace, not one a
+    layer, each about a millisecond), for transforms whose repr says all they do: Taktiny's
+    own, of Taktiny's own inside (a transform of the user's class may hold what its repr
+    does not show)."""
+    if traced is None or not _described(transform):
         return jax.eval_shape(runner(transform, count), *specs)
-    key = (transform, count, tuple((s.shape, s.dtype) for s in specs))
-    if key not in made:
-        made[key] = jax.eval_shape(runner(transform, count), *specs)
-    return made[key]
+    key = (transform, count, tuple((s.shape, np.dtype(s.dtype)) for s in specs))
+    if key not in traced:
+        traced[key] = jax.eval_shape(runner(transform, count), *specs)
+    return traced[key]
 
 
 def _described(transform: Transform) -> bool:
@@ -216,7 +217,7 @@ def plan(
         count = None if rule.gathered else len(step.targets)
         try:
             specs = [spec(source[n]) for n in step.sources]
-            out = _results(step.rule.transform, count, specs, traced)
+            out = transformed_specs(step.rule.transform, count, specs, traced)
             if len(out) != len(step.targets):
                 raise ValueError(f"it made {len(out)} arrays for {len(step.targets)} targets")
         except Exception as error:  # noqa: BLE001  (any failure is reported with its rule)

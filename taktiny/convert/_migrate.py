@@ -43,7 +43,7 @@ import numpy as np
 from ..quant import part_names
 from ..state import Schema, declared_versions, flatten, schema_of
 from ._convert import Converted
-from ._coverage import ConversionError, ConversionProblem, plan, runner, spec
+from ._coverage import ConversionError, ConversionProblem, plan, spec, transformed_specs
 from ._rules import AnyRule, Ignore, Init, Rule, Tie, first_match
 from ._transforms import Transform, identity
 
@@ -289,8 +289,8 @@ def _walk(
                 else:
                     count = None if step.rule.gathered else len(step.targets)
                     applications.append((step.rule.transform, count, inputs))
-                    results = jax.eval_shape(
-                        runner(step.rule.transform, count), *(specs[i] for i in inputs)
+                    results = transformed_specs(
+                        step.rule.transform, count, [specs[i] for i in inputs]
                     )
                     outputs = tuple(("out", len(applications) - 1, j) for j in range(len(results)))
                     specs.update(zip(outputs, results, strict=True))

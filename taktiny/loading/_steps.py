@@ -25,7 +25,7 @@ from ..convert import (
     explained,
     identity,
     plan,
-    runner,
+    transformed_specs,
     transpose,
 )
 from ..io import Checkpoint, Tensor
@@ -82,7 +82,7 @@ def results_of(step: Step, sources: Sequence[Tensor]) -> tuple[Any, ...]:
     """What a step's transform makes of its `sources`, abstract: read from their headers."""
     specs = [jax.ShapeDtypeStruct(t.shape, jax.dtypes.canonicalize_dtype(t.dtype)) for t in sources]
     count = None if step.rule.gathered else len(step.targets)
-    return jax.eval_shape(runner(step.rule.transform, count), *specs)
+    return transformed_specs(step.rule.transform, count, specs)
 
 
 def tensors_of(checkpoint: Checkpoint, step: Step) -> list[Tensor]:

@@ -23,7 +23,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..arrays import CACHE_BOUND, default_device
-from ..convert import Step, Transform, chain, dequantize_blocks, identity, runner, transpose
+from ..convert import (
+    Step,
+    Transform,
+    chain,
+    dequantize_blocks,
+    identity,
+    transformed_specs,
+    transpose,
+)
 from ..io import BOX_PIECE, Tensor, read_together
 from ..quant import Parameter
 from ._checks import spec_of
@@ -542,10 +550,7 @@ class Transformed(Way):
         made = tuple(specs)
         stages = _stages(self.step.rule.transform)
         for k, stage in enumerate(stages):
-            key = (stage, count, tuple((m.shape, np.dtype(m.dtype)) for m in made))
-            if key not in shapes:
-                shapes[key] = jax.eval_shape(runner(stage, count), *made)
-            made = shapes[key]
+            made = transformed_specs(stage, count, made, shapes)
             if k < len(stages) - 1:  # a chain's intermediate results
                 held += sum(_nbytes(m) for m in made)
         kept = not stages  # the results are the sources, in scratch

@@ -26,6 +26,7 @@ from jaxtyping import Array, Float, Integer
 
 from ..arrays import default_device
 from ..quant import QArray, dequantize_array
+from ._explicit import project
 
 TILE_K = 1024  # input rows a program reads at a time (whole groups)
 TILE_N = 512  # output columns a program computes
@@ -76,7 +77,7 @@ def grouped_product(
 def _xla(x: jax.Array, value: jax.Array, scale: jax.Array, precision: Any) -> jax.Array:
     """XLA's product: the kernel dequantized into `x`'s dtype, then multiplied."""
     table = dequantize_array(value, scale, axis=0, group_size=GROUP, dtype=x.dtype)
-    return jnp.matmul(x, table, precision=precision)
+    return project(x, table, None, precision)
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(3,))
