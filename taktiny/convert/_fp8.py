@@ -97,28 +97,36 @@ class dequantize_blocks(Transform):
         """
         return permutation(self.layout, ndim)
 
-    def placed(self, value: Any, scale: Any, dtype: Any, like: Parameter | None = None) -> Any:
-        """What a load places from weights already laid out (`value`: read permuted by
-        :meth:`perm`, as the load reads them) and their scales as stored: the float32
-        product cast to `dtype`; with `like`, quantized as it is (``(value, scale)``
-        parts), in the same XLA program.
+    def placed(
+        self,
+        value: Any,
+        scale: Any,
+        dtype: Any,
+        like: Parameter | None = None,
+        laid_out: bool = True,
+    ) -> Any:
+        """What a load places from weights and their scales as stored: the float32 product
+        cast to `dtype`; with `like`, quantized as it is (``(value, scale)`` parts); the
+        weights (unless already `laid_out`: read permuted by :meth:`perm`, as a load into
+        host memory reads them) and the scales permuted in the same XLA program.
 
         Args:
-            value: the float8 weights, permuted by :meth:`perm`.
+            value: the float8 weights, permuted by :meth:`perm` when `laid_out`, else as
+                stored.
             scale: the scales, as stored (one per block, unpermuted).
             dtype: the leaf's dtype (a quantized parameter's logical dtype).
             like: the quantized parameter the product fills; None for a float leaf.
+            laid_out: whether `value` was read permuted already.
 
         Returns:
             The array, or the parts of the quantized parameter (a QArray's value and
             scale).
         """
-        ndim, perm = len(scale.shape), self.perm(len(scale.shape))
-        blocks = self.blocks(ndim)
-        if perm is not None:
-            scale, blocks = jnp.transpose(scale, perm), tuple(blocks[p] for p in perm)
+        ndim = len(scale.shape)
         layout = {"bits": None, "axis": 0, "group_size": None} if like is None else like.layout()
-        return placed_blocks(value, scale, blocks, jnp.dtype(dtype), **layout)
+        blocks, perm = self.blocks(ndim), self.perm(ndim)
+        dtype = jnp.dtype(dtype)
+        return placed_blocks(value, scale, blocks, dtype, **layout, perm=perm, turn=not laid_out)
 
     def held_bytes(self, weights: Any, dtype: Any, like: Parameter | None = None) -> int:
         """The bytes :meth:`placed` holds while it runs, besides its arguments and its

@@ -56,7 +56,7 @@ def transformed(load: Load, step: Step, read: list[Any], scratch: Scratch | None
     arrays = tuple(jax.device_put(a, here) for a in read)
     blocks = step.rule.transform
     if isinstance(blocks, dequantize_blocks):  # FP8 blocks, read laid out: one XLA program
-        results: Any = [_fp8_placed(blocks, arrays, step.targets[0], load)]
+        results: Any = [_fp8_placed(blocks, arrays, step.targets[0], load, scratch is not None)]
     else:
         results = step.rule.transform(arrays, count)
     out: dict[str, Any] = {}
@@ -97,19 +97,19 @@ def transformed(load: Load, step: Step, read: list[Any], scratch: Scratch | None
 
 
 def _fp8_placed(
-    blocks: dequantize_blocks, arrays: tuple[Any, ...], name: str, load: Load
+    blocks: dequantize_blocks, arrays: tuple[Any, ...], name: str, load: Load, laid_out: bool
 ) -> list[Any]:
     """The (name, array) pairs a step of FP8 blocks places: the product in its leaf's
-    dtype, or a quantized parameter's parts (read laid out by the transform: `Scratch`)."""
+    dtype, or a quantized parameter's parts (the weights read `laid_out` by the transform
+    into a scratch buffer, else as stored: ``dequantize_blocks.placed``)."""
     like = load.quantized.get(name)
+    weights, scales = arrays
     if like is not None:
-        weights, scales = arrays
-        parts = blocks.placed(weights, scales, like.dtype, like)
+        parts = blocks.placed(weights, scales, like.dtype, like, laid_out)
         return list(zip(like.part_names(name), parts, strict=True))
     if name not in load.leaves:
         return []
-    weights, scales = arrays
-    return [(name, blocks.placed(weights, scales, spec_of(load.leaves[name])[1]))]
+    return [(name, blocks.placed(weights, scales, spec_of(load.leaves[name])[1], None, laid_out))]
 
 
 class Scratch:

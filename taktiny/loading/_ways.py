@@ -521,16 +521,17 @@ class Transformed(Way):
     at a time, and placed (a float array for a quantized parameter quantized as it is);
     `word` is ``"quantized"`` or ``"scratch"``. Onto a default device that copies host
     memory (a TPU, a GPU), sources in local files, of dtypes JAX holds as they are, are
-    copied onto it from their files' mapped pages instead (`maps`, as `Mapped` copies; the
-    first one permuted there by `perm`, where it would be read permuted): such a step takes
-    no buffer, so its reads run beside the other steps' while the load's thread transforms
-    one step after another. Besides the buffer (counted once, for the load), it holds the
-    arrays its transform makes on the default device that are not the leaves: a chain's
-    intermediate results, results cast or quantized afterwards (and the cast), results
-    placed on other devices, and 64-bit sources cast to what JAX holds."""
+    copied onto it from their files' mapped pages instead (`maps`, as `Mapped` copies, as
+    they are stored: the transform permutes them there, where a scratch buffer's read
+    permutes the first by `perm`): such a step takes no buffer, so its reads run beside
+    the other steps' while the load's thread transforms one step after another. Besides
+    the buffer (counted once, for the load), it holds the arrays its transform makes on
+    the default device that are not the leaves: a chain's intermediate results, results
+    cast or quantized afterwards (and the cast), results placed on other devices, and
+    64-bit sources cast to what JAX holds."""
 
     transforms = True
-    perm: tuple[int, ...] | None = None  # the first source's axes, as it is read
+    perm: tuple[int, ...] | None = None  # the first source's axes, as a scratch buffer reads it
 
     def __init__(self, step: Step, sources: list[Tensor], word: str) -> None:
         super().__init__(step, sources)
@@ -606,11 +607,8 @@ class Transformed(Way):
     def read(self, verify: bool, stacker: Stacker | None) -> Any:
         if self.scratch is not None:
             return self.scratch.read(self.sources, verify, self.perm)
-        here = jax.sharding.SingleDeviceSharding(default_device())  # (`maps`)
-        arrays = [_from_file(t, here, verify) for t in self.sources]
-        if self.perm is not None:  # (the first laid out there, as it would be read)
-            arrays[0] = _turned(self.perm, here)(arrays[0])
-        return arrays
+        here = jax.sharding.SingleDeviceSharding(default_device())  # (`maps`: as stored)
+        return [_from_file(t, here, verify) for t in self.sources]
 
     def place(self, load: Load, data: Any) -> Iterable[tuple[str, Any]]:
         return transformed(load, self.step, data, self.scratch).items()

@@ -71,7 +71,7 @@ def dequantized_blocks(
     return product if perm is None else jnp.transpose(product, perm)
 
 
-@partial(jax.jit, static_argnames=("blocks", "dtype", "bits", "axis", "group_size"))
+@partial(jax.jit, static_argnames=("blocks", "dtype", "bits", "axis", "group_size", "perm", "turn"))
 def placed_blocks(
     value: Any,
     scale: Any,
@@ -80,11 +80,20 @@ def placed_blocks(
     bits: int | None,
     axis: int,
     group_size: int | None,
+    perm: tuple[int, ...] | None = None,
+    turn: bool = False,
 ) -> Any:
     """The block product (rounded to float32) rounded into `dtype`, then (with `bits`)
     quantized along `axis`, in one XLA program, which holds no float32 product for a
     float leaf, nor for a quantized one of a `_ROUNDED` dtype from `_ORDERED` weights
-    (`_requantized`)."""
+    (`_requantized`). With `perm`, the scales (and `blocks`, both as stored) are permuted
+    by it in the program, as are the weights with `turn` (else they come laid out);
+    one program for a step, so no dispatch of its own for a transpose."""
+    if perm is not None:
+        if turn:  # (moved as bytes: a float8 array as its bytes)
+            raw = jax.lax.bitcast_convert_type(value, jnp.uint8)
+            value = jax.lax.bitcast_convert_type(jnp.transpose(raw, perm), value.dtype)
+        scale, blocks = jnp.transpose(scale, perm), tuple(blocks[p] for p in perm)
     if bits is not None and _unheld(value.dtype, dtype):
         return _requantized(value, scale, blocks, dtype, bits, axis, group_size)
     product = _product(value, scale, blocks).astype(dtype)
