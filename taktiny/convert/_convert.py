@@ -261,6 +261,7 @@ class Converted(Mapping[str, Any]):
         self.steps = tuple(steps)
         self._made = {name: made[name] for name in leaves if name in made}
         self._source, self._waiting = source, {}
+        self._traced: dict[Any, Any] = {}  # (abstract sources: each equal transform traced once)
 
     def __getitem__(self, name: str) -> Any:
         if name in self._waiting:
@@ -269,7 +270,7 @@ class Converted(Mapping[str, Any]):
         arrays = tuple(_read(self._source[n]) for n in step.sources)
         count = None if step.rule.gathered else len(step.targets)
         if any(isinstance(a, jax.ShapeDtypeStruct) for a in arrays):
-            results = transformed_specs(step.rule.transform, count, arrays)
+            results = transformed_specs(step.rule.transform, count, arrays, self._traced)
         else:
             results = step.rule.transform(arrays, count)
         out = dict(zip(step.targets, results, strict=True))

@@ -268,6 +268,7 @@ def _walk(
     nodes: dict[str, _Node] = {name: ("source", name) for name in source}
     specs: dict[_Node, Any] = {("source", n): spec(v) for n, v in source.items()}
     applications: _Applications = []
+    traced: dict[Any, Any] = {}  # (each equal transform traced once on equal shapes)
     for stage in found:
         migrations = declared(stage.cls)[1]
         prefix = f"{stage.path}." if stage.path else ""
@@ -290,7 +291,7 @@ def _walk(
                     count = None if step.rule.gathered else len(step.targets)
                     applications.append((step.rule.transform, count, inputs))
                     results = transformed_specs(
-                        step.rule.transform, count, [specs[i] for i in inputs]
+                        step.rule.transform, count, [specs[i] for i in inputs], traced
                     )
                     outputs = tuple(("out", len(applications) - 1, j) for j in range(len(results)))
                     specs.update(zip(outputs, results, strict=True))
