@@ -70,7 +70,8 @@ def steps_of(
                 raise
             raise explained(error, migration.stages, load.where, migration.problems) from None
         made = {p for s in steps for t in s.targets for p in parts_of(t, load.quantized)}
-        problems = unfilled(load.leaves.items(), made | added, load.strict)
+        stacks = () if load.layers is None else load.layers.view.spec.stacks
+        problems = unfilled(load.leaves.items(), made | added, load.strict, stacks)
         if problems:
             raise err.StateDictError(load.where, problems)
     files = {file: str(file) for file in {t.file for t in checkpoint.values()}}

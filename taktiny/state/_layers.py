@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Container, Iterable, Mapping
 from typing import Any, NamedTuple, cast
 
 import jax
@@ -31,7 +31,7 @@ import taktiny.state._problems as err
 
 from .._problems import Problems, StateProblem, groups_of
 from ..arrays import CACHE_BOUND
-from ._names import Custom, Spec, Stacked, customs, fields, is_stack, tree_util
+from ._names import Custom, Spec, Stacked, customs, fields, is_stack, split_layer, tree_util
 from ._problems import StateDictError
 from ._values import checked_value
 from ._views import Flat, Walk
@@ -252,11 +252,7 @@ def restacked(
             for i in range(count):
                 if i not in checked:
                     name = stack.layer_name(stacked, i)
-                    problems.append(
-                        layer_without_value(name, stacked, sorted(checked))
-                        if abstract
-                        else err.missing(name)
-                    )
+                    problems.append(missing_layer(name, stacked, sorted(checked), abstract))
         else:
             index = np.array(sorted(checked))
             given = [checked[i] for i in sorted(checked)]
@@ -289,13 +285,17 @@ def other_forms(
     leaves: Mapping[str, Any],
     stacks: Iterable[Stacked],
     source: str,
+    named: Container[str] = (),
 ) -> Forms:
     """The names a load does not know (`given`: name and value, or a tensor's header; a
     nested dict of them) that are a stack of layers where the model (its `leaves` by name,
     its `stacks`) holds a list, or more layers per layer than its stack holds: one problem
     for each such stack, instead of one unknown name per leaf. A stack's name is the
     list's with a word in the layer's place (``layers.block.…``: nn.Stack's field), its
-    value one axis more than the list's leaf (when both have shapes). `source` is
+    value one axis more than the list's leaf (when both have shapes). A stacked leaf of
+    `stacks` given whole where the load resolves per layer (the model's per-layer twin)
+    and some of its layers are `named` too is one problem (`both_forms`; its other layers
+    not told missing besides), as a load of values tells it. `source` is
     ``"checkpoint"`` or ``"state"``, as the message names it."""
     flat: dict[str, Any] = {}
     origin: dict[str, str] = {}  # each flat name -> the name given (a nested group's)
@@ -314,10 +314,19 @@ def other_forms(
         return Forms([], set(), set())
     names = list(leaves)
     known = set(names) | groups_of(names)
+    stacks = tuple(stacks)
     by_path = {stack.path: stack for stack in stacks}
     lists: dict[tuple[str, str], list[str]] = {}  # (path, stacked field) -> names given
     beyond: dict[str, dict[int, list[str]]] = {}  # stack's path -> layer -> names given
+    both: dict[str, list[str]] = {}  # a stacked leaf given whole -> its layers given too
+    covered = set[str]()  # (its layers not given: not told missing besides)
     for name in flat:
+        stack = next((s for s in stacks if name.startswith(s.block + ".")), None)
+        each = [] if stack is None else [stack.layer_name(name, i) for i in range(stack.count)]
+        if any(n in named for n in each):
+            both[name] = [n for n in each if n in named]
+            covered.update(each)
+            continue
         parts = name.split(".")
         for j in range(len(parts) - 1):
             head, key, rest = ".".join(parts[:j]), parts[j], ".".join(parts[j + 1 :])
@@ -331,8 +340,8 @@ def other_forms(
                 if _one_axis_more(flat[name], leaves.get(first)):
                     lists.setdefault((head, key), []).append(name)
                 break
-    problems: list[StateProblem] = []
-    explained, covered = set[str](), set[str]()
+    problems = [both_forms(name, layers) for name, layers in both.items()]
+    explained = {origin[n] for n in both}
     for (path, field), found in lists.items():
         count = next(i for i in itertools.count() if f"{path}.{i}" not in known)
         shapes = (getattr(flat[n], "shape", None) for n in found)
@@ -601,11 +610,44 @@ def beyond_stack(path: str, block: str, layers: int, count: int, source: str) ->
 
 def layer_without_value(name: str, stacked: str, given: list[int]) -> StateProblem:
     shown = ", ".join(map(str, given[:8])) + (", ..." if len(given) > 8 else "")
+    layers = (
+        f"layers {shown} of {stacked!r} are"
+        if len(given) > 1
+        else f"layer {shown} of {stacked!r} is"
+    )
     return StateProblem(
         "abstract",
         name,
         "a value",
         None,
-        f"not supplied, while layers {shown} of {stacked!r} are: the model is abstract, so "
-        f"this layer has no value to keep; give every layer, or load into a concrete model.",
+        f"not supplied, while {layers}: the model is abstract, so this layer has no value "
+        f"to keep; give every layer, or load into a concrete model.",
     )
+
+
+def missing_layer(name: str, stacked: str, given: list[int], abstract: bool) -> StateProblem:
+    """The problem of the layer `name` of the stacked leaf `stacked` that a load leaves
+    unfilled while it fills the layers `given`: an `abstract` leaf's layer has no value to
+    keep (`layer_without_value`); else it is missing (under ``strict=True``). Both loads
+    tell it so: the load of values (`restacked`) and the streamed one (`unfilled_layers`)."""
+    return layer_without_value(name, stacked, given) if abstract else err.missing(name)
+
+
+def unfilled_layers(
+    absent: Iterable[tuple[str, bool]], named: Container[str], stacks: Iterable[Stacked]
+) -> dict[str, StateProblem]:
+    """The problems of the abstract per-layer leaves of `stacks` (a model's per-layer
+    twin's, by name, each with whether it is abstract: `absent`) that a load leaves
+    unfilled while it fills (`named`) other layers of the same stacked leaf: as the load
+    of values tells them (`missing_layer`)."""
+    stacks = tuple(stacks)
+    out: dict[str, StateProblem] = {}
+    for name, abstract in absent:
+        hit = split_layer(name, stacks) if abstract else None
+        if hit is None:
+            continue
+        stacked, _, stack = hit
+        given = [i for i in range(stack.count) if stack.layer_name(stacked, i) in named]
+        if given:
+            out[name] = missing_layer(name, stacked, given, abstract)
+    return out

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, Protocol, TypeGuard, cast
 
 import jax
@@ -136,14 +136,19 @@ class Spec:
         """For a per-layer name (``layers.3.attention.query.kernel`` of a stack at
         ``layers``): the stacked leaf it is a slice of, the layer, and the stack; None for
         any other name (a stacked leaf's name among them)."""
-        for stack in self.stacks:
-            head = stack.path + "." if stack.path else ""
-            if not name.startswith(head):
-                continue
-            index, dot, rest = name[len(head) :].partition(".")
-            if dot and index.isdigit() and str(int(index)) == index and int(index) < stack.count:
-                return f"{stack.block}.{rest}", int(index), stack
-        return None
+        return split_layer(name, self.stacks)
+
+
+def split_layer(name: str, stacks: Iterable[Stacked]) -> tuple[str, int, Stacked] | None:
+    """The per-layer name `name` of one of `stacks` parsed (see `Spec.split_layer`)."""
+    for stack in stacks:
+        head = stack.path + "." if stack.path else ""
+        if not name.startswith(head):
+            continue
+        index, dot, rest = name[len(head) :].partition(".")
+        if dot and index.isdigit() and str(int(index)) == index and int(index) < stack.count:
+            return f"{stack.block}.{rest}", int(index), stack
+    return None
 
 
 _SPECS: dict[Any, Spec] = {}  # tree structure -> its description

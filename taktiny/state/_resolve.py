@@ -78,9 +78,10 @@ def resolve(
         return Resolved(found.supplied, tuple(problems), found.other)
     leaves, spec = view.flattened()  # (a stack given for a list, or the reverse: told once)
     stacks = spec.stacks if stacks is None else stacks
-    forms = other_forms(unknown, dict(zip(spec.names, leaves, strict=True)), stacks, source)
-    unknown = [(name, value) for name, value in unknown if name not in forms.explained]
     given = {view.name(w) for w in found.supplied}
+    by_name = dict(zip(spec.names, leaves, strict=True))
+    forms = other_forms(unknown, by_name, stacks, source, given)
+    unknown = [(name, value) for name, value in unknown if name not in forms.explained]
     told = iter(err.unknown(unknown, spec.names, flat, given))
     problems = list(forms.problems)
     for entry in found.entries:

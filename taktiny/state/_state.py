@@ -287,7 +287,7 @@ def resolve_sources(
     )
     other = {w: o for w, o in found.other.items() if w not in settled.unnamed}
     found = found._replace(other=other, covered=found.covered | settled.covered)
-    problems.extend(_unfilled(view, found, strict))
+    problems.extend(_unfilled(view, found, strict, () if stacks is None else stacks))
     return Sources(settled.taken, settled.floats, list(problems))
 
 
@@ -365,7 +365,9 @@ def _caller(tree: Any, flat: bool) -> str:
     return f"{kind}.{method}()" if _names.fields(tree) is not None else f"taktiny.{method}({kind})"
 
 
-def _unfilled(view: View[Any], found: Resolved, strict: bool) -> list[StateProblem]:
+def _unfilled(
+    view: View[Any], found: Resolved, strict: bool, stacks: Iterable[_names.Stacked] = ()
+) -> list[StateProblem]:
     """The leaves a load must fill but the state does not name: every one under `strict`,
     else those of an abstract tree, which have no value to keep. A view that has seen only
     the paths named takes the tree as concrete when every leaf it has seen is."""
@@ -376,21 +378,27 @@ def _unfilled(view: View[Any], found: Resolved, strict: bool) -> list[StateProbl
             return []
     leaves, spec = view.flattened()
     named = {view.name(w) for w in wheres} | found.covered
-    return unfilled(zip(spec.names, leaves, strict=True), named, strict)
+    return unfilled(zip(spec.names, leaves, strict=True), named, strict, stacks)
 
 
 def unfilled(
-    leaves: Iterable[tuple[str, Any]], named: Container[str], strict: bool
+    leaves: Iterable[tuple[str, Any]],
+    named: Container[str],
+    strict: bool,
+    stacks: Iterable[_names.Stacked] = (),
 ) -> list[StateProblem]:
     """The leaves (name and leaf) a load leaves unfilled, not `named`, that it must fill:
     every one under `strict`, else those of an abstract tree (a ``ShapeDtypeStruct``),
-    which have no value to keep."""
+    which have no value to keep. Leaves that are layers of `stacks` (a model's per-layer
+    twin's) whose stacked leaf the load fills in other layers are told as a load of values
+    tells them (`_layers.unfilled_layers`)."""
     absent = [
         (name, isinstance(leaf, jax.ShapeDtypeStruct)) for name, leaf in leaves if name not in named
     ]
+    layers = _layers.unfilled_layers(absent, named, stacks)
     if strict:
-        return [err.missing(name, abstract) for name, abstract in absent]
-    return [err.abstract(name) for name, abstract in absent if abstract]
+        return [layers.get(name) or err.missing(name, abstract) for name, abstract in absent]
+    return [layers.get(name) or err.abstract(name) for name, abstract in absent if abstract]
 
 
 def _finish(

@@ -110,11 +110,53 @@ def test_some_layers_change_only_their_slices(tmp_path, model):
             np.testing.assert_array_equal(leaf, old)
     with pytest.raises(
         tt.StateDictError,
-        match=r"'layers\.0\.attention\.kernel': not supplied, and the model is abstract",
+        match=r"'layers\.0\.attention\.kernel': not supplied, while layer 2 of "
+        r"'layers\.block\.attention\.kernel' is: the model is abstract",
     ):
         load_safetensors(abstract(), tmp_path / "one.safetensors", strict=False)
     with pytest.raises(tt.StateDictError, match=r"'layers\.1\.norm\.scale': missing"):
         load_safetensors(model, tmp_path / "one.safetensors")
+
+
+def test_a_stack_s_problems_read_the_same_in_memory_and_streamed(tmp_path):
+    """Both loads tell a stack's problems with one set of builders (state's): some layers
+    of an abstract stack given (each layer left without a value, under strict or not,
+    planned too, and with rules that leave leaves to strict=False), and a stacked leaf
+    given both whole and per layer."""
+    model, abstract = Model(rngs=nn.Rngs(0)), jax.eval_shape(lambda: Model(rngs=nn.Rngs(0)))
+
+    def lines(error):
+        return sorted(str(error.value).splitlines()[1:])
+
+    def both(target, state, strict, rules=None, renamed=None):
+        save_safetensors(tmp_path / "s.safetensors", renamed or state)
+        with pytest.raises(tt.StateDictError) as in_memory:
+            tt.load_flat_state_dict(target, state, strict=strict)
+        with pytest.raises(tt.StateDictError) as streamed:
+            load_safetensors(target, tmp_path / "s.safetensors", strict=strict, rules=rules)
+        plan = plan_load(target, tmp_path / "s.safetensors", strict=strict, rules=rules)
+        assert sorted(f"  - {p}" for p in plan.problems) == lines(streamed)  # (planned too)
+        return lines(in_memory), lines(streamed)
+
+    state = {k: np.asarray(v) for k, v in model.flat_state_dict(unstacked=True).items()}
+    some = {k: v for k, v in state.items() if k.startswith(("embed.", "layers.1.", "layers.2."))}
+    for strict in (True, False):
+        in_memory, streamed = both(abstract, some, strict)
+        assert in_memory == streamed and len(streamed) == 6  # (3 leaves in layers 0 and 3)
+        assert all("while layers 1, 2 of 'layers.block." in line for line in streamed)
+    renamed = {"model.embed.weight": some["embed.embedding"]}
+    for i in (1, 2):
+        renamed[f"model.layers.{i}.proj.weight"] = some[f"layers.{i}.attention.kernel"].T
+        renamed[f"model.layers.{i}.proj.bias"] = some[f"layers.{i}.attention.bias"]
+        renamed[f"model.layers.{i}.norm.weight"] = some[f"layers.{i}.norm.scale"]
+    in_memory, ruled = both(abstract, some, False, RULES, renamed)
+    assert ruled == in_memory  # (rules under strict=True tell a target no rule makes)
+    given = {**some, "layers.block.norm.scale": np.asarray(model.layers.block.norm.scale)}
+    in_memory, streamed = both(model, given, True)
+    (whole,) = [line for line in streamed if line.startswith("  - 'layers.block.norm.scale'")]
+    assert in_memory == streamed and len(streamed) == 5  # (4 layers of the other two missing)
+    assert whole.endswith("('layers.1.norm.scale', 'layers.2.norm.scale'): a load takes a "
+                          "stack's leaf in one form; drop one of them.")  # fmt: skip
 
 
 def test_a_stack_streams_in_on_each_platform_every_layer_or_some(tmp_path, platform):

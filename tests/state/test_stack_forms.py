@@ -177,7 +177,7 @@ def test_per_layer_problems_are_named_per_layer():
     abstract = jax.eval_shape(lambda: Model(rngs=nn.Rngs(0)))
     with pytest.raises(
         tt.StateDictError,
-        match=r"(?s)'layers\.0\.dense\.kernel': not supplied, while layers 1 of 'layers\.block\.dense\.kernel' are: the model is abstract.*'layers\.2\.dense\.kernel'",
+        match=r"(?s)'layers\.0\.dense\.kernel': not supplied, while layer 1 of 'layers\.block\.dense\.kernel' is: the model is abstract.*'layers\.2\.dense\.kernel'",
     ):
         tt.load_flat_state_dict(abstract, {"layers.1.dense.kernel": np.zeros((4, 4), np.float32)})
     with pytest.raises(
