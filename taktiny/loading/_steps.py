@@ -27,6 +27,7 @@ from ..convert import (
     plan,
     transformed_specs,
     transpose,
+    unstack,
 )
 from ..io import Checkpoint, Tensor
 from ..state import problems as err
@@ -109,6 +110,7 @@ def plain_plan(load: Load) -> tuple[list[Step], Problems]:
     )
     steps = [Step(IDENTITY, (entry,), (leaf,)) for leaf, entry in sources.leaves.items()]
     steps += [Step(IDENTITY, (entry,), (name,)) for name, entry in sources.floats.items()]
+    steps += [Step(UNSTACK, (entry,), layers) for entry, layers in sources.whole.items()]
     return steps, Problems(sources.problems)
 
 
@@ -197,3 +199,6 @@ def _tied(
 
 IDENTITY = Rule("{name}", "{name}")
 """The rule of a plain load: each tensor to the leaf of its own name."""
+UNSTACK = Rule("{name}", "{name}", unstack())
+"""The rule of a stacked tensor given whole to a load into a stack through its per-layer
+twin: cut into its layers, each the leaf of its per-layer name."""

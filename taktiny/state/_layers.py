@@ -272,12 +272,15 @@ def restacked(
 
 class Forms(NamedTuple):
     """What :func:`other_forms` finds: one problem per stack or list of layers given in
-    the other form, the given names it tells of, and the model's leaves it covers (a list
-    of layers given as a stack: not each told missing as well)."""
+    the other form, the given names it tells of, the model's leaves it covers (a list
+    of layers given as a stack: not each told missing as well), and the stacked leaves
+    given whole to a load that resolves per layer, each with the per-layer leaves it fills
+    (`whole`: read whole and cut into its layers)."""
 
     problems: list[StateProblem]
     explained: set[str]
     covered: set[str]
+    whole: dict[str, tuple[str, ...]]
 
 
 def other_forms(
@@ -295,7 +298,8 @@ def other_forms(
     value one axis more than the list's leaf (when both have shapes). A stacked leaf of
     `stacks` given whole where the load resolves per layer (the model's per-layer twin)
     and some of its layers are `named` too is one problem (`both_forms`; its other layers
-    not told missing besides), as a load of values tells it. `source` is
+    not told missing besides), as a load of values tells it; with none of them named, it
+    fills them all (`Forms.whole`), as it fills the stacked leaf in a load of values. `source` is
     ``"checkpoint"`` or ``"state"``, as the message names it."""
     flat: dict[str, Any] = {}
     origin: dict[str, str] = {}  # each flat name -> the name given (a nested group's)
@@ -311,7 +315,7 @@ def other_forms(
             flat[name] = value
             origin[name] = name
     if not flat:  # (every name known: a load's common case costs nothing here)
-        return Forms([], set(), set())
+        return Forms([], set(), set(), {})
     names = list(leaves)
     known = set(names) | groups_of(names)
     stacks = tuple(stacks)
@@ -319,12 +323,17 @@ def other_forms(
     lists: dict[tuple[str, str], list[str]] = {}  # (path, stacked field) -> names given
     beyond: dict[str, dict[int, list[str]]] = {}  # stack's path -> layer -> names given
     both: dict[str, list[str]] = {}  # a stacked leaf given whole -> its layers given too
+    whole: dict[str, tuple[str, ...]] = {}  # a stacked leaf given whole -> its layers
     covered = set[str]()  # (its layers not given: not told missing besides)
     for name in flat:
         stack = next((s for s in stacks if name.startswith(s.block + ".")), None)
         each = [] if stack is None else [stack.layer_name(name, i) for i in range(stack.count)]
         if any(n in named for n in each):
             both[name] = [n for n in each if n in named]
+            covered.update(each)
+            continue
+        if each and each[0] in known:  # (none of its layers given: it fills them all)
+            whole[name] = tuple(each)
             covered.update(each)
             continue
         parts = name.split(".")
@@ -341,7 +350,7 @@ def other_forms(
                     lists.setdefault((head, key), []).append(name)
                 break
     problems = [both_forms(name, layers) for name, layers in both.items()]
-    explained = {origin[n] for n in both}
+    explained = {origin[n] for n in [*both, *whole]}
     for (path, field), found in lists.items():
         count = next(i for i in itertools.count() if f"{path}.{i}" not in known)
         shapes = (getattr(flat[n], "shape", None) for n in found)
@@ -354,7 +363,7 @@ def other_forms(
         layers = max(found) + 1
         problems.append(beyond_stack(path, stack.block, layers, stack.count, source))
         explained.update(origin[n] for group in found.values() for n in group)
-    return Forms(problems, explained, covered)
+    return Forms(problems, explained, covered, whole)
 
 
 def _one_axis_more(value: Any, leaf: Any) -> bool:

@@ -24,12 +24,15 @@ class Resolved(NamedTuple):
     problems of entries that name no leaf, in the order of the state (a stack of layers
     given where the model holds a list, or the reverse, told once: `_layers.other_forms`),
     the values in another representation than the model's (by the `where` of their first
-    leaf), and the leaves such a stack stands for (not told missing besides)."""
+    leaf), the leaves such a stack stands for (not told missing besides), and the stacked
+    leaves given whole to a view of the model's per-layer twin, each with the per-layer
+    leaves it fills (``Forms.whole``)."""
 
     supplied: dict[Any, Any]
     problems: tuple[StateProblem, ...]
     other: dict[Any, Other]
     covered: frozenset[str] = frozenset()
+    whole: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
 
 class _Unknown(NamedTuple):
@@ -89,7 +92,8 @@ def resolve(
             problems.append(entry)
         elif entry.name not in forms.explained:
             problems.append(next(told))
-    return Resolved(found.supplied, tuple(problems), found.other, frozenset(forms.covered))
+    covered, whole = frozenset(forms.covered), tuple(forms.whole.items())
+    return Resolved(found.supplied, tuple(problems), found.other, covered, whole)
 
 
 def _resolve_name(view: View[Any], name: str, value: Any, found: _Found, match: bool) -> bool:

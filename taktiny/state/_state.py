@@ -256,11 +256,15 @@ class Sources(NamedTuple):
             `Parameter.from_float` makes it), in the state's order.
         problems: every problem: names that name nothing, shapes, dtype kinds, values in
             another representation that cannot be loaded, leaves left unfilled.
+        whole: each stacked leaf given whole to a view of a model's per-layer twin -> the
+            per-layer leaves it fills, in layer order (its shape and dtype kind checked
+            as the stacked leaf's).
     """
 
     leaves: dict[str, str]
     floats: dict[str, str]
     problems: list[StateProblem]
+    whole: dict[str, tuple[str, ...]]
 
 
 def resolve_sources(
@@ -288,7 +292,16 @@ def resolve_sources(
     other = {w: o for w, o in found.other.items() if w not in settled.unnamed}
     found = found._replace(other=other, covered=found.covered | settled.covered)
     problems.extend(_unfilled(view, found, strict, () if stacks is None else stacks))
-    return Sources(settled.taken, settled.floats, list(problems))
+    whole = {}
+    for name, layers in found.whole:  # as the stacked leaf: its layers' leaf, one axis more
+        layer = view.olds[view.spec.index[layers[0]]]
+        stacked = jax.ShapeDtypeStruct((len(layers), *layer.shape), layer.dtype)
+        problem = _values.spec_problem(name, state[name], stacked)
+        if problem is None:
+            whole[name] = layers
+        else:
+            problems.append(problem)
+    return Sources(settled.taken, settled.floats, list(problems), whole)
 
 
 def load_resolved(view: Flat, supplied: Iterable[tuple[int, Any]]) -> Any:

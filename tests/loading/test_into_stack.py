@@ -159,6 +159,37 @@ def test_a_stack_s_problems_read_the_same_in_memory_and_streamed(tmp_path):
                           "stack's leaf in one form; drop one of them.")  # fmt: skip
 
 
+@pytest.mark.parametrize("options", [None, {"bits": 8}, {"bits": 4, "group_size": 4}])
+def test_a_stacked_leaf_given_whole_beside_per_layer_names_loads_as_from_memory(tmp_path, options):
+    """A checkpoint naming some leaves of a stack per layer and one stacked leaf whole
+    (float, or a quantized parameter's parts) loads as the load of values loads it: the
+    whole one read and cut into its layers (planned as such), bitwise; a stacked leaf of
+    the wrong shape is the same problem in both loads."""
+    model, other = Model(rngs=nn.Rngs(0)), Model(rngs=nn.Rngs(1))
+    if options is not None:
+        model, other = tt.quantize(model, **options), tt.quantize(other, **options)
+    per_layer = other.flat_state_dict(unstacked=True)
+    state = {k: v for k, v in per_layer.items() if not k.startswith("layers.")}
+    state |= {k: v for k, v in per_layer.items() if ".norm." in k}
+    whole = {k: v for k, v in other.flat_state_dict().items() if ".block.attention." in k}
+    state |= whole  # (a quantized kernel: its parts, each whole)
+    save_safetensors(tmp_path / "m.safetensors", state)
+    steps = {s.sources[0]: s for s in plan_load(model, tmp_path / "m.safetensors").steps}
+    for name in whole:
+        assert steps[name].transform == "unstack(axis=0)"
+        rest = name.removeprefix("layers.block.")
+        assert steps[name].targets == tuple(f"layers.{i}.{rest}" for i in range(4))
+    loaded = load_safetensors(model, tmp_path / "m.safetensors")
+    assert equal(loaded, tt.load_flat_state_dict(model, state)) and equal(loaded, other)
+    state["layers.block.attention.bias"] = np.zeros((3, 16), np.float32)
+    save_safetensors(tmp_path / "m.safetensors", state)
+    told = r"'layers\.block\.attention\.bias': shape mismatch: expected \(4, 16\), got \(3, 16\)\.$"
+    with pytest.raises(tt.StateDictError, match=told):
+        load_safetensors(model, tmp_path / "m.safetensors")
+    with pytest.raises(tt.StateDictError, match=told):
+        tt.load_flat_state_dict(model, state)
+
+
 def test_a_stack_streams_in_on_each_platform_every_layer_or_some(tmp_path, platform):
     """Per-layer names streamed into a stack on the platform's first device: on a CPU read
     into the host buffer JAX adopts; on an accelerator each slice written into its stacked
