@@ -90,15 +90,13 @@ class Readahead:
         self.lock = threading.Lock()
 
     def reached(self, index: int) -> None:
-        with self.lock:  # (which bytes to ask for, decided under the lock; asked outside it,
-            asks = self._requests(index)  # so a reader never waits on another's requests)
-        for storage, offset, size in asks:
-            storage.advise(offset, size)
+        with self.lock:
+            self._request(index)
 
-    def _requests(self, index: int) -> list[tuple[Storage, int, int]]:
+    def _request(self, index: int) -> None:
         if self.next < index:  # the reader overtook the requests
             self.next, self.done = index, 0
-        k, asks = self.next, []
+        k = self.next
         while (
             k < len(self.tensors) and self.starts[k] + self.done - self.starts[index] < self.window
         ):
@@ -108,12 +106,11 @@ class Readahead:
                 storage = tensor.storage or self.opened.get(tensor.file)
                 if storage is None:  # (a tensor made by hand: its file opened once, here)
                     storage = self.opened[tensor.file] = open_storage(tensor.file)
-                asks.append((storage, tensor.offset + self.done, step))
+                storage.advise(tensor.offset + self.done, step)
             self.done += step
             if self.done >= tensor.nbytes:
                 k, self.done = k + 1, 0
         self.next = k
-        return asks
 
     def __enter__(self) -> Readahead:
         return self

@@ -292,7 +292,7 @@ def resolve_sources(
     other = {w: o for w, o in found.other.items() if w not in settled.unnamed}
     found = found._replace(other=other, covered=found.covered | settled.covered)
     problems.extend(_unfilled(view, found, strict, () if stacks is None else stacks))
-    whole = {}
+    whole: dict[str, tuple[str, ...]] = {}
     for name, layers in found.whole:  # as the stacked leaf: its layers' leaf, one axis more
         layer = view.olds[view.spec.index[layers[0]]]
         stacked = jax.ShapeDtypeStruct((len(layers), *layer.shape), layer.dtype)
@@ -382,8 +382,9 @@ def _unfilled(
     view: View[Any], found: Resolved, strict: bool, stacks: Iterable[_names.Stacked] = ()
 ) -> list[StateProblem]:
     """The leaves a load must fill but the state does not name: every one under `strict`,
-    else those of an abstract tree, which have no value to keep. A view that has seen only
-    the paths named takes the tree as concrete when every leaf it has seen is."""
+    else those of an abstract tree, which have no value to keep (the layers of `stacks`
+    told as `unfilled` tells them). A view that has seen only the paths named takes the
+    tree as concrete when every leaf it has seen is."""
     wheres = [*found.supplied, *(w for other in found.other.values() for w in other.wheres)]
     if not view.sees_all and not strict and wheres:
         olds = view.olds

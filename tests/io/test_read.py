@@ -226,40 +226,6 @@ def test_readahead_asks_for_the_bytes_ahead_of_the_reader_once_each(tmp_path, mo
     assert not os.path.exists(f"/proc/self/fd/{fd}")  # and closed with it
 
 
-def test_readahead_asks_outside_its_lock(tmp_path, monkeypatch):
-    """A reader whose requests to the OS are slow holds up no other reader: the bytes to
-    ask for are decided under the lock, and asked for outside it (on a TPU's host, readers
-    waited on each other's posix_fadvise calls for a third of their time)."""
-    import os
-    import threading
-
-    from taktiny.loading._readers import Readahead
-
-    path = tmp_path / "two.safetensors"
-    save_safetensors(path, {"x": np.ones(64, np.float32), "y": np.ones(64, np.float32)})
-    checkpoint = open_safetensors(path)
-    tensors = [checkpoint["x"], checkpoint["y"]]
-    asking, release = threading.Event(), threading.Event()
-
-    def advise(fd, offset, length, advice):
-        asking.set()
-        assert release.wait(10)
-
-    monkeypatch.setattr(os, "posix_fadvise", advise)
-    with Readahead(tensors, window=1024, chunk=64) as ahead:
-        first = threading.Thread(target=ahead.reached, args=(0,))
-        first.start()
-        assert asking.wait(10)  # the first reader waits in its request to the OS
-        second = threading.Thread(target=ahead.reached, args=(1,))
-        second.start()
-        second.join(5)
-        alive = second.is_alive()
-        release.set()
-        first.join(10)
-        second.join(10)
-    assert not alive  # the second went on while the first still waited
-
-
 def test_a_truncated_file(good):
     raw = good.read_bytes()
     good.write_bytes(raw[:-10])
