@@ -332,7 +332,8 @@ def other_forms(
             both[name] = [n for n in each if n in named]
             covered.update(each)
             continue
-        if each and each[0] in known:  # (none of its layers given: it fills them all)
+        if each and each[0] in leaves:  # (none of its layers given: it fills them all;
+            # a float array for a stack of quantized parameters is not cut: told unknown)
             whole[name] = tuple(each)
             covered.update(each)
             continue

@@ -188,6 +188,16 @@ def test_a_stacked_leaf_given_whole_beside_per_layer_names_loads_as_from_memory(
         load_safetensors(model, tmp_path / "m.safetensors")
     with pytest.raises(tt.StateDictError, match=told):
         tt.load_flat_state_dict(model, state)
+    if options is not None:  # a float array given whole for a stack of quantized kernels
+        del (
+            state["layers.block.attention.kernel.value"],
+            state["layers.block.attention.kernel.scale"],
+        )
+        state["layers.block.attention.bias"] = np.asarray(other.layers.block.attention.bias)
+        state["layers.block.attention.kernel"] = np.zeros((4, 8, 16), np.float32)
+        save_safetensors(tmp_path / "m.safetensors", state)
+        with pytest.raises(tt.StateDictError, match=r"'layers\.block\.attention\.kernel': "):
+            load_safetensors(model, tmp_path / "m.safetensors")
 
 
 def test_a_stack_streams_in_on_each_platform_every_layer_or_some(tmp_path, platform):
