@@ -31,7 +31,7 @@ from ..convert import (
 )
 from ..io import Checkpoint, open_safetensors, schema_part
 from ..quant import Parameter
-from ..state import KEY, Flat, is_flat, load_resolved, params, recorded_versions
+from ..state import KEY, Flat, Stacked, is_flat, load_resolved, params, recorded_versions
 from ._layers import Layered, Stacker
 
 
@@ -96,6 +96,12 @@ class Load:
     verify: bool
     migration: Migrated | None = None
     layers: Layered | None = None
+
+    @property
+    def stacks(self) -> tuple[Stacked, ...]:
+        """The model's stacks of layers (the model's own, when `view` is its twin): those
+        whose other form a checkpoint's name may give."""
+        return (self.view if self.layers is None else self.layers.view).spec.stacks
 
 
 def open_load(

@@ -71,8 +71,7 @@ def steps_of(
                 raise
             raise explained(error, migration.stages, load.where, migration.problems) from None
         made = {p for s in steps for t in s.targets for p in parts_of(t, load.quantized)}
-        stacks = () if load.layers is None else load.layers.view.spec.stacks
-        problems = unfilled(load.leaves.items(), made | added, load.strict, stacks)
+        problems = unfilled(load.leaves.items(), made | added, load.strict, load.stacks)
         if problems:
             raise err.StateDictError(load.where, problems)
     files = {file: str(file) for file in {t.file for t in checkpoint.values()}}
@@ -104,9 +103,8 @@ def plain_plan(load: Load) -> tuple[list[Step], Problems]:
         leaf = leaves.get(name)
         if leaf is not None:
             check_packed_listed(tensor, *spec_of(leaf))
-    stacks = (load.view if load.layers is None else load.layers.view).spec.stacks
     sources = resolve_sources(
-        load.view, checkpoint, strict=load.strict, records=checkpoint.quantized, stacks=stacks
+        load.view, checkpoint, strict=load.strict, records=checkpoint.quantized, stacks=load.stacks
     )
     steps = [Step(IDENTITY, (entry,), (leaf,)) for leaf, entry in sources.leaves.items()]
     steps += [Step(IDENTITY, (entry,), (name,)) for name, entry in sources.floats.items()]

@@ -31,7 +31,17 @@ import taktiny.state._problems as err
 
 from .._problems import Problems, StateProblem, groups_of
 from ..arrays import CACHE_BOUND
-from ._names import Custom, Spec, Stacked, customs, fields, is_stack, split_layer, tree_util
+from ._names import (
+    Custom,
+    Spec,
+    Stacked,
+    customs,
+    fields,
+    is_stack,
+    split_layer,
+    stack_of,
+    tree_util,
+)
 from ._problems import StateDictError
 from ._values import checked_value
 from ._views import Flat, Walk
@@ -326,7 +336,7 @@ def other_forms(
     whole: dict[str, tuple[str, ...]] = {}  # a stacked leaf given whole -> its layers
     covered = set[str]()  # (its layers not given: not told missing besides)
     for name in flat:
-        stack = next((s for s in stacks if name.startswith(s.block + ".")), None)
+        stack = stack_of(name, stacks)
         each = [] if stack is None else [stack.layer_name(name, i) for i in range(stack.count)]
         if any(n in named for n in each):
             both[name] = [n for n in each if n in named]
@@ -651,13 +661,16 @@ def unfilled_layers(
     unfilled while it fills (`named`) other layers of the same stacked leaf: as the load
     of values tells them (`missing_layer`)."""
     stacks = tuple(stacks)
+    given: dict[str, list[int]] = {}  # each stacked leaf's layers filled (worked out once)
     out: dict[str, StateProblem] = {}
     for name, abstract in absent:
         hit = split_layer(name, stacks) if abstract else None
         if hit is None:
             continue
         stacked, _, stack = hit
-        given = [i for i in range(stack.count) if stack.layer_name(stacked, i) in named]
-        if given:
-            out[name] = missing_layer(name, stacked, given, abstract)
+        if stacked not in given:
+            layers = range(stack.count)
+            given[stacked] = [i for i in layers if stack.layer_name(stacked, i) in named]
+        if given[stacked]:
+            out[name] = missing_layer(name, stacked, given[stacked], abstract)
     return out

@@ -127,16 +127,21 @@ class Spec:
 
     def stack_of(self, name: str) -> Stacked | None:
         """The stack whose block holds the leaf `name`, or None."""
-        for stack in self.stacks:
-            if name.startswith(stack.block + "."):
-                return stack
-        return None
+        return stack_of(name, self.stacks)
 
     def split_layer(self, name: str) -> tuple[str, int, Stacked] | None:
         """For a per-layer name (``layers.3.attention.query.kernel`` of a stack at
         ``layers``): the stacked leaf it is a slice of, the layer, and the stack; None for
         any other name (a stacked leaf's name among them)."""
         return split_layer(name, self.stacks)
+
+
+def stack_of(name: str, stacks: Iterable[Stacked]) -> Stacked | None:
+    """The one of `stacks` whose block holds the leaf `name` (see `Spec.stack_of`)."""
+    for stack in stacks:
+        if name.startswith(stack.block + "."):
+            return stack
+    return None
 
 
 def split_layer(name: str, stacks: Iterable[Stacked]) -> tuple[str, int, Stacked] | None:
