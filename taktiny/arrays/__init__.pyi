@@ -3,6 +3,9 @@ NumPy dtype by name, PartitionSpecs and the ambient mesh, and abstract arrays th
 their shardings (``tt.eval_shape``). Every other package stands on it; it imports none.
 Every name is imported when first used (the stub beside this file lists them)."""
 
+from ._bits import as_bits as as_bits
+from ._bits import from_bits as from_bits
+from ._bits import moved as moved
 from ._dtypes import numpy_dtype as numpy_dtype
 from ._eval_shape import default_device as default_device
 from ._eval_shape import eval_shape as eval_shape

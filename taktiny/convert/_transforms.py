@@ -19,11 +19,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..arrays import moved
 from ..quant import dequantize_array, quantize_array
 
 
 def _xp(array: Any) -> Any:
     return jnp if isinstance(array, jax.Array) else np
+
+
+def _joined(join: str, arrays: tuple[Any, ...], axis: int) -> Any:
+    """``concatenate`` or ``stack`` (`join`) of `arrays`; JAX arrays joined as the integers of
+    their bits (XLA's CPU backend joins bfloat16 through float32, which makes a NaN's
+    payload canonical: taktiny.arrays.moved)."""
+    if _xp(arrays[0]) is np:
+        return getattr(np, join)(arrays, axis=axis)
+    return moved(lambda *values: getattr(jnp, join)(values, axis=axis), *arrays)
 
 
 class Transform:
@@ -258,7 +268,7 @@ class concatenate(Transform):
         self.sizes = None if sizes is None else tuple(int(s) for s in sizes)
 
     def __call__(self, arrays: tuple[Any, ...], count: int | None = None) -> tuple[Any, ...]:
-        return (_xp(arrays[0]).concatenate(arrays, axis=self.axis),)
+        return (_joined("concatenate", arrays, self.axis),)
 
     @property
     def inverse(self) -> Transform:
@@ -280,7 +290,7 @@ class stack(Transform):
         self.axis = int(axis)
 
     def __call__(self, arrays: tuple[Any, ...], count: int | None = None) -> tuple[Any, ...]:
-        return (_xp(arrays[0]).stack(arrays, axis=self.axis),)
+        return (_joined("stack", arrays, self.axis),)
 
     @property
     def inverse(self) -> Transform:

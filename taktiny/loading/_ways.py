@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..arrays import CACHE_BOUND, default_device
+from ..arrays import CACHE_BOUND, as_bits, default_device, from_bits
 from ..convert import (
     Step,
     Transform,
@@ -324,10 +324,8 @@ def _turned(perm: tuple[int, ...], sharding: Any) -> Any:
     axes and sharding for the process)."""
 
     def turn(array: Any) -> Any:
-        if array.dtype.itemsize == 1 and jnp.issubdtype(array.dtype, jnp.floating):
-            bytes_ = jax.lax.bitcast_convert_type(array, jnp.uint8)  # (float8, moved as bytes)
-            return jax.lax.bitcast_convert_type(jnp.transpose(bytes_, perm), array.dtype)
-        return jnp.transpose(array, perm)
+        return from_bits(jnp.transpose(as_bits(array), perm), array.dtype)  # (as bits: every
+        # bit arrives)
 
     return jax.jit(turn, out_shardings=sharding)  # pyright: ignore[reportUnknownMemberType]  (JAX leaves its parameters unannotated)
 
@@ -408,8 +406,13 @@ def _writer(perm: tuple[int, ...] | None, sharding: Any) -> Any:
     axis = 0 if perm is None else perm.index(0)
 
     def write(whole: Any, piece: Any, at: Any) -> Any:
+        dtype, piece = whole.dtype, as_bits(piece)  # (moved as bits: every bit arrives)
         piece = piece if perm is None else jnp.transpose(piece, perm)
-        return jax.lax.dynamic_update_slice_in_dim(whole, piece, at, axis) if whole.ndim else piece
+        if not whole.ndim:
+            return from_bits(piece, dtype)
+        return from_bits(
+            jax.lax.dynamic_update_slice_in_dim(as_bits(whole), piece, at, axis), dtype
+        )
 
     return jax.jit(write, donate_argnums=0, out_shardings=sharding)  # pyright: ignore[reportUnknownMemberType]  (JAX leaves its parameters unannotated)
 

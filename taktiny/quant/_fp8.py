@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..arrays import as_bits, from_bits
 from ._qarray import quantize_array, rounded_values, stored_scale
 
 
@@ -91,8 +92,7 @@ def placed_blocks(
     one program for a step, so no dispatch of its own for a transpose."""
     if perm is not None:
         if turn:  # (moved as bytes: a float8 array as its bytes)
-            raw = jax.lax.bitcast_convert_type(value, jnp.uint8)
-            value = jax.lax.bitcast_convert_type(jnp.transpose(raw, perm), value.dtype)
+            value = from_bits(jnp.transpose(as_bits(value), perm), value.dtype)
         scale, blocks = jnp.transpose(scale, perm), tuple(blocks[p] for p in perm)
     if bits is not None and _unheld(value.dtype, dtype):
         return _requantized(value, scale, blocks, dtype, bits, axis, group_size)

@@ -30,7 +30,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 import taktiny.state._problems as err
 
 from .._problems import Problems, StateProblem, groups_of
-from ..arrays import CACHE_BOUND
+from ..arrays import CACHE_BOUND, as_bits, from_bits, moved
 from ._names import (
     Custom,
     Spec,
@@ -254,7 +254,10 @@ def restacked(
         if len(checked) == count:
             parts = [checked[i] for i in range(count)]
             host = all(isinstance(p, np.ndarray) for p in parts)
-            out[stacked] = np.stack(parts) if host else jnp.stack(parts)
+            if host:
+                out[stacked] = np.stack(parts)
+            else:  # (as bits: every bit arrives)
+                out[stacked] = moved(lambda *layers: jnp.stack(layers), *parts)
         elif strict or isinstance(old, jax.ShapeDtypeStruct):
             stack = spec.stack_of(stacked)
             assert stack is not None  # (a per-layer name's leaf is a stack's)
@@ -549,9 +552,10 @@ def layers_writer(sharding: Any, donate: bool) -> Any:
     update: Any = jax.lax.dynamic_update_index_in_dim  # (JAX leaves its types partial)
 
     def write(whole: Any, index: Any, layers: tuple[Any, ...]) -> Any:
+        dtype, whole = whole.dtype, as_bits(whole)  # (moved as bits: every bit arrives)
         for k, layer in enumerate(layers):
-            whole = update(whole, layer, index[k], 0)
-        return whole
+            whole = update(whole, as_bits(layer), index[k], 0)
+        return from_bits(whole, dtype)
 
     run: Any = write
     if isinstance(sharding, NamedSharding) and sharding.mesh.explicit_axes:

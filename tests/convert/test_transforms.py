@@ -242,3 +242,18 @@ def test_dequantize_multiplies_the_values_by_their_scales_in_the_dtype_asked():
     assert cv.dequantize(1, 2).inverse is None
     with pytest.raises(ValueError, match=r"^dequantize\(axis=0\) takes two arrays, the values "):
         cv.dequantize()((value,))
+
+
+@pytest.mark.parametrize("transform", [cv.concatenate(0), cv.stack(0)], ids=repr)
+def test_joins_move_bfloat16_bits_as_they_are_and_keep_their_derivatives(transform):
+    """A join of JAX arrays moves floats as the integers of their bits, so that a NaN's
+    payload survives XLA's CPU backend (which joins bfloat16 through float32); its
+    derivatives stay the join's (a bitcast alone has none: they would be zero)."""
+    bits = np.array([0x7F81, 0xFFA5, 0x0001, 0x3F80], np.uint16)
+    x = jnp.asarray(bits.view(jnp.bfloat16))
+    (joined,) = transform((x, x))
+    np.testing.assert_array_equal(np.asarray(joined).view(np.uint16).reshape(-1), np.tile(bits, 2))
+    weights = jnp.arange(8.0).reshape(joined.shape)
+    grad = jax.grad(lambda a, b: (transform((a, b))[0] * weights).sum(), argnums=(0, 1))
+    a, b = grad(jnp.ones(4), jnp.ones(4))
+    np.testing.assert_array_equal(np.concatenate([a, b]), np.asarray(weights).reshape(-1))

@@ -505,3 +505,107 @@ def test_scalars_and_casts_onto_devices_that_copy_are_copied_from_mapped_pages(
     for name, value in state.items():
         assert loaded[name].dtype == jnp.bfloat16
         np.testing.assert_array_equal(np.asarray(loaded[name]), jnp.asarray(value, jnp.bfloat16))
+
+
+def _odd_bits(seed, shape):
+    """bfloat16 values whose bits a program that moves them through float32 loses: finite
+    values with subnormals among them (1 in 128), and NaNs of other payloads than the
+    canonical one, of both signs."""
+    rng = np.random.default_rng(seed)
+    bits = rng.integers(0, 2**16, shape, dtype=np.uint16) & np.uint16(0xFF7F)
+    flat = bits.reshape(-1)
+    flat[::37] = (flat[::37] & np.uint16(0x807F)) | np.uint16(0x7F81)
+    return bits.view(jnp.bfloat16)
+
+
+def _bits(x):
+    return np.asarray(x).view(np.uint16)
+
+
+def _as_stored_or_as_a_tpu_holds(got, want):
+    """Whether each of `got`'s bfloat16 values has `want`'s bits, or is what a TPU's
+    programs make of them: a zero for a subnormal, any NaN for a NaN."""
+    got, want = np.asarray(got), np.asarray(want)
+    same = _bits(got) == _bits(want)
+    x, y = got.astype(np.float32), want.astype(np.float32)
+    tiny = float(jnp.finfo(jnp.bfloat16).smallest_normal)
+    return bool(np.all(same | ((np.abs(y) < tiny) & (x == 0)) | (np.isnan(x) & np.isnan(y))))
+
+
+def test_bfloat16_subnormals_and_nan_payloads_arrive_as_stored_through_every_way_of_staging(
+    tmp_path, monkeypatch, platform
+):
+    """Through the staging ring, pieces joined on the devices and transposed there, and
+    from mapped pages, each bit arrives: the programs that join and transpose move
+    bfloat16 as integers (XLA's CPU backend would make a NaN's payload canonical). A TPU's
+    programs may flush a bfloat16 subnormal to zero and make a NaN canonical, a bitcast
+    from integers included (bench/FINDINGS.md section 14): there a load through a program
+    must give each value as stored or as the TPU holds it, and one copied whole from host
+    memory, as stored."""
+    state = {"w": _odd_bits(0, (64, 48)), "v": _odd_bits(1, (64, 40))}
+    path = tmp_path / "m.safetensors"
+    save_safetensors(path, state)
+    renamed = {n: jax.ShapeDtypeStruct(v.shape, v.dtype) for n, v in state.items()}
+    turned = {n: jax.ShapeDtypeStruct(v.T.shape, v.dtype) for n, v in state.items()}
+    rules = [cv.Rule("{name}", "{name}", cv.transpose())]
+    loads = {"mapped": (renamed, None, False), "ring, renamed": (renamed, None, True)}
+    loads |= {
+        "mapped, transposed": (turned, rules, False),
+        "ring, transposed": (turned, rules, True),
+    }
+    for how, (target, given, ring) in loads.items():
+        with monkeypatch.context() as patched:
+            _staged_everywhere(patched, platform, ring=ring, **SMALL_PIECES)
+            if given is not None:
+                assert {s.way for s in plan_load(target, path, rules=given).steps} == {
+                    "staged" if ring else "mapped"
+                }
+            loaded = load_safetensors(target, path, rules=given)
+        for name, value in state.items():
+            want = value.T if given else value
+            if platform == "tpu" and how != "mapped":  # (perhaps joined or permuted by a
+                assert _as_stored_or_as_a_tpu_holds(loaded[name], want), how  # program)
+            else:
+                np.testing.assert_array_equal(_bits(loaded[name]), _bits(want), err_msg=how)
+
+
+def test_bfloat16_nan_payloads_arrive_as_given_in_the_layers_of_a_stack_and_joined_by_rules(
+    tmp_path,
+):
+    """A stack on eight CPU devices is filled by a program writing each layer into its
+    slice (streamed, and by a load of values given some layers), stacked by XLA when a
+    load of values gives every layer as JAX arrays, and a rule's ``concatenate`` joins
+    tensors by XLA: each moves bfloat16 as integers, so each NaN's payload arrives as
+    given."""
+    mesh = jax.make_mesh((8,), ("x",))
+
+    class Stacked(nn.Module):
+        def __init__(self, *, rngs):
+            self.layers = nn.Stack(
+                lambda rngs: nn.Linear(48, 64, use_bias=False, param_dtype=jnp.bfloat16, rngs=rngs),
+                4,
+                rngs=rngs,
+            )
+
+    sharded = NamedSharding(mesh, P(None, None, "x"))
+    model = tt.eval_shape(lambda: Stacked(rngs=nn.Rngs(0)))
+    model = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharded), model)
+    layers = {f"layers.{i}.kernel": _odd_bits(i, (48, 64)) for i in range(4)}
+    save_safetensors(tmp_path / "m.safetensors", layers)
+    want = np.stack([v.view(np.uint16) for v in layers.values()])
+    loaded = load_safetensors(model, tmp_path / "m.safetensors")
+    np.testing.assert_array_equal(_bits(loaded.layers.block.kernel), want)
+    some = {n: v for n, v in layers.items() if n != "layers.2.kernel"}
+    again = loaded.load_flat_state_dict(some, strict=False)  # (written into a copy)
+    np.testing.assert_array_equal(_bits(again.layers.block.kernel), want)
+    every = loaded.load_flat_state_dict({n: jnp.asarray(v) for n, v in layers.items()})
+    np.testing.assert_array_equal(_bits(every.layers.block.kernel), want)
+    save_safetensors(
+        tmp_path / "parts.safetensors",
+        {"a": layers["layers.0.kernel"], "b": layers["layers.1.kernel"]},
+    )
+    target = {"w": jax.ShapeDtypeStruct((96, 64), jnp.bfloat16)}
+    joined = load_safetensors(
+        target, tmp_path / "parts.safetensors", rules=[cv.Rule(["a", "b"], "w", cv.concatenate(0))]
+    )
+    np.testing.assert_array_equal(_bits(joined["w"]), np.concatenate([want[0], want[1]]))

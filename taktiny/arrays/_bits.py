@@ -1,0 +1,52 @@
+"""Floats moved as the integers of their bits, by programs that only move values (a
+transpose, slices written into place), so that every bit arrives: XLA's CPU backend moves
+bfloat16 through float32, which makes a NaN's payload canonical, and has no float8
+transposes, while integers move as they are.
+
+A TPU is the exception no program avoids: its programs flush bfloat16 subnormals to zero
+and make bfloat16, float16 and float8 NaNs canonical as they read them, a bitcast from
+integers included (float32 keeps its bits). There only ``jax.device_put`` of host memory
+keeps such values; a load that transposes or joins pieces on the chip holds them as every
+program on it does (bench/FINDINGS.md section 14, docs/loading.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+
+def as_bits(array: jax.Array) -> jax.Array:
+    """A float `array`'s bits, as unsigned integers of its width (inside a program); any
+    other array as it is."""
+    if not jnp.issubdtype(array.dtype, jnp.floating):
+        return array
+    return jax.lax.bitcast_convert_type(array, jnp.dtype(f"uint{8 * array.dtype.itemsize}"))
+
+
+def from_bits(array: jax.Array, dtype: jnp.dtype) -> jax.Array:
+    """`array` (made by :func:`as_bits` from arrays of `dtype`) as `dtype` again."""
+    return array if array.dtype == dtype else jax.lax.bitcast_convert_type(array, dtype)
+
+
+def moved(move: Callable[..., jax.Array], *arrays: Any) -> jax.Array:
+    """``move(*arrays)``, for a `move` that only moves values (a concatenation, a stack: a
+    linear map), run on the arrays' bits when they are floats of one dtype. Its derivatives
+    are `move`'s own (a bitcast has none: differentiated through, the bits would give a
+    zero gradient)."""
+    dtype = arrays[0].dtype
+    if not jnp.issubdtype(dtype, jnp.floating) or any(a.dtype != dtype for a in arrays):
+        return move(*arrays)
+
+    @jax.custom_jvp
+    def run(*values: Any) -> jax.Array:
+        return from_bits(move(*(as_bits(v) for v in values)), dtype)
+
+    @run.defjvp
+    def _(primals: tuple[Any, ...], tangents: tuple[Any, ...]) -> tuple[jax.Array, jax.Array]:
+        return run(*primals), move(*tangents)
+
+    return run(*arrays)
