@@ -4,6 +4,7 @@ their shardings (``tt.eval_shape``). Every other package stands on it; it import
 Every name is imported when first used (the stub beside this file lists them)."""
 
 from ._bits import as_bits as as_bits
+from ._bits import bits_kept as bits_kept
 from ._bits import from_bits as from_bits
 from ._bits import moved as moved
 from ._dtypes import numpy_dtype as numpy_dtype

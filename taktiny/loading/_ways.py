@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..arrays import CACHE_BOUND, as_bits, default_device, from_bits
+from ..arrays import CACHE_BOUND, as_bits, bits_kept, default_device, from_bits
 from ..convert import (
     Step,
     Transform,
@@ -323,9 +323,12 @@ def _turned(perm: tuple[int, ...], sharding: Any) -> Any:
     """``turn(array)``: `array`'s axes permuted by `perm`, on `sharding` (one program per
     axes and sharding for the process)."""
 
+    bits = bits_kept(sharding)
+
     def turn(array: Any) -> Any:
-        return from_bits(jnp.transpose(as_bits(array), perm), array.dtype)  # (as bits: every
-        # bit arrives)
+        if bits or array.dtype.itemsize == 1:  # (as bits: every bit arrives; float8 always,
+            return from_bits(jnp.transpose(as_bits(array), perm), array.dtype)  # as bytes)
+        return jnp.transpose(array, perm)
 
     return jax.jit(turn, out_shardings=sharding)  # pyright: ignore[reportUnknownMemberType]  (JAX leaves its parameters unannotated)
 
@@ -405,14 +408,16 @@ def _writer(perm: tuple[int, ...] | None, sharding: Any) -> Any:
     a tensor, written in its place (permuted by `perm`: into the axis its rows go)."""
     axis = 0 if perm is None else perm.index(0)
 
+    bits = bits_kept(sharding)
+
     def write(whole: Any, piece: Any, at: Any) -> Any:
-        dtype, piece = whole.dtype, as_bits(piece)  # (moved as bits: every bit arrives)
+        dtype = whole.dtype
+        whole, piece = (as_bits(whole), as_bits(piece)) if bits else (whole, piece)  # (as bits:
+        # every bit arrives)
         piece = piece if perm is None else jnp.transpose(piece, perm)
         if not whole.ndim:
             return from_bits(piece, dtype)
-        return from_bits(
-            jax.lax.dynamic_update_slice_in_dim(as_bits(whole), piece, at, axis), dtype
-        )
+        return from_bits(jax.lax.dynamic_update_slice_in_dim(whole, piece, at, axis), dtype)
 
     return jax.jit(write, donate_argnums=0, out_shardings=sharding)  # pyright: ignore[reportUnknownMemberType]  (JAX leaves its parameters unannotated)
 

@@ -30,7 +30,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 import taktiny.state._problems as err
 
 from .._problems import Problems, StateProblem, groups_of
-from ..arrays import CACHE_BOUND, as_bits, from_bits, moved
+from ..arrays import CACHE_BOUND, as_bits, bits_kept, from_bits, moved
 from ._names import (
     Custom,
     Spec,
@@ -551,10 +551,14 @@ def layers_writer(sharding: Any, donate: bool) -> Any:
 
     update: Any = jax.lax.dynamic_update_index_in_dim  # (JAX leaves its types partial)
 
+    kept = bits_kept(sharding)
+    bits: Callable[[Any], Any] = lambda array: as_bits(array) if kept else array  # (as bits:
+    # every bit arrives)
+
     def write(whole: Any, index: Any, layers: tuple[Any, ...]) -> Any:
-        dtype, whole = whole.dtype, as_bits(whole)  # (moved as bits: every bit arrives)
+        dtype, whole = whole.dtype, bits(whole)
         for k, layer in enumerate(layers):
-            whole = update(whole, as_bits(layer), index[k], 0)
+            whole = update(whole, bits(layer), index[k], 0)
         return from_bits(whole, dtype)
 
     run: Any = write
