@@ -1,6 +1,7 @@
 """What an array is and where it lives: the array and number types a tree may hold, a
 NumPy dtype by name, PartitionSpecs and the ambient mesh, and abstract arrays that keep
-their shardings (``tt.eval_shape``). Every other package stands on it; it imports none.
+their shardings (``tt.eval_shape``), and floats moved as their bits by programs that only
+move values. Every other package stands on it; it imports none.
 Every name is imported when first used (the stub beside this file lists them)."""
 
 from ._bits import as_bits as as_bits

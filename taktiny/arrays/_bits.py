@@ -1,7 +1,7 @@
 """Floats moved as the integers of their bits, by programs that only move values (a
-transpose, slices written into place), so that every bit arrives: XLA's CPU backend moves
-bfloat16 through float32, which makes a NaN's payload canonical, and has no float8
-transposes, while integers move as they are.
+transpose, a join, slices written into place), so that every bit arrives: XLA's CPU
+backend joins bfloat16 and writes its slices through float32, which makes a NaN's payload
+canonical, while integers move as they are.
 
 A TPU is the exception this does not mend: its programs for large arrays flush bfloat16
 subnormals to zero and make bfloat16, float16 and float8 NaNs canonical as they read
@@ -43,10 +43,9 @@ def from_bits(array: jax.Array, dtype: jnp.dtype) -> jax.Array:
 
 def moved(move: Callable[..., jax.Array], *arrays: Any) -> jax.Array:
     """``move(*arrays)``, for a `move` that only moves values (a concatenation, a stack: a
-    linear map), run on the arrays' bits when they are floats of one dtype (and none lies
-    on a TPU: `bits_kept`). Its derivatives
-    are `move`'s own (a bitcast has none: differentiated through, the bits would give a
-    zero gradient)."""
+    linear map), run on the arrays' bits when they are floats of one dtype and none lies
+    on a TPU (`bits_kept`). Its derivatives are `move`'s own: a bitcast has none, so a
+    gradient through the bits alone would be zero."""
     dtype = arrays[0].dtype
     if not jnp.issubdtype(dtype, jnp.floating) or any(a.dtype != dtype for a in arrays):
         return move(*arrays)

@@ -325,9 +325,10 @@ def _turned(perm: tuple[int, ...], sharding: Any) -> Any:
 
     bits = bits_kept(sharding)
 
+    # moved as bits, so that every bit arrives (float8 as its bytes everywhere, as before)
     def turn(array: Any) -> Any:
-        if bits or array.dtype.itemsize == 1:  # (as bits: every bit arrives; float8 always,
-            return from_bits(jnp.transpose(as_bits(array), perm), array.dtype)  # as bytes)
+        if bits or array.dtype.itemsize == 1:
+            return from_bits(jnp.transpose(as_bits(array), perm), array.dtype)
         return jnp.transpose(array, perm)
 
     return jax.jit(turn, out_shardings=sharding)  # pyright: ignore[reportUnknownMemberType]  (JAX leaves its parameters unannotated)
@@ -412,8 +413,8 @@ def _writer(perm: tuple[int, ...] | None, sharding: Any) -> Any:
 
     def write(whole: Any, piece: Any, at: Any) -> Any:
         dtype = whole.dtype
-        whole, piece = (as_bits(whole), as_bits(piece)) if bits else (whole, piece)  # (as bits:
-        # every bit arrives)
+        if bits:  # (moved as bits, so that every bit arrives)
+            whole, piece = as_bits(whole), as_bits(piece)
         piece = piece if perm is None else jnp.transpose(piece, perm)
         if not whole.ndim:
             return from_bits(piece, dtype)

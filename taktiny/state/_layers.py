@@ -551,9 +551,8 @@ def layers_writer(sharding: Any, donate: bool) -> Any:
 
     update: Any = jax.lax.dynamic_update_index_in_dim  # (JAX leaves its types partial)
 
-    kept = bits_kept(sharding)
-    bits: Callable[[Any], Any] = lambda array: as_bits(array) if kept else array  # (as bits:
-    # every bit arrives)
+    kept = bits_kept(sharding)  # (moved as bits, so that every bit arrives)
+    bits: Callable[[Any], Any] = lambda array: as_bits(array) if kept else array
 
     def write(whole: Any, index: Any, layers: tuple[Any, ...]) -> Any:
         dtype, whole = whole.dtype, bits(whole)

@@ -342,3 +342,25 @@ def test_a_stack_inside_a_stack_is_refused():
     outer = nn.Stack(inner, 2, rngs=nn.Rngs(0))
     with pytest.raises(TypeError, match=r"a stack's block cannot hold another stack"):
         tt.flat_state_dict(outer)
+
+
+def test_gradients_flow_through_a_load_of_every_layer_given_by_name():
+    """Layers given one by one are stacked by a program that moves their bits (so that a
+    bfloat16 NaN keeps its payload), which carries the stacking's own derivative."""
+
+    class Two(nn.Module):
+        def __init__(self, *, rngs):
+            self.layers = nn.Stack(
+                lambda rngs: nn.Linear(3, 3, use_bias=False, rngs=rngs), 2, rngs=rngs
+            )
+
+    model, x = Two(rngs=nn.Rngs(0)), jnp.ones((1, 3))
+
+    def loss(first, second):
+        named = {"layers.0.kernel": first, "layers.1.kernel": second}
+        return model.load_flat_state_dict(named).layers(x).sum()
+
+    eye = jnp.eye(3)
+    first, second = jax.grad(loss, argnums=(0, 1))(eye, 2 * eye)
+    np.testing.assert_array_equal(first, np.full((3, 3), 2.0))
+    np.testing.assert_array_equal(second, np.ones((3, 3)))
