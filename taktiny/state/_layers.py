@@ -312,8 +312,8 @@ def other_forms(
     `stacks` given whole where the load resolves per layer (the model's per-layer twin)
     and some of its layers are `named` too is one problem (`both_forms`; its other layers
     not told missing besides), as a load of values tells it; with none of them named, it
-    fills them all (`Forms.whole`), as it fills the stacked leaf in a load of values. `source` is
-    ``"checkpoint"`` or ``"state"``, as the message names it."""
+    fills them all (`Forms.whole`), as it fills the stacked leaf in a load of values.
+    `source` is ``"checkpoint"`` or ``"state"``, as the message names it."""
     flat: dict[str, Any] = {}
     origin: dict[str, str] = {}  # each flat name -> the name given (a nested group's)
     for name, value in given:
@@ -551,13 +551,14 @@ def layers_writer(sharding: Any, donate: bool) -> Any:
 
     update: Any = jax.lax.dynamic_update_index_in_dim  # (JAX leaves its types partial)
 
-    kept = bits_kept(sharding)  # (moved as bits, so that every bit arrives)
-    bits: Callable[[Any], Any] = lambda array: as_bits(array) if kept else array
+    bits = bits_kept(sharding)
 
     def write(whole: Any, index: Any, layers: tuple[Any, ...]) -> Any:
-        dtype, whole = whole.dtype, bits(whole)
+        dtype = whole.dtype
+        if bits:  # (moved as bits, so that every bit arrives)
+            whole, layers = as_bits(whole), tuple(as_bits(layer) for layer in layers)
         for k, layer in enumerate(layers):
-            whole = update(whole, bits(layer), index[k], 0)
+            whole = update(whole, layer, index[k], 0)
         return from_bits(whole, dtype)
 
     run: Any = write

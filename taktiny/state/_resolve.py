@@ -6,6 +6,7 @@ of a QArray under a float array's name) is set aside for `_represent`."""
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from types import MappingProxyType
 from typing import Any, NamedTuple, cast
 
 import taktiny.state._problems as err
@@ -32,7 +33,7 @@ class Resolved(NamedTuple):
     problems: tuple[StateProblem, ...]
     other: dict[Any, Other]
     covered: frozenset[str] = frozenset()
-    whole: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    whole: Mapping[str, tuple[str, ...]] = MappingProxyType({})
 
 
 class _Unknown(NamedTuple):
@@ -92,8 +93,8 @@ def resolve(
             problems.append(entry)
         elif entry.name not in forms.explained:
             problems.append(next(told))
-    covered, whole = frozenset(forms.covered), tuple(forms.whole.items())
-    return Resolved(found.supplied, tuple(problems), found.other, covered, whole)
+    covered = frozenset(forms.covered)
+    return Resolved(found.supplied, tuple(problems), found.other, covered, forms.whole)
 
 
 def _resolve_name(view: View[Any], name: str, value: Any, found: _Found, match: bool) -> bool:

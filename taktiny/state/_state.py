@@ -293,7 +293,7 @@ def resolve_sources(
     found = found._replace(other=other, covered=found.covered | settled.covered)
     problems.extend(_unfilled(view, found, strict, () if stacks is None else stacks))
     whole: dict[str, tuple[str, ...]] = {}
-    for name, layers in found.whole:  # as the stacked leaf: its layers' leaf, one axis more
+    for name, layers in found.whole.items():  # as the stacked leaf: its layers' leaf, one axis more
         layer = view.olds[view.spec.index[layers[0]]]
         stacked = jax.ShapeDtypeStruct((len(layers), *layer.shape), layer.dtype)
         problem = _values.spec_problem(name, state[name], stacked)
