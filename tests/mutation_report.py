@@ -44,7 +44,8 @@ EACH_FILE = ("taktiny/io/", "taktiny/loading/", "taktiny/convert/", "taktiny/sha
              "taktiny/quant/_fp8.py", "taktiny/quant/_compressed_tensors.py",
              "taktiny/nn/_attention.py", "taktiny/nn/_dot_product_attention.py",
              "taktiny/nn/_cache.py", "taktiny/nn/_rotary.py", "taktiny/nn/_pool.py",
-             "taktiny/nn/_group_norm.py", "taktiny/nn/_quantized.py")  # fmt: skip
+             "taktiny/nn/_group_norm.py", "taktiny/nn/_quantized.py",
+             "taktiny/state/_stacker.py")  # fmt: skip
 
 
 def group_of(path: str) -> str:

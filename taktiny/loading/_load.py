@@ -32,9 +32,17 @@ import jax
 
 from ..arrays import default_device
 from ..convert import AnyRule
-from ..io import RETRIES, Checkpoint, Replaced, byte_size, result_of, stop_reads
+from ..io import (
+    RETRIES,
+    Checkpoint,
+    Replaced,
+    aligned_buffer,
+    byte_size,
+    result_of,
+    stop_reads,
+)
+from ..state import Stacker
 from ._budget import Budget
-from ._layers import Stacker
 from ._place import Scratch
 from ._readers import Readahead, Readers
 from ._record import loaded, migrated, open_load, parts_of, unkept
@@ -200,7 +208,7 @@ def _load(
     stacker = None
     if load.layers is not None:  # per-layer names: each slice written into its stacked leaf
         made = {p for s in steps for t in s.targets for p in parts_of(t, load.quantized)}
-        placed = stacker = Stacker(load.layers, load.layers.covered(made))
+        placed = stacker = Stacker(load.layers, load.layers.covered(made), aligned_buffer)
     running: dict[int, Future[Any]] = {}
     submitted = 0  # units
 
@@ -216,7 +224,8 @@ def _load(
     # slices placed on devices wait for the load's thread to write them into their stacked
     # leaves: with such stacks, few units in flight, so that the host holds few slices
     # beside the model (on one CPU device, each is read into place)
-    width = lambda: readers.width if stacker is None else stacker.layers.widest(readers.width)
+    layers = load.layers
+    width = lambda: readers.width if layers is None else layers.widest(readers.width)
 
     def start_more() -> None:  # in order, as many as the readers, buffers and budget allow
         nonlocal submitted

@@ -31,8 +31,17 @@ from ..convert import (
 )
 from ..io import Checkpoint, open_safetensors, schema_part
 from ..quant import Parameter
-from ..state import KEY, Flat, Stacked, is_flat, load_resolved, params, recorded_versions
-from ._layers import Layered, Stacker
+from ..state import (
+    KEY,
+    Flat,
+    Stacked,
+    Stacker,
+    is_flat,
+    load_resolved,
+    params,
+    recorded_versions,
+)
+from ._layers import Layered
 
 
 class Migrated(NamedTuple):
@@ -230,7 +239,7 @@ def loaded(load: Load, placed: Mapping[str, Any] | Stacker) -> Any:
     leaf and placed as it is) written in by position, the other leaves kept; for a flat
     target, a flat dict of its own keys."""
     if isinstance(placed, Stacker):
-        return placed.model()
+        return load_resolved(placed.layers.view, placed.leaves())
     if load.keys is not None:
         return {name: placed.get(name, load.leaves[name]) for name in load.keys}
     index = load.view.spec.index

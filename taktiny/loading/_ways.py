@@ -34,8 +34,8 @@ from ..convert import (
 )
 from ..io import BOX_PIECE, Tensor, read_together
 from ..quant import Parameter
+from ..state import Stacker, zeros_on
 from ._checks import spec_of
-from ._layers import Stacker, zeros_on
 from ._place import (
     Scratch,
     adopted,
@@ -473,7 +473,7 @@ class Transposed(Way):
 
 class InStack(Way):
     """A tensor renamed or transposed into a layer of a stacked leaf filled on the host:
-    read straight into its layer's slice of the leaf's buffer (`Stacker.read`), which JAX
+    read straight into its layer's slice of the leaf's buffer (`Stacker.buffer`), which JAX
     adopts whole at the end, so it places nothing. It holds what `way`, the way it
     replaces, holds (no slice waits)."""
 
@@ -488,9 +488,14 @@ class InStack(Way):
         return self.way.temporary(load)
 
     def read(self, verify: bool, stacker: Stacker | None) -> Any:
+        stacker = cast(Stacker, stacker)
+        stacked, index = cast("tuple[str, int]", stacker.layers.slice_of(self.step.targets[0]))
+        part, tensor = stacker.buffer(stacked)[index], self.sources[0]
         permuted = self.step.rule.transform
-        permuted = permuted if isinstance(permuted, transpose) else None
-        cast(Stacker, stacker).read(self.step.targets[0], self.sources[0], verify, permuted)
+        if isinstance(permuted, transpose):
+            tensor.read_transposed(permuted.perm, verify=verify, out=part)
+        else:
+            tensor.read_into(part.reshape(-1).view(np.uint8).data, verify=verify)
         return {}
 
     def reads(self, verify: bool) -> dict[int, int]:

@@ -11,7 +11,6 @@ from ._layers import Layers as Layers
 from ._layers import layer_sharded as layer_sharded
 from ._layers import layer_sharding as layer_sharding
 from ._layers import layer_slice as layer_slice
-from ._layers import layers_writer as layers_writer
 from ._layers import other_forms as other_forms
 from ._names import Spec as Spec
 from ._names import Stacked as Stacked
@@ -44,6 +43,9 @@ from ._selection import rule_problems as rule_problems
 from ._selection import unmatched as unmatched
 from ._selection import unreached as unreached
 from ._selection import unused_hint as unused_hint
+from ._stacker import Stacker as Stacker
+from ._stacker import on_host as on_host
+from ._stacker import zeros_on as zeros_on
 from ._state import load_resolved as load_resolved
 from ._state import resolve_sources as resolve_sources
 from ._state import unfilled as unfilled

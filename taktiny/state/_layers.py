@@ -3,14 +3,10 @@
 
 A model's per-layer form is one object, `Layers`: which stacked leaf and layer each
 per-layer name is, each layer's leaf (abstract), and the model with each stack a list of
-those layers (its twin). Both loads of per-layer names ask it. Reading per layer slices
-each stacked leaf; a load of values given per-layer names (all layers of a leaf, or some)
-turns them into the stacked leaf before the one resolution, checking each slice as its
-layer's leaf: a load of every layer stacks them, a load of some writes their slices into
-a copy of the leaf (JAX arrays are immutable: the floor is one new array per leaf touched;
-the model's other leaves are kept as they are). The streamed load resolves a checkpoint's
-names against the twin, and writes each layer it reads into its stacked leaf
-(`layers_writer`, as the load of values writes some layers).
+those layers (its twin). Both loads of per-layer names resolve them against the twin, by
+the one resolution of names, and `_stacker` writes the layers they give into the stacked
+leaves (JAX arrays are immutable: the floor is one new array per leaf touched; the
+model's other leaves are kept as they are). The problems of the two forms are here too.
 """
 
 from __future__ import annotations
@@ -22,15 +18,14 @@ from collections.abc import Callable, Container, Iterable, Mapping
 from typing import Any, NamedTuple, cast
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.core import Tracer
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
 import taktiny.state._problems as err
 
-from .._problems import Problems, StateProblem, groups_of
-from ..arrays import CACHE_BOUND, as_bits, bits_kept, from_bits, moved
+from .._problems import StateProblem, groups_of
+from ..arrays import default_device
 from ._names import (
     Custom,
     Spec,
@@ -40,10 +35,7 @@ from ._names import (
     is_stack,
     split_layer,
     stack_of,
-    tree_util,
 )
-from ._problems import StateDictError
-from ._values import checked_value
 from ._views import Flat, Walk
 
 
@@ -176,6 +168,16 @@ class Layers:
         """The model's stacked leaf of that name."""
         return self.view.olds[self.view.spec.index[stacked]]
 
+    def sharding(self, stacked: str) -> Any:
+        """The sharding of a stacked leaf (the default device when it has none)."""
+        old = self.stacked_leaf(stacked)
+        return getattr(old, "sharding", None) or SingleDeviceSharding(default_device())
+
+    def hosted(self, stacked: str) -> bool:
+        """Whether a stacked leaf is filled on the host: it lies on one CPU device."""
+        devices = self.sharding(stacked).device_set
+        return len(devices) == 1 and next(iter(devices)).platform == "cpu"
+
     def layer(self, stacked: str) -> Any:
         """One layer of the stacked leaf `stacked` (`layer_leaf`)."""
         return layer_leaf(self.stacked_leaf(stacked))
@@ -212,75 +214,6 @@ class Layers:
                 node = cast("tuple[str, Any]", walk.child(node, key))[1]
             replaced[where] = layers(node, stack)
         return walk.write(replaced)
-
-
-def restacked(
-    layers: Layers, flat: Mapping[Any, Any], caller: str, strict: bool = False
-) -> dict[Any, Any]:
-    """`flat` with its per-layer names turned into the stacked leaves of the model
-    `layers` describes that they are slices of (a key that is not a string kept as it
-    is, for the resolution to report): every layer given, the slices stacked; some,
-    written into a copy of the leaf. Each slice is checked as its layer's leaf
-    (`Layers.layer`). Raises StateDictError for a slice of the wrong shape or kind (named
-    per layer), for a leaf given both whole and per layer, and for some layers of an
-    abstract leaf (the others have no value) or under `strict` (each layer not given is
-    missing)."""
-    spec = layers.view.spec
-    out: dict[Any, Any] = {}
-    groups: dict[str, dict[int, tuple[str, Any]]] = {}
-    params = {name: custom for _, (name, custom) in _stacked_params(spec).items()}
-    for name, value in flat.items():
-        hit = layers.split(name) if type(name) is str else None
-        parts = None if hit is None or hit[0] not in params else _parts(value, params[hit[0]])
-        if hit is not None and parts is not None:  # a custom parameter's layer, whole: its
-            custom = params[hit[0]]  # parts, as if given by their per-layer names
-            for part, leaf in zip(spec.names[custom.start : custom.stop], parts, strict=True):
-                groups.setdefault(part, {})[hit[1]] = (hit[2].layer_name(part, hit[1]), leaf)
-        elif hit is None or hit[0] not in spec.index:
-            out[name] = value  # (an unknown name: the resolution reports it)
-        else:
-            groups.setdefault(hit[0], {})[hit[1]] = (name, value)
-    problems = Problems()
-    for stacked, slices in groups.items():
-        old = layers.stacked_leaf(stacked)
-        if stacked in out:
-            problems.append(both_forms(stacked, [n for n, _ in slices.values()]))
-            continue
-        layer = layers.layer(stacked)
-        checked = {i: checked_value(n, v, layer, problems) for i, (n, v) in slices.items()}
-        if any(v is None for v in checked.values()):
-            continue
-        count = old.shape[0]
-        if len(checked) == count:
-            parts = [checked[i] for i in range(count)]
-            host = all(isinstance(p, np.ndarray) for p in parts)
-            if host:
-                out[stacked] = np.stack(parts)
-            else:  # (as bits: every bit arrives)
-                out[stacked] = moved(lambda *layers: jnp.stack(layers), *parts)
-        elif strict or isinstance(old, jax.ShapeDtypeStruct):
-            stack = spec.stack_of(stacked)
-            assert stack is not None  # (a per-layer name's leaf is a stack's)
-            abstract = isinstance(old, jax.ShapeDtypeStruct)
-            for i in range(count):
-                if i not in checked:
-                    name = stack.layer_name(stacked, i)
-                    problems.append(missing_layer(name, stacked, sorted(checked), abstract))
-        else:
-            index = np.array(sorted(checked))
-            given = [checked[i] for i in sorted(checked)]
-            if isinstance(old, Tracer) or any(isinstance(v, Tracer) for v in given):
-                traced = cast(Any, old)
-                out[stacked] = traced.at[index].set(jnp.stack(given))  # (inside jit)
-            elif isinstance(old, jax.Array):  # a copy with the layers written in, on devices
-                out[stacked] = layers_writer(old.sharding, False)(old, index, tuple(given))
-            else:  # a host array: its copy, the layers written in
-                whole = np.array(old)
-                whole[index] = np.stack([np.asarray(v) for v in given])
-                out[stacked] = whole
-    if problems:
-        raise StateDictError(caller, problems)
-    return out
 
 
 class Forms(NamedTuple):
@@ -393,16 +326,6 @@ def _in_layer(name: str, path: str) -> bool:
     return (not path or name.startswith(path + ".")) and head.isdigit() and bool(tail)
 
 
-def _parts(value: Any, custom: Custom) -> list[Any] | None:
-    """The leaves of `value` when it is structured as the custom parameter `custom` (a
-    QArray of the same layout); None otherwise (the resolution tells what it is)."""
-    try:
-        leaves, treedef = tree_util.tree_flatten(value)
-    except (RecursionError, SystemError):  # (a value that contains itself: told later)
-        return None
-    return leaves if treedef == custom.treedef else None
-
-
 def nest(flat: Mapping[str, Any]) -> dict[str, Any]:
     """Nested dicts of dotted names: ``{"a.b": x}`` -> ``{"a": {"b": x}}``."""
     out: dict[str, Any] = {}
@@ -492,82 +415,6 @@ def names_layers(tree: Any, state: Mapping[Any, Any], flat: bool) -> bool:
     if flat:
         return any(type(n) is str and _reaches_stack(tree, n) for n in state)
     return _names_stack(tree, state)
-
-
-def stacked_state(
-    tree: Any,
-    view: Flat,
-    state: Mapping[Any, Any],
-    flat: bool,
-    caller: Any,
-    strict: bool = False,
-) -> Mapping[Any, Any]:
-    """`state` with per-layer names of the tree's stacks turned into their stacked leaves
-    (:func:`restacked`, `strict` as the load's); `state` itself when it has none. The tree
-    is given with its `view`, flattened once; `caller()` names the load."""
-    spec = view.spec
-    if not spec.stacks:
-        return state
-    layers = Layers(tree, view)
-    if flat:
-        return restacked(layers, state, caller(), strict)
-    out: dict[Any, Any] = dict(state)
-    for stack in spec.stacks:  # each stack's subtree given per layer: made stacked
-        path = stack.path.split(".") if stack.path else []
-        node: Any = out
-        parents: list[tuple[Any, Any]] = []
-        for key in path:
-            if not isinstance(node, Mapping) or key not in node:
-                break
-            parents.append((cast("Mapping[Any, Any]", node), key))
-            node = cast("Mapping[Any, Any]", node)[key]
-        else:
-            if not isinstance(node, Mapping):
-                continue
-            named = cast("Mapping[Any, Any]", node)
-            if not any(type(k) is str and k.isdigit() for k in named) or not _string_keys(named):
-                continue
-            dotted: dict[str, Any] = {}
-            _dotted(node, stack.path, dotted)  # pyright: ignore[reportUnknownArgumentType]
-            made = nest(restacked(layers, dotted, caller(), strict))
-            for key in path:
-                made = made[key]
-            rebuilt: Any = made  # copies along the path: the caller's dicts are not changed
-            for parent, key in reversed(parents):
-                rebuilt = {**parent, key: rebuilt}
-            out = rebuilt
-    return out
-
-
-@functools.lru_cache(maxsize=CACHE_BOUND)
-def layers_writer(sharding: Any, donate: bool) -> Any:
-    """A jitted ``write(whole, index, layers)``: the stacked leaf `whole` on `sharding`
-    with each of `layers` written in as its layer ``index[k]`` (an int array, traced: one
-    program for any layers), each a dynamic update of its slice, placed as the leaf is
-    (out_shardings: a mesh of explicit axes needs no ``jax.set_mesh``). With `donate` it
-    writes in place of `whole`, which it takes; else into a copy. One per sharding for the
-    process: a load of a stack writes each layer it streams in place, and a load of
-    values writes the layers given into a copy of the model's leaf."""
-
-    update: Any = jax.lax.dynamic_update_index_in_dim  # (JAX leaves its types partial)
-
-    bits = bits_kept(sharding)
-
-    def write(whole: Any, index: Any, layers: tuple[Any, ...]) -> Any:
-        dtype = whole.dtype
-        if bits:  # (moved as bits, so that every bit arrives)
-            whole, layers = as_bits(whole), tuple(as_bits(layer) for layer in layers)
-        for k, layer in enumerate(layers):
-            whole = update(whole, layer, index[k], 0)
-        return from_bits(whole, dtype)
-
-    run: Any = write
-    if isinstance(sharding, NamedSharding) and sharding.mesh.explicit_axes:
-        # explicit axes type each array by its sharding, and one layer is not typed as its
-        # row of a stacked leaf whose layer axis is split: the write runs as on Auto axes
-        run = cast(Any, jax.sharding.auto_axes(write, out_sharding=sharding))  # pyright: ignore[reportUnknownMemberType]  (JAX leaves its parameters unannotated)
-    donated = (0,) if donate else ()
-    return jax.jit(run, donate_argnums=donated, out_shardings=sharding)  # pyright: ignore[reportUnknownMemberType]  (JAX leaves its parameters unannotated)
 
 
 # --- The problems of stacks of layers ------------------------------------------

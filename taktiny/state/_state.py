@@ -25,9 +25,11 @@ import taktiny.state._represent as _represent
 import taktiny.state._values as _values
 
 from .._problems import Problems, StateProblem
+from ._layers import Layers
 from ._problems import StateDictError
 from ._represent import Other
 from ._resolve import Resolved, resolve
+from ._stacker import Stacker
 from ._views import Flat, View, Walk
 
 # Loads that name at most this many leaves walk to them instead of flattening the tree: a
@@ -228,12 +230,15 @@ def load(
     state = cast("Mapping[Any, Any]", state)
     match = match_quantization
     view: View[Any]
-    if not strict and _few(state, flat) and not _layers.names_layers(tree, state, flat):
+    few = not strict and _few(state, flat)
+    layered = few and _layers.names_layers(tree, state, flat)
+    if few and not layered:
         view = Walk(tree, flat)
-    else:  # (per-layer names of a stack: stacked first, from the tree flattened once)
-        view = flat_view = Flat(tree)
-        state = _layers.stacked_state(tree, flat_view, state, flat, named, strict)
-        values = _in_order(flat_view, state, flat)  # every leaf, in leaf order: the fast path
+    else:
+        view = Flat(tree)
+        if view.spec.stacks and (layered or _layers.names_layers(tree, state, flat)):
+            return _into_stacks(Layers(tree, view), state, strict, flat, named, match)
+        values = _in_order(view, state, flat)  # every leaf, in leaf order: the fast path
         if values is not None:
             return _finish(view, enumerate(values), None, named, match)
     found = resolve(view, state, flat, match)
@@ -242,6 +247,52 @@ def load(
         found = found._replace(problems=(*found.problems, *unfilled))
     in_order = functools.partial(_in_state_order, found.problems, state=state, flat=flat)
     return _finish(view, found.supplied.items(), found, named, match, in_order)
+
+
+def _into_stacks(
+    layers: Layers,
+    state: Mapping[Any, Any],
+    strict: bool,
+    flat: bool,
+    caller: Callable[[], str],
+    match: bool,
+) -> Any:
+    """The load of a state that names layers of the tree's stacks (and maybe other
+    leaves): resolved and checked against the tree's per-layer twin, as the streamed load
+    resolves a checkpoint (a stacked leaf given whole cut into its layers), then each
+    layer written into its stacked leaf by the one fill (`Stacker`)."""
+    twin = Flat(layers.twin)
+    stacks = layers.view.spec.stacks
+    found = resolve(twin, state, flat, match, stacks=stacks)
+    problems = Problems(found.problems)
+    given = functools.partial(_given, state, flat)
+    supplied = dict(found.supplied)
+    for name, cut in found.whole.items():  # checked as the stacked leaf, then cut
+        value = _values.checked_value(name, given(name), layers.stacked_leaf(name), problems)
+        if value is not None:
+            supplied.update((twin.spec.index[n], value[i]) for i, n in enumerate(cut))
+    found = found._replace(supplied=supplied, problems=tuple(problems))
+    found = found._replace(problems=(*found.problems, *_unfilled(twin, found, strict, stacks)))
+    in_order = functools.partial(_in_state_order, found.problems, state=state, flat=flat)
+
+    def write(new: list[Any]) -> Any:  # the twin's new leaves, into the tree's stacks
+        olds, names = twin.olds, twin.spec.names
+        placed = [(names[i], v) for i, v in enumerate(new) if v is not olds[i]]
+        stacker = Stacker(layers, layers.covered(n for n, _ in placed))
+        stacker.update(placed)
+        return load_resolved(layers.view, stacker.leaves())
+
+    return _finish(twin, supplied.items(), found, caller, match, in_order, write)
+
+
+def _given(state: Mapping[Any, Any], flat: bool, name: str) -> Any:
+    """The value `state` gives under the flat `name` (a nested state's, key by key)."""
+    if flat:
+        return state[name]
+    node: Any = state
+    for key in name.split("."):
+        node = node[key]
+    return node
 
 
 class Sources(NamedTuple):
@@ -422,10 +473,11 @@ def _finish(
     caller: Callable[[], str],
     match: bool,
     in_order: Callable[[Problems], Iterable[StateProblem]] = iter,
+    write: Callable[[Any], Any] | None = None,
 ) -> Any:
-    """Checks and places the `supplied` values and writes them into a new tree; raises
-    every problem found (resolving's, the checks', the representations'), told in the
-    state's order by `in_order`."""
+    """Checks and places the `supplied` values and writes them into a new tree (`write`:
+    by default the view's own write); raises every problem found (resolving's, the
+    checks', the representations'), told in the state's order by `in_order`."""
     problems = Problems(() if found is None else found.problems)
     checked = _check(view, supplied, problems)
     other = [*(found.other.values() if found is not None else ()), *checked.other]
@@ -442,4 +494,4 @@ def _finish(
         _place(checked.moves, new)
     for where, value, old, target in checked.traced:
         new[where] = _constrain(value, old, target)
-    return view.write(new)
+    return (write or view.write)(new)

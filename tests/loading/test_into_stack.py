@@ -19,6 +19,7 @@ import taktiny as tt
 from taktiny import convert, nn
 from taktiny.io import load_safetensors, open_safetensors, plan_load, save_safetensors
 from taktiny.loading import _layers
+from taktiny.state import _stacker
 
 HERE = Path(__file__).parents[1]
 
@@ -230,10 +231,12 @@ def test_a_stack_streams_in_on_each_platform_every_layer_or_some(tmp_path, platf
 
 @pytest.mark.parametrize("pending", [False, True])
 def test_a_sharded_stack_gets_each_slice_on_its_devices(tmp_path, model, pending, monkeypatch):
-    """`pending`: the CPU devices taken for an accelerator's (`_layers.on_host` False), so
-    that each stacked leaf's writes run as on a TPU, left pending."""
+    """`pending`: the CPU devices taken for an accelerator's (`on_host` False, for the
+    load and for state's fill of stacks), so that each stacked leaf's writes run as on a
+    TPU, left pending."""
     if pending:
-        monkeypatch.setattr(_layers, "on_host", lambda sharding: False)
+        for module in (_layers, _stacker):
+            monkeypatch.setattr(module, "on_host", lambda sharding: False)
     mesh = jax.make_mesh((2, 4), ("data", "model"))
     rules = {"layers.*.attention.kernel": P(None, "model"), "**": P()}
     sharded = tt.shard(abstract(), rules, mesh)
@@ -438,15 +441,16 @@ def test_a_saved_stack_streams_back_from_one_flatten_of_the_model(
 
 
 def test_on_an_accelerator_a_stack_waits_only_for_copies_placed_long_before(tmp_path, monkeypatch):
-    """On an accelerator's devices (the CPU's taken for one: `_layers.on_host` False) the
+    """On an accelerator's devices (the CPU's taken for one: `on_host` False) the
     load's thread waits for no write into a stack: before each new slice only for the copy
     of the slice `SLICES_PENDING` writes back, so that few slices wait beside the model
     while the copies run on (waiting for each write in turn ran the stack at 0.63 to 0.80x the
     plain load on a TPU, FINDINGS 14)."""
-    monkeypatch.setattr(_layers, "on_host", lambda sharding: False)
-    monkeypatch.setattr(_layers, "SLICES_PENDING", 2)
+    for module in (_layers, _stacker):
+        monkeypatch.setattr(module, "on_host", lambda sharding: False)
+    monkeypatch.setattr(_stacker, "SLICES_PENDING", 2)
     waited, real = [], jax.block_until_ready
-    monkeypatch.setattr(_layers.jax, "block_until_ready", lambda x: waited.append(x) or real(x))
+    monkeypatch.setattr(_stacker.jax, "block_until_ready", lambda x: waited.append(x) or real(x))
     model = Model(6, rngs=nn.Rngs(0))
     flat = model.flat_state_dict(unstacked=True)
     save_safetensors(tmp_path / "layers.safetensors", flat)

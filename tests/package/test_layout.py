@@ -106,6 +106,7 @@ REACHING_ACROSS = {
     "state/test_schema.py": "the taktiny command (taktiny._cli.main) on a schema",
     "loading/test_budget.py": "the taktiny command (taktiny._cli.main) plans within a budget",
     "loading/test_plan_load.py": "the taktiny command (taktiny._cli.main) prints a plan",
+    "loading/test_into_stack.py": "takes the CPU devices for an accelerator's in the fill of stacks",
     "io/test_hostile.py": "the taktiny command (taktiny._cli.main) on hostile files",
 }
 
