@@ -381,19 +381,6 @@ def _child(node: Any, key: Any) -> Any:
     return _UNKNOWN
 
 
-def _reaches_stack(tree: Any, name: str) -> bool:
-    """Whether the flat `name` may go through a stack by a layer's index: a few steps down
-    the tree, no flatten (True where a node of another kind hides the path)."""
-    node = tree
-    for part in name.split("."):
-        if is_stack(node):
-            return part.isdigit()
-        node = _child(node, part)
-        if node is None or node is _UNKNOWN:
-            return node is _UNKNOWN
-    return False
-
-
 def _names_stack(node: Any, state: Mapping[Any, Any]) -> bool:
     """Whether the nested `state` names a stack of `node` by a layer's index."""
     if is_stack(node):
@@ -412,8 +399,14 @@ def names_layers(tree: Any, state: Mapping[Any, Any], flat: bool) -> bool:
     """Whether `state` (flat or nested, as `flat` says) may name a leaf of one of the
     tree's stacks per layer: a walk down the names it gives, no flatten (a load of a few
     names that goes through no stack walks the tree; one that does flattens it)."""
-    if flat:
-        return any(type(n) is str and _reaches_stack(tree, n) for n in state)
+    if flat:  # (as the nested state of its names: each node on their paths visited once)
+        nested: dict[str, Any] = {}
+        for name in state:
+            if type(name) is str:
+                node = nested
+                for key in name.split("."):
+                    node = node.setdefault(key, {})
+        state = nested
     return _names_stack(tree, state)
 
 
