@@ -280,8 +280,14 @@ def plan(
         else "allow it (allow={'missing': [...]}) and load with strict=False"
     )
     for leaf in leaves:
-        if leaf not in produced:
-            add("missing", leaf, f"no rule produces this target leaf; add a Rule, or {keep}.")
+        if leaf not in produced:  # (an abstract model's leaf has no value to keep)
+            abstract = loading and isinstance(leaves[leaf], jax.ShapeDtypeStruct)
+            fix = (
+                "; the model is abstract, so it has no value to keep"
+                if abstract
+                else f", or {keep}"
+            )
+            add("missing", leaf, f"no rule produces this target leaf; add a Rule{fix}.")
     allowed = [p for p in problems if allowed_by(p.kind, p.name, allow)]
     if len(allowed) < len(problems):
         raise ConversionError(where, [p for p in problems if p not in allowed])

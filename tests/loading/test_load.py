@@ -202,6 +202,12 @@ def test_strict_decides_on_what_the_rules_leave_out_as_it_does_without_rules(tmp
         load_safetensors(model, path, rules=first)
     with pytest.raises(tt.StateDictError, match=r"'output\.kernel': not supplied, and the model"):
         load_safetensors(abstract_mlp(), path, rules=first, strict=False)  # none to keep
+    with pytest.raises(  # under strict too: the hint offers no strict=False to keep a value
+        cv.ConversionError,
+        match=r"'output\.kernel': no rule produces this target leaf; add a Rule; the model is "
+        r"abstract, so it has no value to keep\.\n",
+    ):
+        load_safetensors(abstract_mlp(), path, rules=first)
     reads.clear()
     with pytest.raises(  # what allow= lets the rules leave out, strict refuses, before a read
         tt.StateDictError,
