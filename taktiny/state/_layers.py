@@ -403,9 +403,14 @@ def names_layers(tree: Any, state: Mapping[Any, Any], flat: bool) -> bool:
         nested: dict[str, Any] = {}
         for name in state:
             if type(name) is str:
+                *groups, last = name.split(".")
                 node = nested
-                for key in name.split("."):
-                    node = node.setdefault(key, {})
+                for key in groups:
+                    child: Any = node.get(key)
+                    if type(child) is not dict:  # (new, or a shorter name's leaf)
+                        child = node[key] = {}
+                    node = cast("dict[str, Any]", child)
+                node.setdefault(last, None)  # (a leaf: not looked into)
         state = nested
     return _names_stack(tree, state)
 
