@@ -99,6 +99,12 @@ def layer_slice(leaf: Any, index: int) -> Any:
     return leaf[index]
 
 
+def layer_of(value: Any, index: int) -> Any:
+    """Layer `index` of a stacked value: each of its leaves' (an array's, or a custom
+    parameter's) `layer_slice`."""
+    return jax.tree.map(functools.partial(layer_slice, index=index), value)
+
+
 def layer_sharding(sharding: Any, ndim: int) -> Any:
     """The sharding of one layer of a stacked leaf of `ndim` axes on `sharding`: a
     NamedSharding without its layer axis (replicated along a mesh axis that split the
@@ -235,6 +241,7 @@ def other_forms(
     stacks: Iterable[Stacked],
     source: str,
     named: Container[str] = (),
+    params: Container[str] = (),
 ) -> Forms:
     """The names a load does not know (`given`: name and value, or a tensor's header; a
     nested dict of them) that are a stack of layers where the model (its `leaves` by name,
@@ -245,8 +252,10 @@ def other_forms(
     `stacks` given whole where the load resolves per layer (the model's per-layer twin)
     and some of its layers are `named` too is one problem (`both_forms`; its other layers
     not told missing besides), as a load of values tells it; with none of them named, it
-    fills them all (`Forms.whole`), as it fills the stacked leaf in a load of values.
-    `source` is ``"checkpoint"`` or ``"state"``, as the message names it."""
+    fills them all (`Forms.whole`), as it fills the stacked leaf in a load of values; so
+    does a stacked custom parameter whose per-layer names are among `params` (a load of
+    values cuts it; the streamed load does not yet). `source` is ``"checkpoint"`` or
+    ``"state"``, as the message names it."""
     flat: dict[str, Any] = {}
     origin: dict[str, str] = {}  # each flat name -> the name given (a nested group's)
     for name, value in given:
@@ -278,8 +287,9 @@ def other_forms(
             both[name] = [n for n in each if n in named]
             covered.update(each)
             continue
-        if each and each[0] in leaves:  # (none of its layers given: it fills them all;
-            # a float array for a stack of quantized parameters is not cut: told unknown)
+        if each and (each[0] in leaves or each[0] in params):  # (none of its layers
+            # given: it fills them all; in a streamed load, a float array for a stack of
+            # quantized parameters is not cut: told unknown)
             whole[name] = tuple(each)
             covered.update(each)
             continue

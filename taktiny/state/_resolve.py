@@ -14,7 +14,7 @@ import taktiny.state._problems as err
 from .._problems import StateProblem
 from ..quant import PARTS
 from ._layers import other_forms
-from ._names import Stacked, tree_util
+from ._names import Stacked, customs, tree_util
 from ._problems import describe
 from ._represent import Other
 from ._views import GROUP, LEAF, View
@@ -59,13 +59,15 @@ def resolve(
     match: bool = False,
     source: str = "state",
     stacks: Iterable[Stacked] | None = None,
+    cut: bool = False,
 ) -> Resolved:
     """Finds the leaf each entry of `state` names; lists the entries that name none. With
     `match` (``match_quantization=True``), the parts of a quantized parameter named under
     a float array's name are gathered to be converted (or told); without it they are
     unknown names. `source` names the state in messages (``"state"`` or
     ``"checkpoint"``); `stacks`, the stacks of layers a name may give in another form
-    (None: the view's own)."""
+    (None: the view's own); `cut`: a stacked custom parameter given whole may fill its
+    layers in the view (a load of values into a model's per-layer twin cuts it)."""
     found = _Found({}, [], {})
     if flat:
         for name, value in state.items():
@@ -84,7 +86,8 @@ def resolve(
     stacks = spec.stacks if stacks is None else stacks
     given = {view.name(w) for w in found.supplied}
     by_name = dict(zip(spec.names, leaves, strict=True))
-    forms = other_forms(unknown, by_name, stacks, source, given)
+    params = {name for name, _ in customs(spec.template)} if cut else ()
+    forms = other_forms(unknown, by_name, stacks, source, given, params)
     unknown = [(name, value) for name, value in unknown if name not in forms.explained]
     told = iter(err.unknown(unknown, spec.names, flat, given))
     problems = list(forms.problems)

@@ -15,6 +15,7 @@ from typing import Any, NamedTuple, cast
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.core import Tracer
 from jax.sharding import NamedSharding
 
@@ -262,17 +263,30 @@ def _into_stacks(
     resolves a checkpoint (a stacked leaf given whole cut into its layers), then each
     layer written into its stacked leaf by the one fill (`Stacker`)."""
     twin = Flat(layers.twin)
-    stacks = layers.view.spec.stacks
-    found = resolve(twin, state, flat, match, stacks=stacks)
+    spec = layers.view.spec
+    found = resolve(twin, state, flat, match, stacks=spec.stacks, cut=True)
     problems = Problems(found.problems)
-    given = functools.partial(_given, state, flat)
-    supplied = dict(found.supplied)
-    for name, cut in found.whole.items():  # checked as the stacked leaf, then cut
-        value = _values.checked_value(name, given(name), layers.stacked_leaf(name), problems)
+    supplied, other = dict(found.supplied), dict(found.other)
+    for name, cut in found.whole.items():  # checked as the stacked leaf, cut, resolved
+        value, leaf = _given(state, flat, name), spec.index.get(name)
+        if leaf is not None:
+            value = _values.checked_value(name, value, layers.stacked_leaf(name), problems)
+        else:  # a stacked custom parameter's: as its logical array
+            first = next(i for i, n in enumerate(spec.names) if n.startswith(f"{name}."))
+            param = cast("tuple[str, Any]", layers.view.quantized(first))[1]
+            value = value if hasattr(value, "shape") else np.asarray(value)
+            want = jax.ShapeDtypeStruct(param.shape, param.dtype)
+            if (problem := _values.spec_problem(name, value, want)) is not None:
+                problems.append(problem)
+                value = None
         if value is not None:
-            supplied.update((twin.spec.index[n], value[i]) for i, n in enumerate(cut))
-    found = found._replace(supplied=supplied, problems=tuple(problems))
-    found = found._replace(problems=(*found.problems, *_unfilled(twin, found, strict, stacks)))
+            pieces = {n: _layers.layer_of(value, i) for i, n in enumerate(cut)}
+            more = resolve(twin, pieces, True, match)
+            supplied.update(more.supplied)
+            other.update(more.other)
+            problems.extend(more.problems)
+    found = found._replace(supplied=supplied, other=other, problems=tuple(problems))
+    found = found._replace(problems=(*found.problems, *_unfilled(twin, found, strict, spec.stacks)))
     in_order = functools.partial(_in_state_order, found.problems, state=state, flat=flat)
 
     def write(new: list[Any]) -> Any:  # the twin's new leaves, into the tree's stacks

@@ -356,12 +356,29 @@ def test_layers_given_as_device_arrays_fill_a_sharded_stack_and_stay_the_caller_
     assert not any(leaf.is_deleted() for leaf in jax.tree.leaves(model))
 
 
-def test_a_stacked_qarray_given_whole_in_a_nested_state_beside_layers_is_an_unknown_name():
-    """Not cut into its layers yet (docs/stacks.md): told as an unknown name, nothing
-    loaded (the load of values used to fail on it with a TypeError)."""
+def test_a_stacked_quantized_parameter_given_whole_beside_layers_is_cut_into_them():
+    """A load of values cuts a stacked QArray given whole (nested), or the float array a
+    quantized stack is made from (with match_quantization), into its layers beside other
+    leaves given per layer, as it cuts a stacked leaf; its shape is checked as the
+    stacked parameter's."""
     model = tt.quantize(Model(rngs=nn.Rngs(0)), bits=8, where="layers.**")
-    other = tt.quantize(Model(rngs=nn.Rngs(1)), bits=8, where="layers.**")
+    floats = Model(rngs=nn.Rngs(1))
+    other = tt.quantize(floats, bits=8, where="layers.**")
     state = {"layers": {"0": other.state_dict(unstacked=True)["layers"]["0"],
                         "block": {"dense": {"kernel": other.layers.block.dense.kernel}}}}  # fmt: skip
-    with pytest.raises(tt.StateDictError, match=r"'layers\.block': unknown key"):
-        model.load_state_dict(state, strict=False)
+    loaded = model.load_state_dict(state, strict=False)
+    want = other.layers.block.dense.kernel
+    np.testing.assert_array_equal(loaded.layers.block.dense.kernel.value, want.value)
+    np.testing.assert_array_equal(loaded.layers.block.dense.kernel.scale, want.scale)
+    flat = {
+        n: v for n, v in floats.flat_state_dict(unstacked=True).items() if "dense.kernel" not in n
+    }
+    flat["layers.block.dense.kernel"] = floats.layers.block.dense.kernel
+    loaded = model.load_flat_state_dict(flat, strict=True, match_quantization=True)
+    assert jax.tree.all(jax.tree.map(np.array_equal, loaded, other))
+    flat["layers.block.dense.kernel"] = floats.layers.block.dense.kernel[:2]
+    with pytest.raises(
+        tt.StateDictError,
+        match=r"'layers\.block\.dense\.kernel': shape mismatch: expected \(3, 4, 4\), got \(2, 4, 4\)",
+    ):
+        model.load_flat_state_dict(flat, match_quantization=True)
