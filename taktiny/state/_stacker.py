@@ -101,8 +101,7 @@ class Stacker:
                 self.write(stacked, list(given), list(given.values()))
 
     def _set(self, stacked: str, given: dict[int, Any]) -> None:
-        host = self.host.pop(stacked, None)
-        whole = self.stacked.get(stacked, host if host is not None else None)
+        whole = self.stacked.get(stacked, self.host.pop(stacked, None))
         if whole is None:
             whole = self.layers.stacked_leaf(stacked)
         index = np.array(list(given))

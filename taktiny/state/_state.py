@@ -237,11 +237,11 @@ def load(
         view = Walk(tree, flat)
     else:
         view = Flat(tree)
-        if view.spec.stacks and (layered or _layers.names_layers(tree, state, flat)):
-            return _into_stacks(Layers(tree, view), state, strict, flat, named, match)
         values = _in_order(view, state, flat)  # every leaf, in leaf order: the fast path
         if values is not None:
             return _finish(view, enumerate(values), None, named, match)
+        if view.spec.stacks and (layered or _layers.names_layers(tree, state, flat)):
+            return _into_stacks(Layers(tree, view), state, strict, flat, named, match)
     found = resolve(view, state, flat, match)
     unfilled = _unfilled(view, found, strict)
     if unfilled:
