@@ -13,7 +13,7 @@ from jax.sharding import PartitionSpec as P
 from jax.typing import DTypeLike
 from jaxtyping import Array, Float, Integer
 
-from ..arrays import Spec
+from ..arrays import Spec, default_device
 from ..module import Module, Rngs, finalise
 from ..quant import QArray, dequantize_array, quantized
 from ._explicit import explicit_axes, follow, free, project, typed_spec
@@ -50,7 +50,10 @@ def quantized_project(
     would: 4096 inputs of 8 times 127 exceed its range before the scales bring them back),
     scaled, and rounded into the dtype once. With groups, the weight is dequantized first;
     on a TPU, int4 in groups of 128 at decode batches goes through a Pallas kernel that
-    dequantizes tile by tile instead (`grouped_product`, where `takes` says).
+    dequantizes tile by tile instead (`grouped_product`, where `takes` says). A float32
+    input on a TPU at the default precision, whose product takes bfloat16 operands there,
+    gets its weight made into bfloat16, never float32 (`halved_product`; QLoRA's step on
+    an int8 base 1.09x -> 1.01x LoRA's, bench/FINDINGS.md 18).
 
     Args:
         x: ``[*batch, in]``, in the dtype the layer computes in.
@@ -65,6 +68,16 @@ def quantized_project(
     if not rows and not explicit_axes() and takes(x, weight):  # int4 groups on one TPU
         y = grouped_product(x, weight, precision)
         return y if bias is None else y + bias
+    if not rows and weight.axis == 0 and _halved(x, precision):  # float32 on a TPU
+        if weight.group_size is None:
+            value = weight.value.astype(jnp.bfloat16)  # (exact)
+            y = halved_product(x, value) * jnp.squeeze(weight.scale, 0).astype(jnp.float32)
+        else:  # the table made in float32, rounded once
+            table = dequantize_array(
+                weight.value, weight.scale, axis=0, group_size=weight.group_size, dtype=dtype
+            )
+            y = halved_product(x, table.astype(jnp.bfloat16))
+        return y if bias is None else y + bias
     if weight.group_size is not None or weight.axis != contracted:
         table = dequantize_array(
             weight.value, weight.scale, axis=weight.axis, group_size=weight.group_size, dtype=dtype
@@ -74,6 +87,53 @@ def quantized_project(
     y = project(x, value.T if rows else value, None, precision, jnp.float32)
     y = (y * follow(jnp.squeeze(weight.scale, contracted).astype(jnp.float32), y)).astype(dtype)
     return y if bias is None else y + follow(bias, y)
+
+
+def _halved(x: jax.Array, precision: jax.lax.PrecisionLike) -> bool:
+    """Whether the float32 product of `x` runs on a TPU at its default precision, which
+    takes each operand rounded to bfloat16 (one pass, float32 sums): then a quantized
+    weight is made into bfloat16 for it, never float32 (`halved_product`)."""
+    default = precision in (None, jax.lax.Precision.DEFAULT)
+    configured = jax.config.jax_default_matmul_precision in (None, "default", "bfloat16")  # pyright: ignore[reportAttributeAccessIssue]  (a config option, read)
+    on_tpu = default_device().platform == "tpu"
+    return x.dtype == jnp.float32 and default and configured and on_tpu and not explicit_axes()
+
+
+@jax.custom_vjp
+def halved_product(
+    x: Float[Array, "*batch in"], w: Float[Array, "in out"]
+) -> Float[Array, "*batch out"]:
+    """``x @ w`` as a TPU computes a float32 product at its default precision: `x` rounded
+    to bfloat16, `w` bfloat16 already (a quantized weight made into it: half the bytes of
+    the float32 weight XLA would otherwise write and read), float32 sums. The gradients
+    the same way (XLA drops the weight's where nothing asks for it: a frozen base).
+
+    Args:
+        x: ``[*batch, in]``, float32.
+        w: ``[in, out]``, bfloat16.
+
+    Returns:
+        ``[*batch, out]``, float32.
+    """
+    return jnp.matmul(x.astype(jnp.bfloat16), w, preferred_element_type=jnp.float32)
+
+
+def _halved_forward(x: jax.Array, w: jax.Array) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+    return halved_product(x, w), (x, w)
+
+
+def _halved_backward(
+    saved: tuple[jax.Array, jax.Array], g: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    x, w = saved
+    g = g.astype(jnp.bfloat16)
+    dx = jnp.matmul(g, w.T, preferred_element_type=jnp.float32)
+    rows = x.astype(jnp.bfloat16).reshape(-1, x.shape[-1])
+    dw = jnp.matmul(rows.T, g.reshape(-1, g.shape[-1]), preferred_element_type=jnp.float32)
+    return dx, dw.astype(w.dtype)
+
+
+halved_product.defvjp(_halved_forward, _halved_backward)
 
 
 class QuantizedLinear(Module):
