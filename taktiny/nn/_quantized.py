@@ -106,7 +106,8 @@ def halved_product(
     """``x @ w`` as a TPU computes a float32 product at its default precision: `x` rounded
     to bfloat16, `w` bfloat16 already (a quantized weight made into it: half the bytes of
     the float32 weight XLA would otherwise write and read), float32 sums. The gradients
-    the same way (XLA drops the weight's where nothing asks for it: a frozen base).
+    the same way; the weight's only where it is differentiated (not a frozen base's: then
+    the input is not kept for it either).
 
     Args:
         x: ``[*batch, in]``, float32.
@@ -118,22 +119,27 @@ def halved_product(
     return jnp.matmul(x.astype(jnp.bfloat16), w, preferred_element_type=jnp.float32)
 
 
-def _halved_forward(x: jax.Array, w: jax.Array) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
-    return halved_product(x, w), (x, w)
+def _halved_forward(x: Any, w: Any) -> tuple[jax.Array, tuple[Any, jax.Array]]:
+    # (symbolic zeros: each argument comes with whether it is differentiated; the input
+    # is kept for the weight's gradient only where the weight is, unlike a frozen base's)
+    saved = (x.value if w.perturbed else None, w.value)
+    return halved_product(x.value, w.value), saved
 
 
-def _halved_backward(
-    saved: tuple[jax.Array, jax.Array], g: jax.Array
-) -> tuple[jax.Array, jax.Array]:
+def _halved_backward(saved: tuple[Any, jax.Array], g: Any) -> tuple[Any, Any]:
     x, w = saved
+    if isinstance(g, jax.custom_derivatives.SymbolicZero):  # (the output not differentiated)
+        return None, None
     g = g.astype(jnp.bfloat16)
     dx = jnp.matmul(g, w.T, preferred_element_type=jnp.float32)
+    if x is None:
+        return dx, None
     rows = x.astype(jnp.bfloat16).reshape(-1, x.shape[-1])
     dw = jnp.matmul(rows.T, g.reshape(-1, g.shape[-1]), preferred_element_type=jnp.float32)
     return dx, dw.astype(w.dtype)
 
 
-halved_product.defvjp(_halved_forward, _halved_backward)
+halved_product.defvjp(_halved_forward, _halved_backward, symbolic_zeros=True)
 
 
 class QuantizedLinear(Module):

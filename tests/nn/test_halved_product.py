@@ -111,3 +111,18 @@ def test_on_each_platform_the_layer_is_its_float32_product(platform, monkeypatch
             assert np.abs(a - b).max() <= 2**-7 * np.abs(b).max()
         else:
             assert a.tobytes() == b.tobytes()
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_a_frozen_weight_costs_the_backward_no_product_of_its_own(monkeypatch, case):
+    """Differentiating the input alone (a frozen base, as in QLoRA), the backward takes one
+    product, the input's; differentiating the model too, a grouped kernel's table takes a
+    second one, for its scales (an int8 kernel's scales multiply the forward's product:
+    none)."""
+    monkeypatch.setattr(quantized, "_halved", lambda x, precision: x.dtype == jnp.float32)
+    model, x = layer(case), inputs()
+    loss = lambda m, x: jnp.sum(m(x))
+    products = lambda f: jax.jit(f).lower(model, x).as_text().count("stablehlo.dot_general")
+    assert products(jax.value_and_grad(loss, argnums=1)) == 2  # the forward, the input's gradient
+    both = 2 if case == "int8" else 3
+    assert products(jax.value_and_grad(loss, argnums=(0, 1), allow_int=True)) == both
