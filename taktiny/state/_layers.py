@@ -512,7 +512,7 @@ def missing_layer(name: str, stacked: str, given: list[int], abstract: bool) -> 
     """The problem of the layer `name` of the stacked leaf `stacked` that a load leaves
     unfilled while it fills the layers `given`: an `abstract` leaf's layer has no value to
     keep (`layer_without_value`); else it is missing (under ``strict=True``). Both loads
-    tell it so: the load of values (`restacked`) and the streamed one (`unfilled_layers`)."""
+    tell it so, through `unfilled_layers`."""
     return layer_without_value(name, stacked, given) if abstract else err.missing(name)
 
 

@@ -573,8 +573,8 @@ def test_bfloat16_nan_payloads_arrive_as_given_in_the_layers_of_a_stack_and_join
     tmp_path,
 ):
     """A stack on eight CPU devices is filled by a program writing each layer into its
-    slice (streamed, and by a load of values given some layers), stacked by XLA when a
-    load of values gives every layer as JAX arrays, and a rule's ``concatenate`` joins
+    slice (streamed, and by a load of values given some layers, or every layer as JAX
+    arrays, written into zeros), and a rule's ``concatenate`` joins
     tensors by XLA: each moves bfloat16 as integers, so each NaN's payload arrives as
     given."""
     mesh = jax.make_mesh((8,), ("x",))

@@ -345,8 +345,8 @@ def test_a_stack_inside_a_stack_is_refused():
 
 
 def test_gradients_flow_through_a_load_of_every_layer_given_by_name():
-    """Layers given one by one are stacked by a program that moves their bits (so that a
-    bfloat16 NaN keeps its payload), which carries the stacking's own derivative."""
+    """Layers given one by one under ``jax.grad`` (traced values) are set into their
+    stacked leaf, and each layer's gradient is its own."""
 
     class Two(nn.Module):
         def __init__(self, *, rngs):
