@@ -68,23 +68,20 @@ def quantized_project(
     if not rows and not explicit_axes() and takes(x, weight):  # int4 groups on one TPU
         y = grouped_product(x, weight, precision)
         return y if bias is None else y + bias
-    if not rows and weight.axis == 0 and _halved(x, precision):  # float32 on a TPU
-        if weight.group_size is None:
-            value = weight.value.astype(jnp.bfloat16)  # (exact)
-            y = halved_product(x, value) * jnp.squeeze(weight.scale, 0).astype(jnp.float32)
-        else:  # the table made in float32, rounded once
-            table = dequantize_array(
-                weight.value, weight.scale, axis=0, group_size=weight.group_size, dtype=dtype
-            )
-            y = halved_product(x, table.astype(jnp.bfloat16))
-        return y if bias is None else y + bias
+    halved = not rows and weight.axis == 0 and _halved(x, precision)  # float32 on a TPU
     if weight.group_size is not None or weight.axis != contracted:
         table = dequantize_array(
             weight.value, weight.scale, axis=weight.axis, group_size=weight.group_size, dtype=dtype
         )
-        return project(x, table.T if rows else table, bias, precision)
-    value = weight.value.astype(dtype)
-    y = project(x, value.T if rows else value, None, precision, jnp.float32)
+        if not halved:
+            return project(x, table.T if rows else table, bias, precision)
+        y = halved_product(x, table.astype(jnp.bfloat16))  # (made in float32, rounded once)
+        return y if bias is None else y + bias
+    value = weight.value.astype(jnp.bfloat16 if halved else dtype)  # (the integers: exact)
+    if halved:
+        y = halved_product(x, value)
+    else:
+        y = project(x, value.T if rows else value, None, precision, jnp.float32)
     y = (y * follow(jnp.squeeze(weight.scale, contracted).astype(jnp.float32), y)).astype(dtype)
     return y if bias is None else y + follow(bias, y)
 
