@@ -52,8 +52,9 @@ def quantized_project(
     on a TPU, int4 in groups of 128 at decode batches goes through a Pallas kernel that
     dequantizes tile by tile instead (`grouped_product`, where `takes` says). A float32
     input on a TPU at the default precision, whose product takes bfloat16 operands there,
-    gets its weight made into bfloat16, never float32 (`halved_product`; QLoRA's step on
-    an int8 base 1.09x -> 1.01x LoRA's, bench/FINDINGS.md 18).
+    gets its weight made into bfloat16, never float32 (`halved_product`), a grouped
+    table made once for the forward's and the backward's products (QLoRA's step 0.94x
+    LoRA's on an int8 base, 1.02x on int4, from 1.09x and 1.23x: bench/FINDINGS.md 18).
 
     Args:
         x: ``[*batch, in]``, in the dtype the layer computes in.
@@ -75,14 +76,17 @@ def quantized_project(
         )
         if not halved:
             return project(x, table.T if rows else table, bias, precision)
-        y = halved_product(x, table.astype(jnp.bfloat16))  # (made in float32, rounded once)
+        # made in float32, rounded once, and held for both products: fused into each instead,
+        # the scales' broadcast was held in float32, twice the table (bench/FINDINGS.md 18)
+        y = halved_product(x, jax.lax.optimization_barrier(table.astype(jnp.bfloat16)), None)
         return y if bias is None else y + bias
-    value = weight.value.astype(jnp.bfloat16 if halved else dtype)  # (the integers: exact)
-    if halved:
-        y = halved_product(x, value)
-    else:
-        y = project(x, value.T if rows else value, None, precision, jnp.float32)
-    y = (y * follow(jnp.squeeze(weight.scale, contracted).astype(jnp.float32), y)).astype(dtype)
+    scale = jnp.squeeze(weight.scale, contracted).astype(jnp.float32)
+    if halved:  # (the integers: exact in bfloat16)
+        y = halved_product(x, weight.value.astype(jnp.bfloat16), scale).astype(dtype)
+        return y if bias is None else y + bias
+    value = weight.value.astype(dtype)  # (the integers: exact)
+    y = project(x, value.T if rows else value, None, precision, jnp.float32)
+    y = (y * follow(scale, y)).astype(dtype)
     return y if bias is None else y + follow(bias, y)
 
 
@@ -98,42 +102,58 @@ def _halved(x: jax.Array, precision: jax.lax.PrecisionLike) -> bool:
 
 @jax.custom_vjp
 def halved_product(
-    x: Float[Array, "*batch in"], w: Float[Array, "in out"]
+    x: Float[Array, "*batch in"], w: Float[Array, "in out"], scale: Float[Array, " out"] | None
 ) -> Float[Array, "*batch out"]:
-    """``x @ w`` as a TPU computes a float32 product at its default precision: `x` rounded
-    to bfloat16, `w` bfloat16 already (a quantized weight made into it: half the bytes of
-    the float32 weight XLA would otherwise write and read), float32 sums. The gradients
-    the same way; the weight's only where it is differentiated (not a frozen base's: then
-    the input is not kept for it either).
+    """``x @ (w * scale)`` as a TPU computes a float32 product at its default precision:
+    `x` rounded to bfloat16, `w` bfloat16 already (a quantized weight made into it: half
+    the bytes of the float32 weight XLA would otherwise write and read), float32 sums;
+    the scales of an integer weight (one per output channel) multiply the product. The
+    input's gradient takes its operands as the chip takes those of the float32 weight's
+    product: the output's gradient rounded to bfloat16, the weight scaled and rounded (its
+    product no pass of its own over the output's gradient: QLoRA's step on an int8 base
+    1.02x -> 0.93x LoRA's, bench/FINDINGS.md 18). The weight's and the scales' gradients
+    are computed only where they are differentiated (not a frozen base's: then neither the
+    input nor the unscaled product is kept for them).
 
     Args:
         x: ``[*batch, in]``, float32.
         w: ``[in, out]``, bfloat16.
+        scale: ``[out]``, float32, or None (`w` a table, scaled already).
 
     Returns:
         ``[*batch, out]``, float32.
     """
-    return jnp.matmul(x.astype(jnp.bfloat16), w, preferred_element_type=jnp.float32)
+    y = jnp.matmul(x.astype(jnp.bfloat16), w, preferred_element_type=jnp.float32)
+    return y if scale is None else y * scale
 
 
-def _halved_forward(x: Any, w: Any) -> tuple[jax.Array, tuple[Any, jax.Array]]:
-    # (symbolic zeros: each argument comes with whether it is differentiated; the input
-    # is kept for the weight's gradient only where the weight is, unlike a frozen base's)
-    saved = (x.value if w.perturbed else None, w.value)
-    return halved_product(x.value, w.value), saved
+def _halved_forward(x: Any, w: Any, scale: Any) -> tuple[jax.Array, tuple[Any, ...]]:
+    # (symbolic zeros: each argument comes with whether it is differentiated; what the
+    # weight's and the scales' gradients need is kept only where they are, unlike a
+    # frozen base's)
+    product = halved_product(x.value, w.value, None)
+    if scale is None:
+        return product, (x.value if w.perturbed else None, w.value, None, None)
+    kept = product if scale.perturbed else None
+    saved = (x.value if w.perturbed else None, w.value, scale.value, kept)
+    return product * scale.value, saved
 
 
-def _halved_backward(saved: tuple[Any, jax.Array], g: Any) -> tuple[Any, Any]:
-    x, w = saved
+def _halved_backward(saved: tuple[Any, ...], g: Any) -> tuple[Any, Any, Any]:
+    x, w, scale, product = saved
     if isinstance(g, jax.custom_derivatives.SymbolicZero):  # (the output not differentiated)
-        return None, None
-    g = g.astype(jnp.bfloat16)
-    dx = jnp.matmul(g, w.T, preferred_element_type=jnp.float32)
+        return None, None, None
+    batch = tuple(range(g.ndim - 1))
+    dscale = None if product is None else jnp.sum(g * product, axis=batch)
+    operand = w if scale is None else (w.astype(jnp.float32) * scale).astype(jnp.bfloat16)
+    dx = jnp.matmul(g.astype(jnp.bfloat16), operand.T, preferred_element_type=jnp.float32)
     if x is None:
-        return dx, None
+        return dx, None, dscale
+    scaled = g if scale is None else g * scale
     rows = x.astype(jnp.bfloat16).reshape(-1, x.shape[-1])
-    dw = jnp.matmul(rows.T, g.reshape(-1, g.shape[-1]), preferred_element_type=jnp.float32)
-    return dx, dw.astype(w.dtype)
+    columns = scaled.astype(jnp.bfloat16).reshape(-1, g.shape[-1])
+    dw = jnp.matmul(rows.T, columns, preferred_element_type=jnp.float32)
+    return dx, dw.astype(w.dtype), dscale
 
 
 halved_product.defvjp(_halved_forward, _halved_backward, symbolic_zeros=True)
