@@ -23,6 +23,11 @@ the load stages one; 16 and 16), each against the same limit. Other ways to stag
 whole, read by threads; small pages; transposed on the host) were measured and pruned:
 bench/FINDINGS.md section 14.
 
+Where sockets work (not on the lent TPU machine), ``object_storage`` loads the file from a
+local S3-compatible server onto the CPU, and times its read half apart: the tensors read as
+the staged load reads them into its ring of reused buffers, hashed, with no copy onto a
+device (`_ring_reads`), against raw ranged GETs of the same object.
+
 ``--peak folder [case]`` then loads a file written there alone, in a process of its own,
 for its peak host memory (``ru_maxrss`` after the load, less before it) and its ways
 (case: ``renamed`` (default), ``transposed``, ``int8``, ``fp8_int8``, ``stack``).
@@ -39,6 +44,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import queue
 import shutil
 import socket
 import statistics
@@ -442,6 +448,7 @@ def _object_storage(folder: Path, path: Path, arrays: dict[str, np.ndarray]) -> 
         seconds, _, out = _timed(lambda: load_safetensors(abstract, url))
         ranged = storage.Raw(path.stat().st_size)  # (bucket "bench", this file's name)
         gets, _, _ = _timed(lambda: ranged(8))
+        ring = _timed(lambda: _ring_reads(url))[0]
     same = all(
         np.array_equal(np.asarray(out[n]).view(np.uint16), a.view(np.uint16))
         for n, a in arrays.items()
@@ -452,8 +459,46 @@ def _object_storage(folder: Path, path: Path, arrays: dict[str, np.ndarray]) -> 
         "raw_local_read_GiBps": raw,
         "vs_raw_local_read": speed / raw,
         "raw_ranged_gets_GiBps": path.stat().st_size / GiB / gets,  # (8 in flight, obstore)
+        "read_half_GiBps": path.stat().st_size / GiB / ring,
+        "read_half_vs_raw_ranged_gets": gets / ring,
         "bitwise": same,
     }
+
+
+def _ring_reads(url: str, readers: int = 4) -> int:
+    """The read half of a load from object storage onto a device that copies host memory
+    (a TPU's): every tensor read as the staged load reads it (``Tensor.read_rows``, pieces
+    of ``STAGE_PIECE`` bytes of rows, each hashed and checked) into a ring of ``RING``
+    reused buffers (faulted before the clock), `readers` tensors at a time, with no copy
+    onto a device. On the TPU machine the ring's copies run at several GiB/s
+    (``variants``), faster than these reads here; the TPU machine opens no sockets, so
+    the two halves are measured apart. Returns the bytes read."""
+    from taktiny.io import open_safetensors
+    from taktiny.loading import _ways
+
+    checkpoint = open_safetensors(url)
+    tensors = [checkpoint[name] for name in checkpoint.keys()]
+    buffers: queue.SimpleQueue[np.ndarray] = queue.SimpleQueue()
+    for _ in range(_ways.RING):
+        buffers.put(np.ones(_ways.STAGE_PIECE, np.uint8))
+
+    def read(tensor: Any) -> int:
+        taken: list[np.ndarray] = []
+
+        def into(nbytes: int) -> memoryview:
+            if taken:  # (the piece before it is done with: its buffer back in the ring)
+                buffers.put(taken.pop())
+            taken.append(buffers.get())
+            return taken[-1].data[:nbytes]
+
+        rows = _ways._rows(tensor, _ways.STAGE_PIECE)
+        count = sum(piece.nbytes for piece in tensor.read_rows(rows, into, verify=True))
+        for buffer in taken:
+            buffers.put(buffer)
+        return count
+
+    with ThreadPoolExecutor(readers) as pool:
+        return sum(pool.map(read, tensors))
 
 
 def peak(folder: Path, case: str = "renamed") -> dict[str, object]:
