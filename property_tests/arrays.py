@@ -149,8 +149,11 @@ def placements(draw: Any, devices: list[Any]) -> Placement:
     return Placement("default", device=devices[0])
 
 
-def host_values(seed: int, shape: tuple[int, ...], dtype: Any, special: bool) -> np.ndarray:
-    """Random NumPy values of `dtype`; with `special`, floats include NaN, ±inf and -0.0."""
+def host_values(
+    seed: int, shape: tuple[int, ...], dtype: Any, special: bool, bits: bool = False
+) -> np.ndarray:
+    """Random NumPy values of `dtype`; with `special`, floats include NaN, ±inf and -0.0;
+    with `bits` too, subnormals and NaNs with payloads of their own (`_odd_bits`)."""
     rng = np.random.default_rng(seed)
     dtype = np.dtype(dtype)
     if dtype == np.bool_:
@@ -163,7 +166,31 @@ def host_values(seed: int, shape: tuple[int, ...], dtype: Any, special: bool) ->
         flat = values.reshape(-1)
         where = rng.integers(0, flat.size, size=min(flat.size, 4))
         flat[where] = rng.choice(np.array(SPECIALS, np.float32), size=where.size)
-    return values.astype(dtype)
+    values = values.astype(dtype)
+    if special and bits and values.size:
+        values = _odd_bits(values, rng)
+    return values
+
+
+def _odd_bits(values: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """`values` with up to four entries set to bit patterns that only a path moving floats
+    as they are keeps: subnormals (exponent zero) and NaNs with payloads, quiet or
+    signalling, of either sign. A computation may flush the first and make the second
+    canonical (XLA's CPU backend once did, in bfloat16's concatenations); a load, a save,
+    a stack or a transpose must not."""
+    width = values.dtype.itemsize * 8
+    uint = {16: np.uint16, 32: np.uint32}.get(width)
+    if uint is None:
+        return values
+    mantissa = int(np.finfo(values.dtype).nmant)
+    exponent = ((1 << (width - 1 - mantissa)) - 1) << mantissa
+    flat = values.reshape(-1).view(uint)
+    where = rng.integers(0, flat.size, size=min(flat.size, 4))
+    for k, at in enumerate(where):
+        low = int(rng.integers(1, 1 << mantissa))  # (nonzero: not zero, not infinity)
+        sign = int(rng.integers(0, 2)) << (width - 1)
+        flat[at] = uint(sign | low | (exponent if k % 2 else 0))
+    return values
 
 
 @st.composite
@@ -187,17 +214,21 @@ def arrays(
     dtype: Any = None,
     allow_empty: bool = True,
     accelerator: bool | None = None,
+    odd_bits: bool | None = None,
 ) -> Any:
     """A JAX array placed by `placement` (a NumPy array when it is None), of the given shape
     and dtype or drawn ones: the accelerator's few where `accelerator` is true (by default,
-    where the placement's devices are an accelerator's)."""
+    where the placement's devices are an accelerator's). Floats may hold subnormals and NaN
+    payloads where `odd_bits` is true (by default, off an accelerator: a TPU's programs
+    flush the one and make the other canonical, bench/FINDINGS.md section 14)."""
     if accelerator is None:
         accelerator = placement is not None and placement.on_accelerator
     if dtype is None:
         dtype = draw(st.sampled_from(ACCELERATOR_DTYPES if accelerator else DTYPES))
     shape = draw(shapes(allow_empty, accelerator)) if shape is None else tuple(shape)
     special = jnp.issubdtype(dtype, jnp.floating) and draw(st.booleans())
-    host = host_values(draw(st.integers(0, 2**16)), shape, dtype, special)
+    odd_bits = not accelerator if odd_bits is None else odd_bits
+    host = host_values(draw(st.integers(0, 2**16)), shape, dtype, special, odd_bits)
     if placement is None:
         return host
     return place(host, draw(placement.shardings(shape)), placement.device)

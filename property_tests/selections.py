@@ -7,6 +7,7 @@ array a value must load as, or the flat name and kind of the problem it must rai
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import jax
@@ -14,12 +15,13 @@ import jax.numpy as jnp
 import numpy as np
 from hypothesis import strategies as st
 
-from .arrays import DTYPES, arrays, place
+from .arrays import DTYPES, arrays, on_accelerator, place
 from .checks import dtype_of, kind_of
 
 # Where a value can come from: each form below is something `load_*` accepts for any leaf.
 FORMS = ("jax, same placement", "jax, default device", "jax, another device", "numpy")
 FORMS += ("numpy, wider dtype", "python list", "jax, wider dtype")
+CAST = ("numpy, wider dtype", "python list", "jax, wider dtype")  # (forms a load casts back)
 _WIDER = {"floating": np.float64, "signed": np.int64, "unsigned": np.uint64, "bool": np.bool_}
 _WIDEST_JAX = {"floating": jnp.float32, "signed": jnp.int32, "unsigned": jnp.uint32}  # no x64
 BAD_KINDS = ("shape", "dtype", "value", "structure")
@@ -57,12 +59,15 @@ def replacements(
     """A new value for `leaf` in one of `forms`, and the array it must load as (same values,
     the leaf's dtype). Values start in the leaf's dtype, so every widening is exact."""
     dtype, shape = dtype_of(leaf), np.shape(leaf)
-    host = draw(arrays(None, shape=shape, dtype=dtype))
     if not isinstance(leaf, jax.Array):  # a Python scalar has no placement to keep
         forms = tuple(form for form in forms if form != "jax, same placement")
-    if host.size == 0:  # [] has no dtype (NumPy makes it float64) nor a shape like (0, 2)
+    if math.prod(shape) == 0:  # [] has no dtype (NumPy makes it float64) nor a shape like (0, 2)
         forms = tuple(form for form in forms if form != "python list")
     form = draw(st.sampled_from(forms))
+    # subnormals and NaN payloads where the value is not cast on its way (a cast makes a
+    # signalling NaN quiet) and the devices keep them (a TPU's programs do not)
+    odd_bits = form not in CAST and not on_accelerator(devices)
+    host = draw(arrays(None, shape=shape, dtype=dtype, odd_bits=odd_bits))
     if form == "jax, same placement":
         value = place(host, leaf.sharding if leaf.committed else None, devices[0])
     elif form == "jax, default device":

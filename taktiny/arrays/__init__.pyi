@@ -8,6 +8,7 @@ from ._bits import as_bits as as_bits
 from ._bits import bits_kept as bits_kept
 from ._bits import from_bits as from_bits
 from ._bits import moved as moved
+from ._bits import put as put
 from ._dtypes import numpy_dtype as numpy_dtype
 from ._eval_shape import default_device as default_device
 from ._eval_shape import eval_shape as eval_shape

@@ -3,6 +3,10 @@ transpose, a join, slices written into place), so that every bit arrives: XLA's 
 backend joins bfloat16 and writes its slices through float32, which makes a NaN's payload
 canonical, while integers move as they are.
 
+Arrays moved between devices by ``jax.device_put`` go the same way (`put`): a reshard from
+one mesh to another runs a program, and on the CPU it makes a bfloat16 NaN's payload
+canonical.
+
 A TPU is the exception this does not mend: its programs for large arrays flush bfloat16
 subnormals to zero and make bfloat16, float16 and float8 NaNs canonical as they read
 them, a bitcast from integers included (float32 keeps its bits). There only
@@ -19,6 +23,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax.core import Tracer
+from jax.sharding import NamedSharding
 
 
 def bits_kept(sharding: Any) -> bool:
@@ -62,3 +67,54 @@ def moved(move: Callable[..., jax.Array], *arrays: Any) -> jax.Array:
         return run(*primals), move(*tangents)
 
     return run(*arrays)
+
+
+def put(values: list[Any], shardings: list[Any]) -> list[Any]:
+    """``jax.device_put(values, shardings)``, one batched transfer, with every bit kept:
+    a float JAX array narrower than 32 bits that goes from one mesh to another sharding
+    of a mesh (a reshard, which runs a program: on the CPU it makes a bfloat16 NaN's
+    payload canonical) moves as its bits, unless a TPU is at either end (`bits_kept`).
+    Host arrays, arrays on one device and arrays that stay where they are move as they
+    are (a copy, which keeps every bit).
+
+    Args:
+        values: arrays (JAX or NumPy) or Python numbers.
+        shardings: where each goes, one per value.
+
+    Returns:
+        The placed arrays, in order.
+    """
+    turned = [_resharded(v, s) for v, s in zip(values, shardings, strict=True)]
+    if not any(turned):
+        return jax.device_put(values, shardings)  # pyright: ignore[reportUnknownMemberType]  (JAX leaves its parameters unannotated)
+    sources = []
+    for value, turn in zip(values, turned, strict=True):
+        if turn:  # (each bitcast under its own mesh: an ambient one would refuse it)
+            with jax.set_mesh(value.sharding.mesh):
+                value = as_bits(value)
+        sources.append(value)
+    placed = jax.device_put(sources, shardings)  # pyright: ignore[reportUnknownMemberType]  (as above)
+    out = []
+    for array, value, sharding, turn in zip(placed, values, shardings, turned, strict=True):
+        if turn:
+            with jax.set_mesh(sharding.mesh):  # (then spelled as asked for: no transfer)
+                array = jax.device_put(from_bits(array, value.dtype), sharding)  # pyright: ignore[reportUnknownMemberType]  (as above)
+        out.append(array)
+    return out
+
+
+def _resharded(value: Any, sharding: Any) -> bool:
+    """Whether `value` is a float JAX array narrower than 32 bits on a mesh that a program
+    would move onto `sharding`, of a mesh too (another layout or other devices), neither
+    of them a TPU's."""
+    if not isinstance(sharding, NamedSharding) or not isinstance(value, jax.Array):
+        return False
+    dtype = value.dtype  # (first the cheap refusals: a load of many leaves asks for each)
+    if dtype.itemsize >= 4 or isinstance(value, Tracer) or not jnp.issubdtype(dtype, jnp.floating):
+        return False
+    have = value.sharding
+    if have is sharding or not isinstance(have, NamedSharding):
+        return False
+    if not (bits_kept(have) and bits_kept(sharding)):
+        return False
+    return not have.is_equivalent_to(sharding, value.ndim)

@@ -11,7 +11,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from .._problems import StateProblem
-from ..arrays import ambient_mesh, as_spec, mesh_text, spec_problems
+from ..arrays import ambient_mesh, as_spec, mesh_text, put, spec_problems
 from ..quant import part_names
 from ..state import (
     Match,
@@ -302,10 +302,11 @@ def shard(tree: Any, rules: Rules, mesh: Mesh | None = None, *, strict: bool = F
 
     The rules are those of :func:`sharding_plan`: leaves no rule matches are replicated
     (with ``strict=True``, an error), and a rule that matches no leaf is an error.
-    Arrays move in one batched ``jax.device_put``; ``jax.ShapeDtypeStruct`` leaves (an
-    abstract model) come back as ``ShapeDtypeStruct`` carrying their sharding, ready as
-    an Orbax restore target. Any problem raises before anything moves; `tree` is never
-    changed.
+    Arrays move in one batched ``jax.device_put``, every bit kept (a bfloat16 NaN's
+    payload too, which a reshard's program on the CPU would make canonical);
+    ``jax.ShapeDtypeStruct`` leaves (an abstract model) come back as ``ShapeDtypeStruct``
+    carrying their sharding, ready as an Orbax restore target. Any problem raises before
+    anything moves; `tree` is never changed.
 
     Args:
         tree: a module or any PyTree of arrays.
@@ -321,7 +322,7 @@ def shard(tree: Any, rules: Rules, mesh: Mesh | None = None, *, strict: bool = F
     """
     _, leaves, treedef, shardings = _plan(tree, rules, mesh, strict)
     moving = [i for i, leaf in enumerate(leaves) if not isinstance(leaf, jax.ShapeDtypeStruct)]
-    moved = jax.device_put([placeable(leaves[i]) for i in moving], [shardings[i] for i in moving])
+    moved = put([placeable(leaves[i]) for i in moving], [shardings[i] for i in moving])
     out = [
         jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding)
         for leaf, sharding in zip(leaves, shardings, strict=True)

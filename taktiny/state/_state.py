@@ -26,6 +26,7 @@ import taktiny.state._represent as _represent
 import taktiny.state._values as _values
 
 from .._problems import Problems, StateProblem
+from ..arrays import put
 from ._layers import Layers
 from ._problems import StateDictError
 from ._represent import Other
@@ -170,7 +171,8 @@ def _place(moves: list[_Move], new: Any) -> None:
         if not group:
             continue
         sources = [_values.placeable(m.value) for m in group]
-        for move, array in zip(group, _values.placement.device_put(sources, targets), strict=True):
+        arrays = _values.placement.device_put(sources) if targets is None else put(sources, targets)
+        for move, array in zip(group, arrays, strict=True):
             new[move.where] = array
 
 

@@ -711,3 +711,27 @@ def test_eval_shape_of_a_model_it_closes_over_keeps_that_model_s_mesh():
         assert isinstance(kept, jax.ShapeDtypeStruct) and kept.shape == made.shape
         assert same(kept.sharding, made.sharding, made.ndim)
         assert kept.sharding.mesh == mesh
+
+
+ODD = [0x7F92, 0xFF81, 0x0003, 0x8001, 0x4052, 0x7FC0, 0x3F80, 0xC000]  # payloads, subnormals
+
+
+@pytest.mark.parametrize("axis_type", AXES)
+@pytest.mark.parametrize("move", ["shard", "load_state_dict"])
+def test_a_reshard_keeps_every_bit_of_bfloat16(move, axis_type):
+    """A bfloat16 array moved from one mesh to another keeps its NaNs' payloads and its
+    subnormals: the reshard's program on the CPU would make each NaN canonical (0x7fc0),
+    so such floats move as their bits."""
+    bits = np.array(ODD, np.uint16)
+    here = mesh_of(axis_type=axis_type)
+    there = jax.make_mesh(
+        (8,), ("x",), axis_types=(axis_type,), devices=jax.devices("cpu")[::-1]
+    )
+    source = jax.device_put(bits.view(jnp.bfloat16), NamedSharding(here, P("data")))
+    if move == "shard":
+        out = tt.shard({"w": source}, {"w": P()}, there)["w"]
+    else:
+        model = {"w": jax.device_put(jnp.zeros(8, jnp.bfloat16), NamedSharding(there, P()))}
+        out = tt.load_state_dict(model, {"w": source})["w"]
+    assert out.sharding == NamedSharding(there, P())
+    assert np.asarray(out).view(np.uint16).tolist() == ODD
