@@ -724,9 +724,7 @@ def test_a_reshard_keeps_every_bit_of_bfloat16(move, axis_type):
     so such floats move as their bits."""
     bits = np.array(ODD, np.uint16)
     here = mesh_of(axis_type=axis_type)
-    there = jax.make_mesh(
-        (8,), ("x",), axis_types=(axis_type,), devices=jax.devices("cpu")[::-1]
-    )
+    there = jax.make_mesh((8,), ("x",), axis_types=(axis_type,), devices=jax.devices("cpu")[::-1])
     source = jax.device_put(bits.view(jnp.bfloat16), NamedSharding(here, P("data")))
     if move == "shard":
         out = tt.shard({"w": source}, {"w": P()}, there)["w"]
