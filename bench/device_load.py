@@ -290,19 +290,28 @@ def _staged_on_cpu() -> Iterator[bool]:
 
 
 def _figure(
-    nbytes: int, limit: float, load: Callable[[], Any], want: Any, **timing: Any
+    nbytes: int,
+    limit: float,
+    load: Callable[[], Any],
+    want: Any,
+    pipeline: float | None = None,
+    **timing: Any,
 ) -> dict[str, Any]:
     """One load timed: GiB/s of `nbytes` (median, and the first call's, which compiles),
-    against `limit`, and whether it gave `want` bit for bit."""
+    against `limit` (and the raw `pipeline` of its file, when given), and whether it gave
+    `want` bit for bit."""
     seconds, first, out = _timed(load, **timing)
     speed = nbytes / GiB / seconds
-    return {
+    figure = {
         "GiBps": speed,
         "first_GiBps": nbytes / GiB / first,
         "vs_raw_limit": speed / limit,
         "bitwise": _bitwise(out, want),
         "as_held": _as_held(out, want),
     }
+    if pipeline is not None:
+        figure["vs_raw_pipeline"] = speed / pipeline
+    return figure
 
 
 def _write_fp8(folder: Path, arrays: dict[str, np.ndarray]) -> tuple[Path, dict[str, Any]]:
@@ -356,40 +365,41 @@ def _cases(
     hf = folder / "hf.safetensors"  # torch's names; [out, in] = the file's kernels' bytes
     save_safetensors(hf, {f"model.layers.{i}.weight": a for i, a in enumerate(arrays.values())})
     hf.read_bytes()
-    limit = min(_raw([hf], 8), put)
+    limit, pipe = min(_raw([hf], 8), put), _raw_pipeline(hf)
     nbytes = sum(a.nbytes for a in arrays.values())
     flat = _abstract({n: (a.shape, a.dtype) for n, a in arrays.items()})
     renamed = [cv.Rule("model.layers.{i}.weight", "layers.{i}.kernel")]
     cases["renamed"] = _figure(
-        nbytes, limit, lambda: load_safetensors(flat, hf, rules=renamed), want
+        nbytes, limit, lambda: load_safetensors(flat, hf, rules=renamed), want, pipe
     )
     transposed = [cv.Rule("model.layers.{i}.weight", "layers.{i}.kernel", cv.transpose())]
     turned = {n: np.ascontiguousarray(a.T) for n, a in arrays.items()}  # (on the host: a
     # TPU's transpose would flush the subnormals the check looks for)
     cases["transposed"] = _figure(
-        nbytes, limit, lambda: load_safetensors(flat, hf, rules=transposed), turned
+        nbytes, limit, lambda: load_safetensors(flat, hf, rules=transposed), turned, pipe
     )
     del turned
-    cases["raw_limit_hf_GiBps"] = limit
+    cases["raw_limit_hf_GiBps"], cases["raw_pipeline_hf_GiBps"] = limit, pipe
 
-    limit = min(_raw([path], 8), put)
+    limit, pipe = min(_raw([path], 8), put), _raw_pipeline(path)
     layers = _modules(stacked=False)
     floats = load_safetensors(layers, path)
     stack = _modules(stacked=True)
     stacked = {"kernel": np.stack(list(arrays.values()))}  # (on the host, as the transposes)
-    cases["stack"] = _figure(nbytes, limit, lambda: load_safetensors(stack, path), stacked)
+    load = lambda: load_safetensors(stack, path)
+    cases["stack"] = _figure(nbytes, limit, load, stacked, pipe)
     del stacked
     for name, options in {"int8": {"bits": 8}, "int4": {"bits": 4, "group_size": 128}}.items():
         quantized = tt.quantize(layers, **options)
         oracle = tt.quantize(floats, **options)
         load = lambda quantized=quantized: load_safetensors(quantized, path)
-        cases[name] = _figure(nbytes, limit, load, oracle)
+        cases[name] = _figure(nbytes, limit, load, oracle, pipe)
         del oracle
-    cases["raw_limit_GiBps"] = limit
+    cases["raw_limit_GiBps"], cases["raw_pipeline_GiBps"] = limit, pipe
 
     fp8, oracle = _write_fp8(folder, arrays)
     fp8.read_bytes()
-    limit = min(_raw([fp8], 8), put)
+    limit, pipe = min(_raw([fp8], 8), put), _raw_pipeline(fp8)
     nbytes = fp8.stat().st_size
     rules = cv.quantized_rules(
         [
@@ -403,16 +413,14 @@ def _cases(
     oracle = jax.tree.unflatten(
         jax.tree.structure(layers), [oracle[f"layers.{i}.kernel"] for i in range(LAYERS)]
     )
-    cases["fp8_bf16"] = _figure(
-        nbytes, limit, lambda: load_safetensors(layers, fp8.parent, rules=rules), oracle
-    )
+    load = lambda: load_safetensors(layers, fp8.parent, rules=rules)
+    cases["fp8_bf16"] = _figure(nbytes, limit, load, oracle, pipe)
     bf16 = load_safetensors(layers, fp8.parent, rules=rules)
     int8, oracle = tt.quantize(layers), tt.quantize(bf16)
     del bf16
-    cases["fp8_int8"] = _figure(
-        nbytes, limit, lambda: load_safetensors(int8, fp8.parent, rules=rules), oracle
-    )
-    cases["raw_limit_fp8_GiBps"] = limit
+    load = lambda: load_safetensors(int8, fp8.parent, rules=rules)
+    cases["fp8_int8"] = _figure(nbytes, limit, load, oracle, pipe)
+    cases["raw_limit_fp8_GiBps"], cases["raw_pipeline_fp8_GiBps"] = limit, pipe
 
 
 def _sockets() -> bool:

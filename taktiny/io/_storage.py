@@ -13,12 +13,15 @@ from __future__ import annotations
 import concurrent.futures
 import mmap
 import os
+import threading
 import weakref
 from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
 from ._waits import POLL
+
+MAP_WINDOW = 2**30  # the bytes of a local file mapped at once (`OpenFile.mapped`)
 
 if TYPE_CHECKING:
     from ._object_store import Url
@@ -80,13 +83,17 @@ class OpenFile:
     when it was opened, whatever is renamed over ``path`` or removed afterwards (POSIX
     keeps an open file's bytes until its last descriptor is closed). A `Storage`."""
 
-    __slots__ = ("__weakref__", "close", "fd", "path")
+    __slots__ = ("__weakref__", "_last", "_lock", "_windows", "close", "fd", "path")
     large_reads: ClassVar[bool] = False
 
     def __init__(self, path: Path):
         self.path = path
         self.fd = os.open(path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
         self.close = weakref.finalize(self, os.close, self.fd)  # (calling it closes, once)
+        # the mappings made (`mapped`): (start, end, the mapping while a view of it lives)
+        self._windows: list[tuple[int, int, weakref.ref[mmap.mmap]]] = []
+        self._last: mmap.mmap | None = None  # (the latest, kept for the tensors after it)
+        self._lock = threading.Lock()
 
     @property
     def name(self) -> Path:
@@ -104,14 +111,32 @@ class OpenFile:
             os.posix_fadvise(self.fd, offset, size, os.POSIX_FADV_WILLNEED)
 
     def mapped(self, offset: int, size: int) -> memoryview | None:
-        start = offset - offset % mmap.ALLOCATIONGRANULARITY  # (a mapping starts on one)
-        try:  # (raises ValueError past the file's end)
-            mapping = mmap.mmap(
-                self.fd, offset + size - start, access=mmap.ACCESS_READ, offset=start
-            )
-        except OSError:  # (a file system that cannot map files)
-            return None
-        return memoryview(mapping)[offset - start :]
+        """A view of a window of the file mapped once for the tensors in it: `MAP_WINDOW`
+        bytes from the first tensor asked for (or as many as a larger one takes), kept
+        while a view of it lives and while it is the latest. Each mapping and unmapping
+        stops every thread's page faults in the process for a moment (the kernel takes
+        its lock on the address space to write), so readers mapping each tensor on their
+        own waited on one another: on a TPU v5e host, an FP8 load of 64 tensors ran at
+        0.49x a raw pipeline mapping each, 0.71x mapping the file once (bench/FINDINGS.md
+        section 14)."""
+        end = offset + size
+        if end > self.size:
+            raise ValueError(f"{self.path}: bytes {offset}..{end} are past the file's end")
+        with self._lock:
+            for start, stop, ref in self._windows:
+                window = ref()
+                if window is not None and start <= offset and end <= stop:
+                    return memoryview(window)[offset - start : end - start]
+            start = offset - offset % mmap.ALLOCATIONGRANULARITY  # (a mapping starts on one)
+            stop = min(max(end, start + MAP_WINDOW), self.size)
+            try:
+                window = mmap.mmap(self.fd, stop - start, access=mmap.ACCESS_READ, offset=start)
+            except OSError:  # (a file system that cannot map files)
+                return None
+            live = [w for w in self._windows if w[2]() is not None]
+            self._windows = [*live, (start, stop, weakref.ref(window))]
+            self._last = window
+        return memoryview(window)[offset - start : end - start]
 
     def replaced(self) -> bool:
         try:

@@ -54,17 +54,29 @@ def part_regex(pattern: str, part: str) -> str:
 
 def compile_pattern(pattern: Any) -> re.Pattern[str]:
     """The regex matching the flat names that `pattern` matches (see the module's doc);
-    a ValueError naming the pattern when it is not one."""
+    a ValueError naming the pattern when it is not one. Kept once made (`_COMPILED`): a
+    load's plan matches each allowed pattern against every name."""
     if not isinstance(pattern, str) or not pattern:
         raise ValueError(f"a name pattern is a non-empty string, got {pattern!r}.")
+    compiled = _COMPILED.get(pattern)
+    if compiled is not None:
+        return compiled
     regex = "".join(
         r"(?:\.[^.]*)*" if part == "**" else r"\." + part_regex(pattern, part)
         for part in pattern.split(".")
     )
     try:
-        return re.compile(regex)
+        compiled = re.compile(regex)
     except re.error as error:
         raise ValueError(f"the pattern {pattern!r} is not valid: {error.msg}.") from None
+    if len(_COMPILED) >= COMPILED_BOUND:  # (a process that makes patterns without end)
+        _COMPILED.clear()
+    _COMPILED[pattern] = compiled
+    return compiled
+
+
+COMPILED_BOUND = 4096  # the patterns kept compiled before the store starts again
+_COMPILED: dict[str, re.Pattern[str]] = {}
 
 
 class Match(NamedTuple):

@@ -146,6 +146,46 @@ def test_mapped_gives_a_local_files_own_pages_read_only(tmp_path, monkeypatch):
         checkpoint["cube"].mapped()
 
 
+def test_a_file_is_mapped_once_for_the_tensors_in_a_window(tmp_path, monkeypatch):
+    import mmap
+    import types
+
+    import taktiny.io._storage as storage_module
+
+    unit = mmap.ALLOCATIONGRANULARITY
+    state = {f"t{i}": np.full(unit // 4 + 3 * i, i, np.float32) for i in range(6)}
+    path = tmp_path / "m.safetensors"
+    save_safetensors(path, state)
+    made = []
+
+    class Counted(mmap.mmap):
+        def __new__(cls, *args, **kwargs):
+            made.append(kwargs.get("offset", 0))
+            return super().__new__(cls, *args, **kwargs)
+
+    counted = types.SimpleNamespace(**{**vars(mmap), "mmap": Counted})
+    monkeypatch.setattr(storage_module, "mmap", counted)
+    monkeypatch.setattr(storage_module, "MAP_WINDOW", 3 * unit)
+    checkpoint = open_safetensors(path)
+    views = {name: checkpoint[name].mapped() for name in state}  # (each kept: all live)
+    for name, value in state.items():
+        np.testing.assert_array_equal(views[name], value)
+    # a window from the page of the first tensor it holds, 3 units long (at most to the
+    # file's end); the next from the first tensor that ends past it (never split in two)
+    expected, stop, size = [], 0, path.stat().st_size
+    for name in state:
+        start, end = checkpoint[name].offset, checkpoint[name].offset + checkpoint[name].nbytes
+        if not expected or not (expected[-1] <= start and end <= stop):
+            expected.append(start - start % unit)
+            stop = min(max(end, expected[-1] + 3 * unit), size)
+    assert made == expected and 1 < len(made) < len(state)
+    views.clear()  # (no view lives: every window let go but the latest)
+    checkpoint["t5"].mapped()
+    assert len(made) == len(expected)  # the latest window, kept
+    checkpoint["t0"].mapped()
+    assert made[len(expected) :] == [expected[0]]  # mapped again
+
+
 def _refused(*args, **kwargs):
     raise OSError(19, "No such device")  # (ENODEV)
 
@@ -200,11 +240,14 @@ def test_readahead_asks_for_the_bytes_ahead_of_the_reader_once_each(tmp_path, mo
     monkeypatch.setattr(os, "posix_fadvise", advise)
     with Readahead(tensors, window=150, chunk=64) as ahead:
         ahead.reached(0)  # 150 bytes ahead of x's start, in requests of 64 at most
+        ahead.requests.join()  # (made by the read-ahead's own thread)
         assert [a[1:] for a in asked] == [(x, 64), (x + 64, 36), (y, 40), (z, 64)]
         ahead.reached(1)  # 150 bytes past x's end: z's last bytes
+        ahead.requests.join()
         assert [a[1:] for a in asked[4:]] == [(z + 64, 36)]
         ahead.reached(2)
         ahead.reached(3)
+        ahead.requests.join()
         assert len(asked) == 5  # each byte asked for once
         (fd,) = {a[0] for a in asked}  # the file opened once: as the checkpoint holds it
         assert os.path.samefile(f"/proc/self/fd/{fd}", path)
@@ -213,17 +256,42 @@ def test_readahead_asks_for_the_bytes_ahead_of_the_reader_once_each(tmp_path, mo
     with Readahead(tensors, window=64, chunk=64) as ahead:
         ahead.reached(3)  # a reader that overtook the requests: they start at its tensor
         ahead.reached(3)  # and go on from where they were
-        assert [a[1:] for a in asked] == [(z, 64)]
+    assert [a[1:] for a in asked] == [(z, 64)]  # (every request claimed made on leaving)
     del checkpoint, tensors, ahead
     assert not os.path.exists(f"/proc/self/fd/{fd}")  # closed with the last of them
     asked.clear()
     made = [Tensor("z", (25,), np.float32, path, z), Tensor("y", (10,), np.float32, path, y)]
     with Readahead(made, window=150, chunk=64) as ahead:  # tensors made by hand, not opened
         ahead.reached(0)
+        ahead.requests.join()
         assert [a[1:] for a in asked] == [(z, 64), (z + 64, 36), (y, 40)]
         (fd,) = {a[0] for a in asked}  # their file opened once, by the readahead
         assert os.path.samefile(f"/proc/self/fd/{fd}", path)
     assert not os.path.exists(f"/proc/self/fd/{fd}")  # and closed with it
+
+
+def test_a_refused_read_ahead_request_ends_the_read_ahead_not_the_reads(tmp_path, monkeypatch):
+    import os
+
+    from taktiny.loading._readers import Readahead
+
+    path = tmp_path / "two.safetensors"
+    save_safetensors(path, {"x": np.ones(25, np.float32), "y": np.ones(10, np.float32)})
+    checkpoint = open_safetensors(path)
+    tensors = [checkpoint["x"], checkpoint["y"]]
+    asked = []
+
+    def refuse(fd, offset, length, advice):
+        asked.append(offset)
+        raise OSError(22, "Invalid argument")
+
+    monkeypatch.setattr(os, "posix_fadvise", refuse)
+    with Readahead(tensors, window=64, chunk=64) as ahead:
+        ahead.reached(0)  # x's first 64 bytes: refused
+        ahead.requests.join()
+        ahead.reached(1)  # x's last 36 and y's 40: never asked
+    assert asked == [tensors[0].offset]
+    assert np.array_equal(tensors[1].read(), np.ones(10, np.float32))
 
 
 def test_a_truncated_file(good):

@@ -342,6 +342,9 @@ def test_the_accelerator_group_runs_small_on_a_cpu_when_asked(
     (tmp_path / "scratch").mkdir()
     group = accelerator.run(Config("smoke", tmp_path / "scratch"))
     check(group)
-    assert len(group.targets) == 15 and "read back bitwise equal" in " ".join(group.notes)
+    assert len(group.targets) == 22 and "read back bitwise equal" in " ".join(group.notes)
+    cases = next(t for t in group.tables if t.title.startswith("Loads through rules"))
+    assert set(cases.rows) == set(accelerator.CASES.values())  # each against its own file
+    assert all(set(row) == set(cases.systems) for row in cases.rows.values())
     assert list((tmp_path / "scratch").iterdir()) == []
     assert not accelerator.FIGURES.exists()  # (figures of a CPU are not kept)
