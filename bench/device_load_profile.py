@@ -1,108 +1,202 @@
-"""Where a staged load's reader threads spend their time (issue 52 point 3; FINDINGS 14):
-a 1 GiB bfloat16 file loaded onto the default device, warm, with the staging functions
-wrapped in timers; prints GiB/s and the seconds summed over the reader threads (the read
-and hash of each piece without the wait for a ring buffer, that wait, `device_put`, and the
-dispatch of the jitted write into place, a unit's whole read, the leaf begun as zeros),
-the load's own thread (waiting for each unit in turn, placing it), and the readers'
-width after each unit, checksums verified and not.
+"""Where a load onto an accelerator spends its time (issue 52 point 3; FINDINGS 14): each
+case loaded once to warm up, then once with the loader's steps wrapped in clocks, and the
+seconds summed by thread: the load's own thread (planning, waiting for each unit, placing
+it, starting reads, the final resolve, and what it spent outside all of them), the reader
+threads (read-ahead claims, mappings, copies onto the device, checksums, a staged piece's
+read and hash, the wait for a ring buffer, each unit's whole read) and the read-ahead's
+thread (its requests to the OS), and every ``Thread.start`` (a thread the load made).
 
-    python bench/device_load_profile.py FOLDER     # on an accelerator's host
+The cases: the 1 GiB bfloat16 file of ``bench/device_load.py`` loaded as it is
+(``plain``: its tensors copied from the file's mapped pages onto a TPU or a GPU), the same
+staged through the ring as a tensor in object storage is (``staged``), and its FP8 twin
+into bfloat16 (``fp8_bf16``) and into int8 (``fp8_int8``). ``DEVICE_LOAD_LAYERS`` and
+``DEVICE_LOAD_WIDTH`` make them smaller. Prints one JSON object of the figures, each case's
+thread-seconds in milliseconds. On a CPU the figures mean little: a CPU device adopts host
+memory, so no tensor is mapped, staged or copied there.
+
+    python bench/device_load_profile.py FOLDER [CASE ...]    # on an accelerator's host
 """
 
-import collections
+from __future__ import annotations
+
+import contextlib
+import json
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import jax
-import ml_dtypes
-import numpy as np
 
-import taktiny.io._read as R
-import taktiny.loading._load as L
-import taktiny.loading._readers as readers_module
-import taktiny.loading._ways as W
-from taktiny.io import load_safetensors, save_safetensors
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-spent = collections.Counter()
-lock = threading.Lock()
+from bench import device_load as dl  # (the path first: bench as a package)
+
+CASES = ("plain", "staged", "fp8_bf16", "fp8_int8")
 
 
-def timed(name, fn):
-    def wrapper(*a, **k):
-        t = time.perf_counter()
-        try:
-            return fn(*a, **k)
-        finally:
-            with lock:
-                spent[name] += time.perf_counter() - t
+class Clocks:
+    """Seconds summed by (thread kind, step) of the calls wrapped with :meth:`wrap`."""
 
-    return wrapper
+    def __init__(self) -> None:
+        self.spent: dict[tuple[str, str], float] = {}
+        self.calls: dict[tuple[str, str], int] = {}
+        self.lock = threading.Lock()
 
+    def add(self, step: str, seconds: float) -> None:
+        name = threading.current_thread().name
+        kind = "main" if name == "MainThread" else name.rstrip("_0123456789")
+        with self.lock:
+            key = (kind, step)
+            self.spent[key] = self.spent.get(key, 0.0) + seconds
+            self.calls[key] = self.calls.get(key, 0) + 1
 
-def timed_iter(name, fn):
-    def wrapper(*a, **k):
-        it = fn(*a, **k)
-        while True:
-            t = time.perf_counter()
+    @contextlib.contextmanager
+    def wrap(self, owner: Any, attribute: str, step: str) -> Iterator[None]:
+        """`owner.attribute` timed as `step` for the block (a generator's each step)."""
+        real = owner.__dict__[attribute] if isinstance(owner, type) else getattr(owner, attribute)
+        generator = getattr(real, "__code__", None) is not None and real.__code__.co_flags & 0x20
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
             try:
-                x = next(it)
-            except StopIteration:
-                return
+                return real(*args, **kwargs)
             finally:
-                with lock:
-                    spent[name] += time.perf_counter() - t
-            yield x
+                self.add(step, time.perf_counter() - start)
 
-    return wrapper
+        def timed_steps(*args: Any, **kwargs: Any) -> Any:
+            steps = real(*args, **kwargs)
+            while True:
+                start = time.perf_counter()
+                try:
+                    item = next(steps)
+                except StopIteration:
+                    return
+                finally:
+                    self.add(step, time.perf_counter() - start)
+                yield item
 
+        setattr(owner, attribute, timed_steps if generator else timed)
+        try:
+            yield
+        finally:
+            setattr(owner, attribute, real)
 
-folder = Path(sys.argv[1])
-folder.mkdir(exist_ok=True)
-path = folder / "p.safetensors"
-rng = np.random.default_rng(0)
-state = {
-    f"w{i}": (rng.integers(0, 2**16, (4096, 4096), dtype=np.uint16) & 0x7F7F).view(
-        ml_dtypes.bfloat16
-    )
-    for i in range(32)
-}
-save_safetensors(path, state)
-path.read_bytes()
-target = {n: jax.ShapeDtypeStruct(v.shape, v.dtype) for n, v in state.items()}
-jax.block_until_ready(load_safetensors(target, path, progress=False))  # warm: compiles
-W.placed = timed("device_put", W.placed)
-W.Staged.read = timed("a unit's read, whole (reader)", W.Staged.read)
-W.Staged.place = timed("placing a unit (load's thread)", W.Staged.place)
-real_zeros = W.zeros_on
-W.zeros_on = lambda *a: timed("the leaf begun (zeros)", real_zeros(*a))
-L.result_of = timed("waiting for a unit (load's thread)", L.result_of)
-widths = []
-real_finished = readers_module.Readers.finished
+    def table(self) -> dict[str, dict[str, float]]:
+        """{thread kind: {step: milliseconds}}, and each step's calls under "calls"."""
+        out: dict[str, dict[str, Any]] = {}
+        for (kind, step), seconds in sorted(self.spent.items()):
+            out.setdefault(kind, {})[step] = round(seconds * 1e3, 2)
+            out.setdefault("calls", {})[f"{kind}: {step}"] = self.calls[(kind, step)]
+        return out
 
 
-def finished(self, nbytes):
-    real_finished(self, nbytes)
-    widths.append(self.width)
+def _wrapped(clocks: Clocks) -> contextlib.ExitStack:
+    """Every step the profile times, wrapped (restored when the stack closes)."""
+    import concurrent.futures
+
+    import taktiny.io._read as read
+    import taktiny.io._storage as storage
+    import taktiny.loading._load as load
+    import taktiny.loading._readers as readers
+    import taktiny.loading._ways as ways
+
+    stack = contextlib.ExitStack()
+    steps: list[tuple[Any, str, str]] = [
+        (load, "open_load", "planning: the record"),
+        (load, "migrated", "planning: migrations"),
+        (load, "steps_of", "planning: the steps"),
+        (load, "Ways", "planning: the ways"),
+        (load, "result_of", "waiting for a unit"),
+        (load, "loaded", "the final resolve"),
+        (concurrent.futures.ThreadPoolExecutor, "submit", "starting a read"),
+        (threading.Thread, "start", "Thread.start"),
+        (readers.Readahead, "reached", "read-ahead claims"),
+        (readers.Readers, "finished", "the readers' count"),
+        (storage.OpenFile, "advise", "read-ahead requests"),
+        (read.Tensor, "mapped", "mapping"),
+        (read.Tensor, "check", "checksum of mapped bytes"),
+        (read.Tensor, "read_rows", "a staged piece read and hashed"),
+        (ways.Ring, "take", "waiting for a ring buffer"),
+        (ways, "_copied", "copy onto the device"),
+    ]
+    for cls in (ways.Way, *_subclasses(ways.Way)):
+        for method, step in (("read", "a unit's whole read"), ("place", "placing a unit")):
+            if method in cls.__dict__:
+                steps.append((cls, method, f"{step} ({cls.__name__})"))
+    for owner, attribute, step in steps:
+        stack.enter_context(clocks.wrap(owner, attribute, step))
+    return stack
 
 
-readers_module.Readers.finished = finished
-W.Ring.take = timed("ring.take (wait)", W.Ring.take)
-R.Tensor.read_rows = timed_iter("read+hash a piece", R.Tensor.read_rows)
-real_writer = W._writer
-W._writer = lambda perm, sharding: timed("write into place (dispatch)", real_writer(perm, sharding))
-for verify in (True, False):
-    spent.clear()
-    t = time.perf_counter()
-    jax.block_until_ready(load_safetensors(target, path, verify=verify, progress=False))
-    wall = time.perf_counter() - t
-    waits = spent["ring.take (wait)"]
-    spent["read+hash a piece"] -= waits
-    print(
-        f"verify={verify}: {1 / wall:.2f} GiB/s, wall {wall:.3f} s; thread-seconds:",
-        {k: round(v, 3) for k, v in spent.items()},
-        "readers' width after each unit:",
-        widths,
-    )
-    widths.clear()
+def _subclasses(cls: type) -> list[type]:
+    return [s for c in cls.__subclasses__() for s in (c, *_subclasses(c))]
+
+
+def _loads(folder: Path, cases: list[str]) -> dict[str, tuple[int, Callable[[], Any], Any]]:
+    """Each case's (bytes, load, settings) over files written in `folder`."""
+    import taktiny as tt
+    from taktiny import convert as cv
+    from taktiny.io import load_safetensors, open_safetensors, save_safetensors
+
+    arrays = dl._arrays()
+    path = folder / "model.safetensors"
+    save_safetensors(path, arrays)
+    flat = dl._abstract({n: (a.shape, a.dtype) for n, a in arrays.items()})
+    out: dict[str, tuple[int, Callable[[], Any], Any]] = {}
+    nbytes = path.stat().st_size
+    plain = lambda: load_safetensors(flat, path, progress=False)
+    out["plain"] = (nbytes, plain, {})
+    out["staged"] = (nbytes, plain, {"_ways._local": lambda tensor: False})
+    if any(c.startswith("fp8") for c in cases):
+        fp8, _ = dl._write_fp8(folder, arrays)
+        layers = dl._modules(stacked=False)
+        rules = cv.quantized_rules(
+            [
+                r
+                for i in range(dl.LAYERS)
+                for r in cv.linear(f"model.layers.{i}.proj", f"layers.{i}", bias=False)
+            ],
+            open_safetensors(fp8.parent),
+        )
+        int8, size = tt.quantize(layers), fp8.stat().st_size
+        load = lambda model: load_safetensors(model, fp8.parent, rules=rules, progress=False)
+        out["fp8_bf16"] = (size, lambda: load(layers), {})
+        out["fp8_int8"] = (size, lambda: load(int8), {})
+    return {c: out[c] for c in cases}
+
+
+def profile(folder: Path, cases: list[str]) -> dict[str, Any]:
+    """The figures of each case (see the module's doc)."""
+    figures: dict[str, Any] = {"device": str(jax.devices()[0].device_kind)}
+    for case, (nbytes, load, settings) in _loads(folder, cases).items():
+        with dl._settings(settings):
+            jax.block_until_ready(load())  # (compiles; the file in the page cache)
+            clocks = Clocks()
+            with _wrapped(clocks):
+                start = time.perf_counter()
+                jax.block_until_ready(load())
+                wall = time.perf_counter() - start
+        table = clocks.table()
+        main = table.get("main", {})
+        inner = ("Thread.start", "the readers' count")  # (inside the steps around them)
+        accounted = sum(ms for step, ms in main.items() if step not in inner)
+        main["outside the steps timed"] = round(wall * 1e3 - accounted, 2)
+        figures[case] = {"GiBps": nbytes / 2**30 / wall, "ms": round(wall * 1e3, 2), **table}
+    return figures
+
+
+def main(argv: list[str]) -> None:
+    folder = Path(argv[0])
+    folder.mkdir(parents=True, exist_ok=True)
+    cases = argv[1:] or list(CASES)
+    unknown = sorted(set(cases) - set(CASES))
+    if unknown:
+        raise SystemExit(f"unknown cases {unknown}; the cases are {list(CASES)}")
+    print(json.dumps(profile(folder, cases), indent=1))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -197,6 +197,24 @@ def test_streaming_profile_runs(capsys):
     assert "preadv (disk wait + copy)" in out and "reader thread 2 ahead" in out
 
 
+def test_device_load_profile_runs_and_puts_back_what_it_timed(tmp_path, monkeypatch):
+    import threading
+
+    from bench import device_load, device_load_profile
+
+    monkeypatch.setattr(device_load, "LAYERS", 2)
+    monkeypatch.setattr(device_load, "WIDTH", 256)
+    start = threading.Thread.start
+    figures = device_load_profile.profile(tmp_path, ["plain", "fp8_int8"])
+    assert threading.Thread.start is start  # (every step unwrapped)
+    for case in ("plain", "fp8_int8"):
+        main, readers = figures[case]["main"], figures[case]["taktiny-read"]
+        assert main["outside the steps timed"] >= 0 and main["waiting for a unit"] > 0
+        assert figures[case]["calls"]["main: planning: the steps"] == 1
+        assert any(step.startswith("a unit's whole read") for step in readers)
+    assert figures["fp8_int8"]["main"]["placing a unit (Transformed)"] > 0
+
+
 def test_s3_stub_speaks_enough_s3(tmp_path, monkeypatch):
     """The storage group's server answers what obstore and Taktiny ask of S3: HEAD, ranged
     GETs, If-Match (412 on another ETag), a listing by prefix and delimiter."""
