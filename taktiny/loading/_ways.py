@@ -537,19 +537,25 @@ class Transformed(Way):
     memory (a TPU, a GPU), sources in local files, of dtypes JAX holds as they are, are
     copied onto it from their files' mapped pages instead (`maps`, as `Mapped` copies, as
     they are stored: the transform permutes them there, where a scratch buffer's read
-    permutes the first by `perm`): such a step takes no buffer, so its reads run beside
-    the other steps' while the load's thread transforms one step after another. Besides
-    the buffer (counted once, for the load), it holds the arrays its transform makes on
-    the default device that are not the leaves: a chain's intermediate results, results
-    cast or quantized afterwards (and the cast), results placed on other devices, and
-    64-bit sources cast to what JAX holds."""
+    permutes the first by `perm`): such a step takes no buffer and is transformed by its
+    reader too, as `Mapped` places its tensor, so several run at once (the load's own
+    thread, transforming one such step after another, was the slower half of an FP8 load
+    on a TPU v5e: bench/FINDINGS.md section 14). Besides the buffer (counted once, for the
+    load), it holds the arrays its transform makes on the default device that are not the
+    leaves: a chain's intermediate results, results cast or quantized afterwards (and the
+    cast), results placed on other devices, and 64-bit sources cast to what JAX holds."""
 
-    transforms = True
     perm: tuple[int, ...] | None = None  # the first source's axes, as a scratch buffer reads it
 
-    def __init__(self, step: Step, sources: list[Tensor], word: str) -> None:
+    def __init__(self, step: Step, sources: list[Tensor], word: str, load: Load) -> None:
         super().__init__(step, sources)
-        self.word = word
+        self.word, self.load = word, load
+
+    @property
+    def transforms(self) -> bool:  # pyright: ignore[reportIncompatibleVariableOverride]  (a class attribute of the others)
+        """Whether the load's own thread transforms it: not when it `maps` (its reader
+        does)."""
+        return not self.maps
 
     def held(self, load: Load, shapes: dict[Any, Any]) -> int:
         """Worked out from the shapes (for an unknown transform, what it makes: its own
@@ -622,9 +628,12 @@ class Transformed(Way):
         if self.scratch is not None:
             return self.scratch.read(self.sources, verify, self.perm)
         here = jax.sharding.SingleDeviceSharding(default_device())  # (`maps`: as stored)
-        return [_from_file(t, here, verify) for t in self.sources]
+        copied = [_from_file(t, here, verify) for t in self.sources]
+        return transformed(self.load, self.step, copied, None)
 
     def place(self, load: Load, data: Any) -> Iterable[tuple[str, Any]]:
+        if self.scratch is None:  # (`maps`: transformed by its reader)
+            return data.items()
         return transformed(load, self.step, data, self.scratch).items()
 
 
@@ -635,8 +644,8 @@ class Fp8Blocks(Transformed):
     parameter, quantized, by one XLA program: no float32 product is held
     (``dequantize_blocks.held_bytes`` says what is)."""
 
-    def __init__(self, step: Step, sources: list[Tensor], word: str) -> None:
-        super().__init__(step, sources, word)
+    def __init__(self, step: Step, sources: list[Tensor], word: str, load: Load) -> None:
+        super().__init__(step, sources, word, load)
         self.blocks = cast(dequantize_blocks, step.rule.transform)
         if len(sources) == 2:  # (weights and scales: read permuted, a byte a weight)
             self.perm = self.blocks.perm(sources[0].ndim)
@@ -725,7 +734,7 @@ def _way(load: Load, step: Step, piece: int) -> Way:
     if leaf is None or not isinstance(transform, identity | transpose):
         word = "quantized" if any(t in load.quantized for t in step.targets) else "scratch"
         kind = Fp8Blocks if isinstance(transform, dequantize_blocks) else Transformed
-        return kind(step, sources, word)
+        return kind(step, sources, word, load)
     sharding, tensor = sharding_of(leaf), sources[0]
     whole = len(sharding.device_set) == 1 or sharding.is_fully_replicated
     if whole and _staging(sharding) and not tensor.packed:

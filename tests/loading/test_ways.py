@@ -435,8 +435,8 @@ def test_quantizing_steps_onto_devices_that_copy_take_no_scratch_and_read_togeth
     tmp_path, monkeypatch, platform
 ):
     """Steps whose sources are copied from mapped pages take no scratch buffer: the plan
-    counts none, and their reads run several at once (the load's thread still quantizes
-    one step after another), with what ``tt.quantize`` gives."""
+    counts none, and their reads run several at once, each quantized by its reader (not
+    by the load's thread, one step after another), with what ``tt.quantize`` gives."""
     ways_module = _staged_everywhere(monkeypatch, platform, ring=False)
     layers = nn.Sequential(
         *[nn.Linear(256, 256, use_bias=False, rngs=nn.Rngs(i)) for i in range(6)]
@@ -447,8 +447,9 @@ def test_quantizing_steps_onto_devices_that_copy_take_no_scratch_and_read_togeth
     plan = plan_load(target, path)
     assert {s.way for s in plan.steps} == {"quantized"} and plan.scratch_bytes == 0
     most = in_flight(monkeypatch, ways_module, "_from_file")
+    quantizing = in_flight(monkeypatch, ways_module, "transformed")
     loaded = load_safetensors(target, path)
-    assert most[0] >= 2
+    assert most[0] >= 2 and quantizing[0] >= 2
     for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(tt.quantize(layers)), strict=True):
         assert a.devices() == {jax.devices(platform)[0]}
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
