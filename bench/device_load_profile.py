@@ -4,7 +4,9 @@ seconds summed by thread: the load's own thread (planning, waiting for each unit
 it, starting reads, the final resolve, and what it spent outside all of them), the reader
 threads (read-ahead claims, mappings, copies onto the device, checksums, a staged piece's
 read and hash, the wait for a ring buffer, each unit's whole read) and the read-ahead's
-thread (its requests to the OS), and every ``Thread.start`` (a thread the load made).
+thread (its requests to the OS), and every ``Thread.start`` (a thread the load made). Then
+alternating rounds of the load as it is and with its reader threads started once for all
+loads (``threads_kept``): whether starting them costs a load anything.
 
 The cases: the 1 GiB bfloat16 file of ``bench/device_load.py`` loaded as it is
 (``plain``: its tensors copied from the file's mapped pages onto a TPU or a GPU), the same
@@ -19,8 +21,10 @@ memory, so no tensor is mapped, staged or copied there.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import json
+import statistics
 import sys
 import threading
 import time
@@ -185,7 +189,45 @@ def profile(folder: Path, cases: list[str]) -> dict[str, Any]:
         accounted = sum(ms for step, ms in main.items() if step not in inner)
         main["outside the steps timed"] = round(wall * 1e3 - accounted, 2)
         figures[case] = {"GiBps": nbytes / 2**30 / wall, "ms": round(wall * 1e3, 2), **table}
+        with dl._settings(settings):
+            figures[case]["threads_kept"] = _threads_kept(nbytes, load)
     return figures
+
+
+class _Kept(concurrent.futures.ThreadPoolExecutor):
+    """A reader pool kept across loads: its threads started once (a load's ``with`` block
+    shuts it down for nothing)."""
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        pass
+
+
+def _threads_kept(nbytes: int, load: Callable[[], Any], rounds: int = 5) -> dict[str, float]:
+    """The load as it is against the same with its reader threads started once for every
+    load (the loader's ``ThreadPoolExecutor`` replaced by one pool kept, its 16 threads
+    started before the clock), in alternating rounds: GiB/s of each (medians) and the
+    median of the rounds' ratios. Whether starting a load's threads costs it anything."""
+    import taktiny.loading._load as loading
+
+    kept = _Kept(16, thread_name_prefix="taktiny-read")
+    list(kept.map(time.sleep, [0.01] * 16))  # (every thread started)
+    times: dict[str, list[float]] = {"as_is": [], "kept": []}
+    try:
+        for _ in range(rounds):
+            for way in times:
+                pool = (lambda *a, **k: kept) if way == "kept" else loading.ThreadPoolExecutor
+                with dl._settings({"_load.ThreadPoolExecutor": pool}):
+                    start = time.perf_counter()
+                    jax.block_until_ready(load())
+                    times[way].append(time.perf_counter() - start)
+    finally:
+        concurrent.futures.ThreadPoolExecutor.shutdown(kept)
+    ratios = [a / k for a, k in zip(times["as_is"], times["kept"], strict=True)]
+    return {
+        "as_is_GiBps": nbytes / 2**30 / statistics.median(times["as_is"]),
+        "kept_GiBps": nbytes / 2**30 / statistics.median(times["kept"]),
+        "kept_vs_as_is": statistics.median(ratios),
+    }
 
 
 def main(argv: list[str]) -> None:

@@ -200,13 +200,17 @@ def test_streaming_profile_runs(capsys):
 def test_device_load_profile_runs_and_puts_back_what_it_timed(tmp_path, monkeypatch):
     import threading
 
+    import taktiny.loading._load as load_module
     from bench import device_load, device_load_profile
 
     monkeypatch.setattr(device_load, "LAYERS", 2)
     monkeypatch.setattr(device_load, "WIDTH", 256)
-    start = threading.Thread.start
+    start, pool = threading.Thread.start, load_module.ThreadPoolExecutor
     figures = device_load_profile.profile(tmp_path, ["plain", "fp8_int8"])
     assert threading.Thread.start is start  # (every step unwrapped)
+    assert load_module.ThreadPoolExecutor is pool  # (the pool kept only for its rounds)
+    kept = figures["plain"]["threads_kept"]
+    assert kept["as_is_GiBps"] > 0 and kept["kept_GiBps"] > 0 and kept["kept_vs_as_is"] > 0
     for case in ("plain", "fp8_int8"):
         main, readers = figures[case]["main"], figures[case]["taktiny-read"]
         assert main["outside the steps timed"] >= 0 and main["waiting for a unit"] > 0
