@@ -219,6 +219,28 @@ def test_device_load_profile_runs_and_puts_back_what_it_timed(tmp_path, monkeypa
     assert figures["fp8_int8"]["main"]["placing a unit (Transformed)"] > 0
 
 
+@pytest.mark.thorough  # (three processes of their own, about 20 s)
+def test_device_load_ab_alternates_two_versions_each_in_its_own_process(
+    tmp_path, monkeypatch, capsys
+):
+    import shutil
+
+    from bench import device_load_ab
+
+    before = tmp_path / "before"
+    shutil.copytree(device_load_ab.ROOT / "taktiny", before / "taktiny")
+    monkeypatch.setenv("DEVICE_LOAD_LAYERS", "2")
+    monkeypatch.setenv("DEVICE_LOAD_WIDTH", "256")
+    device_load_ab.main([str(tmp_path / "files"), str(before), "1"])
+    lines = capsys.readouterr().out.splitlines()
+    runs = [json.loads(line[3:]) for line in lines if line.startswith("AB ")]
+    assert [r["label"] for r in runs] == ["before", "after"]
+    assert runs[0]["taktiny"] == str(before / "taktiny")  # each its own version
+    assert runs[1]["taktiny"] == str(device_load_ab.ROOT / "taktiny")
+    assert all(r[k] > 0 for r in runs for k in (*device_load_ab.LOADS, "pipeline_fp8"))
+    assert any(line.startswith("after: median GiB/s") for line in lines)
+
+
 def test_s3_stub_speaks_enough_s3(tmp_path, monkeypatch):
     """The storage group's server answers what obstore and Taktiny ask of S3: HEAD, ranged
     GETs, If-Match (412 on another ETag), a listing by prefix and delimiter."""

@@ -108,6 +108,7 @@ REACHING_ACROSS = {
     "loading/test_plan_load.py": "the taktiny command (taktiny._cli.main) prints a plan",
     "loading/test_into_stack.py": "takes the CPU devices for an accelerator's in the fill of stacks",
     "io/test_hostile.py": "the taktiny command (taktiny._cli.main) on hostile files",
+    "package/test_bench.py": "the load profile puts back the loader's reader pool it swaps",
 }
 
 
