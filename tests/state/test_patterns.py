@@ -112,7 +112,7 @@ def test_pattern_errors_word_for_word(pattern, message):
 
 def test_a_pattern_is_compiled_once_and_the_store_is_bounded(monkeypatch):
     """A load's plan matches each allowed pattern against every name: each is compiled
-    once (15,360 compilations made an FP8 load's plan 20 ms long), and a process making
+    once (3,072 compilations made an FP8 load's plan 20 ms long), and a process making
     patterns without end keeps at most `COMPILED_BOUND` of them."""
     monkeypatch.setattr(_patterns, "_COMPILED", {})
     monkeypatch.setattr(_patterns, "COMPILED_BOUND", 3)
