@@ -370,6 +370,20 @@ def _write_fp8(folder: Path, arrays: dict[str, np.ndarray]) -> tuple[Path, dict[
     return fp8 / "model.safetensors", oracle
 
 
+def _fp8_rules(folder: Path) -> list[Any]:
+    """The rules that load the FP8 checkpoint `_write_fp8` wrote into `folder` into the
+    layers (``cv.linear`` of each, read through its block scales: ``cv.quantized_rules``)."""
+    from taktiny import convert as cv
+    from taktiny.io import open_safetensors
+
+    linear = [
+        r
+        for i in range(LAYERS)
+        for r in cv.linear(f"model.layers.{i}.proj", f"layers.{i}", bias=False)
+    ]
+    return cv.quantized_rules(linear, open_safetensors(folder))
+
+
 def _cases(
     folder: Path,
     path: Path,
@@ -383,7 +397,7 @@ def _cases(
     figures put into `cases` as they come."""
     import taktiny as tt
     from taktiny import convert as cv
-    from taktiny.io import load_safetensors, open_safetensors, save_safetensors
+    from taktiny.io import load_safetensors, save_safetensors
 
     hf = folder / "hf.safetensors"  # torch's names; [out, in] = the file's kernels' bytes
     save_safetensors(hf, {f"model.layers.{i}.weight": a for i, a in enumerate(arrays.values())})
@@ -424,14 +438,7 @@ def _cases(
     fp8.read_bytes()
     limit, pipe = min(_raw([fp8], 8), put), fp8
     nbytes = fp8.stat().st_size
-    rules = cv.quantized_rules(
-        [
-            r
-            for i in range(LAYERS)
-            for r in cv.linear(f"model.layers.{i}.proj", f"layers.{i}", bias=False)
-        ],
-        open_safetensors(fp8.parent),
-    )
+    rules = _fp8_rules(fp8.parent)
     # (the oracle in the model's order: a dict's leaves come sorted, layers.10 before layers.2)
     oracle = jax.tree.unflatten(
         jax.tree.structure(layers), [oracle[f"layers.{i}.kernel"] for i in range(LAYERS)]
@@ -556,10 +563,7 @@ def peak(folder: Path, case: str = "renamed") -> dict[str, object]:
         model = _modules(stacked=True)
     elif case == "fp8_int8":
         path = folder / "fp8"
-        linear = [
-            cv.linear(f"model.layers.{i}.proj", f"layers.{i}", bias=False) for i in range(LAYERS)
-        ]
-        rules = cv.quantized_rules([r for rs in linear for r in rs], open_safetensors(path))
+        rules = _fp8_rules(path)
         model = tt.quantize(_modules(stacked=False))
     ways = sorted({s.way for s in plan_load(model, path, rules=rules).steps})
     before, anonymous = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, _anonymous()

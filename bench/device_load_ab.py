@@ -33,8 +33,7 @@ def one(folder: Path, label: str) -> dict[str, Any]:
     import jax.numpy as jnp
 
     import taktiny as tt
-    from taktiny import convert as cv
-    from taktiny.io import load_safetensors, open_safetensors
+    from taktiny.io import load_safetensors
 
     sys.path.append(str(ROOT))  # (after the version under test)
     from bench import device_load as dl
@@ -43,12 +42,7 @@ def one(folder: Path, label: str) -> dict[str, Any]:
     names = [f"layers.{i}.kernel" for i in range(dl.LAYERS)]
     flat = dl._abstract({n: ((dl.WIDTH, dl.WIDTH), jnp.bfloat16) for n in names})
     layers = dl._modules(stacked=False)
-    linear = [
-        r
-        for i in range(dl.LAYERS)
-        for r in cv.linear(f"model.layers.{i}.proj", f"layers.{i}", bias=False)
-    ]
-    rules = cv.quantized_rules(linear, open_safetensors(fp8.parent))
+    rules = dl._fp8_rules(fp8.parent)
     int8 = tt.quantize(layers)
     loads = {
         "plain": (plain, lambda: load_safetensors(flat, plain, progress=False)),

@@ -142,8 +142,7 @@ def _subclasses(cls: type) -> list[type]:
 def _loads(folder: Path, cases: list[str]) -> dict[str, tuple[int, Callable[[], Any], Any]]:
     """Each case's (bytes, load, settings) over files written in `folder`."""
     import taktiny as tt
-    from taktiny import convert as cv
-    from taktiny.io import load_safetensors, open_safetensors, save_safetensors
+    from taktiny.io import load_safetensors, save_safetensors
 
     arrays = dl._arrays()
     path = folder / "model.safetensors"
@@ -157,14 +156,7 @@ def _loads(folder: Path, cases: list[str]) -> dict[str, tuple[int, Callable[[], 
     if any(c.startswith("fp8") for c in cases):
         fp8, _ = dl._write_fp8(folder, arrays)
         layers = dl._modules(stacked=False)
-        rules = cv.quantized_rules(
-            [
-                r
-                for i in range(dl.LAYERS)
-                for r in cv.linear(f"model.layers.{i}.proj", f"layers.{i}", bias=False)
-            ],
-            open_safetensors(fp8.parent),
-        )
+        rules = dl._fp8_rules(fp8.parent)
         int8, size = tt.quantize(layers), fp8.stat().st_size
         load = lambda model: load_safetensors(model, fp8.parent, rules=rules, progress=False)
         out["fp8_bf16"] = (size, lambda: load(layers), {})

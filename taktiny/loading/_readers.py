@@ -108,9 +108,8 @@ class Readahead:
         refused = False
         while (requests := self.requests.get()) is not None:
             try:
-                for storage, offset, size in requests:
-                    if not refused:
-                        storage.advise(offset, size)
+                for storage, offset, size in [] if refused else requests:
+                    storage.advise(offset, size)
             except OSError:  # (a hint: the reads go on without it)
                 refused = True
             finally:
