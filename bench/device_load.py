@@ -18,8 +18,8 @@ bitwise on the host: against the file's arrays (renamed, stacked), their transpo
 product of the FP8 blocks rounded to bfloat16 (FP8).
 
 ``taktiny`` is the load as it is: each tensor copied onto the device from the file's
-mapped pages (``Mapped`` in ``taktiny/loading/_ways.py``), four readers from the start.
-``variants`` loads the file with two or eight readers from the start, and through the
+mapped pages (``Mapped`` in ``taktiny/loading/_ways.py``), eight readers from the start.
+``variants`` loads the file with two or four readers from the start, and through the
 staging ring that a tensor in object storage takes (pieces of 8 MiB and a ring of 8, as
 the load stages one; 16 and 16), each against the same limit. Other ways to stage (tensors
 whole, read by threads; small pages; transposed on the host) were measured and pruned:
@@ -72,12 +72,12 @@ GiB = 2**30
 MiB = 2**20
 
 # What each variant sets, restored after: the readers a load of mapped tensors starts with
-# (`_ways.MAPPED_START`, 4; they then grow while it pays), or a local file staged through
+# (`_ways.MAPPED_START`, 8; they then grow while it pays), or a local file staged through
 # the ring as a tensor in object storage is (`_ways._local`), with that ring's piece size
 # and length
 VARIANTS: dict[str, dict[str, Any]] = {
     "readers_from_2": {"_ways.MAPPED_START": 2},
-    "readers_from_8": {"_ways.MAPPED_START": 8},
+    "readers_from_4": {"_ways.MAPPED_START": 4},
     "ring_pieces_8MiB_ring8": {"_ways._local": lambda tensor: False},
     "ring_pieces_16MiB_ring16": {
         "_ways._local": lambda tensor: False,

@@ -5,8 +5,8 @@ it, starting reads, the final resolve, and what it spent outside all of them), t
 threads (read-ahead claims, mappings, copies onto the device, checksums, a staged piece's
 read and hash, the wait for a ring buffer, each unit's whole read) and the read-ahead's
 thread (its requests to the OS), and every ``Thread.start`` (a thread the load made). Then
-alternating rounds of the load as it is and with its reader threads started once for all
-loads (``threads_kept``): whether starting them costs a load anything.
+alternating rounds of the load as it is (its reader threads kept across loads) and with
+threads started for each load (``threads_kept``): what starting them costs a load.
 
 The cases: the 1 GiB bfloat16 file of ``bench/device_load.py`` loaded as it is
 (``plain``: its tensors copied from the file's mapped pages onto a TPU or a GPU), the same
@@ -186,39 +186,33 @@ def profile(folder: Path, cases: list[str]) -> dict[str, Any]:
     return figures
 
 
-class _Kept(concurrent.futures.ThreadPoolExecutor):
-    """A reader pool kept across loads: its threads started once (a load's ``with`` block
-    shuts it down for nothing)."""
-
-    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
-        pass
-
-
 def _threads_kept(nbytes: int, load: Callable[[], Any], rounds: int = 5) -> dict[str, float]:
-    """The load as it is against the same with its reader threads started once for every
-    load (the loader's ``ThreadPoolExecutor`` replaced by one pool kept, its 16 threads
-    started before the clock), in alternating rounds: GiB/s of each (medians) and the
-    median of the rounds' ratios. Whether starting a load's threads costs it anything."""
-    import taktiny.loading._load as loading
+    """The load as it is (its reader threads the process's, kept across loads:
+    ``taktiny.loading._readers.reader_pool``) against the same with threads started for
+    each load (a pool of its own, shut down after it, as loads had before), in alternating
+    rounds: GiB/s of each (medians) and the median of the rounds' ratios. What starting a
+    load's threads costs it."""
+    made: list[concurrent.futures.ThreadPoolExecutor] = []
 
-    kept = _Kept(16, thread_name_prefix="taktiny-read")
-    list(kept.map(time.sleep, [0.01] * 16))  # (every thread started)
-    times: dict[str, list[float]] = {"as_is": [], "kept": []}
-    try:
-        for _ in range(rounds):
-            for way in times:
-                pool = (lambda *a, **k: kept) if way == "kept" else loading.ThreadPoolExecutor
-                with dl._settings({"_load.ThreadPoolExecutor": pool}):
-                    start = time.perf_counter()
-                    jax.block_until_ready(load())
-                    times[way].append(time.perf_counter() - start)
-    finally:
-        concurrent.futures.ThreadPoolExecutor.shutdown(kept)
-    ratios = [a / k for a, k in zip(times["as_is"], times["kept"], strict=True)]
+    def own_pool() -> concurrent.futures.ThreadPoolExecutor:
+        made.append(concurrent.futures.ThreadPoolExecutor(64, thread_name_prefix="taktiny-read"))
+        return made[-1]
+
+    own = {"_load.reader_pool": own_pool, "_readers.reader_pool": own_pool}
+    times: dict[str, list[float]] = {"kept": [], "started": []}
+    for _ in range(rounds):
+        for way in times:
+            with dl._settings(own if way == "started" else {}):
+                start = time.perf_counter()
+                jax.block_until_ready(load())
+                times[way].append(time.perf_counter() - start)
+            while made:
+                made.pop().shutdown()
+    ratios = [s / k for s, k in zip(times["started"], times["kept"], strict=True)]
     return {
-        "as_is_GiBps": nbytes / 2**30 / statistics.median(times["as_is"]),
         "kept_GiBps": nbytes / 2**30 / statistics.median(times["kept"]),
-        "kept_vs_as_is": statistics.median(ratios),
+        "started_GiBps": nbytes / 2**30 / statistics.median(times["started"]),
+        "kept_vs_started": statistics.median(ratios),
     }
 
 

@@ -25,7 +25,7 @@ import contextlib
 import itertools
 import os
 from collections.abc import Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any
 
 import jax
@@ -44,7 +44,7 @@ from ..io import (
 from ..state import Stacker
 from ._budget import Budget
 from ._place import Scratch
-from ._readers import Readahead, Readers
+from ._readers import Readahead, Readers, reader_pool
 from ._record import loaded, migrated, open_load, parts_of, unkept
 from ._steps import steps_of
 from ._ways import Ways
@@ -246,8 +246,8 @@ def _load(
         contextlib.closing(ways),  # (after the readers: what the staging ring keeps let go)
         _bar(progress, sum(sizes), load.checkpoint) as bar,
         Readahead(order, _ahead(budget, 256 * 2**20)) as ahead,
-        ThreadPoolExecutor(readers.most, thread_name_prefix="taktiny-read") as pool,
     ):
+        pool = reader_pool()  # (the process's: a load waits for its own reads, not the pool)
         try:
             start_more()
             for u, way in enumerate(units):

@@ -13,10 +13,12 @@ of reading ahead.
 from __future__ import annotations
 
 import itertools
+import os
 import queue
 import threading
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from ..io import Storage, Tensor, Url, open_storage
@@ -26,6 +28,35 @@ WINDOW = 128 * 2**20  # bytes read between two measurements
 GAIN = 1.1  # a doubling of the readers must read this much faster to stay
 AHEAD_S = 0.25  # seconds of reading the read-ahead keeps requested
 AHEAD_LIMITS = (32 * 2**20, 1024 * 2**20)  # the read-ahead's bounds, in bytes
+POOL_MOST = 64  # the reader threads a process keeps at most (`reader_pool`)
+
+
+def reader_pool() -> ThreadPoolExecutor:
+    """The threads that every load of the process reads with: started when a load first
+    needs more than are idle, and kept for the loads after it (up to `POOL_MOST`; loads
+    running at once beyond that take turns). A load waits for its own tasks, never for the
+    pool's end. On a TPU v5e host, starting a thread took 4-7 ms while the load's readers
+    ran, 55 ms of a 108 ms FP8 load; loads with their threads kept were 1.09-1.17x as fast
+    (bench/FINDINGS.md section 14). A forked child starts a pool of its own (the parent's
+    threads are not in it)."""
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(POOL_MOST, thread_name_prefix="taktiny-read")
+        return _pool
+
+
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def _forget_pool() -> None:  # (in a forked child)
+    global _pool, _pool_lock
+    _pool, _pool_lock = None, threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pool)
 
 
 class Readers:
@@ -77,8 +108,8 @@ class Readahead:
     """Keeps the OS reading `window` bytes ahead of a reader that goes through `tensors` in
     this order, so the disk works while the reader copies and places: each call to
     :meth:`reached` (with the index of the tensor about to be read) claims the bytes up to
-    `window` past it, never twice, and hands them to a thread of the read-ahead's own
-    (``requests``, a queue), which asks its storage for them (``advise``:
+    `window` past it, never twice, and hands them to a thread of the read-ahead's own (one
+    of `reader_pool`'s, through ``requests``, a queue), which asks its storage for them (``advise``:
     ``posix_fadvise(WILLNEED)`` for a local file) in `chunk`-byte requests (Linux cuts
     each request to the disk's readahead size, a few MiB at most). A reader so never waits
     for the requests: on a TPU v5e host each took about 0.2 ms, and readers that made
@@ -94,8 +125,7 @@ class Readahead:
         self.opened: dict[Path | Url, Storage] = {}  # the files of tensors made by hand
         self.lock = threading.Lock()
         self.requests: queue.Queue[list[tuple[Storage, int, int]] | None] = queue.Queue()
-        self._thread = threading.Thread(target=self._advise, name="taktiny-readahead", daemon=True)
-        self._thread.start()
+        self._advising = reader_pool().submit(self._advise)
 
     def reached(self, index: int) -> None:
         with self.lock:
@@ -142,6 +172,6 @@ class Readahead:
 
     def __exit__(self, *exc: object) -> None:
         self.requests.put(None)
-        self._thread.join()
+        self._advising.result()
         for opened in self.opened.values():
             opened.close()

@@ -763,9 +763,10 @@ def _one_to_one(step: Step, sources: list[Tensor], leaves: Mapping[str, Any]) ->
 
 # How a load stages tensors onto devices that copy host memory (`Staged`, `Ring`), read
 # when each load begins (bench/FINDINGS.md section 14 measured others: none 3% faster)
-MAPPED_START = 4  # the readers a load with mapped steps (`Mapped`, `maps`) starts with (four
-# were 7-15% faster than two in three runs on a TPU v5e, eight 5% slower than four; `Readers`
-# grows from there)
+MAPPED_START = 8  # the readers a load with mapped steps (`Mapped`, `maps`) starts with (on a
+# TPU v5e four were 7-15% faster than two; with the reader threads kept across loads, eight
+# were 6% faster than four into FP8 loads of 0.5 GiB, the same on 1 GiB as it is, where four
+# had been 5% faster while each load started its threads; `Readers` grows from there)
 RING = 8  # the staging buffers, taken in turns
 RING_MOST = 256 * 2**20  # the most bytes of one (a tensor that needs more: a buffer of its own)
 STAGE_PIECE = 8 * 2**20  # the most bytes of a piece of a tensor (whole rows, at least one)

@@ -330,15 +330,6 @@ class Eager:
     """A reader thread that reads each step the moment it is asked to: a schedule the real
     one may take (it starts at once, while the loop goes on), made certain."""
 
-    def __init__(self, *args, **kwargs):
-        pass
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return None
-
     def submit(self, fn, *args):
         future = Future()
         try:
@@ -355,7 +346,7 @@ def test_with_one_buffer_a_step_is_read_into_it_only_once_the_step_before_is_pla
     # only once the step before has been transformed and placed, however soon it reads
     import taktiny.loading._load as load_module
 
-    monkeypatch.setattr(load_module, "ThreadPoolExecutor", Eager)
+    monkeypatch.setattr(load_module, "reader_pool", Eager)  # (the pool: a call gives it)
     model = MLP(rngs=nn.Rngs(8))
     state = {k: v.astype(ml_dtypes.bfloat16) for k, v in flat_numpy(model).items()}
     floats = {k: v.astype(np.float32) for k, v in state.items()}

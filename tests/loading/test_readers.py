@@ -160,3 +160,66 @@ def test_a_load_into_stacks_on_devices_keeps_few_slices_in_flight_only_on_the_ho
     loaded = load_safetensors(target, path)
     assert most[0] == (_layers.SLICES_AT_ONCE if slices_on_host else 6)
     assert np.array_equal(loaded.layers.block.kernel, model.layers.block.kernel)
+
+
+def _saved(tmp_path, count=12):
+    values = {f"w{i}": np.full((64, 64), i, np.float32) for i in range(count)}
+    path = tmp_path / "w.safetensors"
+    save_safetensors(path, values)
+    return values, path, {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in values.items()}
+
+
+def test_loads_read_with_the_process_s_threads_started_once(tmp_path, monkeypatch):
+    """The threads a load reads with (its readers and its read-ahead's) are the process's
+    (`reader_pool`), kept: a load after another starts none of its own."""
+    values, path, target = _saved(tmp_path)
+    load_safetensors(target, path)  # (the threads it needs, started)
+    time.sleep(0.2)  # (each thread counts itself idle just after its last task)
+    started, start = [], threading.Thread.start
+
+    def counted(thread):
+        started.append(thread.name)
+        return start(thread)
+
+    monkeypatch.setattr(threading.Thread, "start", counted)
+    loaded = load_safetensors(target, path)
+    assert started == []
+    for name, value in values.items():
+        assert np.array_equal(loaded[name], value)
+
+
+def test_loads_at_once_from_several_threads_share_the_readers_and_each_gets_its_model(tmp_path):
+    values, path, target = _saved(tmp_path)
+    others = {k: v + 100 for k, v in values.items()}
+    second = tmp_path / "second.safetensors"
+    save_safetensors(second, others)
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(4) as callers:
+        loads = [callers.submit(load_safetensors, target, p) for p in [path, second] * 4]
+        results = [f.result() for f in loads]
+    for k, loaded in enumerate(results):
+        want = values if k % 2 == 0 else others
+        assert all(np.array_equal(loaded[n], v) for n, v in want.items())
+
+
+@pytest.mark.filterwarnings(
+    "ignore:os.fork:RuntimeWarning"  # (JAX's warning at a fork: the child here runs no JAX)
+)
+def test_a_forked_child_reads_with_threads_of_its_own(tmp_path):
+    """The parent's reader threads are not in a child it forks: the child's first use of
+    the pool starts its own (a pool that counted the parent's idle threads would queue the
+    child's tasks for threads that never run them)."""
+    import os
+
+    _readers.reader_pool().submit(int).result()  # (the parent's pool, with an idle thread)
+    time.sleep(0.2)
+    pid = os.fork()
+    if pid == 0:  # the child: exits 0 when its task ran
+        try:
+            ran = _readers.reader_pool().submit(int, "7").result(timeout=10) == 7
+        except BaseException:  # noqa: BLE001  (any failure is the exit status)
+            ran = False
+        os._exit(0 if ran else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
