@@ -6,7 +6,16 @@ straight from the file's mapped pages, populated three ways, hashed or not; XXH3
 alone. A 1 GiB bfloat16 file (``P_LAYERS`` x ``P_WIDTH`` squares: 32 x 4096) in the page
 cache. Prints GiB/s by name (median of 3 each, one run).
 
-    python bench/device_pipelines.py FOLDER     # on the accelerator's host
+``steps`` (alone: ``python bench/device_pipelines.py FOLDER steps``) asks what a step of
+an FP8 load costs beyond its copy (FINDINGS 14: such loads reach 0.7-0.8x their file's
+raw pipeline, the plain load 1.1x): half the file's mapped pages, copied onto the device
+by 8 threads in steps of one layer's bytes as FP8 weights (``P_WIDTH`` squared), each
+hashed and copied as the loader does, and then, each alone and together: a second copy
+of a few KiB (the step's scales), a program making the step's bfloat16 product from them
+(its result twice the weights' bytes on the device), and the results let go before the
+next round or kept. GiB/s of the weights' bytes.
+
+    python bench/device_pipelines.py FOLDER [steps]    # on the accelerator's host
 """
 
 from __future__ import annotations
@@ -106,7 +115,59 @@ def mapped_put(fd: int, size: int, device: Any, threads: int, hashed: bool, how:
     jax.block_until_ready(_threads(threads, work))
 
 
-def main(folder: Path) -> dict[str, Any]:
+def fp8_steps(
+    pages: np.ndarray, device: Any, threads: int, scales: bool, program: bool
+) -> list[Any]:
+    """The steps of an FP8 load over `pages` (mapped; one step a layer's ``WIDTH`` squared
+    bytes), by `threads`: each hashed and copied onto `device`; with `scales`, a second
+    copy of its block scales (one float32 a 128 x 128 block); with `program`, the
+    bfloat16 product made on the device. The arrays made (kept by the caller, or not)."""
+    step, blocks = WIDTH * WIDTH, max(WIDTH // 128, 1)
+    scale = np.ones((blocks, blocks), np.float32)
+    steps = [(o, step) for o in range(0, pages.size - step + 1, step)]
+
+    def work(k: int) -> list[Any]:
+        made = []
+        for offset, n in steps[k::threads]:
+            xxhash.xxh3_128(pages[offset : offset + n]).digest()
+            weights = jax.device_put(pages[offset : offset + n].reshape(WIDTH, WIDTH), device)
+            blocks_scale = jax.device_put(scale, device) if scales else None
+            made.append(_product(weights, blocks_scale) if program else weights)
+        return made
+
+    return jax.block_until_ready(_threads(threads, work))
+
+
+@jax.jit
+def _product(weights: Any, scale: Any) -> Any:
+    """The FP8 weights (as bytes) by their block scales (None: ones), in bfloat16."""
+    values = jax.lax.bitcast_convert_type(weights, ml_dtypes.float8_e4m3fn).astype(np.float32)
+    if scale is not None:
+        size = weights.shape[0] // scale.shape[0]
+        values = values * jax.numpy.repeat(jax.numpy.repeat(scale, size, 0), size, 1)
+    return values.astype(ml_dtypes.bfloat16)
+
+
+def steps(fd: int, size: int, device: Any) -> dict[str, Any]:
+    """The ``steps`` figures (see the module's doc): GiB/s of the FP8 weights' bytes."""
+    half = size // 2
+    pages = np.frombuffer(mmap.mmap(fd, half, access=mmap.ACCESS_READ), np.uint8)
+    out: dict[str, Any] = {}
+    for name, scales, program in [
+        ("weights", False, False),
+        ("with_scales", True, False),
+        ("with_program", False, True),
+        ("with_scales_and_program", True, True),
+    ]:
+        run = lambda s=scales, p=program: fp8_steps(pages, device, 8, s, p)
+        run()  # (compiles)
+        out[f"steps_{name}"] = _timed(half, run)
+        kept: list[Any] = []  # (each round's results held: none let go between rounds)
+        out[f"steps_{name}_kept"] = _timed(half, lambda r=run, k=kept: k.append(r()))
+    return out
+
+
+def main(folder: Path, only: str | None = None) -> dict[str, Any]:
     rng = np.random.default_rng(0)
     flat = (rng.integers(0, 2**16, LAYERS * WIDTH * WIDTH, dtype=np.uint16) & 0x7F7F).view(
         ml_dtypes.bfloat16
@@ -116,6 +177,12 @@ def main(folder: Path) -> dict[str, Any]:
     path.read_bytes()  # (in the page cache)
     size, device = flat.nbytes, jax.devices()[0]
     out: dict[str, Any] = {"device": device.device_kind}
+    if only == "steps":
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            return out | steps(fd, size, device)
+        finally:
+            os.close(fd)
     for piece in (8 * MiB, 32 * MiB):
         for threads in (1, 4, 8):
             name = f"put_{piece // MiB}MiB_{threads}threads"
@@ -133,6 +200,7 @@ def main(folder: Path) -> dict[str, Any]:
             out[f"mapped_put_{threads}t_{how}"] = _timed(size, run)
         run = lambda h=how: mapped_put(fd, size, device, 8, True, h)
         out[f"mapped_hash_put_8t_{how}"] = _timed(size, run)
+    out |= steps(fd, size, device)
     os.close(fd)
     raw = flat.view(np.uint8)
     for threads in (1, 8):
@@ -146,4 +214,4 @@ def main(folder: Path) -> dict[str, Any]:
 if __name__ == "__main__":
     here = Path(sys.argv[1])
     here.mkdir(parents=True, exist_ok=True)
-    print(json.dumps(main(here), indent=1))
+    print(json.dumps(main(here, *sys.argv[2:3]), indent=1))

@@ -197,6 +197,19 @@ def test_streaming_profile_runs(capsys):
     assert "preadv (disk wait + copy)" in out and "reader thread 2 ahead" in out
 
 
+def test_device_pipelines_steps_time_each_shape_of_an_fp8_step(tmp_path, monkeypatch):
+    from bench import device_pipelines
+
+    monkeypatch.setattr(device_pipelines, "LAYERS", 4)
+    monkeypatch.setattr(device_pipelines, "WIDTH", 256)
+    figures = device_pipelines.main(tmp_path, "steps")
+    shapes = ["weights", "with_scales", "with_program", "with_scales_and_program"]
+    assert sorted(figures) == sorted(
+        ["device", *(f"steps_{s}{kept}" for s in shapes for kept in ("", "_kept"))]
+    )
+    assert all(v > 0 for k, v in figures.items() if k != "device")
+
+
 def test_device_load_profile_runs_and_puts_back_what_it_timed(tmp_path, monkeypatch):
     import threading
 
