@@ -34,7 +34,8 @@ POOL_MOST = 64  # the reader threads a process keeps at most (`reader_pool`)
 def reader_pool() -> ThreadPoolExecutor:
     """The threads that every load of the process reads with: started when a load first
     needs more than are idle, and kept for the loads after it (up to `POOL_MOST`; loads
-    running at once beyond that take turns). A load waits for its own tasks, never for the
+    running at once beyond that take turns: a read waits only for reads already running,
+    for a ring buffer, so every read ends). A load waits for its own tasks, never for the
     pool's end. On a TPU v5e host, starting a thread took 4-7 ms while the load's readers
     ran, 55 ms of a 108 ms FP8 load; loads with their threads kept were 1.09-1.17x as fast
     (bench/FINDINGS.md section 14). A forked child starts a pool of its own (the parent's
@@ -108,8 +109,8 @@ class Readahead:
     """Keeps the OS reading `window` bytes ahead of a reader that goes through `tensors` in
     this order, so the disk works while the reader copies and places: each call to
     :meth:`reached` (with the index of the tensor about to be read) claims the bytes up to
-    `window` past it, never twice, and hands them to a thread of the read-ahead's own (one
-    of `reader_pool`'s, through ``requests``, a queue), which asks its storage for them (``advise``:
+    `window` past it, never twice, and hands them to a thread of the read-ahead's own
+    (``requests``, a queue), which asks its storage for them (``advise``:
     ``posix_fadvise(WILLNEED)`` for a local file) in `chunk`-byte requests (Linux cuts
     each request to the disk's readahead size, a few MiB at most). A reader so never waits
     for the requests: on a TPU v5e host each took about 0.2 ms, and readers that made
@@ -125,7 +126,10 @@ class Readahead:
         self.opened: dict[Path | Url, Storage] = {}  # the files of tensors made by hand
         self.lock = threading.Lock()
         self.requests: queue.Queue[list[tuple[Storage, int, int]] | None] = queue.Queue()
-        self._advising = reader_pool().submit(self._advise)
+        # (a thread of its own, not the reader pool's: a task that waited for the load's
+        # end in the pool could hold its last thread while the load's reads queued for it)
+        self._thread = threading.Thread(target=self._advise, name="taktiny-readahead", daemon=True)
+        self._thread.start()
 
     def reached(self, index: int) -> None:
         with self.lock:
@@ -172,6 +176,6 @@ class Readahead:
 
     def __exit__(self, *exc: object) -> None:
         self.requests.put(None)
-        self._advising.result()
+        self._thread.join()
         for opened in self.opened.values():
             opened.close()

@@ -170,8 +170,8 @@ def _saved(tmp_path, count=12):
 
 
 def test_loads_read_with_the_process_s_threads_started_once(tmp_path, monkeypatch):
-    """The threads a load reads with (its readers and its read-ahead's) are the process's
-    (`reader_pool`), kept: a load after another starts none of its own."""
+    """The threads a load reads with are the process's (`reader_pool`), kept: a load after
+    another starts no reader (only its read-ahead's thread, before any reader runs)."""
     values, path, target = _saved(tmp_path)
     load_safetensors(target, path)  # (the threads it needs, started)
     time.sleep(0.2)  # (each thread counts itself idle just after its last task)
@@ -183,7 +183,7 @@ def test_loads_read_with_the_process_s_threads_started_once(tmp_path, monkeypatc
 
     monkeypatch.setattr(threading.Thread, "start", counted)
     loaded = load_safetensors(target, path)
-    assert started == []
+    assert started == ["taktiny-readahead"]
     for name, value in values.items():
         assert np.array_equal(loaded[name], value)
 
@@ -201,6 +201,24 @@ def test_loads_at_once_from_several_threads_share_the_readers_and_each_gets_its_
     for k, loaded in enumerate(results):
         want = values if k % 2 == 0 else others
         assert all(np.array_equal(loaded[n], v) for n, v in want.items())
+
+
+def test_loads_end_with_a_pool_of_one_thread(tmp_path, monkeypatch):
+    """Loads at once beyond the pool's threads take turns and all end: no task of theirs
+    waits in the pool for one queued behind it (the read-ahead keeps its own thread)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    values, path, target = _saved(tmp_path)
+    one = ThreadPoolExecutor(1, thread_name_prefix="taktiny-read")
+    monkeypatch.setattr(_readers, "_pool", one)
+    try:
+        with ThreadPoolExecutor(2) as callers:
+            loads = [callers.submit(load_safetensors, target, path) for _ in range(2)]
+            results = [f.result(timeout=60) for f in loads]
+    finally:
+        one.shutdown(wait=False, cancel_futures=True)
+    for loaded in results:
+        assert all(np.array_equal(loaded[n], v) for n, v in values.items())
 
 
 @pytest.mark.filterwarnings(
