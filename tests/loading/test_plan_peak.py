@@ -70,11 +70,11 @@ def test_the_predicted_peak_of_loads_through_scratch_buffers_is_the_measured(tmp
     said = {n: f"predicted {r['predicted']:,}, measured {r['measured']:,}, {off[n]:+.1%}"
             for n, r in found.items()}  # fmt: skip
     within = dict.fromkeys(CASES, WITHIN)
-    # the transposed arrays cut into blocks peak at one of two schedules, run by run (the
-    # largest tensor's read begun before or after the second one's temporaries are let
-    # go): 110-113 MB or 128-130 MB measured against the plan's 121.6 MB, before the reader
-    # threads were kept across loads as after (that change took ~2.5 MB of thread starts
-    # out of the lower); the plan lies between the two
+    # the transposed arrays cut into blocks peak at one of two levels, run by run (two
+    # schedules, probably: the largest tensor's read begun before or after the second
+    # one's temporaries are let go): 110-113 MB or 128-130 MB measured against the plan's
+    # 121.6 MB, before the reader threads were kept across loads as after (the lower level
+    # some 2.5 MB lower since, probably the thread starts); the plan lies between the two
     within[CASES[3]] = 0.12
     assert all(abs(x) <= within[n] for n, x in off.items()), json.dumps(said, indent=1)
     # what the load holds beyond the model's arrays stays within held_bytes, the most that
