@@ -7,7 +7,8 @@ the lent TPU's host, so a change is judged by rounds, not by one run.
 The other version is a folder holding its ``taktiny`` package (``git archive REV taktiny |
 tar -x -C FOLDER`` on a machine with the repository; the checkout's own is the other).
 Prints a line of JSON for each process (``label``: ``before`` or ``after``; GiB/s of each
-load, median of 5, and of the raw pipelines) and the medians by version.
+load, median of 5 taken in rotated orders, and of the raw pipelines) and the medians by
+version.
 
     python bench/device_load_ab.py DIR BEFORE_FOLDER [ROUNDS]    # on an accelerator's host
 """
@@ -55,8 +56,12 @@ def one(folder: Path, label: str) -> dict[str, Any]:
     times: dict[str, list[float]] = {name: [] for name in loads}
     for _, load in loads.values():
         jax.block_until_ready(load())  # (compiles)
-    for _ in range(5):
-        for name, (_, load) in loads.items():
+    names = list(loads)
+    # each load after each of the others in turn: in a fixed order, the FP8 load into
+    # bfloat16, always after the plain one, ran at 0.7x its speed alone (FINDINGS 14)
+    for k in range(5):
+        for name in names[k % 3 :] + names[: k % 3]:
+            load = loads[name][1]
             start = time.perf_counter()
             jax.block_until_ready(load())
             times[name].append(time.perf_counter() - start)
