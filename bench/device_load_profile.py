@@ -198,7 +198,7 @@ def _threads_kept(nbytes: int, load: Callable[[], Any], rounds: int = 5) -> dict
         made.append(concurrent.futures.ThreadPoolExecutor(64, thread_name_prefix="taktiny-read"))
         return made[-1]
 
-    own = {"_load.reader_pool": own_pool, "_readers.reader_pool": own_pool}
+    own = {"_load.reader_pool": own_pool}  # (the read-ahead keeps a thread of its own)
     times: dict[str, list[float]] = {"kept": [], "started": []}
     for _ in range(rounds):
         for way in times:

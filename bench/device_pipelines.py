@@ -124,11 +124,11 @@ def fp8_steps(
     bfloat16 product made on the device. The arrays made (kept by the caller, or not)."""
     step, blocks = WIDTH * WIDTH, max(WIDTH // 128, 1)
     scale = np.ones((blocks, blocks), np.float32)
-    steps = [(o, step) for o in range(0, pages.size - step + 1, step)]
+    layers = [(o, step) for o in range(0, pages.size - step + 1, step)]
 
     def work(k: int) -> list[Any]:
         made = []
-        for offset, n in steps[k::threads]:
+        for offset, n in layers[k::threads]:
             xxhash.xxh3_128(pages[offset : offset + n]).digest()
             weights = jax.device_put(pages[offset : offset + n].reshape(WIDTH, WIDTH), device)
             blocks_scale = jax.device_put(scale, device) if scales else None
