@@ -124,6 +124,27 @@ class _Untrained:
         obj.__setattr__(self.name, value)  # Module.__setattr__: frozen
 
 
+class _NodeTag:
+    """The last meta value of every node a node class flattens to: one per node class,
+    equal only to itself, shown as ``<ClassName>`` in a PyTreeDef.
+
+    JAX (0.10) compares dataclass nodes of two PyTreeDefs by their number of children and
+    their meta values, not by their classes (``tree_structure(a) == tree_structure(b)``
+    for any two classes registered with the same number of data fields and equal meta
+    values). JAX's caches look a structure up by hash, then confirm it by that equality; on
+    the rare hash collision, a jitted function called with a module of a new class could
+    reuse the program traced for another class, and give silently wrong results. With
+    this tag, two node classes' structures are never equal."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __repr__(self) -> str:
+        return f"<{self.name}>"
+
+
 def _node_type(base: type[Module], layout: Layout) -> type[Module]:
     """The class that instances of `base` with `layout` take once built: a subclass of the same
     name registered with JAX as a dataclass node, one per layout of the fields.
@@ -141,6 +162,7 @@ def _node_type(base: type[Module], layout: Layout) -> type[Module]:
             "__init__": types.SimpleNamespace.__init__,
             "_taktiny_layout": layout,
             "_taktiny_data": tuple(name for name, is_data in layout if is_data),
+            "_taktiny_node": _NodeTag(base.__name__),
         }
         fields = base._taktiny_fields
         for name, is_data in layout:
@@ -149,7 +171,7 @@ def _node_type(base: type[Module], layout: Layout) -> type[Module]:
         node_type: Any = _NodeMeta(base.__name__, (base,), namespace)  # pyright: ignore[reportCallIssue]
         data = [name for name, is_data in layout if is_data]
         meta = [name for name, is_data in layout if not is_data]
-        jax.tree_util.register_dataclass(node_type, data, meta)
+        jax.tree_util.register_dataclass(node_type, data, [*meta, "_taktiny_node"])
         _NODE_TYPES[(base, layout)] = node_type
     return node_type
 
@@ -306,6 +328,8 @@ class Module(types.SimpleNamespace, metaclass=_ModuleMeta):
     # the data fields' names, in layout order: how the state walk (`state/_names`) knows a
     # module without importing this file
     _taktiny_data: ClassVar[tuple[str, ...]] = ()
+    # each node class's own meta value, which keeps its structures apart from other classes'
+    _taktiny_node: ClassVar[_NodeTag | None] = None
 
     def __init__(self) -> None:
         """Subclasses assign their fields here, or declare them with annotations."""

@@ -229,6 +229,49 @@ def test_a_second_layout_gets_its_own_node_type_with_the_same_name():
     assert jax.tree.map(lambda x: x + 1, a).x[0] == 2
 
 
+def _same_layout_classes(i):
+    """Two classes of one layout (a field `w`) whose calls differ."""
+
+    class Add(nn.Module):
+        def __init__(self):
+            self.w = jnp.ones(2)
+
+        def __call__(self, x):
+            return x + self.w
+
+    class Scale(nn.Module):
+        def __init__(self):
+            self.w = jnp.ones(2)
+
+        def __call__(self, x):
+            return x * self.w * 5
+
+    return Add, Scale
+
+
+def test_structures_of_two_classes_with_one_layout_differ():
+    # JAX 0.10 compares dataclass nodes by arity and meta values, not by class: without a
+    # meta value of its own per node class, these two structures compared equal, and a
+    # jitted function met with a hash collision in its cache reused the program of the
+    # other class (about 1 call in 70: silently wrong results)
+    Add, Scale = _same_layout_classes(0)
+    add, scale = jax.tree.structure(Add()), jax.tree.structure(Scale())
+    assert add != scale
+    assert add == jax.tree.structure(Add())  # one class, one layout: one structure
+    assert str(add) == "PyTreeDef(CustomNode(Add[(<Add>,)], [*]))"
+    wrong = 0  # (the structures' equality above fails first; these calls show the cost)
+    for i in range(50):
+        Add, Scale = _same_layout_classes(i)
+        call = jax.jit(lambda module, x: module(x))
+        call(Add(), jnp.ones(2))
+        wrong += float(call(Scale(), jnp.ones(2))[0]) != 5.0
+    assert wrong == 0
+    # a rebuilt module (JAX's unflatten) flattens to the same structure as a built one
+    rebuilt = jax.tree.map(lambda x: x, Scale())
+    assert jax.tree.structure(rebuilt) == jax.tree.structure(Scale())
+    assert list(_module.fields_of(rebuilt)) == ["w"]
+
+
 def test_key_paths_name_leaves_by_attribute():
     m = nn.Sequential(MLP(rngs=nn.Rngs(0)))
     paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(m)[0]]
