@@ -16,11 +16,15 @@ jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_numpy_dtype_promotion", "strict")
 jax.config.update("jax_debug_key_reuse", False)
 
-# `make mutate` runs the tests once per mutant, each in a fresh process: share compiled
-# programs between them through JAX's persistent cache
+# `make test` runs the tests in two processes, and `make mutate` once per mutant, each in a
+# fresh process: they share compiled programs through JAX's persistent cache (a program
+# compiled by one worker is read by the other; tests that build equal programs under new
+# functions compile them once). A size bound turns on JAX's file lock around each read and
+# write: without one, a process can read an entry another is still writing.
 if cache := os.environ.get("TAKTINY_TEST_COMPILATION_CACHE"):
     jax.config.update("jax_compilation_cache_dir", cache)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_compilation_cache_max_size", 8 << 30)
 
 
 # The first collected module, or other node, after which JAX's backend was running (an array
