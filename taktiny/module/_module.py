@@ -126,15 +126,9 @@ class _Untrained:
 
 class _NodeTag:
     """The last meta value of every node a node class flattens to: one per node class,
-    equal only to itself, shown as ``<ClassName>`` in a PyTreeDef.
-
-    JAX (0.10) compares dataclass nodes of two PyTreeDefs by their number of children and
-    their meta values, not by their classes (``tree_structure(a) == tree_structure(b)``
-    for any two classes registered with the same number of data fields and equal meta
-    values). JAX's caches look a structure up by hash, then confirm it by that equality; on
-    the rare hash collision, a jitted function called with a module of a new class could
-    reuse the program traced for another class, and give silently wrong results. With
-    this tag, two node classes' structures are never equal."""
+    equal only to itself, shown as ``<ClassName>`` in a PyTreeDef. JAX 0.10 compares
+    dataclass nodes without their class; this keeps two classes' structures unequal (see
+    ``_module.md``, "A meta value of its own")."""
 
     __slots__ = ("name",)
 
@@ -169,9 +163,10 @@ def _node_type(base: type[Module], layout: Layout) -> type[Module]:
             if is_data and not getattr(fields.get(name), "trainable", True):
                 namespace[name] = _Untrained(name)
         node_type: Any = _NodeMeta(base.__name__, (base,), namespace)  # pyright: ignore[reportCallIssue]
-        data = [name for name, is_data in layout if is_data]
         meta = [name for name, is_data in layout if not is_data]
-        jax.tree_util.register_dataclass(node_type, data, [*meta, "_taktiny_node"])
+        jax.tree_util.register_dataclass(
+            node_type, list(namespace["_taktiny_data"]), [*meta, "_taktiny_node"]
+        )
         _NODE_TYPES[(base, layout)] = node_type
     return node_type
 

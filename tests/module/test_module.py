@@ -229,7 +229,7 @@ def test_a_second_layout_gets_its_own_node_type_with_the_same_name():
     assert jax.tree.map(lambda x: x + 1, a).x[0] == 2
 
 
-def _same_layout_classes(i):
+def _same_layout_classes():
     """Two classes of one layout (a field `w`) whose calls differ."""
 
     class Add(nn.Module):
@@ -254,14 +254,14 @@ def test_structures_of_two_classes_with_one_layout_differ():
     # meta value of its own per node class, these two structures compared equal, and a
     # jitted function met with a hash collision in its cache reused the program of the
     # other class (about 1 call in 70: silently wrong results)
-    Add, Scale = _same_layout_classes(0)
+    Add, Scale = _same_layout_classes()
     add, scale = jax.tree.structure(Add()), jax.tree.structure(Scale())
     assert add != scale
     assert add == jax.tree.structure(Add())  # one class, one layout: one structure
     assert str(add) == "PyTreeDef(CustomNode(Add[(<Add>,)], [*]))"
     wrong = 0  # (the structures' equality above fails first; these calls show the cost)
-    for i in range(50):
-        Add, Scale = _same_layout_classes(i)
+    for _ in range(50):
+        Add, Scale = _same_layout_classes()
         call = jax.jit(lambda module, x: module(x))
         call(Add(), jnp.ones(2))
         wrong += float(call(Scale(), jnp.ones(2))[0]) != 5.0
