@@ -53,8 +53,11 @@ def transformed(load: Load, step: Step, read: list[Any], scratch: Scratch | None
     read = _canonical(step.sources, read, problems)
     if problems:
         raise err.StateDictError(where, problems)
-    arrays = tuple(jax.device_put(a, here) for a in read)
     blocks = step.rule.transform
+    if isinstance(blocks, dequantize_blocks) and scratch is None:  # host arrays, as mapped:
+        arrays = tuple(read)  # copied as the program's arguments (`Fp8Blocks._source`)
+    else:
+        arrays = tuple(jax.device_put(a, here) for a in read)
     if isinstance(blocks, dequantize_blocks):  # FP8 blocks, read laid out: one XLA program
         results: Any = [_fp8_placed(blocks, arrays, step.targets[0], load, scratch is not None)]
     else:

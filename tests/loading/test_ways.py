@@ -15,7 +15,13 @@ from jax.sharding import PartitionSpec as P
 import taktiny as tt
 from taktiny import convert as cv
 from taktiny import nn
-from taktiny.io import load_safetensors, open_safetensors, plan_load, save_safetensors
+from taktiny.io import (
+    SafetensorsError,
+    load_safetensors,
+    open_safetensors,
+    plan_load,
+    save_safetensors,
+)
 
 MiB = 2**20
 
@@ -459,9 +465,11 @@ def test_fp8_blocks_onto_devices_that_copy_are_copied_from_mapped_pages(
     tmp_path, monkeypatch, platform
 ):
     """FP8 blocks for devices that copy host memory: their weights and scales copied from
-    the files' mapped pages (no scratch buffer mapped), the weights laid out by the
-    devices; bitwise what the load gives on devices that adopt host memory (read through
-    the scratch buffer, laid out on the host), into bfloat16 and into int8."""
+    the files' mapped pages by the step's program (no scratch buffer mapped, no copy of
+    their own), the weights laid out by the devices; bitwise what the load gives on
+    devices that adopt host memory (read through the scratch buffer, laid out on the
+    host), into bfloat16 and into int8; the values the devices' own (bytes written into
+    the files afterwards change none); their checksums verified on the way."""
     rng = np.random.default_rng(5)
     path = tmp_path / "fp8"
     weights = {f"layers.{i}.weight": rng.standard_normal((256, 384), np.float32) for i in range(2)}
@@ -482,14 +490,42 @@ def test_fp8_blocks_onto_devices_that_copy_are_copied_from_mapped_pages(
         want = {k: load_safetensors(t, path, rules=rules) for k, t in targets.items()}
     ways_module = _staged_everywhere(monkeypatch, platform, ring=False)
     views = _views(monkeypatch, ways_module)
+    copied, real = [], ways_module._from_file
+    monkeypatch.setattr(
+        ways_module, "_from_file", lambda t, *a: copied.append(t.name) or real(t, *a)
+    )
+    loaded = {}
     for name, target in targets.items():
-        loaded = load_safetensors(target, path, rules=rules)
-        for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(want[name]), strict=True):
+        copied.clear()
+        loaded[name] = load_safetensors(target, path, rules=rules)
+        assert copied == []  # (by the program's arguments)
+    assert views == []
+    for file in path.glob("*.safetensors"):  # every byte overwritten, in place
+        size = file.stat().st_size
+        with open(file, "r+b") as handle:
+            handle.seek(size - sum(t.nbytes for t in open_safetensors(file).values()))
+            handle.write(b"\xff" * (size - handle.tell()))
+    for name in targets:
+        for a, b in zip(jax.tree.leaves(loaded[name]), jax.tree.leaves(want[name]), strict=True):
             assert a.dtype == b.dtype and a.devices() == {jax.devices(platform)[0]}
             np.testing.assert_array_equal(
                 np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8)
             )
-    assert views == []
+    sealed = tmp_path / "sealed" / "model.safetensors"  # (with Taktiny's checksums)
+    sealed.parent.mkdir()
+    stored = {n: t.read(verify=False) for file in path.glob("*.safetensors")
+              for n, t in open_safetensors(file).items()}  # fmt: skip
+    save_safetensors(sealed, stored)
+    header = open_safetensors(sealed)["layers.1.weight"]
+    with open(sealed, "r+b") as handle:  # one bit of a weight flipped
+        handle.seek(header.offset + 77)
+        byte = handle.read(1)[0]
+        handle.seek(header.offset + 77)
+        handle.write(bytes([byte ^ 0x10]))
+    damaged = rf"the bytes of 'layers.1.weight' are damaged: their checksum is [0-9a-f]{{32}}, and the header records {header.checksum}"
+    for target in targets.values():
+        with pytest.raises(SafetensorsError, match=damaged):
+            load_safetensors(target, sealed.parent, rules=rules)
 
 
 def test_scalars_and_casts_onto_devices_that_copy_are_copied_from_mapped_pages(
