@@ -232,6 +232,27 @@ def test_device_load_profile_runs_and_puts_back_what_it_timed(tmp_path, monkeypa
     assert figures["fp8_int8"]["main"]["placing a unit (Transformed)"] > 0
 
 
+def test_device_fp8_paths_loads_both_ways_bitwise_and_by_the_load_before(tmp_path, monkeypatch):
+    import taktiny.loading._ways as ways
+    from bench import device_fp8_paths, device_load
+
+    monkeypatch.setattr(device_load, "LAYERS", 2)
+    monkeypatch.setattr(device_load, "WIDTH", 256)
+    copies, real = [], ways._from_file
+    monkeypatch.setattr(ways, "_from_file", lambda *a: copies.append(a) or real(*a))
+    with device_fp8_paths.way("arguments"):
+        figures = device_fp8_paths.main(tmp_path, rounds=2)
+        assert ways.Fp8Blocks._source is not ways.Transformed._source  # (put back)
+    keys = [f"{w}_{t}" for w in device_fp8_paths.WAYS for t in device_fp8_paths.TARGETS]
+    assert figures["bitwise"] is True and figures["raw_pipeline_GiBps"] > 0
+    assert all(figures[f"{k}_GiBps"] > 0 for k in keys)
+    assert len(figures["after"]) >= 4 and all(v > 0 for v in figures["after"].values())
+    assert {k.split(" after ")[0] for k in figures["after"]} == set(keys)
+    # the "calls" way copied each FP8 tensor by a call of its own: 2 tensors a layer, one
+    # load to compile and two timed, into each target
+    assert len(copies) == 2 * 2 * 3 * 2
+
+
 @pytest.mark.thorough  # (three processes of their own, about 20 s)
 def test_device_load_ab_alternates_two_versions_each_in_its_own_process(
     tmp_path, monkeypatch, capsys
