@@ -97,6 +97,7 @@ def faster(table: Table, op: str, system: str, ref_op: str | None = None) -> flo
 
 def fmt_time(seconds: float) -> str:
     """Seconds in the unit that reads best: 1.23 s, 45.6 ms, 789 µs."""
+    seconds = float(f"{seconds:.3g}")  # (rounded first: 999.6 µs reads 1 ms, not 1e+03 µs)
     for unit, scale in (("s", 1.0), ("ms", 1e-3), ("µs", 1e-6)):
         if seconds >= scale:
             return f"{seconds / scale:.3g} {unit}"

@@ -232,6 +232,19 @@ def test_device_load_profile_runs_and_puts_back_what_it_timed(tmp_path, monkeypa
     assert figures["fp8_int8"]["main"]["placing a unit (Transformed)"] > 0
 
 
+def test_times_read_in_the_unit_that_fits_their_rounded_value():
+    from bench._results import fmt_time
+
+    assert [fmt_time(s) for s in (1.234, 0.0456, 789e-6, 0.0009996, 0.99996, 5e-10)] == [
+        "1.23 s",
+        "45.6 ms",
+        "789 µs",
+        "1 ms",
+        "1 s",
+        "0.5 ns",
+    ]
+
+
 def test_device_fp8_paths_loads_both_ways_bitwise_and_by_the_load_before(tmp_path, monkeypatch):
     import taktiny.loading._ways as ways
     from bench import device_fp8_paths, device_load
