@@ -52,7 +52,7 @@ from ._transforms import unstack as unstack
 
 from ._convert import check_ties as check_ties
 from ._convert import per_layer as per_layer
-from ._coverage import allowed_by as allowed_by
+from ._coverage import Allowance as Allowance
 from ._coverage import check_allow as check_allow
 from ._coverage import plan as plan
 from ._coverage import transformed_specs as transformed_specs

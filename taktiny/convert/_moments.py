@@ -39,7 +39,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from ..state import kind as values_kind
-from ._coverage import ConversionError, ConversionProblem, Report, Step, allowed_by, plan, spec
+from ._coverage import Allowance, ConversionError, ConversionProblem, Report, Step, plan, spec
 from ._rules import AnyRule, Ignore, Rule, Tie, compile_template
 
 _GLOB = set("*?[]{}")  # what a literal name in a template must not hold
@@ -170,7 +170,8 @@ def plan_state(
             steps.append(Step(Rule(name, name), (name,), (name,)))
         else:
             problems.append(problem)
-    let = [p for p in problems if allowed_by(p.kind, p.name, allowed)]
+    allows = Allowance(allowed)
+    let = [p for p in problems if allows(p.kind, p.name)]
     if len(let) < len(problems):
         raise ConversionError(where, [p for p in problems if p not in let])
     return report._replace(allowed=(*report.allowed, *let), steps=tuple(steps)), ties

@@ -13,12 +13,12 @@ import jax
 from .._problems import Problems
 from ..convert import (
     PASS_ALLOWED,
+    Allowance,
     AnyRule,
     ConversionError,
     ConversionProblem,
     Rule,
     Step,
-    allowed_by,
     check_allow,
     check_ties,
     dequantize_blocks,
@@ -137,7 +137,7 @@ def ruled_steps(
     report, tied = plan(rules, checkpoint, {**leaves, **logical}, lenient, where, loading=True)
     _tied(tied, checkpoint, where, ties)
     made = {t for s in report.steps for t in s.targets}
-    problems = []
+    problems, allows = [], Allowance(allowed)
     for name in quantized:
         parts = [p for p in parts_of(name, quantized) if p in made]
         if name in made and parts:
@@ -159,7 +159,7 @@ def ruled_steps(
                     f"strict=False to keep the model's value.",
                 )
                 for part in parts_of(name, quantized)
-                if part not in made and not allowed_by("missing", part, allowed)
+                if part not in made and not allows("missing", part)
             ]
     if problems:
         raise ConversionError(where, problems)

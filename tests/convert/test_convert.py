@@ -270,6 +270,17 @@ def test_allow_by_pattern_gives_a_typed_report():
         cv.check(MLP_RULES, source, target=mlp(), allow={"shape": ["**"]})
 
 
+def test_an_allowance_matches_names_exactly_and_patterns_by_glob():
+    allows = cv.Allowance({"missing": ["a.b", "a+b", "layers.*.kernel", "x.**"], "unused": []})
+    assert allows("missing", "a.b") and allows("missing", "a+b")
+    assert not any(allows("missing", n) for n in ["a.bc", "a", "aab", "a.b.c", "layers.3.bias"])
+    assert allows("missing", "layers.3.kernel") and not allows("missing", "layers.3.4.kernel")
+    assert allows("missing", "x") and allows("missing", "x.y.z")
+    assert not allows("unused", "a.b") and not allows("unknown", "a.b")  # (another kind)
+    with pytest.raises(ValueError, match=r"the pattern 'a\.\.b' has an empty part"):
+        cv.Allowance({"missing": ["a..b"]})("missing", "c")
+
+
 def test_round_trip_check_fails_clearly_for_what_does_not_invert():
     model = mlp()
     cv.round_trip_check(MLP_RULES, model)
