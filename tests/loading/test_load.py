@@ -497,25 +497,6 @@ def test_allow_needs_rules():
         load_safetensors(abstract_mlp(), "unused.safetensors", allow={"missing": ["**"]})
 
 
-def test_a_quantizing_load_by_rules_plans_in_time_linear_in_its_layers(tmp_path, monkeypatch):
-    """Each quantized parameter lets its name and parts be missing (three names a
-    parameter), and each of its parts is checked against them: matched one name against
-    one pattern at a time, 64 layers compiled about 24,000 patterns, and 600 took a
-    second of planning. Names are looked up, and only wildcards compiled."""
-    import taktiny.convert._coverage as coverage
-
-    layers = nn.Sequential(*[nn.Linear(8, 8, use_bias=False, rngs=nn.Rngs(i)) for i in range(64)])
-    path = tmp_path / "m.safetensors"
-    save_safetensors(path, layers)
-    compiled, real = [], coverage.compile_pattern
-    monkeypatch.setattr(coverage, "compile_pattern", lambda p: compiled.append(p) or real(p))
-    rules = [cv.Rule("layers.{i}.kernel", "layers.{i}.kernel")]
-    loaded = load_safetensors(tt.quantize(tt.eval_shape(lambda: layers)), path, rules=rules)
-    assert len(compiled) < 64  # (none for each name and pattern)
-    for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(tt.quantize(layers)), strict=True):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-
-
 def test_progress_bar_names_the_file_and_is_off_when_asked(saved, capsys, monkeypatch):
     _, path = saved
     load_safetensors(abstract_mlp(), path, progress=True)

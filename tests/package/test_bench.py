@@ -245,6 +245,29 @@ def test_times_read_in_the_unit_that_fits_their_rounded_value():
     ]
 
 
+def test_device_hbm_reads_copies_each_weight_block_by_block(monkeypatch):
+    import jax.numpy as jnp
+
+    from bench import device_hbm_reads as hbm
+
+    monkeypatch.setattr(hbm, "LAYERS", 2)
+    monkeypatch.setattr(hbm, "WIDTH", 512)
+    weights = [
+        jnp.arange(512 * 512, dtype=jnp.int32).reshape(512, 512) % (97 + i) for i in range(2)
+    ]
+    weights = [w.astype(jnp.int8) for w in weights]
+    copy = hbm.copying(jnp.int8, 256, interpret=True)  # (two blocks a weight)
+    want = sum(w[256:264, :128].astype(jnp.float32) for w in weights)
+    assert jnp.array_equal(copy(weights), want)  # (the last block, copied)
+    figures = hbm.main()
+    assert figures["interpreted"] is True
+    for dtype in ("bfloat16", "int8"):
+        assert figures[f"xla_sum_{dtype}_GBps"] > 0
+        assert all(figures[f"copy_{dtype}_{r}rows_GBps"] > 0 for r in (256, 512))
+        assert figures[f"copy_{dtype}_256rows_us_a_weight"] > 0
+    assert "copy_int8_1024rows_GBps" not in figures  # (no block larger than the weight)
+
+
 def test_device_fp8_paths_loads_both_ways_bitwise_and_by_the_load_before(tmp_path, monkeypatch):
     import taktiny.loading._ways as ways
     from bench import device_fp8_paths, device_load
