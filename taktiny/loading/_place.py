@@ -43,7 +43,7 @@ def _canonical(names: Sequence[str], read: list[Any], problems: Problems) -> lis
 
 def transformed(load: Load, step: Step, read: list[Any], scratch: Scratch | None) -> dict[str, Any]:
     """A transforming step's targets, made from its sources (read into `scratch`, or, with
-    None, already copied onto the default device: NumPy or JAX arrays) by XLA
+    None, by the step's reader: on the default device, or FP8 blocks' mapped pages) by XLA
     on the default device and placed on their leaves' shardings; a float array made for a
     quantized parameter is quantized as it is, and its parts placed."""
     leaves, quantized, where = load.leaves, load.quantized, load.where
@@ -53,11 +53,10 @@ def transformed(load: Load, step: Step, read: list[Any], scratch: Scratch | None
     read = _canonical(step.sources, read, problems)
     if problems:
         raise err.StateDictError(where, problems)
+    # read by the step's reader (`Transformed.maps`): on the default device already, or
+    # host arrays that FP8 blocks' program copies as its arguments (`Fp8Blocks._source`)
+    arrays = tuple(read) if scratch is None else tuple(jax.device_put(a, here) for a in read)
     blocks = step.rule.transform
-    if isinstance(blocks, dequantize_blocks) and scratch is None:  # host arrays, as mapped:
-        arrays = tuple(read)  # copied as the program's arguments (`Fp8Blocks._source`)
-    else:
-        arrays = tuple(jax.device_put(a, here) for a in read)
     if isinstance(blocks, dequantize_blocks):  # FP8 blocks, read laid out: one XLA program
         results: Any = [_fp8_placed(blocks, arrays, step.targets[0], load, scratch is not None)]
     else:
