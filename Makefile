@@ -29,12 +29,14 @@ demo: $(STAMP)
 # Compiling is most of the suite's time, so this run (not `make property`, which keeps
 # XLA's defaults) compiles with XLA's CPU backend at optimisation level 1 (here 21% less
 # time in tests/nn, every test passing alike; level 0 breaks the bitwise equality of
-# sharded and unsharded parameter draws), and its two workers share a persistent
-# compilation cache, made empty for each run (conftest.py)
+# sharded and unsharded parameter draws), and its workers share a persistent
+# compilation cache, made empty for each run (conftest.py). Three workers on two cores: a
+# worker waits on its compiles and its subprocesses, and a third fills that time (610 s of
+# pytest against 650 s with two, from fresh clones of the same code, one after the other)
 test: lint
 	cache=$$(mktemp -d) && trap 'rm -rf "$$cache"' EXIT && \
 	XLA_FLAGS="--xla_backend_optimization_level=1 $$XLA_FLAGS" TAKTINY_TEST_COMPILATION_CACHE=$$cache \
-	$(PY) -m pytest -q -n 2 --dist worksteal --durations=25 -m "not thorough"
+	$(PY) -m pytest -q -n 3 --dist worksteal --durations=25 -m "not thorough"
 
 # the Hypothesis suite with its thorough profile, then the tests marked thorough; their
 # tests may take longer than the per-test limit of pyproject.toml allows
