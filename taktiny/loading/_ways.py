@@ -72,7 +72,13 @@ class Way:
 
     def __init__(self, step: Step, sources: list[Tensor], leaf: Any = None) -> None:
         self.step, self.sources, self.leaf = step, sources, leaf
-        self.parts: tuple[Way, ...] = (self,)
+
+    @property
+    def parts(self) -> tuple[Way, ...]:
+        """Itself alone (a batch's several, in order): made when asked, so that a way does
+        not refer to itself (a cycle, which only the garbage collector frees, keeps the
+        load's mapped files open until it runs)."""
+        return (self,)
 
     def held(self, load: Load, shapes: dict[Any, Any]) -> int:
         """The host bytes it holds from the start of its read until it is placed, beyond
@@ -512,7 +518,11 @@ class Batch(Way):
 
     def __init__(self, parts: list[Way]) -> None:
         super().__init__(parts[0].step, [part.sources[0] for part in parts])
-        self.parts = tuple(parts)
+        self._parts = tuple(parts)
+
+    @property
+    def parts(self) -> tuple[Way, ...]:
+        return self._parts
 
     def held(self, load: Load, shapes: dict[Any, Any]) -> int:  # staging, then their buffer
         staging = sum(t.nbytes for t in self.sources)

@@ -111,9 +111,9 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_the_bytes_a_way_holds_are_what_the_plan_and_the_load_count(tmp_path, case):
-    shapes, make, rules, ways, held = CASES[case]
+def _case(tmp_path, case):
+    """`CASES[case]`'s file written into `tmp_path`: its path, and the case's rules."""
+    shapes, _, rules, _, _ = CASES[case]
     rng = np.random.default_rng(0)
     if shapes == "fp8":
         path = tmp_path / "fp8"
@@ -124,10 +124,16 @@ def test_the_bytes_a_way_holds_are_what_the_plan_and_the_load_count(tmp_path, ca
             shards=1,
         )
         rules = cv.linear("layers.0", "layers.0", bias=False)
-        rules = cv.quantized_rules(rules, open_safetensors(path))
-    else:
-        path = tmp_path / "w.safetensors"
-        save_safetensors(path, {n: rng.standard_normal(s, np.float32) for n, s in shapes.items()})
+        return path, cv.quantized_rules(rules, open_safetensors(path))
+    path = tmp_path / "w.safetensors"
+    save_safetensors(path, {n: rng.standard_normal(s, np.float32) for n, s in shapes.items()})
+    return path, rules
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_bytes_a_way_holds_are_what_the_plan_and_the_load_count(tmp_path, case):
+    _, make, _, ways, held = CASES[case]
+    path, rules = _case(tmp_path, case)
     plan = plan_load(make(), path, rules=rules)
     assert [s.way for s in plan.steps] == ways
     assert plan.ok and plan.held_bytes == held
@@ -142,6 +148,35 @@ def test_the_bytes_a_way_holds_are_what_the_plan_and_the_load_count(tmp_path, ca
     within = load_safetensors(make(), path, rules=rules, max_host_bytes=held)
     for a, b in zip(jax.tree.leaves(free), jax.tree.leaves(within), strict=True):
         assert a.dtype == b.dtype and np.asarray(a).tobytes() == np.asarray(b).tobytes()
+
+
+@pytest.mark.parametrize("devices", ["adopting", "copying from mapped pages", "staging"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_load_leaves_no_cycles_so_what_it_mapped_is_let_go_as_it_returns(
+    tmp_path, monkeypatch, case, devices
+):
+    """A load's objects (its plan, its ways, the file's mappings, its scratch buffers) are
+    freed when it returns, by their counts of references: none is left in a cycle for
+    the garbage collector, whose next pass would unmap them in whatever code runs then
+    (on a TPU v5e's host, the next load's planning took 11-22 ms, not 3: a pass over
+    the process's objects, and the unmapping; bench/FINDINGS.md section 14)."""
+    import gc
+
+    _, make, _, _, _ = CASES[case]
+    path, rules = _case(tmp_path, case)
+    if devices != "adopting":
+        _staged_everywhere(monkeypatch, ring=devices == "staging")
+    jax.block_until_ready(load_safetensors(make(), path, rules=rules))  # (compiles)
+    target = make()
+    gc.collect()
+    gc.disable()
+    try:
+        loaded = jax.block_until_ready(load_safetensors(target, path, rules=rules))
+        found = gc.collect()
+    finally:
+        gc.enable()
+    assert found == 0
+    assert jax.tree.structure(loaded) == jax.tree.structure(target)
 
 
 # Pieces of 4 KiB, so that every tensor below is cut into several (the load's own are 8 MiB)
