@@ -266,6 +266,10 @@ def test_device_hbm_reads_copies_each_weight_block_by_block(monkeypatch):
         assert all(figures[f"copy_{dtype}_{r}rows_GBps"] > 0 for r in (256, 512))
         assert figures[f"copy_{dtype}_256rows_us_a_weight"] > 0
     assert "copy_int8_1024rows_GBps" not in figures  # (no block larger than the weight)
+    sizes = figures["by_size"]
+    assert sorted(sizes) == sorted(f"{jnp.dtype(d).name} {int(512 * f)}x512" for f, d in hbm.SIZES)
+    assert sizes["int8 256x512"][0] == 0.125 and sizes["bfloat16 4096x512"][0] == 4
+    assert all(mib > 0 and rate > 0 and us > 0 and xla > 0 for mib, rate, us, xla in sizes.values())
 
 
 def test_device_fp8_paths_loads_both_ways_bitwise_and_by_the_load_before(tmp_path, monkeypatch):
