@@ -252,6 +252,7 @@ def test_device_hbm_reads_copies_each_weight_block_by_block(monkeypatch):
 
     monkeypatch.setattr(hbm, "LAYERS", 2)
     monkeypatch.setattr(hbm, "WIDTH", 512)
+    monkeypatch.setattr(hbm, "SIZES", ((0.5, jnp.int8), (8, jnp.bfloat16)))
     weights = [
         jnp.arange(512 * 512, dtype=jnp.int32).reshape(512, 512) % (97 + i) for i in range(2)
     ]
