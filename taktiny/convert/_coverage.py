@@ -13,7 +13,7 @@ from .._problems import ProblemsError, closest
 from .._problems import StateProblem as ConversionProblem
 from ..state import StateDictError, compile_pattern, dtype_of, host_array, unused_hint
 from ..state import kind as values_kind
-from ._rules import CAPTURE, AnyRule, Ignore, Rule, Tie, first_match
+from ._rules import CAPTURE, AnyRule, FirstMatch, Ignore, Rule, Tie
 from ._transforms import Transform
 
 KINDS = ("unused", "missing", "unknown", "unmatched")  # those `allow` may allow; besides:
@@ -203,8 +203,9 @@ def plan(
         problems.append(ConversionProblem(kind, name, expected, got, hint))
 
     hits, groups, ties, ignored = [0] * len(rules), {}, [], []
+    first_match = FirstMatch(rules)
     for name in source:
-        found = first_match(rules, name)
+        found = first_match(name)
         if found is None:
             add(
                 "unused",

@@ -44,7 +44,7 @@ from ..quant import part_names
 from ..state import Schema, declared_versions, flatten, schema_of
 from ._convert import Converted
 from ._coverage import ConversionError, ConversionProblem, plan, spec, transformed_specs
-from ._rules import AnyRule, Ignore, Init, Rule, Tie, first_match
+from ._rules import AnyRule, FirstMatch, Ignore, Init, Rule, Tie
 from ._transforms import Transform, identity
 
 PASS = Rule(r"(?P<name>.+)", "{name}", regex=True)  # a name no rule of a migration matches
@@ -429,9 +429,9 @@ def explained(
 def _check_added_kept(rules: Sequence[AnyRule], nodes: Mapping[str, _Node], here: str) -> None:
     """A parameter an earlier migration added has no saved value: a later one may rename
     or ignore it, not transform it."""
-    problems = []
+    problems, first_match = [], FirstMatch(rules)
     for name, node in nodes.items():
-        found = first_match(rules, name) if node[0] == "init" else None
+        found = first_match(name) if node[0] == "init" else None
         rule = None if found is None else rules[found[0]]
         if isinstance(rule, Rule) and (
             not isinstance(rule.transform, identity) or len(rule.sources) > 1

@@ -12,7 +12,7 @@ from typing import Any
 
 from ._compressed_tensors import FORMAT, compressed_rules, scheme
 from ._fp8 import SCALE_SUFFIX, fp8_rule
-from ._rules import AnyRule, Rule, compile_template, first_match
+from ._rules import AnyRule, FirstMatch, Rule, compile_template
 
 METHODS = ("fp8", "compressed-tensors")  # the quant_method values read
 
@@ -166,8 +166,9 @@ def _block_size(quantization: Mapping[str, Any]) -> tuple[int, ...]:
 def _taken(rules: Sequence[AnyRule], names: Sequence[str]) -> dict[int, list[str]]:
     """The names each Rule takes (it is the first to match them), by its index."""
     taken: dict[int, list[str]] = {}
+    first_match = FirstMatch(rules)
     for name in names:
-        found = first_match(rules, name)
+        found = first_match(name)
         if found is not None and isinstance(rules[found[0]], Rule):
             taken.setdefault(found[0], []).append(name)
     return taken
