@@ -310,15 +310,17 @@ def _copied(host: np.ndarray, sharding: Any) -> jax.Array:
     return jnp.copy(array) if adopted(array, host.ctypes.data, host.nbytes) else array
 
 
-def _from_file(tensor: Tensor, sharding: Any, verify: bool) -> jax.Array:
+def _from_file(tensor: Tensor, sharding: Any, verify: bool) -> Any:
     """`tensor` (in a local file) on `sharding`: its mapped pages copied there, with
     `verify` hashed while the copy reads the same pages, and checked; read whole into
     fresh memory where there are none to map (a tensor of no bytes; a file system that
-    cannot map files)."""
+    cannot map files). With `sharding` None, those pages (or that memory) themselves,
+    checked, for a program that takes them as its arguments (`Fp8Blocks`)."""
     host = tensor.mapped()
     if host is None:
-        return placed(tensor.read(verify=verify), sharding)
-    array = _copied(host, sharding)
+        read = tensor.read(verify=verify)
+        return read if sharding is None else placed(read, sharding)
+    array = host if sharding is None else _copied(host, sharding)
     if verify:
         tensor.check(host.reshape(-1).view(np.uint8))  # (its bytes: a 0-d array's too)
     return array
@@ -671,12 +673,7 @@ class Fp8Blocks(Transformed):
         (`transformed`), a JAX call fewer for each (a call costs the host 0.1-0.5 ms on a
         TPU v5e's: a load into bfloat16 1.3x faster there, bench/FINDINGS.md section 14);
         read into fresh memory where there are none to map."""
-        host = tensor.mapped()
-        if host is None:
-            return tensor.read(verify=verify)
-        if verify:
-            tensor.check(host.reshape(-1).view(np.uint8))  # (its bytes: a 0-d array's too)
-        return host
+        return _from_file(tensor, None, verify)
 
     def _result_held(self, load: Load, name: str, out: Any, kept: bool) -> int:
         like, leaf = load.quantized.get(name), load.leaves.get(name)

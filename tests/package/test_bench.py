@@ -280,7 +280,9 @@ def test_device_fp8_paths_loads_both_ways_bitwise_and_by_the_load_before(tmp_pat
     monkeypatch.setattr(device_load, "LAYERS", 2)
     monkeypatch.setattr(device_load, "WIDTH", 256)
     copies, real = [], ways._from_file
-    monkeypatch.setattr(ways, "_from_file", lambda *a: copies.append(a) or real(*a))
+    monkeypatch.setattr(  # (a sharding: a copy by a call of its own)
+        ways, "_from_file", lambda t, on, v: (on is not None and copies.append(t)) or real(t, on, v)
+    )
     with device_fp8_paths.way("arguments"):
         figures = device_fp8_paths.main(tmp_path, rounds=2)
         assert ways.Fp8Blocks._source is not ways.Transformed._source  # (put back)
