@@ -150,10 +150,10 @@ def test_the_bytes_a_way_holds_are_what_the_plan_and_the_load_count(tmp_path, ca
         assert a.dtype == b.dtype and np.asarray(a).tobytes() == np.asarray(b).tobytes()
 
 
-@pytest.mark.parametrize("devices", ["adopting", "copying from mapped pages", "staging"])
+@pytest.mark.parametrize("devices", ["as they are", "copying from mapped pages", "staging"])
 @pytest.mark.parametrize("case", list(CASES))
 def test_a_load_leaves_no_cycles_so_what_it_mapped_is_let_go_as_it_returns(
-    tmp_path, monkeypatch, case, devices
+    tmp_path, monkeypatch, case, devices, platform
 ):
     """A load's objects (its plan, its ways, the file's mappings, its scratch buffers) are
     freed when it returns, by their counts of references: none is left in a cycle for
@@ -164,8 +164,8 @@ def test_a_load_leaves_no_cycles_so_what_it_mapped_is_let_go_as_it_returns(
 
     _, make, _, _, _ = CASES[case]
     path, rules = _case(tmp_path, case)
-    if devices != "adopting":
-        _staged_everywhere(monkeypatch, ring=devices == "staging")
+    if devices != "as they are":  # (a CPU's adopt host memory; a TPU's copy it)
+        _staged_everywhere(monkeypatch, platform, ring=devices == "staging")
     jax.block_until_ready(load_safetensors(make(), path, rules=rules))  # (compiles)
     target = make()
     gc.collect()
