@@ -49,15 +49,9 @@ def way(name: str) -> Iterator[None]:
 
 
 def main(folder: Path, rounds: int = 12) -> dict[str, Any]:
-    import taktiny as tt
     from taktiny.io import load_safetensors
 
-    folder.mkdir(parents=True, exist_ok=True)
-    fp8, _ = dl._write_fp8(folder, dl._arrays())
-    fp8.read_bytes()  # (in the page cache)
-    rules = dl._fp8_rules(fp8.parent)
-    layers = dl._modules(stacked=False)
-    targets = {"bf16": layers, "int8": tt.quantize(layers)}
+    fp8, rules, targets = dl._fp8_targets(folder)
     keys = [(w, t) for w in WAYS for t in TARGETS]
 
     def load(key: tuple[str, str]) -> Any:

@@ -384,6 +384,19 @@ def _fp8_rules(folder: Path) -> list[Any]:
     return cv.quantized_rules(linear, open_safetensors(folder))
 
 
+def _fp8_targets(folder: Path) -> tuple[Path, list[Any], dict[str, Any]]:
+    """The FP8 twin of the layers written into `folder` and read once (in the page cache),
+    the rules that load it, and the two models it loads into: ``bf16`` (the layers) and
+    ``int8`` (``tt.quantize`` of them)."""
+    import taktiny as tt
+
+    folder.mkdir(parents=True, exist_ok=True)
+    fp8, _ = _write_fp8(folder, _arrays())
+    fp8.read_bytes()
+    layers = _modules(stacked=False)
+    return fp8, _fp8_rules(fp8.parent), {"bf16": layers, "int8": tt.quantize(layers)}
+
+
 def _cases(
     folder: Path,
     path: Path,

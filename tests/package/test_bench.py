@@ -296,6 +296,30 @@ def test_device_fp8_paths_loads_both_ways_bitwise_and_by_the_load_before(tmp_pat
     assert len(copies) == 2 * 2 * 3 * 2
 
 
+def test_device_load_gaps_times_each_load_and_its_planning_by_what_came_before(
+    tmp_path, monkeypatch
+):
+    import taktiny.loading._load as load_module
+    from bench import device_load, device_load_gaps
+
+    monkeypatch.setattr(device_load, "LAYERS", 2)
+    monkeypatch.setattr(device_load, "WIDTH", 256)
+    monkeypatch.setitem(device_load_gaps.GAPS, "sleep", lambda: None)  # (0.3 s each)
+    monkeypatch.setitem(device_load_gaps.GAPS, "gc_sleep", device_load_gaps.GAPS["gc"])
+    real = load_module.steps_of
+    figures = device_load_gaps.main(tmp_path, rounds=1)
+    assert load_module.steps_of is real  # (put back)
+    keys = [
+        f"{t} after {b}, {g}"
+        for t in ("int8", "bf16")
+        for b in ("bf16", "int8", "pipeline")
+        for g in ("none", "gc", "sleep", "gc_sleep")
+    ]
+    assert sorted(k for k in figures if " after " in k) == sorted(keys)
+    assert all(figures[k]["GiBps"] > 0 and figures[k]["planning_ms"] > 0 for k in keys)
+    assert figures["raw_pipeline_GiBps"] > 0
+
+
 @pytest.mark.thorough  # (three processes of their own, about 20 s)
 def test_device_load_ab_alternates_two_versions_each_in_its_own_process(
     tmp_path, monkeypatch, capsys
