@@ -44,6 +44,7 @@ variants force the staging ring so that its code runs. ``DEVICE_LOAD_LAYERS`` (3
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import os
 import queue
@@ -307,7 +308,9 @@ def _figure(
     each timed load is preceded by a run of that file's raw pipeline, and the load is
     given against it as the median of the rounds' ratios (``vs_raw_pipeline``: the
     pipeline's own speed moved by 1.7x between two runs a minute apart on the lent TPU's
-    host, FINDINGS 14, so it is measured beside each load)."""
+    host, FINDINGS 14, so it is measured beside each load). A collection between the two,
+    untimed, has JAX let go of the host buffers the pipeline's copies read, which the load
+    would otherwise pay for in its first collection (12 ms on the TPU v5e's host)."""
     if pipeline is None:
         seconds, first, out = _timed(load, **timing)
         ratios, pipes = [], []
@@ -317,6 +320,7 @@ def _figure(
         for _ in range(timing.get("repeats", REPEATS)):
             pipes.append(_raw_pipeline(pipeline, repeats=1))
             out = None
+            gc.collect()  # (untimed: JAX lets go of what the pipeline's copies read)
             start = time.perf_counter()
             out = load()
             jax.block_until_ready(out)

@@ -46,6 +46,7 @@ from ._budget import Budget
 from ._place import Scratch
 from ._readers import Readahead, Readers, reader_pool
 from ._record import loaded, migrated, open_load, parts_of, unkept
+from ._release import release
 from ._steps import steps_of
 from ._ways import Ways
 
@@ -266,7 +267,10 @@ def _load(
             storages = {id(t.storage): t.storage for t in order if t.storage}.values()
             stop_reads(storages, running.values())
             raise
-    return loaded(load, placed)  # (each leaf resolved, checked and placed: written in)
+    out = loaded(load, placed)  # (each leaf resolved, checked and placed: written in)
+    if ways.copies:
+        release(out)  # (what JAX holds of the host memory the copies read, let go)
+    return out
 
 
 def _ahead(budget: Budget | None, window: int) -> int:

@@ -744,6 +744,14 @@ class Ways:
         """Lets go of what the staging ring keeps (`Ring.close`), once the reads are done."""
         self.ring.close()
 
+    @property
+    def copies(self) -> bool:
+        """Whether the load copies host memory onto devices (one of its leaves, or the
+        default device that transformed steps are placed on first, copies it): JAX then
+        holds what each copy read until its next garbage collection (`release`)."""
+        here = jax.sharding.SingleDeviceSharding(default_device())
+        return _staging(here) or any(_staging(sharding_of(v)) for v in self.load.leaves.values())
+
     @functools.cached_property
     def held(self) -> list[int]:
         """What each unit holds, as ``max_host_bytes`` counts it (:meth:`Way.held`): worked

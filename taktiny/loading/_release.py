@@ -1,0 +1,38 @@
+"""What a load copied onto its devices, let go of as the copies end.
+
+A copy of host memory onto a device that copies it (a TPU's, a GPU's: ``jax.device_put``,
+or a program given host arrays) holds the host array until the copy has read it, and JAX
+lets go of it only at its next garbage collection after that (JAX runs its own collection
+from Python's ``gc.callbacks``: jax-ml/jax#14882). So the file's mapped pages, the scratch
+buffers and the staging ring of a load stayed mapped after it returned, and whatever
+Python code allocated next paid for their unmapping: on a TPU v5e's host, 12-24 ms of the
+next load's planning, and that load 1.2-1.4x slower (bench/FINDINGS.md section 14). A load
+onto such devices hands its result to `release`, which waits, on a reader thread, until
+the copies have ended, then runs a collection of the youngest generation, whose callback
+lets JAX let go; the unmapping is then paid there, beside the caller's work, not inside
+the next load.
+"""
+
+from __future__ import annotations
+
+import gc
+from typing import Any
+
+import jax
+
+from ._readers import reader_pool
+
+
+def release(tree: Any) -> None:
+    """Lets go, once every array of `tree` is ready, of the host memory the copies that
+    made them read (see the module): on a reader thread, without waiting."""
+    reader_pool().submit(_release, tree)
+
+
+def _release(tree: Any) -> None:
+    try:
+        for leaf in jax.tree.leaves(tree):  # (one the caller deleted meanwhile is done)
+            if isinstance(leaf, jax.Array) and not leaf.is_deleted():
+                leaf.block_until_ready()  # (the copies that read host memory have ended)
+    finally:
+        gc.collect(0)  # (JAX's callback lets go of what they read)
