@@ -320,6 +320,19 @@ def test_device_load_gaps_times_each_load_and_its_planning_by_what_came_before(
     assert figures["raw_pipeline_GiBps"] > 0
 
 
+def test_device_map_costs_copies_every_byte_each_way_and_unmaps_as_it_says(tmp_path, monkeypatch):
+    from bench import device_map_costs as costs
+
+    monkeypatch.setattr(costs, "SIZE", 40 * 2**20)  # (pieces of 16, 16 and 8 MiB)
+    monkeypatch.setattr(costs, "WINDOW", 16 * 2**20)  # (three windows, the last cut short)
+    figures = costs.main(tmp_path, rounds=2)
+    ways = ("mapped_whole", "mapped_windows", "mapped_populate")
+    assert figures["bitwise"] is True and figures["still_held"] == 0
+    assert all(figures[f"{w}_GiBps"] > 0 and figures[f"{w}_vs_pipeline"] > 0 for w in ways)
+    assert figures["pipeline_GiBps"] > 0 and figures["unmap_ms"] > 0
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.thorough  # (three processes of their own, about 20 s)
 def test_device_load_ab_alternates_two_versions_each_in_its_own_process(
     tmp_path, monkeypatch, capsys
