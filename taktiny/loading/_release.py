@@ -5,12 +5,14 @@ or a program given host arrays) holds the host array until the copy has read it,
 lets go of it only at its next garbage collection after that (JAX runs its own collection
 from Python's ``gc.callbacks``: jax-ml/jax#14882). So the file's mapped pages, the scratch
 buffers and the staging ring of a load stayed mapped after it returned, and whatever
-Python code allocated next paid for their unmapping: on a TPU v5e's host, 12-24 ms of the
-next load's planning, and that load 1.2-1.4x slower (bench/FINDINGS.md section 14). A load
-onto such devices hands its result to `release`, which waits, on a reader thread, until
-the copies have ended, then runs a collection of the youngest generation, whose callback
-lets JAX let go; the unmapping is then paid there, beside the caller's work, not inside
-the next load.
+Python code allocated next paid for their unmapping: on a TPU v5e's host, the next
+load's planning took 12-24 ms instead of 3 (18 ms to unmap 0.5 GiB; bench/FINDINGS.md
+section 14). A load onto such devices hands its result to `release`, which waits, on a
+reader thread, until the copies have ended, then runs a collection of the youngest
+generation, whose callback has JAX let go. The unmapping is then paid as the load ends
+(outside the GIL; work that maps memory or faults pages in meanwhile still waits on the
+kernel's lock on the page tables), not at some later collection: in a training step, or
+inside the next load.
 """
 
 from __future__ import annotations
