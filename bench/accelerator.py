@@ -301,6 +301,8 @@ def _scanned_tables(
         "stack_remat_all": "remat=True",
         "stack_unroll2": "scan unroll=2",
         "loop_over_stacked": "stacked weights, Python loop",
+        "stack_adam_in_backward": "Adam in the backward scan",
+        "stack_adam_in_backward_carried": "Adam in the backward scan, carried",
     }
     found = {k: v for k, v in names.items() if "step_ms" in scanned.get(k, {})}
     title = f"A Llama training step on {kind} (width 1024, 32 layers, 4 x 256 tokens, Adam)"

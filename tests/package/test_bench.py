@@ -8,6 +8,7 @@ from pathlib import Path
 
 import _loopback
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -318,6 +319,31 @@ def test_device_load_gaps_times_each_load_and_its_planning_by_what_came_before(
     assert sorted(k for k in figures if " after " in k) == sorted(keys)
     assert all(figures[k]["GiBps"] > 0 and figures[k]["planning_ms"] > 0 for k in keys)
     assert figures["raw_pipeline_GiBps"] > 0
+
+
+@pytest.mark.parametrize("variant", ["stack_adam_in_backward", "stack_adam_in_backward_carried"])
+def test_device_scanned_updates_each_layer_in_the_backward_scan_as_optax_adam_does(
+    optax_promotion, variant
+):
+    from bench import device_scanned
+
+    found = device_scanned.variants(smoke=True)
+    stack, forward = found["stack"]
+    assert found[variant][0] is stack
+    ids = jax.random.randint(jax.random.key(1), (2, 17), 0, 1024)
+    want_step, want = device_scanned.step_and_state(forward, stack)
+    step, state = device_scanned.step_and_state(found[variant][1], stack)
+    assert step is found[variant][1]
+    want_model = got_model = stack
+    for _ in range(3):  # (Adam's bias corrections differ from step to step)
+        want_model, want, want_loss = jax.jit(want_step)(want_model, want, ids)
+        got_model, state, loss = jax.jit(step)(got_model, state, ids)
+        assert jnp.allclose(loss, want_loss, rtol=1e-6)
+    assert jax.tree.structure(got_model) == jax.tree.structure(stack)
+    moved = jax.tree.map(lambda a, b: float(jnp.abs(a - b).max()), want_model, stack)
+    apart = jax.tree.map(lambda a, b: float(jnp.abs(a - b).max()), got_model, want_model)
+    assert min(jax.tree.leaves(moved)) > 1e-5 and max(jax.tree.leaves(apart)) < 1e-6
+    assert int(state[0]) == 3 and jax.tree.structure(state[1]) == jax.tree.structure(stack)
 
 
 def test_device_map_costs_copies_every_byte_each_way_and_unmaps_as_it_says(tmp_path, monkeypatch):
