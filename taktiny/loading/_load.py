@@ -268,8 +268,8 @@ def _load(
             stop_reads(storages, running.values())
             raise
     out = loaded(load, placed)  # (each leaf resolved, checked and placed: written in)
-    if ways.copies:
-        release(out)  # (what JAX holds of the host memory the copies read, let go)
+    if ways.copies or ways.scratch:
+        release(out)  # (what JAX holds of the host memory the load read into, let go)
     return out
 
 

@@ -1,4 +1,4 @@
-"""What a load copied onto its devices, let go of as the copies end.
+"""What JAX holds of the host memory a load read into, let go of as the load ends.
 
 A copy of host memory onto a device that copies it (a TPU's, a GPU's: ``jax.device_put``,
 or a program given host arrays) holds the host array until the copy has read it, and JAX
@@ -7,8 +7,11 @@ from Python's ``gc.callbacks``: jax-ml/jax#14882). So the file's mapped pages, t
 buffers and the staging ring of a load stayed mapped after it returned, and whatever
 Python code allocated next paid for their unmapping: on a TPU v5e's host, the next
 load's planning took 12-24 ms instead of 3 (18 ms to unmap 0.5 GiB; bench/FINDINGS.md
-section 14). A load onto such devices hands its result to `release`, which waits, on a
-reader thread, until the copies have ended, then runs a collection of the youngest
+section 14). A CPU device instead adopts a view of the scratch buffer a transformed step
+is read into, and JAX lets go of that, too, only at its next collection: the buffer, as
+large as the load's largest such tensor, outlived the load. A load onto devices that copy,
+or with scratch buffers, hands its result to `release`, which waits, on a reader thread,
+until the copies have ended, then runs a collection of the youngest
 generation, whose callback has JAX let go. The unmapping is then paid as the load ends
 (outside the GIL; work that maps memory or faults pages in meanwhile still waits on the
 kernel's lock on the page tables), not at some later collection: in a training step, or
