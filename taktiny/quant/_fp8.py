@@ -88,18 +88,24 @@ def placed_blocks(
     quantized along `axis`, in one XLA program, which holds no float32 product for a
     float leaf, nor for a quantized one of a `_ROUNDED` dtype from `_ORDERED` weights
     (`_requantized`). With `perm`, the scales (and `blocks`, both as stored) are permuted
-    by it in the program, as are the weights with `turn` (else they come laid out);
-    one program for a step, so no dispatch of its own for a transpose."""
+    by it in the program, as are the weights with `turn` (else they come laid out; with
+    `turn`, `_requantized`'s first pass reads them as stored); one program for a step,
+    so no dispatch of its own for a transpose."""
+    stored = (value, scale, blocks, perm) if perm is not None and turn else None
     if perm is not None:
-        if turn:  # (moved as bytes: a float8 array as its bytes)
-            value = from_bits(jnp.transpose(as_bits(value), perm), value.dtype)
+        value = _permuted(value, perm) if turn else value
         scale, blocks = jnp.transpose(scale, perm), tuple(blocks[p] for p in perm)
     if bits is not None and _unheld(value.dtype, dtype):
-        return _requantized(value, scale, blocks, dtype, bits, axis, group_size)
+        return _requantized(value, scale, blocks, dtype, bits, axis, group_size, stored)
     product = _product(value, scale, blocks).astype(dtype)
     if bits is None:
         return product
     return quantize_array(product, bits=bits, axis=axis, group_size=group_size, dtype=dtype)
+
+
+def _permuted(value: Any, perm: tuple[int, ...]) -> jax.Array:
+    """Float8 `value`'s axes permuted by `perm`, moved as its bytes."""
+    return from_bits(jnp.transpose(as_bits(value), perm), value.dtype)
 
 
 def blocks_held_bytes(weights: Any, dtype: Any, quantized: bool) -> int:
@@ -133,11 +139,18 @@ def _requantized(
     bits: int,
     axis: int,
     group_size: int | None,
+    stored: tuple[Any, Any, tuple[int, ...], tuple[int, ...]] | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """`quantize_array` of the block product rounded into `dtype`, bit for bit, without
     holding the product (XLA:CPU materializes it, four bytes a weight, for a reduction
     and a division that both read it): the scales from the largest magnitudes of the
     float8 bytes themselves, then the values in one elementwise pass over the bytes.
+    With `stored` (the weights, scales and blocks as the file holds them, and the
+    permutation `perm` that makes `value`, `scale` and `blocks` of them), the first
+    pass reads the stored bytes along the axis `perm` takes to `axis`, and only the
+    second reads them permuted: permuted bytes read by both passes, XLA permutes
+    twice or writes the permuted bytes out whole first (XLA:CPU permuted twice, 2.5x
+    the time of one pass's; bench/FINDINGS.md section 14).
 
     The largest ``|w * block scale|`` of a slice is the largest over its blocks of the
     block's ``|scale|`` times its largest ``|w|``, and the largest ``|w|`` of `_ORDERED`
@@ -148,8 +161,27 @@ def _requantized(
     the scales are broadcast over whole blocks and cut to the weights."""
     shape = value.shape
     group = shape[axis] if group_size is None else group_size
+    if stored is None:
+        top = _largest(value, scale, blocks, dtype, axis, group)
+    else:  # (each group's largest, found as stored, then laid out as the values)
+        weights, block_scales, grid, perm = stored
+        top = jnp.transpose(_largest(weights, block_scales, grid, dtype, perm[axis], group), perm)
+    scales = stored_scale(top, bits, dtype)  # one per group: scale_shape's
+    # pass 2: the product rounded into dtype, in units of its group's stored scale
+    product = _rounded(_product(value, scale, blocks), dtype)
+    product = product.reshape(*shape[:axis], shape[axis] // group, group, *shape[axis + 1 :])
+    values = rounded_values(product, jnp.expand_dims(scales, axis + 1), bits).reshape(shape)
+    return values, scales
+
+
+def _largest(
+    value: Any, scale: Any, blocks: Sequence[int], dtype: Any, axis: int, group: int
+) -> jax.Array:
+    """Pass 1 of `_requantized`: each group's largest ``|w * block scale|`` along `axis`
+    (groups of `group` entries), rounded into `dtype`, still float32: from each segment's
+    largest byte, a float, times its block's scale."""
+    shape = value.shape
     segment = math.gcd(group, blocks[axis])
-    # pass 1: each segment's largest byte, a float, times its block's scale
     magnitude = jax.lax.bitcast_convert_type(value, jnp.uint8) & jnp.uint8(0x7F)
     split = (*shape[:axis], shape[axis] // segment, segment, *shape[axis + 1 :])
     tops = jax.lax.bitcast_convert_type(
@@ -158,13 +190,7 @@ def _requantized(
     per_segment = [b // segment if k == axis else b for k, b in enumerate(blocks)]
     tops = tops.astype(jnp.float32) * _factors(jnp.abs(scale), per_segment, tops.shape)
     grouped = (*shape[:axis], shape[axis] // group, group // segment, *shape[axis + 1 :])
-    top = _rounded(jnp.max(tops.reshape(grouped), axis=axis + 1), dtype)
-    stored = stored_scale(top, bits, dtype)  # one per group: scale_shape's
-    # pass 2: the product rounded into dtype, in units of its group's stored scale
-    product = _rounded(_product(value, scale, blocks), dtype)
-    product = product.reshape(*shape[:axis], shape[axis] // group, group, *shape[axis + 1 :])
-    values = rounded_values(product, jnp.expand_dims(stored, axis + 1), bits).reshape(shape)
-    return values, stored
+    return _rounded(jnp.max(tops.reshape(grouped), axis=axis + 1), dtype)
 
 
 def _factors(scale: Any, blocks: Sequence[int], shape: Sequence[int]) -> jax.Array:

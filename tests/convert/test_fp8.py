@@ -82,9 +82,10 @@ REQUANTIZED = [  # (shape, block, bits, axis from the end, group size): a kernel
 ]
 
 
-def requantized(shape, block, bits, back, group, dtype):
+def requantized(shape, block, bits, back, group, dtype, stored=False):
     """A kernel's FP8 blocks requantized as a load places them (the weights laid out as a
-    kernel), with what `tt.QArray.quantize` makes of the dequantized kernel."""
+    kernel, as read into a buffer; with `stored`, as the file holds them, as copied from
+    its mapped pages), with what `tt.QArray.quantize` makes of the dequantized kernel."""
     w = np.random.default_rng(1).standard_normal(shape).astype(np.float32) * 3
     w[..., 5, :] = 0  # a zero row: some channels' largest magnitude is in another block
     weight, scale = fp8_blocks(w, block)
@@ -96,9 +97,10 @@ def requantized(shape, block, bits, back, group, dtype):
     laid_out = jnp.asarray(np.ascontiguousarray(np.transpose(weight, perm)))
 
     def place(value, scale):
-        return blocks.placed(value, scale, dtype, expected)
+        return blocks.placed(value, scale, dtype, expected, laid_out=not stored)
 
-    return place, (laid_out, jnp.asarray(scale)), expected, blocks
+    value = jnp.asarray(weight) if stored else laid_out
+    return place, (value, jnp.asarray(scale)), expected, blocks
 
 
 LEAF_DTYPES = [  # float32 and float16 over every layout under `make property`; below, two
@@ -108,29 +110,31 @@ LEAF_DTYPES = [  # float32 and float16 over every layout under `make property`; 
 ]
 
 
+@pytest.mark.parametrize("stored", [False, True], ids=["laid out", "as stored"])
 @pytest.mark.parametrize("dtype", LEAF_DTYPES)
 @pytest.mark.parametrize("shape, block, bits, back, group", REQUANTIZED)
 def test_fp8_blocks_requantize_as_quantize_of_the_dequantized_weights_bit_for_bit(
-    shape, block, bits, back, group, dtype, platform
+    shape, block, bits, back, group, dtype, stored, platform
 ):
     # (on each platform, against tt.quantize on the same one)
-    place, args, expected, _ = requantized(shape, block, bits, back, group, dtype)
+    place, args, expected, _ = requantized(shape, block, bits, back, group, dtype, stored)
     for ours, theirs in zip(place(*args), (expected.value, expected.scale), strict=True):
         assert (ours.shape, ours.dtype) == (theirs.shape, theirs.dtype)
         np.testing.assert_array_equal(np.asarray(ours), np.asarray(theirs))
 
 
+@pytest.mark.parametrize("stored", [False, True], ids=["laid out", "as stored"])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32, jnp.float16])
 @pytest.mark.parametrize("shape, bits, group", [((256, 384), 8, None), ((200, 320), 4, 32)])
 def test_requantizing_fp8_blocks_holds_no_product_for_bfloat16_or_float32(
-    shape, bits, group, dtype
+    shape, bits, group, dtype, stored
 ):
     """The program that places FP8 blocks into a quantized leaf gives `tt.quantize` of
     the dequantized weights (every dtype; a float16 leaf through the cast), and for a
     bfloat16 or float32 leaf it holds at most the float8 bytes' magnitudes, a byte a
     weight (one pass for the scales over the bytes, one for the values), as the compiled
     program's memory shows and `held_bytes` says; the float32 product would take four."""
-    place, args, expected, blocks = requantized(shape, (128, 128), bits, 2, group, dtype)
+    place, args, expected, blocks = requantized(shape, (128, 128), bits, 2, group, dtype, stored)
     for ours, theirs in zip(place(*args), (expected.value, expected.scale), strict=True):
         np.testing.assert_array_equal(np.asarray(ours), np.asarray(theirs))
     held = blocks.held_bytes(args[0], dtype, expected)
@@ -141,6 +145,31 @@ def test_requantizing_fp8_blocks_holds_no_product_for_bfloat16_or_float32(
     else:
         assert held == 0 and temporaries < 2 * size
     assert blocks.held_bytes(args[0], dtype) == 0  # (a float leaf: fused)
+
+
+@pytest.mark.parametrize("shape, bits, group", [((256, 384), 8, None), ((2, 256, 384), 4, 64)])
+def test_fp8_blocks_as_stored_are_permuted_for_the_values_pass_alone(shape, bits, group):
+    """Requantizing FP8 blocks as the file holds them (a load copying them from its mapped
+    pages), the scales' pass reads the stored bytes and only the values' pass reads them
+    permuted, so XLA can permute them inside that pass: read by both, the permuted bytes
+    were written out whole first (on a TPU v5e, 0.2 ms of the 0.43 ms a 4096 x 4096 step
+    took into int8, against 0.20 ms into bfloat16: bench/FINDINGS.md section 14)."""
+    place, args, expected, _ = requantized(shape, (128, 128), bits, 2, group, jnp.bfloat16, True)
+    for ours, theirs in zip(place(*args), (expected.value, expected.scale), strict=True):
+        np.testing.assert_array_equal(np.asarray(ours), np.asarray(theirs))
+    (program,) = [e for e in jax.make_jaxpr(place)(*args).eqns if "jaxpr" in e.params]
+    inner = program.params["jaxpr"].jaxpr
+    moved = [e.outvars[0] for e in inner.eqns if e.primitive.name == "transpose"
+             and e.invars[0].aval.shape == shape]  # fmt: skip
+    assert len(moved) == 1  # (the bytes, permuted once)
+    readers = []
+    for e in inner.eqns:  # (the bytes read back as float8: the same values)
+        if any(v is m for v in e.invars for m in moved):
+            if e.primitive.name == "bitcast_convert_type":
+                moved.append(e.outvars[0])
+            else:
+                readers.append(e.primitive.name)
+    assert readers == ["convert_element_type"]  # (into float32, for the product)
 
 
 @pytest.mark.parametrize("fp8", [ml_dtypes.float8_e5m2, ml_dtypes.float8_e4m3fnuz])
