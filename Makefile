@@ -47,9 +47,23 @@ property: $(STAMP)
 
 # The suite on an accelerator host (a TPU or a GPU; docs/testing.md): one process (one at a
 # time may hold a TPU), JAX's default devices the 8 simulated CPU ones (the sharding tests
-# build their meshes from them), the accelerator's for the [tpu] and [gpu] property variants
-test-accelerator: $(STAMP)
-	JAX_PLATFORM_NAME=cpu $(PY) -m pytest -q -m "not thorough" tests property_tests --hypothesis-profile=accelerator
+# build their meshes from them), the accelerator's for the [tpu] and [gpu] property variants.
+# Its environment sees the host's packages, jax and jaxlib held at the host's versions: its
+# JAX is the host's, with the accelerator's backend (a plain one would install JAX for the
+# CPU alone, and every accelerator test would skip); pytest refuses to start where JAX
+# sees no TPU or GPU
+ACCEL_VENV := .venv-accelerator
+ACCEL_PY := $(ACCEL_VENV)/bin/python
+HOST_JAX := import importlib.metadata as m; print(*sorted({f"{d.name}=={d.version}" for d in m.distributions() if d.name in ("jax", "jaxlib")}), sep="\n")
+
+$(ACCEL_VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv --system-site-packages $(ACCEL_VENV)
+	$(ACCEL_PY) -c '$(HOST_JAX)' > $(ACCEL_VENV)/host-jax.txt
+	$(ACCEL_PY) -m pip install --quiet --no-compile -c $(ACCEL_VENV)/host-jax.txt -e '.[dev,bench]'
+	touch $@
+
+test-accelerator: $(ACCEL_VENV)/.installed
+	JAX_PLATFORM_NAME=cpu $(ACCEL_PY) -m pytest -q -m "not thorough" tests property_tests --hypothesis-profile=accelerator --require-accelerator
 
 # Mutation testing (docs/testing.md): the mutants of taktiny/ not judged yet (all of them the
 # first time; then those of changed functions), the survivors again against today's tests,
@@ -96,4 +110,4 @@ docs: $(STAMP)
 	$(VENV)/bin/mkdocs build --strict --site-dir site
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis build *.egg-info mutants .jax-cache site
+	rm -rf $(VENV) $(ACCEL_VENV) .pytest_cache .hypothesis build *.egg-info mutants .jax-cache site

@@ -88,6 +88,35 @@ def _has_devices(platform: str) -> bool:
         return False
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--require-accelerator",
+        action="store_true",
+        help="refuse to start where JAX sees no TPU or GPU devices (make test-accelerator: "
+        "there every [tpu] and [gpu] test would skip, and the run pass having tested none)",
+    )
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """With ``--require-accelerator``, stops before any test where JAX sees neither a TPU
+    nor a GPU, saying which JAX it is and what it sees: a run meant for an accelerator that
+    found none (a JAX installed for the CPU alone, say) would skip every test of it and
+    pass."""
+    if not session.config.getoption("--require-accelerator"):
+        return
+    if any(_has_devices(platform) for platform in PLATFORMS if platform != "cpu"):
+        return
+    seen = sorted({device.platform for device in jax.devices()})
+    raise pytest.UsageError(
+        f"--require-accelerator: JAX {jax.__version__} ({os.path.dirname(jax.__file__)}) "
+        f"sees no TPU or GPU devices here, only {', '.join(seen)}: every [tpu] and [gpu] "
+        "test would be skipped and the run would pass having tested no accelerator. Run it "
+        "with a JAX that has the accelerator's backend (pip install 'jax[tpu]', or "
+        "'jax[cuda12]' for a GPU), in the host's Python, which make test-accelerator's "
+        "environment sees"
+    )
+
+
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "platform" in metafunc.fixturenames:
         metafunc.parametrize("platform", PLATFORMS)
