@@ -113,7 +113,7 @@ def pytest_sessionstart(session: pytest.Session) -> None:
         "test would be skipped and the run would pass having tested no accelerator. Run it "
         "with a JAX that has the accelerator's backend (pip install 'jax[tpu]', or "
         "'jax[cuda12]' for a GPU), in the host's Python, which make test-accelerator's "
-        "environment sees"
+        "environment sees."
     )
 
 

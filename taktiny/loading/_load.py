@@ -268,7 +268,7 @@ def _load(
             stop_reads(storages, running.values())
             raise
     out = loaded(load, placed)  # (each leaf resolved, checked and placed: written in)
-    if ways.copies or ways.scratch:
+    if ways.releases:
         release(out)  # (what JAX holds of the host memory the load read into, let go)
     return out
 

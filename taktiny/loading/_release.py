@@ -31,7 +31,7 @@ import jax
 def release(tree: Any) -> None:
     """Waits until every array of `tree` is ready, then has JAX let go of the host memory
     the copies that made them read (see the module)."""
-    for leaf in jax.tree.leaves(tree):
-        if isinstance(leaf, jax.Array):
+    for leaf in jax.tree.leaves(tree):  # (a leaf kept as it was may have been donated)
+        if isinstance(leaf, jax.Array) and not leaf.is_deleted():
             leaf.block_until_ready()  # (the copies that read host memory have ended)
     gc.collect(0)  # (JAX's callback lets go of what they read)

@@ -752,6 +752,13 @@ class Ways:
         here = jax.sharding.SingleDeviceSharding(default_device())
         return _staging(here) or any(_staging(sharding_of(v)) for v in self.load.leaves.values())
 
+    @property
+    def releases(self) -> bool:
+        """Whether the load has JAX let go of the host memory it read into as it ends
+        (`release`): it `copies` host memory onto devices, or reads a transformed step
+        into a scratch buffer, a view of which a CPU device adopts."""
+        return self.copies or any(buffer.capacity for buffer in self.scratch)
+
     @functools.cached_property
     def held(self) -> list[int]:
         """What each unit holds, as ``max_host_bytes`` counts it (:meth:`Way.held`): worked

@@ -228,6 +228,33 @@ def test_a_load_lets_go_of_the_host_memory_it_read_into_as_it_ends(
     assert jax.tree.structure(loaded) == jax.tree.structure(make())
 
 
+@pytest.mark.parametrize("scratch", [False, True], ids=["read in place", "through scratch"])
+def test_only_a_load_that_read_into_host_memory_jax_holds_lets_go_and_a_leaf_it_kept_is_not_waited_for(
+    tmp_path, monkeypatch, scratch
+):
+    """A load lets go (`release`: it waits for its arrays, then collects) only where JAX
+    holds host memory it read into: on the CPU, a scratch buffer (a transformed step's),
+    not a load read in place. A leaf it keeps as it was is the caller's, done with or not:
+    one donated (deleted) is kept as it is, not waited for (waiting for it raised)."""
+    import taktiny.loading._load as load_module
+
+    released = []
+    real = load_module.release
+    monkeypatch.setattr(load_module, "release", lambda tree: released.append(1) or real(tree))
+    arrays = {"a.0": np.arange(6, dtype=np.float32), "a.1": np.ones(4, np.float32)}
+    save_safetensors(tmp_path / "a.safetensors", arrays)
+    rules = [cv.Rule(["a.0", "a.1"], "a", cv.concatenate())] if scratch else None
+    shapes = {"a": 10} if scratch else {"a.0": 6, "a.1": 4}
+    target = {n: jnp.zeros(k, jnp.float32) for n, k in {**shapes, "kept": 3}.items()}
+    target["kept"].delete()  # (donated to a step that ran)
+    loaded = load_safetensors(target, tmp_path / "a.safetensors", rules=rules, strict=False)
+    assert released == ([1] if scratch else [])
+    assert loaded["kept"] is target["kept"] and loaded["kept"].is_deleted()
+    want = {"a": np.concatenate(list(arrays.values()))} if scratch else arrays
+    for name, value in want.items():
+        np.testing.assert_array_equal(loaded[name], value)
+
+
 # Pieces of 4 KiB, so that every tensor below is cut into several (the load's own are 8 MiB)
 SMALL_PIECES = {"STAGE_PIECE": 4096}
 
