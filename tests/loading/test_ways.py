@@ -229,13 +229,13 @@ def test_a_load_lets_go_of_the_host_memory_it_read_into_as_it_ends(
 
 
 @pytest.mark.parametrize("scratch", [False, True], ids=["read in place", "through scratch"])
-def test_only_a_load_that_read_into_host_memory_jax_holds_lets_go_and_a_leaf_it_kept_is_not_waited_for(
+def test_only_a_load_that_read_into_host_memory_jax_holds_lets_go_keeping_a_donated_leaf_as_it_is(
     tmp_path, monkeypatch, scratch
 ):
     """A load lets go (`release`: it waits for its arrays, then collects) only where JAX
     holds host memory it read into: on the CPU, a scratch buffer (a transformed step's),
     not a load read in place. A leaf it keeps as it was is the caller's, done with or not:
-    one donated (deleted) is kept as it is, not waited for (waiting for it raised)."""
+    one donated (deleted) is kept as it is, and not waited for (waiting for it raised)."""
     import taktiny.loading._load as load_module
 
     released = []
