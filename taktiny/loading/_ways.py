@@ -745,19 +745,15 @@ class Ways:
         self.ring.close()
 
     @property
-    def copies(self) -> bool:
-        """Whether the load copies host memory onto devices (one of its leaves, or the
-        default device that transformed steps are placed on first, copies it): JAX then
-        holds what each copy read until its next garbage collection (`release`)."""
-        here = jax.sharding.SingleDeviceSharding(default_device())
-        return _staging(here) or any(_staging(sharding_of(v)) for v in self.load.leaves.values())
-
-    @property
     def releases(self) -> bool:
         """Whether the load has JAX let go of the host memory it read into as it ends
-        (`release`): it `copies` host memory onto devices, or reads a transformed step
+        (`release`), which JAX holds until its next garbage collection: the load copies
+        host memory onto devices (one of its leaves, or the default device that
+        transformed steps are placed on first, copies it), or reads a transformed step
         into a scratch buffer, a view of which a CPU device adopts."""
-        return self.copies or any(buffer.capacity for buffer in self.scratch)
+        here = jax.sharding.SingleDeviceSharding(default_device())
+        copies = _staging(here) or any(_staging(sharding_of(v)) for v in self.load.leaves.values())
+        return copies or any(buffer.capacity for buffer in self.scratch)
 
     @functools.cached_property
     def held(self) -> list[int]:

@@ -91,21 +91,27 @@ def placed_blocks(
     by it in the program, as are the weights with `turn` (else they come laid out; with
     `turn`, `_requantized`'s first pass reads them as stored); one program for a step,
     so no dispatch of its own for a transpose."""
-    stored = (value, scale, blocks, perm) if perm is not None and turn else None
-    if perm is not None:
-        value = _permuted(value, perm) if turn else value
-        scale, blocks = jnp.transpose(scale, perm), tuple(blocks[p] for p in perm)
+    if perm is not None and not turn:  # (the weights laid out already: the scales too)
+        _, scale, blocks = _laid_out(None, scale, blocks, perm)
+        perm = None
     if bits is not None and _unheld(value.dtype, dtype):
-        return _requantized(value, scale, blocks, dtype, bits, axis, group_size, stored)
+        return _requantized(value, scale, blocks, dtype, bits, axis, group_size, perm)
+    if perm is not None:
+        value, scale, blocks = _laid_out(value, scale, blocks, perm)
     product = _product(value, scale, blocks).astype(dtype)
     if bits is None:
         return product
     return quantize_array(product, bits=bits, axis=axis, group_size=group_size, dtype=dtype)
 
 
-def _permuted(value: Any, perm: tuple[int, ...]) -> jax.Array:
-    """Float8 `value`'s axes permuted by `perm`, moved as its bytes."""
-    return from_bits(jnp.transpose(as_bits(value), perm), value.dtype)
+def _laid_out(
+    value: Any, scale: Any, blocks: tuple[int, ...], perm: tuple[int, ...]
+) -> tuple[Any, jax.Array, tuple[int, ...]]:
+    """Float8 weights `value` (moved as their bytes; None: none), their `scale` and
+    `blocks`, as stored, with their axes permuted by `perm`."""
+    if value is not None:
+        value = from_bits(jnp.transpose(as_bits(value), perm), value.dtype)
+    return value, jnp.transpose(scale, perm), tuple(blocks[p] for p in perm)
 
 
 def blocks_held_bytes(weights: Any, dtype: Any, quantized: bool) -> int:
@@ -139,18 +145,18 @@ def _requantized(
     bits: int,
     axis: int,
     group_size: int | None,
-    stored: tuple[Any, Any, tuple[int, ...], tuple[int, ...]] | None = None,
+    perm: tuple[int, ...] | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """`quantize_array` of the block product rounded into `dtype`, bit for bit, without
     holding the product (XLA:CPU materializes it, four bytes a weight, for a reduction
     and a division that both read it): the scales from the largest magnitudes of the
     float8 bytes themselves, then the values in one elementwise pass over the bytes.
-    With `stored` (the weights, scales and blocks as the file holds them, and the
-    permutation `perm` that makes `value`, `scale` and `blocks` of them), the first
-    pass reads the stored bytes along the axis `perm` takes to `axis`, and only the
-    second reads them permuted: permuted bytes read by both passes, XLA permutes
-    twice or writes the permuted bytes out whole first (XLA:CPU permuted twice, 2.5x
-    the time of one pass's; bench/FINDINGS.md section 14).
+    With `perm`, `value`, `scale` and `blocks` are as stored and the results' axes are
+    theirs permuted by it (`axis` one of the results'): the first pass reads the stored
+    bytes along the axis `perm` takes to `axis`, and only the second reads them
+    permuted. Permuted bytes read by both passes, XLA permutes twice or writes them out
+    whole first (XLA:CPU permuted twice, 2.5x the time of one pass's;
+    bench/FINDINGS.md section 14).
 
     The largest ``|w * block scale|`` of a slice is the largest over its blocks of the
     block's ``|scale|`` times its largest ``|w|``, and the largest ``|w|`` of `_ORDERED`
@@ -159,13 +165,13 @@ def _requantized(
     maximum. A slice (a channel, or a group along `axis`) is cut into segments
     that lie within one block and one group each. Ragged edge blocks need no padding:
     the scales are broadcast over whole blocks and cut to the weights."""
+    along = axis if perm is None else perm[axis]  # (the quantized axis, as stored)
+    group = value.shape[along] if group_size is None else group_size
+    top = _largest(value, scale, blocks, dtype, along, group)
+    if perm is not None:  # (each group's largest, found as stored, laid out as the values)
+        top = jnp.transpose(top, perm)
+        value, scale, blocks = _laid_out(value, scale, blocks, perm)
     shape = value.shape
-    group = shape[axis] if group_size is None else group_size
-    if stored is None:
-        top = _largest(value, scale, blocks, dtype, axis, group)
-    else:  # (each group's largest, found as stored, then laid out as the values)
-        weights, block_scales, grid, perm = stored
-        top = jnp.transpose(_largest(weights, block_scales, grid, dtype, perm[axis], group), perm)
     scales = stored_scale(top, bits, dtype)  # one per group: scale_shape's
     # pass 2: the product rounded into dtype, in units of its group's stored scale
     product = _rounded(_product(value, scale, blocks), dtype)
