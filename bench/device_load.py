@@ -310,7 +310,9 @@ def _figure(
     pipeline's own speed moved by 1.7x between two runs a minute apart on the lent TPU's
     host, FINDINGS 14, so it is measured beside each load). A collection between the two,
     untimed, has JAX let go of the host buffers the pipeline's copies read, which the load
-    would otherwise pay for in its first collection (12 ms on the TPU v5e's host)."""
+    would otherwise pay for in its first collection (12 ms on the TPU v5e's host); after
+    the load, the next pipeline waits, untimed, until the load's reader thread has
+    unmapped the file (35 ms for 1 GiB there), whose time it would otherwise share."""
     if pipeline is None:
         seconds, first, out = _timed(load, **timing)
         ratios, pipes = [], []
@@ -326,6 +328,7 @@ def _figure(
             jax.block_until_ready(out)
             times.append(time.perf_counter() - start)
             ratios.append(nbytes / GiB / times[-1] / pipes[-1])
+            _unmapped(pipeline)  # (untimed: the next pipeline runs alone)
         seconds = statistics.median(times)
     speed = nbytes / GiB / seconds
     figure = {
@@ -339,6 +342,19 @@ def _figure(
         figure["vs_raw_pipeline"] = statistics.median(ratios)
         figure["raw_pipeline_GiBps"] = statistics.median(pipes)
     return figure
+
+
+def _unmapped(path: Path, most: float = 2.0) -> None:
+    """Waits until the process maps no page of `path` (at most `most` seconds; where
+    ``/proc/self/maps`` lists them): a load has a reader thread unmap the file's windows
+    after it returns (``loading._release``), which a raw pipeline run meanwhile would
+    share its time with."""
+    maps, name = Path("/proc/self/maps"), str(path.resolve())
+    end = time.perf_counter() + most
+    while maps.exists() and time.perf_counter() < end:
+        if not any(line.rstrip().endswith(name) for line in maps.read_text().splitlines()):
+            return
+        time.sleep(0.002)
 
 
 def _write_fp8(folder: Path, arrays: dict[str, np.ndarray]) -> tuple[Path, dict[str, Any]]:

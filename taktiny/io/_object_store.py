@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import hashlib
+import mmap
 import os
 import random
 import re
@@ -317,6 +318,10 @@ class RemoteFile:
     def mapped(self, offset: int, size: int) -> memoryview | None:
         """None: an object's bytes are fetched, never mapped."""
         return None
+
+    def take_mappings(self) -> list[mmap.mmap]:
+        """None to take: nothing is mapped."""
+        return []
 
     def interrupt(self) -> None:
         """Cancels the reads in flight (they raise CancelledError): a load stopped by an

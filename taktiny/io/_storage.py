@@ -63,6 +63,13 @@ class Storage(Protocol):
         ValueError when the file ends before them."""
         ...
 
+    def take_mappings(self) -> list[mmap.mmap]:
+        """Every mapping it holds (`mapped`'s), forgotten and handed to the caller, whose
+        to unmap (``mmap.close``, which refuses while a view of it lives); later calls of
+        `mapped` map again. (A loader unmaps on a thread of its own what its load mapped:
+        unmapping 1 GiB of populated pages takes 35 ms on a TPU v5e's host.)"""
+        ...
+
     def replaced(self) -> bool:
         """Whether its name now names another file than the one opened, or none."""
         ...
@@ -137,6 +144,12 @@ class OpenFile:
             self._windows = [*live, (start, stop, weakref.ref(window))]
             self._last = window
         return memoryview(window)[offset - start : end - start]
+
+    def take_mappings(self) -> list[mmap.mmap]:
+        with self._lock:
+            taken = [w for _, _, ref in self._windows if (w := ref()) is not None]
+            self._windows, self._last = [], None
+        return taken
 
     def replaced(self) -> bool:
         try:

@@ -36,6 +36,8 @@ from ..io import (
     RETRIES,
     Checkpoint,
     Replaced,
+    Storage,
+    Tensor,
     aligned_buffer,
     byte_size,
     result_of,
@@ -264,13 +266,17 @@ def _load(
                     start_more()
                 bar.update(sizes[u])
         except BaseException:  # the reads not started are dropped, those in flight stopped
-            storages = {id(t.storage): t.storage for t in order if t.storage}.values()
-            stop_reads(storages, running.values())
+            stop_reads(_storages(order), running.values())
             raise
     out = loaded(load, placed)  # (each leaf resolved, checked and placed: written in)
-    if ways.releases:
-        release(out)  # (what JAX holds of the host memory the load read into, let go)
+    if ways.releases:  # (what JAX holds of the host memory the load read into, let go)
+        release(out, _storages(order))
     return out
+
+
+def _storages(tensors: Sequence[Tensor]) -> list[Storage]:
+    """The storages `tensors` are read through, once each."""
+    return list({id(t.storage): t.storage for t in tensors if t.storage}.values())
 
 
 def _ahead(budget: Budget | None, window: int) -> int:

@@ -321,6 +321,51 @@ def test_device_load_gaps_times_each_load_and_its_planning_by_what_came_before(
     assert figures["raw_pipeline_GiBps"] > 0
 
 
+def test_device_load_times_the_next_pipeline_once_the_load_s_file_is_unmapped(tmp_path):
+    import mmap
+    import os
+    import threading
+    import time
+
+    from bench import device_load
+
+    path = tmp_path / "f.bin"
+    path.write_bytes(b"x" * mmap.PAGESIZE)
+    fd = os.open(path, os.O_RDONLY)
+    mapping = mmap.mmap(fd, mmap.PAGESIZE, access=mmap.ACCESS_READ)
+    os.close(fd)
+    threading.Timer(0.2, mapping.close).start()  # (as a load's reader thread unmaps)
+    start = time.perf_counter()
+    device_load._unmapped(path)
+    assert mapping.closed and 0.15 < time.perf_counter() - start < 1.5
+    start = time.perf_counter()
+    device_load._unmapped(path)  # (nothing mapped: at once)
+    assert time.perf_counter() - start < 0.1
+
+
+def test_device_windows_loads_with_each_window_bitwise_and_puts_it_back(tmp_path, monkeypatch):
+    import taktiny.io._storage as storage
+    from bench import device_load, device_windows
+
+    monkeypatch.setattr(device_load, "LAYERS", 2)
+    monkeypatch.setattr(device_load, "WIDTH", 256)
+    windows = {k: device_windows.WINDOWS[k] for k in ["window_64MiB", "window_1GiB"]}
+    monkeypatch.setattr(device_windows, "WINDOWS", windows)  # (two of the three)
+    seen = []  # (the window each mapping was asked with)
+    real = storage.OpenFile.mapped
+    monkeypatch.setattr(
+        storage.OpenFile, "mapped", lambda *a: seen.append(storage.MAP_WINDOW) or real(*a)
+    )
+    before = storage.MAP_WINDOW
+    figures = device_windows.main(tmp_path, rounds=1)
+    assert storage.MAP_WINDOW == before  # (put back)
+    assert figures["bitwise"] is True
+    assert set(windows.values()) <= set(seen)  # (each, mapped with)
+    for window in windows:
+        assert sorted(figures[window]) == ["fp8_bf16", "fp8_int8", "plain"]
+        assert all(f["GiBps"] > 0 and f["vs_raw_pipeline"] > 0 for f in figures[window].values())
+
+
 @pytest.mark.parametrize("variant", ["stack_adam_in_backward", "stack_adam_in_backward_carried"])
 def test_device_scanned_updates_each_layer_in_the_backward_scan_as_optax_adam_does(
     optax_promotion, variant
