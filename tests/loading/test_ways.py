@@ -246,11 +246,8 @@ def test_a_load_unmaps_the_file_on_a_reader_thread_while_its_caller_goes_on(
     window a view still reads (a `Tensor.mapped` kept) is not unmapped under it."""
     import mmap
     import threading
-    import types
 
-    import taktiny.io._storage as storage_module
-
-    closed = []  # (each window's unmapping: its thread, and whether it unmapped)
+    closed = []  # (each file mapping's unmapping: its thread, and whether it unmapped)
 
     class Counted(mmap.mmap):
         def close(self):
@@ -261,9 +258,7 @@ def test_a_load_unmaps_the_file_on_a_reader_thread_while_its_caller_goes_on(
                 closed.append((threading.current_thread(), False))
                 raise
 
-    monkeypatch.setattr(
-        storage_module, "mmap", types.SimpleNamespace(**{**vars(mmap), "mmap": Counted})
-    )
+    monkeypatch.setattr(mmap, "mmap", Counted)  # (the storage's windows are made as these)
     _staged_everywhere(monkeypatch, platform, ring=False)
     state = {f"w{i}": np.full((64, 1024), i, np.float32) for i in range(4)}
     path = tmp_path / "m.safetensors"
