@@ -12,9 +12,9 @@ is read into, and JAX lets go of that, too, only at its next collection: the buf
 large as the load's largest such tensor, outlived the load. A load onto devices that copy,
 or with scratch buffers, hands its result to `release` as it ends: it waits until the
 copies have ended (the arrays are ready), then runs a collection of the youngest
-generation, whose callback has JAX let go. The unmapping is then paid by the load that
-mapped (18 ms for 0.5 GiB there, outside the GIL), not at some later collection: in a
-training step, or inside the next load. It runs in the load's own thread: run on another,
+generation, whose callback has JAX let go. The buffers are then unmapped by the load that
+mapped them, not at some later collection: in a training step, or inside the next load.
+The collection runs in the load's own thread: run on another,
 it could make a caller's own ``gc.collect()`` return having collected nothing (Python
 runs one collection at a time, and a second asked meanwhile does nothing), and a
 measurement of a load's memory found the previous load's buffers still held.
@@ -64,4 +64,3 @@ def _unmapped(mappings: list[mmap.mmap]) -> None:
             mapping.close()
         except BufferError:  # (a view of it lives)
             pass
-    mappings.clear()
